@@ -1,0 +1,3 @@
+from kvstore.cli.main import main
+
+main()

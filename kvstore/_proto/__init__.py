@@ -1,0 +1,1 @@
+"""Generated gRPC code for proto/kvstore/v1 (tools/gen_proto.py); never edited by hand."""

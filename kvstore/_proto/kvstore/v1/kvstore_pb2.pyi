@@ -1,0 +1,294 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT8_E4M3: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_HBM: _ClassVar[Tier]
+    TIER_DRAM: _ClassVar[Tier]
+    TIER_NVME: _ClassVar[Tier]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT8_E4M3: DType
+DTYPE_UINT8: DType
+TIER_UNSPECIFIED: Tier
+TIER_HBM: Tier
+TIER_DRAM: Tier
+TIER_NVME: Tier
+
+class PageLayout(_message.Message):
+    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "prefetch")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    prefetch: bool
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("matched_blocks", "tiers", "namespace_known")
+    MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    matched_blocks: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    namespace_known: bool
+    def __init__(self, matched_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., namespace_known: _Optional[bool] = ...) -> None: ...
+
+class PutOpen(_message.Message):
+    __slots__ = ("namespace", "layout", "target_tier")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: PageLayout
+    target_tier: Tier
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class PutPage(_message.Message):
+    __slots__ = ("hash", "payload_bytes", "checksum")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    payload_bytes: int
+    checksum: int
+    def __init__(self, hash: _Optional[bytes] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("open", "page", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: PutOpen
+    page: PutPage
+    chunk: bytes
+    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., page: _Optional[_Union[PutPage, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored", "already_present")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    already_present: int
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "no_promote")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    no_promote: bool
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ...) -> None: ...
+
+class GetPage(_message.Message):
+    __slots__ = ("hash", "payload_bytes", "checksum", "tier")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    payload_bytes: int
+    checksum: int
+    tier: Tier
+    def __init__(self, hash: _Optional[bytes] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("page", "chunk")
+    PAGE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    page: GetPage
+    chunk: bytes
+    def __init__(self, page: _Optional[_Union[GetPage, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace", "hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted", "not_found", "busy")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    not_found: int
+    busy: int
+    def __init__(self, deleted: _Optional[int] = ..., not_found: _Optional[int] = ..., busy: _Optional[int] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "ttl_seconds")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_seconds: float
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("pinned", "not_found")
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    NOT_FOUND_FIELD_NUMBER: _ClassVar[int]
+    pinned: int
+    not_found: int
+    def __init__(self, pinned: _Optional[int] = ..., not_found: _Optional[int] = ...) -> None: ...
+
+class UnpinRequest(_message.Message):
+    __slots__ = ("namespace", "hashes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class UnpinResponse(_message.Message):
+    __slots__ = ("unpinned", "not_pinned")
+    UNPINNED_FIELD_NUMBER: _ClassVar[int]
+    NOT_PINNED_FIELD_NUMBER: _ClassVar[int]
+    unpinned: int
+    not_pinned: int
+    def __init__(self, unpinned: _Optional[int] = ..., not_pinned: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "target_tier")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    target_tier: Tier
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., target_tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("scheduled", "already_resident", "missing")
+    SCHEDULED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    scheduled: int
+    already_resident: int
+    missing: int
+    def __init__(self, scheduled: _Optional[int] = ..., already_resident: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("tier", "available", "detail", "capacity_bytes", "used_bytes", "slot_bytes", "slots_total", "slots_used", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "checksum_failures", "dropped")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    available: bool
+    detail: str
+    capacity_bytes: int
+    used_bytes: int
+    slot_bytes: int
+    slots_total: int
+    slots_used: int
+    pages: int
+    hits: int
+    misses: int
+    evictions: int
+    promotions: int
+    demotions: int
+    bytes_in: int
+    bytes_out: int
+    checksum_failures: int
+    dropped: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., available: _Optional[bool] = ..., detail: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "layout", "pages", "page_bytes")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    layout: PageLayout
+    pages: int
+    page_bytes: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_ISSUED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PUT_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    uptime_seconds: float
+    max_page_bytes: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    lookups: int
+    lookup_blocks: int
+    lookup_matched: int
+    prefetch_issued: int
+    prefetch_completed: int
+    pinned_pages: int
+    put_rejected: int
+    version: str
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Command-line tools: `kvstore` (serve, demo) and `kvctl` (stats). Entry files only wire groups."""

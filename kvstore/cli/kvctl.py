@@ -1,0 +1,23 @@
+"""`kvctl`: the operator's view of cache nodes."""
+
+from __future__ import annotations
+
+import typer
+
+from kvstore.cli.stats import stats
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect kvstore cache nodes.")
+app.command("stats")(stats)
+
+
+@app.callback()
+def _group() -> None:
+    """Inspect kvstore cache nodes."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""`kvstore serve`: run one cache node until SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvstore.cli.common import friendly_errors, setup_logging
+from kvstore.config import NodeConfig, parse_size
+
+SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 64MiB, 2G", show_default=False)]
+
+
+@friendly_errors
+def serve(
+    host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)")] = None,
+    port: Annotated[int | None, typer.Option(help="port to bind; 0 picks a free one (default 50051)")] = None,
+    dram_bytes: SizeOpt = None,
+    nvme_path: Annotated[Path | None, typer.Option(help="directory for NVMe segment files")] = None,
+    nvme_bytes: SizeOpt = None,
+    hbm_bytes: SizeOpt = None,
+    max_page_bytes: SizeOpt = None,
+    node_id: Annotated[str | None, typer.Option(help="node name in stats (default: hostname)")] = None,
+    policy: Annotated[str | None, typer.Option(help="eviction policy (lru)")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML file with a [node] table")] = None,
+    ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
+    log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
+) -> None:
+    """Run a cache node: tiers in DRAM, NVMe (and HBM on CUDA hosts), gRPC on HOST:PORT."""
+    from kvstore.server import serve as run_server
+
+    cfg = NodeConfig.load(
+        config,
+        host=host, port=port, node_id=node_id, policy=policy, log_level=log_level,
+        nvme_path=str(nvme_path) if nvme_path else None,
+        dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
+        max_page_bytes=_size(max_page_bytes),
+    )  # fmt: skip
+    setup_logging(cfg.log_level)
+    asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))
+
+
+def _size(value: str | None) -> int | None:
+    return None if value is None else parse_size(value)

@@ -1,0 +1,77 @@
+"""`kvctl stats`: per-tier capacity, occupancy, hit rates and movements of one node."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from kvstore.cli.common import friendly_errors
+from kvstore.stats import NodeStats, stats_as_dict
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def render_stats(stats: NodeStats, console: Console | None = None) -> None:
+    """Print the stats table the SRE reads: one column per tier."""
+    console = console or Console()
+    table = Table(title=f"kvstore node {stats.node_id}  (v{stats.version}, up {stats.uptime_seconds:.0f}s)")
+    table.add_column("metric", style="bold")
+    for t in stats.tiers:
+        table.add_column(t.tier.label.upper(), justify="right")
+
+    def row(name: str, fn) -> None:  # type: ignore[no-untyped-def]
+        table.add_row(name, *[fn(t) if t.available else "-" for t in stats.tiers])
+
+    table.add_row("available", *[("yes" if t.available else "[dim]no[/]") for t in stats.tiers])
+    row("capacity", lambda t: human_bytes(t.capacity_bytes))
+    row("used", lambda t: human_bytes(t.used_bytes))
+    row("slots used/total", lambda t: f"{t.slots_used}/{t.slots_total}")
+    row("pages", lambda t: str(t.pages))
+    row("hits", lambda t: str(t.counters.hits))
+    row("misses", lambda t: str(t.counters.misses))
+    row("hit rate", lambda t: "-" if t.hit_rate is None else f"{t.hit_rate:.1%}")
+    row("evictions", lambda t: str(t.counters.evictions))
+    row("promotions in", lambda t: str(t.counters.promotions))
+    row("demotions in", lambda t: str(t.counters.demotions))
+    row("dropped", lambda t: str(t.counters.dropped))
+    row("bytes in", lambda t: human_bytes(t.counters.bytes_in))
+    row("bytes out", lambda t: human_bytes(t.counters.bytes_out))
+    row("checksum failures", lambda t: str(t.counters.checksum_failures))
+    console.print(table)
+    for t in stats.tiers:
+        console.print(f"[dim]{t.tier.label}: {t.detail}[/]")
+    matched = f"{stats.lookup_matched}/{stats.lookup_blocks}" if stats.lookup_blocks else "0/0"
+    console.print(
+        f"lookups {stats.lookups} (blocks matched {matched}), prefetch issued {stats.prefetch_issued} "
+        f"completed {stats.prefetch_completed}, pinned pages {stats.pinned_pages}, "
+        f"rejected puts {stats.put_rejected}"
+    )
+    for ns, layout, pages in stats.namespaces:
+        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
+
+
+@friendly_errors
+def stats(
+    addr: Annotated[str, typer.Option(help="node address host:port")] = "127.0.0.1:50051",
+    json_out: Annotated[bool, typer.Option("--json", help="print JSON instead of a table")] = False,
+    timeout: Annotated[float, typer.Option(help="seconds to wait for the node")] = 10.0,
+) -> None:
+    """Per-tier capacity, used, pages, hits, misses, hit rate, evictions, movements, bytes, checksum failures."""
+    from kvstore.client import KVStoreClient
+
+    with KVStoreClient(addr, timeout=timeout) as kv:
+        s = kv.stats()
+    if json_out:
+        typer.echo(json.dumps(stats_as_dict(s), indent=2))
+    else:
+        render_stats(s)

@@ -1,0 +1,249 @@
+"""Clients of a cache node: `KVStoreClient` (blocking) and `AsyncKVStoreClient` (asyncio).
+
+Both speak the same wire framing (kvstore/wire.py) and raise the server's exception classes
+(kvstore/errors.py): `InvalidArgument`, `NamespaceNotFound`, `ResourceExhausted`, ...
+
+    with KVStoreClient("127.0.0.1:50051") as kv:
+        hashes = prefix_hashes(tokens, layout.block_size, ns)
+        kv.put(ns, layout, hashes, pages)          # pages: bytes-like, layout.page_bytes each
+        n = kv.lookup(ns, hashes)                   # blocks of the longest stored prefix
+        pages = kv.get(ns, hashes[:n])              # list of memoryview, checksum-verified
+
+Batching: `put` sends up to `pages_per_stream` pages per Put stream (each stream is atomic);
+`get` fetches any number of pages in streams of the same size, stopping at the first missing page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.errors import KVStoreError, from_status
+from kvstore.layout import PageLayout
+from kvstore.stats import NodeStats
+from kvstore.tiers.base import TierKind
+from kvstore.wire import MAX_MESSAGE_BYTES, Buffer, FetchedPage, GetAssembler, put_requests, stats_from_pb
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+DEFAULT_PAGES_PER_STREAM = 256
+
+
+@dataclass(slots=True)
+class PutResult:
+    stored: int
+    already_present: int
+
+
+@dataclass(slots=True)
+class LookupResult:
+    matched: int
+    tiers: list[TierKind]
+    namespace_known: bool
+
+
+@dataclass(slots=True)
+class PinResult:
+    done: int
+    skipped: int
+
+
+def _raise(err: grpc.RpcError) -> KVStoreError:
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    return from_status(code.name, err.details() or "")
+
+
+def _batches(n: int, size: int) -> list[tuple[int, int]]:
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class KVStoreClient:
+    """Blocking client. Thread-safe (one channel, many concurrent calls)."""
+
+    def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+                 verify: bool = True) -> None:  # fmt: skip
+        self.target = target
+        self.timeout = timeout
+        self.pages_per_stream = pages_per_stream
+        self.verify = verify
+        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the channel connects (raises grpc.FutureTimeoutError after timeout)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
+            target_tier: TierKind | None = None) -> PutResult:  # fmt: skip
+        """Store pages under their hashes. Each stream of up to pages_per_stream pages is atomic."""
+        if len(hashes) != len(pages):
+            raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        total = PutResult(0, 0)
+        try:
+            for a, b in _batches(len(hashes), self.pages_per_stream):
+                r = self._stub.Put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
+                                   timeout=self.timeout)  # fmt: skip
+                total.stored += r.stored
+                total.already_present += r.already_present
+        except grpc.RpcError as err:
+            raise _raise(err) from None
+        return total
+
+    def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
+        try:
+            r = self._stub.Lookup(pb.LookupRequest(namespace=namespace, hashes=list(hashes), prefetch=prefetch),
+                                  timeout=self.timeout)  # fmt: skip
+        except grpc.RpcError as err:
+            raise _raise(err) from None
+        return LookupResult(r.matched_blocks, [TierKind(t) for t in r.tiers], r.namespace_known)
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
+        """Number of leading blocks of the chain stored on the node."""
+        return self.lookup_detail(namespace, hashes, prefetch=prefetch).matched
+
+    def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
+        """Pages of the longest stored prefix of `hashes`, with the tier each came from."""
+        out: list[FetchedPage] = []
+        for a, b in _batches(len(hashes), self.pages_per_stream):
+            asm = GetAssembler(hashes[a:b], self.verify)
+            req = pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]), no_promote=not promote)
+            try:
+                for msg in self._stub.Get(req, timeout=self.timeout):
+                    asm.feed(msg)
+            except grpc.RpcError as err:
+                raise _raise(err) from None
+            got = asm.finish()
+            out.extend(got)
+            if len(got) < b - a:
+                break
+        return out
+
+    def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
+        """Payloads of the longest stored prefix of `hashes`, in order (checksum-verified)."""
+        return [memoryview(p.data) for p in self.get_pages(namespace, hashes, promote=promote)]
+
+    def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
+        return self._call(self._stub.Delete, pb.DeleteRequest(namespace=namespace, hashes=list(hashes)))
+
+    def pin(self, namespace: str, hashes: Sequence[bytes], *, ttl_seconds: float = 0.0) -> PinResult:
+        r = self._call(self._stub.Pin, pb.PinRequest(namespace=namespace, hashes=list(hashes), ttl_seconds=ttl_seconds))
+        return PinResult(r.pinned, r.not_found)
+
+    def unpin(self, namespace: str, hashes: Sequence[bytes]) -> PinResult:
+        r = self._call(self._stub.Unpin, pb.UnpinRequest(namespace=namespace, hashes=list(hashes)))
+        return PinResult(r.unpinned, r.not_pinned)
+
+    def prefetch(self, namespace: str, hashes: Sequence[bytes], *, target_tier: TierKind = TierKind.DRAM) -> pb.PrefetchResponse:
+        req = pb.PrefetchRequest(namespace=namespace, hashes=list(hashes), target_tier=int(target_tier))
+        return self._call(self._stub.Prefetch, req)
+
+    def stats(self) -> NodeStats:
+        return stats_from_pb(self._call(self._stub.Stats, pb.StatsRequest()))
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
+        try:
+            return method(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise _raise(err) from None
+
+
+class AsyncKVStoreClient:
+    """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
+
+    def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+                 verify: bool = True) -> None:  # fmt: skip
+        self.target = target
+        self.timeout = timeout
+        self.pages_per_stream = pages_per_stream
+        self.verify = verify
+        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.KVStoreStub(self._channel)
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
+                  target_tier: TierKind | None = None) -> PutResult:  # fmt: skip
+        if len(hashes) != len(pages):
+            raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        total = PutResult(0, 0)
+        try:
+            for a, b in _batches(len(hashes), self.pages_per_stream):
+                r = await self._stub.Put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
+                                         timeout=self.timeout)  # fmt: skip
+                total.stored += r.stored
+                total.already_present += r.already_present
+        except grpc.RpcError as err:
+            raise _raise(err) from None
+        return total
+
+    async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
+        r = await self._call(self._stub.Lookup, pb.LookupRequest(namespace=namespace, hashes=list(hashes), prefetch=prefetch))
+        return LookupResult(r.matched_blocks, [TierKind(t) for t in r.tiers], r.namespace_known)
+
+    async def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
+        return (await self.lookup_detail(namespace, hashes, prefetch=prefetch)).matched
+
+    async def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
+        out: list[FetchedPage] = []
+        for a, b in _batches(len(hashes), self.pages_per_stream):
+            asm = GetAssembler(hashes[a:b], self.verify)
+            req = pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]), no_promote=not promote)
+            try:
+                async for msg in self._stub.Get(req, timeout=self.timeout):
+                    asm.feed(msg)
+            except grpc.RpcError as err:
+                raise _raise(err) from None
+            got = asm.finish()
+            out.extend(got)
+            if len(got) < b - a:
+                break
+        return out
+
+    async def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
+        return [memoryview(p.data) for p in await self.get_pages(namespace, hashes, promote=promote)]
+
+    async def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
+        return await self._call(self._stub.Delete, pb.DeleteRequest(namespace=namespace, hashes=list(hashes)))
+
+    async def pin(self, namespace: str, hashes: Sequence[bytes], *, ttl_seconds: float = 0.0) -> PinResult:
+        r = await self._call(self._stub.Pin, pb.PinRequest(namespace=namespace, hashes=list(hashes), ttl_seconds=ttl_seconds))
+        return PinResult(r.pinned, r.not_found)
+
+    async def unpin(self, namespace: str, hashes: Sequence[bytes]) -> PinResult:
+        r = await self._call(self._stub.Unpin, pb.UnpinRequest(namespace=namespace, hashes=list(hashes)))
+        return PinResult(r.unpinned, r.not_pinned)
+
+    async def prefetch(self, namespace: str, hashes: Sequence[bytes], *, target_tier: TierKind = TierKind.DRAM) -> pb.PrefetchResponse:
+        req = pb.PrefetchRequest(namespace=namespace, hashes=list(hashes), target_tier=int(target_tier))
+        return await self._call(self._stub.Prefetch, req)
+
+    async def stats(self) -> NodeStats:
+        return stats_from_pb(await self._call(self._stub.Stats, pb.StatsRequest()))
+
+    async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> object:
+        try:
+            return await method(request, timeout=self.timeout)
+        except grpc.RpcError as err:
+            raise _raise(err) from None

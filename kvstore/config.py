@@ -1,0 +1,121 @@
+"""One typed node config, loaded from a TOML file, the environment and flags, in that order of
+precedence (flags win). Validated in __post_init__ so a bad value fails at start, naming the field.
+
+File (`--config FILE`): a `[node]` table with the field names below. Environment: `KVSTORE_<FIELD>`
+(upper case), e.g. `KVSTORE_DRAM_BYTES=8GiB`. Sizes accept plain bytes or suffixes K/M/G/T (powers of
+1000) and KiB/MiB/GiB/TiB (powers of 1024).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.pageformat import slot_bytes_for
+from kvstore.policy import POLICIES
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_FIELDS = {"dram_bytes", "nvme_bytes", "hbm_bytes", "max_page_bytes", "nvme_segment_bytes"}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from an int or a string like "64MiB", "2G", "4096"."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (examples: 4096, 64MiB, 2G)")
+    num, unit = m.group(1), (m.group(2) or "").lower()
+    base = unit[0] if unit and unit != "b" else ""
+    mult = 1024 ** ("kmgt".index(base) + 1) if "i" in unit else _UNITS[base]
+    return int(float(num) * mult)
+
+
+@dataclass(slots=True)
+class NodeConfig:
+    """Everything a cache node needs to start. Invariants after construction: sizes are >= 0,
+    max_page_bytes > 0, an NVMe budget implies an NVMe path, and the policy name is known."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    node_id: str = field(default_factory=socket.gethostname)
+    dram_bytes: int = 1 << 30
+    nvme_path: str | None = None
+    nvme_bytes: int = 0
+    nvme_segment_bytes: int = 1 << 30
+    hbm_bytes: int = 0
+    max_page_bytes: int = 2 << 20
+    policy: str = "lru"
+    io_threads: int = 4
+    max_pages_per_request: int = 4096
+    grace_seconds: float = 5.0
+    spill_on_shutdown: bool = True
+    spill_seconds: float = 30.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:
+            setattr(self, name, parse_size(getattr(self, name)))
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.max_page_bytes <= 0:
+            raise ValueError("max_page_bytes must be > 0")
+        if not 0 <= int(self.port) <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        self.port = int(self.port)
+        if self.nvme_bytes and not self.nvme_path:
+            raise ValueError("nvme_bytes > 0 needs nvme_path")
+        if self.policy.lower() not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.io_threads < 1 or self.max_pages_per_request < 1:
+            raise ValueError("io_threads and max_pages_per_request must be >= 1")
+        if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
+            raise ValueError("nvme_segment_bytes must hold at least one slot")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per slot in every tier: a 4 KiB header block plus max_page_bytes, 4 KiB aligned."""
+        return slot_bytes_for(self.max_page_bytes)
+
+    @classmethod
+    def load(
+        cls, file: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None, **overrides: Any
+    ) -> NodeConfig:
+        """Merge file < environment < overrides (None overrides are ignored) into one config."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        if file is not None:
+            data = tomllib.loads(Path(file).read_text())
+            table = data.get("node", data)
+            unknown = set(table) - names
+            if unknown:
+                raise ValueError(f"{file}: unknown config keys {sorted(unknown)}")
+            values.update(table)
+        env = os.environ if env is None else env
+        for name in names:
+            raw = env.get(f"KVSTORE_{name.upper()}")
+            if raw is not None:
+                values[name] = _coerce(cls, name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def _coerce(cls: type[NodeConfig], name: str, raw: str) -> Any:
+    """Turn an environment string into the field's type."""
+    if name in _SIZE_FIELDS:
+        return parse_size(raw)
+    kind = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    if kind == "bool":
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    return raw

@@ -1,0 +1,82 @@
+"""Exceptions the service raises; server.py maps each to one gRPC status code (and nothing else does).
+
+Every message names the offending field, so a caller can fix the request without reading server logs.
+"""
+
+from __future__ import annotations
+
+
+class KVStoreError(Exception):
+    """Base of every error the cache node reports to a caller."""
+
+    status_name = "INTERNAL"
+
+
+class InvalidArgument(KVStoreError):
+    """Malformed request: the named field is wrong. Nothing was changed."""
+
+    status_name = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NamespaceNotFound(KVStoreError):
+    """The node has never stored a page of this namespace."""
+
+    status_name = "NOT_FOUND"
+
+    def __init__(self, namespace: str) -> None:
+        super().__init__(f"namespace: {namespace!r} is not known to this node (no page was ever put under it)")
+        self.namespace = namespace
+
+
+class LayoutMismatch(KVStoreError):
+    """A Put's layout differs from the one its namespace is bound to."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
+class ResourceExhausted(KVStoreError):
+    """No free slot and nothing evictable (all pinned, being read or being written)."""
+
+    status_name = "RESOURCE_EXHAUSTED"
+
+
+class DataLoss(KVStoreError):
+    """Bytes did not match their checksum."""
+
+    status_name = "DATA_LOSS"
+
+
+class Unavailable(KVStoreError):
+    """The node is shutting down or a dependency is not reachable."""
+
+    status_name = "UNAVAILABLE"
+
+
+class RemoteError(KVStoreError):
+    """A status from the server that maps to no specific class (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED...)."""
+
+    def __init__(self, status_name: str, message: str) -> None:
+        super().__init__(f"{status_name}: {message}")
+        self.status_name = status_name
+
+
+_BY_STATUS: dict[str, type[KVStoreError]] = {
+    cls.status_name: cls
+    for cls in (InvalidArgument, NamespaceNotFound, LayoutMismatch, ResourceExhausted, DataLoss, Unavailable)
+}
+
+
+def from_status(status_name: str, message: str) -> KVStoreError:
+    """Rebuild, on the client, the exception the server raised (same class, the server's message)."""
+    cls = _BY_STATUS.get(status_name)
+    if cls is None:
+        return RemoteError(status_name, message)
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    if cls is InvalidArgument:
+        exc.field = message.split(":", 1)[0]  # type: ignore[attr-defined]
+    return exc

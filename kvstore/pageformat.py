@@ -1,0 +1,94 @@
+"""On-media page format: a fixed 4 KiB header block followed by the payload (pure, no I/O).
+
+Slot layout, identical in every tier so a demotion is one copy of the used bytes:
+
+    [0, 4096)                header block (below), zero padded
+    [4096, 4096 + payload)   payload, the page bytes exactly as the client sent them
+
+Header block (little endian):
+    magic "KVPG" | format u16 | flags u16 | generation u64 | payload_len u64 | checksum u64 |
+    layout (5 x u32) | hash (32 B) | namespace_len u16 | namespace (UTF-8) | header_checksum u64
+
+`checksum` is XXH3-64 of the payload; `header_checksum` is XXH3-64 of every header byte before it,
+so a torn or stale header is recognised on NVMe recovery. `generation` grows monotonically per node;
+when recovery finds one key in two slots, the higher generation wins.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
+from kvstore.layout import PageLayout
+
+MAGIC = b"KVPG"
+FORMAT_VERSION = 1
+HEADER_BYTES = 4096
+ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
+_FIXED = struct.Struct("<4sHHQQQ20s32sH")
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def slot_bytes_for(max_page_bytes: int) -> int:
+    """Slot size that holds a header and a payload of up to max_page_bytes, O_DIRECT aligned."""
+    return HEADER_BYTES + align_up(max_page_bytes)
+
+
+def payload_checksum(payload: memoryview | bytes) -> int:
+    """XXH3-64 of a page payload: the checksum verified on every read."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+class HeaderError(ValueError):
+    """A header block is not a valid page header (blank, torn, foreign or corrupt)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PageHeader:
+    namespace: str
+    hash: bytes
+    layout: PageLayout
+    payload_len: int
+    checksum: int
+    generation: int
+
+    def pack(self) -> bytes:
+        """The header block: exactly HEADER_BYTES bytes."""
+        ns = self.namespace.encode()
+        if len(ns) > MAX_NAMESPACE_BYTES or len(self.hash) != HASH_BYTES:
+            raise ValueError("namespace or hash out of range for a page header")
+        body = _FIXED.pack(
+            MAGIC, FORMAT_VERSION, 0, self.generation, self.payload_len, self.checksum,
+            self.layout.pack(), self.hash, len(ns),
+        ) + ns  # fmt: skip
+        body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+        return body + bytes(HEADER_BYTES - len(body))
+
+    @classmethod
+    def unpack(cls, block: bytes | memoryview) -> PageHeader:
+        """Parse and verify a header block; raise HeaderError if it is not a valid header."""
+        if len(block) < _FIXED.size:
+            raise HeaderError("header block too short")
+        magic, version, _flags, gen, plen, csum, layout_raw, h, ns_len = _FIXED.unpack_from(block)
+        if magic != MAGIC:
+            raise HeaderError("no page header (blank or foreign slot)")
+        if version != FORMAT_VERSION:
+            raise HeaderError(f"page format {version} is not supported (this build reads {FORMAT_VERSION})")
+        if ns_len > MAX_NAMESPACE_BYTES:
+            raise HeaderError("namespace length out of range")
+        end = _FIXED.size + ns_len
+        (stored,) = struct.unpack_from("<Q", block, end)
+        if xxhash.xxh3_64_intdigest(bytes(block[:end])) != stored:
+            raise HeaderError("header checksum mismatch (torn or corrupt header)")
+        try:
+            layout = PageLayout.unpack(layout_raw)
+            namespace = bytes(block[_FIXED.size : end]).decode()
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HeaderError(f"header fields invalid: {exc}") from None
+        return cls(namespace, h, layout, plen, csum, gen)

@@ -1,0 +1,263 @@
+"""The cache node's gRPC server (grpc.aio): request validation, stream framing, status codes.
+
+One interceptor (`ErrorInterceptor`) turns every kvstore exception into its gRPC status code, so
+handlers just raise. Health (grpc.health.v1) and reflection are served beside kvstore.v1.KVStore.
+SIGTERM/SIGINT: health goes NOT_SERVING, in-flight RPCs get `grace_seconds`, then the manager spills
+DRAM pages to NVMe (bounded) and closes, so a restart on the same --nvme-path is warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.config import NodeConfig
+from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.manager import TierManager
+from kvstore.tiers.base import TierKind
+from kvstore.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, layout_from_pb, stats_to_pb, tier_from_pb
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def status_of(exc: KVStoreError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, exc.status_name)
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps KVStoreError subclasses to their status codes and anything unexpected to INTERNAL (logged
+    with its traceback). The only place exceptions become status codes."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        method = details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                _wrap_unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer
+            )
+        return handler
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if isinstance(exc, KVStoreError):
+        log.debug("%s -> %s: %s", method, exc.status_name, exc)
+        await context.abort(status_of(exc), str(exc))
+    log.exception("%s failed unexpectedly", method, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return wrapper
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, method)
+
+    return wrapper
+
+
+class KVStoreServicer(pb_grpc.KVStoreServicer):
+    """Translates messages to TierManager calls. Validation of values lives in the manager; framing of
+    the Put stream (order, sizes, truncation) lives here."""
+
+    def __init__(self, manager: TierManager) -> None:
+        self.mgr = manager
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        res = self.mgr.lookup(request.namespace, list(request.hashes), prefetch=request.prefetch)
+        return pb.LookupResponse(
+            matched_blocks=res.matched, tiers=[int(t) for t in res.tiers], namespace_known=res.namespace_known
+        )
+
+    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        txn = None
+        view: memoryview | None = None
+        need = fill = 0
+        page_index = -1
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("msg")
+                if txn is None:
+                    if kind != "open":
+                        raise InvalidArgument("open", "the first message of a Put stream must be `open`")
+                    layout = layout_from_pb(msg.open.layout)
+                    target = tier_from_pb(msg.open.target_tier)
+                    txn = self.mgr.begin_put(msg.open.namespace, layout, target)
+                elif kind == "page":
+                    if fill != need:
+                        raise InvalidArgument(
+                            "page", f"page {page_index} got {fill} of {need} bytes before the next page header"
+                        )
+                    page_index += 1
+                    view = await txn.add_page(msg.page.hash, msg.page.payload_bytes, msg.page.checksum)
+                    need, fill = msg.page.payload_bytes, 0
+                elif kind == "chunk":
+                    n = len(msg.chunk)
+                    if page_index < 0:
+                        raise InvalidArgument("chunk", "data chunk before any page header")
+                    if n > CHUNK_BYTES:
+                        raise InvalidArgument("chunk", f"{n} bytes; chunks are at most {CHUNK_BYTES} bytes")
+                    if fill + n > need:
+                        raise InvalidArgument("chunk", f"page {page_index} receives more than its {need} bytes")
+                    if view is not None:
+                        view[fill : fill + n] = msg.chunk
+                    fill += n
+                elif kind == "open":
+                    raise InvalidArgument("open", "sent twice in one Put stream")
+                else:
+                    raise InvalidArgument("msg", "empty PutRequest (no open, page or chunk)")
+            if txn is None:
+                raise InvalidArgument("open", "empty Put stream")
+            if fill != need:
+                raise InvalidArgument("chunk", f"stream truncated: page {page_index} got {fill} of {need} bytes")
+            stored, present = await txn.commit()
+            return pb.PutResponse(stored=stored, already_present=present)
+        finally:
+            if view is not None:
+                view.release()
+            if txn is not None and not txn.done:
+                txn.abort()
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
+        try:
+            async for lease in leases:
+                n = len(lease.payload)
+                yield pb.GetResponse(
+                    page=pb.GetPage(hash=lease.hash, payload_bytes=n, checksum=lease.checksum, tier=int(lease.tier))
+                )
+                for off in range(0, n, CHUNK_BYTES):
+                    yield pb.GetResponse(chunk=bytes(lease.payload[off : off + CHUNK_BYTES]))
+        finally:
+            await leases.aclose()
+
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        deleted, not_found, busy = await self.mgr.delete(request.namespace, list(request.hashes))
+        return pb.DeleteResponse(deleted=deleted, not_found=not_found, busy=busy)
+
+    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        pinned, not_found = self.mgr.pin(request.namespace, list(request.hashes), request.ttl_seconds)
+        return pb.PinResponse(pinned=pinned, not_found=not_found)
+
+    async def Unpin(self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResponse:
+        unpinned, not_pinned = self.mgr.unpin(request.namespace, list(request.hashes))
+        return pb.UnpinResponse(unpinned=unpinned, not_pinned=not_pinned)
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+        target = tier_from_pb(request.target_tier)
+        if target is TierKind.NVME:
+            raise InvalidArgument("target_tier", "prefetch promotes toward DRAM or HBM, not NVMe")
+        scheduled, resident, missing = self.mgr.prefetch(request.namespace, list(request.hashes), target)
+        return pb.PrefetchResponse(scheduled=scheduled, already_resident=resident, missing=missing)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        return stats_to_pb(self.mgr.stats())
+
+
+class Node:
+    """A running cache node: manager + gRPC server. `start()`, then `wait()` or `stop()`."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.manager = TierManager(config)
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        await self.manager.start()
+        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.manager), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "kvstore node %s serving on %s:%d (recovered %d NVMe page(s))",
+            self.config.node_id, self.config.host, self.port, self.manager.recovered_pages,
+        )  # fmt: skip
+        return self.port
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log.info("shutting down: draining for up to %.1fs", self.config.grace_seconds)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self.config.grace_seconds)
+        await self.manager.close()
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
+    """Run a node until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
+    node = Node(config)
+    await node.start()
+    loop = asyncio.get_running_loop()
+    stop_task: list[asyncio.Task[None]] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: stop_task.append(loop.create_task(node.stop())))
+    if ready_file:
+        tmp = Path(f"{ready_file}.tmp")
+        tmp.write_text(json.dumps({"port": node.port, "pid": os.getpid(), "host": config.host}))
+        os.replace(tmp, ready_file)
+    await node.wait()
+    await asyncio.gather(*stop_task)

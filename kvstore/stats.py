@@ -1,0 +1,94 @@
+"""Counters and snapshots a node reports (Stats RPC, kvctl). Plain data, no behaviour beyond ratios."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvstore import __version__
+from kvstore.layout import PageLayout
+from kvstore.tiers.base import TierKind
+
+
+@dataclass(slots=True)
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    checksum_failures: int = 0
+    dropped: int = 0
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A snapshot of one tier for Stats/kvctl."""
+
+    tier: TierKind
+    available: bool
+    detail: str
+    capacity_bytes: int
+    used_bytes: int
+    slot_bytes: int
+    slots_total: int
+    slots_used: int
+    pages: int
+    counters: TierCounters
+
+    @property
+    def hit_rate(self) -> float | None:
+        seen = self.counters.hits + self.counters.misses
+        return self.counters.hits / seen if seen else None
+
+
+@dataclass(slots=True)
+class NodeStats:
+    node_id: str
+    uptime_seconds: float
+    max_page_bytes: int
+    tiers: list[TierStats]
+    namespaces: list[tuple[str, PageLayout, int]]
+    lookups: int
+    lookup_blocks: int
+    lookup_matched: int
+    prefetch_issued: int
+    prefetch_completed: int
+    pinned_pages: int
+    put_rejected: int
+    version: str = __version__
+
+
+def copy_counters(c: TierCounters) -> TierCounters:
+    return TierCounters(**{f.name: getattr(c, f.name) for f in fields(c)})
+
+
+def stats_as_dict(stats: NodeStats) -> dict[str, object]:
+    """JSON-ready form (kvctl --json): tiers keyed by name, hit rates included."""
+    return {
+        "node_id": stats.node_id,
+        "version": stats.version,
+        "uptime_seconds": round(stats.uptime_seconds, 3),
+        "max_page_bytes": stats.max_page_bytes,
+        "tiers": {
+            t.tier.label: {
+                "available": t.available, "detail": t.detail, "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes, "slot_bytes": t.slot_bytes, "slots_total": t.slots_total,
+                "slots_used": t.slots_used, "pages": t.pages, "hit_rate": t.hit_rate,
+                **{f.name: getattr(t.counters, f.name) for f in fields(t.counters)},
+            }
+            for t in stats.tiers
+        },
+        "namespaces": [
+            {"namespace": ns, "layout": layout.describe(), "page_bytes": layout.page_bytes, "pages": pages}
+            for ns, layout, pages in stats.namespaces
+        ],
+        "lookups": stats.lookups,
+        "lookup_blocks": stats.lookup_blocks,
+        "lookup_matched": stats.lookup_matched,
+        "prefetch_issued": stats.prefetch_issued,
+        "prefetch_completed": stats.prefetch_completed,
+        "pinned_pages": stats.pinned_pages,
+        "put_rejected": stats.put_rejected,
+    }

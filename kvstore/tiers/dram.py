@@ -1,0 +1,53 @@
+"""DRAM tier: one preallocated anonymous mmap cut into fixed-size slots."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+
+log = logging.getLogger(__name__)
+
+
+class DramTier:
+    """`num_slots` slots of `slot_bytes` in one mapping; slot i starts at i * slot_bytes.
+
+    Invariant: the mapping is page aligned and slot_bytes is a multiple of 4096, so every slot start is
+    O_DIRECT aligned and can be the buffer of an NVMe read or write without a bounce copy. When CUDA is
+    present the slab is registered (pinned) so host<->device copies run at full PCIe speed.
+    """
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+        if slot_bytes <= 0 or slot_bytes % 4096:
+            raise ValueError("slot_bytes must be a positive multiple of 4096")
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity_bytes // slot_bytes
+        size = max(self.num_slots * slot_bytes, mmap.PAGESIZE)
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._view = memoryview(self._map)
+        self.pinned = False
+        self.detail = "anonymous mmap slab"
+
+    def slot(self, index: int) -> memoryview:
+        """Writable view of a whole slot (header block + payload area)."""
+        start = index * self.slot_bytes
+        return self._view[start : start + self.slot_bytes]
+
+    def try_pin(self) -> None:
+        """Page-lock the slab with CUDA when available (best effort; logged, never fatal)."""
+        try:
+            import cupy
+
+            if not cupy.cuda.is_available() or self.num_slots == 0:
+                return
+            import numpy as np
+
+            ptr = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+            cupy.cuda.runtime.hostRegister(ptr, len(self._map), 0)
+            self.pinned = True
+            self.detail = "anonymous mmap slab, CUDA-pinned"
+        except Exception as exc:
+            log.info("DRAM slab not pinned: %s", exc)
+
+    def close(self) -> None:
+        self._view.release()
+        self._map.close()

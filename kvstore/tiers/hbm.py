@@ -1,0 +1,78 @@
+"""HBM tier: one CUDA allocation cut into fixed-size slots, through CuPy.
+
+Exists only when CuPy imports and a CUDA device is present and `hbm_bytes > 0`; otherwise the tier
+reports capacity 0 with the reason, and is never silently backed by host memory (DESIGN.md §5).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+
+def cuda_unavailable_reason() -> str | None:
+    """None when a CUDA device can be used through CuPy, else a one-line reason."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install 'kvstore[gpu]')"
+    try:
+        if not cupy.cuda.is_available():
+            return "no CUDA device on this host"
+    except Exception as exc:
+        return f"CUDA unusable: {exc}"
+    return None
+
+
+class HbmTier:
+    """`num_slots` device slots of `slot_bytes`; copies to and from host buffers on one CUDA stream.
+
+    Host buffers passed in should be the pinned DRAM slab (DramTier.try_pin) for full PCIe bandwidth.
+    """
+
+    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        reason = cuda_unavailable_reason() if capacity_bytes > 0 else "hbm_bytes is 0"
+        self.available = reason is None
+        self.detail = reason or ""
+        self.num_slots = 0
+        self._mem = None
+        if not self.available:
+            return
+        import cupy
+
+        self.num_slots = capacity_bytes // slot_bytes
+        self._mem = cupy.cuda.alloc(self.num_slots * slot_bytes)
+        self._stream = cupy.cuda.Stream(non_blocking=True)
+        self.detail = f"CUDA device {cupy.cuda.Device().id}, one {self.num_slots * slot_bytes} B allocation"
+
+    def _dev_ptr(self, slot: int) -> int:
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"HBM slot {slot} out of range")
+        return self._mem.ptr + slot * self.slot_bytes
+
+    @staticmethod
+    def _host_ptr(buf: memoryview) -> int:
+        import numpy as np
+
+        return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+    def write_from_host(self, slot: int, src: memoryview) -> None:
+        """Copy len(src) bytes from host memory to the start of a slot; returns when complete."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(self._dev_ptr(slot), self._host_ptr(src), len(src), rt.memcpyHostToDevice, self._stream.ptr)
+        self._stream.synchronize()
+
+    def read_to_host(self, slot: int, dst: memoryview) -> None:
+        """Copy len(dst) bytes from the start of a slot into host memory; returns when complete."""
+        import cupy
+
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(self._host_ptr(dst), self._dev_ptr(slot), len(dst), rt.memcpyDeviceToHost, self._stream.ptr)
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        self._mem = None

@@ -1,0 +1,170 @@
+"""Conversions between the proto messages and kvstore's own types, shared by server and clients.
+
+Pure: builds and parses messages, never touches a channel. The streaming framing of Put and Get lives
+here once, so the sync and asyncio clients cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.errors import InvalidArgument
+from kvstore.layout import DType, PageLayout
+from kvstore.pageformat import payload_checksum
+from kvstore.stats import NodeStats, TierCounters, TierStats
+from kvstore.tiers.base import TierKind
+
+CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
+MAX_MESSAGE_BYTES = 8 << 20  # chunk + framing, with room to spare; channels and server set this
+
+Buffer = bytes | bytearray | memoryview
+
+
+def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
+    return pb.PageLayout(
+        dtype=int(layout.dtype), num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim, block_size=layout.block_size,
+    )  # fmt: skip
+
+
+def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout:
+    if msg.dtype == pb.DTYPE_UNSPECIFIED:
+        raise InvalidArgument(f"{field}.dtype", "must be set")
+    try:
+        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size)
+    except ValueError as exc:
+        raise InvalidArgument(field, str(exc)) from None
+
+
+def tier_from_pb(value: int, default: TierKind = TierKind.DRAM) -> TierKind:
+    return default if value == pb.TIER_UNSPECIFIED else TierKind(value)
+
+
+def put_requests(
+    namespace: str,
+    layout: PageLayout,
+    hashes: Sequence[bytes],
+    pages: Sequence[Buffer],
+    target: TierKind | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Iterator[pb.PutRequest]:
+    """The message sequence of one Put stream: open, then per page its header and chunks."""
+    if len(hashes) != len(pages):
+        raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+    yield pb.PutRequest(open=pb.PutOpen(namespace=namespace, layout=layout_to_pb(layout),
+                                        target_tier=int(target) if target else 0))  # fmt: skip
+    for h, page in zip(hashes, pages, strict=True):
+        view = memoryview(page).cast("B")
+        yield pb.PutRequest(page=pb.PutPage(hash=h, payload_bytes=len(view), checksum=payload_checksum(view)))
+        for off in range(0, len(view), chunk_bytes):
+            yield pb.PutRequest(chunk=bytes(view[off : off + chunk_bytes]))
+
+
+class StreamError(Exception):
+    """A Get stream broke its framing (server bug or a cut connection)."""
+
+
+@dataclass(slots=True)
+class FetchedPage:
+    hash: bytes
+    tier: TierKind
+    data: bytearray
+
+
+class GetAssembler:
+    """Reassembles pages from a Get response stream and verifies each page's checksum.
+
+    Feed every response to `feed`; `pages` holds the complete pages in order. `finish` raises when
+    the stream ended in the middle of a page.
+    """
+
+    def __init__(self, expected: Sequence[bytes], verify: bool = True) -> None:
+        self._expected = list(expected)
+        self._verify = verify
+        self.pages: list[FetchedPage] = []
+        self._cur: FetchedPage | None = None
+        self._fill = 0
+        self._checksum = 0
+
+    def feed(self, msg: pb.GetResponse) -> None:
+        kind = msg.WhichOneof("msg")
+        if kind == "page":
+            self._close_page()
+            idx = len(self.pages)
+            if idx >= len(self._expected) or msg.page.hash != self._expected[idx]:
+                raise StreamError(f"page {idx}: server sent an unexpected hash")
+            self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), bytearray(msg.page.payload_bytes))
+            self._fill = 0
+            self._checksum = msg.page.checksum
+        elif kind == "chunk":
+            if self._cur is None:
+                raise StreamError("data chunk before any page header")
+            end = self._fill + len(msg.chunk)
+            if end > len(self._cur.data):
+                raise StreamError("page longer than its header announced")
+            self._cur.data[self._fill : end] = msg.chunk
+            self._fill = end
+        else:
+            raise StreamError("empty message in Get stream")
+
+    def _close_page(self) -> None:
+        if self._cur is None:
+            return
+        if self._fill != len(self._cur.data):
+            raise StreamError(f"page {len(self.pages)} truncated: {self._fill}/{len(self._cur.data)} bytes")
+        if self._verify and payload_checksum(self._cur.data) != self._checksum:
+            raise StreamError(f"page {len(self.pages)}: checksum mismatch after transfer")
+        self.pages.append(self._cur)
+        self._cur = None
+
+    def finish(self) -> list[FetchedPage]:
+        self._close_page()
+        return self.pages
+
+
+_COUNTER_FIELDS = [f.name for f in fields(TierCounters)]
+
+
+def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
+    tiers = [
+        pb.TierStats(
+            tier=int(t.tier), available=t.available, detail=t.detail, capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes, slot_bytes=t.slot_bytes, slots_total=t.slots_total,
+            slots_used=t.slots_used, pages=t.pages,
+            **{name: getattr(t.counters, name) for name in _COUNTER_FIELDS},
+        )
+        for t in stats.tiers
+    ]  # fmt: skip
+    namespaces = [
+        pb.NamespaceStats(namespace=ns, layout=layout_to_pb(layout), pages=pages, page_bytes=layout.page_bytes)
+        for ns, layout, pages in stats.namespaces
+    ]
+    return pb.StatsResponse(
+        node_id=stats.node_id, uptime_seconds=stats.uptime_seconds, max_page_bytes=stats.max_page_bytes,
+        tiers=tiers, namespaces=namespaces, lookups=stats.lookups, lookup_blocks=stats.lookup_blocks,
+        lookup_matched=stats.lookup_matched, prefetch_issued=stats.prefetch_issued,
+        prefetch_completed=stats.prefetch_completed, pinned_pages=stats.pinned_pages,
+        put_rejected=stats.put_rejected, version=stats.version,
+    )  # fmt: skip
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
+    tiers = [
+        TierStats(
+            tier=TierKind(t.tier), available=t.available, detail=t.detail, capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes, slot_bytes=t.slot_bytes, slots_total=t.slots_total,
+            slots_used=t.slots_used, pages=t.pages,
+            counters=TierCounters(**{name: getattr(t, name) for name in _COUNTER_FIELDS}),
+        )
+        for t in msg.tiers
+    ]  # fmt: skip
+    namespaces = [(n.namespace, layout_from_pb(n.layout, "namespaces.layout"), n.pages) for n in msg.namespaces]
+    return NodeStats(
+        node_id=msg.node_id, uptime_seconds=msg.uptime_seconds, max_page_bytes=msg.max_page_bytes, tiers=tiers,
+        namespaces=namespaces, lookups=msg.lookups, lookup_blocks=msg.lookup_blocks,
+        lookup_matched=msg.lookup_matched, prefetch_issued=msg.prefetch_issued,
+        prefetch_completed=msg.prefetch_completed, pinned_pages=msg.pinned_pages,
+        put_rejected=msg.put_rejected, version=msg.version,
+    )  # fmt: skip

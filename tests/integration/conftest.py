@@ -1,0 +1,48 @@
+"""Real cache nodes in child processes on loopback; every node a test starts is stopped by it."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import KVStoreClient
+from kvstore.launch import NodeProcess
+from kvstore.layout import DType, PageLayout
+from kvstore.pageformat import HEADER_BYTES
+
+LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB
+PAGE = LAYOUT.page_bytes
+SLOT = HEADER_BYTES + PAGE
+NS = "it/llama-tiny/fp16"
+
+
+def key(i: int, salt: str = "") -> bytes:
+    return hashlib.sha256(f"{salt}{i}".encode()).digest()
+
+
+def page(h: bytes, size: int = PAGE) -> bytes:
+    return random.Random(h).randbytes(size)
+
+
+def start_node(tmp_path: Path, dram_pages: int = 8, nvme_pages: int = 64, name: str = "n0", **kw: object) -> NodeProcess:
+    return NodeProcess(dram_bytes=dram_pages * SLOT, nvme_path=tmp_path / f"nvme-{name}", nvme_bytes=nvme_pages * SLOT,
+                       max_page_bytes=PAGE, node_id=name, **kw).start()  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[NodeProcess]:
+    n = start_node(tmp_path)
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.fixture
+def kv(node: NodeProcess) -> Iterator[KVStoreClient]:
+    with KVStoreClient(node.addr, timeout=30) as c:
+        yield c
