@@ -56,6 +56,7 @@ class NodeConfig:
     io_threads: int = 4
     max_pages_per_request: int = 4096
     grace_seconds: float = 5.0
+    alloc_wait_seconds: float = 5.0  # how long a write waits for space held by other in-flight streams
     spill_on_shutdown: bool = True
     spill_seconds: float = 30.0
     log_level: str = "INFO"

@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, bytes]
 _PIN_SWEEP_SECONDS = 1.0
+_MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
 
 
 @dataclass(slots=True, eq=False)
@@ -173,7 +174,7 @@ class PutTxn:
             self.already_present += 1
             return None
         try:
-            slot = await mgr._allocate(TierKind.DRAM, reserve=len(self._staged))
+            slot = await mgr._allocate(TierKind.DRAM, reserve=len(self._staged), wait=not self._staged)
         except ResourceExhausted:
             if not self._staged:
                 raise
@@ -224,17 +225,20 @@ class PutTxn:
             dram.counters.bytes_in += plen
             self.stored += 1
         self._staged.clear()
+        mgr._space_changed()
 
     def abort(self) -> None:
         """Free every staged slot; idempotent."""
         if self.done:
             return
         self.done = True
-        dram = self._mgr._tiers[TierKind.DRAM].alloc
+        mgr = self._mgr
+        dram = mgr._tiers[TierKind.DRAM].alloc
         for _, slot, _ in self._staged:
             dram.free(slot)
         self._staged.clear()
-        self._mgr._put_rejected += 1
+        mgr._put_rejected += 1
+        mgr._space_changed()
 
 
 class TierManager:
@@ -269,6 +273,7 @@ class TierManager:
         self._generation = 1
         self._ttl_pins: list[tuple[float, Key]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._space_waiters: list[asyncio.Future[None]] = []
         self._closing = False
         self._lookups = self._lookup_blocks = self._lookup_matched = 0
         self._prefetch_issued = self._prefetch_completed = 0
@@ -468,6 +473,8 @@ class TierManager:
 
         def release(entry: Entry = entry, bounce: mmap.mmap | None = bounce, payload: memoryview = payload) -> None:
             entry.readers -= 1
+            if entry.readers == 0:
+                self._space_changed()
             payload.release()
             if bounce is not None:
                 bounce.close()
@@ -564,6 +571,7 @@ class TierManager:
                 unpinned += 1
             else:
                 not_pinned += 1
+        self._space_changed()
         return unpinned, not_pinned
 
     async def _pin_sweeper(self) -> None:
@@ -580,6 +588,8 @@ class TierManager:
             if entry is not None and deadline in entry.pin_deadlines:
                 entry.pin_deadlines.remove(deadline)
                 expired += 1
+        if expired:
+            self._space_changed()
         return expired
 
     def prefetch(self, namespace: str, hashes: list[bytes], target: TierKind = TierKind.DRAM) -> tuple[int, int, int]:
@@ -617,29 +627,66 @@ class TierManager:
 
     # ------------------------------------------------------------------ moves
 
-    async def _allocate(self, kind: TierKind, reserve: int = 0) -> int:
+    async def _allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True) -> int:
         """A free slot in `kind`, evicting (demoting or dropping) victims as needed.
 
         Raises ResourceExhausted when nothing in the tier can be evicted. `reserve` is the number of
-        slots the caller already holds unpublished (named in the error so the limit is visible).
+        slots the caller already holds unpublished (named in the error so the limit is visible). With
+        `wait`, a tier blocked only by other streams' staged pages or by reads and moves in flight is
+        waited on for up to alloc_wait_seconds before giving up.
         """
         tier = self._tiers[kind]
         if not tier.available:
             raise ResourceExhausted(f"{kind.label} tier is not available on this node")
-        for _ in range(tier.alloc.num_slots + 16):
+        loop = asyncio.get_running_loop()
+        deadline: float | None = None
+        for _ in range(tier.alloc.num_slots + _MAX_SPACE_WAITS):
             if tier.alloc.can_allocate():
                 slot = tier.alloc.allocate()
                 if kind is TierKind.NVME:
                     self._forget_durable(slot)
                 return slot
             victim_key = first_usable(tier.policy, lambda k: self._entries[k].evictable)
-            if victim_key is None:
-                raise ResourceExhausted(
-                    f"{kind.label} tier is full ({tier.alloc.num_slots} slots, {reserve} held by this request) "
-                    "and every page in it is pinned, being read or being moved"
-                )
-            await self._evict(self._entries[victim_key])
+            if victim_key is not None:
+                await self._evict(self._entries[victim_key])
+                continue
+            # Nothing evictable now. If other streams hold staged (or pages are being read or moved),
+            # space will come back when they finish: wait for it, bounded, instead of failing.
+            in_transit = tier.alloc.used_count - tier.pages  # staged by streams or inbound moves
+            busy = in_transit > reserve or any(
+                (e := self._entries[k]).readers or e.moving for k in tier.policy.candidates()
+            )
+            if wait and busy and kind is not TierKind.NVME:
+                deadline = deadline if deadline is not None else loop.time() + self.config.alloc_wait_seconds
+                if loop.time() < deadline:
+                    await self._wait_for_space(deadline - loop.time())
+                    continue
+            raise ResourceExhausted(
+                f"{kind.label} tier is full ({tier.alloc.num_slots} slots, {reserve} held by this request, "
+                f"{tier.alloc.used_count - tier.pages - reserve} in transit for others) and every page in it is pinned, "
+                "being read or being moved"
+            )
         raise ResourceExhausted(f"{kind.label} tier: could not free a slot (contention); retry")
+
+    async def _wait_for_space(self, timeout: float) -> None:
+        """Sleep until something may have become free or evictable, or timeout."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._space_waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._space_waiters:
+                self._space_waiters.remove(fut)
+
+    def _space_changed(self) -> None:
+        """Wake every allocation waiting for a slot (they re-check; cheap when nobody waits)."""
+        if self._space_waiters:
+            waiters, self._space_waiters = self._space_waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
 
     async def _evict(self, entry: Entry) -> None:
         """Move a victim one tier down, or drop it when there is no slower tier with room."""
@@ -720,6 +767,7 @@ class TierManager:
                 entry.moving = None
             if not fut.done():
                 fut.set_result(None)
+            self._space_changed()
 
     async def _copy(self, entry: Entry, src: TierKind, src_slot: int, dst: TierKind, dst_slot: int) -> None:
         n = entry.used_len
@@ -749,6 +797,7 @@ class TierManager:
         self._tiers[entry.tier].alloc.free(entry.slot)
         if entry.tier is TierKind.NVME and not erase:
             self._note_durable(entry.slot, entry.key)
+        self._space_changed()
 
     def _publish(self, entry: Entry, kind: TierKind) -> None:
         tier = self._tiers[kind]

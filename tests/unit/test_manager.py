@@ -299,3 +299,21 @@ def test_hbm_reports_capacity_zero_without_cuda(tmp_path: Path) -> None:
         assert hbm.detail  # says why
 
     run(body, config(tmp_path, hbm_bytes=1 << 20))
+
+
+def test_many_streams_contending_for_a_small_dram(tmp_path: Path) -> None:
+    """More concurrent streams than DRAM slots: streams wait for each other's staged pages, never fail."""
+
+    async def body(mgr: TierManager) -> None:
+        async def worker(w: int) -> None:
+            ids = list(range(w * 3, w * 3 + 3))
+            await put(mgr, ids)
+            got = await read(mgr, ids)
+            assert [p for p, _ in got] == [payload(key(i)) for i in ids]
+
+        await asyncio.gather(*(worker(w) for w in range(10)))
+        assert sum(t.pages for t in mgr.stats().tiers) == 30
+        dram = mgr.stats().tiers[1]
+        assert dram.slots_used == dram.pages and mgr.stats().put_rejected == 0
+
+    run(body, config(tmp_path, dram_pages=2, nvme_pages=64))
