@@ -339,6 +339,7 @@ class TierManager:
         dram, nvme = self._tiers[TierKind.DRAM], self._tiers[TierKind.NVME]
         keys = list(dram.policy.candidates())[::-1]
         entries = [e for k in keys if (e := self._entries.get(k)) is not None and e.tier is TierKind.DRAM]
+        to_write = [e for e in entries if e.shadow is None]
         # First keep every intact shadow: those pages are durable already, and their slots must not
         # be handed to another page below.
         spilled = 0
@@ -347,12 +348,7 @@ class TierManager:
                 nvme.alloc.claim(entry.shadow)
                 self._forget_durable(entry.shadow)
                 spilled += 1
-            else:
-                entry.shadow = -1  # marks "needs a write" for the loop below
-        for entry in entries:
-            if entry.shadow != -1:
-                continue
-            entry.shadow = None
+        for entry in to_write:
             if time.monotonic() > deadline or not nvme.alloc.can_allocate():
                 break
             slot = nvme.alloc.allocate()
@@ -444,6 +440,7 @@ class TierManager:
         tier = self._tiers[entry.tier]
         entry.readers += 1
         bounce: mmap.mmap | None = None
+        view: memoryview | None = None
         try:
             if entry.tier is TierKind.DRAM:
                 payload = self._dram_medium.slot(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
@@ -462,6 +459,7 @@ class TierManager:
             raise
         if not ok:
             entry.readers -= 1
+            _close_bounce(payload, view, bounce)
             tier.counters.checksum_failures += 1
             log.error("checksum mismatch: page %s in %s slot %d dropped", entry.hash.hex(), tier.kind.label, entry.slot)
             self._count_lookup_path(None)
@@ -471,13 +469,11 @@ class TierManager:
         tier.counters.bytes_out += entry.payload_len
         tier.policy.on_access(key)
 
-        def release(entry: Entry = entry, bounce: mmap.mmap | None = bounce, payload: memoryview = payload) -> None:
+        def release(entry: Entry = entry) -> None:
             entry.readers -= 1
             if entry.readers == 0:
                 self._space_changed()
-            payload.release()
-            if bounce is not None:
-                bounce.close()
+            _close_bounce(payload, view, bounce)
 
         return ReadLease(entry.hash, found, entry.checksum, payload, release)
 
@@ -735,17 +731,18 @@ class TierManager:
                 dst.alloc.claim(dst_slot)
                 self._forget_durable(dst_slot)
             else:
-                dst_slot = await self._allocate(dst_kind)
+                # A promotion never waits for space: the page is served from where it is instead.
+                dst_slot = await self._allocate(dst_kind, wait=demotion)
                 await self._copy(entry, src_kind, src_slot, dst_kind, dst_slot)
-            if (dst_kind is TierKind.DRAM and src_kind is TierKind.NVME
-                    and not self._verify_slot_copy(entry, self._dram_medium.slot(dst_slot)[: entry.used_len])):
-                    self._tiers[src_kind].counters.checksum_failures += 1
-                    dst.alloc.free(dst_slot)
-                    dst_slot = None
-                    log.error("checksum mismatch promoting %s from NVMe; page dropped", entry.hash.hex())
-                    entry.moving = None
-                    await self._drop(entry, erase=True)
-                    return
+            promoted_from_nvme = dst_kind is TierKind.DRAM and src_kind is TierKind.NVME
+            if promoted_from_nvme and not self._verify_slot_copy(entry, self._dram_medium.slot(dst_slot)[: entry.used_len]):
+                self._tiers[src_kind].counters.checksum_failures += 1
+                dst.alloc.free(dst_slot)
+                dst_slot = None
+                log.error("checksum mismatch promoting %s from NVMe; page dropped", entry.hash.hex())
+                entry.moving = None
+                await self._drop(entry, erase=True)
+                return
             self._unpublish(entry)
             self._tiers[src_kind].alloc.free(src_slot)
             if src_kind is TierKind.NVME:
@@ -910,3 +907,12 @@ def _check_namespace(namespace: str) -> None:
 def _check_hash(h: bytes, field_name: str) -> None:
     if len(h) != HASH_BYTES:
         raise InvalidArgument(field_name, f"a block hash is {HASH_BYTES} bytes, got {len(h)}")
+
+
+def _close_bounce(payload: memoryview, view: memoryview | None, bounce: mmap.mmap | None) -> None:
+    """Release a read's views, then its bounce buffer (an mmap cannot close while views exist)."""
+    payload.release()
+    if view is not None:
+        view.release()
+    if bounce is not None:
+        bounce.close()

@@ -242,7 +242,8 @@ def test_deleted_pages_never_come_back(tmp_path: Path) -> None:
     run(second, cfg)
 
 
-def test_corrupt_nvme_slot_is_a_counted_miss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("promote", [True, False], ids=["promoting-read", "bounce-read"])
+def test_corrupt_nvme_slot_is_a_counted_miss(tmp_path: Path, promote: bool) -> None:
     async def body(mgr: TierManager) -> None:
         await put(mgr, list(range(6)))
         e = mgr.entry(NS, key(0))
@@ -253,7 +254,7 @@ def test_corrupt_nvme_slot_is_a_counted_miss(tmp_path: Path) -> None:
             byte = f.read(1)
             f.seek(off + HEADER_BYTES + 100)
             f.write(bytes([byte[0] ^ 0xFF]))
-        assert await read(mgr, [0, 1]) == []  # stops at the corrupt first page
+        assert await read(mgr, [0, 1], promote=promote) == []  # stops at the corrupt first page
         nvme = {t.tier: t for t in mgr.stats().tiers}[TierKind.NVME]
         assert nvme.counters.checksum_failures == 1
         assert mgr.entry(NS, key(0)) is None  # dropped, never returned
