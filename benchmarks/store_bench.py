@@ -77,6 +77,7 @@ from kvstore.config import parse_size
 from kvstore.errors import KVStoreError
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
+from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.base import TierKind
 
@@ -575,6 +576,7 @@ def machine_line(meta: dict[str, object]) -> str:
         f"os.cpu_count()={meta['cpu_count']} | {meta['platform']} | python {meta['python']}, "
         f"grpcio {meta['grpc']}, protobuf {meta['protobuf']}, kvstore {meta['kvstore']} (src {meta['kvstore_src']})"
         + (f" | env {meta['malloc_env']}" if meta["malloc_env"] else "")
+        + f" | client malloc tuned: {meta.get('client_malloc_tuned', False)}"
     )
 
 
@@ -678,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"min(iters, max({MIN_CALLS}, budget / bytes per call)) (default 256)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=16, help="pages per call in batched mode (default 16)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 run, few calls, 1 warmup")
+    ap.add_argument("--no-tune-client", action="store_true",
+                    help="leave this (client) process's malloc untuned; the node always tunes its own")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out",
                     help="directory for store_bench.json and store_bench.md (default benchmarks/out)")  # fmt: skip
     args = ap.parse_args(argv)
@@ -689,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         plan = Plan(runs=1, iters=min(args.iters, 4), warmup=1, budget_bytes=0, quick=True)
 
+    client_tuned = False if args.no_tune_client else tune_malloc_for_bulk_io()
     meta = machine_info()
+    meta["client_malloc_tuned"] = client_tuned
     t_start = time.perf_counter()
     print(f"# kvstore store_bench — {machine_line(meta)}", flush=True)
     sizes = ", ".join(size_label(s) for s in args.sizes)

@@ -33,6 +33,7 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 DEFAULT_PAGES_PER_STREAM = 256
+SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 
 @dataclass(slots=True)
@@ -59,6 +60,16 @@ def _raise(err: grpc.RpcError) -> KVStoreError:
     return from_status(code.name, err.details() or "")
 
 
+def _bulk_methods(channel: grpc.Channel | grpc.aio.Channel) -> tuple[object, object]:
+    """Put and Get callables that send/receive serialized messages, so page bytes skip protobuf's
+    extra copy (kvstore.wire.put_requests / GetAssembler). Same wire format as the stub's."""
+    put = channel.stream_unary(f"/{SERVICE}/Put", request_serializer=None,
+                               response_deserializer=pb.PutResponse.FromString)  # fmt: skip
+    get = channel.unary_stream(f"/{SERVICE}/Get", request_serializer=pb.GetRequest.SerializeToString,
+                               response_deserializer=None)  # fmt: skip
+    return put, get
+
+
 def _batches(n: int, size: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
@@ -74,6 +85,7 @@ class KVStoreClient:
         self.verify = verify
         self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._put, self._get = _bulk_methods(self._channel)
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -96,8 +108,8 @@ class KVStoreClient:
         total = PutResult(0, 0)
         try:
             for a, b in _batches(len(hashes), self.pages_per_stream):
-                r = self._stub.Put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
-                                   timeout=self.timeout)  # fmt: skip
+                r = self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
+                              timeout=self.timeout)  # fmt: skip
                 total.stored += r.stored
                 total.already_present += r.already_present
         except grpc.RpcError as err:
@@ -123,7 +135,7 @@ class KVStoreClient:
             asm = GetAssembler(hashes[a:b], self.verify)
             req = pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]), no_promote=not promote)
             try:
-                for msg in self._stub.Get(req, timeout=self.timeout):
+                for msg in self._get(req, timeout=self.timeout):
                     asm.feed(msg)
             except grpc.RpcError as err:
                 raise _raise(err) from None
@@ -173,6 +185,7 @@ class AsyncKVStoreClient:
         self.verify = verify
         self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.KVStoreStub(self._channel)
+        self._put, self._get = _bulk_methods(self._channel)
 
     async def __aenter__(self) -> AsyncKVStoreClient:
         return self
@@ -190,8 +203,8 @@ class AsyncKVStoreClient:
         total = PutResult(0, 0)
         try:
             for a, b in _batches(len(hashes), self.pages_per_stream):
-                r = await self._stub.Put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
-                                         timeout=self.timeout)  # fmt: skip
+                r = await self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
+                                    timeout=self.timeout)  # fmt: skip
                 total.stored += r.stored
                 total.already_present += r.already_present
         except grpc.RpcError as err:
@@ -211,7 +224,7 @@ class AsyncKVStoreClient:
             asm = GetAssembler(hashes[a:b], self.verify)
             req = pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]), no_promote=not promote)
             try:
-                async for msg in self._stub.Get(req, timeout=self.timeout):
+                async for msg in self._get(req, timeout=self.timeout):
                     asm.feed(msg)
             except grpc.RpcError as err:
                 raise _raise(err) from None

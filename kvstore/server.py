@@ -26,8 +26,18 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.manager import TierManager
+from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.tiers.base import TierKind
-from kvstore.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, layout_from_pb, stats_to_pb, tier_from_pb
+from kvstore.wire import (
+    CHUNK_BYTES,
+    GET_CHUNK_TAG,
+    MAX_MESSAGE_BYTES,
+    frame_chunk,
+    layout_from_pb,
+    parse_put_request,
+    stats_to_pb,
+    tier_from_pb,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,30 +126,33 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             matched_blocks=res.matched, tiers=[int(t) for t in res.tiers], namespace_known=res.namespace_known
         )
 
-    async def Put(self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+    async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Requests arrive serialized (see `handlers`): chunks are copied once, into their slot."""
         txn = None
         view: memoryview | None = None
         need = fill = 0
         page_index = -1
         try:
-            async for msg in request_iterator:
-                kind = msg.WhichOneof("msg")
+            async for raw in request_iterator:
+                kind, value = parse_put_request(raw)
                 if txn is None:
                     if kind != "open":
                         raise InvalidArgument("open", "the first message of a Put stream must be `open`")
-                    layout = layout_from_pb(msg.open.layout)
-                    target = tier_from_pb(msg.open.target_tier)
-                    txn = self.mgr.begin_put(msg.open.namespace, layout, target)
+                    layout = layout_from_pb(value.layout)  # type: ignore[attr-defined]
+                    target = tier_from_pb(value.target_tier)  # type: ignore[attr-defined]
+                    txn = self.mgr.begin_put(value.namespace, layout, target)  # type: ignore[attr-defined]
                 elif kind == "page":
                     if fill != need:
                         raise InvalidArgument(
                             "page", f"page {page_index} got {fill} of {need} bytes before the next page header"
                         )
                     page_index += 1
-                    view = await txn.add_page(msg.page.hash, msg.page.payload_bytes, msg.page.checksum)
-                    need, fill = msg.page.payload_bytes, 0
+                    if view is not None:
+                        view.release()
+                    view = await txn.add_page(value.hash, value.payload_bytes, value.checksum)  # type: ignore[attr-defined]
+                    need, fill = value.payload_bytes, 0  # type: ignore[attr-defined]
                 elif kind == "chunk":
-                    n = len(msg.chunk)
+                    n = len(value)  # type: ignore[arg-type]
                     if page_index < 0:
                         raise InvalidArgument("chunk", "data chunk before any page header")
                     if n > CHUNK_BYTES:
@@ -147,7 +160,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                     if fill + n > need:
                         raise InvalidArgument("chunk", f"page {page_index} receives more than its {need} bytes")
                     if view is not None:
-                        view[fill : fill + n] = msg.chunk
+                        view[fill : fill + n] = value  # type: ignore[index]
                     fill += n
                 elif kind == "open":
                     raise InvalidArgument("open", "sent twice in one Put stream")
@@ -165,18 +178,38 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             if txn is not None and not txn.done:
                 txn.abort()
 
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Responses leave serialized (see `handlers`): each chunk is copied once, from its slot."""
         leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
         try:
             async for lease in leases:
                 n = len(lease.payload)
-                yield pb.GetResponse(
-                    page=pb.GetPage(hash=lease.hash, payload_bytes=n, checksum=lease.checksum, tier=int(lease.tier))
-                )
+                page = pb.GetPage(hash=lease.hash, payload_bytes=n, checksum=lease.checksum, tier=int(lease.tier))
+                yield pb.GetResponse(page=page).SerializeToString()
                 for off in range(0, n, CHUNK_BYTES):
-                    yield pb.GetResponse(chunk=bytes(lease.payload[off : off + CHUNK_BYTES]))
+                    yield frame_chunk(GET_CHUNK_TAG, lease.payload[off : off + CHUNK_BYTES])
         finally:
             await leases.aclose()
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        """The service's method handlers. Same wire format as the generated ones, except that Put
+        requests reach the servicer still serialized and Get responses leave already serialized, so
+        bulk bytes skip protobuf's extra copy (kvstore.wire.frame_chunk / parse_put_request)."""
+        unary = {
+            "Lookup": (self.Lookup, pb.LookupRequest, pb.LookupResponse),
+            "Delete": (self.Delete, pb.DeleteRequest, pb.DeleteResponse),
+            "Pin": (self.Pin, pb.PinRequest, pb.PinResponse),
+            "Unpin": (self.Unpin, pb.UnpinRequest, pb.UnpinResponse),
+            "Prefetch": (self.Prefetch, pb.PrefetchRequest, pb.PrefetchResponse),
+            "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
+        }
+        methods = {
+            name: grpc.unary_unary_rpc_method_handler(fn, req.FromString, resp.SerializeToString)
+            for name, (fn, req, resp) in unary.items()
+        }
+        methods["Put"] = grpc.stream_unary_rpc_method_handler(self.Put, None, pb.PutResponse.SerializeToString)
+        methods["Get"] = grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, None)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         deleted, not_found, busy = await self.mgr.delete(request.namespace, list(request.hashes))
@@ -214,7 +247,7 @@ class Node:
 
     async def start(self) -> int:
         await self.manager.start()
-        pb_grpc.add_KVStoreServicer_to_server(KVStoreServicer(self.manager), self.server)
+        self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager).handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -249,6 +282,7 @@ class Node:
 
 async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
     """Run a node until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
+    tune_malloc_for_bulk_io()
     node = Node(config)
     await node.start()
     loop = asyncio.get_running_loop()

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 
+from google.protobuf.message import DecodeError
+
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
 from kvstore.layout import DType, PageLayout
@@ -18,6 +20,65 @@ from kvstore.tiers.base import TierKind
 
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # chunk + framing, with room to spare; channels and server set this
+
+# Bulk chunks skip protobuf objects on both ends. A message holding only the `chunk` field is, on the
+# wire, one tag byte, a varint length, then the bytes; building it with one join copies the payload
+# once (straight from a slot), and parsing it yields a zero-copy view of the received message.
+# Anything else (headers, malformed or merged messages) goes through protobuf as usual, so the wire
+# format is exactly the proto's and any gRPC client interoperates.
+PUT_CHUNK_TAG = 0x1A  # PutRequest.chunk: field 3, wire type 2
+GET_CHUNK_TAG = 0x12  # GetResponse.chunk: field 2, wire type 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def frame_chunk(tag: int, data: Buffer) -> bytes:
+    """The serialized message whose only field is a chunk: one copy of data."""
+    return b"".join((bytes((tag,)), _varint(len(data)), data))
+
+
+def chunk_view(tag: int, msg: bytes) -> memoryview | None:
+    """A view of the chunk if msg is exactly one chunk field with this tag, else None."""
+    if not msg or msg[0] != tag:
+        return None
+    n = shift = 0
+    pos = 1
+    for pos in range(1, min(len(msg), 11)):  # a varint has at most 10 bytes
+        b = msg[pos]
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    else:
+        return None
+    start = pos + 1
+    if start + n != len(msg):
+        return None
+    return memoryview(msg)[start:]
+
+
+def parse_put_request(msg: bytes) -> tuple[str, object]:
+    """(kind, value) of a serialized PutRequest: ("chunk", memoryview) on the fast path, else the
+    oneof name and its protobuf value ("open"/"page"/"chunk"/None)."""
+    view = chunk_view(PUT_CHUNK_TAG, msg)
+    if view is not None:
+        return "chunk", view
+    try:
+        req = pb.PutRequest.FromString(msg)
+    except DecodeError:
+        raise InvalidArgument("msg", "PutRequest does not parse as kvstore.v1.PutRequest") from None
+    kind = req.WhichOneof("msg")
+    return kind or "", getattr(req, kind) if kind else None
 
 Buffer = bytes | bytearray | memoryview
 
@@ -49,17 +110,18 @@ def put_requests(
     pages: Sequence[Buffer],
     target: TierKind | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-) -> Iterator[pb.PutRequest]:
-    """The message sequence of one Put stream: open, then per page its header and chunks."""
+) -> Iterator[bytes]:
+    """The serialized messages of one Put stream: open, then per page its header and chunks."""
     if len(hashes) != len(pages):
         raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
     yield pb.PutRequest(open=pb.PutOpen(namespace=namespace, layout=layout_to_pb(layout),
-                                        target_tier=int(target) if target else 0))  # fmt: skip
+                                        target_tier=int(target) if target else 0)).SerializeToString()  # fmt: skip
     for h, page in zip(hashes, pages, strict=True):
         view = memoryview(page).cast("B")
-        yield pb.PutRequest(page=pb.PutPage(hash=h, payload_bytes=len(view), checksum=payload_checksum(view)))
+        header = pb.PutPage(hash=h, payload_bytes=len(view), checksum=payload_checksum(view))
+        yield pb.PutRequest(page=header).SerializeToString()
         for off in range(0, len(view), chunk_bytes):
-            yield pb.PutRequest(chunk=bytes(view[off : off + chunk_bytes]))
+            yield frame_chunk(PUT_CHUNK_TAG, view[off : off + chunk_bytes])
 
 
 class StreamError(Exception):
@@ -88,7 +150,13 @@ class GetAssembler:
         self._fill = 0
         self._checksum = 0
 
-    def feed(self, msg: pb.GetResponse) -> None:
+    def feed(self, raw: bytes) -> None:
+        """Take one serialized GetResponse."""
+        chunk = chunk_view(GET_CHUNK_TAG, raw)
+        if chunk is not None:
+            self._add_chunk(chunk)
+            return
+        msg = pb.GetResponse.FromString(raw)
         kind = msg.WhichOneof("msg")
         if kind == "page":
             self._close_page()
@@ -99,15 +167,18 @@ class GetAssembler:
             self._fill = 0
             self._checksum = msg.page.checksum
         elif kind == "chunk":
-            if self._cur is None:
-                raise StreamError("data chunk before any page header")
-            end = self._fill + len(msg.chunk)
-            if end > len(self._cur.data):
-                raise StreamError("page longer than its header announced")
-            self._cur.data[self._fill : end] = msg.chunk
-            self._fill = end
+            self._add_chunk(memoryview(msg.chunk))
         else:
             raise StreamError("empty message in Get stream")
+
+    def _add_chunk(self, chunk: memoryview) -> None:
+        if self._cur is None:
+            raise StreamError("data chunk before any page header")
+        end = self._fill + len(chunk)
+        if end > len(self._cur.data):
+            raise StreamError("page longer than its header announced")
+        self._cur.data[self._fill : end] = chunk
+        self._fill = end
 
     def _close_page(self) -> None:
         if self._cur is None:
