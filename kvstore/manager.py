@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import mmap
@@ -55,6 +56,7 @@ log = logging.getLogger(__name__)
 
 Key = tuple[str, bytes]
 _PIN_SWEEP_SECONDS = 1.0
+_MAX_CANCEL_DEFERRALS = 10_000  # repeated cancels while waiting out an in-flight I/O (bounded loop)
 _MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
 
 
@@ -858,7 +860,22 @@ class TierManager:
         task.add_done_callback(self._tasks.discard)
 
     async def _run_io(self, fn: object, *args: object) -> object:
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)  # type: ignore[arg-type]
+        """Run blocking I/O in the pool. Cancellation waits for the I/O to finish before it propagates.
+
+        NOTE: the worker thread reads or writes our buffers (DRAM slots, bounce buffers). If a
+        cancelled caller's cleanup freed a slot while the thread still wrote into it, the slot could be
+        handed to a Put and overwritten after its bytes arrived, before its checksum is taken.
+        """
+        fut = asyncio.get_running_loop().run_in_executor(self._io, fn, *args)  # type: ignore[arg-type]
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            for _ in range(_MAX_CANCEL_DEFERRALS):
+                if fut.done():
+                    break
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([fut])
+            raise
 
     def entry(self, namespace: str, h: bytes) -> Entry | None:
         """The entry of a page, for tests and tools (read-only use)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import random
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -318,3 +320,34 @@ def test_many_streams_contending_for_a_small_dram(tmp_path: Path) -> None:
         assert dram.slots_used == dram.pages and mgr.stats().put_rejected == 0
 
     run(body, config(tmp_path, dram_pages=2, nvme_pages=64))
+
+
+def test_cancelled_read_waits_for_its_io_before_freeing_slots(tmp_path: Path) -> None:
+    """A Get cancelled mid-promotion must not free the DRAM slot the I/O thread is still filling."""
+
+    async def body(mgr: TierManager) -> None:
+        await put(mgr, list(range(6)))  # pages 0 and 1 on NVMe
+        nvme = mgr._nvme_medium
+        real_read = nvme.read_slot
+        io_done: list[bool] = []
+
+        def slow_read(slot: int, into: memoryview) -> None:  # the real read, delayed
+            time.sleep(0.3)
+            real_read(slot, into)
+            io_done.append(True)
+
+        nvme.read_slot = slow_read  # type: ignore[method-assign]
+        task = asyncio.create_task(read(mgr, [0]))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert io_done == [True]  # cancellation waited for the thread
+        nvme.read_slot = real_read  # type: ignore[method-assign]
+        await put(mgr, [10, 11])
+        ids = [10, 11, 0, 1, 2, 3, 4, 5]
+        assert [p for p, _ in await read(mgr, ids)] == [payload(key(i)) for i in ids]
+        dram = mgr.stats().tiers[1]
+        assert dram.slots_used == dram.pages
+
+    run(body, config(tmp_path))
