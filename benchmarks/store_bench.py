@@ -55,6 +55,7 @@ import hashlib
 import itertools
 import json
 import math
+import mmap
 import multiprocessing as mp
 import os
 import platform
@@ -343,6 +344,42 @@ def bench_tcp(tcp: TcpClient, size: int, mode: str, count: int, plan: Plan) -> l
     return cells
 
 
+def bench_disk(root: Path, size: int, mode: str, count: int, plan: Plan) -> Cell:
+    """The disk's own limit for NVMe gets: O_DIRECT reads of whole slots (header + payload, as the node
+    reads them) from a file on the same filesystem, one thread, `count` slots per call; GB/s counts
+    payload bytes, like the kvstore cells."""
+    slot = slot_bytes_for(size)
+    n_slots = max(4 * count, 16)
+    path = root / f"disk-baseline-{size}"
+    with open(path, "wb") as f:
+        for _ in range(n_slots):
+            f.write(os.urandom(slot))
+        f.flush()
+        os.fsync(f.fileno())
+    buf = mmap.mmap(-1, slot)  # page aligned, as O_DIRECT needs
+    view = memoryview(buf)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        fd = os.open(path, os.O_RDONLY)
+    cursor = itertools.count()
+    cell = Cell("disk", "read", mode, size, count, plan.runs, plan.calls_per_run(size * count), plan.warmup)
+
+    def call() -> Cleanup:
+        for _ in range(count):
+            os.preadv(fd, [view], (next(cursor) % n_slots) * slot)
+        return None
+
+    try:
+        return measure(cell, call)
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()
+        path.unlink()
+
+
 # ------------------------------------------------------------------------------------------- kvstore
 
 
@@ -463,6 +500,7 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
     modes = (("single", 1), ("batched", batch))
     for mode, count in modes:
         cells += bench_tcp(tcp, size, mode, count, plan)
+        cells.append(bench_disk(nvme_root, size, mode, count, plan))
 
     # DRAM node: room for the resident get set (batch pages), one put batch, and slack; no NVMe, so
     # nothing can be demoted (an eviction here would be a drop, which the get check would catch).
@@ -591,11 +629,13 @@ def ratio(a: float, b: float) -> str:
 def build_rows(cells: list[Cell]) -> list[dict[str, object]]:
     """One row per kvstore cell, joined with the raw-TCP cell of the same size, mode and direction."""
     tcp = {(c.page_bytes, c.mode, c.op): c for c in cells if c.system == "tcp"}
+    disk = {(c.page_bytes, c.mode): c for c in cells if c.system == "disk"}
     rows = []
     for c in sorted(cells, key=lambda c: (c.page_bytes, MODE_ORDER[c.mode], OP_ORDER.get(c.op, -1))):
         if c.system != "kvstore":
             continue
         t = tcp.get((c.page_bytes, c.mode, TCP_DIRECTION[c.op]))
+        d = disk.get((c.page_bytes, c.mode)) if c.op == "get_nvme" else None
         rows.append({
             "size": size_label(c.page_bytes), "page_bytes": c.page_bytes, "mode": c.mode, "op": c.op,
             "pages_per_call": c.pages_per_call, "calls": c.runs * c.calls_per_run,
@@ -603,6 +643,8 @@ def build_rows(cells: list[Cell]) -> list[dict[str, object]]:
             "tcp_direction": t.op if t else None, "tcp_gbps": t.gbps if t else None,
             "tcp_p50_ms": t.p50_ms if t else None, "tcp_p99_ms": t.p99_ms if t else None,
             "gbps_ratio": c.gbps / t.gbps if t and t.gbps else None,
+            "disk_gbps": d.gbps if d else None,
+            "disk_ratio": c.gbps / d.gbps if d and d.gbps else None,
             "p50_ratio": c.p50_ms / t.p50_ms if t and t.p50_ms else None,
             "p99_ratio": c.p99_ms / t.p99_ms if t and t.p99_ms else None,
             "check": c.check, "check_ok": c.check_ok, "attempts": c.attempts, "errors": c.errors,
@@ -623,21 +665,24 @@ def check_text(c: Cell) -> str:
 def markdown_table(cells: list[Cell]) -> str:
     head = (
         "| page | mode | op | pages/call | calls | GB/s (vs TCP) | p50 ms (vs TCP) | p99 ms (vs TCP) "
-        "| TCP dir | TCP GB/s | TCP p50 ms | TCP p99 ms | check |\n"
-        "|---|---|---|--:|--:|--:|--:|--:|---|--:|--:|--:|---|"
+        "| TCP dir | TCP GB/s | TCP p50 ms | TCP p99 ms | disk O_DIRECT GB/s (kvstore vs disk) | check |\n"
+        "|---|---|---|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|---|"
     )
     tcp = {(c.page_bytes, c.mode, c.op): c for c in cells if c.system == "tcp"}
+    disk = {(c.page_bytes, c.mode): c for c in cells if c.system == "disk"}
     lines = [head]
     for c in sorted(cells, key=lambda c: (c.page_bytes, MODE_ORDER[c.mode], OP_ORDER.get(c.op, -1))):
         if c.system != "kvstore":
             continue
         t = tcp.get((c.page_bytes, c.mode, TCP_DIRECTION[c.op]))
         tg, t50, t99 = (t.gbps, t.p50_ms, t.p99_ms) if t else (0.0, 0.0, 0.0)
+        d = disk.get((c.page_bytes, c.mode)) if c.op == "get_nvme" else None
+        disk_text = f"{d.gbps:.3f} ({ratio(c.gbps, d.gbps)})" if d else "-"
         lines.append(
             f"| {size_label(c.page_bytes)} | {c.mode} | {OP_LABEL[c.op]} | {c.pages_per_call} | "
             f"{c.runs * c.calls_per_run} | {c.gbps:.3f} ({ratio(c.gbps, tg)}) | "
             f"{c.p50_ms:.2f} ({ratio(c.p50_ms, t50)}) | {c.p99_ms:.2f} ({ratio(c.p99_ms, t99)}) | "
-            f"{t.op if t else '-'} | {tg:.3f} | {t50:.2f} | {t99:.2f} | "
+            f"{t.op if t else '-'} | {tg:.3f} | {t50:.2f} | {t99:.2f} | {disk_text} | "
             f"{check_text(c)} |"
         )
     return "\n".join(lines)

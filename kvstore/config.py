@@ -56,6 +56,7 @@ class NodeConfig:
     io_threads: int = 4
     max_pages_per_request: int = 4096
     grace_seconds: float = 5.0
+    read_ahead_pages: int = 4  # pages a Get reads (NVMe I/O, promotion) ahead of the one it streams
     alloc_wait_seconds: float = 5.0  # how long a write waits for space held by other in-flight streams
     spill_on_shutdown: bool = True
     spill_seconds: float = 30.0
@@ -77,6 +78,8 @@ class NodeConfig:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.io_threads < 1 or self.max_pages_per_request < 1:
             raise ValueError("io_threads and max_pages_per_request must be >= 1")
+        if self.read_ahead_pages < 0:
+            raise ValueError("read_ahead_pages must be >= 0")
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
             raise ValueError("nvme_segment_bytes must hold at least one slot")
 

@@ -28,6 +28,7 @@ import heapq
 import logging
 import mmap
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, align_up, 
 from kvstore.policy import EvictionPolicy, first_usable, make_policy
 from kvstore.stats import NodeStats, TierCounters, TierStats, copy_counters
 from kvstore.tiers.base import TierKind
-from kvstore.tiers.dram import DramTier
+from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
 from kvstore.tiers.slots import SlotAllocator
@@ -113,6 +114,8 @@ class ReadLease:
     checksum: int
     payload: memoryview
     _release: object = None
+    key: Key = ("", b"")
+    held_in: TierKind = TierKind.DRAM  # where the payload is read from now (after any promotion)
 
     def release(self) -> None:
         if self._release is not None:
@@ -252,6 +255,7 @@ class TierManager:
         sb = config.slot_bytes
         self._io = ThreadPoolExecutor(max_workers=config.io_threads, thread_name_prefix="kvstore-io")
         self._dram_medium = DramTier(config.dram_bytes, sb)
+        self._bounce = BouncePool(sb, keep=config.io_threads + config.read_ahead_pages + 1)
         hbm = HbmTier(config.hbm_bytes, sb)
         if hbm.available:
             self._dram_medium.try_pin()
@@ -332,6 +336,7 @@ class TierManager:
         if self.config.spill_on_shutdown and self._nvme_medium is not None:
             await self._spill(time.monotonic() + self.config.spill_seconds)
         self._io.shutdown(wait=True)
+        self._bounce.close()
         if self._nvme_medium is not None:
             self._nvme_medium.close()
         self._hbm_medium.close()
@@ -407,37 +412,60 @@ class TierManager:
     async def get(self, namespace: str, hashes: list[bytes], promote: bool = True) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page.
 
-        The caller must release() each lease (the generator also releases the previous lease when it
-        advances and the last one when it is closed).
+        Each lease is released when the generator advances past it or is closed. Up to
+        `read_ahead_pages` following pages are read (NVMe I/O, promotion) while the caller streams the
+        current one; reading ahead stops at the first page not stored.
         """
         self.layout_of(namespace)
         self._check_count(hashes, "hashes", limit=self.config.max_pages_per_request)
         for i, h in enumerate(hashes):
             _check_hash(h, f"hashes[{i}]")
+        keys = [(namespace, h) for h in hashes]
+        loop = asyncio.get_running_loop()
+        pending: deque[asyncio.Task[ReadLease | None]] = deque()
+        nxt = 0
+
+        def read_ahead() -> None:
+            nonlocal nxt
+            while nxt < len(keys) and len(pending) <= self.config.read_ahead_pages:
+                key = keys[nxt]
+                pending.append(loop.create_task(self._read_one(key, promote)))
+                nxt = nxt + 1 if key in self._entries else len(keys)  # a miss ends the stream
+
         lease: ReadLease | None = None
         try:
-            for h in hashes:
-                if lease is not None:
-                    lease.release()
-                lease = await self._read_one((namespace, h), promote)
+            read_ahead()
+            while pending:
+                lease = await pending.popleft()
+                # Counted here, in request order, so pages read ahead but never returned count nothing.
+                self._count_lookup_path(lease.tier if lease is not None else None)
                 if lease is None:
                     return
+                self._tiers[lease.held_in].policy.on_access(lease.key)
+                read_ahead()
                 yield lease
+                lease.release()
+                lease = None
         finally:
             if lease is not None:
                 lease.release()
+            for task in pending:
+                task.cancel()
+            for result in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(result, ReadLease):
+                    result.release()
 
     async def _read_one(self, key: Key, promote: bool) -> ReadLease | None:
+        """Lease one page, promoting it first when asked; None when missing or corrupt. Counts bytes
+        and checksum failures; hits and misses are counted by the caller, in request order."""
         entry = await self._settled(key)
         if entry is None:
-            self._count_lookup_path(None)
             return None
         found = entry.tier  # hits are credited where the page was found, before any promotion
         if entry.tier is TierKind.NVME and promote:
             await self._promote_to_dram(entry)
             entry = await self._settled(key)
             if entry is None:
-                self._count_lookup_path(None)
                 return None
         tier = self._tiers[entry.tier]
         entry.readers += 1
@@ -448,8 +476,8 @@ class TierManager:
                 payload = self._dram_medium.slot(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
                 ok = payload_checksum(payload) == entry.checksum
             else:
-                bounce = mmap.mmap(-1, entry.used_len)
-                view = memoryview(bounce)
+                bounce = self._bounce.take()
+                view = memoryview(bounce)[: entry.used_len]
                 if entry.tier is TierKind.NVME:
                     await self._run_io(self._nvme_medium.read_slot, entry.slot, view)
                 else:
@@ -461,23 +489,28 @@ class TierManager:
             raise
         if not ok:
             entry.readers -= 1
-            _close_bounce(payload, view, bounce)
+            self._close_bounce(payload, view, bounce)
             tier.counters.checksum_failures += 1
             log.error("checksum mismatch: page %s in %s slot %d dropped", entry.hash.hex(), tier.kind.label, entry.slot)
-            self._count_lookup_path(None)
             await self._drop(entry, erase=True)
             return None
-        self._count_lookup_path(found)
         tier.counters.bytes_out += entry.payload_len
-        tier.policy.on_access(key)
 
         def release(entry: Entry = entry) -> None:
             entry.readers -= 1
             if entry.readers == 0:
                 self._space_changed()
-            _close_bounce(payload, view, bounce)
+            self._close_bounce(payload, view, bounce)
 
-        return ReadLease(entry.hash, found, entry.checksum, payload, release)
+        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier)
+
+    def _close_bounce(self, payload: memoryview, view: memoryview | None, bounce: mmap.mmap | None) -> None:
+        """Release a read's views, then return its bounce buffer (it must have no views left)."""
+        payload.release()
+        if view is not None:
+            view.release()
+        if bounce is not None:
+            self._bounce.give(bounce)
 
     def _verify_slot_copy(self, entry: Entry, view: memoryview) -> bool:
         """A slot copied out of NVMe/HBM: header must name this page, payload must match its checksum."""
@@ -925,11 +958,3 @@ def _check_hash(h: bytes, field_name: str) -> None:
     if len(h) != HASH_BYTES:
         raise InvalidArgument(field_name, f"a block hash is {HASH_BYTES} bytes, got {len(h)}")
 
-
-def _close_bounce(payload: memoryview, view: memoryview | None, bounce: mmap.mmap | None) -> None:
-    """Release a read's views, then its bounce buffer (an mmap cannot close while views exist)."""
-    payload.release()
-    if view is not None:
-        view.release()
-    if bounce is not None:
-        bounce.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 
@@ -51,3 +52,31 @@ class DramTier:
     def close(self) -> None:
         self._view.release()
         self._map.close()
+
+
+class BouncePool:
+    """Reusable page-aligned host buffers of one size, for reads that cannot land in a DRAM slot
+    (NVMe or HBM pages served without promotion). Reuse matters: a fresh mapping costs a page fault
+    and a zeroed page per 4 KiB on first touch. Keeps at most `keep` idle buffers."""
+
+    def __init__(self, size: int, keep: int) -> None:
+        self.size = size
+        self.keep = keep
+        self._idle: list[mmap.mmap] = []
+
+    def take(self) -> mmap.mmap:
+        return self._idle.pop() if self._idle else mmap.mmap(-1, self.size)
+
+    def give(self, buf: mmap.mmap) -> None:
+        """Return a buffer; every view of it must have been released."""
+        if len(self._idle) < self.keep:
+            self._idle.append(buf)
+            return
+        # A finished I/O work item may still hold a view for a moment; GC closes the buffer later.
+        with contextlib.suppress(BufferError):
+            buf.close()
+
+    def close(self) -> None:
+        for buf in self._idle:
+            buf.close()
+        self._idle.clear()

@@ -260,7 +260,7 @@ def test_corrupt_nvme_slot_is_a_counted_miss(tmp_path: Path, promote: bool) -> N
         nvme = {t.tier: t for t in mgr.stats().tiers}[TierKind.NVME]
         assert nvme.counters.checksum_failures == 1
         assert mgr.entry(NS, key(0)) is None  # dropped, never returned
-        assert [t for _, t in await read(mgr, [1])] == [TierKind.NVME]
+        assert [p for p, _ in await read(mgr, [1])] == [payload(key(1))]  # its neighbour is fine
 
     run(body, config(tmp_path))
 
@@ -349,5 +349,32 @@ def test_cancelled_read_waits_for_its_io_before_freeing_slots(tmp_path: Path) ->
         assert [p for p, _ in await read(mgr, ids)] == [payload(key(i)) for i in ids]
         dram = mgr.stats().tiers[1]
         assert dram.slots_used == dram.pages
+
+    run(body, config(tmp_path))
+
+
+def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        await put(mgr, list(range(12)))  # 0..7 on NVMe
+        nvme = mgr._nvme_medium
+        real_read = nvme.read_slot
+        active = [0, 0]  # in flight now, most at once
+
+        def slow_read(slot: int, into: memoryview) -> None:
+            active[0] += 1
+            active[1] = max(active[1], active[0])
+            time.sleep(0.05)
+            real_read(slot, into)
+            active[0] -= 1
+
+        nvme.read_slot = slow_read  # type: ignore[method-assign]
+        gen = mgr.get(NS, [key(i) for i in range(8)], promote=False)
+        first = await gen.__anext__()
+        assert bytes(first.payload) == payload(key(0))
+        await gen.aclose()  # the caller hangs up after one page
+        assert active[1] > 1  # the following pages were read concurrently
+        assert all(mgr.entry(NS, key(i)).readers == 0 for i in range(12))  # type: ignore[union-attr]
+        nvme_stats = mgr.stats().tiers[2]
+        assert nvme_stats.counters.hits == 1  # only the returned page counts
 
     run(body, config(tmp_path))
