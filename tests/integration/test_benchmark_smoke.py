@@ -1,0 +1,21 @@
+"""The benchmark script still runs end to end (a smoke run: no figures are asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_store_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "store_bench.py"), "--quick", "--sizes", "256KiB", "--batch", "4",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "store_bench.json").read_text())
+    assert {r["op"] for r in data["rows"]} == {"put", "get_dram", "get_nvme"}
+    table = (tmp_path / "store_bench.md").read_text()
+    assert "get NVMe" in table and "CHECK FAILED" not in table and "CELL FAILED" not in table
