@@ -18,6 +18,7 @@ from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.pageformat import HEADER_BYTES
 from kvstore.tiers.base import TierKind
+from kvstore.tiers.nvme import NvmeFormatError
 
 LAYOUT = PageLayout(DType.UINT8, 1, 1, 2048, 1)  # 4096-byte pages
 PAGE = LAYOUT.page_bytes
@@ -378,3 +379,16 @@ def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Pat
         assert nvme_stats.counters.hits == 1  # only the returned page counts
 
     run(body, config(tmp_path))
+
+
+def test_nvme_dir_of_another_geometry_is_refused_untouched(tmp_path: Path) -> None:
+    async def first(mgr: TierManager) -> None:
+        await put(mgr, list(range(6)))
+
+    run(first, config(tmp_path))
+    before = {p.name: p.read_bytes() for p in (tmp_path / "nvme").iterdir()}
+    other = NodeConfig(dram_bytes=1 << 20, nvme_path=str(tmp_path / "nvme"), nvme_bytes=1 << 20,
+                       max_page_bytes=2 * PAGE)  # fmt: skip
+    with pytest.raises(NvmeFormatError, match="max-page-bytes"):
+        TierManager(other)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "nvme").iterdir()} == before
