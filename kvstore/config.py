@@ -61,6 +61,10 @@ class NodeConfig:
     spill_on_shutdown: bool = True
     spill_seconds: float = 30.0
     log_level: str = "INFO"
+    redis_url: str | None = None  # cluster index; None runs the node standalone
+    advertise_addr: str | None = None  # host:port clients use to reach this node (default host:port)
+    index_ttl_seconds: float = 10.0  # heartbeat TTL: a node silent this long stops matching lookups
+    index_max_pending: int = 100_000  # queued index updates before a full resync
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -78,6 +82,8 @@ class NodeConfig:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.io_threads < 1 or self.max_pages_per_request < 1:
             raise ValueError("io_threads and max_pages_per_request must be >= 1")
+        if self.index_ttl_seconds <= 0 or self.index_max_pending < 1:
+            raise ValueError("index_ttl_seconds must be > 0 and index_max_pending >= 1")
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:

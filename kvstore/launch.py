@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -22,8 +24,8 @@ class NodeProcess:
 
     def __init__(self, *, dram_bytes: int | str = "64MiB", nvme_path: str | Path | None = None,
                  nvme_bytes: int | str = 0, max_page_bytes: int | str | None = None, node_id: str = "node-0",
-                 host: str = "127.0.0.1", extra_args: list[str] | None = None, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None) -> None:  # fmt: skip
+                 host: str = "127.0.0.1", redis_url: str | None = None, extra_args: list[str] | None = None,
+                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:  # fmt: skip
         self.host = host
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-node-")
         self.ready_file = Path(self._tmp.name) / "ready.json"
@@ -34,6 +36,8 @@ class NodeProcess:
             args += ["--nvme-path", str(nvme_path), "--nvme-bytes", str(nvme_bytes)]
         if max_page_bytes is not None:
             args += ["--max-page-bytes", str(max_page_bytes)]
+        if redis_url is not None:
+            args += ["--redis-url", redis_url]
         self.args = args + (extra_args or [])
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
@@ -94,6 +98,87 @@ class NodeProcess:
         self._tmp.cleanup()
 
     def __enter__(self) -> NodeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProcess:
+    """A private redis-server on loopback: no persistence, a free port, stopped by stop()/close().
+
+    `restart()` keeps the port (so clients and nodes reconnect to the same URL) and, like a real
+    Redis restart without persistence, comes back empty.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", binary: str = "redis-server") -> None:
+        path = shutil.which(binary)
+        if path is None:
+            raise RuntimeError(f"{binary} not found: install Debian's redis-server (./dev setup does)")
+        self.binary = path
+        self.host = host
+        self.port = free_port(host)
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> RedisProcess:
+        args = [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
+                "--dir", self._tmp.name, "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+        log = open(Path(self._tmp.name) / "redis.log", "ab")  # noqa: SIM115 - owned by the process lifetime
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(_POLL_SECONDS)
+        self.stop()
+        raise TimeoutError(f"redis-server not answering on {self.host}:{self.port} after {timeout}s")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> RedisProcess:
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> RedisProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -29,7 +29,7 @@ import logging
 import mmap
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -46,7 +46,7 @@ from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
 from kvstore.layout import PageLayout
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, align_up, payload_checksum
 from kvstore.policy import EvictionPolicy, first_usable, make_policy
-from kvstore.stats import NodeStats, TierCounters, TierStats, copy_counters
+from kvstore.stats import IndexStatus, NodeStats, TierCounters, TierStats, copy_counters
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
@@ -281,6 +281,9 @@ class TierManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._space_waiters: list[asyncio.Future[None]] = []
         self._closing = False
+        # Called on every placement change: (namespace, hash, tier or None when the page left the node).
+        self.on_change: Callable[[str, bytes, TierKind | None], None] | None = None
+        self.index_status: Callable[[], object] | None = None  # IndexPublisher.status when publishing
         self._lookups = self._lookup_blocks = self._lookup_matched = 0
         self._prefetch_issued = self._prefetch_completed = 0
         self._put_rejected = 0
@@ -821,6 +824,8 @@ class TierManager:
         self._unpublish(entry)
         del self._entries[entry.key]
         self._ns_pages[entry.namespace] -= 1
+        if self.on_change is not None:
+            self.on_change(entry.namespace, entry.hash, None)
         entry.shadow = None
         if erase:
             if entry.tier is TierKind.NVME:
@@ -839,6 +844,8 @@ class TierManager:
         tier.policy.on_insert(entry.key)
         tier.pages += 1
         tier.used_bytes += entry.payload_len
+        if self.on_change is not None:
+            self.on_change(entry.namespace, entry.hash, kind)
 
     def _unpublish(self, entry: Entry) -> None:
         tier = self._tiers[entry.tier]
@@ -910,6 +917,19 @@ class TierManager:
                     await asyncio.wait([fut])
             raise
 
+    def holdings(self) -> list[tuple[str, bytes, TierKind]]:
+        """Every visible page as (namespace, hash, tier): a snapshot for a full index publish."""
+        return [(e.namespace, e.hash, e.tier) for e in self._entries.values()]
+
+    def occupancy(self) -> dict[str, int]:
+        """Pages and slots per tier, flat (published in the index's node info)."""
+        out: dict[str, int] = {}
+        for kind, t in self._tiers.items():
+            out[f"pages_{kind.label}"] = t.pages
+            out[f"slots_used_{kind.label}"] = t.alloc.used_count
+            out[f"slots_total_{kind.label}"] = t.alloc.num_slots if t.available else 0
+        return out
+
     def entry(self, namespace: str, h: bytes) -> Entry | None:
         """The entry of a page, for tests and tools (read-only use)."""
         return self._entries.get((namespace, h))
@@ -944,6 +964,17 @@ class TierManager:
             prefetch_completed=self._prefetch_completed,
             pinned_pages=sum(1 for e in self._entries.values() if e.pinned),
             put_rejected=self._put_rejected,
+            index=self._index_status(),
+        )
+
+    def _index_status(self) -> IndexStatus | None:
+        if self.index_status is None:
+            return None
+        s = self.index_status()
+        return IndexStatus(
+            url=self.config.redis_url or "", connected=s.connected, epoch=s.epoch, queued=s.queued,  # type: ignore[attr-defined]
+            lag_seconds=s.lag_seconds, flushed=s.flushed, resyncs=s.resyncs,  # type: ignore[attr-defined]
+            overflows=s.overflows, errors=s.errors, resync_pending=s.resync_pending,  # type: ignore[attr-defined]
         )
 
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.index import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.tiers.base import TierKind
@@ -243,6 +245,7 @@ class Node:
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         self.port = 0
+        self.index: IndexPublisher | None = None
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
@@ -257,6 +260,15 @@ class Node:
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         await self.server.start()
+        if self.config.redis_url:
+            self.index = IndexPublisher(
+                self.config.redis_url, self.config.node_id, self.advertise_addr, self.manager.holdings,
+                self.manager.occupancy, ttl_seconds=self.config.index_ttl_seconds,
+                max_pending=self.config.index_max_pending,
+            )  # fmt: skip
+            self.manager.on_change = self.index.note
+            self.manager.index_status = self.index.status
+            await self.index.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -273,11 +285,24 @@ class Node:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(self.config.grace_seconds)
+        if self.index is not None:
+            self.manager.on_change = None
+            await self.index.close(deregister=True)
         await self.manager.close()
         log.info("stopped")
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+    @property
+    def advertise_addr(self) -> str:
+        """host:port other machines use to reach this node."""
+        if self.config.advertise_addr:
+            return self.config.advertise_addr
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return f"{host}:{self.port}"
 
 
 async def serve(config: NodeConfig, ready_file: str | None = None) -> None:

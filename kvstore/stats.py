@@ -44,6 +44,22 @@ class TierStats:
 
 
 @dataclass(slots=True)
+class IndexStatus:
+    """The node's link to the cluster index (see kvstore/index.py)."""
+
+    url: str
+    connected: bool
+    epoch: int
+    queued: int
+    lag_seconds: float
+    flushed: int
+    resyncs: int
+    overflows: int
+    errors: int
+    resync_pending: bool = False
+
+
+@dataclass(slots=True)
 class NodeStats:
     node_id: str
     uptime_seconds: float
@@ -58,6 +74,7 @@ class NodeStats:
     pinned_pages: int
     put_rejected: int
     version: str = __version__
+    index: IndexStatus | None = None
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -91,4 +108,5 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "prefetch_completed": stats.prefetch_completed,
         "pinned_pages": stats.pinned_pages,
         "put_rejected": stats.put_rejected,
+        "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},
     }

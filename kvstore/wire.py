@@ -15,7 +15,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import payload_checksum
-from kvstore.stats import NodeStats, TierCounters, TierStats
+from kvstore.stats import IndexStatus, NodeStats, TierCounters, TierStats
 from kvstore.tiers.base import TierKind
 
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
@@ -218,6 +218,8 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         lookup_matched=stats.lookup_matched, prefetch_issued=stats.prefetch_issued,
         prefetch_completed=stats.prefetch_completed, pinned_pages=stats.pinned_pages,
         put_rejected=stats.put_rejected, version=stats.version,
+        index=None if stats.index is None else pb.IndexStats(**{f.name: getattr(stats.index, f.name)
+                                                                for f in fields(IndexStatus)}),
     )  # fmt: skip
 
 
@@ -238,4 +240,6 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         lookup_matched=msg.lookup_matched, prefetch_issued=msg.prefetch_issued,
         prefetch_completed=msg.prefetch_completed, pinned_pages=msg.pinned_pages,
         put_rejected=msg.put_rejected, version=msg.version,
+        index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
+        if msg.HasField("index") else None,
     )  # fmt: skip

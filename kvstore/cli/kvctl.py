@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import typer
 
+from kvstore.cli.cluster import lookup, nodes
 from kvstore.cli.stats import stats
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="Inspect kvstore cache nodes.")
 app.command("stats")(stats)
+app.command("nodes")(nodes)
+app.command("lookup")(lookup)
 
 
 @app.callback()

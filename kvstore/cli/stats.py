@@ -56,6 +56,14 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
         f"completed {stats.prefetch_completed}, pinned pages {stats.pinned_pages}, "
         f"rejected puts {stats.put_rejected}"
     )
+    if stats.index is not None:
+        i = stats.index
+        state = "[green]connected[/]" if i.connected else "[red]unreachable[/]"
+        console.print(
+            f"index {i.url}: {state}, epoch {i.epoch}, queued {i.queued} (lag {i.lag_seconds * 1000:.0f} ms), "
+            f"flushed {i.flushed}, resyncs {i.resyncs}{' (one pending)' if i.resync_pending else ''}, "
+            f"overflows {i.overflows}, errors {i.errors}"
+        )
     for ns, layout, pages in stats.namespaces:
         console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
 

@@ -1,0 +1,180 @@
+"""Cluster client: find a prefix through the Redis index, fetch each part from the node holding it.
+
+    with ClusterClient("redis://10.0.0.5:6379/0") as kv:
+        hashes = prefix_hashes(tokens, layout.block_size, ns)
+        found = kv.lookup(ns, hashes)              # one Redis round trip
+        pages = kv.get(ns, hashes[: found.matched]) # one stream per node segment
+        kv.put(ns, layout, hashes[len(pages):], new_pages, parent_chain=hashes[: len(pages)])
+
+Get: the index's plan (longest run per node, hotter tier first) is followed segment by segment; a
+segment that comes back short (stale entry, node gone) is completed from the other holders of the
+missing block, and when every holder fails the prefix ends there: a stale entry costs a miss, never
+an error. After the last segment, the node that served it is asked for more of the chain directly,
+so blocks the index has not caught up with yet (updates are batched) are still found.
+
+Put placement, in this order, and why:
+1. prefix affinity: the live node holding the longest leading run of `parent_chain`. A chain kept
+   on one node is fetched in one stream, and that node likely holds the shared prefix already.
+2. the local node (`local_node`, e.g. the cache node on the same host): no network hop for the
+   producer, and the same host's decode worker reads it fastest.
+3. the least loaded live node (most free DRAM+NVMe slots per its last heartbeat).
+Hashing the chain head was rejected as the rule: it ignores load and locality, and affinity already
+keeps chains together without it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from kvstore.client import KVStoreClient, PutResult
+from kvstore.errors import KVStoreError, NamespaceNotFound, Unavailable
+from kvstore.index import ClusterLookup, IndexReader, NodeInfo
+from kvstore.layout import PageLayout
+from kvstore.wire import Buffer, FetchedPage
+
+log = logging.getLogger(__name__)
+
+_NODE_ERRORS = (Unavailable, NamespaceNotFound, grpc.RpcError)
+
+
+class NoLiveNode(KVStoreError):
+    """The index lists no live node to put to."""
+
+    status_name = "UNAVAILABLE"
+
+
+class ClusterClient:
+    """Blocking cluster client. One channel per node, opened on first use and kept."""
+
+    def __init__(self, redis_url: str, *, local_node: str | None = None, timeout: float = 60.0,
+                 verify: bool = True, probe_tail: bool = True) -> None:  # fmt: skip
+        self.index = IndexReader(redis_url)
+        self.local_node = local_node
+        self.timeout = timeout
+        self.verify = verify
+        self.probe_tail = probe_tail
+        self._clients: dict[str, KVStoreClient] = {}
+        self._addrs: dict[str, str] = {}
+
+    def __enter__(self) -> ClusterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()
+        self.index.close()
+
+    # -- nodes
+
+    def nodes(self) -> list[NodeInfo]:
+        return self.index.nodes()
+
+    def node(self, node_id: str) -> KVStoreClient:
+        """The client of one node (refreshing addresses from the index when the id is unknown)."""
+        if node_id not in self._addrs:
+            self._addrs = self.index.node_addrs()
+        addr = self._addrs.get(node_id)
+        if addr is None:
+            raise Unavailable(f"node {node_id!r} is not live in the index")
+        client = self._clients.get(addr)
+        if client is None:
+            client = self._clients[addr] = KVStoreClient(addr, timeout=self.timeout, verify=self.verify)
+        return client
+
+    # -- reads
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> ClusterLookup:
+        """Longest prefix held by any live node, and per node how much of it: one Redis round trip."""
+        return self.index.lookup(namespace, hashes)
+
+    def get_pages(self, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
+        """Pages of the longest retrievable prefix of `hashes`, in order, from whichever nodes hold them."""
+        found = self.index.lookup(namespace, hashes)
+        out: list[FetchedPage] = []
+        excluded: set[tuple[str, int]] = set()  # (node, block) pairs known not to work
+        last_node: str | None = None
+        i = 0
+        # Each pass either advances i or excludes one (node, block) pair: bounded by blocks * holders.
+        for _ in range(max(1, sum(len(h) for h in found.holders) + found.matched)):
+            if i >= found.matched:
+                break
+            choice = self._best_holder(found, i, excluded)
+            if choice is None:
+                break
+            node, run = choice
+            got = self._fetch(node, namespace, hashes[i : i + run])
+            if not got:
+                excluded.add((node, i))
+                continue
+            out.extend(got)
+            i += len(got)
+            last_node = node
+            if len(got) < run:
+                excluded.add((node, i))
+        if self.probe_tail and last_node is not None and len(out) == i and i < len(hashes):
+            out.extend(self._fetch(last_node, namespace, hashes[i:]))
+        return out
+
+    def get(self, namespace: str, hashes: Sequence[bytes]) -> list[memoryview]:
+        return [memoryview(p.data) for p in self.get_pages(namespace, hashes)]
+
+    @staticmethod
+    def _best_holder(found: ClusterLookup, i: int, excluded: set[tuple[str, int]]) -> tuple[str, int] | None:
+        best: tuple[int, int, str] | None = None
+        for node, tier in found.holders[i].items():
+            if (node, i) in excluded:
+                continue
+            run = 1
+            while i + run < found.matched and node in found.holders[i + run]:
+                run += 1
+            cand = (-run, int(tier), node)
+            if best is None or cand < best:
+                best = cand
+        return None if best is None else (best[2], -best[0])
+
+    def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
+        """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere)."""
+        try:
+            return self.node(node).get_pages(namespace, hashes)
+        except _NODE_ERRORS as exc:
+            log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
+            self._addrs.pop(node, None)
+            return []
+
+    # -- writes
+
+    def choose_node(self, namespace: str, parent_chain: Sequence[bytes] = ()) -> str:
+        """Where a put goes (see the module docstring for the rule and why)."""
+        live = [n for n in self.index.nodes() if n.alive and n.addr]
+        if not live:
+            raise NoLiveNode("no live cache node is registered in the index")
+        names = {n.node_id for n in live}
+        if parent_chain:
+            shares = self.index.lookup(namespace, parent_chain).nodes
+            best = max((s for s in shares.values() if s.node_id in names and s.leading > 0),
+                       key=lambda s: (s.leading, s.node_id), default=None)  # fmt: skip
+            if best is not None:
+                return best.node_id
+        if self.local_node in names:
+            return self.local_node  # type: ignore[return-value]
+        return max(live, key=lambda n: (_free_slots(n), n.node_id)).node_id
+
+    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
+            parent_chain: Sequence[bytes] = ()) -> tuple[str, PutResult]:  # fmt: skip
+        """Store pages on the node choose_node picks; `parent_chain` is the chain before hashes[0]."""
+        node = self.choose_node(namespace, parent_chain)
+        return node, self.node(node).put(namespace, layout, hashes, pages)
+
+
+def _free_slots(n: NodeInfo) -> int:
+    free = 0
+    for tier in ("dram", "nvme"):
+        free += int(n.info.get(f"slots_total_{tier}", 0)) - int(n.info.get(f"slots_used_{tier}", 0))
+    return free

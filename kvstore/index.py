@@ -1,0 +1,485 @@
+"""Redis prefix-hash index: the cluster view of which node holds which page in which tier (DESIGN §7).
+
+Each node's own TierManager is authoritative for what that node holds; Redis holds a best-effort,
+eventually consistent copy so any client can find the longest cached prefix across the cluster in one
+round trip. A stale entry (a node no longer holds the page) costs the reader one miss, never an error.
+
+## Key layout (all keys start with `kvs:v1:`; text so an SRE can read them with redis-cli)
+
+    kvs:v1:b:{ns16}:{hash64}   HASH  node_id -> "{epoch}:{tier}"   one per (namespace, block hash)
+    kvs:v1:alive:{node_id}     STRING epoch, with a TTL (the heartbeat)   a node is live iff it exists
+    kvs:v1:epoch:{node_id}     STRING counter (INCR)                      the node's current epoch source
+    kvs:v1:node:{node_id}      HASH  addr, epoch, version, pages_*, queued, resyncs, lag_ms, ...
+    kvs:v1:nodes               SET   every node id ever registered (for kvctl nodes)
+
+`ns16` is the first 8 bytes of SHA-256(namespace) in hex; `hash64` the block hash in hex (DESIGN §3).
+
+## Epochs
+
+An entry counts only while its node is live *and* the entry's epoch equals the node's current epoch
+(the value of its alive key). A node takes a new epoch (INCR) whenever it (re)publishes its holdings
+from scratch: at start, after Redis was unreachable, after its update queue overflowed, or when its
+heartbeat finds its alive key gone. So a restart or a resync invalidates every old entry of the node
+at once, without scanning Redis; the garbage left behind is removed by a slow background sweep.
+
+## Lookups cost one round trip
+
+`LOOKUP_SCRIPT` (Lua, run with EVALSHA) walks the chain in order and stops at the first block no live
+node holds, returning the live holders of each matched block. It reads keys it is not given in KEYS
+(the alive keys), so it needs a single Redis instance (or a Redis Cluster with hash tags, not done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import redis
+import redis.asyncio as aioredis
+
+from kvstore import __version__
+from kvstore.tiers.base import TierKind
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kvs:v1:"
+NODES_KEY = PREFIX + "nodes"
+ALIVE_PREFIX = PREFIX + "alive:"
+
+LOOKUP_SCRIPT = """
+local alive_prefix = ARGV[1]
+local epochs = {}
+local out = {}
+for i = 1, #KEYS do
+  local fields = redis.call('HGETALL', KEYS[i])
+  local holders = {}
+  for j = 1, #fields, 2 do
+    local node = fields[j]
+    local ep = epochs[node]
+    if ep == nil then
+      ep = redis.call('GET', alive_prefix .. node) or false
+      epochs[node] = ep
+    end
+    if ep then
+      local sep = string.find(fields[j + 1], ':', 1, true)
+      if sep and string.sub(fields[j + 1], 1, sep - 1) == ep then
+        holders[#holders + 1] = node
+        holders[#holders + 1] = string.sub(fields[j + 1], sep + 1)
+      end
+    end
+  end
+  if #holders == 0 then break end
+  out[#out + 1] = holders
+end
+return out
+"""
+
+
+def ns_tag(namespace: str) -> str:
+    """16 hex digits naming a namespace inside Redis keys."""
+    return hashlib.sha256(namespace.encode()).hexdigest()[:16]
+
+
+def block_key(namespace: str, h: bytes) -> str:
+    return f"{PREFIX}b:{ns_tag(namespace)}:{h.hex()}"
+
+
+def alive_key(node_id: str) -> str:
+    return ALIVE_PREFIX + node_id
+
+
+def node_key(node_id: str) -> str:
+    return f"{PREFIX}node:{node_id}"
+
+
+def epoch_key(node_id: str) -> str:
+    return f"{PREFIX}epoch:{node_id}"
+
+
+# --------------------------------------------------------------------------------- lookup results
+
+
+@dataclass(slots=True)
+class NodeShare:
+    """How much of a looked-up prefix one live node holds."""
+
+    node_id: str
+    blocks: int  # matched blocks this node holds (anywhere in the prefix)
+    leading: int  # length of the run it holds from block 0
+    tiers: dict[TierKind, int] = field(default_factory=dict)  # blocks per tier
+
+
+@dataclass(slots=True)
+class ClusterLookup:
+    """Longest prefix held anywhere, and who holds each block of it (live nodes, current epochs)."""
+
+    matched: int
+    holders: list[dict[str, TierKind]]  # per matched block: node_id -> tier
+    nodes: dict[str, NodeShare]
+
+    def plan(self) -> list[tuple[str, int, int]]:
+        """Segments (node_id, start, end) covering blocks [0, matched): at each uncovered block take the
+        holder with the longest run from there, ties to the hotter tier, then the node id (stable)."""
+        out: list[tuple[str, int, int]] = []
+        i = 0
+        while i < self.matched:
+            best: tuple[int, int, str] | None = None
+            for node, tier in self.holders[i].items():
+                run = 1
+                while i + run < self.matched and node in self.holders[i + run]:
+                    run += 1
+                cand = (-run, int(tier), node)
+                if best is None or cand < best:
+                    best = cand
+            assert best is not None
+            run, node = -best[0], best[2]
+            out.append((node, i, i + run))
+            i += run
+        return out
+
+
+def summarize(raw: Sequence[Sequence[bytes | str]]) -> ClusterLookup:
+    """Turn the Lua script's reply into a ClusterLookup (pure)."""
+    holders: list[dict[str, TierKind]] = []
+    for flat in raw:
+        items = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
+        holders.append({items[j]: TierKind(int(items[j + 1])) for j in range(0, len(items), 2)})
+    nodes: dict[str, NodeShare] = {}
+    for i, block in enumerate(holders):
+        for node, tier in block.items():
+            share = nodes.setdefault(node, NodeShare(node, 0, 0))
+            share.blocks += 1
+            share.tiers[tier] = share.tiers.get(tier, 0) + 1
+            if share.leading == i:
+                share.leading += 1
+    return ClusterLookup(len(holders), holders, nodes)
+
+
+# ------------------------------------------------------------------------------------ read side
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    node_id: str
+    alive: bool
+    addr: str
+    epoch: int | None
+    info: dict[str, str]
+
+
+class IndexReader:
+    """Blocking reads of the index: longest-prefix lookup (one round trip) and node listing."""
+
+    def __init__(self, url: str, *, socket_timeout: float = 5.0) -> None:
+        self.url = url
+        self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def __enter__(self) -> IndexReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> ClusterLookup:
+        """Longest prefix of the chain held by any live node: exactly one Redis round trip."""
+        if not hashes:
+            return ClusterLookup(0, [], {})
+        raw = self._lookup(keys=[block_key(namespace, h) for h in hashes], args=[ALIVE_PREFIX])
+        return summarize(raw)
+
+    def nodes(self) -> list[NodeInfo]:
+        ids = sorted(x.decode() for x in self._redis.smembers(NODES_KEY))
+        if not ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for node in ids:
+            pipe.get(alive_key(node))
+            pipe.hgetall(node_key(node))
+        res = pipe.execute()
+        out = []
+        for k, node in enumerate(ids):
+            epoch_raw, info_raw = res[2 * k], res[2 * k + 1]
+            info = {a.decode(): b.decode() for a, b in info_raw.items()}
+            out.append(NodeInfo(node, epoch_raw is not None, info.get("addr", ""),
+                                int(epoch_raw) if epoch_raw is not None else None, info))  # fmt: skip
+        return out
+
+    def node_addrs(self) -> dict[str, str]:
+        """Addresses of live nodes."""
+        return {n.node_id: n.addr for n in self.nodes() if n.alive and n.addr}
+
+
+# ----------------------------------------------------------------------------------- write side
+
+
+@dataclass(slots=True)
+class PublisherStats:
+    connected: bool = False
+    queued: int = 0
+    flushed: int = 0
+    resyncs: int = 0
+    overflows: int = 0
+    errors: int = 0
+    epoch: int = 0
+    lag_seconds: float = 0.0
+    resync_pending: bool = False
+    last_error: str = ""
+
+
+Holding = tuple[str, bytes, TierKind]
+
+
+class IndexPublisher:
+    """A node's side of the index: heartbeat, batched updates off the request path, resyncs.
+
+    Thread model: everything runs on the node's event loop; `note()` is synchronous and O(1) (called
+    by the TierManager on every placement change). Invariants: at most `max_pending` distinct keys are
+    queued (beyond that the queue is dropped and a full resync is scheduled); a key's queued value is
+    always its latest state (tier, or None for removal), so coalescing never reorders a key's history.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        node_id: str,
+        addr: str,
+        holdings: Callable[[], Iterable[Holding]],
+        node_info: Callable[[], dict[str, int | str]],
+        *,
+        ttl_seconds: float = 10.0,
+        flush_interval: float = 0.02,
+        max_pending: int = 100_000,
+        batch: int = 2000,
+        gc_interval: float = 60.0,
+    ) -> None:
+        self.url = url
+        self.node_id = node_id
+        self.addr = addr
+        self._holdings = holdings
+        self._node_info = node_info
+        self.ttl_seconds = ttl_seconds
+        self.flush_interval = flush_interval
+        self.max_pending = max_pending
+        self.batch = batch
+        self.gc_interval = gc_interval
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=max(1.0, ttl_seconds / 2),
+                                              socket_connect_timeout=max(1.0, ttl_seconds / 2))  # fmt: skip
+        self._pending: dict[tuple[str, bytes], TierKind | None] = {}
+        self._oldest_pending: float | None = None
+        self._need_resync = True
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._gc_cursor = 0
+        self.stats = PublisherStats()
+
+    # -- called by the manager (sync, cheap)
+
+    def note(self, namespace: str, h: bytes, tier: TierKind | None) -> None:
+        """Record a page's new placement (None: gone from this node)."""
+        if self._need_resync:
+            return  # a resync republishes everything from the manager's state anyway
+        if len(self._pending) >= self.max_pending and (namespace, h) not in self._pending:
+            self._pending.clear()
+            self._oldest_pending = None
+            self._need_resync = True
+            self.stats.overflows += 1
+            log.warning("index update queue overflowed (%d keys): full resync scheduled", self.max_pending)
+        else:
+            self._pending[(namespace, h)] = tier
+            if self._oldest_pending is None:
+                self._oldest_pending = time.monotonic()
+        if len(self._pending) >= self.batch:
+            self._wake.set()
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._flush_loop()), loop.create_task(self._heartbeat_loop()),
+                       loop.create_task(self._gc_loop())]  # fmt: skip
+
+    async def close(self, deregister: bool = True) -> None:
+        """Stop; with deregister, flush what is queued and drop the alive key so lookups skip this node
+        at once (its entries stay until swept; the next start takes a new epoch)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if deregister:
+            try:
+                await asyncio.wait_for(self._flush_once(), self.ttl_seconds)
+                await asyncio.wait_for(self._redis.delete(alive_key(self.node_id)), self.ttl_seconds)
+            except (redis.RedisError, OSError, TimeoutError) as exc:
+                log.info("index deregistration skipped: %s", exc)
+        await self._redis.aclose()
+
+    # -- loops (each iteration bounded in time by socket timeouts; loops end on cancel)
+
+    async def _flush_loop(self) -> None:
+        backoff = self.flush_interval
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), backoff)
+            self._wake.clear()
+            try:
+                talked = self._need_resync or bool(self._pending)
+                if self._need_resync:
+                    await self._resync()
+                await self._flush_once()
+                backoff = self.flush_interval
+                if talked:
+                    self._connected(True)
+            except (redis.RedisError, OSError) as exc:
+                self._failed(exc)
+                backoff = min(2.0, max(backoff * 2, 0.1))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_seconds / 3)
+            if self._need_resync:
+                continue  # the flush loop registers us when it resyncs
+            try:
+                await self._heartbeat()
+                self._connected(True)
+            except (redis.RedisError, OSError) as exc:
+                self._failed(exc)
+
+    async def _gc_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.gc_interval)
+            try:
+                await self.gc_step()
+            except (redis.RedisError, OSError) as exc:
+                log.debug("index gc step failed: %s", exc)
+
+    # -- steps
+
+    async def _heartbeat(self) -> None:
+        ttl_ms = int(self.ttl_seconds * 1000)
+        ok = await self._redis.set(alive_key(self.node_id), str(self.stats.epoch), xx=True, px=ttl_ms)
+        if not ok:
+            # Our alive key is gone (expired during an outage, or Redis lost its data): our entries
+            # may be gone too. Republish everything under a new epoch.
+            log.warning("index: alive key missing; full resync")
+            self._need_resync = True
+            self._wake.set()
+            return
+        await self._write_node_info()
+
+    def status(self) -> PublisherStats:
+        """Counters with the queue length, lag and resync flag as of now."""
+        self.stats.queued = len(self._pending)
+        self.stats.lag_seconds = time.monotonic() - self._oldest_pending if self._oldest_pending else 0.0
+        self.stats.resync_pending = self._need_resync
+        return self.stats
+
+    async def _write_node_info(self) -> None:
+        self.status()
+        info: dict[str, int | str] = {
+            "addr": self.addr, "epoch": self.stats.epoch, "version": __version__,
+            "queued": self.stats.queued, "lag_ms": int(self.stats.lag_seconds * 1000),
+            "resyncs": self.stats.resyncs, "overflows": self.stats.overflows, "heartbeat": int(time.time()),
+            **self._node_info(),
+        }  # fmt: skip
+        pipe = self._redis.pipeline(transaction=False)
+        pipe.sadd(NODES_KEY, self.node_id)
+        pipe.hset(node_key(self.node_id), mapping=info)
+        pipe.expire(node_key(self.node_id), int(max(60, 30 * self.ttl_seconds)))
+        await pipe.execute()
+
+    async def _resync(self) -> None:
+        """New epoch, then every holding of the node; queued updates after the snapshot still apply."""
+        self._pending.clear()
+        self._oldest_pending = None
+        self._need_resync = False
+        try:
+            epoch = int(await self._redis.incr(epoch_key(self.node_id)))
+            snapshot = list(self._holdings())
+            for start in range(0, len(snapshot), self.batch):
+                pipe = self._redis.pipeline(transaction=False)
+                for ns, h, tier in snapshot[start : start + self.batch]:
+                    pipe.hset(block_key(ns, h), self.node_id, f"{epoch}:{int(tier)}")
+                await pipe.execute()
+            # Only now do this epoch's entries become visible: lookups match entries to the alive value.
+            await self._redis.set(alive_key(self.node_id), str(epoch), px=int(self.ttl_seconds * 1000))
+        except BaseException:
+            self._need_resync = True
+            raise
+        self.stats.epoch = epoch
+        self.stats.resyncs += 1
+        await self._write_node_info()
+        log.info("index: published %d page(s) under epoch %d", len(snapshot), epoch)
+
+    async def _flush_once(self) -> None:
+        if not self._pending or self._need_resync:
+            return
+        batch = self._pending
+        self._pending = {}
+        oldest = self._oldest_pending
+        self._oldest_pending = None
+        try:
+            items = list(batch.items())
+            for start in range(0, len(items), self.batch):
+                pipe = self._redis.pipeline(transaction=False)
+                for (ns, h), tier in items[start : start + self.batch]:
+                    if tier is None:
+                        pipe.hdel(block_key(ns, h), self.node_id)
+                    else:
+                        pipe.hset(block_key(ns, h), self.node_id, f"{self.stats.epoch}:{int(tier)}")
+                await pipe.execute()
+        except BaseException:
+            # Put the batch back under anything newer that arrived meanwhile (newer wins).
+            batch.update(self._pending)
+            self._pending = batch
+            self._oldest_pending = oldest
+            raise
+        self.stats.flushed += len(batch)
+
+    async def gc_step(self, count: int = 1000) -> int:
+        """Remove up to one SCAN page of dead or stale fields; returns how many fields were removed."""
+        cursor, keys = await self._redis.scan(self._gc_cursor, match=f"{PREFIX}b:*", count=count)
+        self._gc_cursor = int(cursor)
+        if not keys:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)
+        for k in keys:
+            pipe.hgetall(k)
+        contents = await pipe.execute()
+        nodes = {n for c in contents for n in c}
+        pipe = self._redis.pipeline(transaction=False)
+        for n in nodes:
+            pipe.get(ALIVE_PREFIX.encode() + n)
+        epochs = dict(zip(nodes, await pipe.execute(), strict=True))
+        pipe = self._redis.pipeline(transaction=False)
+        removed = 0
+        for k, c in zip(keys, contents, strict=True):
+            for n, v in c.items():
+                ep = epochs[n]
+                if ep is None or v.split(b":", 1)[0] != ep:
+                    pipe.hdel(k, n)
+                    removed += 1
+        if removed:
+            await pipe.execute()
+        return removed
+
+    def _connected(self, ok: bool) -> None:
+        if ok and not self.stats.connected:
+            log.info("index: connected to %s", self.url)
+        self.stats.connected = ok
+
+    def _failed(self, exc: BaseException) -> None:
+        if self.stats.connected:
+            log.warning("index: Redis unreachable (%s); serving locally, queueing updates", exc)
+        self.stats.connected = False
+        self.stats.errors += 1
+        self.stats.last_error = str(exc)[:200]
+        # Whatever Redis holds now may be gone when it returns: republish then.
+        self._need_resync = True
