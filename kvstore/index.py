@@ -175,9 +175,10 @@ class NodeInfo:
 class IndexReader:
     """Blocking reads of the index: longest-prefix lookup (one round trip) and node listing."""
 
-    def __init__(self, url: str, *, socket_timeout: float = 5.0) -> None:
+    def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None) -> None:
         self.url = url
-        self._redis = redis.Redis.from_url(url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout)
+        self._redis = client or redis.Redis.from_url(url, socket_timeout=socket_timeout,
+                                                     socket_connect_timeout=socket_timeout)  # fmt: skip
         self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
 
     def close(self) -> None:

@@ -19,3 +19,12 @@ def test_store_bench_quick_run(tmp_path: Path) -> None:
     assert {r["op"] for r in data["rows"]} == {"put", "get_dram", "get_nvme"}
     table = (tmp_path / "store_bench.md").read_text()
     assert "get NVMe" in table and "CHECK FAILED" not in table and "CELL FAILED" not in table
+
+
+def test_index_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "index_bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "index_bench.json").read_text())
+    assert [r["round_trips"] for r in data["lookups"]] == [1.0, 1.0, 1.0]  # the index's contract
+    assert data["updates"]["flushed"] == data["updates"]["pages"]
