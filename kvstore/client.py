@@ -24,7 +24,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import KVStoreError, from_status
 from kvstore.layout import PageLayout
-from kvstore.stats import NodeStats
+from kvstore.stats import LookupResult, NodeStats
 from kvstore.tiers.base import TierKind
 from kvstore.wire import MAX_MESSAGE_BYTES, Buffer, FetchedPage, GetAssembler, put_requests, stats_from_pb
 
@@ -40,13 +40,6 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 class PutResult:
     stored: int
     already_present: int
-
-
-@dataclass(slots=True)
-class LookupResult:
-    matched: int
-    tiers: list[TierKind]
-    namespace_known: bool
 
 
 @dataclass(slots=True)

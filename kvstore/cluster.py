@@ -105,7 +105,7 @@ class ClusterClient:
         for _ in range(max(1, sum(len(h) for h in found.holders) + found.matched)):
             if i >= found.matched:
                 break
-            choice = self._best_holder(found, i, excluded)
+            choice = found.best_holder(i, excluded)
             if choice is None:
                 break
             node, run = choice
@@ -124,20 +124,6 @@ class ClusterClient:
 
     def get(self, namespace: str, hashes: Sequence[bytes]) -> list[memoryview]:
         return [memoryview(p.data) for p in self.get_pages(namespace, hashes)]
-
-    @staticmethod
-    def _best_holder(found: ClusterLookup, i: int, excluded: set[tuple[str, int]]) -> tuple[str, int] | None:
-        best: tuple[int, int, str] | None = None
-        for node, tier in found.holders[i].items():
-            if (node, i) in excluded:
-                continue
-            run = 1
-            while i + run < found.matched and node in found.holders[i + run]:
-                run += 1
-            cand = (-run, int(tier), node)
-            if best is None or cand < best:
-                best = cand
-        return None if best is None else (best[2], -best[0])
 
     def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
         """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere)."""

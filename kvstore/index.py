@@ -36,7 +36,7 @@ import contextlib
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -122,22 +122,27 @@ class ClusterLookup:
     holders: list[dict[str, TierKind]]  # per matched block: node_id -> tier
     nodes: dict[str, NodeShare]
 
+    def best_holder(self, i: int, excluded: Container[tuple[str, int]] = ()) -> tuple[str, int] | None:
+        """(node, run) to fetch from at block i: the holder with the longest run from i, ties to the
+        hotter tier, then the node id (stable); None when every holder of block i is excluded."""
+        best: tuple[int, int, str] | None = None
+        for node, tier in self.holders[i].items():
+            if (node, i) in excluded:
+                continue
+            run = 1
+            while i + run < self.matched and node in self.holders[i + run]:
+                run += 1
+            cand = (-run, int(tier), node)
+            if best is None or cand < best:
+                best = cand
+        return None if best is None else (best[2], -best[0])
+
     def plan(self) -> list[tuple[str, int, int]]:
-        """Segments (node_id, start, end) covering blocks [0, matched): at each uncovered block take the
-        holder with the longest run from there, ties to the hotter tier, then the node id (stable)."""
+        """Segments (node_id, start, end) covering blocks [0, matched), chosen by best_holder."""
         out: list[tuple[str, int, int]] = []
         i = 0
         while i < self.matched:
-            best: tuple[int, int, str] | None = None
-            for node, tier in self.holders[i].items():
-                run = 1
-                while i + run < self.matched and node in self.holders[i + run]:
-                    run += 1
-                cand = (-run, int(tier), node)
-                if best is None or cand < best:
-                    best = cand
-            assert best is not None
-            run, node = -best[0], best[2]
+            node, run = self.best_holder(i)  # type: ignore[misc]  # every matched block has a holder
             out.append((node, i, i + run))
             i += run
         return out

@@ -46,7 +46,7 @@ from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
 from kvstore.layout import PageLayout
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, align_up, payload_checksum
 from kvstore.policy import EvictionPolicy, first_usable, make_policy
-from kvstore.stats import IndexStatus, NodeStats, TierCounters, TierStats, copy_counters
+from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierCounters, TierStats, copy_counters
 from kvstore.tiers.base import TierKind
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
@@ -95,13 +95,6 @@ class Entry:
     def used_len(self) -> int:
         """Bytes of the slot that carry data: header block plus payload rounded to 4 KiB."""
         return HEADER_BYTES + align_up(self.payload_len)
-
-
-@dataclass(slots=True)
-class LookupResult:
-    matched: int
-    tiers: list[TierKind]
-    namespace_known: bool
 
 
 @dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""Counters and snapshots a node reports (Stats RPC, kvctl). Plain data, no behaviour beyond ratios."""
+"""Plain data a node reports (Stats, Lookup results, kvctl). No behaviour beyond ratios."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ from dataclasses import dataclass, fields
 from kvstore import __version__
 from kvstore.layout import PageLayout
 from kvstore.tiers.base import TierKind
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """Longest stored prefix of a chain on one node, the tier of each matched block, and whether the
+    node knows the namespace at all."""
+
+    matched: int
+    tiers: list[TierKind]
+    namespace_known: bool
 
 
 @dataclass(slots=True)
