@@ -277,8 +277,9 @@ class IndexPublisher:
         self.max_pending = max_pending
         self.batch = batch
         self.gc_interval = gc_interval
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=max(1.0, ttl_seconds / 2),
-                                              socket_connect_timeout=max(1.0, ttl_seconds / 2))  # fmt: skip
+        # A stuck Redis call must give up well before the next heartbeat is due (every ttl/3).
+        timeout = max(0.25, ttl_seconds / 4)
+        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._pending: dict[tuple[str, bytes], TierKind | None] = {}
         self._oldest_pending: float | None = None
         self._need_resync = True
@@ -352,6 +353,8 @@ class IndexPublisher:
             await asyncio.sleep(self.ttl_seconds / 3)
             if self._need_resync:
                 continue  # the flush loop registers us when it resyncs
+            if self._pending and not self.stats.connected:
+                continue  # flush the backlog first: a heartbeat must not announce entries not yet written
             try:
                 await self._heartbeat()
                 self._connected(True)
@@ -487,5 +490,6 @@ class IndexPublisher:
         self.stats.connected = False
         self.stats.errors += 1
         self.stats.last_error = str(exc)[:200]
-        # Whatever Redis holds now may be gone when it returns: republish then.
-        self._need_resync = True
+        # Keep queueing (bounded). When Redis answers again the queue is flushed; if Redis lost our
+        # entries meanwhile (restart, or our alive key expired), the heartbeat finds the alive key gone
+        # and a full resync follows. Only a queue overflow forces a resync by itself.

@@ -43,10 +43,11 @@ def redis_server() -> Iterator[RedisProcess]:
         r.close()
 
 
-def start(tmp_path: Path, url: str, name: str, dram_pages: int = 16, nvme_pages: int = 64) -> NodeProcess:
+def start(tmp_path: Path, url: str, name: str, dram_pages: int = 16, nvme_pages: int = 64,
+          ttl: float = TTL) -> NodeProcess:  # fmt: skip
     return NodeProcess(dram_bytes=dram_pages * SLOT, nvme_path=tmp_path / name, nvme_bytes=nvme_pages * SLOT,
                        max_page_bytes=LAYOUT.page_bytes, node_id=name, redis_url=url,
-                       extra_args=["--index-ttl", str(TTL)]).start()  # fmt: skip
+                       extra_args=["--index-ttl", str(ttl)]).start()  # fmt: skip
 
 
 @pytest.fixture
@@ -269,3 +270,26 @@ def test_kvstore_up_serves_a_prefix_split_across_two_nodes(tmp_path: Path) -> No
         host, port = addr.rsplit(":", 1)
         with pytest.raises(OSError):  # `up` stopped every process it started
             socket.create_connection((host, int(port)), timeout=2).close()
+
+
+def test_brief_redis_stall_flushes_the_queue_without_a_resync(tmp_path: Path, redis_server: RedisProcess) -> None:
+    """Redis unreachable for a moment but not restarted: queued updates are written, no full resync."""
+    # TTL 4 s: Redis calls time out after 1 s and heartbeats come every 1.33 s, so a 2 s stall makes
+    # calls fail but cannot let the alive key expire.
+    node = start(tmp_path, redis_server.url, "p0", ttl=4.0)
+    try:
+        with ClusterClient(redis_server.url) as cc, KVStoreClient(node.addr) as kv:
+            wait_for(lambda: index_settled([node.addr]), what="index to settle")
+            resyncs = kv.stats().index.resyncs  # type: ignore[union-attr]
+            rd = redis.Redis.from_url(redis_server.url)
+            rd.execute_command("CLIENT", "PAUSE", "2000", "ALL")  # every client's commands stall 2 s
+            rd.close()
+            stalled = [key(i, "stall") for i in range(3)]
+            kv.put(NS, LAYOUT, stalled, [page(h) for h in stalled])  # the node serves on meanwhile
+            assert kv.lookup(NS, stalled) == 3
+            wait_for(lambda: cc.lookup(NS, stalled).matched == 3, timeout=20, what="queued updates to land")
+            wait_for(lambda: index_settled([node.addr]), what="index to settle")
+            status = kv.stats().index
+            assert status.errors > 0 and status.resyncs == resyncs  # type: ignore[union-attr]
+    finally:
+        node.close()
