@@ -78,6 +78,7 @@ class Entry:
     readers: int = 0
     moving: asyncio.Future[None] | None = None
     shadow: int | None = None  # free NVMe slot still holding this page's durable copy
+    prefetched: bool = False  # promoted by a prefetch and not read since (used / wasted accounting)
 
     @property
     def key(self) -> Key:
@@ -279,6 +280,10 @@ class TierManager:
         self.index_status: Callable[[], object] | None = None  # IndexPublisher.status when publishing
         self._lookups = self._lookup_blocks = self._lookup_matched = 0
         self._prefetch_issued = self._prefetch_completed = 0
+        self._prefetch_used = self._prefetch_wasted = 0
+        self._prefetching: set[Key] = set()  # pages with a prefetch in flight (one task per page)
+        # NOTE: bounds concurrent prefetch I/O so a large Prefetch cannot starve Gets of I/O threads.
+        self._prefetch_slots = asyncio.Semaphore(max(1, config.io_threads // 2))
         self._put_rejected = 0
         self.recovered_pages = 0
 
@@ -438,6 +443,8 @@ class TierManager:
                 if lease is None:
                     return
                 self._tiers[lease.held_in].policy.on_access(lease.key)
+                if (e := self._entries.get(lease.key)) is not None:
+                    self._note_prefetch_fate(e, used=True)
                 read_ahead()
                 yield lease
                 lease.release()
@@ -629,28 +636,47 @@ class TierManager:
             target = TierKind.DRAM
         scheduled = resident = missing = 0
         for h in hashes:
-            entry = self._entries.get((namespace, h))
+            key = (namespace, h)
+            entry = self._entries.get(key)
             if entry is None:
                 missing += 1
-            elif entry.tier <= target:
-                resident += 1
+            elif entry.tier <= target or key in self._prefetching:
+                resident += 1  # there already, or on its way
             else:
                 scheduled += 1
                 self._prefetch_issued += 1
-                self._spawn(self._prefetch_one(entry.key, target))
+                self._prefetching.add(key)
+                self._spawn(self._prefetch_one(key, target))
         return scheduled, resident, missing
 
     async def _prefetch_one(self, key: Key, target: TierKind) -> None:
+        """Promote one page toward target. A Get that arrives meanwhile waits for the move (entry.moving)
+        instead of reading the page a second time; a page promoted here counts as used when a Get reads
+        it, and as wasted when it leaves the tier (or the node) unread."""
         try:
-            entry = await self._settled(key)
-            if entry is not None and entry.tier is TierKind.NVME:
-                await self._promote_to_dram(entry)
-            entry = await self._settled(key)
-            if entry is not None and target is TierKind.HBM and entry.tier is TierKind.DRAM:
-                await self._promote_dram_to_hbm(entry)
-            self._prefetch_completed += 1
+            async with self._prefetch_slots:
+                entry = await self._settled(key)
+                if entry is not None and entry.tier is TierKind.NVME:
+                    await self._promote_to_dram(entry)
+                entry = await self._settled(key)
+                if entry is not None and target is TierKind.HBM and entry.tier is TierKind.DRAM:
+                    await self._promote_dram_to_hbm(entry)
+                entry = self._entries.get(key)
+                if entry is not None and entry.tier <= target:
+                    entry.prefetched = True
+                    self._prefetch_completed += 1
         except (ResourceExhausted, Unavailable) as exc:
             log.debug("prefetch of %s skipped: %s", key[1].hex(), exc)
+        finally:
+            self._prefetching.discard(key)
+
+    def _note_prefetch_fate(self, entry: Entry, used: bool) -> None:
+        if entry.prefetched:
+            entry.prefetched = False
+            if used:
+                self._prefetch_used += 1
+            else:
+                self._prefetch_wasted += 1
 
     # ------------------------------------------------------------------ moves
 
@@ -719,6 +745,7 @@ class TierManager:
         """Move a victim one tier down, or drop it when there is no slower tier with room."""
         src = self._tiers[entry.tier]
         src.counters.evictions += 1
+        self._note_prefetch_fate(entry, used=False)
         if entry.tier is TierKind.HBM:
             await self._move(entry, TierKind.DRAM, demotion=True)
             return
@@ -814,6 +841,7 @@ class TierManager:
         """Remove a page from the node. erase=True also erases durable copies (delete, corruption)."""
         if self._entries.get(entry.key) is not entry:
             return
+        self._note_prefetch_fate(entry, used=False)
         self._unpublish(entry)
         del self._entries[entry.key]
         self._ns_pages[entry.namespace] -= 1
@@ -955,6 +983,8 @@ class TierManager:
             lookup_matched=self._lookup_matched,
             prefetch_issued=self._prefetch_issued,
             prefetch_completed=self._prefetch_completed,
+            prefetch_used=self._prefetch_used,
+            prefetch_wasted=self._prefetch_wasted,
             pinned_pages=sum(1 for e in self._entries.values() if e.pinned),
             put_rejected=self._put_rejected,
             index=self._index_status(),

@@ -84,6 +84,8 @@ class NodeStats:
     pinned_pages: int
     put_rejected: int
     version: str = __version__
+    prefetch_used: int = 0  # prefetched pages a Get then read
+    prefetch_wasted: int = 0  # prefetched pages evicted or dropped unread
     index: IndexStatus | None = None
 
 
@@ -116,6 +118,8 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "lookup_matched": stats.lookup_matched,
         "prefetch_issued": stats.prefetch_issued,
         "prefetch_completed": stats.prefetch_completed,
+        "prefetch_used": stats.prefetch_used,
+        "prefetch_wasted": stats.prefetch_wasted,
         "pinned_pages": stats.pinned_pages,
         "put_rejected": stats.put_rejected,
         "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},

@@ -217,7 +217,8 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         tiers=tiers, namespaces=namespaces, lookups=stats.lookups, lookup_blocks=stats.lookup_blocks,
         lookup_matched=stats.lookup_matched, prefetch_issued=stats.prefetch_issued,
         prefetch_completed=stats.prefetch_completed, pinned_pages=stats.pinned_pages,
-        put_rejected=stats.put_rejected, version=stats.version,
+        put_rejected=stats.put_rejected, version=stats.version, prefetch_used=stats.prefetch_used,
+        prefetch_wasted=stats.prefetch_wasted,
         index=None if stats.index is None else pb.IndexStats(**{f.name: getattr(stats.index, f.name)
                                                                 for f in fields(IndexStatus)}),
     )  # fmt: skip
@@ -239,7 +240,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         namespaces=namespaces, lookups=msg.lookups, lookup_blocks=msg.lookup_blocks,
         lookup_matched=msg.lookup_matched, prefetch_issued=msg.prefetch_issued,
         prefetch_completed=msg.prefetch_completed, pinned_pages=msg.pinned_pages,
-        put_rejected=msg.put_rejected, version=msg.version,
+        put_rejected=msg.put_rejected, version=msg.version, prefetch_used=msg.prefetch_used,
+        prefetch_wasted=msg.prefetch_wasted,
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index") else None,
     )  # fmt: skip

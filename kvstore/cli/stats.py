@@ -53,7 +53,8 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
     matched = f"{stats.lookup_matched}/{stats.lookup_blocks}" if stats.lookup_blocks else "0/0"
     console.print(
         f"lookups {stats.lookups} (blocks matched {matched}), prefetch issued {stats.prefetch_issued} "
-        f"completed {stats.prefetch_completed}, pinned pages {stats.pinned_pages}, "
+        f"completed {stats.prefetch_completed} used {stats.prefetch_used} wasted {stats.prefetch_wasted}, "
+        f"pinned pages {stats.pinned_pages}, "
         f"rejected puts {stats.put_rejected}"
     )
     if stats.index is not None:

@@ -28,3 +28,12 @@ def test_index_bench_quick_run(tmp_path: Path) -> None:
     data = json.loads((tmp_path / "index_bench.json").read_text())
     assert [r["round_trips"] for r in data["lookups"]] == [1.0, 1.0, 1.0]  # the index's contract
     assert data["updates"]["flushed"] == data["updates"]["pages"]
+
+
+def test_prefetch_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "prefetch_bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "prefetch_bench.json").read_text())["rows"]
+    assert rows[0]["prefetch_lead_ms"] is None and rows[0]["pages_found_in_dram"] == 0
+    assert rows[-1]["prefetch_used"] > 0  # prefetched pages were read by the Gets

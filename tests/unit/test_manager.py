@@ -392,3 +392,67 @@ def test_nvme_dir_of_another_geometry_is_refused_untouched(tmp_path: Path) -> No
     with pytest.raises(NvmeFormatError, match="max-page-bytes"):
         TierManager(other)
     assert {p.name: p.read_bytes() for p in (tmp_path / "nvme").iterdir()} == before
+
+
+def slowed_reads(mgr: TierManager, delay: float) -> list[int]:
+    """Wrap the real NVMe read with a delay; returns the list of slots read (appended as they finish)."""
+    nvme = mgr._nvme_medium
+    real_read = nvme.read_slot
+    done: list[int] = []
+
+    def slow_read(slot: int, into: memoryview) -> None:
+        time.sleep(delay)
+        real_read(slot, into)
+        done.append(slot)
+
+    nvme.read_slot = slow_read  # type: ignore[method-assign]
+    return done
+
+
+def test_get_during_prefetch_waits_and_reads_once(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        await put(mgr, list(range(8)))  # 0..3 on NVMe
+        reads = slowed_reads(mgr, 0.2)
+        assert mgr.prefetch(NS, [key(0)]) == (1, 0, 0)
+        assert mgr.prefetch(NS, [key(0)]) == (0, 1, 0)  # already on its way: no second task
+        await asyncio.sleep(0.05)  # the prefetch's NVMe read is in flight
+        got = await read(mgr, [0])
+        assert got == [(payload(key(0)), TierKind.DRAM)]  # waited for the promotion, found it in DRAM
+        assert len(reads) == 1  # one NVMe read in all
+        st = mgr.stats()
+        assert (st.prefetch_issued, st.prefetch_completed, st.prefetch_used, st.prefetch_wasted) == (1, 1, 1, 0)
+
+    run(body, config(tmp_path))
+
+
+def test_unread_prefetches_count_as_wasted(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        await put(mgr, list(range(8)))  # 0..3 on NVMe
+        mgr.prefetch(NS, [key(0), key(1)])
+        for _ in range(200):
+            if mgr.stats().prefetch_completed == 2:
+                break
+            await asyncio.sleep(0.01)
+        await read(mgr, [1])  # used
+        await put(mgr, list(range(20, 26)))  # pushes page 0 out of DRAM unread: wasted
+        st = mgr.stats()
+        assert (st.prefetch_used, st.prefetch_wasted) == (1, 1)
+
+    run(body, config(tmp_path))
+
+
+def test_prefetch_cancelled_at_shutdown_leaves_a_consistent_node(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+
+    async def first(mgr: TierManager) -> None:
+        await put(mgr, list(range(10)))
+        slowed_reads(mgr, 0.2)
+        assert mgr.prefetch(NS, [key(i) for i in range(6)])[0] == 6
+        await asyncio.sleep(0.05)  # close() cancels the prefetches mid-I/O
+
+    async def second(mgr: TierManager) -> None:
+        got = await read(mgr, list(range(10)))
+        assert [p for p, _ in got] == [payload(key(i)) for i in range(10)]
+
+    run(first, cfg)
+    run(second, cfg)
