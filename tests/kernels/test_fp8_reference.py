@@ -1,0 +1,82 @@
+"""quantize_fp8 / dequantize_fp8 (CPU reference path): scales, round-trip error bound, byte form.
+
+The bound tested (kernels.ops.FP8_REL_ERROR, FP8_SUBNORMAL_ABS_ERROR): for a value x of a
+(page, layer, K/V, kv head) slab with scale s = absmax / 448, the value x' read back in dtype `out` obeys
+    |x' - x| <= 2^-4 |x| + 2^-10 s + u_out |x'| + t_out
+2^-4: half a step of e4m3's 3-bit mantissa, relative (normal range); 2^-10 s: half the subnormal step;
+u_out, t_out: rounding of the result to the output dtype (half an ulp relative, and half its smallest
+subnormal step in absolute terms).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import FP8_E4M3_MAX, FP8_REL_ERROR, FP8_SUBNORMAL_ABS_ERROR
+from tests.kernels._cases import DTYPES, make_fp8_pages
+
+SHAPE = (3, 2, 2, 16, 4, 64)  # [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim]
+OUTPUT_ROUNDING = {  # dtype -> (u_out, t_out)
+    torch.float32: (2.0**-24, 2.0**-150),
+    torch.float16: (2.0**-11, 2.0**-25),
+    torch.bfloat16: (2.0**-8, 2.0**-134),
+}
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_round_trip_within_bound(in_dtype: torch.dtype, out_dtype: torch.dtype) -> None:
+    pages = make_fp8_pages(SHAPE, in_dtype, seed=11)
+    q, scales = kernels.quantize_fp8(pages)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == pages.shape
+    assert scales.dtype == torch.float32 and scales.shape == (3, 2, 2, 4)
+
+    x = pages.double()
+    back = kernels.dequantize_fp8(q, scales, out_dtype)
+    assert back.dtype == out_dtype and back.shape == pages.shape
+    s = scales.double()[:, :, :, None, :, None]
+    u_out, t_out = OUTPUT_ROUNDING[out_dtype]
+    err = (back.double() - x).abs()
+    bound = FP8_REL_ERROR * x.abs() + FP8_SUBNORMAL_ABS_ERROR * s + u_out * back.double().abs() + t_out
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item():.3g}"
+
+    # The bound is tight, not vacuous: normal-range values do reach close to 2^-4 relative error.
+    normal = (x.abs() >= 2.0**-6 * s) & (s > 0)
+    worst = (err[normal] / x.abs()[normal]).max().item()
+    assert worst > 2.0**-5
+
+
+def test_scales_are_slab_absmax_over_448() -> None:
+    pages = make_fp8_pages(SHAPE, torch.float32, seed=12)
+    _, scales = kernels.quantize_fp8(pages)
+    absmax = pages.abs().amax(dim=(3, 5))  # over block_size and head_dim
+    torch.testing.assert_close(scales, absmax / FP8_E4M3_MAX, rtol=0, atol=0)
+    assert scales[0, 0, 0, 0] == 0  # the all-zero slab
+
+
+def test_zero_slab_and_absmax_values() -> None:
+    pages = make_fp8_pages(SHAPE, torch.float16, seed=13)
+    q, scales = kernels.quantize_fp8(pages)
+    back = kernels.dequantize_fp8(q, scales, torch.float16)
+    assert torch.count_nonzero(back[0, 0, 0, :, 0, :]) == 0
+    # Each slab's absmax element maps to +-448 exactly.
+    bits = q.view(torch.uint8)
+    assert bool(((bits & 0x7F) <= 0x7E).all())  # 0x7F is NaN in e4m3fn: never produced
+    assert torch.equal(q.float().abs().amax(dim=(3, 5))[scales > 0], torch.full_like(scales[scales > 0], 448.0))
+
+
+def test_uint8_bytes_dequantize_like_fp8() -> None:
+    pages = make_fp8_pages(SHAPE, torch.bfloat16, seed=14)
+    q, scales = kernels.quantize_fp8(pages)
+    assert torch.equal(
+        kernels.dequantize_fp8(q.view(torch.uint8), scales, torch.bfloat16),
+        kernels.dequantize_fp8(q, scales, torch.bfloat16),
+    )
+
+
+def test_no_pages() -> None:
+    q, scales = kernels.quantize_fp8(torch.empty(0, 2, 2, 16, 4, 64, dtype=torch.float16))
+    assert q.shape == (0, 2, 2, 16, 4, 64) and scales.shape == (0, 2, 2, 4)
+    assert kernels.dequantize_fp8(q, scales).shape == q.shape
