@@ -1,0 +1,499 @@
+"""Trace replay of a block cache: pure simulation, no I/O (DESIGN.md §6).
+
+A trace is a list of requests in arrival order; a request is the list of its prompt's block ids
+(chained hashes: two requests share a block id only where they share the whole prefix up to it).
+`replay` serves each request against a cache object and counts hits; `belady_block_hits` gives the
+offline optimum for the same trace; `TieredBlockCache` is the simulated cache that drives the eviction
+policies of `kvstore.policy` the way the TierManager does. Reading trace files is the caller's job
+(benchmarks/trace_replay.py); `TraceRecord.from_json` turns one decoded JSON object into a record.
+
+Semantics of one request (what a serving engine does):
+    1. lookup: the blocks are looked up in order, before anything of this request is stored. The
+       engine can only use the longest cached prefix (attention over block d needs blocks 0..d-1).
+    2. put: every block of the request is then accessed in order (a cached block is touched, a block
+       in a lower tier is promoted, a missing block is computed and inserted), each with `parent` =
+       the previous block of the request (None for the first one).
+
+Hit rates (all over the total number of blocks in the trace):
+    block hit rate   blocks found cached at lookup time, at any position of the request. A block
+                     cached after the first miss of its request counts here: it is a hit for the
+                     cache, but the engine cannot use it, since its prefix must be recomputed.
+    prefix hit rate  per request, the length of the longest cached prefix: the blocks whose prefill
+                     is really saved. Always <= the block hit rate.
+    per tier         for a tiered cache, the block (prefix) hits served from each tier; they sum to
+                     the block (prefix) hit rate.
+    Belady           `belady_block_hits`: Belady's MIN with bypass, the most block hits any cache of
+                     that capacity can get on the trace (an upper bound for both rates above).
+
+While a request is served its blocks are pinned (the engine holds them), so a request never evicts
+its own blocks; a request longer than the cache stores what fits. `synthetic_workload` generates
+other shapes of traffic (multi-turn chat, document QA, a mix) to check that a policy is not fitted
+to one trace.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import random
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from kvstore.policy import EvictionPolicy, first_usable, make_policy, should_admit
+
+Block = Hashable
+
+
+@dataclass(slots=True, frozen=True)
+class TraceRecord:
+    """One request of a Mooncake-format trace (FAST'25): arrival time, lengths in tokens, and the
+    prompt's block ids (512 tokens per block in the released traces)."""
+
+    timestamp_ms: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> TraceRecord:
+        """From one decoded JSON line; raises ValueError naming the missing or malformed field."""
+        try:
+            return cls(
+                timestamp_ms=float(obj["timestamp"]),
+                input_length=int(obj.get("input_length", 0)),
+                output_length=int(obj.get("output_length", 0)),
+                hash_ids=tuple(int(h) for h in obj["hash_ids"]),
+            )
+        except KeyError as e:
+            raise ValueError(f"trace record lacks field {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"malformed trace record: {e}") from None
+
+
+@dataclass(slots=True, frozen=True)
+class TierSpec:
+    """One tier of a simulated cache: a name (for reports) and a capacity in blocks."""
+
+    name: str
+    capacity: int
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"tier {self.name!r}: capacity must be >= 1 block, got {self.capacity}")
+
+
+def parse_tiers(text: str) -> tuple[TierSpec, ...]:
+    """'hbm:1000,dram:4000,nvme:16000' -> tiers, top first. A bare number is one tier named 'cache'."""
+    text = text.strip()
+    if text.isdigit():
+        return (TierSpec("cache", int(text)),)
+    tiers = []
+    for part in text.split(","):
+        name, sep, cap = part.strip().partition(":")
+        if not sep or not name or not cap.strip().isdigit():
+            raise ValueError(f"tier spec {part!r} is not NAME:BLOCKS (in {text!r})")
+        tiers.append(TierSpec(name.strip(), int(cap)))
+    if len({t.name for t in tiers}) != len(tiers):
+        raise ValueError(f"tier names repeat in {text!r}")
+    return tuple(tiers)
+
+
+@runtime_checkable
+class ReplayCache(Protocol):
+    """What `replay` drives. A simulated cache implements it here; a cache node reached over gRPC
+    can implement the same two calls (lookup = longest cached prefix, put = store the request)."""
+
+    def lookup(self, blocks: Sequence[Block]) -> int:
+        """Length of the longest prefix of `blocks` that is cached. Must not change the cache."""
+        ...
+
+    def put(self, blocks: Sequence[Block]) -> None:
+        """The request was served: touch its cached blocks and store the others, in order."""
+        ...
+
+
+@runtime_checkable
+class ProbingCache(ReplayCache, Protocol):
+    """A cache that can also say, per block, which tier holds it (None = not cached), read-only.
+    Needed for the block hit rate and the per-tier figures; without it `replay` counts prefix hits."""
+
+    tier_names: tuple[str, ...]
+
+    def probe(self, blocks: Sequence[Block]) -> list[int | None]: ...
+
+
+@dataclass(slots=True)
+class ReplayResult:
+    """Counts from one replay. Rates are over `blocks`, the number of block lookups in the trace."""
+
+    requests: int = 0
+    blocks: int = 0
+    block_hits: int | None = 0
+    prefix_hits: int = 0
+    tier_names: tuple[str, ...] = ()
+    tier_block_hits: list[int] = field(default_factory=list)
+    tier_prefix_hits: list[int] = field(default_factory=list)
+
+    @property
+    def block_hit_rate(self) -> float | None:
+        return None if self.block_hits is None else self.block_hits / max(self.blocks, 1)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / max(self.blocks, 1)
+
+    def tier_rates(self) -> dict[str, tuple[float, float]]:
+        """Tier name -> (block hit rate, prefix hit rate) served from that tier."""
+        n = max(self.blocks, 1)
+        return {
+            name: (self.tier_block_hits[i] / n, self.tier_prefix_hits[i] / n) for i, name in enumerate(self.tier_names)
+        }
+
+
+def replay(requests: Iterable[Sequence[Block]], cache: ReplayCache) -> ReplayResult:
+    """Serve every request in order (lookup, then put) and count hits; see the module docstring."""
+    probing = isinstance(cache, ProbingCache)
+    names: tuple[str, ...] = cache.tier_names if probing else ()
+    res = ReplayResult(
+        block_hits=0 if probing else None,
+        tier_names=names,
+        tier_block_hits=[0] * len(names),
+        tier_prefix_hits=[0] * len(names),
+    )
+    for blocks in requests:
+        res.requests += 1
+        res.blocks += len(blocks)
+        prefix = cache.lookup(blocks)
+        res.prefix_hits += prefix
+        if probing:
+            where = cache.probe(blocks)  # type: ignore[attr-defined]
+            for i, tier in enumerate(where):
+                if tier is not None:
+                    res.block_hits += 1  # type: ignore[operator]
+                    res.tier_block_hits[tier] += 1
+                    if i < prefix:
+                        res.tier_prefix_hits[tier] += 1
+        cache.put(blocks)
+    return res
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """What a TieredBlockCache did, for reports and tests."""
+
+    inserted: int = 0  # missing blocks stored (at the top tier, or lower when the top was all pinned)
+    promoted: int = 0  # lower-tier hits moved to the top tier
+    demoted: int = 0  # victims moved one tier down
+    dropped: int = 0  # victims of the last tier (gone from the cache)
+    not_admitted: int = 0  # missing blocks the policy's admit() declined
+    not_stored: int = 0  # missing blocks with no room anywhere (every block pinned)
+
+
+class TieredBlockCache:
+    """Exclusive tiers of fixed capacity in blocks, one eviction policy instance per tier (as in the
+    TierManager). Invariants: a block is in at most one tier; a tier never holds more than its
+    capacity; each tier's policy holds exactly that tier's blocks.
+
+    Moves: a hit in a lower tier promotes the block to the top tier; a victim of tier i is demoted
+    into tier i+1 (whose own victims go further down) and dropped from the last tier; a miss is
+    inserted at the top. The blocks of the request being served are pinned (the engine holds them
+    while it runs), so they are never chosen as victims; if a tier has no unpinned block, a
+    promotion leaves the block where it is and an insertion tries the next tier down.
+
+    A promotion first takes the block out of its tier, then makes room at the top, so the slot it
+    frees can take the block demoted by that (a swap; nothing is dropped for it).
+
+    `hints=True` passes `parent` (the previous block of the request) and `reads` (hits on the block
+    since it was stored, in any tier) on every insert, also when a block moves between tiers (every
+    policy in POLICIES takes them; `hints=False` uses the bare `on_insert(key)` of the manager).
+    `admission=True` asks the top tier's policy `admit(key, parent)` (if it has one) before storing
+    a missing block.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[TierSpec] | int,
+        policy: str | Callable[[], EvictionPolicy] = "lru",
+        *,
+        hints: bool = True,
+        admission: bool = True,
+    ) -> None:
+        if isinstance(tiers, int):
+            tiers = (TierSpec("cache", tiers),)
+        if not tiers:
+            raise ValueError("a cache needs at least one tier")
+        self.tiers = tuple(tiers)
+        self.tier_names = tuple(t.name for t in self.tiers)
+        factory = (lambda: make_policy(policy)) if isinstance(policy, str) else policy
+        self.policies: list[EvictionPolicy] = [factory() for _ in self.tiers]
+        self.hints = hints
+        self.admission = admission
+        self.counters = CacheCounters()
+        self._where: dict[Block, int] = {}
+        self._size = [0] * len(self.tiers)
+        self._parent: dict[Block, Block | None] = {}  # of resident blocks, for moves between tiers
+        self._reads: dict[Block, int] = {}  # of resident blocks: hits since the block was stored
+        self._pinned: frozenset[Block] = frozenset()
+
+    # -- queries ------------------------------------------------------------------------------------
+
+    def probe(self, blocks: Sequence[Block]) -> list[int | None]:
+        return [self._where.get(b) for b in blocks]
+
+    def lookup(self, blocks: Sequence[Block]) -> int:
+        n = 0
+        for b in blocks:
+            if b not in self._where:
+                break
+            n += 1
+        return n
+
+    def tier_of(self, block: Block) -> int | None:
+        return self._where.get(block)
+
+    def size(self, tier: int = 0) -> int:
+        return self._size[tier]
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    # -- the request path ---------------------------------------------------------------------------
+
+    def put(self, blocks: Sequence[Block]) -> None:
+        self._pinned = frozenset(blocks)
+        try:
+            parent: Block | None = None
+            for key in blocks:
+                self._serve_block(key, parent)
+                parent = key
+        finally:
+            self._pinned = frozenset()
+
+    def _serve_block(self, key: Block, parent: Block | None) -> None:
+        tier = self._where.get(key)
+        if tier is not None:
+            self._reads[key] += 1
+        if tier == 0:
+            self.policies[0].on_access(key)
+            return
+        if tier is not None:
+            full = self._size[0] >= self.tiers[0].capacity
+            if full and first_usable(self.policies[0], self._usable) is None:
+                self.policies[tier].on_access(key)  # the top tier is all pinned: served from here
+                return
+            # NOTE: take the block out first, so the slot it frees can take a block demoted by
+            # the room-making below (exclusive tiers: the promotion is a swap, not a drop).
+            reads = self._reads[key]
+            self._remove(key)
+            self._make_room(0)
+            self._place(key, parent, 0, reads)
+            self.counters.promoted += 1
+            return
+        if self.admission and not should_admit(self.policies[0], key, parent if self.hints else None):
+            self.counters.not_admitted += 1
+            return
+        for t in range(len(self.tiers)):
+            if self._make_room(t):
+                self._place(key, parent, t)
+                self.counters.inserted += 1
+                return
+        self.counters.not_stored += 1
+
+    def _usable(self, key: Block) -> bool:
+        return key not in self._pinned
+
+    def _make_room(self, tier: int) -> bool:
+        """Evict from `tier` (demoting down the stack) until one block fits; False if all are pinned."""
+        while self._size[tier] >= self.tiers[tier].capacity:
+            victim = first_usable(self.policies[tier], self._usable)
+            if victim is None:
+                return False
+            parent, reads = self._parent[victim], self._reads[victim]
+            self._remove(victim)
+            if tier + 1 < len(self.tiers) and self._make_room(tier + 1):
+                self._place(victim, parent, tier + 1, reads)
+                self.counters.demoted += 1
+            else:
+                self.counters.dropped += 1
+        return True
+
+    def _place(self, key: Block, parent: Block | None, tier: int, reads: int = 0) -> None:
+        self._where[key] = tier
+        self._parent[key] = parent
+        self._reads[key] = reads
+        self._size[tier] += 1
+        if self.hints:
+            self.policies[tier].on_insert(key, parent=parent, reads=reads)  # type: ignore[call-arg]
+        else:
+            self.policies[tier].on_insert(key)
+
+    def _remove(self, key: Block) -> None:
+        tier = self._where.pop(key)
+        del self._parent[key]
+        del self._reads[key]
+        self._size[tier] -= 1
+        self.policies[tier].on_remove(key)
+
+
+def replay_policy(
+    requests: Sequence[Sequence[Block]],
+    tiers: Sequence[TierSpec] | int,
+    policy: str | Callable[[], EvictionPolicy],
+    *,
+    hints: bool = True,
+    admission: bool = True,
+) -> tuple[ReplayResult, CacheCounters]:
+    """Replay `requests` through a fresh TieredBlockCache; returns the hit counts and its counters."""
+    cache = TieredBlockCache(tiers, policy, hints=hints, admission=admission)
+    return replay(requests, cache), cache.counters
+
+
+def belady_block_hits(requests: Sequence[Sequence[Block]], capacity: int) -> ReplayResult:
+    """Belady's MIN with bypass on the block access stream of `requests` (every block of every
+    request in order): on a miss with a full cache, of the cached blocks and the missing one, the one
+    whose next use is farthest is not kept. The most block hits a cache of `capacity` blocks can get
+    on this trace (every policy here, admission and pins included, is a restriction of it).
+
+    A hit is counted when the block is accessed in the stream. `replay` counts at lookup time, before
+    the request's puts; the two agree for a cache that pins the request's blocks while serving it
+    (TieredBlockCache does), so this is an upper bound for it.
+
+    O(N log N): a max-heap of (next use, block) with lazy invalidation (an entry is stale when the
+    block's next use has moved on). Counts are per request as in `replay`; prefix hits are counted
+    on the same run (they are not the optimum of the prefix hit rate).
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+    stream = [b for req in requests for b in req]
+    never = len(stream)
+    next_use = [never] * len(stream)
+    last_seen: dict[Block, int] = {}
+    for i in range(len(stream) - 1, -1, -1):
+        next_use[i] = last_seen.get(stream[i], never)
+        last_seen[stream[i]] = i
+    cached: dict[Block, int] = {}  # block -> its next use
+    heap: list[tuple[int, int, Block]] = []  # (-next use, seq, block); seq keeps blocks uncompared
+    res = ReplayResult(requests=0, blocks=0, block_hits=0, prefix_hits=0)
+    i = 0
+    for req in requests:
+        res.requests += 1
+        res.blocks += len(req)
+        in_prefix = True
+        for b in req:
+            if b in cached:
+                res.block_hits += 1  # type: ignore[operator]
+                res.prefix_hits += in_prefix
+            else:
+                in_prefix = False
+            nxt = next_use[i]
+            if b in cached or len(cached) < capacity:
+                cached[b] = nxt
+                heapq.heappush(heap, (-nxt, i, b))
+            else:
+                while True:  # the cached block used farthest ahead
+                    neg, _, far = heap[0]
+                    if cached.get(far) == -neg:
+                        break
+                    heapq.heappop(heap)
+                if -neg > nxt:
+                    heapq.heappop(heap)
+                    del cached[far]
+                    cached[b] = nxt
+                    heapq.heappush(heap, (-nxt, i, b))
+                # else: bypass, b itself is the one used farthest ahead
+            if nxt == never and b in cached:
+                # NOTE: a block never used again is dead weight; dropping it now keeps the heap small
+                # and changes no decision (it would be the first victim anyway).
+                del cached[b]
+            i += 1
+            if len(heap) > 4 * capacity + 64:
+                heap = [e for e in heap if cached.get(e[2]) == -e[0]]
+                heapq.heapify(heap)
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# Synthetic workloads (seeded, pure): other shapes than the Mooncake trace, to check that a policy
+# is not fitted to one file. Block ids are ints; two requests share an id only where they share the
+# whole prefix up to it, as in the Mooncake format.
+
+
+class Workload(enum.Enum):
+    """Synthetic workload shapes (see `synthetic_workload`)."""
+
+    CHAT = "chat"  # multi-turn conversations over a few shared system prompts, short think times
+    DOCS = "docs"  # document QA: a popular document (Zipf) plus a one-off question per request
+    MIXED = "mixed"  # half chat, half docs, interleaved, plus one-off long prompts
+
+
+def synthetic_workload(kind: Workload | str, requests: int, seed: int = 0) -> list[list[int]]:
+    """`requests` requests (lists of block ids) of the given shape, reproducible from `seed`.
+
+    chat   conversations start at random; each turn is the previous turn's blocks (the whole
+           history) plus 1-4 new blocks (question and answer); after each turn a conversation goes
+           on with probability 0.8, its next turn placed a geometric number of requests later
+           (mean 50); 8 system prompts of 4-16 blocks, chosen by Zipf(1).
+    docs   1000 documents of 4-64 blocks, chosen by Zipf(0.8); each request is the document plus
+           one question block of its own.
+    mixed  the two interleaved at random, and one request in five a one-off prompt of 8-80 blocks.
+    """
+    kind = Workload(kind)
+    rnd = random.Random(seed)
+    ids = itertools.count()
+    chat = _ChatGen(rnd, ids)
+    docs = _DocsGen(rnd, ids)
+    out: list[list[int]] = []
+    while len(out) < requests:
+        if kind is Workload.CHAT:
+            out.append(chat.next())
+        elif kind is Workload.DOCS:
+            out.append(docs.next())
+        else:
+            u = rnd.random()
+            if u < 0.2:
+                out.append([next(ids) for _ in range(rnd.randint(8, 80))])
+            else:
+                out.append(chat.next() if u < 0.6 else docs.next())
+    return out
+
+
+def _zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (i + 1) ** s for i in range(n)]
+
+
+class _ChatGen:
+    CONTINUE = 0.8  # a conversation has another turn with this probability (mean 5 turns)
+    MEAN_GAP = 50  # requests between two turns of a conversation (geometric)
+
+    def __init__(self, rnd: random.Random, ids: Iterator[int]) -> None:
+        self.rnd, self.ids = rnd, ids
+        self.prompts = [[next(ids) for _ in range(rnd.randint(4, 16))] for _ in range(8)]
+        self.weights = _zipf_weights(len(self.prompts), 1.0)
+        self.due: list[tuple[int, int, list[int]]] = []  # (due request no, tie, history)
+        self.n = 0
+
+    def next(self) -> list[int]:
+        self.n += 1
+        if self.due and self.due[0][0] <= self.n:
+            _, _, hist = heapq.heappop(self.due)
+        else:
+            hist = list(self.rnd.choices(self.prompts, self.weights)[0])
+        req = hist + [next(self.ids) for _ in range(self.rnd.randint(1, 4))]
+        if self.rnd.random() < self.CONTINUE:
+            gap = 1
+            while self.rnd.random() > 1.0 / self.MEAN_GAP:
+                gap += 1
+            heapq.heappush(self.due, (self.n + gap, next(self.ids), req))
+        return req
+
+
+class _DocsGen:
+    def __init__(self, rnd: random.Random, ids: Iterator[int]) -> None:
+        self.rnd, self.ids = rnd, ids
+        self.docs = [[next(ids) for _ in range(rnd.randint(4, 64))] for _ in range(1000)]
+        self.weights = _zipf_weights(len(self.docs), 0.8)
+
+    def next(self) -> list[int]:
+        return [*self.rnd.choices(self.docs, self.weights)[0], next(self.ids)]
