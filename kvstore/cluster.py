@@ -94,8 +94,12 @@ class ClusterClient:
         """Longest prefix held by any live node, and per node how much of it: one Redis round trip."""
         return self.index.lookup(namespace, hashes)
 
-    def get_pages(self, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
-        """Pages of the longest retrievable prefix of `hashes`, in order, from whichever nodes hold them."""
+    def get_pages(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None) -> list[FetchedPage]:
+        """Pages of the longest retrievable prefix of `hashes`, in order, from whichever nodes hold them.
+
+        prefer_node: a node known to hold (part of) the chain, e.g. where a prefill worker just stored
+        it; it is asked for what the index does not show yet (the index is updated in batches).
+        """
         found = self.index.lookup(namespace, hashes)
         out: list[FetchedPage] = []
         excluded: set[tuple[str, int]] = set()  # (node, block) pairs known not to work
@@ -118,21 +122,28 @@ class ClusterClient:
             last_node = node
             if len(got) < run:
                 excluded.add((node, i))
-        if self.probe_tail and last_node is not None and len(out) == i and i < len(hashes):
-            out.extend(self._fetch(last_node, namespace, hashes[i:]))
+        probe = last_node or prefer_node
+        if self.probe_tail and probe is not None and len(out) == i and i < len(hashes):
+            out.extend(self._fetch(probe, namespace, hashes[i:]))
         return out
 
-    def get(self, namespace: str, hashes: Sequence[bytes]) -> list[memoryview]:
-        return [memoryview(p.data) for p in self.get_pages(namespace, hashes)]
+    def get(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None) -> list[memoryview]:
+        return [memoryview(p.data) for p in self.get_pages(namespace, hashes, prefer_node=prefer_node)]
 
     def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
-        """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere)."""
-        try:
-            return self.node(node).get_pages(namespace, hashes)
-        except _NODE_ERRORS as exc:
-            log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
-            self._addrs.pop(node, None)
-            return []
+        """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere).
+        A node that restarted on another address (per the index) is retried once there."""
+        for _attempt in range(2):
+            try:
+                return self.node(node).get_pages(namespace, hashes)
+            except _NODE_ERRORS as exc:
+                old = self._addrs.pop(node, None)
+                self._addrs = self.index.node_addrs()
+                if self._addrs.get(node) not in (None, old):
+                    continue
+                log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
+                return []
+        return []
 
     # -- writes
 

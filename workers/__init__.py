@@ -1,2 +1,16 @@
-"""Prefill and decode workers on Ray (issue: workers). Not built yet: this package is empty on purpose,
-it exists so the distribution layout (kvstore, workers, kernels) is fixed from the first release."""
+"""Prefill and decode workers (DESIGN.md §1, §9): a paged Llama, its checkpoint loader, and Ray on top.
+
+Model side (no Ray, no cache service; runs on CPU or CUDA):
+
+    paged_cache.py  BlockAllocator / BlockManager (pure bookkeeping: free list, per-sequence block
+                    tables) and PagedKVCache (per-layer K/V tensors [num_blocks, block_size, kv_heads,
+                    head_dim]; pages [n, layers, 2, block_size, kv_heads, head_dim] in and out)
+    model.py        ModelConfig, PagedLlama: prefill (chunked, after imported pages), batched decode,
+                    export_pages / import_pages, greedy_generate; attention through `kernels`
+    loader.py       Hugging Face checkpoint directory (config.json + safetensors, sharded or not) -> PagedLlama
+    tokenizer.py    tokenizer.json -> TextTokenizer (None when absent: callers use token ids)
+    testing.py      tiny random checkpoints and the transformers oracle, for tests and demos
+
+The Ray layer (serving engines, actors, router, runtime) builds on that API. Imports point downward:
+the model side imports `kernels` and `kvstore.layout` only, never the Ray layer.
+"""

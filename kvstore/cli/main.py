@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from importlib.metadata import entry_points
+
 import typer
 
 from kvstore.cli.demo import demo
@@ -12,6 +15,14 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvstore: a t
 app.command("serve")(serve)
 app.command("demo")(demo)
 app.command("up")(up)
+
+# Commands contributed by other installed packages (e.g. `workers`: generate, pd-demo) through the
+# "kvstore.cli" entry-point group, so kvstore itself never imports them (imports point downward only).
+for _ep in entry_points(group="kvstore.cli"):
+    try:
+        app.command(_ep.name)(_ep.load())
+    except ImportError as _exc:  # an extra that is not installed: the command is simply absent
+        logging.getLogger(__name__).debug("kvstore command %s unavailable: %s", _ep.name, _exc)
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+"""The model workers run: paged Llama against transformers, loader, paged-cache bookkeeping."""

@@ -1,0 +1,214 @@
+"""Disaggregated prefill/decode through the cache: the logic of the workers, free of Ray.
+
+`PrefillEngine` and `DecodeEngine` hold a model and a cache link; `workers/actors.py` wraps them in
+Ray actors. Keeping them plain classes lets tests and the single-process path run the exact same code.
+
+Prefill (one request): hash the prompt's full blocks (the v1 contract), look up the longest cached
+prefix through the cluster index, fetch those pages into the paged cache, compute only the rest, put
+the new full pages back (on the node holding the chain), return the first token and the block hashes.
+
+Decode (one request): fetch the prompt's pages by hash (from the node the prefill stored them on, or
+wherever the index says), recompute whatever did not come back (the trailing partial block always,
+and any block evicted meanwhile), then decode token by token. A page that vanished between prefill and
+decode costs recompute, never a wrong token.
+
+Pages travel as raw bytes: `[num_layers, 2, block_size, num_kv_heads, head_dim]` in the model's KV dtype
+(DESIGN.md §4), which is what `PagedLlama.export_pages` produces per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvstore.cluster import ClusterClient
+from kvstore.hashing import prefix_hashes
+from workers.loader import load_checkpoint
+from workers.model import CacheConfig, PagedLlama
+from workers.paged_cache import torch_dtype
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """What every worker needs: the checkpoint, the cache plane, and its own KV cache size."""
+
+    model_dir: str
+    redis_url: str
+    namespace: str
+    num_blocks: int = 512
+    block_size: int = 16
+    dtype: str = "float32"
+    local_node: str | None = None  # the cache node on this worker's host: puts go there first
+    torch_threads: int | None = None
+
+
+@dataclass(slots=True)
+class Timings:
+    lookup_s: float = 0.0
+    fetch_s: float = 0.0
+    compute_s: float = 0.0
+    put_s: float = 0.0
+
+    def total(self) -> float:
+        return self.lookup_s + self.fetch_s + self.compute_s + self.put_s
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """What a decode worker needs from a prefill: the first token and where the prompt's pages are."""
+
+    request_id: str
+    prompt_len: int
+    first_token: int
+    block_hashes: list[bytes]  # the prompt's full blocks
+    cached_blocks: int  # blocks that came from the cache (not computed)
+    stored_blocks: int  # new pages put back
+    stored_on: str | None  # node the new pages went to
+    timings: Timings = field(default_factory=Timings)
+    cached_tiers: dict[str, int] = field(default_factory=dict)  # tier label -> cached blocks found there
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    fetched_blocks: int
+    recomputed_tokens: int
+    timings: Timings
+
+
+def namespace_for(model_dir: str | Path, dtype: str, tp: str = "tp1") -> str:
+    """A namespace naming everything that makes pages incompatible (DESIGN.md §3): the checkpoint
+    (name and a digest of its config and weight file names and sizes), the KV dtype and the TP shard."""
+    d = Path(model_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f.name.encode() + str(f.stat().st_size).encode())
+    return f"{d.name}@{h.hexdigest()[:12]}/{dtype}/{tp}"
+
+
+class _Engine:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+        self.cfg = cfg
+        ckpt = load_checkpoint(cfg.model_dir, cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks),
+                               dtype=getattr(torch, cfg.dtype))  # fmt: skip
+        self.model: PagedLlama = ckpt.model
+        self.tokenizer = ckpt.tokenizer
+        self.layout = self.model.page_layout()
+        self.cache = ClusterClient(cfg.redis_url, local_node=cfg.local_node)
+        self._seq = itertools.count()
+        self._page_shape = self.layout.page_shape
+        self._kv_dtype = torch_dtype(self.layout.dtype)
+
+    def close(self) -> None:
+        self.cache.close()
+
+    def hashes(self, prompt: Sequence[int]) -> list[bytes]:
+        return prefix_hashes(prompt, self.cfg.block_size, self.cfg.namespace)
+
+    def _fetch(self, hashes: Sequence[bytes], prefer_node: str | None = None,
+               tiers: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
+        """Pages of the longest retrievable prefix of hashes, as [k, *page_shape] (None when k == 0);
+        counts in `tiers` where each page was found."""
+        if not hashes:
+            return None
+        got = self.cache.get_pages(self.cfg.namespace, hashes, prefer_node=prefer_node)
+        if not got:
+            return None
+        if tiers is not None:
+            for p in got:
+                tiers[p.tier.label] = tiers.get(p.tier.label, 0) + 1
+        flat = [torch.frombuffer(p.data, dtype=self._kv_dtype) for p in got]  # views of the received bytes
+        return torch.stack(flat).reshape(len(got), *self._page_shape)
+
+    def _import(self, seq: str, pages: torch.Tensor | None) -> int:
+        return 0 if pages is None else self.model.import_pages(seq, pages) // self.cfg.block_size
+
+
+class PrefillEngine(_Engine):
+    """Computes the uncached part of prompts and publishes their pages."""
+
+    def prefill(self, request_id: str, prompt: Sequence[int]) -> PrefillResult:
+        """The whole prefill, pages stored: the last of prefill_steps."""
+        result = None
+        for result in self.prefill_steps(request_id, prompt):  # noqa: B007 - the last one is the answer
+            pass
+        assert result is not None
+        return result
+
+    def prefill_steps(self, request_id: str, prompt: Sequence[int]) -> Iterator[PrefillResult]:
+        """Yields twice: as soon as the first token is known (time to first token), then once the new
+        pages are stored (stored_blocks/stored_on set) — a decode must start only after the second."""
+        t = Timings()
+        prompt = list(prompt)
+        hashes = self.hashes(prompt)
+        # The prompt's last token is always computed (its logits give the first token), so a prompt of
+        # exactly k full blocks can reuse at most k - 1 of them.
+        usable = (len(prompt) - 1) // self.cfg.block_size
+        seq = f"p{next(self._seq)}-{request_id}"
+        t0 = time.perf_counter()
+        matched = self.cache.lookup(self.cfg.namespace, hashes[:usable]).matched
+        t1 = time.perf_counter()
+        tiers: dict[str, int] = {}
+        pages = self._fetch(hashes[:matched], tiers=tiers)
+        t2 = time.perf_counter()
+        try:
+            cached = self._import(seq, pages)
+            start = cached * self.cfg.block_size
+            logits = self.model.prefill(seq, prompt[start:], start_pos=start)
+            first = int(torch.argmax(logits))
+            t3 = time.perf_counter()
+            t.lookup_s, t.fetch_s, t.compute_s = t1 - t0, t2 - t1, t3 - t2
+            yield PrefillResult(request_id, len(prompt), first, hashes, cached, 0, None, t, tiers)
+            new = range(cached, len(hashes))
+            stored_on = None
+            stored = 0
+            if new:
+                out = self.model.export_pages(seq, list(new))
+                blobs = [out[i].contiguous().view(torch.uint8).numpy() for i in range(out.shape[0])]
+                stored_on, res = self.cache.put(self.cfg.namespace, self.layout, hashes[cached:], blobs,
+                                                parent_chain=hashes[:cached])  # fmt: skip
+                stored = res.stored
+            t4 = time.perf_counter()
+        finally:
+            self.model.free(seq)
+        t.put_s = t4 - t3
+        yield PrefillResult(request_id, len(prompt), first, hashes, cached, stored, stored_on, t, tiers)
+
+
+class DecodeEngine(_Engine):
+    """Rebuilds a prompt's KV from the cache and decodes."""
+
+    def generate(self, request_id: str, prompt: Sequence[int], prefill: PrefillResult, max_new_tokens: int,
+                 stats: list[DecodeStats] | None = None) -> Iterator[int]:  # fmt: skip
+        """Yield max_new_tokens tokens, the first being prefill's. `stats` receives one DecodeStats."""
+        prompt = list(prompt)
+        if max_new_tokens <= 0:
+            return
+        seq = f"d{next(self._seq)}-{request_id}"
+        t = Timings()
+        try:
+            usable = (len(prompt) - 1) // self.cfg.block_size
+            t0 = time.perf_counter()
+            pages = self._fetch(prefill.block_hashes[:usable], prefer_node=prefill.stored_on)
+            t1 = time.perf_counter()
+            fetched = self._import(seq, pages)
+            start = fetched * self.cfg.block_size
+            self.model.prefill(seq, prompt[start:], start_pos=start)  # the part no page covers
+            t2 = time.perf_counter()
+            t.fetch_s, t.compute_s = t1 - t0, t2 - t1
+            if stats is not None:
+                stats.append(DecodeStats(fetched, len(prompt) - start, t))
+            token = prefill.first_token
+            yield token
+            for _ in range(max_new_tokens - 1):
+                token = int(torch.argmax(self.model.decode([seq], [token])[0]))
+                yield token
+        finally:
+            self.model.free(seq)
