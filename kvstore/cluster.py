@@ -94,13 +94,16 @@ class ClusterClient:
         """Longest prefix held by any live node, and per node how much of it: one Redis round trip."""
         return self.index.lookup(namespace, hashes)
 
-    def get_pages(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None) -> list[FetchedPage]:
+    def get_pages(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None,
+                  found: ClusterLookup | None = None) -> list[FetchedPage]:  # fmt: skip
         """Pages of the longest retrievable prefix of `hashes`, in order, from whichever nodes hold them.
 
         prefer_node: a node known to hold (part of) the chain, e.g. where a prefill worker just stored
         it; it is asked for what the index does not show yet (the index is updated in batches).
+        found: this chain's lookup when the caller just did it (saves a Redis round trip).
         """
-        found = self.index.lookup(namespace, hashes)
+        if found is None or found.matched > len(hashes):
+            found = self.index.lookup(namespace, hashes)
         out: list[FetchedPage] = []
         excluded: set[tuple[str, int]] = set()  # (node, block) pairs known not to work
         last_node: str | None = None

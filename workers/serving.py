@@ -29,6 +29,7 @@ import torch
 
 from kvstore.cluster import ClusterClient
 from kvstore.hashing import prefix_hashes
+from kvstore.index import ClusterLookup
 from workers.loader import load_checkpoint
 from workers.model import CacheConfig, PagedLlama
 from workers.paged_cache import torch_dtype
@@ -113,12 +114,12 @@ class _Engine:
         return prefix_hashes(prompt, self.cfg.block_size, self.cfg.namespace)
 
     def _fetch(self, hashes: Sequence[bytes], prefer_node: str | None = None,
-               tiers: dict[str, int] | None = None) -> torch.Tensor | None:  # fmt: skip
+               tiers: dict[str, int] | None = None, found: ClusterLookup | None = None) -> torch.Tensor | None:  # fmt: skip
         """Pages of the longest retrievable prefix of hashes, as [k, *page_shape] (None when k == 0);
         counts in `tiers` where each page was found."""
         if not hashes:
             return None
-        got = self.cache.get_pages(self.cfg.namespace, hashes, prefer_node=prefer_node)
+        got = self.cache.get_pages(self.cfg.namespace, hashes, prefer_node=prefer_node, found=found)
         if not got:
             return None
         if tiers is not None:
@@ -153,10 +154,11 @@ class PrefillEngine(_Engine):
         usable = (len(prompt) - 1) // self.cfg.block_size
         seq = f"p{next(self._seq)}-{request_id}"
         t0 = time.perf_counter()
-        matched = self.cache.lookup(self.cfg.namespace, hashes[:usable]).matched
+        found = self.cache.lookup(self.cfg.namespace, hashes[:usable])
+        matched = found.matched
         t1 = time.perf_counter()
         tiers: dict[str, int] = {}
-        pages = self._fetch(hashes[:matched], tiers=tiers)
+        pages = self._fetch(hashes[:matched], tiers=tiers, found=found)
         t2 = time.perf_counter()
         try:
             cached = self._import(seq, pages)

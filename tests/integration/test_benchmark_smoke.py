@@ -37,3 +37,12 @@ def test_prefetch_bench_quick_run(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "prefetch_bench.json").read_text())["rows"]
     assert rows[0]["prefetch_lead_ms"] is None and rows[0]["pages_found_in_dram"] == 0
     assert rows[-1]["prefetch_used"] > 0  # prefetched pages were read by the Gets
+
+
+def test_ttft_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ttft_bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "ttft_bench.json").read_text())["rows"]
+    full = [r for r in rows if r["cached_share"] == 1]
+    assert full and all(r["cached_tokens"] > 0 for r in full)  # the warm-up's pages were found
