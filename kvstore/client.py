@@ -94,14 +94,21 @@ class KVStoreClient:
         grpc.channel_ready_future(self._channel).result(timeout=timeout)
 
     def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
-            target_tier: TierKind | None = None) -> PutResult:  # fmt: skip
-        """Store pages under their hashes. Each stream of up to pages_per_stream pages is atomic."""
+            target_tier: TierKind | None = None, parent: bytes | None = None, chain: bool = True) -> PutResult:  # fmt: skip
+        """Store pages under their hashes. Each stream of up to pages_per_stream pages is atomic.
+
+        chain: the hashes are consecutive blocks of one chain (as prefix_hashes gives them), `parent`
+        the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated
+        pages. Only eviction quality depends on it.
+        """
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
         total = PutResult(0, 0)
         try:
             for a, b in _batches(len(hashes), self.pages_per_stream):
-                r = self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
+                first_parent = parent if a == 0 else hashes[a - 1]
+                r = self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier,
+                                           parent=first_parent if chain else None, chain=chain),
                               timeout=self.timeout)  # fmt: skip
                 total.stored += r.stored
                 total.already_present += r.already_present
@@ -190,13 +197,16 @@ class AsyncKVStoreClient:
         await self._channel.close()
 
     async def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
-                  target_tier: TierKind | None = None) -> PutResult:  # fmt: skip
+                  target_tier: TierKind | None = None, parent: bytes | None = None,
+                  chain: bool = True) -> PutResult:  # fmt: skip
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
         total = PutResult(0, 0)
         try:
             for a, b in _batches(len(hashes), self.pages_per_stream):
-                r = await self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier),
+                first_parent = parent if a == 0 else hashes[a - 1]
+                r = await self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier,
+                                                 parent=first_parent if chain else None, chain=chain),
                                     timeout=self.timeout)  # fmt: skip
                 total.stored += r.stored
                 total.already_present += r.already_present

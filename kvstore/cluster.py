@@ -170,7 +170,8 @@ class ClusterClient:
             parent_chain: Sequence[bytes] = ()) -> tuple[str, PutResult]:  # fmt: skip
         """Store pages on the node choose_node picks; `parent_chain` is the chain before hashes[0]."""
         node = self.choose_node(namespace, parent_chain)
-        return node, self.node(node).put(namespace, layout, hashes, pages)
+        parent = parent_chain[-1] if parent_chain else None
+        return node, self.node(node).put(namespace, layout, hashes, pages, parent=parent)
 
 
 def _free_slots(n: NodeInfo) -> int:

@@ -79,6 +79,8 @@ class Entry:
     moving: asyncio.Future[None] | None = None
     shadow: int | None = None  # free NVMe slot still holding this page's durable copy
     prefetched: bool = False  # promoted by a prefetch and not read since (used / wasted accounting)
+    parent: Key | None = None  # previous block of its chain, when the writer said (policy hint)
+    reads: int = 0  # reads since stored, in any tier (policy hint; travels with the page)
 
     @property
     def key(self) -> Key:
@@ -144,12 +146,15 @@ class PutTxn:
     atomic: a page is either complete and verified or absent.
     """
 
-    def __init__(self, mgr: TierManager, namespace: str, layout: PageLayout, target: TierKind) -> None:
+    def __init__(self, mgr: TierManager, namespace: str, layout: PageLayout, target: TierKind,
+                 parent: bytes | None = None, chain: bool = False) -> None:  # fmt: skip
         self._mgr = mgr
         self.namespace = namespace
         self.layout = layout
         self.target = target
-        self._staged: list[tuple[bytes, int, int]] = []  # (hash, slot, declared checksum)
+        self._chain = chain
+        self._prev: bytes | None = parent  # the chain's block before the next page
+        self._staged: list[tuple[bytes, int, int, bytes | None]] = []  # (hash, slot, declared checksum, parent)
         self._seen: set[bytes] = set()
         self.stored = 0
         self.already_present = 0
@@ -169,6 +174,8 @@ class PutTxn:
             )
         if len(self._seen) + self.already_present >= mgr.config.max_pages_per_request:
             raise InvalidArgument("pages", f"more than {mgr.config.max_pages_per_request} pages in one stream")
+        parent = self._prev if self._chain else None
+        self._prev = h
         if (self.namespace, h) in mgr._entries or h in self._seen:
             self.already_present += 1
             return None
@@ -180,7 +187,7 @@ class PutTxn:
             self._publish_staged()  # the stream outgrew DRAM: commit what it staged so far
             slot = await mgr._allocate(TierKind.DRAM)
         self._seen.add(h)
-        self._staged.append((h, slot, checksum))
+        self._staged.append((h, slot, checksum, parent))
         start = HEADER_BYTES
         return mgr._dram_medium.slot(slot)[start : start + payload_len]
 
@@ -202,7 +209,7 @@ class PutTxn:
         try:
             mgr._check_layout(self.namespace, self.layout)
             sums = []
-            for h, slot, declared in self._staged:
+            for h, slot, declared, _ in self._staged:
                 view = mgr._dram_medium.slot(slot)
                 actual = payload_checksum(view[HEADER_BYTES : HEADER_BYTES + plen])
                 if declared and declared != actual:
@@ -213,14 +220,16 @@ class PutTxn:
             raise
         mgr._layouts.setdefault(self.namespace, self.layout)
         dram = mgr._tiers[TierKind.DRAM]
-        for (h, slot, _), csum in zip(self._staged, sums, strict=True):
+        for (h, slot, _, parent), csum in zip(self._staged, sums, strict=True):
             if (self.namespace, h) in mgr._entries:  # another stream committed it meanwhile
                 dram.alloc.free(slot)
                 self.already_present += 1
                 continue
             gen = mgr._next_generation()
             mgr._dram_medium.slot(slot)[:HEADER_BYTES] = PageHeader(self.namespace, h, self.layout, plen, csum, gen).pack()
-            mgr._publish(Entry(self.namespace, h, TierKind.DRAM, slot, plen, csum, gen, self.layout), TierKind.DRAM)
+            entry = Entry(self.namespace, h, TierKind.DRAM, slot, plen, csum, gen, self.layout)
+            entry.parent = (self.namespace, parent) if parent is not None else None
+            mgr._publish(entry, TierKind.DRAM)
             dram.counters.bytes_in += plen
             self.stored += 1
         self._staged.clear()
@@ -233,7 +242,7 @@ class PutTxn:
         self.done = True
         mgr = self._mgr
         dram = mgr._tiers[TierKind.DRAM].alloc
-        for _, slot, _ in self._staged:
+        for _, slot, _, _ in self._staged:
             dram.free(slot)
         self._staged.clear()
         mgr._put_rejected += 1
@@ -389,7 +398,10 @@ class TierManager:
             self.prefetch(namespace, hashes[: len(tiers)], TierKind.DRAM)
         return LookupResult(len(tiers), tiers, namespace in self._layouts)
 
-    def begin_put(self, namespace: str, layout: PageLayout, target: TierKind = TierKind.DRAM) -> PutTxn:
+    def begin_put(self, namespace: str, layout: PageLayout, target: TierKind = TierKind.DRAM,
+                  parent: bytes | None = None, chain: bool = False) -> PutTxn:  # fmt: skip
+        """Open a Put transaction. With `chain`, page i's chain parent is page i-1 and the first page's
+        is `parent` (policy hints: prefix-aware policies evict a chain's tail before its head)."""
         if self._closing:
             raise Unavailable("node is shutting down")
         _check_namespace(namespace)
@@ -399,9 +411,11 @@ class TierManager:
                 f"page size {layout.page_bytes} B exceeds this node's max_page_bytes {self.config.max_page_bytes} B",
             )
         self._check_layout(namespace, layout)
+        if parent is not None:
+            _check_hash(parent, "open.parent_hash")
         if self._tiers[TierKind.DRAM].alloc.num_slots == 0:
             raise ResourceExhausted("this node has no DRAM slots (dram_bytes smaller than one slot)")
-        return PutTxn(self, namespace, layout, target)
+        return PutTxn(self, namespace, layout, target, parent, chain)
 
     def layout_of(self, namespace: str) -> PageLayout:
         _check_namespace(namespace)
@@ -444,6 +458,7 @@ class TierManager:
                     return
                 self._tiers[lease.held_in].policy.on_access(lease.key)
                 if (e := self._entries.get(lease.key)) is not None:
+                    e.reads += 1
                     self._note_prefetch_fate(e, used=True)
                 read_ahead()
                 yield lease
@@ -862,7 +877,7 @@ class TierManager:
         if entry.key not in self._entries:
             self._entries[entry.key] = entry
             self._ns_pages[entry.namespace] = self._ns_pages.get(entry.namespace, 0) + 1
-        tier.policy.on_insert(entry.key)
+        tier.policy.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
         tier.pages += 1
         tier.used_bytes += entry.payload_len
         if self.on_change is not None:

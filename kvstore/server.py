@@ -142,7 +142,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         raise InvalidArgument("open", "the first message of a Put stream must be `open`")
                     layout = layout_from_pb(value.layout)  # type: ignore[attr-defined]
                     target = tier_from_pb(value.target_tier)  # type: ignore[attr-defined]
-                    txn = self.mgr.begin_put(value.namespace, layout, target)  # type: ignore[attr-defined]
+                    txn = self.mgr.begin_put(value.namespace, layout, target,  # type: ignore[attr-defined]
+                                             value.parent_hash or None, value.chain)  # type: ignore[attr-defined]
                 elif kind == "page":
                     if fill != need:
                         raise InvalidArgument(

@@ -110,12 +110,15 @@ def put_requests(
     pages: Sequence[Buffer],
     target: TierKind | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    parent: bytes | None = None,
+    chain: bool = False,
 ) -> Iterator[bytes]:
     """The serialized messages of one Put stream: open, then per page its header and chunks."""
     if len(hashes) != len(pages):
         raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
     yield pb.PutRequest(open=pb.PutOpen(namespace=namespace, layout=layout_to_pb(layout),
-                                        target_tier=int(target) if target else 0)).SerializeToString()  # fmt: skip
+                                        target_tier=int(target) if target else 0, parent_hash=parent or b"",
+                                        chain=chain)).SerializeToString()  # fmt: skip
     for h, page in zip(hashes, pages, strict=True):
         view = memoryview(page).cast("B")
         header = pb.PutPage(hash=h, payload_bytes=len(view), checksum=payload_checksum(view))

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from kvstore.cluster import ClusterClient
+from kvstore.errors import KVStoreError
 from kvstore.hashing import prefix_hashes
 from kvstore.index import ClusterLookup
 from workers.loader import load_checkpoint
@@ -128,6 +129,20 @@ class _Engine:
         flat = [torch.frombuffer(p.data, dtype=self._kv_dtype) for p in got]  # views of the received bytes
         return torch.stack(flat).reshape(len(got), *self._page_shape)
 
+    def _local_match(self, hashes: Sequence[bytes], index_matched: int) -> int:
+        """The local node's own longest match when the index shows less than the whole chain.
+
+        NOTE: the index is updated in batches (tens of ms behind a put); the local node's index is
+        authoritative for what it holds, so a request right after another that stored the same
+        prefix still finds it. One cheap RPC, only on a partial index match.
+        """
+        if index_matched >= len(hashes) or not self.cfg.local_node:
+            return 0
+        try:
+            return self.cache.node(self.cfg.local_node).lookup(self.cfg.namespace, hashes)
+        except KVStoreError:
+            return 0
+
     def _import(self, seq: str, pages: torch.Tensor | None) -> int:
         return 0 if pages is None else self.model.import_pages(seq, pages) // self.cfg.block_size
 
@@ -155,10 +170,10 @@ class PrefillEngine(_Engine):
         seq = f"p{next(self._seq)}-{request_id}"
         t0 = time.perf_counter()
         found = self.cache.lookup(self.cfg.namespace, hashes[:usable])
-        matched = found.matched
+        matched = max(found.matched, self._local_match(hashes[:usable], found.matched))
         t1 = time.perf_counter()
         tiers: dict[str, int] = {}
-        pages = self._fetch(hashes[:matched], tiers=tiers, found=found)
+        pages = self._fetch(hashes[:matched], prefer_node=self.cfg.local_node, tiers=tiers, found=found)
         t2 = time.perf_counter()
         try:
             cached = self._import(seq, pages)

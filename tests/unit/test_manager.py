@@ -456,3 +456,36 @@ def test_prefetch_cancelled_at_shutdown_leaves_a_consistent_node(tmp_path: Path)
 
     run(first, cfg)
     run(second, cfg)
+
+
+@pytest.mark.parametrize("chain", [True, False], ids=["chain-declared", "no-hints"])
+def test_chain_hints_reach_the_policy_tails_go_first(tmp_path: Path, chain: bool) -> None:
+    """prefix-arc evicts only leaves of the chain forest when it knows the chain: the head (which every
+    longer prefix needs) stays while tail blocks go down. Without hints it falls back to recency and the
+    oldest block, the head, goes first."""
+
+    async def body(mgr: TierManager) -> None:
+        txn = mgr.begin_put(NS, LAYOUT, chain=chain)
+        try:
+            for i in range(6):  # DRAM holds 4: the stream outgrows it and two blocks are demoted
+                view = await txn.add_page(key(i), PAGE, 0)
+                view[:] = payload(key(i))  # type: ignore[index]
+            await txn.commit()
+        finally:
+            txn.abort()
+        tiers = tiers_of(mgr, list(range(6)))
+        assert tiers.count(TierKind.NVME) == 2
+        assert tiers[0] is (TierKind.DRAM if chain else TierKind.NVME)
+        assert mgr.entry(NS, key(3)).parent == ((NS, key(2)) if chain else None)  # type: ignore[union-attr]
+        await read(mgr, [0])
+        assert mgr.entry(NS, key(0)).reads == 1  # type: ignore[union-attr]
+
+    run(body, config(tmp_path, policy="prefix-arc"))
+
+
+def test_bad_parent_hash_is_rejected(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        with pytest.raises(InvalidArgument, match="parent_hash"):
+            mgr.begin_put(NS, LAYOUT, parent=b"short", chain=True)
+
+    run(body, config(tmp_path))

@@ -68,14 +68,18 @@ class LookupResponse(_message.Message):
     def __init__(self, matched_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., namespace_known: _Optional[bool] = ...) -> None: ...
 
 class PutOpen(_message.Message):
-    __slots__ = ("namespace", "layout", "target_tier")
+    __slots__ = ("namespace", "layout", "target_tier", "parent_hash", "chain")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: PageLayout
     target_tier: Tier
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    parent_hash: bytes
+    chain: bool
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., parent_hash: _Optional[bytes] = ..., chain: _Optional[bool] = ...) -> None: ...
 
 class PutPage(_message.Message):
     __slots__ = ("hash", "payload_bytes", "checksum")
