@@ -59,6 +59,7 @@ from kvstore.sim import (
     belady_block_hits,
     parse_tiers,
     replay,
+    replay_policy,
     synthetic_workload,
 )
 
@@ -281,6 +282,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"directory for trace_replay.{{json,md}} (default {DEFAULT_OUT})"
     )
+    ap.add_argument("--node-requests", type=int, default=0,
+                    help="also replay the first N requests through a real node over gRPC per policy and "
+                         "--node-capacity, and compare with the simulation of the same requests (0: off)")  # fmt: skip
+    ap.add_argument("--node-capacity", default="500,1000", help="capacities (blocks) for the node replay")
     args = ap.parse_args(argv)
     if not args.capacity and not args.tiers:
         ap.error("give --capacity and/or --tiers")
@@ -319,6 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
 
     md = markdown(source, summary, cells, bounds, policies, meta, wall)
+    node_rows = node_vs_sim(requests[: args.node_requests], [int(c) for c in args.node_capacity.split(",")],
+                            policies, log) if args.node_requests else []  # fmt: skip
+    if node_rows:
+        md += node_markdown(node_rows, args.node_requests)
     doc = {
         "source": source,
         "machine": meta,
@@ -341,6 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for c in cells
         ],
         "wall_s": wall,
+        "node_replay": node_rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "trace_replay.md").write_text(md)
@@ -353,6 +363,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
         print(md)
     return 0
+
+
+def node_vs_sim(requests: Sequence[Sequence[int]], capacities: Sequence[int], policies: Sequence[str],
+                log: Callable[[str], None]) -> list[dict[str, object]]:  # fmt: skip
+    """Replay `requests` through a real node (benchmarks/node_replay.py) and through the simulation,
+    per policy and capacity: the hit counts must be identical if the node runs the policy it claims."""
+    from node_replay import NodeReplayCache  # sibling module: the I/O stays out of the pure path
+
+    rows = []
+    for cap in capacities:
+        for pol in policies:
+            sim, _ = replay_policy(requests, cap, pol)
+            t0 = time.perf_counter()
+            cache = NodeReplayCache(cap, pol)
+            try:
+                node = replay(requests, cache)
+            finally:
+                cache.close()
+            row = {"capacity": cap, "policy": pol, "sim_prefix_hits": sim.prefix_hits, "node_prefix_hits": node.prefix_hits,
+                   "sim_block_hits": sim.block_hits, "node_block_hits": node.block_hits, "blocks": sim.blocks,
+                   "agree": (sim.prefix_hits, sim.block_hits) == (node.prefix_hits, node.block_hits),
+                   "rpcs": cache.rpcs, "wall_s": time.perf_counter() - t0}  # fmt: skip
+            rows.append(row)
+            log(f"node replay {pol} @ {cap}: prefix hits sim {sim.prefix_hits} node {node.prefix_hits}, block hits "
+                f"sim {sim.block_hits} node {node.block_hits}: {'agree' if row['agree'] else 'DISAGREE'}")  # fmt: skip
+    return rows
+
+
+def node_markdown(rows: Sequence[dict[str, object]], n: int) -> str:
+    lines = [f"\n\n## The same policies on a real node over gRPC (first {n} requests)\n",
+             "| capacity | policy | prefix hit rate: simulation | node | block hit rate: simulation | node | agree |",
+             "|--:|---|--:|--:|--:|--:|---|"]  # fmt: skip
+    for r in rows:
+        b = int(r["blocks"])  # type: ignore[call-overload]
+        lines.append(f"| {r['capacity']} | {r['policy']} | {int(r['sim_prefix_hits']) / b:.4f} | "  # type: ignore[call-overload]
+                     f"{int(r['node_prefix_hits']) / b:.4f} | {int(r['sim_block_hits']) / b:.4f} | "  # type: ignore[call-overload]
+                     f"{int(r['node_block_hits']) / b:.4f} | {'yes' if r['agree'] else '**no**'} |")  # type: ignore[call-overload]  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
