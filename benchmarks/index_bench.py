@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import redis
+from machine import cpu_model
 
 from kvstore.index import ALIVE_PREFIX, IndexPublisher, IndexReader, block_key
 from kvstore.launch import RedisProcess
@@ -135,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
     n_lookups, n_updates = (20, 5000) if args.quick else (args.lookups, args.updates)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")  # fmt: skip
+    cpu = cpu_model()
     meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu, "cpus": os.cpu_count(),
             "platform": platform.platform(), "python": platform.python_version(), "redis_py": redis.__version__}  # fmt: skip
     rows = []

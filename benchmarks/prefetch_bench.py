@@ -14,16 +14,16 @@ Writes benchmarks/out/prefetch_bench.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from machine import machine_line
 
 from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
@@ -107,10 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             node.close()
     floor_ms = statistics.median(floor) * 1e3
     base = rows[0]["p50_ms"]
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")  # fmt: skip
-    head = (f"- Machine: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC} | {cpu}, {os.cpu_count()} CPUs | "
-            f"{platform.platform()} | python {platform.python_version()}\n"
+    head = (f"{machine_line()}\n"
             f"- Chain of {CHAIN} pages x {args.page_kib} KiB on NVMe before every Get; {reps} Gets per row; "
             f"DRAM-resident floor p50 {floor_ms:.1f} ms\n")  # fmt: skip
     lines = [head, "| prefetch issued | Get p50 ms | Get p90 ms | vs no prefetch | pages found in DRAM | "

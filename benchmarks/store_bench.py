@@ -72,6 +72,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 import grpc
+from machine import cpu_model
 
 from kvstore.client import KVStoreClient
 from kvstore.config import parse_size
@@ -546,16 +547,6 @@ def size_label(n: int) -> str:
         if n >= mult and n % mult == 0:
             return f"{n // mult} {unit}"
     return f"{n} B"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def mount_of(path: Path) -> str:

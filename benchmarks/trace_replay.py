@@ -48,6 +48,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from machine import cpu_model
+
 from kvstore.policy import POLICIES
 from kvstore.sim import (
     ReplayCache,
@@ -152,16 +154,6 @@ def run(
 
 
 # ------------------------------------------------------------------------------------------- report
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def source_digest() -> str:

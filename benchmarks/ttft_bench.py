@@ -17,15 +17,14 @@ Writes benchmarks/out/ttft_bench.{json,md}.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from machine import machine_line
 
 from workers.runtime import LocalStack, StackConfig
 from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
@@ -91,11 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                           + (f"  = {row['ratio_to_recompute']:.3f}x recompute" if row["ratio_to_recompute"] else ""),
                           flush=True)  # fmt: skip
     wall = time.perf_counter() - t_start
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")  # fmt: skip
     lines = [
-        f"- Machine: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC} | {cpu}, {os.cpu_count()} CPUs | "
-        f"{platform.platform()} | python {platform.python_version()}",
+        machine_line(),
         f"- Model: random-weight Llama, hidden {hidden}, {layers} layers, 8 heads / 2 KV heads, fp32 on CPU; "
         f"block {BLOCK} tokens, page {page // 1024} KiB; {reps} rep(s) per cell, median; wall {wall:.0f} s",
         "", "| prompt tokens | cached | cached tokens | TTFT ms | lookup ms | fetch ms | compute ms | vs recompute |",

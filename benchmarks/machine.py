@@ -1,0 +1,27 @@
+"""What every benchmark prints about the machine it ran on (shared by the scripts in benchmarks/)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_line() -> str:
+    """`- Machine: <date> | <cpu>, <n> CPUs | <platform> | python <version>` for a results entry."""
+    return (
+        f"- Machine: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC} | {cpu_model()}, {os.cpu_count()} CPUs | "
+        f"{platform.platform()} | python {platform.python_version()}"
+    )
