@@ -25,7 +25,8 @@ keeps chains together without it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -38,6 +39,7 @@ from kvstore.wire import Buffer, FetchedPage
 log = logging.getLogger(__name__)
 
 _NODE_ERRORS = (Unavailable, NamespaceNotFound, grpc.RpcError)
+T = TypeVar("T")
 
 
 class NoLiveNode(KVStoreError):
@@ -133,20 +135,27 @@ class ClusterClient:
     def get(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None) -> list[memoryview]:
         return [memoryview(p.data) for p in self.get_pages(namespace, hashes, prefer_node=prefer_node)]
 
-    def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
-        """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere).
-        A node that restarted on another address (per the index) is retried once there."""
-        for _attempt in range(2):
+    def call_node(self, node: str, fn: Callable[[KVStoreClient], T]) -> T:
+        """fn(client of node). A node that restarted on another address (per the index) is retried
+        once there; otherwise the node's error propagates."""
+        for attempt in range(2):
             try:
-                return self.node(node).get_pages(namespace, hashes)
-            except _NODE_ERRORS as exc:
+                return fn(self.node(node))
+            except _NODE_ERRORS:
                 old = self._addrs.pop(node, None)
                 self._addrs = self.index.node_addrs()
-                if self._addrs.get(node) not in (None, old):
+                if attempt == 0 and self._addrs.get(node) not in (None, old):
                     continue
-                log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
-                return []
-        return []
+                raise
+        raise AssertionError("unreachable")
+
+    def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
+        """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere)."""
+        try:
+            return self.call_node(node, lambda c: c.get_pages(namespace, hashes))
+        except _NODE_ERRORS as exc:
+            log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
+            return []
 
     # -- writes
 
@@ -155,6 +164,7 @@ class ClusterClient:
         live = [n for n in self.index.nodes() if n.alive and n.addr]
         if not live:
             raise NoLiveNode("no live cache node is registered in the index")
+        self._addrs.update({n.node_id: n.addr for n in live})  # fresh: a node may have restarted
         names = {n.node_id for n in live}
         if parent_chain:
             shares = self.index.lookup(namespace, parent_chain).nodes
@@ -171,7 +181,7 @@ class ClusterClient:
         """Store pages on the node choose_node picks; `parent_chain` is the chain before hashes[0]."""
         node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None
-        return node, self.node(node).put(namespace, layout, hashes, pages, parent=parent)
+        return node, self.call_node(node, lambda c: c.put(namespace, layout, hashes, pages, parent=parent))
 
 
 def _free_slots(n: NodeInfo) -> int:

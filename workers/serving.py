@@ -139,7 +139,7 @@ class _Engine:
         if index_matched >= len(hashes) or not self.cfg.local_node:
             return 0
         try:
-            return self.cache.node(self.cfg.local_node).lookup(self.cfg.namespace, hashes)
+            return self.cache.call_node(self.cfg.local_node, lambda c: c.lookup(self.cfg.namespace, hashes))
         except KVStoreError:
             return 0
 

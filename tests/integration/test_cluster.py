@@ -293,3 +293,25 @@ def test_brief_redis_stall_flushes_the_queue_without_a_resync(tmp_path: Path, re
             assert status.errors > 0 and status.resyncs == resyncs  # type: ignore[union-attr]
     finally:
         node.close()
+
+
+def test_client_follows_a_node_that_restarted_on_a_new_port(tmp_path: Path, redis_server: RedisProcess) -> None:
+    node = start(tmp_path, redis_server.url, "m0")
+    try:
+        with ClusterClient(redis_server.url) as cc:
+            wait_for(lambda: any(n.alive for n in cc.nodes()), what="node to register")
+            first = [key(i, "move1") for i in range(2)]
+            cc.put(NS, LAYOUT, first, [page(h) for h in first])  # caches the node's address
+            old = node.addr
+            node.stop()
+            node.start()  # same NVMe, new port
+            assert node.addr != old
+            wait_for(lambda: {n.node_id: n.addr for n in cc.nodes() if n.alive}.get("m0") == node.addr,
+                     what="the new address in the index")  # fmt: skip
+            second = [key(i, "move2") for i in range(2)]
+            assert cc.put(NS, LAYOUT, second, [page(h) for h in second])[1].stored == 2
+            assert cc.call_node("m0", lambda c: c.lookup(NS, first)) == 2  # recovered from NVMe/spill
+            wait_for(lambda: cc.lookup(NS, second).matched == 2, what="index")
+            assert [bytes(p) for p in cc.get(NS, second)] == [page(h) for h in second]
+    finally:
+        node.close()
