@@ -238,7 +238,6 @@ class PublisherStats:
     epoch: int = 0
     lag_seconds: float = 0.0
     resync_pending: bool = False
-    last_error: str = ""
 
 
 Holding = tuple[str, bytes, TierKind]
@@ -489,7 +488,6 @@ class IndexPublisher:
             log.warning("index: Redis unreachable (%s); serving locally, queueing updates", exc)
         self.stats.connected = False
         self.stats.errors += 1
-        self.stats.last_error = str(exc)[:200]
         # Keep queueing (bounded). When Redis answers again the queue is flushed; if Redis lost our
         # entries meanwhile (restart, or our alive key expired), the heartbeat finds the alive key gone
         # and a full resync follows. Only a queue overflow forces a resync by itself.

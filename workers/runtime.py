@@ -98,12 +98,14 @@ class LocalStack:
         """Bytes of one KV page of the stack's model at its block size and dtype."""
         import torch
 
+        from kvstore.layout import PageLayout
         from workers.loader import read_config
         from workers.paged_cache import kv_dtype
 
         mc = read_config(cfg.model_dir)
-        item = kv_dtype(getattr(torch, cfg.dtype)).itemsize
-        return mc.num_layers * 2 * cfg.block_size * mc.num_kv_heads * mc.head_dim * item
+        layout = PageLayout(kv_dtype(getattr(torch, cfg.dtype)), mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                            cfg.block_size)  # fmt: skip
+        return layout.page_bytes
 
     def generate(self, request_id: str, prompt: list[int], max_new_tokens: int) -> RequestResult:
         assert self.router is not None, "stack not started"

@@ -32,6 +32,7 @@ def demo(
     from kvstore.hashing import prefix_hashes
     from kvstore.launch import NodeProcess
     from kvstore.layout import DType, PageLayout
+    from kvstore.pageformat import slot_bytes_for
 
     rng = random.Random(seed)
     # A small model's page: 4 layers x 2 x 16 tokens x 4 kv heads x 64 dims x fp16 = 64 KiB.
@@ -49,7 +50,7 @@ def demo(
 
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as nvme:
         # DRAM holds 24 pages, NVMe 400: the workload (~250 distinct blocks) must spill to NVMe.
-        slot = 4096 + layout.page_bytes
+        slot = slot_bytes_for(layout.page_bytes)
         node = NodeProcess(dram_bytes=24 * slot, nvme_path=nvme, nvme_bytes=400 * slot,
                            max_page_bytes=layout.page_bytes, node_id="demo")  # fmt: skip
         console.rule("[bold]kvstore demo")

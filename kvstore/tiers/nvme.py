@@ -153,9 +153,6 @@ class NvmeTier:
             done += n
         raise OSError(f"short write at offset {off}: {done}/{len(data)} bytes")
 
-    def segment_files(self) -> list[Path]:
-        return [self.path / SEGMENT_FMT.format(i) for i in range(len(self._fds))]
-
     def slot_location(self, slot: int) -> tuple[Path, int]:
         """(segment file, byte offset) of a slot: for operators and corruption tests."""
         seg, idx = divmod(slot, self.slots_per_segment)
