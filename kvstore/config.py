@@ -65,6 +65,9 @@ class NodeConfig:
     advertise_addr: str | None = None  # host:port clients use to reach this node (default host:port)
     index_ttl_seconds: float = 10.0  # heartbeat TTL: a node silent this long stops matching lookups
     index_max_pending: int = 100_000  # queued index updates before a full resync
+    # Startup waits this long for the first index publish before reporting SERVING (and writing the
+    # ready file); past it the node serves anyway (Redis down must not keep local pages unreachable).
+    index_register_wait_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -82,8 +85,9 @@ class NodeConfig:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if self.io_threads < 1 or self.max_pages_per_request < 1:
             raise ValueError("io_threads and max_pages_per_request must be >= 1")
-        if self.index_ttl_seconds <= 0 or self.index_max_pending < 1:
-            raise ValueError("index_ttl_seconds must be > 0 and index_max_pending >= 1")
+        if self.index_ttl_seconds <= 0 or self.index_max_pending < 1 or self.index_register_wait_seconds < 0:
+            raise ValueError("index_ttl_seconds must be > 0, index_max_pending >= 1, "
+                             "index_register_wait_seconds >= 0")  # fmt: skip
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:

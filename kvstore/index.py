@@ -285,6 +285,7 @@ class IndexPublisher:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._gc_cursor = 0
+        self._registered = asyncio.Event()  # set once the first full publish has landed
         self.stats = PublisherStats()
 
     # -- called by the manager (sync, cheap)
@@ -312,6 +313,18 @@ class IndexPublisher:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._flush_loop()), loop.create_task(self._heartbeat_loop()),
                        loop.create_task(self._gc_loop())]  # fmt: skip
+
+    async def wait_registered(self, timeout: float) -> bool:
+        """Wait (bounded) until this node's holdings and address are published; False on timeout.
+
+        A restarted node is only findable through the index after this: before it, lookups still see
+        the previous incarnation (old address, old epoch) until that alive key expires.
+        """
+        try:
+            await asyncio.wait_for(self._registered.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     async def close(self, deregister: bool = True) -> None:
         """Stop; with deregister, flush what is queued and drop the alive key so lookups skip this node
@@ -424,6 +437,7 @@ class IndexPublisher:
         self.stats.epoch = epoch
         self.stats.resyncs += 1
         await self._write_node_info()
+        self._registered.set()
         log.info("index: published %d page(s) under epoch %d", len(snapshot), epoch)
 
     async def _flush_once(self) -> None:

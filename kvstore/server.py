@@ -270,6 +270,10 @@ class Node:
             self.manager.on_change = self.index.note
             self.manager.index_status = self.index.status
             await self.index.start()
+            wait = self.config.index_register_wait_seconds
+            if not await self.index.wait_registered(wait):
+                log.warning("index at %s not reachable within %.1fs: serving local pages only until it is",
+                            self.config.redis_url, wait)  # fmt: skip
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(

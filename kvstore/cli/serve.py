@@ -24,10 +24,13 @@ def serve(
     hbm_bytes: SizeOpt = None,
     max_page_bytes: SizeOpt = None,
     node_id: Annotated[str | None, typer.Option(help="node name in stats (default: hostname)")] = None,
-    policy: Annotated[str | None, typer.Option(help="eviction policy (lru)")] = None,
+    policy: Annotated[str | None, typer.Option(help="eviction policy (default prefix-arc)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="join a cluster: publish to this Redis index")] = None,
     advertise_addr: Annotated[str | None, typer.Option(help="host:port other machines reach this node at")] = None,
     index_ttl: Annotated[float | None, typer.Option(help="index heartbeat TTL in seconds (default 10)")] = None,
+    index_register_wait: Annotated[
+        float | None, typer.Option(help="seconds to wait for the first index publish before serving (default 5)")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a [node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
@@ -38,7 +41,7 @@ def serve(
     cfg = NodeConfig.load(
         config,
         host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
-        advertise_addr=advertise_addr, index_ttl_seconds=index_ttl,
+        advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
         nvme_path=str(nvme_path) if nvme_path else None,
         dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),

@@ -225,9 +225,15 @@ def test_kvctl_nodes_and_lookup(cluster: tuple[RedisProcess, list[NodeProcess]],
     put_direct(nodes[0].addr, hashes[:2])
     put_direct(nodes[1].addr, hashes[2:4])
     wait_for(lambda: index_settled([n.addr for n in nodes]), what="index")
-    out = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "nodes", "--redis-url", r.url, "--json"],
-                         capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
-    listed = {n["node_id"]: n for n in json.loads(out.stdout)}
+
+    def kvctl_nodes() -> dict[str, dict[str, object]]:
+        out = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "nodes", "--redis-url", r.url, "--json"],
+                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        return {n["node_id"]: n for n in json.loads(out.stdout)}
+
+    # Per-node counters are refreshed with each heartbeat (every TTL/3), so they trail the puts a little.
+    listed: dict[str, dict[str, object]] = {}
+    wait_for(lambda: listed.update(kvctl_nodes()) or listed["n0"]["pages_dram"] == "2", what="n0 heartbeat")
     assert set(listed) == {"n0", "n1", "n2"} and all(n["alive"] for n in listed.values())
     assert listed["n0"]["pages_dram"] == "2" and listed["n0"]["queued"] == "0"
     tokens_file = tmp_path / "tokens.txt"
@@ -291,6 +297,44 @@ def test_brief_redis_stall_flushes_the_queue_without_a_resync(tmp_path: Path, re
             wait_for(lambda: index_settled([node.addr]), what="index to settle")
             status = kv.stats().index
             assert status.errors > 0 and status.resyncs == resyncs  # type: ignore[union-attr]
+    finally:
+        node.close()
+
+
+def test_a_ready_node_is_already_findable_through_the_index(tmp_path: Path, redis_server: RedisProcess) -> None:
+    """Ready (ready file, health SERVING) means registered: a restarted node's recovered NVMe pages and
+    new address are in the index the moment start() returns, not one publish later."""
+    node = start(tmp_path, redis_server.url, "r0", ttl=30.0)  # a long TTL: the old incarnation stays alive
+    try:
+        chain = [key(i, "ready") for i in range(3)]
+        with ClusterClient(redis_server.url) as cc:
+            assert {n.node_id for n in cc.nodes() if n.alive} == {"r0"}
+            put_direct(node.addr, chain)
+            node.stop()  # graceful: DRAM pages are spilled to NVMe
+            node.start()
+            assert {n.node_id: n.addr for n in cc.nodes() if n.alive} == {"r0": node.addr}
+            found = cc.lookup(NS, chain)
+            assert found.matched == 3 and found.nodes["r0"].tiers == {TierKind.NVME: 3}
+            assert [p.hash for p in cc.get_pages(NS, chain)] == chain
+    finally:
+        node.close()
+
+
+def test_a_node_without_its_index_still_starts_and_serves(tmp_path: Path) -> None:
+    """Redis down at startup: the node waits only --index-register-wait, then serves its own pages."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead_url = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens once the socket closes
+    node = NodeProcess(dram_bytes=8 * SLOT, node_id="lonely", redis_url=dead_url, max_page_bytes=LAYOUT.page_bytes,
+                       extra_args=["--index-ttl", "2", "--index-register-wait", "0.5"]).start()  # fmt: skip
+    try:
+        chain = [key(i, "lonely") for i in range(2)]
+        put_direct(node.addr, chain)
+        with KVStoreClient(node.addr) as kv:
+            assert kv.lookup(NS, chain) == 2
+            assert [p.hash for p in kv.get_pages(NS, chain)] == chain
+            idx = kv.stats().index
+            assert idx is not None and not idx.connected and idx.resync_pending
     finally:
         node.close()
 
