@@ -68,6 +68,9 @@ class NodeConfig:
     # Startup waits this long for the first index publish before reporting SERVING (and writing the
     # ready file); past it the node serves anyway (Redis down must not keep local pages unreachable).
     index_register_wait_seconds: float = 5.0
+    # Prometheus /metrics endpoint (kvstore/metrics.py): None = off, 0 = a free port (in the ready file).
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # address to bind it to (default: host)
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -88,6 +91,8 @@ class NodeConfig:
         if self.index_ttl_seconds <= 0 or self.index_max_pending < 1 or self.index_register_wait_seconds < 0:
             raise ValueError("index_ttl_seconds must be > 0, index_max_pending >= 1, "
                              "index_register_wait_seconds >= 0")  # fmt: skip
+        if self.metrics_port is not None and not 0 <= int(self.metrics_port) <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
@@ -125,7 +130,7 @@ def _coerce(cls: type[NodeConfig], name: str, raw: str) -> Any:
     """Turn an environment string into the field's type."""
     if name in _SIZE_FIELDS:
         return parse_size(raw)
-    kind = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    kind = str({f.name: f.type for f in dataclasses.fields(cls)}[name]).removesuffix(" | None")
     if kind == "bool":
         return raw.strip().lower() in {"1", "true", "yes", "on"}
     if kind == "int":

@@ -42,6 +42,7 @@ class NodeProcess:
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.metrics_port: int | None = None  # set when started with --metrics-port
 
     @property
     def addr(self) -> str:
@@ -54,7 +55,8 @@ class NodeProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.ready_file.exists():
-                self.port = json.loads(self.ready_file.read_text())["port"]
+                ready = json.loads(self.ready_file.read_text())
+                self.port, self.metrics_port = ready["port"], ready.get("metrics_port")
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"node exited with {self.proc.returncode} before serving:\n{self.log_tail()}")

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.index import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.metrics import NodeMetrics
 from kvstore.tiers.base import TierKind
 from kvstore.wire import (
     CHUNK_BYTES,
@@ -54,9 +56,16 @@ def status_of(exc: KVStoreError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, exc.status_name)
 
 
+RpcObserver = Callable[[str, str, float], None]  # (method, status code name, seconds)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps KVStoreError subclasses to their status codes and anything unexpected to INTERNAL (logged
-    with its traceback). The only place exceptions become status codes."""
+    with its traceback). The only place exceptions become status codes, and so also where every
+    KVStore RPC is timed: `observe(method, code, seconds)` (metrics) sees each call once it ends."""
+
+    def __init__(self, observe: RpcObserver | None = None) -> None:
+        self.observe = observe
 
     async def intercept_service(
         self,
@@ -69,17 +78,35 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         method = details.method
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer
-            )
+                _wrap_unary(handler.unary_unary, method, self),
+                handler.request_deserializer, handler.response_serializer,
+            )  # fmt: skip
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method), handler.request_deserializer, handler.response_serializer
-            )
+                _wrap_unary(handler.stream_unary, method, self),
+                handler.request_deserializer, handler.response_serializer,
+            )  # fmt: skip
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method), handler.request_deserializer, handler.response_serializer
-            )
+                _wrap_stream(handler.unary_stream, method, self),
+                handler.request_deserializer, handler.response_serializer,
+            )  # fmt: skip
         return handler
+
+    def done(self, method: str, started: float, exc: BaseException | None) -> None:
+        if self.observe is None:
+            return
+        if exc is None:
+            code = "OK"
+        elif isinstance(exc, asyncio.CancelledError):
+            code = "CANCELLED"
+        elif isinstance(exc, KVStoreError):
+            code = status_of(exc).name
+        elif isinstance(exc, grpc.aio.AbortError):
+            code = "UNKNOWN"  # a handler aborted by itself (none does today: errors go through _abort)
+        else:
+            code = "INTERNAL"
+        self.observe(method, code, time.perf_counter() - started)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
@@ -90,27 +117,38 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
         try:
-            return await fn(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+            result = await fn(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+            icpt.done(method, started, exc)
             raise
         except Exception as exc:
+            icpt.done(method, started, exc)
             await _abort(context, exc, method)
+        icpt.done(method, started, None)
+        return result
 
     return wrapper
 
 
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
+def _wrap_stream(
+    fn: Callable[..., AsyncIterator[Any]], method: str, icpt: ErrorInterceptor
+) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        started = time.perf_counter()
         try:
             async for item in fn(request, context):
                 yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError):
+        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+            icpt.done(method, started, exc)
             raise
         except Exception as exc:
+            icpt.done(method, started, exc)
             await _abort(context, exc, method)
+        icpt.done(method, started, None)
 
     return wrapper
 
@@ -243,7 +281,10 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.manager = TierManager(config)
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+        self.interceptor = ErrorInterceptor()
+        self.server = grpc.aio.server(interceptors=[self.interceptor], options=GRPC_OPTIONS)
+        self.metrics: NodeMetrics | None = None
+        self.metrics_port: int | None = None  # bound /metrics port once started
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.index: IndexPublisher | None = None
@@ -260,6 +301,11 @@ class Node:
         self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        if self.config.metrics_port is not None:
+            self.metrics = NodeMetrics(self.config.node_id, self.manager.stats, asyncio.get_running_loop())
+            self.metrics_port = self.metrics.start(self.config.metrics_host or self.config.host,
+                                                   self.config.metrics_port)  # fmt: skip
+            self.interceptor.observe = self.metrics.observe_rpc
         await self.server.start()
         if self.config.redis_url:
             self.index = IndexPublisher(
@@ -277,8 +323,10 @@ class Node:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "kvstore node %s serving on %s:%d (recovered %d NVMe page(s))",
+            "kvstore node %s serving on %s:%d (recovered %d NVMe page(s)); metrics: %s",
             self.config.node_id, self.config.host, self.port, self.manager.recovered_pages,
+            f"http://{self.config.metrics_host or self.config.host}:{self.metrics_port}/metrics"
+            if self.metrics_port is not None else "off",
         )  # fmt: skip
         return self.port
 
@@ -294,6 +342,9 @@ class Node:
             self.manager.on_change = None
             await self.index.close(deregister=True)
         await self.manager.close()
+        if self.metrics is not None:
+            # The scrape thread asks this loop for snapshots: stop it from a worker thread.
+            await asyncio.to_thread(self.metrics.close)
         log.info("stopped")
 
     async def wait(self) -> None:
@@ -321,7 +372,8 @@ async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
         loop.add_signal_handler(sig, lambda: stop_task.append(loop.create_task(node.stop())))
     if ready_file:
         tmp = Path(f"{ready_file}.tmp")
-        tmp.write_text(json.dumps({"port": node.port, "pid": os.getpid(), "host": config.host}))
+        tmp.write_text(json.dumps({"port": node.port, "pid": os.getpid(), "host": config.host,
+                                   "metrics_port": node.metrics_port}))  # fmt: skip
         os.replace(tmp, ready_file)
     await node.wait()
     await asyncio.gather(*stop_task)

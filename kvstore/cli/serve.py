@@ -31,6 +31,10 @@ def serve(
     index_register_wait: Annotated[
         float | None, typer.Option(help="seconds to wait for the first index publish before serving (default 5)")
     ] = None,
+    metrics_port: Annotated[
+        int | None, typer.Option(help="serve Prometheus /metrics on this port (0: a free one; default off)")
+    ] = None,
+    metrics_host: Annotated[str | None, typer.Option(help="address for /metrics (default: --host)")] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a [node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
@@ -42,6 +46,7 @@ def serve(
         config,
         host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
         advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
+        metrics_port=metrics_port, metrics_host=metrics_host,
         nvme_path=str(nvme_path) if nvme_path else None,
         dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),

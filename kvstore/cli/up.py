@@ -27,6 +27,7 @@ def up(
     max_page_bytes: Annotated[str, typer.Option(help="largest page a node accepts")] = "2MiB",
     redis_url: Annotated[str | None, typer.Option(help="use this Redis instead of starting one")] = None,
     index_ttl: Annotated[float, typer.Option(help="index heartbeat TTL, seconds")] = 10.0,
+    metrics: Annotated[bool, typer.Option(help="serve Prometheus /metrics per node on a free port")] = True,
     ready_file: Annotated[Path | None, typer.Option(help="write {redis_url, nodes} JSON here once up")] = None,
 ) -> None:
     """Start Redis and N nodes on loopback; stop them all on Ctrl-C or SIGTERM."""
@@ -49,14 +50,16 @@ def up(
         for i in range(nodes):
             node = NodeProcess(dram_bytes=dram_bytes, nvme_path=root / f"node-{i}", nvme_bytes=nvme_bytes,
                                max_page_bytes=max_page_bytes, node_id=f"node-{i}", redis_url=redis_url,
-                               extra_args=["--index-ttl", str(index_ttl)],
+                               extra_args=["--index-ttl", str(index_ttl), *(["--metrics-port", "0"] if metrics else [])],
                                log_path=root / f"node-{i}.log")  # fmt: skip
             procs.append(node.start())
-            console.print(f"node-{i}: {node.addr}  (log {node.log_path})")
+            scrape = f"  metrics http://{node.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
+            console.print(f"node-{i}: {node.addr}{scrape}  (log {node.log_path})")
         if ready_file is not None:
             tmp_ready = ready_file.with_suffix(".tmp")
             tmp_ready.write_text(json.dumps({"redis_url": redis_url, "pid": os.getpid(),
-                                             "nodes": {f"node-{i}": p.addr for i, p in enumerate(procs)}}))  # fmt: skip
+                                             "nodes": {f"node-{i}": p.addr for i, p in enumerate(procs)},
+                                             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(procs)}}))  # fmt: skip
             os.replace(tmp_ready, ready_file)
         console.print(f"[green]up[/]: kvctl nodes --redis-url {redis_url}   (Ctrl-C stops everything)")
         while not stop.wait(1.0):
