@@ -24,6 +24,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.errors import KVStoreError, from_status
 from kvstore.layout import PageLayout
+from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats
 from kvstore.tiers.base import TierKind
 from kvstore.wire import MAX_MESSAGE_BYTES, Buffer, FetchedPage, GetAssembler, put_requests, stats_from_pb
@@ -67,16 +68,30 @@ def _batches(n: int, size: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def _open_channel(target: str, security: ClientSecurity, *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
+    options = CHANNEL_OPTIONS + security.channel_options()
+    creds = security.channel_credentials()
+    if aio:
+        if creds is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        return grpc.aio.secure_channel(target, creds, options=options)
+    if creds is None:
+        return grpc.insecure_channel(target, options=options)
+    return grpc.secure_channel(target, creds, options=options)
+
+
 class KVStoreClient:
     """Blocking client. Thread-safe (one channel, many concurrent calls)."""
 
     def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
-                 verify: bool = True) -> None:  # fmt: skip
+                 verify: bool = True, security: ClientSecurity | None = None) -> None:  # fmt: skip
         self.target = target
         self.timeout = timeout
         self.pages_per_stream = pages_per_stream
         self.verify = verify
-        self._channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.security = ClientSecurity.from_env() if security is None else security
+        self._md = self.security.metadata()
+        self._channel = _open_channel(target, self.security, aio=False)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put, self._get = _bulk_methods(self._channel)
 
@@ -109,7 +124,7 @@ class KVStoreClient:
                 first_parent = parent if a == 0 else hashes[a - 1]
                 r = self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier,
                                            parent=first_parent if chain else None, chain=chain),
-                              timeout=self.timeout)  # fmt: skip
+                              timeout=self.timeout, metadata=self._md)  # fmt: skip
                 total.stored += r.stored
                 total.already_present += r.already_present
         except grpc.RpcError as err:
@@ -119,7 +134,7 @@ class KVStoreClient:
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         try:
             r = self._stub.Lookup(pb.LookupRequest(namespace=namespace, hashes=list(hashes), prefetch=prefetch),
-                                  timeout=self.timeout)  # fmt: skip
+                                  timeout=self.timeout, metadata=self._md)  # fmt: skip
         except grpc.RpcError as err:
             raise _raise(err) from None
         return LookupResult(r.matched_blocks, [TierKind(t) for t in r.tiers], r.namespace_known)
@@ -135,7 +150,7 @@ class KVStoreClient:
             asm = GetAssembler(hashes[a:b], self.verify)
             req = pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]), no_promote=not promote)
             try:
-                for msg in self._get(req, timeout=self.timeout):
+                for msg in self._get(req, timeout=self.timeout, metadata=self._md):
                     asm.feed(msg)
             except grpc.RpcError as err:
                 raise _raise(err) from None
@@ -169,7 +184,7 @@ class KVStoreClient:
 
     def _call(self, method: grpc.UnaryUnaryMultiCallable, request: object) -> object:
         try:
-            return method(request, timeout=self.timeout)
+            return method(request, timeout=self.timeout, metadata=self._md)
         except grpc.RpcError as err:
             raise _raise(err) from None
 
@@ -178,12 +193,14 @@ class AsyncKVStoreClient:
     """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
 
     def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
-                 verify: bool = True) -> None:  # fmt: skip
+                 verify: bool = True, security: ClientSecurity | None = None) -> None:  # fmt: skip
         self.target = target
         self.timeout = timeout
         self.pages_per_stream = pages_per_stream
         self.verify = verify
-        self._channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        self.security = ClientSecurity.from_env() if security is None else security
+        self._md = self.security.metadata()
+        self._channel = _open_channel(target, self.security, aio=True)
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put, self._get = _bulk_methods(self._channel)
 
@@ -207,7 +224,7 @@ class AsyncKVStoreClient:
                 first_parent = parent if a == 0 else hashes[a - 1]
                 r = await self._put(put_requests(namespace, layout, hashes[a:b], pages[a:b], target_tier,
                                                  parent=first_parent if chain else None, chain=chain),
-                                    timeout=self.timeout)  # fmt: skip
+                                    timeout=self.timeout, metadata=self._md)  # fmt: skip
                 total.stored += r.stored
                 total.already_present += r.already_present
         except grpc.RpcError as err:
@@ -227,7 +244,7 @@ class AsyncKVStoreClient:
             asm = GetAssembler(hashes[a:b], self.verify)
             req = pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]), no_promote=not promote)
             try:
-                async for msg in self._get(req, timeout=self.timeout):
+                async for msg in self._get(req, timeout=self.timeout, metadata=self._md):
                     asm.feed(msg)
             except grpc.RpcError as err:
                 raise _raise(err) from None
@@ -260,6 +277,6 @@ class AsyncKVStoreClient:
 
     async def _call(self, method: grpc.aio.UnaryUnaryMultiCallable, request: object) -> object:
         try:
-            return await method(request, timeout=self.timeout)
+            return await method(request, timeout=self.timeout, metadata=self._md)
         except grpc.RpcError as err:
             raise _raise(err) from None

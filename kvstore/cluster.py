@@ -34,6 +34,7 @@ from kvstore.client import KVStoreClient, PutResult
 from kvstore.errors import KVStoreError, NamespaceNotFound, Unavailable
 from kvstore.index import ClusterLookup, IndexReader, NodeInfo
 from kvstore.layout import PageLayout
+from kvstore.security import ClientSecurity
 from kvstore.wire import Buffer, FetchedPage
 
 log = logging.getLogger(__name__)
@@ -52,8 +53,10 @@ class ClusterClient:
     """Blocking cluster client. One channel per node, opened on first use and kept."""
 
     def __init__(self, redis_url: str, *, local_node: str | None = None, timeout: float = 60.0,
-                 verify: bool = True, probe_tail: bool = True) -> None:  # fmt: skip
+                 verify: bool = True, probe_tail: bool = True,
+                 security: ClientSecurity | None = None) -> None:  # fmt: skip
         self.index = IndexReader(redis_url)
+        self.security = ClientSecurity.from_env() if security is None else security  # for every node
         self.local_node = local_node
         self.timeout = timeout
         self.verify = verify
@@ -87,7 +90,8 @@ class ClusterClient:
             raise Unavailable(f"node {node_id!r} is not live in the index")
         client = self._clients.get(addr)
         if client is None:
-            client = self._clients[addr] = KVStoreClient(addr, timeout=self.timeout, verify=self.verify)
+            client = KVStoreClient(addr, timeout=self.timeout, verify=self.verify, security=self.security)
+            self._clients[addr] = client
         return client
 
     # -- reads

@@ -71,6 +71,12 @@ class NodeConfig:
     # Prometheus /metrics endpoint (kvstore/metrics.py): None = off, 0 = a free port (in the ready file).
     metrics_port: int | None = None
     metrics_host: str | None = None  # address to bind it to (default: host)
+    # The secured cache plane (kvstore/security.py): TLS, mutual TLS, bearer tokens (write / read-only).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # set: clients must present a certificate this CA signed
+    auth_tokens_file: str | None = None  # tokens allowed every RPC, one per line
+    auth_read_tokens_file: str | None = None  # tokens allowed Lookup, Get, Prefetch, Stats only
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -93,6 +99,15 @@ class NodeConfig:
                              "index_register_wait_seconds >= 0")  # fmt: skip
         if self.metrics_port is not None and not 0 <= int(self.metrics_port) <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file",
+                     "auth_read_tokens_file"):  # fmt: skip
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file {path!r}")
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:

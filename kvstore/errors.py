@@ -56,6 +56,18 @@ class Unavailable(KVStoreError):
     status_name = "UNAVAILABLE"
 
 
+class Unauthenticated(KVStoreError):
+    """No valid credentials on the call (kvstore/security.py)."""
+
+    status_name = "UNAUTHENTICATED"
+
+
+class PermissionDenied(KVStoreError):
+    """Valid credentials, but not for this method (a read-only token on a write)."""
+
+    status_name = "PERMISSION_DENIED"
+
+
 class RemoteError(KVStoreError):
     """A status from the server that maps to no specific class (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED...)."""
 
@@ -66,7 +78,8 @@ class RemoteError(KVStoreError):
 
 _BY_STATUS: dict[str, type[KVStoreError]] = {
     cls.status_name: cls
-    for cls in (InvalidArgument, NamespaceNotFound, LayoutMismatch, ResourceExhausted, DataLoss, Unavailable)
+    for cls in (InvalidArgument, NamespaceNotFound, LayoutMismatch, ResourceExhausted, DataLoss, Unavailable,
+                Unauthenticated, PermissionDenied)
 }
 
 

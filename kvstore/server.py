@@ -31,6 +31,7 @@ from kvstore.index import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
+from kvstore.security import TokenAuthenticator, server_credentials
 from kvstore.tiers.base import TierKind
 from kvstore.wire import (
     CHUNK_BYTES,
@@ -64,8 +65,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     with its traceback). The only place exceptions become status codes, and so also where every
     KVStore RPC is timed: `observe(method, code, seconds)` (metrics) sees each call once it ends."""
 
-    def __init__(self, observe: RpcObserver | None = None) -> None:
+    def __init__(self, observe: RpcObserver | None = None, auth: TokenAuthenticator | None = None) -> None:
         self.observe = observe
+        self.auth = auth  # when set, every KVStore call must carry a token allowed for its method
+
+    def authorize(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        if self.auth is not None:
+            self.auth.check(method.rsplit("/", 1)[-1], context.invocation_metadata())
 
     async def intercept_service(
         self,
@@ -121,6 +127,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInter
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
+            icpt.authorize(method, context)
             result = await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
             icpt.done(method, started, exc)
@@ -140,6 +147,7 @@ def _wrap_stream(
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         started = time.perf_counter()
         try:
+            icpt.authorize(method, context)
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
@@ -281,7 +289,10 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         self.manager = TierManager(config)
-        self.interceptor = ErrorInterceptor()
+        auth = None
+        if config.auth_tokens_file or config.auth_read_tokens_file:
+            auth = TokenAuthenticator(config.auth_tokens_file, config.auth_read_tokens_file)
+        self.interceptor = ErrorInterceptor(auth=auth)
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=GRPC_OPTIONS)
         self.metrics: NodeMetrics | None = None
         self.metrics_port: int | None = None  # bound /metrics port once started
@@ -294,11 +305,18 @@ class Node:
         await self.manager.start()
         self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager).handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server,
-        )
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.interceptor.auth is None:  # reflection has no auth hook: served only on an open node
+            reflection.enable_server_reflection(
+                [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+                self.server,
+            )
+        bind = f"{self.config.host}:{self.config.port}"
+        cfg = self.config
+        if cfg.tls_cert_file and cfg.tls_key_file:
+            creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            self.port = self.server.add_secure_port(bind, creds)
+        else:
+            self.port = self.server.add_insecure_port(bind)
         if self.port == 0:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         if self.config.metrics_port is not None:

@@ -35,6 +35,15 @@ def serve(
         int | None, typer.Option(help="serve Prometheus /metrics on this port (0: a free one; default off)")
     ] = None,
     metrics_host: Annotated[str | None, typer.Option(help="address for /metrics (default: --host)")] = None,
+    tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve over TLS (with --tls-key)")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert")] = None,
+    tls_client_ca: Annotated[
+        Path | None, typer.Option(help="mutual TLS: clients must present a certificate signed by this CA")
+    ] = None,
+    auth_tokens_file: Annotated[Path | None, typer.Option(help="read-write bearer tokens, one per line")] = None,
+    auth_read_tokens_file: Annotated[
+        Path | None, typer.Option(help="read-only bearer tokens (Lookup, Get, Prefetch, Stats)")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a [node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
@@ -47,12 +56,18 @@ def serve(
         host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
         advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
         metrics_port=metrics_port, metrics_host=metrics_host,
+        tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
+        auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
         nvme_path=str(nvme_path) if nvme_path else None,
         dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),
     )  # fmt: skip
     setup_logging(cfg.log_level)
     asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))
+
+
+def _path(value: Path | None) -> str | None:
+    return str(value) if value is not None else None
 
 
 def _size(value: str | None) -> int | None:
