@@ -46,3 +46,12 @@ def test_ttft_bench_quick_run(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "ttft_bench.json").read_text())["rows"]
     full = [r for r in rows if r["cached_share"] == 1]
     assert full and all(r["cached_tokens"] > 0 for r in full)  # the warm-up's pages were found
+
+
+def test_secure_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "secure_bench.py"), "--quick", "--page-kib", "64",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "secure_bench.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["plain", "metrics", "tokens", "tls+tokens"]
+    assert all(r["get_gbs"] > 0 and r["put_gbs"] > 0 for r in rows)

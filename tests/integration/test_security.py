@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore.client import KVStoreClient
 from kvstore.config import NodeConfig
+from kvstore.devpki import DevPki, make_dev_pki
 from kvstore.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvstore.launch import NodeProcess
 from kvstore.security import ClientSecurity, TokenAuthenticator
@@ -129,71 +123,29 @@ def test_clients_and_kvctl_take_credentials_from_the_environment(auth_node: Node
 # -- TLS ----------------------------------------------------------------------------------------------
 
 
-@dataclass
-class Pki:
-    ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path
-    client_key: Path
-    rogue_ca: Path
-
-
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-
-def _cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str, issuer_key: ec.EllipticCurvePrivateKey,
-          *, ca: bool, san: list[x509.GeneralName] | None = None) -> x509.Certificate:  # fmt: skip
-    now = datetime.datetime.now(datetime.UTC)
-    b = (x509.CertificateBuilder().subject_name(_name(subject)).issuer_name(_name(issuer))
-         .public_key(key.public_key()).serial_number(x509.random_serial_number())
-         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-         .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))  # fmt: skip
-    if san:
-        b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
-    return b.sign(issuer_key, hashes.SHA256())
-
-
-def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None = None) -> tuple[Path, Path]:
-    path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    if key is not None:
-        path.with_suffix(".key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
-    return path.with_suffix(".crt"), path.with_suffix(".key")
-
-
 @pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    d = tmp_path_factory.mktemp("pki")
-    ca_key, rogue_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca, _ = _write(d / "ca", _cert("kvstore test CA", ca_key, "kvstore test CA", ca_key, ca=True))
-    rogue, _ = _write(d / "rogue", _cert("rogue CA", rogue_key, "rogue CA", rogue_key, ca=True))
-    skey, ckey = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    san: list[x509.GeneralName] = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    scrt, skey_p = _write(d / "server", _cert("kvstore node", skey, "kvstore test CA", ca_key, ca=False, san=san), skey)
-    ccrt, ckey_p = _write(d / "client", _cert("prefill-worker", ckey, "kvstore test CA", ca_key, ca=False), ckey)
-    return Pki(ca, scrt, skey_p, ccrt, ckey_p, rogue)
+def pki(tmp_path_factory: pytest.TempPathFactory) -> DevPki:
+    return make_dev_pki(tmp_path_factory.mktemp("pki"))
 
 
-def test_tls_node_serves_clients_that_trust_its_ca_only(tmp_path: Path, pki: Pki) -> None:
-    node = start_node(tmp_path, name="tls", extra_args=["--tls-cert", str(pki.server_cert),
-                                                        "--tls-key", str(pki.server_key)])  # fmt: skip
+def test_tls_node_serves_clients_that_trust_its_ca_only(tmp_path: Path, pki: DevPki) -> None:
+    node = start_node(tmp_path, name="tls", extra_args=["--tls-cert", str(pki.node_cert),
+                                                        "--tls-key", str(pki.node_key)])  # fmt: skip
     try:
         chain = [key(i, "tls") for i in range(2)]
         with client(node, ca_file=str(pki.ca)) as kv:
             kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
             assert [bytes(p) for p in kv.get(NS, chain)] == [page(h) for h in chain]
-        for wrong in ({}, {"ca_file": str(pki.rogue_ca)}):  # plaintext, then a CA that did not sign it
+        for wrong in ({}, {"ca_file": str(pki.other_ca)}):  # plaintext, then a CA that did not sign it
             with client(node, **wrong) as kv, pytest.raises(Unavailable):
                 kv.lookup(NS, chain)
     finally:
         node.close()
 
 
-def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path: Path, pki: Pki) -> None:
-    node = start_node(tmp_path, name="mtls", extra_args=["--tls-cert", str(pki.server_cert), "--tls-key",
-                                                         str(pki.server_key), "--tls-client-ca", str(pki.ca)])  # fmt: skip
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path: Path, pki: DevPki) -> None:
+    node = start_node(tmp_path, name="mtls", extra_args=["--tls-cert", str(pki.node_cert), "--tls-key",
+                                                         str(pki.node_key), "--tls-client-ca", str(pki.ca)])  # fmt: skip
     try:
         with client(node, ca_file=str(pki.ca)) as kv, pytest.raises(Unavailable):
             kv.stats()  # TLS, but no client certificate
@@ -206,9 +158,9 @@ def test_mutual_tls_requires_a_client_certificate_from_the_ca(tmp_path: Path, pk
 # -- bad configuration: a clear error, no node --------------------------------------------------------
 
 
-def test_bad_security_config_is_refused_with_a_clear_error(tmp_path: Path, pki: Pki) -> None:
+def test_bad_security_config_is_refused_with_a_clear_error(tmp_path: Path, pki: DevPki) -> None:
     with pytest.raises(ValueError, match="both tls_cert_file and tls_key_file"):
-        NodeConfig(tls_cert_file=str(pki.server_cert))
+        NodeConfig(tls_cert_file=str(pki.node_cert))
     with pytest.raises(ValueError, match="no such file"):
         NodeConfig(auth_tokens_file=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="needs ca_file"):
