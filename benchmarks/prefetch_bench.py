@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                            max_page_bytes=size, node_id="bench-prefetch")  # fmt: skip
         node.start()
         try:
-            with KVStoreClient(node.addr, pages_per_stream=256) as kv:
+            with KVStoreClient(node.addr, pages_per_stream=256, transport="grpc") as kv:
                 kv.put(NS, layout, chain, [data] * CHAIN)
 
                 def push_to_nvme() -> None:

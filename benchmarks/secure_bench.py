@@ -6,6 +6,8 @@ Modes (one real node each, DRAM only, on loopback):
     tokens       + bearer-token auth (read-write token on every call)
     tls+tokens   + TLS (EC P-256, a throwaway CA from kvstore.devpki) and tokens and metrics
 
+Bytes move on gRPC streams in every mode (transport="grpc"), so TLS encrypts them all; the
+shared-memory plane (benchmarks/shm_bench.py) sends only control messages over the channel.
 Per mode: batched Put and Get GB/s of `--batch` pages of `--page-kib` KiB (median of `--runs` runs of
 `--iters` calls), and Lookup p50/p99 latency of a 64-block chain over `--lookups` calls. The modes run
 in rotating order per run so drift on the machine does not favour one. Writes
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         nodes = {m: NodeProcess(dram_bytes=(4 * args.batch + 8) * slot, max_page_bytes=layout.page_bytes,
                                 node_id=f"bench-{m}", extra_args=node_args[m]).start() for m in MODES}  # fmt: skip
-        clients = {m: KVStoreClient(nodes[m].addr, pages_per_stream=max(256, args.batch), security=security[m])
+        clients = {m: KVStoreClient(nodes[m].addr, pages_per_stream=max(256, args.batch), security=security[m],
+                                transport="grpc")
                    for m in MODES}  # fmt: skip
         put_gbs: dict[str, list[float]] = {m: [] for m in MODES}
         get_gbs: dict[str, list[float]] = {m: [] for m in MODES}

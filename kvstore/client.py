@@ -15,6 +15,8 @@ Batching: `put` sends up to `pages_per_stream` pages per Put stream (each stream
 
 from __future__ import annotations
 
+import ipaddress
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,11 +24,12 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.errors import KVStoreError, from_status
+from kvstore.errors import KVStoreError, ShmNotAvailable, from_status
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats
 from kvstore.tiers.base import TierKind
+from kvstore.transport import shm
 from kvstore.wire import MAX_MESSAGE_BYTES, Buffer, FetchedPage, GetAssembler, put_requests, stats_from_pb
 
 CHANNEL_OPTIONS = [
@@ -68,6 +71,33 @@ def _batches(n: int, size: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+TRANSPORTS = ("auto", "grpc", "shm")
+
+
+def _choose_transport(target: str, transport: str | None) -> tuple[str, shm.SegmentPool | None]:
+    """(mode, segment pool or None). "auto" (default, or KVSTORE_TRANSPORT) uses shared memory when the
+    node is on this host's loopback and /dev/shm exists, and falls back to gRPC streams for good if the
+    node says it cannot (ShmNotAvailable); "shm" insists (errors surface); "grpc" never uses it."""
+    mode = (transport or os.environ.get("KVSTORE_TRANSPORT") or "auto").lower()
+    if mode not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {mode!r}")
+    if mode == "grpc" or (mode == "auto" and not (shm.shm_available() and _is_loopback(target))):
+        return mode, None
+    if not shm.shm_available():
+        raise ValueError("transport='shm' needs a writable /dev/shm on this host")
+    return mode, shm.SegmentPool()
+
+
+def _is_loopback(target: str) -> bool:
+    host = target.removeprefix("ipv4:").removeprefix("ipv6:").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _open_channel(target: str, security: ClientSecurity, *, aio: bool) -> grpc.Channel | grpc.aio.Channel:
     options = CHANNEL_OPTIONS + security.channel_options()
     creds = security.channel_credentials()
@@ -84,7 +114,8 @@ class KVStoreClient:
     """Blocking client. Thread-safe (one channel, many concurrent calls)."""
 
     def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
-                 verify: bool = True, security: ClientSecurity | None = None) -> None:  # fmt: skip
+                 verify: bool = True, security: ClientSecurity | None = None,
+                 transport: str | None = None) -> None:  # fmt: skip
         self.target = target
         self.timeout = timeout
         self.pages_per_stream = pages_per_stream
@@ -92,6 +123,8 @@ class KVStoreClient:
         self.security = ClientSecurity.from_env() if security is None else security
         self._md = self.security.metadata()
         self._channel = _open_channel(target, self.security, aio=False)
+        self.transport, self._shm = _choose_transport(target, transport)
+        self._shm_hint = shm.DEFAULT_PAGE_HINT  # bytes per page GetShm windows are sized for
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put, self._get = _bulk_methods(self._channel)
 
@@ -103,6 +136,8 @@ class KVStoreClient:
 
     def close(self) -> None:
         self._channel.close()
+        if self._shm is not None:
+            self._shm.close()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
         """Block until the channel connects (raises grpc.FutureTimeoutError after timeout)."""
@@ -118,6 +153,11 @@ class KVStoreClient:
         """
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        if self._shm is not None:
+            try:
+                return self._put_shm(namespace, layout, hashes, pages, target_tier, parent, chain)
+            except ShmNotAvailable as exc:
+                self._no_shm(exc)
         total = PutResult(0, 0)
         try:
             for a, b in _batches(len(hashes), self.pages_per_stream):
@@ -143,8 +183,64 @@ class KVStoreClient:
         """Number of leading blocks of the chain stored on the node."""
         return self.lookup_detail(namespace, hashes, prefetch=prefetch).matched
 
+    def _no_shm(self, exc: ShmNotAvailable) -> None:
+        """The node cannot use our segments: gRPC streams from now on (unless shm was insisted on)."""
+        if self.transport == "shm":
+            raise exc
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    def _put_shm(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
+                 target_tier: TierKind | None, parent: bytes | None, chain: bool) -> PutResult:  # fmt: skip
+        assert self._shm is not None
+        total = PutResult(0, 0)
+        for a, b in _batches(len(hashes), self.pages_per_stream):
+            first_parent = parent if a == 0 else hashes[a - 1]
+            seg = self._shm.acquire(shm.put_bytes(pages[a:b]))
+            try:
+                req = shm.put_request(seg, namespace, layout, hashes[a:b], pages[a:b], target_tier,
+                                      first_parent if chain else None, chain)  # fmt: skip
+                r = self._call(self._stub.PutShm, req)
+            finally:
+                self._shm.release(seg)
+            total.stored += r.stored
+            total.already_present += r.already_present
+        return total
+
+    def _get_pages_shm(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> list[FetchedPage]:
+        assert self._shm is not None
+        out: list[FetchedPage] = []
+        seg = self._shm.acquire(self._shm_hint * min(len(hashes), self.pages_per_stream))
+        try:
+            # Bounded: every round returns pages or grows the window to fit the next page.
+            for _ in range(2 * len(hashes) + 2):
+                batch = hashes[len(out) : len(out) + self.pages_per_stream]
+                if not batch:
+                    break
+                reply = self._call(self._stub.GetShm, shm.get_request(seg, namespace, batch, promote))
+                got = shm.read_reply(seg, batch, reply, self.verify)
+                out.extend(got)
+                if not reply.next_page_bytes:
+                    if len(got) < len(batch):
+                        break  # the first missing page ends the prefix
+                    continue
+                self._shm_hint = max(self._shm_hint, shm.align_up(reply.next_page_bytes))
+                need = self._shm_hint * min(len(hashes) - len(out), self.pages_per_stream)
+                if seg.data_bytes < need:
+                    self._shm.release(seg)
+                    seg = self._shm.acquire(need)
+        finally:
+            self._shm.release(seg)
+        return out
+
     def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
         """Pages of the longest stored prefix of `hashes`, with the tier each came from."""
+        if self._shm is not None and hashes:
+            try:
+                return self._get_pages_shm(namespace, hashes, promote)
+            except ShmNotAvailable as exc:
+                self._no_shm(exc)
         out: list[FetchedPage] = []
         for a, b in _batches(len(hashes), self.pages_per_stream):
             asm = GetAssembler(hashes[a:b], self.verify)
@@ -193,7 +289,8 @@ class AsyncKVStoreClient:
     """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
 
     def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
-                 verify: bool = True, security: ClientSecurity | None = None) -> None:  # fmt: skip
+                 verify: bool = True, security: ClientSecurity | None = None,
+                 transport: str | None = None) -> None:  # fmt: skip
         self.target = target
         self.timeout = timeout
         self.pages_per_stream = pages_per_stream
@@ -201,6 +298,8 @@ class AsyncKVStoreClient:
         self.security = ClientSecurity.from_env() if security is None else security
         self._md = self.security.metadata()
         self._channel = _open_channel(target, self.security, aio=True)
+        self.transport, self._shm = _choose_transport(target, transport)
+        self._shm_hint = shm.DEFAULT_PAGE_HINT  # bytes per page GetShm windows are sized for
         self._stub = pb_grpc.KVStoreStub(self._channel)
         self._put, self._get = _bulk_methods(self._channel)
 
@@ -212,12 +311,19 @@ class AsyncKVStoreClient:
 
     async def close(self) -> None:
         await self._channel.close()
+        if self._shm is not None:
+            self._shm.close()
 
     async def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
                   target_tier: TierKind | None = None, parent: bytes | None = None,
                   chain: bool = True) -> PutResult:  # fmt: skip
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        if self._shm is not None:
+            try:
+                return await self._put_shm(namespace, layout, hashes, pages, target_tier, parent, chain)
+            except ShmNotAvailable as exc:
+                self._no_shm(exc)
         total = PutResult(0, 0)
         try:
             for a, b in _batches(len(hashes), self.pages_per_stream):
@@ -238,7 +344,61 @@ class AsyncKVStoreClient:
     async def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
         return (await self.lookup_detail(namespace, hashes, prefetch=prefetch)).matched
 
+    def _no_shm(self, exc: ShmNotAvailable) -> None:
+        if self.transport == "shm":
+            raise exc
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
+
+    async def _put_shm(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
+                       target_tier: TierKind | None, parent: bytes | None, chain: bool) -> PutResult:  # fmt: skip
+        assert self._shm is not None
+        total = PutResult(0, 0)
+        for a, b in _batches(len(hashes), self.pages_per_stream):
+            first_parent = parent if a == 0 else hashes[a - 1]
+            seg = self._shm.acquire(shm.put_bytes(pages[a:b]))
+            try:
+                req = shm.put_request(seg, namespace, layout, hashes[a:b], pages[a:b], target_tier,
+                                      first_parent if chain else None, chain)  # fmt: skip
+                r = await self._call(self._stub.PutShm, req)
+            finally:
+                self._shm.release(seg)
+            total.stored += r.stored
+            total.already_present += r.already_present
+        return total
+
+    async def _get_pages_shm(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> list[FetchedPage]:
+        assert self._shm is not None
+        out: list[FetchedPage] = []
+        seg = self._shm.acquire(self._shm_hint * min(len(hashes), self.pages_per_stream))
+        try:
+            for _ in range(2 * len(hashes) + 2):  # bounded, as in KVStoreClient._get_pages_shm
+                batch = hashes[len(out) : len(out) + self.pages_per_stream]
+                if not batch:
+                    break
+                reply = await self._call(self._stub.GetShm, shm.get_request(seg, namespace, batch, promote))
+                got = shm.read_reply(seg, batch, reply, self.verify)
+                out.extend(got)
+                if not reply.next_page_bytes:
+                    if len(got) < len(batch):
+                        break
+                    continue
+                self._shm_hint = max(self._shm_hint, shm.align_up(reply.next_page_bytes))
+                need = self._shm_hint * min(len(hashes) - len(out), self.pages_per_stream)
+                if seg.data_bytes < need:
+                    self._shm.release(seg)
+                    seg = self._shm.acquire(need)
+        finally:
+            self._shm.release(seg)
+        return out
+
     async def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
+        if self._shm is not None and hashes:
+            try:
+                return await self._get_pages_shm(namespace, hashes, promote)
+            except ShmNotAvailable as exc:
+                self._no_shm(exc)
         out: list[FetchedPage] = []
         for a, b in _batches(len(hashes), self.pages_per_stream):
             asm = GetAssembler(hashes[a:b], self.verify)

@@ -71,6 +71,8 @@ class NodeConfig:
     # Prometheus /metrics endpoint (kvstore/metrics.py): None = off, 0 = a free port (in the ready file).
     metrics_port: int | None = None
     metrics_host: str | None = None  # address to bind it to (default: host)
+    # Same-host shared-memory data plane (kvstore/transport/shm.py): PutShm/GetShm through client segments.
+    shm_enabled: bool = True
     # The secured cache plane (kvstore/security.py): TLS, mutual TLS, bearer tokens (write / read-only).
     tls_cert_file: str | None = None
     tls_key_file: str | None = None

@@ -68,6 +68,13 @@ class PermissionDenied(KVStoreError):
     status_name = "PERMISSION_DENIED"
 
 
+class ShmNotAvailable(KVStoreError):
+    """The shared-memory data plane cannot be used for this call: the node runs without it, or the
+    caller's segment is not visible to the node (another host or another /dev/shm). Use Put/Get."""
+
+    status_name = "UNIMPLEMENTED"
+
+
 class RemoteError(KVStoreError):
     """A status from the server that maps to no specific class (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED...)."""
 
@@ -79,7 +86,7 @@ class RemoteError(KVStoreError):
 _BY_STATUS: dict[str, type[KVStoreError]] = {
     cls.status_name: cls
     for cls in (InvalidArgument, NamespaceNotFound, LayoutMismatch, ResourceExhausted, DataLoss, Unavailable,
-                Unauthenticated, PermissionDenied)
+                Unauthenticated, PermissionDenied, ShmNotAvailable)
 }
 
 

@@ -3,7 +3,7 @@
 Server side (`NodeConfig`): `tls_cert_file` + `tls_key_file` turn on TLS; `tls_client_ca_file`
 also requires every client to present a certificate signed by that CA (mTLS). `auth_tokens_file`
 holds the tokens that may do everything; `auth_read_tokens_file` the tokens that may only read
-(Lookup, Get, Prefetch, Stats). A token file has one token per line (blank lines and `#` comments
+(Lookup, Get, GetShm, Prefetch, Stats). A token file has one token per line (blank lines and `#` comments
 ignored), so a rotation is: add the new token, roll clients, remove the old one; files are re-read
 when they change (checked at most once a second), with no restart.
 
@@ -34,7 +34,7 @@ import grpc
 from kvstore.errors import PermissionDenied, Unauthenticated
 
 AUTH_HEADER = "authorization"
-WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin"})  # change what a node holds
+WRITE_METHODS = frozenset({"Put", "PutShm", "Delete", "Pin", "Unpin"})  # change what a node holds
 RELOAD_EVERY_S = 1.0
 
 

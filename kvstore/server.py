@@ -26,13 +26,14 @@ from grpc_reflection.v1alpha import reflection
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import NodeConfig
-from kvstore.errors import InvalidArgument, KVStoreError
+from kvstore.errors import InvalidArgument, KVStoreError, ShmNotAvailable
 from kvstore.index import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
 from kvstore.security import TokenAuthenticator, server_credentials
 from kvstore.tiers.base import TierKind
+from kvstore.transport.shm import SegmentAttachments, align_up, check_slice, shm_available
 from kvstore.wire import (
     CHUNK_BYTES,
     GET_CHUNK_TAG,
@@ -165,8 +166,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Translates messages to TierManager calls. Validation of values lives in the manager; framing of
     the Put stream (order, sizes, truncation) lives here."""
 
-    def __init__(self, manager: TierManager) -> None:
+    def __init__(self, manager: TierManager, shm: SegmentAttachments | None = None) -> None:
         self.mgr = manager
+        self.shm = shm  # None: the shared-memory data plane is off on this node
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         res = self.mgr.lookup(request.namespace, list(request.hashes), prefetch=request.prefetch)
@@ -240,6 +242,59 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             await leases.aclose()
 
+    def _region(self, region: pb.ShmRegion) -> memoryview:
+        if self.shm is None:
+            raise ShmNotAvailable("this node runs without the shared-memory data plane; use Put/Get")
+        return self.shm.region(region.name, region.nonce)
+
+    async def PutShm(self, request: pb.PutShmRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot."""
+        region = self._region(request.region)
+        if not request.HasField("open"):
+            raise InvalidArgument("open", "PutShm needs `open` (namespace and layout)")
+        op = request.open
+        # Bounds first: a bad slice anywhere must leave the node unchanged.
+        sources = [check_slice(region, p.offset, p.payload_bytes, f"pages[{i}]") for i, p in enumerate(request.pages)]
+        if not sources:
+            raise InvalidArgument("pages", "PutShm with no pages")
+        txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
+                                 op.parent_hash or None, op.chain)  # fmt: skip
+        try:
+            for p, src in zip(request.pages, sources, strict=True):
+                dst = await txn.add_page(p.hash, p.payload_bytes, p.checksum)
+                if dst is not None:
+                    dst[:] = src
+                    dst.release()
+            stored, present = await txn.commit()
+            return pb.PutResponse(stored=stored, already_present=present)
+        finally:
+            for src in sources:
+                src.release()
+            if not txn.done:
+                txn.abort()
+
+    async def GetShm(self, request: pb.GetShmRequest, context: grpc.aio.ServicerContext) -> pb.GetShmResponse:
+        """Get into the caller's segment window: one copy per page, slot -> segment."""
+        region = self._region(request.region)
+        window = check_slice(region, request.offset, request.size, "size")
+        window.release()
+        out = pb.GetShmResponse()
+        pos, end = request.offset, request.offset + request.size
+        leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
+        try:
+            async for lease in leases:
+                n = len(lease.payload)
+                if pos + n > end:
+                    out.next_page_bytes = n
+                    break
+                region[pos : pos + n] = lease.payload
+                out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
+                              tier=int(lease.tier))  # fmt: skip
+                pos = align_up(pos + n)
+        finally:
+            await leases.aclose()
+        return out
+
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers. Same wire format as the generated ones, except that Put
         requests reach the servicer still serialized and Get responses leave already serialized, so
@@ -251,6 +306,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             "Unpin": (self.Unpin, pb.UnpinRequest, pb.UnpinResponse),
             "Prefetch": (self.Prefetch, pb.PrefetchRequest, pb.PrefetchResponse),
             "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
+            "PutShm": (self.PutShm, pb.PutShmRequest, pb.PutResponse),
+            "GetShm": (self.GetShm, pb.GetShmRequest, pb.GetShmResponse),
         }
         methods = {
             name: grpc.unary_unary_rpc_method_handler(fn, req.FromString, resp.SerializeToString)
@@ -296,6 +353,7 @@ class Node:
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=GRPC_OPTIONS)
         self.metrics: NodeMetrics | None = None
         self.metrics_port: int | None = None  # bound /metrics port once started
+        self.shm = SegmentAttachments() if config.shm_enabled and shm_available() else None
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.index: IndexPublisher | None = None
@@ -303,7 +361,7 @@ class Node:
 
     async def start(self) -> int:
         await self.manager.start()
-        self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager).handlers(),))
+        self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager, self.shm).handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.interceptor.auth is None:  # reflection has no auth hook: served only on an open node
             reflection.enable_server_reflection(
@@ -360,6 +418,8 @@ class Node:
             self.manager.on_change = None
             await self.index.close(deregister=True)
         await self.manager.close()
+        if self.shm is not None:
+            self.shm.close()
         if self.metrics is not None:
             # The scrape thread asks this loop for snapshots: stop it from a worker thread.
             await asyncio.to_thread(self.metrics.close)

@@ -35,6 +35,9 @@ def serve(
         int | None, typer.Option(help="serve Prometheus /metrics on this port (0: a free one; default off)")
     ] = None,
     metrics_host: Annotated[str | None, typer.Option(help="address for /metrics (default: --host)")] = None,
+    shm: Annotated[
+        bool | None, typer.Option("--shm/--no-shm", help="same-host shared-memory data plane (default on)")
+    ] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve over TLS (with --tls-key)")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert")] = None,
     tls_client_ca: Annotated[
@@ -55,7 +58,7 @@ def serve(
         config,
         host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
         advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
-        metrics_port=metrics_port, metrics_host=metrics_host,
+        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm,
         tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
         auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
         nvme_path=str(nvme_path) if nvme_path else None,

@@ -42,7 +42,8 @@ def node(tmp_path: Path) -> Iterator[NodeProcess]:
         n.close()
 
 
-@pytest.fixture
-def kv(node: NodeProcess) -> Iterator[KVStoreClient]:
-    with KVStoreClient(node.addr, timeout=30) as c:
+@pytest.fixture(params=["grpc", "shm"])
+def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreClient]:
+    """A client of `node` over each data plane: gRPC streams, and the same-host shared-memory plane."""
+    with KVStoreClient(node.addr, timeout=30, transport=request.param) as c:
         yield c

@@ -55,3 +55,11 @@ def test_secure_bench_quick_run(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "secure_bench.json").read_text())["rows"]
     assert [r["mode"] for r in rows] == ["plain", "metrics", "tokens", "tls+tokens"]
     assert all(r["get_gbs"] > 0 and r["put_gbs"] > 0 for r in rows)
+
+
+def test_shm_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "shm_bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "shm_bench.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["put", "get"] and all(r["shm_gbs"] > 0 for r in rows)

@@ -43,7 +43,7 @@ def test_metrics_agree_with_stats_for_every_tier_and_count_rpcs_by_status(tmp_pa
     try:
         assert node.metrics_port
         chain = [key(i, "metrics") for i in range(10)]
-        with KVStoreClient(node.addr) as kv:
+        with KVStoreClient(node.addr, transport="grpc") as kv:
             kv.put(NS, LAYOUT, chain, [page(h) for h in chain])  # 4 fit in DRAM: the rest are demoted
             assert [p.hash for p in kv.get_pages(NS, chain)] == chain  # NVMe hits, promoted back
             with pytest.raises(InvalidArgument):

@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -126,12 +127,13 @@ def test_delete_pin_unpin_prefetch(kv: KVStoreClient) -> None:
     assert kv.stats().prefetch_issued == len(nvme_pages)
 
 
-def test_concurrent_clients_threads_and_asyncio(node: NodeProcess) -> None:
+@pytest.mark.parametrize("transport", ["grpc", "shm"])
+def test_concurrent_clients_threads_and_asyncio(node: NodeProcess, transport: str) -> None:
     errors: list[BaseException] = []
 
     def worker(w: int) -> None:
         try:
-            with KVStoreClient(node.addr) as kv:
+            with KVStoreClient(node.addr, transport=transport) as kv:
                 hs = [key(i, f"t{w}") for i in range(6)]
                 kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
                 got = kv.get(NS, hs)
@@ -148,7 +150,7 @@ def test_concurrent_clients_threads_and_asyncio(node: NodeProcess) -> None:
     assert not errors, errors
 
     async def main() -> None:
-        async with AsyncKVStoreClient(node.addr) as kv:
+        async with AsyncKVStoreClient(node.addr, transport=transport) as kv:
             async def one(w: int) -> None:
                 hs = [key(i, f"a{w}") for i in range(3)]
                 await kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
