@@ -5,6 +5,7 @@ Every wait is bounded in time; `stop()` sends SIGTERM, waits for the graceful sh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,7 +40,7 @@ class NodeProcess:
         if redis_url is not None:
             args += ["--redis-url", redis_url]
         self.args = args + (extra_args or [])
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.metrics_port: int | None = None  # set when started with --metrics-port
@@ -73,8 +74,17 @@ class NodeProcess:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                # Say so loudly: a killed node skipped its shutdown spill, which tests then see as lost pages.
+                print(f"kvstore node {self.addr} did not stop within {timeout}s of SIGTERM; killing it. "
+                      f"Log tail:\n{self.log_tail()}", file=sys.stderr)  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGABRT)  # faulthandler writes every thread's stack to the log
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+                print(f"node log after SIGABRT:\n{self.log_tail(80)}", file=sys.stderr)
         code = self.proc.returncode
         self.proc = None
         self._log.close()

@@ -47,7 +47,7 @@ def start(tmp_path: Path, url: str, name: str, dram_pages: int = 16, nvme_pages:
           ttl: float = TTL) -> NodeProcess:  # fmt: skip
     return NodeProcess(dram_bytes=dram_pages * SLOT, nvme_path=tmp_path / name, nvme_bytes=nvme_pages * SLOT,
                        max_page_bytes=LAYOUT.page_bytes, node_id=name, redis_url=url,
-                       extra_args=["--index-ttl", str(ttl)]).start()  # fmt: skip
+                       extra_args=["--index-ttl", str(ttl)], log_path=tmp_path / f"{name}.log").start()  # fmt: skip
 
 
 @pytest.fixture
