@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 from pathlib import Path
@@ -25,3 +26,12 @@ def machine_line() -> str:
         f"- Machine: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M UTC} | {cpu_model()}, {os.cpu_count()} CPUs | "
         f"{platform.platform()} | python {platform.python_version()}"
     )
+
+
+def save_results(out: Path, name: str, text: str, args: object, **payload: object) -> None:
+    """Print the markdown table and write out/<name>.md and out/<name>.json (args stringified)."""
+    print(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(text + "\n")
+    doc = {"args": {k: str(v) for k, v in vars(args).items()}, **payload}
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=2))

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from machine import machine_line
+from machine import machine_line, save_results
 
 from kvstore.client import KVStoreClient
 from kvstore.devpki import make_dev_pki
@@ -142,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['mode']} | {r['put_gbs']:.2f} | {r['get_gbs']:.2f} | {r['put_vs_plain']:.2f}x | "
                      f"{r['get_vs_plain']:.2f}x | {r['lookup_p50_ms']:.2f} | {r['lookup_p99_ms']:.2f} |")  # fmt: skip
-    text = "\n".join(lines)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "secure_bench.md").write_text(text + "\n")
-    (args.out / "secure_bench.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                            "rows": rows, "wall_s": wall}, indent=2))  # fmt: skip
+    save_results(args.out, "secure_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
     return 0
 
 

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import time
 from pathlib import Path
 
-from machine import machine_line
+from machine import machine_line, save_results
 
 from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
@@ -124,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['page_kib']} KiB | {r['op']} | {r['grpc_gbs']:.2f} | {r['shm_gbs']:.2f} | "
                      f"{r['shm_vs_grpc']:.1f}x | {r['memcpy_gbs']:.1f} | {r['shm_vs_memcpy']:.2f} |")  # fmt: skip
-    text = "\n".join(lines)
-    print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "shm_bench.md").write_text(text + "\n")
-    (args.out / "shm_bench.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                         "rows": rows, "wall_s": wall}, indent=2))  # fmt: skip
+    save_results(args.out, "shm_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
     return 0
 
 

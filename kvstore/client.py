@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 
@@ -31,6 +32,8 @@ from kvstore.stats import LookupResult, NodeStats
 from kvstore.tiers.base import TierKind
 from kvstore.transport import shm
 from kvstore.wire import MAX_MESSAGE_BYTES, Buffer, FetchedPage, GetAssembler, put_requests, stats_from_pb
+
+T = TypeVar("T")
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -194,45 +197,27 @@ class KVStoreClient:
     def _put_shm(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
                  target_tier: TierKind | None, parent: bytes | None, chain: bool) -> PutResult:  # fmt: skip
         assert self._shm is not None
-        total = PutResult(0, 0)
-        for a, b in _batches(len(hashes), self.pages_per_stream):
-            first_parent = parent if a == 0 else hashes[a - 1]
-            seg = self._shm.acquire(shm.put_bytes(pages[a:b]))
-            try:
-                req = shm.put_request(seg, namespace, layout, hashes[a:b], pages[a:b], target_tier,
-                                      first_parent if chain else None, chain)  # fmt: skip
-                r = self._call(self._stub.PutShm, req)
-            finally:
-                self._shm.release(seg)
-            total.stored += r.stored
-            total.already_present += r.already_present
-        return total
+        ex = shm.put_exchange(self._shm, namespace, layout, hashes, pages, target_tier, parent, chain,
+                              self.pages_per_stream)  # fmt: skip
+        return PutResult(*self._drive(ex, self._stub.PutShm))
 
     def _get_pages_shm(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> list[FetchedPage]:
         assert self._shm is not None
-        out: list[FetchedPage] = []
-        seg = self._shm.acquire(self._shm_hint * min(len(hashes), self.pages_per_stream))
+        ex = shm.get_exchange(self._shm, namespace, hashes, promote, self.verify, self.pages_per_stream,
+                              self._shm_hint)  # fmt: skip
+        pages, self._shm_hint = self._drive(ex, self._stub.GetShm)
+        return pages
+
+    def _drive(self, exchange: Generator[Any, Any, T], method: grpc.UnaryUnaryMultiCallable) -> T:
+        """Run a transport exchange: send each request it yields, feed it the reply."""
         try:
-            # Bounded: every round returns pages or grows the window to fit the next page.
-            for _ in range(2 * len(hashes) + 2):
-                batch = hashes[len(out) : len(out) + self.pages_per_stream]
-                if not batch:
-                    break
-                reply = self._call(self._stub.GetShm, shm.get_request(seg, namespace, batch, promote))
-                got = shm.read_reply(seg, batch, reply, self.verify)
-                out.extend(got)
-                if not reply.next_page_bytes:
-                    if len(got) < len(batch):
-                        break  # the first missing page ends the prefix
-                    continue
-                self._shm_hint = max(self._shm_hint, shm.align_up(reply.next_page_bytes))
-                need = self._shm_hint * min(len(hashes) - len(out), self.pages_per_stream)
-                if seg.data_bytes < need:
-                    self._shm.release(seg)
-                    seg = self._shm.acquire(need)
+            request = next(exchange)
+            while True:
+                request = exchange.send(self._call(method, request))
+        except StopIteration as done:
+            return done.value
         finally:
-            self._shm.release(seg)
-        return out
+            exchange.close()
 
     def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
         """Pages of the longest stored prefix of `hashes`, with the tier each came from."""
@@ -354,44 +339,26 @@ class AsyncKVStoreClient:
     async def _put_shm(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
                        target_tier: TierKind | None, parent: bytes | None, chain: bool) -> PutResult:  # fmt: skip
         assert self._shm is not None
-        total = PutResult(0, 0)
-        for a, b in _batches(len(hashes), self.pages_per_stream):
-            first_parent = parent if a == 0 else hashes[a - 1]
-            seg = self._shm.acquire(shm.put_bytes(pages[a:b]))
-            try:
-                req = shm.put_request(seg, namespace, layout, hashes[a:b], pages[a:b], target_tier,
-                                      first_parent if chain else None, chain)  # fmt: skip
-                r = await self._call(self._stub.PutShm, req)
-            finally:
-                self._shm.release(seg)
-            total.stored += r.stored
-            total.already_present += r.already_present
-        return total
+        ex = shm.put_exchange(self._shm, namespace, layout, hashes, pages, target_tier, parent, chain,
+                              self.pages_per_stream)  # fmt: skip
+        return PutResult(*await self._drive(ex, self._stub.PutShm))
 
     async def _get_pages_shm(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> list[FetchedPage]:
         assert self._shm is not None
-        out: list[FetchedPage] = []
-        seg = self._shm.acquire(self._shm_hint * min(len(hashes), self.pages_per_stream))
+        ex = shm.get_exchange(self._shm, namespace, hashes, promote, self.verify, self.pages_per_stream,
+                              self._shm_hint)  # fmt: skip
+        pages, self._shm_hint = await self._drive(ex, self._stub.GetShm)
+        return pages
+
+    async def _drive(self, exchange: Generator[Any, Any, T], method: grpc.aio.UnaryUnaryMultiCallable) -> T:
         try:
-            for _ in range(2 * len(hashes) + 2):  # bounded, as in KVStoreClient._get_pages_shm
-                batch = hashes[len(out) : len(out) + self.pages_per_stream]
-                if not batch:
-                    break
-                reply = await self._call(self._stub.GetShm, shm.get_request(seg, namespace, batch, promote))
-                got = shm.read_reply(seg, batch, reply, self.verify)
-                out.extend(got)
-                if not reply.next_page_bytes:
-                    if len(got) < len(batch):
-                        break
-                    continue
-                self._shm_hint = max(self._shm_hint, shm.align_up(reply.next_page_bytes))
-                need = self._shm_hint * min(len(hashes) - len(out), self.pages_per_stream)
-                if seg.data_bytes < need:
-                    self._shm.release(seg)
-                    seg = self._shm.acquire(need)
+            request = next(exchange)
+            while True:
+                request = exchange.send(await self._call(method, request))
+        except StopIteration as done:
+            return done.value
         finally:
-            self._shm.release(seg)
-        return out
+            exchange.close()
 
     async def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
         if self._shm is not None and hashes:

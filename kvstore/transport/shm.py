@@ -26,7 +26,7 @@ import secrets
 import stat
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -281,3 +281,60 @@ def read_reply(
             raise StreamError(f"page {i}: checksum mismatch after transfer")
         out.append(FetchedPage(p.hash, TierKind(p.tier), data))
     return out
+
+
+# -- client side: whole exchanges as generators (they yield requests, receive replies, return results),
+# so the blocking and the asyncio client drive the same logic and only differ in how they call.
+
+PutExchange = Generator[pb.PutShmRequest, pb.PutResponse, tuple[int, int]]
+GetExchange = Generator[pb.GetShmRequest, pb.GetShmResponse, tuple[list[FetchedPage], int]]
+
+
+def put_exchange(pool: SegmentPool, namespace: str, layout: PageLayout, hashes: Sequence[bytes],
+                 pages: Sequence[Buffer], target: TierKind | None, parent: bytes | None, chain: bool,
+                 per_call: int) -> PutExchange:  # fmt: skip
+    """PutShm calls of at most `per_call` pages each (each atomic); returns (stored, already_present)."""
+    stored = present = 0
+    for a in range(0, len(hashes), per_call):
+        b = min(a + per_call, len(hashes))
+        first_parent = parent if a == 0 else hashes[a - 1]
+        seg = pool.acquire(put_bytes(pages[a:b]))
+        try:
+            reply = yield put_request(seg, namespace, layout, hashes[a:b], pages[a:b], target,
+                                      first_parent if chain else None, chain)  # fmt: skip
+        finally:
+            pool.release(seg)
+        stored += reply.stored
+        present += reply.already_present
+    return stored, present
+
+
+def get_exchange(pool: SegmentPool, namespace: str, hashes: Sequence[bytes], promote: bool, verify: bool,
+                 per_call: int, page_hint: int) -> GetExchange:  # fmt: skip
+    """GetShm calls for the longest stored prefix of `hashes`; returns (pages, updated page_hint).
+
+    The window is sized for `page_hint` bytes per page and grows when the node reports a page that did
+    not fit. Bounded: every call either returns pages or grows the window to fit the next page.
+    """
+    out: list[FetchedPage] = []
+    seg = pool.acquire(page_hint * min(len(hashes), per_call))
+    try:
+        for _ in range(2 * len(hashes) + 2):
+            batch = hashes[len(out) : len(out) + per_call]
+            if not batch:
+                break
+            reply = yield get_request(seg, namespace, batch, promote)
+            got = read_reply(seg, batch, reply, verify)
+            out.extend(got)
+            if not reply.next_page_bytes:
+                if len(got) < len(batch):
+                    break  # the first missing page ends the prefix
+                continue
+            page_hint = max(page_hint, align_up(reply.next_page_bytes))
+            need = page_hint * min(len(hashes) - len(out), per_call)
+            if seg.data_bytes < need:
+                pool.release(seg)
+                seg = pool.acquire(need)
+    finally:
+        pool.release(seg)
+    return out, page_hint
