@@ -321,7 +321,8 @@ class IndexPublisher:
         the previous incarnation (old address, old epoch) until that alive key expires.
         """
         try:
-            await asyncio.wait_for(self._registered.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._registered.wait()
         except TimeoutError:
             return False
         return True
@@ -331,11 +332,17 @@ class IndexPublisher:
         at once (its entries stay until swept; the next start takes a new epoch)."""
         for t in self._tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._tasks:
+            # Bounded: a loop that swallowed its cancellation must not hang the node's shutdown.
+            _, stuck = await asyncio.wait(self._tasks, timeout=max(1.0, self.ttl_seconds))
+            if stuck:
+                log.warning("index: %d background task(s) did not stop on cancel", len(stuck))
         if deregister:
             try:
-                await asyncio.wait_for(self._flush_once(), self.ttl_seconds)
-                await asyncio.wait_for(self._redis.delete(alive_key(self.node_id)), self.ttl_seconds)
+                async with asyncio.timeout(self.ttl_seconds):
+                    await self._flush_once()
+                async with asyncio.timeout(self.ttl_seconds):
+                    await self._redis.delete(alive_key(self.node_id))
             except (redis.RedisError, OSError, TimeoutError) as exc:
                 log.info("index deregistration skipped: %s", exc)
         await self._redis.aclose()
@@ -345,8 +352,11 @@ class IndexPublisher:
     async def _flush_loop(self) -> None:
         backoff = self.flush_interval
         while True:
+            # NOTE: asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancellation that
+            # lands as the event fires, and this loop would then run forever and hang the node's stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), backoff)
+                async with asyncio.timeout(backoff):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 talked = self._need_resync or bool(self._pending)

@@ -741,7 +741,8 @@ class TierManager:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._space_waiters.append(fut)
         try:
-            await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancellation on 3.11
+                await fut
         except TimeoutError:
             pass
         finally:

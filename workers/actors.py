@@ -109,7 +109,8 @@ class Router:
         t0 = time.perf_counter()
         p = self._pick_prefill(prompt)
         d = min(range(len(self.decode)), key=lambda i: self._d_busy[i])
-        await asyncio.wait_for(self._p_slots[p].acquire(), self.queue_timeout_s)
+        async with asyncio.timeout(self.queue_timeout_s):  # not wait_for: it can swallow a cancel on 3.11
+            await self._p_slots[p].acquire()
         queued = time.perf_counter() - t0
         self._p_busy[p] += 1
         try:
@@ -121,7 +122,8 @@ class Router:
         finally:
             self._p_busy[p] -= 1
             self._p_slots[p].release()
-        await asyncio.wait_for(self._d_slots[d].acquire(), self.queue_timeout_s)
+        async with asyncio.timeout(self.queue_timeout_s):  # not wait_for: it can swallow a cancel on 3.11
+            await self._d_slots[d].acquire()
         self._d_busy[d] += 1
         tokens: list[int] = []
         try:

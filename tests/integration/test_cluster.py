@@ -359,3 +359,31 @@ def test_client_follows_a_node_that_restarted_on_a_new_port(tmp_path: Path, redi
             assert [bytes(p) for p in cc.get(NS, second)] == [page(h) for h in second]
     finally:
         node.close()
+
+
+def test_publisher_close_is_not_hung_by_a_wake_racing_the_cancel() -> None:
+    """Regression: on Python 3.11 asyncio.wait_for swallows a cancellation that lands as its event fires,
+    so a flush loop built on it ran forever and a node's SIGTERM shutdown hung until SIGKILL (losing
+    its DRAM spill). Here the wake and the cancel land together, many times."""
+    import asyncio
+
+    from kvstore.index import IndexPublisher
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://127.0.0.1:{s.getsockname()[1]}/0"  # nothing listens: the loops back off
+
+    async def one_round() -> None:
+        pub = IndexPublisher(dead, "race", "127.0.0.1:1", lambda: [], lambda: {}, ttl_seconds=1.0)
+        await pub.start()
+        pub._need_resync = False  # park the flush loop in its wait, as on a registered idle node
+        await asyncio.sleep(0.01)
+        pub._wake.set()  # what note() does under load
+        async with asyncio.timeout(10):
+            await pub.close(deregister=False)
+
+    async def main() -> None:
+        for _ in range(20):
+            await one_round()
+
+    asyncio.run(main())
