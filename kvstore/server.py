@@ -33,7 +33,7 @@ from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
 from kvstore.security import TokenAuthenticator, server_credentials
 from kvstore.tiers.base import TierKind
-from kvstore.transport.shm import SegmentAttachments, align_up, check_slice, shm_available
+from kvstore.transport.shm import AttachedSegment, SegmentAttachments, align_up, shm_available
 from kvstore.wire import (
     CHUNK_BYTES,
     GET_CHUNK_TAG,
@@ -242,58 +242,62 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             await leases.aclose()
 
-    def _region(self, region: pb.ShmRegion) -> memoryview:
+    def _segment(self, region: pb.ShmRegion) -> AttachedSegment:
         if self.shm is None:
             raise ShmNotAvailable("this node runs without the shared-memory data plane; use Put/Get")
-        return self.shm.region(region.name, region.nonce)
+        return self.shm.acquire(region.name, region.nonce)
 
     async def PutShm(self, request: pb.PutShmRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot."""
-        region = self._region(request.region)
         if not request.HasField("open"):
             raise InvalidArgument("open", "PutShm needs `open` (namespace and layout)")
-        op = request.open
-        # Bounds first: a bad slice anywhere must leave the node unchanged.
-        sources = [check_slice(region, p.offset, p.payload_bytes, f"pages[{i}]") for i, p in enumerate(request.pages)]
-        if not sources:
+        if not request.pages:
             raise InvalidArgument("pages", "PutShm with no pages")
-        txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
-                                 op.parent_hash or None, op.chain)  # fmt: skip
+        seg = self._segment(request.region)
+        txn = None
         try:
-            for p, src in zip(request.pages, sources, strict=True):
+            for i, p in enumerate(request.pages):  # bounds first: a bad slice must leave the node unchanged
+                seg.check(p.offset, p.payload_bytes, f"pages[{i}]")
+            op = request.open
+            txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
+                                     op.parent_hash or None, op.chain)  # fmt: skip
+            for i, p in enumerate(request.pages):
                 dst = await txn.add_page(p.hash, p.payload_bytes, p.checksum)
                 if dst is not None:
-                    dst[:] = src
-                    dst.release()
+                    try:
+                        seg.read_into(p.offset, dst, f"pages[{i}]")
+                    finally:
+                        dst.release()
             stored, present = await txn.commit()
             return pb.PutResponse(stored=stored, already_present=present)
         finally:
-            for src in sources:
-                src.release()
-            if not txn.done:
+            seg.release()
+            if txn is not None and not txn.done:
                 txn.abort()
 
     async def GetShm(self, request: pb.GetShmRequest, context: grpc.aio.ServicerContext) -> pb.GetShmResponse:
         """Get into the caller's segment window: one copy per page, slot -> segment."""
-        region = self._region(request.region)
-        window = check_slice(region, request.offset, request.size, "size")
-        window.release()
-        out = pb.GetShmResponse()
-        pos, end = request.offset, request.offset + request.size
-        leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
+        seg = self._segment(request.region)
         try:
-            async for lease in leases:
-                n = len(lease.payload)
-                if pos + n > end:
-                    out.next_page_bytes = n
-                    break
-                region[pos : pos + n] = lease.payload
-                out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
-                              tier=int(lease.tier))  # fmt: skip
-                pos = align_up(pos + n)
+            seg.check(request.offset, request.size, "size")
+            out = pb.GetShmResponse()
+            pos, end = request.offset, request.offset + request.size
+            leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
+            try:
+                async for lease in leases:
+                    n = len(lease.payload)
+                    if pos + n > end:
+                        out.next_page_bytes = n
+                        break
+                    seg.write(pos, lease.payload)
+                    out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
+                                  tier=int(lease.tier))  # fmt: skip
+                    pos = align_up(pos + n)
+            finally:
+                await leases.aclose()
+            return out
         finally:
-            await leases.aclose()
-        return out
+            seg.release()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers. Same wire format as the generated ones, except that Put

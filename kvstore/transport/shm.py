@@ -2,17 +2,18 @@
 
 Protocol (proto: ShmRegion, PutShm, GetShm). The client creates a segment `kvstore-<random>` and writes
 a 64-byte header: MAGIC, then a random 16-byte nonce. A PutShm names the segment, repeats the nonce and
-lists (hash, offset, length, checksum) slices holding the pages; the node maps the segment, checks the
-nonce and the bounds, and copies each slice into its own slot (one memcpy) under the same atomic
+lists (hash, offset, length, checksum) slices holding the pages; the node opens the segment, checks
+the nonce and the bounds, and reads each slice into its own slot (one copy, by preadv) under the same atomic
 transaction as a Put stream. A GetShm names the segment and a window; the node copies each verified
-page into the window (one memcpy) and answers with where it put them.
+page into the window (one copy, by pwrite) and answers with where it put them.
 
 Why a nonce: the node opens segments by name, so without it any local client could make the node
 write into another process's segment. Only a process that can read the segment knows its nonce, and
 such a process could write it anyway. Segments are created 0600, so that means the same user.
 
-Ownership: the client creates, grows (a new segment) and unlinks its segments; the node only maps
-them, keeps at most `MAX_ATTACHED` mappings, and drops a mapping when its file is gone or was replaced.
+Ownership: the client creates, grows (a new segment) and unlinks its segments; the node only opens
+them (never maps them: see AttachedSegment), keeps at most `MAX_ATTACHED` open, and closes one when
+its file is gone or was replaced.
 Everything here is synchronous and cheap; copies run on the caller's thread.
 """
 
@@ -27,7 +28,6 @@ import stat
 import threading
 from collections import OrderedDict
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -146,23 +146,68 @@ class SegmentPool:
             seg.close()
 
 
-@dataclass(slots=True)
-class _Attached:
-    map: mmap.mmap
-    view: memoryview
-    ino: int
-    size: int
+class AttachedSegment:
+    """The node's handle on one client segment: positional reads and writes on an open descriptor.
+
+    NOTE: deliberately not an mmap. A client can shrink its segment at any moment; touching a mapped
+    page past the new end kills the node with SIGBUS, while pread/pwrite just come up short (checked
+    here) or extend the file. Invariant: the descriptor stays open while `users` > 0, even after the
+    attachment table dropped the handle (so a number is never reused under an in-flight copy).
+    """
+
+    def __init__(self, name: str, fd: int, ino: int, size: int) -> None:
+        self.name, self.fd, self.ino, self.size = name, fd, ino, size
+        self.users = 0
+        self.dropped = False
+
+    def check(self, offset: int, length: int, field: str) -> None:
+        """Raise unless [offset, offset+length) lies after the header and inside the segment."""
+        if offset < HEADER_BYTES:
+            raise InvalidArgument(field, f"offset {offset} overlaps the {HEADER_BYTES}-byte segment header")
+        if offset + length > self.size:
+            raise InvalidArgument(field, f"[{offset}, {offset + length}) runs past the segment's {self.size} bytes")
+
+    def read_into(self, offset: int, dst: memoryview, field: str) -> None:
+        got = os.preadv(self.fd, [dst], offset)
+        if got != len(dst):
+            raise InvalidArgument(field, f"segment {self.name!r} ended after {got} of {len(dst)} bytes (shrunk?)")
+
+    def write(self, offset: int, src: memoryview | bytes) -> None:
+        n = len(src)
+        done = 0
+        while done < n:  # pwrite to tmpfs is complete in practice; loop for the contract, bounded by n
+            wrote = os.pwrite(self.fd, memoryview(src)[done:], offset + done)
+            if wrote <= 0:
+                raise OSError(f"pwrite to segment {self.name!r} made no progress")
+            done += wrote
+
+    def release(self) -> None:
+        self.users -= 1
+        if self.dropped and self.users == 0:
+            self._close()
+
+    def drop(self) -> None:
+        self.dropped = True
+        if self.users == 0:
+            self._close()
+
+    def _close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class SegmentAttachments:
-    """The node's side: named client segments mapped on demand, checked on every use."""
+    """The node's side: named client segments opened on demand, checked on every use. `acquire`
+    returns a handle the caller must `release()` when its copies are done."""
 
     def __init__(self, max_attached: int = MAX_ATTACHED) -> None:
         self.max_attached = max_attached
-        self._maps: OrderedDict[str, _Attached] = OrderedDict()
+        self._open: OrderedDict[str, AttachedSegment] = OrderedDict()
 
-    def region(self, name: str, nonce: bytes) -> memoryview:
-        """The whole segment, writable. Raises InvalidArgument naming what is wrong."""
+    def acquire(self, name: str, nonce: bytes) -> AttachedSegment:
+        """The caller's segment, after its name, type and nonce are checked. Raises InvalidArgument
+        naming what is wrong, or ShmNotAvailable when this node cannot see the segment."""
         if not NAME_RE.match(name):
             raise InvalidArgument(
                 "region.name", f"{name!r} is not a kvstore segment name (kvstore-[A-Za-z0-9_-]{{8,64}})"
@@ -177,57 +222,43 @@ class SegmentAttachments:
             raise ShmNotAvailable(f"no shared-memory segment {name!r} visible to this node") from None
         if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument("region.name", f"{name!r} is not a regular shared-memory segment")
-        att = self._maps.get(name)
+        att = self._open.get(name)
         if att is None or att.ino != st.st_ino or att.size != st.st_size:
             self._drop(name)
-            att = self._attach(name, path, st.st_size)
-        self._maps.move_to_end(name)
-        if att.view[: len(MAGIC)] != MAGIC or not secrets.compare_digest(
-            bytes(att.view[len(MAGIC) : len(MAGIC) + NONCE_BYTES]), nonce
-        ):
+            att = self._attach(name, path)
+        self._open.move_to_end(name)
+        header = os.pread(att.fd, len(MAGIC) + NONCE_BYTES, 0)
+        if header[: len(MAGIC)] != MAGIC or not secrets.compare_digest(header[len(MAGIC) :], nonce):
             raise InvalidArgument("region.nonce", f"does not match the header of segment {name!r}")
-        return att.view
+        att.users += 1
+        return att
 
-    def _attach(self, name: str, path: Path, size: int) -> _Attached:
-        if size < HEADER_BYTES + 1:
-            raise InvalidArgument("region.name", f"segment {name!r} is {size} bytes, smaller than its header")
+    def _attach(self, name: str, path: Path) -> AttachedSegment:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            m = mmap.mmap(fd, st.st_size)
-        finally:
+        st = os.fstat(fd)
+        if st.st_size < HEADER_BYTES + 1:
             os.close(fd)
-        att = _Attached(m, memoryview(m), st.st_ino, st.st_size)
-        self._maps[name] = att
-        while len(self._maps) > self.max_attached:
-            self._drop(next(iter(self._maps)))
-        # Segments their clients unlinked keep memory alive while mapped: let go of them now.
-        for other in [n for n in self._maps if n != name and not (SHM_DIR / n).exists()]:
+            raise InvalidArgument("region.name", f"segment {name!r} is {st.st_size} bytes, smaller than its header")
+        att = AttachedSegment(name, fd, st.st_ino, st.st_size)
+        self._open[name] = att
+        while len(self._open) > self.max_attached:
+            self._drop(next(iter(self._open)))
+        # Segments their clients unlinked stay allocated while open here: let go of them now.
+        for other in [n for n in self._open if n != name and not (SHM_DIR / n).exists()]:
             self._drop(other)
         return att
 
     def _drop(self, name: str) -> None:
-        att = self._maps.pop(name, None)
+        att = self._open.pop(name, None)
         if att is not None:
-            att.view.release()
-            with contextlib.suppress(BufferError):  # an in-flight copy still holds a view of it
-                att.map.close()
+            att.drop()
 
     def close(self) -> None:
-        for name in list(self._maps):
+        for name in list(self._open):
             self._drop(name)
 
     def __len__(self) -> int:
-        return len(self._maps)
-
-
-def check_slice(region: memoryview, offset: int, length: int, field: str) -> memoryview:
-    """region[offset:offset+length] after checking it lies after the header and inside the segment."""
-    if offset < HEADER_BYTES:
-        raise InvalidArgument(field, f"offset {offset} overlaps the {HEADER_BYTES}-byte segment header")
-    if offset + length > len(region):
-        raise InvalidArgument(field, f"[{offset}, {offset + length}) runs past the segment's {len(region)} bytes")
-    return region[offset : offset + length]
+        return len(self._open)
 
 
 # -- client side: requests and replies (no I/O besides the copies into and out of the segment) --------

@@ -205,3 +205,19 @@ def test_get_shm_reports_a_page_that_does_not_fit(stub: pb_grpc.KVStoreStub, seg
 
 def test_put_shm_is_a_write_for_the_token_roles() -> None:
     assert "PutShm" in WRITE_METHODS and "GetShm" not in WRITE_METHODS
+
+
+def test_a_segment_shrunk_by_its_client_is_refused_and_the_node_lives_on(
+    shm_node: NodeProcess, stub: pb_grpc.KVStoreStub, seg: shm.ClientSegment
+) -> None:
+    h = key(1, "shrunk")
+    req = put_req(seg, h)
+    os.truncate(seg.path, shm.HEADER_BYTES + 100)  # after the request was built, before the node reads
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PutShm(req, timeout=30)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and "runs past" in info.value.details()
+    region = pb.ShmRegion(name=seg.name, nonce=seg.nonce)
+    with pytest.raises(grpc.RpcError):
+        stub.GetShm(pb.GetShmRequest(namespace=NS, hashes=[h], region=region, offset=shm.HEADER_BYTES,
+                                     size=shm.align_up(PAGE)), timeout=30)  # fmt: skip
+    assert stored(stub, h) == 0 and shm_node.proc is not None and shm_node.proc.poll() is None  # alive
