@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import time
@@ -43,6 +44,7 @@ import redis
 import redis.asyncio as aioredis
 
 from kvstore import __version__
+from kvstore.stats import IndexStatus
 from kvstore.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
@@ -227,19 +229,6 @@ class IndexReader:
 # ----------------------------------------------------------------------------------- write side
 
 
-@dataclass(slots=True)
-class PublisherStats:
-    connected: bool = False
-    queued: int = 0
-    flushed: int = 0
-    resyncs: int = 0
-    overflows: int = 0
-    errors: int = 0
-    epoch: int = 0
-    lag_seconds: float = 0.0
-    resync_pending: bool = False
-
-
 Holding = tuple[str, bytes, TierKind]
 
 
@@ -286,7 +275,7 @@ class IndexPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self._gc_cursor = 0
         self._registered = asyncio.Event()  # set once the first full publish has landed
-        self.stats = PublisherStats()
+        self.stats = IndexStatus(url=url)  # live counters; status() hands out snapshots
 
     # -- called by the manager (sync, cheap)
 
@@ -405,12 +394,12 @@ class IndexPublisher:
             return
         await self._write_node_info()
 
-    def status(self) -> PublisherStats:
-        """Counters with the queue length, lag and resync flag as of now."""
+    def status(self) -> IndexStatus:
+        """A snapshot of the counters, with the queue length, lag and resync flag as of now."""
         self.stats.queued = len(self._pending)
         self.stats.lag_seconds = time.monotonic() - self._oldest_pending if self._oldest_pending else 0.0
         self.stats.resync_pending = self._need_resync
-        return self.stats
+        return dataclasses.replace(self.stats)
 
     async def _write_node_info(self) -> None:
         self.status()

@@ -286,7 +286,7 @@ class TierManager:
         self._closing = False
         # Called on every placement change: (namespace, hash, tier or None when the page left the node).
         self.on_change: Callable[[str, bytes, TierKind | None], None] | None = None
-        self.index_status: Callable[[], object] | None = None  # IndexPublisher.status when publishing
+        self.index_status: Callable[[], IndexStatus] | None = None  # IndexPublisher.status when publishing
         self._lookups = self._lookup_blocks = self._lookup_matched = 0
         self._prefetch_issued = self._prefetch_completed = 0
         self._prefetch_used = self._prefetch_wasted = 0
@@ -1003,17 +1003,7 @@ class TierManager:
             prefetch_wasted=self._prefetch_wasted,
             pinned_pages=sum(1 for e in self._entries.values() if e.pinned),
             put_rejected=self._put_rejected,
-            index=self._index_status(),
-        )
-
-    def _index_status(self) -> IndexStatus | None:
-        if self.index_status is None:
-            return None
-        s = self.index_status()
-        return IndexStatus(
-            url=self.config.redis_url or "", connected=s.connected, epoch=s.epoch, queued=s.queued,  # type: ignore[attr-defined]
-            lag_seconds=s.lag_seconds, flushed=s.flushed, resyncs=s.resyncs,  # type: ignore[attr-defined]
-            overflows=s.overflows, errors=s.errors, resync_pending=s.resync_pending,  # type: ignore[attr-defined]
+            index=self.index_status() if self.index_status is not None else None,
         )
 
 

@@ -39,7 +39,7 @@ from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvstore import __version__
-from kvstore.stats import NodeStats, TierCounters
+from kvstore.stats import NodeStats, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,8 @@ class NodeMetrics:
         meter = self.provider.get_meter("kvstore", __version__)
         self._base = {"node": node_id}
         for field_name, (name, unit, desc) in _TIER_COUNTERS.items():
-            meter.create_observable_counter(name, [self._tier_counter(field_name)], unit=unit, description=desc)
+            counter = self._per_tier(lambda t, f=field_name: getattr(t.counters, f))
+            meter.create_observable_counter(name, [counter], unit=unit, description=desc)
         gauges = {
             "kvstore.tier.capacity": ("By", "bytes this tier can hold", lambda t: t.capacity_bytes),
             "kvstore.tier.used": ("By", "bytes held by pages in this tier", lambda t: t.used_bytes),
@@ -96,7 +97,7 @@ class NodeMetrics:
             "kvstore.tier.hit_ratio": ("", "hits / (hits + misses) since start", lambda t: t.hit_rate),
         }
         for name, (unit, desc, get) in gauges.items():
-            meter.create_observable_gauge(name, [self._tier_gauge(get)], unit=unit, description=desc)
+            meter.create_observable_gauge(name, [self._per_tier(get)], unit=unit, description=desc)
         node_counters = {
             "kvstore.lookups": lambda s: s.lookups,
             "kvstore.lookup_blocks": lambda s: s.lookup_blocks,
@@ -175,27 +176,14 @@ class NodeMetrics:
 
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(SNAPSHOT_TIMEOUT_S)
 
-    def _tier_counter(self, field_name: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _per_tier(self, get: Callable[[TierStats], float | int | None]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """Callback observing get(tier) for every tier of the snapshot (None: that tier reports nothing)."""
+
         def callback(_: CallbackOptions) -> Iterable[Observation]:
             stats = self.snapshot()
-            if stats is None:
-                return []
-            return [Observation(getattr(t.counters, field_name), {**self._base, "tier": t.tier.label})
-                    for t in stats.tiers]  # fmt: skip
-
-        return callback
-
-    def _tier_gauge(self, get: Callable[..., float | int | None]) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(_: CallbackOptions) -> Iterable[Observation]:
-            stats = self.snapshot()
-            if stats is None:
-                return []
-            out = []
-            for t in stats.tiers:
-                value = get(t)
-                if value is not None:
-                    out.append(Observation(value, {**self._base, "tier": t.tier.label}))
-            return out
+            tiers = stats.tiers if stats is not None else []
+            values = ((t, get(t)) for t in tiers)
+            return [Observation(v, {**self._base, "tier": t.tier.label}) for t, v in values if v is not None]
 
         return callback
 

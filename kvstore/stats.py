@@ -58,14 +58,14 @@ class IndexStatus:
     """The node's link to the cluster index (see kvstore/index.py)."""
 
     url: str
-    connected: bool
-    epoch: int
-    queued: int
-    lag_seconds: float
-    flushed: int
-    resyncs: int
-    overflows: int
-    errors: int
+    connected: bool = False
+    epoch: int = 0
+    queued: int = 0  # updates waiting to be written
+    lag_seconds: float = 0.0  # age of the oldest of them
+    flushed: int = 0
+    resyncs: int = 0
+    overflows: int = 0
+    errors: int = 0
     resync_pending: bool = False
 
 
