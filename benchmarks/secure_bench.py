@@ -4,7 +4,7 @@ Modes (one real node each, DRAM only, on loopback):
     plain        no TLS, no tokens, no metrics endpoint (the peer every other mode is compared with)
     metrics      + the Prometheus endpoint and the per-RPC latency histogram
     tokens       + bearer-token auth (read-write token on every call)
-    tls+tokens   + TLS (EC P-256, a throwaway CA from kvstore.devpki) and tokens and metrics
+    tls+tokens   + TLS (EC P-256, a throwaway CA from devkit.pki) and tokens and metrics
 
 Bytes move on gRPC streams in every mode (transport="grpc"), so TLS encrypts them all; the
 shared-memory plane (benchmarks/shm_bench.py) sends only control messages over the channel.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from machine import machine_line, save_results
 
+from devkit.pki import make_dev_pki
 from kvstore.client import KVStoreClient
-from kvstore.devpki import make_dev_pki
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devkit.pki import DevPki, make_dev_pki
 from kvstore.client import KVStoreClient
 from kvstore.config import NodeConfig
-from kvstore.devpki import DevPki, make_dev_pki
 from kvstore.errors import PermissionDenied, Unauthenticated, Unavailable
 from kvstore.launch import NodeProcess
 from kvstore.security import ClientSecurity, TokenAuthenticator
