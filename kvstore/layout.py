@@ -10,8 +10,6 @@ import enum
 import struct
 from dataclasses import dataclass
 
-import xxhash
-
 
 class DType(enum.IntEnum):
     """Element types; values equal the proto's `kvstore.v1.DType` numbers."""
@@ -77,11 +75,6 @@ class PageLayout:
     def page_bytes(self) -> int:
         """Payload size of one page."""
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def layout_id(self) -> int:
-        """Stable 64-bit id of this layout, stored in every page header."""
-        return xxhash.xxh3_64_intdigest(self.pack())
 
     def pack(self) -> bytes:
         """20-byte little-endian encoding used in page headers."""

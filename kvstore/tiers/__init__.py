@@ -1,7 +1,8 @@
-"""Storage media. Each tier is a fixed array of equal slots: it moves bytes in and out of slots and
-knows nothing of keys, policy or placement (that is manager.py's job)."""
+"""Storage media. Each tier is a fixed array of equal slots behind one interface (`Medium`): it moves
+bytes in and out of slots and knows nothing of keys, policy or placement (that is kvstore/manager's job)."""
 
-from kvstore.tiers.base import TierKind
+from kvstore.names import TierKind
+from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.slots import SlotAllocator
 
-__all__ = ["SlotAllocator", "TierKind"]
+__all__ = ["Absent", "Medium", "SlotAllocator", "TierKind"]

@@ -1,17 +1,99 @@
-"""Names shared by the tiers."""
+"""The medium interface: what every tier implements, and all the manager may ask of one.
+
+A medium is a fixed array of `num_slots` equal slots of `slot_bytes`, addressed by index. It moves
+bytes in and out of slots and knows nothing of keys, policy or placement (kvstore/manager does that).
+A new medium (a remote tier, CXL memory, a GPU-direct path) is one new subclass: the manager moves
+bytes between any two media through this interface and never switches on which media they are.
+"""
 
 from __future__ import annotations
 
-import enum
+import abc
+from collections.abc import Iterator, Sequence
+
+from kvstore.names import TierKind
+from kvstore.pageformat import PageHeader
+
+__all__ = ["Absent", "Medium", "SlotIO", "TierKind"]
+
+SlotIO = tuple[int, memoryview]  # (slot, host buffer) of one transfer in a batch
 
 
-class TierKind(enum.IntEnum):
-    """A storage medium, fastest first; values equal the proto's `kvstore.v1.Tier` numbers."""
+class Medium(abc.ABC):
+    """One storage medium cut into equal slots.
 
-    HBM = 1
-    DRAM = 2
-    NVME = 3
+    Invariants every implementation keeps:
+    - slot i is its own region; slots never overlap, and a transfer touches only the slot it names;
+    - `read(slot, into)` copies `len(into)` bytes from the start of the slot into host memory, and
+      `write(slot, src)` copies `src` to the start of the slot; both return only once the copy is complete
+      and, for a `persistent` medium, durable (a restarted node may find it);
+    - transfer lengths are multiples of 4096 and host buffers are 4 KiB aligned (DRAM slots and the
+      manager's bounce buffers are), so a medium may use O_DIRECT or DMA without a bounce copy;
+    - methods other than `view` may block: the manager calls them from its I/O pool, never on its event
+      loop, and never runs two transfers on one slot at once.
+    """
+
+    kind: TierKind
+    slot_bytes: int
+    num_slots: int
+    available: bool = True  # usable on this host; an unavailable medium has no slots
+    persistent: bool = False  # survives a restart: `scan` finds its pages, `invalidate` erases them
+    host_memory: bool = False  # slots are host memory: `view` gives them without a copy
+    detail: str = ""  # one line for operators (kvctl stats): what backs it, or why it is unavailable
 
     @property
-    def label(self) -> str:
-        return self.name.lower()
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes if self.available else 0
+
+    def view(self, slot: int) -> memoryview:
+        """A writable view of a whole slot, for `host_memory` media only (zero-copy reads, and where Put
+        streams land); other media move bytes only through read/write."""
+        raise TypeError(f"{self.kind.label} slots are not host memory; use read/write")
+
+    @abc.abstractmethod
+    def read(self, slot: int, into: memoryview) -> None:
+        """Copy len(into) bytes from the start of `slot` into host memory."""
+
+    @abc.abstractmethod
+    def write(self, slot: int, src: memoryview) -> None:
+        """Copy `src` to the start of `slot`; durable on return for a persistent medium."""
+
+    def read_many(self, ops: Sequence[SlotIO]) -> None:
+        """Several reads; a medium that can keep I/Os in flight overrides this. All are complete on return."""
+        for slot, into in ops:
+            self.read(slot, into)
+
+    def write_many(self, ops: Sequence[SlotIO]) -> None:
+        """Several writes (all complete, and durable where persistent, on return); a medium overrides this
+        to overlap them or to make them durable together."""
+        for slot, src in ops:
+            self.write(slot, src)
+
+    def invalidate(self, slot: int) -> None:
+        """Make sure a restart never finds a page in `slot` (durably, on a persistent medium)."""
+        return None  # a volatile medium forgets everything on restart anyway
+
+    def scan(self) -> Iterator[tuple[int, PageHeader]]:
+        """(slot, header) of every slot holding a valid page header: what a restart recovers."""
+        return iter(())
+
+    def close(self) -> None:
+        """Release the medium's resources; nothing may be called afterwards."""
+        return None  # nothing to release by default
+
+
+class Absent(Medium):
+    """A tier this node does not have (no NVMe path configured, say): no slots, and the reason."""
+
+    def __init__(self, kind: TierKind, slot_bytes: int, reason: str) -> None:
+        self.kind = kind
+        self.slot_bytes = slot_bytes
+        self.num_slots = 0
+        self.available = False
+        self.detail = reason
+
+    def read(self, slot: int, into: memoryview) -> None:
+        raise IndexError(f"{self.kind.label} tier is absent: {self.detail}")
+
+    def write(self, slot: int, src: memoryview) -> None:
+        raise IndexError(f"{self.kind.label} tier is absent: {self.detail}")

@@ -6,16 +6,22 @@ import contextlib
 import logging
 import mmap
 
+from kvstore.names import TierKind
+from kvstore.tiers.base import Medium
+
 log = logging.getLogger(__name__)
 
 
-class DramTier:
+class DramTier(Medium):
     """`num_slots` slots of `slot_bytes` in one mapping; slot i starts at i * slot_bytes.
 
     Invariant: the mapping is page aligned and slot_bytes is a multiple of 4096, so every slot start is
     O_DIRECT aligned and can be the buffer of an NVMe read or write without a bounce copy. When CUDA is
     present the slab is registered (pinned) so host<->device copies run at full PCIe speed.
     """
+
+    kind = TierKind.DRAM
+    host_memory = True
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         if slot_bytes <= 0 or slot_bytes % 4096:
@@ -28,10 +34,18 @@ class DramTier:
         self.pinned = False
         self.detail = "anonymous mmap slab"
 
-    def slot(self, index: int) -> memoryview:
+    def view(self, slot: int) -> memoryview:
         """Writable view of a whole slot (header block + payload area)."""
-        start = index * self.slot_bytes
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"DRAM slot {slot} out of range")
+        start = slot * self.slot_bytes
         return self._view[start : start + self.slot_bytes]
+
+    def read(self, slot: int, into: memoryview) -> None:
+        into[:] = self.view(slot)[: len(into)]
+
+    def write(self, slot: int, src: memoryview) -> None:
+        self.view(slot)[: len(src)] = src
 
     def try_pin(self) -> None:
         """Page-lock the slab with CUDA when available (best effort; logged, never fatal)."""
@@ -51,7 +65,10 @@ class DramTier:
 
     def close(self) -> None:
         self._view.release()
-        self._map.close()
+        # A slot view may outlive the node's last request for a moment (the frame of a cancelled task):
+        # then the mapping is unmapped with its last view instead of now.
+        with contextlib.suppress(BufferError):
+            self._map.close()
 
 
 class BouncePool:

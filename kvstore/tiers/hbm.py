@@ -7,6 +7,10 @@ reports capacity 0 with the reason, and is never silently backed by host memory 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+
+from kvstore.names import TierKind
+from kvstore.tiers.base import Medium, SlotIO
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +29,14 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-class HbmTier:
+class HbmTier(Medium):
     """`num_slots` device slots of `slot_bytes`; copies to and from host buffers on one CUDA stream.
 
     Host buffers passed in should be the pinned DRAM slab (DramTier.try_pin) for full PCIe bandwidth.
+    Batched transfers are queued on the stream together and synchronised once.
     """
+
+    kind = TierKind.HBM
 
     def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
         self.slot_bytes = slot_bytes
@@ -47,7 +54,8 @@ class HbmTier:
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self.detail = f"CUDA device {cupy.cuda.Device().id}, one {self.num_slots * slot_bytes} B allocation"
 
-    def _dev_ptr(self, slot: int) -> int:
+    def device_ptr(self, slot: int) -> int:
+        """Device address of a slot's first byte (for transports that send from device memory)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"HBM slot {slot} out of range")
         return self._mem.ptr + slot * self.slot_bytes
@@ -58,21 +66,29 @@ class HbmTier:
 
         return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
-    def write_from_host(self, slot: int, src: memoryview) -> None:
-        """Copy len(src) bytes from host memory to the start of a slot; returns when complete."""
+    def _enqueue(self, ops: Sequence[SlotIO], to_device: bool) -> None:
         import cupy
 
         rt = cupy.cuda.runtime
-        rt.memcpyAsync(self._dev_ptr(slot), self._host_ptr(src), len(src), rt.memcpyHostToDevice, self._stream.ptr)
+        for slot, buf in ops:
+            dev, host = self.device_ptr(slot), self._host_ptr(buf)
+            if to_device:
+                rt.memcpyAsync(dev, host, len(buf), rt.memcpyHostToDevice, self._stream.ptr)
+            else:
+                rt.memcpyAsync(host, dev, len(buf), rt.memcpyDeviceToHost, self._stream.ptr)
         self._stream.synchronize()
 
-    def read_to_host(self, slot: int, dst: memoryview) -> None:
-        """Copy len(dst) bytes from the start of a slot into host memory; returns when complete."""
-        import cupy
+    def read(self, slot: int, into: memoryview) -> None:
+        self._enqueue([(slot, into)], to_device=False)
 
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(self._host_ptr(dst), self._dev_ptr(slot), len(dst), rt.memcpyDeviceToHost, self._stream.ptr)
-        self._stream.synchronize()
+    def write(self, slot: int, src: memoryview) -> None:
+        self._enqueue([(slot, src)], to_device=True)
+
+    def read_many(self, ops: Sequence[SlotIO]) -> None:
+        self._enqueue(ops, to_device=False)
+
+    def write_many(self, ops: Sequence[SlotIO]) -> None:
+        self._enqueue(ops, to_device=True)
 
     def close(self) -> None:
         self._mem = None

@@ -1,9 +1,10 @@
 """NVMe tier: preallocated segment files of fixed-size, O_DIRECT-aligned slots.
 
 Methods here block (pread/pwrite/fdatasync); the manager calls them from its I/O thread pool, never on
-the event loop. Durability rule: `write_slot` returns only after the slot's header and payload are on
+the event loop. Durability rule: `write` returns only after the slot's header and payload are on
 stable storage (fdatasync), and the manager makes a page visible only after that, so whatever a
-restarted node finds with a valid header was durably and completely written.
+restarted node finds with a valid header was durably and completely written. `write_many` writes every
+slot first and then syncs each touched segment file once: same rule, one flush per file.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import json
 import logging
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from kvstore.names import TierKind
 from kvstore.pageformat import ALIGN, HEADER_BYTES, HeaderError, PageHeader
+from kvstore.tiers.base import Medium, SlotIO
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +31,11 @@ class NvmeFormatError(RuntimeError):
     """The directory holds segments of another geometry or format; refusing to reuse them."""
 
 
-class NvmeTier:
+class NvmeTier(Medium):
     """`num_slots` slots of `slot_bytes`, striped over segment files of `slots_per_segment` slots."""
+
+    kind = TierKind.NVME
+    persistent = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, slot_bytes: int, segment_bytes: int) -> None:
         if slot_bytes % ALIGN:
@@ -92,15 +98,23 @@ class NvmeTier:
         seg, idx = divmod(slot, self.slots_per_segment)
         return self._fds[seg], idx * self.slot_bytes
 
-    def write_slot(self, slot: int, data: memoryview) -> None:
-        """Durably write `data` (header block + payload, aligned length, aligned buffer) to a slot."""
+    def write(self, slot: int, src: memoryview) -> None:
+        """Durably write `src` (header block + payload, aligned length, aligned buffer) to a slot."""
+        os.fdatasync(self._write_one(slot, src))
+
+    def write_many(self, ops: Sequence[SlotIO]) -> None:
+        """Write every slot, then make them durable with one fdatasync per segment file touched."""
+        for fd in {self._write_one(slot, src) for slot, src in ops}:
+            os.fdatasync(fd)
+
+    def _write_one(self, slot: int, data: memoryview) -> int:
         if len(data) % ALIGN or len(data) > self.slot_bytes:
             raise ValueError("write length must be aligned and fit the slot")
         fd, off = self._locate(slot)
         self._pwrite_all(fd, data, off)
-        os.fdatasync(fd)
+        return fd
 
-    def read_slot(self, slot: int, into: memoryview) -> None:
+    def read(self, slot: int, into: memoryview) -> None:
         """Read len(into) bytes (aligned) from the start of a slot into an aligned buffer."""
         fd, off = self._locate(slot)
         done = 0
@@ -126,7 +140,7 @@ class NvmeTier:
         bad = 0
         for slot in range(self.num_slots):
             try:
-                self.read_slot(slot, view)
+                self.read(slot, view)
             except OSError as exc:
                 log.warning("NVMe slot %d unreadable during recovery: %s", slot, exc)
                 continue

@@ -328,8 +328,8 @@ def test_cancelled_read_waits_for_its_io_before_freeing_slots(tmp_path: Path) ->
 
     async def body(mgr: TierManager) -> None:
         await put(mgr, list(range(6)))  # pages 0 and 1 on NVMe
-        nvme = mgr._nvme_medium
-        real_read = nvme.read_slot
+        nvme = mgr.medium(TierKind.NVME)
+        real_read = nvme.read
         io_done: list[bool] = []
 
         def slow_read(slot: int, into: memoryview) -> None:  # the real read, delayed
@@ -337,14 +337,14 @@ def test_cancelled_read_waits_for_its_io_before_freeing_slots(tmp_path: Path) ->
             real_read(slot, into)
             io_done.append(True)
 
-        nvme.read_slot = slow_read  # type: ignore[method-assign]
+        nvme.read = slow_read  # type: ignore[method-assign]
         task = asyncio.create_task(read(mgr, [0]))
         await asyncio.sleep(0.05)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         assert io_done == [True]  # cancellation waited for the thread
-        nvme.read_slot = real_read  # type: ignore[method-assign]
+        nvme.read = real_read  # type: ignore[method-assign]
         await put(mgr, [10, 11])
         ids = [10, 11, 0, 1, 2, 3, 4, 5]
         assert [p for p, _ in await read(mgr, ids)] == [payload(key(i)) for i in ids]
@@ -357,8 +357,8 @@ def test_cancelled_read_waits_for_its_io_before_freeing_slots(tmp_path: Path) ->
 def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
         await put(mgr, list(range(12)))  # 0..7 on NVMe
-        nvme = mgr._nvme_medium
-        real_read = nvme.read_slot
+        nvme = mgr.medium(TierKind.NVME)
+        real_read = nvme.read
         active = [0, 0]  # in flight now, most at once
 
         def slow_read(slot: int, into: memoryview) -> None:
@@ -368,7 +368,7 @@ def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Pat
             real_read(slot, into)
             active[0] -= 1
 
-        nvme.read_slot = slow_read  # type: ignore[method-assign]
+        nvme.read = slow_read  # type: ignore[method-assign]
         gen = mgr.get(NS, [key(i) for i in range(8)], promote=False)
         first = await gen.__anext__()
         assert bytes(first.payload) == payload(key(0))
@@ -396,8 +396,8 @@ def test_nvme_dir_of_another_geometry_is_refused_untouched(tmp_path: Path) -> No
 
 def slowed_reads(mgr: TierManager, delay: float) -> list[int]:
     """Wrap the real NVMe read with a delay; returns the list of slots read (appended as they finish)."""
-    nvme = mgr._nvme_medium
-    real_read = nvme.read_slot
+    nvme = mgr.medium(TierKind.NVME)
+    real_read = nvme.read
     done: list[int] = []
 
     def slow_read(slot: int, into: memoryview) -> None:
@@ -405,7 +405,7 @@ def slowed_reads(mgr: TierManager, delay: float) -> list[int]:
         real_read(slot, into)
         done.append(slot)
 
-    nvme.read_slot = slow_read  # type: ignore[method-assign]
+    nvme.read = slow_read  # type: ignore[method-assign]
     return done
 
 

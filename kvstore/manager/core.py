@@ -1,0 +1,331 @@
+"""TierManager: the node's one entry point to its pages (DESIGN.md §5, §6).
+
+It wires the parts (kvstore/manager/*) and answers every request; the parts decide where pages go and
+the media (kvstore/tiers) only move bytes. All bookkeeping runs on one asyncio event loop, so nothing
+needs locks; blocking I/O (NVMe, CUDA copies) runs in a bounded thread pool (IoPool).
+
+Invariants (each part's docstring states its own):
+- a visible page is in exactly one tier (exclusive tiers: capacities add up) — PageTable;
+- a page is visible only once its bytes and header are complete in its slot, and, on NVMe, durable —
+  PutTxn, Mover;
+- a page being read, pinned, or moved is never chosen as a victim, and its slot is never freed or
+  overwritten — Placement, Reader, Mover;
+- every read verifies the payload checksum; a mismatch is counted, the page is dropped, the read is a
+  miss — Reader, Mover;
+- a deleted page never comes back after a restart — DurableCopies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+from kvstore.config import NodeConfig
+from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
+from kvstore.layout import PageLayout
+from kvstore.manager.durable import DurableCopies
+from kvstore.manager.io import IoPool
+from kvstore.manager.moves import Mover
+from kvstore.manager.placement import Placement
+from kvstore.manager.prefetch import Prefetcher
+from kvstore.manager.put import PutTxn, Staging
+from kvstore.manager.reads import Reader, ReadLease
+from kvstore.manager.state import (
+    ChangeListener,
+    Entry,
+    NodeCounters,
+    PageTable,
+    Tier,
+    check_hash,
+    check_hashes,
+    check_namespace,
+)
+from kvstore.names import Key, TierKind
+from kvstore.policy import make_policy
+from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierStats, copy_counters
+from kvstore.tiers.base import Absent, Medium
+from kvstore.tiers.dram import BouncePool, DramTier
+from kvstore.tiers.hbm import HbmTier
+from kvstore.tiers.nvme import NvmeTier
+
+log = logging.getLogger(__name__)
+
+_PIN_SWEEP_SECONDS = 1.0
+MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch
+
+
+def build_media(config: NodeConfig) -> list[Medium]:
+    """The node's media, from its config: HBM (when CUDA is here), the DRAM slab, NVMe segment files."""
+    sb = config.slot_bytes
+    dram = DramTier(config.dram_bytes, sb)
+    hbm = HbmTier(config.hbm_bytes, sb)
+    if hbm.available:
+        dram.try_pin()
+    if config.nvme_bytes:
+        nvme: Medium = NvmeTier(config.nvme_path, config.nvme_bytes, sb, config.nvme_segment_bytes)
+    else:
+        nvme = Absent(TierKind.NVME, sb, "no --nvme-path / --nvme-bytes configured")
+    return [hbm, dram, nvme]
+
+
+class TierManager:
+    """Owns every page on the node: placement, demotion, promotion, pins and in-flight reads."""
+
+    def __init__(self, config: NodeConfig, media: list[Medium] | None = None) -> None:
+        self.config = config
+        self._started = time.monotonic()
+        self.io = IoPool(config.io_threads)
+        media = build_media(config) if media is None else media
+        self.table = PageTable([Tier(m, make_policy(config.policy)) for m in media])
+        staging = next((t for t in self.table.tiers.values() if t.medium.host_memory), None)
+        if staging is None:
+            raise ValueError("a node needs a host-memory tier (DRAM) for Put streams to land in")
+        self.counters = NodeCounters()
+        self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + config.read_ahead_pages + 1)
+        self.durable = DurableCopies(self.table, self.io)
+        self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds)
+        self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
+        self.placement.evict = self.mover.evict
+        self.reader = Reader(self.table, self.mover, self.placement, self._bounce, self.counters,
+                             config.read_ahead_pages, promote_to=staging.kind)  # fmt: skip
+        # NOTE: half the I/O threads at most, so a large Prefetch cannot starve Gets of I/O threads.
+        self.prefetcher = Prefetcher(self.table, self.mover, self.counters, self._spawn, config.io_threads // 2)
+        self.staging = Staging(self.table, self.placement, self.counters, staging.kind, config.max_pages_per_request,
+                               after_commit=self._after_commit)  # fmt: skip
+        self._ttl_pins: list[tuple[float, Key]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.index_status: Callable[[], IndexStatus] | None = None  # IndexPublisher.status when publishing
+        self.recovered_pages = 0
+
+    @property
+    def on_change(self) -> ChangeListener | None:
+        """Called on every placement change: (namespace, hash, tier or None when the page left the node)."""
+        return self.table.on_change
+
+    @on_change.setter
+    def on_change(self, listener: ChangeListener | None) -> None:
+        self.table.on_change = listener
+
+    def medium(self, kind: TierKind) -> Medium:
+        """The medium of a tier (for tools and fault-injection tests)."""
+        return self.table.tiers[kind].medium
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Recover pages of the persistent tier from a previous run, then start housekeeping."""
+        if self.durable.tier is not None:
+            medium = self.durable.tier.medium
+            found = await self.io.run(lambda: list(medium.scan()))
+            self.recovered_pages = self.durable.recover(found, self.config.max_page_bytes)
+        self._spawn(self._pin_sweeper())
+
+    async def close(self) -> None:
+        """Spill DRAM pages to free NVMe slots (bounded in time) so a restart is warm, then release."""
+        self._closing = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.config.spill_on_shutdown:
+            await self.durable.spill(time.monotonic() + self.config.spill_seconds)
+        self.io.shutdown()
+        self._bounce.close()
+        for tier in self.table.tiers.values():
+            tier.medium.close()
+
+    # ------------------------------------------------------------------ queries
+
+    def lookup(self, namespace: str, hashes: list[bytes], prefetch: bool = False) -> LookupResult:
+        """Longest stored prefix of a hash chain. Touches no recency and moves nothing (unless
+        prefetch is asked for, which promotes the matched pages in the background)."""
+        check_namespace(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        tiers: list[TierKind] = []
+        for h in hashes:
+            entry = self.table.get((namespace, h))
+            if entry is None:
+                break
+            tiers.append(entry.tier)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += len(hashes)
+        c.lookup_matched += len(tiers)
+        if prefetch and tiers:
+            self.prefetcher.prefetch([(namespace, h) for h in hashes[: len(tiers)]], self.staging.tier.kind)
+        return LookupResult(len(tiers), tiers, namespace in self.table.layouts)
+
+    def begin_put(self, namespace: str, layout: PageLayout, target: TierKind = TierKind.DRAM,
+                  parent: bytes | None = None, chain: bool = False) -> PutTxn:  # fmt: skip
+        """Open a Put transaction. With `chain`, page i's chain parent is page i-1 and the first page's
+        is `parent` (policy hints: prefix-aware policies evict a chain's tail before its head)."""
+        if self._closing:
+            raise Unavailable("node is shutting down")
+        check_namespace(namespace)
+        if layout.page_bytes > self.config.max_page_bytes:
+            raise InvalidArgument(
+                "open.layout",
+                f"page size {layout.page_bytes} B exceeds this node's max_page_bytes {self.config.max_page_bytes} B",
+            )
+        self.table.check_layout(namespace, layout)
+        if parent is not None:
+            check_hash(parent, "open.parent_hash")
+        if self.staging.tier.alloc.num_slots == 0:
+            raise ResourceExhausted("this node has no DRAM slots (dram_bytes smaller than one slot)")
+        return PutTxn(self.staging, namespace, layout, target, parent, chain)
+
+    def _after_commit(self, keys: list[Key], target: TierKind) -> None:
+        """A writer that asked for a tier faster than staging (HBM) gets its pages promoted there."""
+        if target < self.staging.tier.kind and self.table.tiers[target].available:
+            self.prefetcher.prefetch(keys, target)
+
+    def layout_of(self, namespace: str) -> PageLayout:
+        return self.table.layout_of(namespace)
+
+    def get(self, namespace: str, hashes: list[bytes], promote: bool = True) -> AsyncIterator[ReadLease]:
+        """Yield a lease per page, in order, stopping at the first missing or corrupt page (Reader.get).
+        Arguments are checked before the first page is read."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", self.config.max_pages_per_request)
+        return self.reader.get([(namespace, h) for h in hashes], promote)
+
+    # ------------------------------------------------------------------ mutations
+
+    async def delete(self, namespace: str, hashes: list[bytes]) -> tuple[int, int, int]:
+        """Remove pages; returns (deleted, not_found, busy)."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        deleted = not_found = busy = 0
+        for h in hashes:
+            entry = self.table.get((namespace, h))
+            if entry is None:
+                not_found += 1
+                await self.durable.erase((namespace, h))
+            elif not entry.evictable:
+                busy += 1
+            else:
+                await self.mover.drop(entry, erase=True)
+                deleted += 1
+        return deleted, not_found, busy
+
+    def pin(self, namespace: str, hashes: list[bytes], ttl_seconds: float = 0.0) -> tuple[int, int]:
+        """Pin pages in place; returns (pinned, not_found)."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        if ttl_seconds < 0:
+            raise InvalidArgument("ttl_seconds", "must be >= 0")
+        pinned = not_found = 0
+        deadline = time.monotonic() + ttl_seconds
+        for h in hashes:
+            entry = self.table.get((namespace, h))
+            if entry is None:
+                not_found += 1
+                continue
+            if ttl_seconds > 0:
+                entry.pin_deadlines.append(deadline)
+                heapq.heappush(self._ttl_pins, (deadline, entry.key))
+            else:
+                entry.pins += 1
+            pinned += 1
+        return pinned, not_found
+
+    def unpin(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+        """Release one pin per hash (an untimed pin first, else the soonest-expiring lease)."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        unpinned = not_pinned = 0
+        for h in hashes:
+            entry = self.table.get((namespace, h))
+            if entry is not None and entry.pins > 0:
+                entry.pins -= 1
+                unpinned += 1
+            elif entry is not None and entry.pin_deadlines:
+                entry.pin_deadlines.remove(min(entry.pin_deadlines))
+                unpinned += 1
+            else:
+                not_pinned += 1
+        self.placement.space_changed()
+        return unpinned, not_pinned
+
+    async def _pin_sweeper(self) -> None:
+        while True:
+            await asyncio.sleep(_PIN_SWEEP_SECONDS)
+            self.expire_pins(time.monotonic())
+
+    def expire_pins(self, now: float) -> int:
+        """Drop pin leases whose deadline passed; returns how many expired."""
+        expired = 0
+        while self._ttl_pins and self._ttl_pins[0][0] <= now:
+            deadline, key = heapq.heappop(self._ttl_pins)
+            entry = self.table.get(key)
+            if entry is not None and deadline in entry.pin_deadlines:
+                entry.pin_deadlines.remove(deadline)
+                expired += 1
+        if expired:
+            self.placement.space_changed()
+        return expired
+
+    def prefetch(self, namespace: str, hashes: list[bytes], target: TierKind = TierKind.DRAM) -> tuple[int, int, int]:
+        """Start background promotions toward `target`; returns (scheduled, already_resident, missing)."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        return self.prefetcher.prefetch([(namespace, h) for h in hashes], target)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------ reporting
+
+    def holdings(self) -> list[tuple[str, bytes, TierKind]]:
+        return self.table.holdings()
+
+    def occupancy(self) -> dict[str, int]:
+        return self.table.occupancy()
+
+    def entry(self, namespace: str, h: bytes) -> Entry | None:
+        """The entry of a page, for tests and tools (read-only use)."""
+        return self.table.get((namespace, h))
+
+    def nvme_slot_location(self, slot: int) -> tuple[str, int]:
+        medium = self.table.tiers[TierKind.NVME].medium
+        if not isinstance(medium, NvmeTier):
+            raise RuntimeError("no NVMe tier")
+        path, off = medium.slot_location(slot)
+        return str(path), off
+
+    def stats(self) -> NodeStats:
+        tiers = []
+        for kind, t in self.table.tiers.items():
+            tiers.append(TierStats(
+                tier=kind, available=t.available, detail=t.medium.detail,
+                capacity_bytes=t.alloc.num_slots * t.medium.slot_bytes if t.available else 0,
+                used_bytes=t.used_bytes, slot_bytes=t.medium.slot_bytes,
+                slots_total=t.alloc.num_slots if t.available else 0, slots_used=t.alloc.used_count,
+                pages=t.pages, counters=copy_counters(t.counters),
+            ))  # fmt: skip
+        table = self.table
+        namespaces = [(ns, layout, table.ns_pages.get(ns, 0)) for ns, layout in sorted(table.layouts.items())]
+        c = self.counters
+        return NodeStats(
+            node_id=self.config.node_id,
+            uptime_seconds=time.monotonic() - self._started,
+            max_page_bytes=self.config.max_page_bytes,
+            tiers=tiers,
+            namespaces=namespaces,
+            lookups=c.lookups,
+            lookup_blocks=c.lookup_blocks,
+            lookup_matched=c.lookup_matched,
+            prefetch_issued=c.prefetch_issued,
+            prefetch_completed=c.prefetch_completed,
+            prefetch_used=c.prefetch_used,
+            prefetch_wasted=c.prefetch_wasted,
+            pinned_pages=sum(1 for e in table if e.pinned),
+            put_rejected=c.put_rejected,
+            index=self.index_status() if self.index_status is not None else None,
+        )

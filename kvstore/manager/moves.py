@@ -1,0 +1,176 @@
+"""Moves between tiers (demotion, promotion), eviction, and dropping pages: the only code that changes
+where a page lives once it is visible.
+
+Invariants:
+- while a move runs, `entry.moving` is set: readers wait for it (`settled`), and the page is neither
+  chosen as a victim nor deleted; the source slot stays intact until the switch;
+- a page copied into host memory from a medium that is not (NVMe, HBM) is verified there, header and
+  payload, before the switch; a copy that fails is a checksum failure of the source tier, and the page
+  is dropped with its durable copies;
+- leaving the persistent tier keeps the old slot as the page's shadow (DurableCopies), so a clean
+  demotion back writes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvstore.errors import ResourceExhausted, Unavailable
+from kvstore.manager.durable import DurableCopies
+from kvstore.manager.io import IoPool
+from kvstore.manager.placement import Placement
+from kvstore.manager.state import Entry, NodeCounters, PageTable, Tier
+from kvstore.names import Key, TierKind
+from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, payload_checksum
+from kvstore.tiers.dram import BouncePool
+
+log = logging.getLogger(__name__)
+
+_MAX_SETTLE_ROUNDS = 64  # a page that keeps moving this often is reported Unavailable instead
+
+
+class Mover:
+    """Demotes, promotes, evicts and drops pages; runs on the event loop, its I/O in the pool."""
+
+    def __init__(self, table: PageTable, placement: Placement, durable: DurableCopies, io: IoPool,
+                 bounce: BouncePool, counters: NodeCounters) -> None:  # fmt: skip
+        self.table = table
+        self.placement = placement
+        self.durable = durable
+        self.io = io
+        self.bounce = bounce
+        self.counters = counters
+
+    async def settled(self, key: Key) -> Entry | None:
+        """The entry for key once no move is in flight for it (waits for moves; bounded)."""
+        for _ in range(_MAX_SETTLE_ROUNDS):
+            entry = self.table.get(key)
+            if entry is None or entry.moving is None:
+                return entry
+            await asyncio.shield(entry.moving)
+        raise Unavailable("page kept moving between tiers; retry")
+
+    async def evict(self, entry: Entry) -> None:
+        """Move a victim one tier down, or drop it when there is no slower tier with room."""
+        src = self.table.tiers[entry.tier]
+        src.counters.evictions += 1
+        self.counters.prefetch_fate(entry, used=False)
+        lower = self.table.below(entry.tier)
+        if lower is not None:
+            try:
+                await self.move(entry, lower.kind, demotion=True)
+                return
+            except ResourceExhausted:
+                pass  # the lower tier is full of unevictable pages: fall through to dropping
+        src.counters.dropped += 1
+        await self.drop(entry, erase=False)
+
+    async def promote(self, entry: Entry, kind: TierKind) -> bool:
+        """Move a settled page up into tier `kind` if there is room to make there without waiting;
+        False when it stays where it is (then it is served from there)."""
+        if entry.moving is not None or entry.tier <= kind:
+            return False
+        try:
+            await self.move(entry, kind, demotion=False)
+        except ResourceExhausted:
+            log.debug("no %s room to promote %s; serving from %s", kind.label, entry.hash.hex(), entry.tier.label)
+            return False
+        return True
+
+    async def move(self, entry: Entry, dst_kind: TierKind, demotion: bool) -> None:
+        """Copy a page to a slot in dst_kind, verify where needed, then switch and free the source.
+
+        A promotion never waits for space (the page is served from where it is instead); a demotion
+        may (see Placement.allocate).
+        """
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry.moving = fut
+        src, dst = self.table.tiers[entry.tier], self.table.tiers[dst_kind]
+        src_slot = entry.slot
+        dst_slot: int | None = None
+        try:
+            if dst is self.durable.tier and entry.shadow is not None:
+                # Clean demotion: the durable copy from before its promotion is still intact.
+                dst_slot = entry.shadow
+                self.durable.adopt(dst_slot)
+            else:
+                dst_slot = await self.placement.allocate(dst_kind, wait=demotion)
+                await self.copy(entry, src, src_slot, dst, dst_slot)
+                verify = dst.medium.host_memory and not src.medium.host_memory
+                if verify and not verify_copy(entry, dst.medium.view(dst_slot)[: entry.used_len]):
+                    src.counters.checksum_failures += 1
+                    dst.alloc.free(dst_slot)
+                    dst_slot = None
+                    log.error("checksum mismatch moving %s out of %s; page dropped", entry.hash.hex(), src.kind.label)
+                    entry.moving = None
+                    await self.drop(entry, erase=True)
+                    return
+            self.table.unpublish(entry)
+            src.alloc.free(src_slot)
+            if src is self.durable.tier:
+                self.durable.note(src_slot, entry.key)
+                entry.shadow = src_slot
+            entry.tier, entry.slot = dst_kind, dst_slot
+            dst_slot = None
+            self.table.publish(entry, dst_kind)
+            src.counters.bytes_out += entry.payload_len
+            dst.counters.bytes_in += entry.payload_len
+            if demotion:
+                dst.counters.demotions += 1
+            else:
+                dst.counters.promotions += 1
+        finally:
+            if dst_slot is not None:
+                dst.alloc.free(dst_slot)
+            if entry.moving is fut:
+                entry.moving = None
+            if not fut.done():
+                fut.set_result(None)
+            self.placement.space_changed()
+
+    async def copy(self, entry: Entry, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
+        """The used bytes of a slot, from one medium to another: straight when either side is host
+        memory, else through a bounce buffer."""
+        n = entry.used_len
+        if src.medium.host_memory:
+            await self.io.run(dst.medium.write, dst_slot, src.medium.view(src_slot)[:n])
+        elif dst.medium.host_memory:
+            await self.io.run(src.medium.read, src_slot, dst.medium.view(dst_slot)[:n])
+        else:
+            buf = self.bounce.take()
+            view = memoryview(buf)[:n]
+            try:
+                await self.io.run(src.medium.read, src_slot, view)
+                await self.io.run(dst.medium.write, dst_slot, view)
+            finally:
+                view.release()
+                self.bounce.give(buf)
+
+    async def drop(self, entry: Entry, erase: bool) -> None:
+        """Remove a page from the node. erase=True also erases durable copies (delete, corruption)."""
+        if self.table.get(entry.key) is not entry:
+            return
+        tier = self.table.tiers[entry.tier]
+        self.counters.prefetch_fate(entry, used=False)
+        self.table.remove(entry)
+        entry.shadow = None
+        if erase:
+            if tier.medium.persistent:
+                await self.io.run(tier.medium.invalidate, entry.slot)
+            await self.durable.erase(entry.key)
+        tier.alloc.free(entry.slot)
+        if tier is self.durable.tier and not erase:
+            self.durable.note(entry.slot, entry.key)
+        self.placement.space_changed()
+
+
+def verify_copy(entry: Entry, view: memoryview) -> bool:
+    """A slot copied out of a medium: its header must name this page, its payload match the checksum."""
+    try:
+        hdr = PageHeader.unpack(view[:HEADER_BYTES])
+    except HeaderError:
+        return False
+    if (hdr.namespace, hdr.hash, hdr.generation) != (entry.namespace, entry.hash, entry.generation):
+        return False
+    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum

@@ -1,0 +1,105 @@
+"""Placement: free slots on demand, evicting over each tier's pure policy, and waiting for space.
+
+The policy (kvstore/policy) only orders keys; placement asks it for the first victim that is evictable
+now (not pinned, not being read, not moving) and hands it to `evict` (kvstore/manager/moves.py), which
+demotes it one tier down or drops it. When nothing is evictable but space is only held for a moment
+(other streams' staged pages, reads or moves in flight), a caller that may wait is parked, bounded by
+`alloc_wait_seconds`, until `space_changed` wakes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from kvstore.errors import ResourceExhausted
+from kvstore.manager.durable import DurableCopies
+from kvstore.manager.state import Entry, PageTable
+from kvstore.names import TierKind
+from kvstore.policy import first_usable
+
+_MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
+
+Evict = Callable[[Entry], Awaitable[None]]
+
+
+class Placement:
+    """Allocation of slots with eviction. Runs on the event loop only (no locks)."""
+
+    def __init__(self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float) -> None:
+        self.table = table
+        self.durable = durable
+        self.alloc_wait_seconds = alloc_wait_seconds
+        self.evict: Evict = _unwired  # Mover.evict: eviction is a move (the manager wires it)
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def victim(self, kind: TierKind) -> Entry | None:
+        """The page the tier's policy would evict first among those evictable now."""
+        entries = self.table.entries
+        key = first_usable(self.table.tiers[kind].policy, lambda k: entries[k].evictable)
+        return None if key is None else entries[key]
+
+    async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True) -> int:
+        """A free slot in `kind`, evicting (demoting or dropping) victims as needed.
+
+        Raises ResourceExhausted when nothing in the tier can be evicted. `reserve` is the number of slots
+        the caller already holds unpublished (named in the error so the limit is visible). With `wait`, a
+        tier blocked only by other streams' staged pages or by reads and moves in flight is waited on for
+        up to alloc_wait_seconds before giving up. The persistent tier never waits (no stream stages there):
+        a demotion into it falls back to dropping the page instead (see Mover.evict).
+        """
+        tier = self.table.tiers[kind]
+        if not tier.available:
+            raise ResourceExhausted(f"{kind.label} tier is not available on this node")
+        loop = asyncio.get_running_loop()
+        may_wait = wait and tier is not self.durable.tier
+        deadline: float | None = None
+        for _ in range(tier.alloc.num_slots + _MAX_SPACE_WAITS):
+            if tier.alloc.can_allocate():
+                slot = tier.alloc.allocate()
+                if tier is self.durable.tier:
+                    self.durable.forget(slot)
+                return slot
+            victim = self.victim(kind)
+            if victim is not None:
+                await self.evict(victim)
+                continue
+            busy = tier.in_transit > reserve or any(
+                (e := self.table.entries[k]).readers or e.moving for k in tier.policy.candidates()
+            )
+            if may_wait and busy:
+                deadline = deadline if deadline is not None else loop.time() + self.alloc_wait_seconds
+                if loop.time() < deadline:
+                    await self.wait_for_space(deadline - loop.time())
+                    continue
+            raise ResourceExhausted(
+                f"{kind.label} tier is full ({tier.alloc.num_slots} slots, {reserve} held by this request, "
+                f"{tier.in_transit - reserve} in transit for others) and every page in it is pinned, "
+                "being read or being moved"
+            )
+        raise ResourceExhausted(f"{kind.label} tier: could not free a slot (contention); retry")
+
+    async def wait_for_space(self, timeout: float) -> None:
+        """Sleep until something may have become free or evictable, or timeout."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancellation on 3.11
+                await fut
+        except TimeoutError:
+            pass
+        finally:
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def space_changed(self) -> None:
+        """Wake every allocation waiting for a slot (they re-check; cheap when nobody waits)."""
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+
+async def _unwired(entry: Entry) -> None:
+    raise RuntimeError("Placement.evict was not wired to a Mover")

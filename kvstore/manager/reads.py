@@ -1,0 +1,171 @@
+"""Reads: leases on pages, verified on every tier read, with read-ahead for batched Gets.
+
+Invariants:
+- a leased page's payload stays valid and unchanged until the lease is released: its entry counts a
+  reader, so it is never chosen as a victim, moved, or freed meanwhile;
+- every read verifies the payload checksum (and, for a copy out of a medium that is not host memory,
+  the header too); a mismatch is counted on the tier, the page is dropped with its durable copies, and
+  the read is a miss;
+- hits and misses are counted per tier in request order, for pages actually returned: a page read
+  ahead but never handed to the caller counts nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import mmap
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvstore.manager.moves import Mover, verify_copy
+from kvstore.manager.placement import Placement
+from kvstore.manager.state import Entry, NodeCounters, PageTable
+from kvstore.names import Key, TierKind
+from kvstore.pageformat import HEADER_BYTES, payload_checksum
+from kvstore.tiers.dram import BouncePool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ReadLease:
+    """A page being read: `payload` stays valid and unchanged until release() is called. `tier` is
+    where the page was found (an NVMe hit stays an NVMe hit even when the read promoted it)."""
+
+    hash: bytes
+    tier: TierKind
+    checksum: int
+    payload: memoryview
+    _release: Callable[[], None] | None = None
+    key: Key = ("", b"")
+    held_in: TierKind = TierKind.DRAM  # where the payload is read from now (after any promotion)
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class Reader:
+    """Serves Gets: one lease per page, in order, reading up to `read_ahead` pages ahead."""
+
+    def __init__(self, table: PageTable, mover: Mover, placement: Placement, bounce: BouncePool,
+                 counters: NodeCounters, read_ahead: int, promote_to: TierKind) -> None:  # fmt: skip
+        self.table = table
+        self.mover = mover
+        self.placement = placement
+        self.io = mover.io
+        self.bounce = bounce
+        self.counters = counters
+        self.read_ahead = read_ahead
+        self.promote_to = promote_to  # a hit below this tier is promoted into it (when asked to)
+
+    async def get(self, keys: list[Key], promote: bool) -> AsyncIterator[ReadLease]:
+        """Yield a lease per page, in order, stopping at the first missing or corrupt page.
+
+        Each lease is released when the generator advances past it or is closed. Up to `read_ahead`
+        following pages are read (I/O, promotion) while the caller streams the current one; reading
+        ahead stops at the first page not stored.
+        """
+        loop = asyncio.get_running_loop()
+        pending: deque[asyncio.Task[ReadLease | None]] = deque()
+        nxt = 0
+
+        def read_ahead() -> None:
+            nonlocal nxt
+            while nxt < len(keys) and len(pending) <= self.read_ahead:
+                key = keys[nxt]
+                pending.append(loop.create_task(self.read_one(key, promote)))
+                nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
+
+        lease: ReadLease | None = None
+        try:
+            read_ahead()
+            while pending:
+                lease = await pending.popleft()
+                # Counted here, in request order, so pages read ahead but never returned count nothing.
+                self.count_path(lease.tier if lease is not None else None)
+                if lease is None:
+                    return
+                self.table.tiers[lease.held_in].policy.on_access(lease.key)
+                if (e := self.table.get(lease.key)) is not None:
+                    e.reads += 1
+                    self.counters.prefetch_fate(e, used=True)
+                read_ahead()
+                yield lease
+                lease.release()
+                lease = None
+        finally:
+            if lease is not None:
+                lease.release()
+            for task in pending:
+                task.cancel()
+            for result in await asyncio.gather(*pending, return_exceptions=True):
+                if isinstance(result, ReadLease):
+                    result.release()
+
+    async def read_one(self, key: Key, promote: bool) -> ReadLease | None:
+        """Lease one page, promoting it first when asked; None when missing or corrupt. Counts bytes and
+        checksum failures; hits and misses are counted by the caller, in request order."""
+        entry = await self.mover.settled(key)
+        if entry is None:
+            return None
+        found = entry.tier  # hits are credited where the page was found, before any promotion
+        if promote and entry.tier > self.promote_to:
+            await self.mover.promote(entry, self.promote_to)
+            entry = await self.mover.settled(key)
+            if entry is None:
+                return None
+        tier = self.table.tiers[entry.tier]
+        entry.readers += 1
+        bounce: mmap.mmap | None = None
+        view: memoryview | None = None
+        try:
+            if tier.medium.host_memory:
+                payload = tier.medium.view(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
+                ok = payload_checksum(payload) == entry.checksum
+            else:
+                bounce = self.bounce.take()
+                view = memoryview(bounce)[: entry.used_len]
+                await self.io.run(tier.medium.read, entry.slot, view)
+                payload = view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
+                ok = verify_copy(entry, view)
+        except BaseException:
+            entry.readers -= 1
+            raise
+        if not ok:
+            entry.readers -= 1
+            self._close(payload, view, bounce)
+            tier.counters.checksum_failures += 1
+            log.error("checksum mismatch: page %s in %s slot %d dropped", entry.hash.hex(), tier.kind.label, entry.slot)
+            await self.mover.drop(entry, erase=True)
+            return None
+        tier.counters.bytes_out += entry.payload_len
+
+        def release(entry: Entry = entry) -> None:
+            entry.readers -= 1
+            if entry.readers == 0:
+                self.placement.space_changed()
+            self._close(payload, view, bounce)
+
+        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier)
+
+    def _close(self, payload: memoryview, view: memoryview | None, bounce: mmap.mmap | None) -> None:
+        """Release a read's views, then return its bounce buffer (it must have no views left)."""
+        payload.release()
+        if view is not None:
+            view.release()
+        if bounce is not None:
+            self.bounce.give(bounce)
+
+    def count_path(self, found: TierKind | None) -> None:
+        """A requested page missed every available tier faster than where it was found."""
+        for kind, tier in self.table.tiers.items():
+            if not tier.available:
+                continue
+            if found is not None and kind == found:
+                tier.counters.hits += 1
+                return
+            tier.counters.misses += 1

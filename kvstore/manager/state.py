@@ -1,0 +1,243 @@
+"""The node's page table: which page is where, per-tier occupancy, namespaces and their layouts.
+
+Pure bookkeeping over small records (no I/O, no waiting), shared by every other manager module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvstore.errors import InvalidArgument, LayoutMismatch, NamespaceNotFound
+from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
+from kvstore.layout import PageLayout
+from kvstore.names import Key, TierKind
+from kvstore.pageformat import HEADER_BYTES, align_up
+from kvstore.policy import EvictionPolicy
+from kvstore.stats import TierCounters
+from kvstore.tiers.base import Medium
+from kvstore.tiers.slots import SlotAllocator
+
+ChangeListener = Callable[[str, bytes, TierKind | None], None]  # (namespace, hash, tier or None: gone)
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """One visible page. `tier`/`slot` change only inside a move, while `moving` is set."""
+
+    namespace: str
+    hash: bytes
+    tier: TierKind
+    slot: int
+    payload_len: int
+    checksum: int
+    generation: int
+    layout: PageLayout
+    pins: int = 0
+    pin_deadlines: list[float] = field(default_factory=list)
+    readers: int = 0
+    moving: asyncio.Future[None] | None = None
+    shadow: int | None = None  # free slot of the persistent tier still holding this page's durable copy
+    prefetched: bool = False  # promoted by a prefetch and not read since (used / wasted accounting)
+    parent: Key | None = None  # previous block of its chain, when the writer said (policy hint)
+    reads: int = 0  # reads since stored, in any tier (policy hint; travels with the page)
+
+    @property
+    def key(self) -> Key:
+        return (self.namespace, self.hash)
+
+    @property
+    def pinned(self) -> bool:
+        return self.pins > 0 or bool(self.pin_deadlines)
+
+    @property
+    def evictable(self) -> bool:
+        return not self.pinned and self.readers == 0 and self.moving is None
+
+    @property
+    def used_len(self) -> int:
+        """Bytes of the slot that carry data: header block plus payload rounded to 4 KiB."""
+        return HEADER_BYTES + align_up(self.payload_len)
+
+
+@dataclass(slots=True)
+class NodeCounters:
+    """Node-wide counters for Stats (per-tier ones live in each Tier's TierCounters)."""
+
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_matched: int = 0
+    prefetch_issued: int = 0
+    prefetch_completed: int = 0
+    prefetch_used: int = 0  # prefetched pages a Get then read
+    prefetch_wasted: int = 0  # prefetched pages that left their tier (or the node) unread
+    put_rejected: int = 0  # Put transactions aborted
+
+    def prefetch_fate(self, entry: Entry, used: bool) -> None:
+        """A prefetched page was read (used) or is leaving its tier unread (wasted); counted once."""
+        if entry.prefetched:
+            entry.prefetched = False
+            if used:
+                self.prefetch_used += 1
+            else:
+                self.prefetch_wasted += 1
+
+
+class Tier:
+    """A medium with its slot allocator, eviction policy and counters.
+
+    Invariant: `alloc.used_count >= pages`; the difference is slots held by pages not visible here (staged
+    by Put streams, or the destination of a move in flight).
+    """
+
+    def __init__(self, medium: Medium, policy: EvictionPolicy) -> None:
+        self.kind = medium.kind
+        self.medium = medium
+        self.alloc = SlotAllocator(medium.num_slots if medium.available else 0)
+        self.policy = policy
+        self.available = medium.available and self.alloc.num_slots > 0
+        self.counters = TierCounters()
+        self.pages = 0
+        self.used_bytes = 0
+
+    @property
+    def in_transit(self) -> int:
+        """Slots held by pages not (yet) visible in this tier."""
+        return self.alloc.used_count - self.pages
+
+
+class PageTable:
+    """Every visible page of the node and the tier it is in.
+
+    Invariants:
+    - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
+      and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
+    - `ns_pages[ns]` is the number of entries of namespace ns; a namespace's layout is bound by its first
+      page and never changes while the node runs;
+    - `on_change` hears of every placement change (the index publisher), in order.
+    Tiers are ordered fastest first (`TierKind` order); `below`/`above` skip unavailable tiers.
+    """
+
+    def __init__(self, tiers: list[Tier]) -> None:
+        self.tiers: dict[TierKind, Tier] = {t.kind: t for t in sorted(tiers, key=lambda t: t.kind)}
+        self.entries: dict[Key, Entry] = {}
+        self.layouts: dict[str, PageLayout] = {}
+        self.ns_pages: dict[str, int] = {}
+        self.on_change: ChangeListener | None = None
+        self._generation = 1
+
+    # -- tiers
+
+    def below(self, kind: TierKind) -> Tier | None:
+        """The next available tier slower than `kind` (where its evicted pages go)."""
+        return next((t for k, t in self.tiers.items() if k > kind and t.available), None)
+
+    def above(self, kind: TierKind) -> Tier | None:
+        """The next available tier faster than `kind` (one promotion step)."""
+        return next((t for k, t in reversed(self.tiers.items()) if k < kind and t.available), None)
+
+    @property
+    def persistent(self) -> Tier | None:
+        """The tier whose medium survives restarts, when the node has one."""
+        return next((t for t in self.tiers.values() if t.available and t.medium.persistent), None)
+
+    # -- entries
+
+    def get(self, key: Key) -> Entry | None:
+        return self.entries.get(key)
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.entries
+
+    def __iter__(self) -> Iterator[Entry]:
+        return iter(self.entries.values())
+
+    def publish(self, entry: Entry, kind: TierKind) -> None:
+        """Make entry visible in tier `kind` (adding it to the table if new). The caller has already set
+        entry.tier/slot to a slot of that tier holding the complete page."""
+        tier = self.tiers[kind]
+        if entry.key not in self.entries:
+            self.entries[entry.key] = entry
+            self.ns_pages[entry.namespace] = self.ns_pages.get(entry.namespace, 0) + 1
+        tier.policy.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
+        tier.pages += 1
+        tier.used_bytes += entry.payload_len
+        if self.on_change is not None:
+            self.on_change(entry.namespace, entry.hash, kind)
+
+    def unpublish(self, entry: Entry) -> None:
+        """Take entry out of its tier's accounting (it stays in the table: a move publishes it again)."""
+        tier = self.tiers[entry.tier]
+        tier.policy.on_remove(entry.key)
+        tier.pages -= 1
+        tier.used_bytes -= entry.payload_len
+
+    def remove(self, entry: Entry) -> None:
+        """Entry leaves the node (its slot is the caller's to free)."""
+        self.unpublish(entry)
+        del self.entries[entry.key]
+        self.ns_pages[entry.namespace] -= 1
+        if self.on_change is not None:
+            self.on_change(entry.namespace, entry.hash, None)
+
+    def next_generation(self) -> int:
+        gen = self._generation
+        self._generation += 1
+        return gen
+
+    def saw_generation(self, generation: int) -> None:
+        """A recovered page carried this generation: later ones must be newer."""
+        self._generation = max(self._generation, generation + 1)
+
+    # -- namespaces
+
+    def check_layout(self, namespace: str, layout: PageLayout) -> None:
+        bound = self.layouts.get(namespace)
+        if bound is not None and bound != layout:
+            raise LayoutMismatch(
+                f"open.layout: namespace {namespace!r} holds pages of layout {bound.describe()}; "
+                f"this Put sends {layout.describe()}"
+            )
+
+    def layout_of(self, namespace: str) -> PageLayout:
+        check_namespace(namespace)
+        try:
+            return self.layouts[namespace]
+        except KeyError:
+            raise NamespaceNotFound(namespace) from None
+
+    # -- snapshots
+
+    def holdings(self) -> list[tuple[str, bytes, TierKind]]:
+        """Every visible page as (namespace, hash, tier): a snapshot for a full index publish."""
+        return [(e.namespace, e.hash, e.tier) for e in self.entries.values()]
+
+    def occupancy(self) -> dict[str, int]:
+        """Pages and slots per tier, flat (published in the index's node info)."""
+        out: dict[str, int] = {}
+        for kind, t in self.tiers.items():
+            out[f"pages_{kind.label}"] = t.pages
+            out[f"slots_used_{kind.label}"] = t.alloc.used_count
+            out[f"slots_total_{kind.label}"] = t.alloc.num_slots if t.available else 0
+        return out
+
+
+def check_namespace(namespace: str) -> None:
+    try:
+        validate_namespace(namespace)
+    except HashContractError as exc:
+        raise InvalidArgument("namespace", str(exc)) from None
+
+
+def check_hash(h: bytes, field_name: str) -> None:
+    if len(h) != HASH_BYTES:
+        raise InvalidArgument(field_name, f"a block hash is {HASH_BYTES} bytes, got {len(h)}")
+
+
+def check_hashes(hashes: list[bytes], field_name: str, limit: int) -> None:
+    """At most `limit` hashes, each 32 bytes; errors name `field_name[i]`."""
+    if len(hashes) > limit:
+        raise InvalidArgument(field_name, f"{len(hashes)} hashes in one request; the limit is {limit}")
+    for i, h in enumerate(hashes):
+        check_hash(h, f"{field_name}[{i}]")
