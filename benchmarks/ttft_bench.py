@@ -27,7 +27,7 @@ from pathlib import Path
 from machine import machine_line
 
 from workers.runtime import LocalStack, StackConfig
-from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
+from workers.tiny import TinyLlamaSpec, make_tiny_llama
 
 BLOCK = 16
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-ttft-") as tmp:
-        mdir = make_tiny_llama(Path(tmp) / "bench-llama", spec, writer=CheckpointWriter.SAFETENSORS)
+        mdir = make_tiny_llama(Path(tmp) / "bench-llama", spec)
         total_blocks = sum(((n // BLOCK) + 1) * (reps + 1) * len(shares) for n in lengths)
         cfg = StackConfig(model_dir=str(mdir), block_size=BLOCK, num_blocks=max(lengths) // BLOCK + 16,
                           run_dir=str(Path(tmp) / "run"), nvme_bytes=0)  # fmt: skip

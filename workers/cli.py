@@ -44,11 +44,11 @@ USER_TURNS = [
 def _model_dir(model: Path | None, workdir: Path) -> Path:
     if model is not None:
         return model
-    from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
+    from workers.tiny import TinyLlamaSpec, make_tiny_llama
 
     d = workdir / "demo-llama"
     console.print(f"writing a small random-weight Llama checkpoint (HF format) to {d}")
-    return make_tiny_llama(d, TinyLlamaSpec(**DEMO_SPEC), with_tokenizer=True, writer=CheckpointWriter.SAFETENSORS)
+    return make_tiny_llama(d, TinyLlamaSpec(**DEMO_SPEC), with_tokenizer=True)
 
 
 @friendly_errors

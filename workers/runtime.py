@@ -111,12 +111,6 @@ class LocalStack:
         assert self.router is not None, "stack not started"
         return ray.get(self.router.generate.remote(request_id, prompt, max_new_tokens))  # type: ignore[attr-defined]
 
-    def restart_node(self) -> None:
-        """Graceful restart of the cache node on the same NVMe directory (a warm restart)."""
-        assert self.node is not None
-        self.node.stop()
-        self.node.start()
-
     def stop(self) -> None:
         if self._ray_started:
             ray.shutdown()

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import ray
 
+from devkit.hf import CheckpointWriter, TinyLlamaSpec, hf_reference_logits, load_hf_oracle, make_tiny_llama
 from kvstore.client import KVStoreClient
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.base import TierKind
 from workers.loader import load_model
 from workers.model import CacheConfig, PagedLlama
 from workers.runtime import LocalStack, StackConfig
-from workers.testing import CheckpointWriter, TinyLlamaSpec, hf_reference_logits, load_hf_oracle, make_tiny_llama
 
 BLOCK = 8
 SPEC = TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3)

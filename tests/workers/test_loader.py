@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from devkit.hf import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
 from workers.loader import CheckpointError, load_checkpoint, load_model, read_config
 from workers.model import CacheConfig, ModelConfig, RopeType, UnsupportedModelError
-from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
 
 SPEC = TinyLlamaSpec(hidden=32, layers=2, heads=4, kv_heads=2, vocab=300, seed=5)
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from devkit.hf import TinyLlamaSpec, hf_reference_logits, load_hf_oracle, make_tiny_llama
 from workers.loader import load_model
 from workers.model import CacheConfig
-from workers.testing import TinyLlamaSpec, hf_reference_logits, load_hf_oracle, make_tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from devkit.hf import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
 from workers.loader import load_model
 from workers.model import CacheConfig, PagedLlama
 from workers.paged_cache import CacheFullError, UnknownSequenceError
-from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
 
 SPEC = TinyLlamaSpec(hidden=32, layers=2, heads=4, kv_heads=2, vocab=300, seed=8)
 

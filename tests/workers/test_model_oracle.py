@@ -25,10 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.loader import load_model
-from workers.model import CacheConfig, PagedLlama, RopeConfig, RopeType
-from workers.paged_cache import pages_from_buffers, pages_to_buffers
-from workers.testing import (
+from devkit.hf import (
     CheckpointWriter,
     TinyLlamaSpec,
     hf_reference_logits,
@@ -36,6 +33,9 @@ from workers.testing import (
     make_tiny_llama,
     top2_margin,
 )
+from workers.loader import load_model
+from workers.model import CacheConfig, PagedLlama, RopeConfig, RopeType
+from workers.paged_cache import pages_from_buffers, pages_to_buffers
 
 transformers = pytest.importorskip("transformers", reason="transformers (dev extra) is the oracle")
 

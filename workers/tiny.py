@@ -1,13 +1,10 @@
-"""Tiny random Llama checkpoints for tests and demos, and the transformers oracle to compare against.
+"""Tiny random Llama checkpoints for the demo (and tests).
 
 `make_tiny_llama(dir, TinyLlamaSpec(...))` writes a Hugging Face checkpoint directory (config.json,
 safetensors weights, sharded on request, optionally a `tokenizer.json`) that both `workers.loader` and
-`transformers.LlamaForCausalLM.from_pretrained` read. Two writers:
-
-- `CheckpointWriter.TRANSFORMERS`: builds `LlamaForCausalLM` and calls `save_pretrained` (the format's
-  authority; needs transformers, a dev dependency, imported only here);
-- `CheckpointWriter.SAFETENSORS`: writes the same files with safetensors alone, for a demo on a host
-  with only the `workers` extra.
+`transformers.LlamaForCausalLM.from_pretrained` read, with safetensors alone (the `workers` extra is
+enough). `devkit.hf` writes the same checkpoints through transformers' own `save_pretrained`, the
+format's authority, and holds the transformers oracle the tests compare against.
 
 Weights are random but not degenerate: linear and embedding weights are N(0, init_std) and, unlike
 transformers' own init, RMSNorm weights are U(0.5, 1.5) and biases N(0, init_std), so a loader that
@@ -18,9 +15,7 @@ thing to compare.
 
 from __future__ import annotations
 
-import enum
 import json
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,18 +29,8 @@ from workers.tokenizer import TOKENIZER_FILE
 
 if TYPE_CHECKING:
     import tokenizers
-    from transformers import LlamaForCausalLM
 
-__all__ = [
-    "TOKENIZER_SENTENCES",
-    "CheckpointWriter",
-    "TinyLlamaSpec",
-    "hf_reference_logits",
-    "load_hf_oracle",
-    "make_tiny_llama",
-    "make_tiny_tokenizer",
-    "top2_margin",
-]
+__all__ = ["TOKENIZER_SENTENCES", "TinyLlamaSpec", "make_tiny_llama", "make_tiny_tokenizer", "randomize"]
 
 BOS_ID, EOS_ID = 1, 2
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: the Llama convention, matching the config
@@ -59,11 +44,6 @@ TOKENIZER_SENTENCES = (
     "hello world, this is a tiny llama that knows nothing at all",
     "tokens are hashed block by block into a chain of keys",
 )
-
-
-class CheckpointWriter(enum.Enum):
-    TRANSFORMERS = "transformers"  # LlamaForCausalLM(...).save_pretrained: needs transformers
-    SAFETENSORS = "safetensors"  # config.json + safetensors files written directly
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +101,6 @@ def make_tiny_llama(
     *,
     shard_bytes: int | None = None,
     with_tokenizer: bool = False,
-    writer: CheckpointWriter = CheckpointWriter.TRANSFORMERS,
 ) -> Path:
     """Write a random Llama checkpoint into `directory` (created if needed); returns it as a Path.
 
@@ -129,16 +108,12 @@ def make_tiny_llama(
         `model.safetensors.index.json` (None: one `model.safetensors`).
     with_tokenizer: also write a byte-level BPE `tokenizer.json` trained on TOKENIZER_SENTENCES
         (needs vocab > 259: 256 bytes + 3 special tokens).
-    Deterministic in `spec` and `writer`: the same arguments write the same weights.
+    Deterministic in `spec`: the same arguments write the same weights.
     """
     spec = spec or TinyLlamaSpec()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    if writer is CheckpointWriter.TRANSFORMERS:
-        model = _build_hf_llama(spec)
-        model.save_pretrained(d, max_shard_size=shard_bytes if shard_bytes is not None else "50GB")
-    else:
-        _write_safetensors(d, spec, shard_bytes)
+    _write_safetensors(d, spec, shard_bytes)
     if with_tokenizer:
         make_tiny_tokenizer(spec.vocab).save(str(d / TOKENIZER_FILE))
     return d
@@ -167,7 +142,7 @@ def make_tiny_tokenizer(vocab_size: int, sentences: Sequence[str] = TOKENIZER_SE
 # ---------------------------------------------------------------------------------------- writers
 
 
-def _randomize(tensors: Mapping[str, torch.Tensor], std: float, generator: torch.Generator) -> None:
+def randomize(tensors: Mapping[str, torch.Tensor], std: float, generator: torch.Generator) -> None:
     """In place: norm weights U(0.5, 1.5), biases N(0, std); the rest is left as it is."""
     for name in sorted(tensors):  # sorted: the draw order, hence the weights, do not depend on dict order
         t = tensors[name]
@@ -177,23 +152,6 @@ def _randomize(tensors: Mapping[str, torch.Tensor], std: float, generator: torch
             t.copy_(torch.randn(t.shape, generator=generator) * std)
 
 
-def _build_hf_llama(spec: TinyLlamaSpec) -> LlamaForCausalLM:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    raw = spec.hf_config()
-    for key in ("architectures", "model_type"):
-        raw.pop(key)
-    # transformers initializes from the global generator: seed it inside a fork so that the caller's
-    # random state is left as it was.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(LlamaConfig(**raw)).eval()
-    with torch.no_grad():
-        params = dict(model.named_parameters())
-        _randomize(params, spec.init_std, torch.Generator().manual_seed(spec.seed + 1))
-    return model
-
-
 def _write_safetensors(d: Path, spec: TinyLlamaSpec, shard_bytes: int | None) -> None:
     from safetensors.torch import save_file
 
@@ -201,7 +159,7 @@ def _write_safetensors(d: Path, spec: TinyLlamaSpec, shard_bytes: int | None) ->
     shapes = parameter_shapes(ModelConfig.from_hf(raw))
     gen = torch.Generator().manual_seed(spec.seed)
     tensors = {name: torch.randn(shape, generator=gen) * spec.init_std for name, shape in sorted(shapes.items())}
-    _randomize(tensors, spec.init_std, torch.Generator().manual_seed(spec.seed + 1))
+    randomize(tensors, spec.init_std, torch.Generator().manual_seed(spec.seed + 1))
     (d / CONFIG_FILE).write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
     metadata = {"format": "pt"}
     if shard_bytes is None:
@@ -224,34 +182,3 @@ def _write_safetensors(d: Path, spec: TinyLlamaSpec, shard_bytes: int | None) ->
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (d / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-
-
-# ---------------------------------------------------------------------------------------- oracle
-
-
-def load_hf_oracle(directory: str | Path) -> LlamaForCausalLM:
-    """transformers' own LlamaForCausalLM from the checkpoint, fp32, eval mode, eager attention."""
-    from transformers import LlamaForCausalLM
-
-    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
-def hf_reference_logits(model: LlamaForCausalLM, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
-    """fp32 [len(generated), vocab]: the oracle's logits for each generated position, teacher-forced.
-
-    One causal forward over prompt + generated[:-1] (no KV cache): row i is the distribution that
-    generated[i] should be the argmax of under greedy decoding. If every row's argmax equals
-    generated[i], the oracle's own greedy run produces exactly `generated`.
-    """
-    ids = list(prompt) + list(generated[:-1])
-    with torch.no_grad():
-        out = model(torch.tensor([ids]), use_cache=False).logits[0].float()
-    start = len(prompt) - 1
-    return out[start : start + len(generated)]
-
-
-def top2_margin(logits: torch.Tensor) -> float:
-    """Smallest gap between the best and second-best logit over rows: how clear-cut greedy choices are."""
-    top = torch.topk(logits.float(), 2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min()) if top.numel() else math.inf
