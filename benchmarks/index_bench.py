@@ -32,7 +32,8 @@ from pathlib import Path
 import redis
 from machine import cpu_model
 
-from kvstore.index import ALIVE_PREFIX, IndexPublisher, IndexReader, block_key
+from kvstore.index import ALIVE_PREFIX, IndexReader, block_key
+from kvstore.index.publisher import IndexPublisher
 from kvstore.launch import RedisProcess
 from kvstore.tiers.base import TierKind
 

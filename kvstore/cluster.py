@@ -34,8 +34,9 @@ from kvstore.client import KVStoreClient, PutResult
 from kvstore.errors import KVStoreError, NamespaceNotFound, Unavailable
 from kvstore.index import ClusterLookup, IndexReader, NodeInfo
 from kvstore.layout import PageLayout
+from kvstore.names import Buffer
 from kvstore.security import ClientSecurity
-from kvstore.wire import Buffer, FetchedPage
+from kvstore.wire import FetchedPage
 
 log = logging.getLogger(__name__)
 

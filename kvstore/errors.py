@@ -68,11 +68,16 @@ class PermissionDenied(KVStoreError):
     status_name = "PERMISSION_DENIED"
 
 
-class ShmNotAvailable(KVStoreError):
-    """The shared-memory data plane cannot be used for this call: the node runs without it, or the
-    caller's segment is not visible to the node (another host or another /dev/shm). Use Put/Get."""
+class PlaneUnavailable(KVStoreError):
+    """A bulk data plane cannot be used for this call; the client falls back to gRPC streams (Put/Get)
+    unless the caller insisted on that plane."""
 
     status_name = "UNIMPLEMENTED"
+
+
+class ShmNotAvailable(PlaneUnavailable):
+    """The shared-memory data plane cannot be used for this call: the node runs without it, or the
+    caller's segment is not visible to the node (another host or another /dev/shm). Use Put/Get."""
 
 
 class RemoteError(KVStoreError):

@@ -27,20 +27,22 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, KVStoreError, ShmNotAvailable
-from kvstore.index import IndexPublisher
+from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
+from kvstore.names import TierKind
+from kvstore.pageformat import align_up
 from kvstore.security import TokenAuthenticator, server_credentials
-from kvstore.tiers.base import TierKind
-from kvstore.transport.shm import AttachedSegment, SegmentAttachments, align_up, shm_available
+from kvstore.transport.shm import shm_available
+from kvstore.transport.shm.node import AttachedSegment, SegmentAttachments
 from kvstore.wire import (
-    CHUNK_BYTES,
-    GET_CHUNK_TAG,
     MAX_MESSAGE_BYTES,
-    frame_chunk,
+    PutChunk,
+    PutPageHeader,
+    PutParser,
+    get_responses,
     layout_from_pb,
-    parse_put_request,
     stats_to_pb,
     tier_from_pb,
 )
@@ -178,49 +180,24 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Requests arrive serialized (see `handlers`): chunks are copied once, into their slot."""
+        parser = PutParser()
         txn = None
         view: memoryview | None = None
-        need = fill = 0
-        page_index = -1
         try:
             async for raw in request_iterator:
-                kind, value = parse_put_request(raw)
-                if txn is None:
-                    if kind != "open":
-                        raise InvalidArgument("open", "the first message of a Put stream must be `open`")
-                    layout = layout_from_pb(value.layout)  # type: ignore[attr-defined]
-                    target = tier_from_pb(value.target_tier)  # type: ignore[attr-defined]
-                    txn = self.mgr.begin_put(value.namespace, layout, target,  # type: ignore[attr-defined]
-                                             value.parent_hash or None, value.chain)  # type: ignore[attr-defined]
-                elif kind == "page":
-                    if fill != need:
-                        raise InvalidArgument(
-                            "page", f"page {page_index} got {fill} of {need} bytes before the next page header"
-                        )
-                    page_index += 1
+                msg = parser.feed(raw)
+                if isinstance(msg, PutChunk):
+                    if view is not None:  # None: the page is stored already, its bytes are dropped
+                        view[msg.offset : msg.offset + len(msg.data)] = msg.data
+                elif isinstance(msg, PutPageHeader):
                     if view is not None:
                         view.release()
-                    view = await txn.add_page(value.hash, value.payload_bytes, value.checksum)  # type: ignore[attr-defined]
-                    need, fill = value.payload_bytes, 0  # type: ignore[attr-defined]
-                elif kind == "chunk":
-                    n = len(value)  # type: ignore[arg-type]
-                    if page_index < 0:
-                        raise InvalidArgument("chunk", "data chunk before any page header")
-                    if n > CHUNK_BYTES:
-                        raise InvalidArgument("chunk", f"{n} bytes; chunks are at most {CHUNK_BYTES} bytes")
-                    if fill + n > need:
-                        raise InvalidArgument("chunk", f"page {page_index} receives more than its {need} bytes")
-                    if view is not None:
-                        view[fill : fill + n] = value  # type: ignore[index]
-                    fill += n
-                elif kind == "open":
-                    raise InvalidArgument("open", "sent twice in one Put stream")
+                    view = await txn.add_page(msg.hash, msg.payload_bytes, msg.checksum)  # type: ignore[union-attr]
                 else:
-                    raise InvalidArgument("msg", "empty PutRequest (no open, page or chunk)")
-            if txn is None:
-                raise InvalidArgument("open", "empty Put stream")
-            if fill != need:
-                raise InvalidArgument("chunk", f"stream truncated: page {page_index} got {fill} of {need} bytes")
+                    txn = self.mgr.begin_put(msg.namespace, layout_from_pb(msg.layout), tier_from_pb(msg.target_tier),
+                                             msg.parent_hash or None, msg.chain)  # fmt: skip
+            parser.finish()
+            assert txn is not None
             stored, present = await txn.commit()
             return pb.PutResponse(stored=stored, already_present=present)
         finally:
@@ -234,11 +211,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
         try:
             async for lease in leases:
-                n = len(lease.payload)
-                page = pb.GetPage(hash=lease.hash, payload_bytes=n, checksum=lease.checksum, tier=int(lease.tier))
-                yield pb.GetResponse(page=page).SerializeToString()
-                for off in range(0, n, CHUNK_BYTES):
-                    yield frame_chunk(GET_CHUNK_TAG, lease.payload[off : off + CHUNK_BYTES])
+                for msg in get_responses(lease.hash, lease.tier, lease.checksum, lease.payload):
+                    yield msg
         finally:
             await leases.aclose()
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 
 from kvstore import __version__
 from kvstore.layout import PageLayout
-from kvstore.tiers.base import TierKind
+from kvstore.names import TierKind
 
 
 @dataclass(slots=True)

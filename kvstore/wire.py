@@ -1,7 +1,8 @@
 """Conversions between the proto messages and kvstore's own types, shared by server and clients.
 
 Pure: builds and parses messages, never touches a channel. The streaming framing of Put and Get lives
-here once, so the sync and asyncio clients cannot drift apart.
+here once, both directions: `put_requests` (client) and `PutParser` (node) for Put streams,
+`get_responses` (node) and `GetAssembler` (client) for Get streams.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from google.protobuf.message import DecodeError
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
 from kvstore.layout import DType, PageLayout
+from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import IndexStatus, NodeStats, TierCounters, TierStats
-from kvstore.tiers.base import TierKind
 
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # chunk + framing, with room to spare; channels and server set this
@@ -80,8 +81,6 @@ def parse_put_request(msg: bytes) -> tuple[str, object]:
     kind = req.WhichOneof("msg")
     return kind or "", getattr(req, kind) if kind else None
 
-Buffer = bytes | bytearray | memoryview
-
 
 def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
     return pb.PageLayout(
@@ -125,6 +124,86 @@ def put_requests(
         yield pb.PutRequest(page=header).SerializeToString()
         for off in range(0, len(view), chunk_bytes):
             yield frame_chunk(PUT_CHUNK_TAG, view[off : off + chunk_bytes])
+
+
+@dataclass(frozen=True, slots=True)
+class PutPageHeader:
+    """A page announced in a Put stream; its chunks follow."""
+
+    index: int
+    hash: bytes
+    payload_bytes: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutChunk:
+    """Bytes of the current page, to go at `offset` of its payload."""
+
+    offset: int
+    data: memoryview
+
+
+class PutParser:
+    """The node's side of Put stream framing: `feed` each serialized request, act on what it returns.
+
+    Order: one `open` (returned as the PutOpen message), then per page a header (PutPageHeader) and its
+    chunks (PutChunk, <= CHUNK_BYTES each, never past the announced size), then `finish()`. Any breach
+    raises InvalidArgument naming the field, before the offending bytes are handed out.
+    """
+
+    def __init__(self) -> None:
+        self.opened = False
+        self._page = -1
+        self._need = self._fill = 0
+
+    def feed(self, raw: bytes) -> pb.PutOpen | PutPageHeader | PutChunk:
+        kind, value = parse_put_request(raw)
+        if not self.opened:
+            if kind != "open":
+                raise InvalidArgument("open", "the first message of a Put stream must be `open`")
+            self.opened = True
+            return value  # type: ignore[return-value]
+        if kind == "page":
+            if self._fill != self._need:
+                raise InvalidArgument(
+                    "page", f"page {self._page} got {self._fill} of {self._need} bytes before the next page header"
+                )
+            self._page += 1
+            self._need, self._fill = value.payload_bytes, 0  # type: ignore[attr-defined]
+            return PutPageHeader(self._page, value.hash, value.payload_bytes, value.checksum)  # type: ignore[attr-defined]
+        if kind == "chunk":
+            data = memoryview(value)  # type: ignore[arg-type]
+            n = len(data)
+            if self._page < 0:
+                raise InvalidArgument("chunk", "data chunk before any page header")
+            if n > CHUNK_BYTES:
+                raise InvalidArgument("chunk", f"{n} bytes; chunks are at most {CHUNK_BYTES} bytes")
+            if self._fill + n > self._need:
+                raise InvalidArgument("chunk", f"page {self._page} receives more than its {self._need} bytes")
+            chunk = PutChunk(self._fill, data)
+            self._fill += n
+            return chunk
+        if kind == "open":
+            raise InvalidArgument("open", "sent twice in one Put stream")
+        raise InvalidArgument("msg", "empty PutRequest (no open, page or chunk)")
+
+    def finish(self) -> None:
+        """The stream ended: it must have been opened and its last page be complete."""
+        if not self.opened:
+            raise InvalidArgument("open", "empty Put stream")
+        if self._fill != self._need:
+            raise InvalidArgument("chunk", f"stream truncated: page {self._page} got {self._fill} of {self._need} bytes")
+
+
+def get_responses(h: bytes, tier: TierKind, checksum: int, payload: memoryview,
+                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:  # fmt: skip
+    """The serialized messages of one page in a Get stream: its header, then its chunks (one copy each)."""
+    n = len(payload)
+    page = pb.GetPage(hash=h, payload_bytes=n, checksum=checksum, tier=int(tier))
+    yield pb.GetResponse(page=page).SerializeToString()
+    for off in range(0, n, chunk_bytes):
+        yield frame_chunk(GET_CHUNK_TAG, payload[off : off + chunk_bytes])
 
 
 class StreamError(Exception):

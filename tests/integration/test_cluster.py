@@ -367,7 +367,7 @@ def test_publisher_close_is_not_hung_by_a_wake_racing_the_cancel() -> None:
     its DRAM spill). Here the wake and the cancel land together, many times."""
     import asyncio
 
-    from kvstore.index import IndexPublisher
+    from kvstore.index.publisher import IndexPublisher
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -16,10 +16,11 @@ from kvstore.client import KVStoreClient
 from kvstore.errors import ShmNotAvailable
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
-from kvstore.pageformat import payload_checksum
+from kvstore.names import TierKind
+from kvstore.pageformat import align_up, payload_checksum
 from kvstore.security import WRITE_METHODS
-from kvstore.tiers.base import TierKind
 from kvstore.transport import shm
+from kvstore.transport.shm import client as shm_client
 from kvstore.wire import layout_to_pb
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
@@ -42,8 +43,8 @@ def stub(shm_node: NodeProcess) -> Iterator[pb_grpc.KVStoreStub]:
 
 
 @pytest.fixture
-def seg() -> Iterator[shm.ClientSegment]:
-    s = shm.ClientSegment(shm.HEADER_BYTES + 4 * shm.align_up(PAGE))
+def seg() -> Iterator[shm_client.ClientSegment]:
+    s = shm_client.ClientSegment(shm.HEADER_BYTES + 4 * align_up(PAGE))
     try:
         yield s
     finally:
@@ -68,7 +69,7 @@ def test_round_trip_through_dram_and_nvme_matches_grpc(shm_node: NodeProcess) ->
 
 def test_windows_grow_to_fit_pages_bigger_than_the_first_guess(tmp_path: Path) -> None:
     big = PageLayout(DType.FLOAT16, num_layers=64, num_kv_heads=2, head_dim=64, block_size=16)  # 512 KiB pages
-    node = NodeProcess(dram_bytes=8 * shm.align_up(big.page_bytes + 4096), max_page_bytes=big.page_bytes,
+    node = NodeProcess(dram_bytes=8 * align_up(big.page_bytes + 4096), max_page_bytes=big.page_bytes,
                        node_id="big").start()  # fmt: skip
     try:
         chain = [key(i, "big") for i in range(6)]
@@ -76,9 +77,9 @@ def test_windows_grow_to_fit_pages_bigger_than_the_first_guess(tmp_path: Path) -
         with KVStoreClient(node.addr, transport="shm", pages_per_stream=4) as kv:
             kv.put("ns/big", big, chain, pages)
         with KVStoreClient(node.addr, transport="shm", pages_per_stream=4) as kv:  # no segment yet
-            assert kv._shm_hint < big.page_bytes  # its first window holds 2 of the 4 pages it asks for
+            assert kv._core.active.page_hint < big.page_bytes  # its first window holds 2 of the 4 pages it asks for
             assert [bytes(p) for p in kv.get("ns/big", chain)] == pages
-            assert kv._shm_hint >= big.page_bytes
+            assert kv._core.active.page_hint >= big.page_bytes
     finally:
         node.close()
 
@@ -88,9 +89,9 @@ def test_a_node_without_shm_falls_back_or_refuses_as_asked(tmp_path: Path) -> No
     try:
         chain = [key(i, "fb") for i in range(3)]
         with KVStoreClient(node.addr, transport="auto") as kv:
-            assert kv._shm is not None  # loopback: it tries shared memory first
+            assert kv.plane == "shm"  # loopback: it tries shared memory first
             kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
-            assert kv._shm is None  # told UNIMPLEMENTED once, it stays on gRPC streams
+            assert kv.plane == "grpc"  # told UNIMPLEMENTED once, it stays on gRPC streams
             assert [bytes(p) for p in kv.get(NS, chain)] == [page(h) for h in chain]
         with KVStoreClient(node.addr, transport="shm") as kv, pytest.raises(ShmNotAvailable, match="without"):
             kv.get(NS, chain)
@@ -127,19 +128,19 @@ def test_orphaned_segments_of_dead_clients_are_swept(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = "from kvstore.transport.shm import ClientSegment; s = ClientSegment(1 << 16); print(s.name)"
+    code = "from kvstore.transport.shm.client import ClientSegment; s = ClientSegment(1 << 16); print(s.name)"
     proc = subprocess.run([sys.executable, "-c", f"{code}; import os; os._exit(0)"], capture_output=True,
                           text=True, timeout=60, check=True)  # fmt: skip
     name = proc.stdout.strip()
     assert (shm.SHM_DIR / name).exists()  # the process died without unlinking
-    assert shm.sweep_stale() >= 1
+    assert shm_client.sweep_stale() >= 1
     assert not (shm.SHM_DIR / name).exists()
 
 
 # -- bad requests: a clear INVALID_ARGUMENT naming the field, and nothing stored ------------------------
 
 
-def put_req(seg: shm.ClientSegment, h: bytes, **slice_fields: int) -> pb.PutShmRequest:
+def put_req(seg: shm_client.ClientSegment, h: bytes, **slice_fields: int) -> pb.PutShmRequest:
     data = page(h)
     seg.view[shm.HEADER_BYTES : shm.HEADER_BYTES + len(data)] = data
     fields = {"offset": shm.HEADER_BYTES, "payload_bytes": len(data), "checksum": payload_checksum(data)}
@@ -168,7 +169,7 @@ def stored(stub: pb_grpc.KVStoreStub, h: bytes) -> int:
         (lambda r: r.pages[0].__setattr__("hash", b"x" * 5), "hash"),
     ],
 )
-def test_bad_put_shm_is_refused_and_stores_nothing(stub: pb_grpc.KVStoreStub, seg: shm.ClientSegment,
+def test_bad_put_shm_is_refused_and_stores_nothing(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment,
                                                    mutate: object, field: str) -> None:  # fmt: skip
     h = key(0, f"bad-shm-{field}")
     req = put_req(seg, h)
@@ -180,7 +181,7 @@ def test_bad_put_shm_is_refused_and_stores_nothing(stub: pb_grpc.KVStoreStub, se
     assert stored(stub, h) == 0
 
 
-def test_a_segment_the_node_cannot_see_is_unimplemented(stub: pb_grpc.KVStoreStub, seg: shm.ClientSegment) -> None:
+def test_a_segment_the_node_cannot_see_is_unimplemented(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment) -> None:
     req = put_req(seg, key(1, "gone"))
     req.region.name = "kvstore-0-doesnotexist0000"
     with pytest.raises(grpc.RpcError) as info:
@@ -188,12 +189,12 @@ def test_a_segment_the_node_cannot_see_is_unimplemented(stub: pb_grpc.KVStoreStu
     assert info.value.code() is grpc.StatusCode.UNIMPLEMENTED and "visible" in info.value.details()
 
 
-def test_get_shm_reports_a_page_that_does_not_fit(stub: pb_grpc.KVStoreStub, seg: shm.ClientSegment) -> None:
+def test_get_shm_reports_a_page_that_does_not_fit(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment) -> None:
     hs = [key(i, "fit") for i in range(2)]
     for h in hs:
         stub.PutShm(put_req(seg, h), timeout=30)
     region = pb.ShmRegion(name=seg.name, nonce=seg.nonce)
-    one = shm.align_up(PAGE)
+    one = align_up(PAGE)
     reply = stub.GetShm(pb.GetShmRequest(namespace=NS, hashes=hs, region=region, offset=shm.HEADER_BYTES,
                                          size=one + 10), timeout=30)  # fmt: skip
     assert [p.hash for p in reply.pages] == hs[:1] and reply.next_page_bytes == PAGE
@@ -208,7 +209,7 @@ def test_put_shm_is_a_write_for_the_token_roles() -> None:
 
 
 def test_a_segment_shrunk_by_its_client_is_refused_and_the_node_lives_on(
-    shm_node: NodeProcess, stub: pb_grpc.KVStoreStub, seg: shm.ClientSegment
+    shm_node: NodeProcess, stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment
 ) -> None:
     h = key(1, "shrunk")
     req = put_req(seg, h)
@@ -219,5 +220,5 @@ def test_a_segment_shrunk_by_its_client_is_refused_and_the_node_lives_on(
     region = pb.ShmRegion(name=seg.name, nonce=seg.nonce)
     with pytest.raises(grpc.RpcError):
         stub.GetShm(pb.GetShmRequest(namespace=NS, hashes=[h], region=region, offset=shm.HEADER_BYTES,
-                                     size=shm.align_up(PAGE)), timeout=30)  # fmt: skip
+                                     size=align_up(PAGE)), timeout=30)  # fmt: skip
     assert stored(stub, h) == 0 and shm_node.proc is not None and shm_node.proc.poll() is None  # alive

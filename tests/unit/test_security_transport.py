@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.client import _choose_transport, _is_loopback
+from kvstore.client.core import is_loopback, plane_names, transport_mode
 from kvstore.errors import PermissionDenied, Unauthenticated
 from kvstore.security import ClientSecurity, Role, TokenAuthenticator, read_token_file
 from kvstore.transport import shm
+from kvstore.transport.shm.client import SegmentPool
 
 RW, RO = "rw-token-" + "1" * 20, "ro-token-" + "2" * 20
 
@@ -66,26 +67,24 @@ def test_client_security_from_env(tmp_path: Path) -> None:
      ("10.0.0.3:5", False), ("node-0.kvstore:5", False), ("ipv4:127.0.0.1:5", True)],
 )  # fmt: skip
 def test_loopback_targets(target: str, loopback: bool) -> None:
-    assert _is_loopback(target) is loopback
+    assert is_loopback(target) is loopback
 
 
 def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _choose_transport("10.0.0.3:5", None) == ("auto", None)  # another host: gRPC streams
-    assert _choose_transport("127.0.0.1:5", "grpc") == ("grpc", None)
+    assert plane_names("10.0.0.3:5", transport_mode(None)) == ["grpc"]  # another host: gRPC streams
+    assert plane_names("127.0.0.1:5", transport_mode("grpc")) == ["grpc"]
     monkeypatch.setenv("KVSTORE_TRANSPORT", "grpc")
-    assert _choose_transport("127.0.0.1:5", None) == ("grpc", None)
+    assert plane_names("127.0.0.1:5", transport_mode(None)) == ["grpc"]
     with pytest.raises(ValueError, match="transport must be one of"):
-        _choose_transport("127.0.0.1:5", "ucx")
+        transport_mode("ucx")
     if shm.shm_available():
-        mode, pool = _choose_transport("127.0.0.1:5", "auto")
-        assert mode == "auto" and pool is not None
-        pool.close()
+        assert plane_names("127.0.0.1:5", transport_mode("auto")) == ["shm", "grpc"]  # shm, then the fallback
 
 
 def test_segment_pool_reuses_and_grows() -> None:
     if not shm.shm_available():
         pytest.skip("needs /dev/shm")
-    pool = shm.SegmentPool()
+    pool = SegmentPool()
     try:
         a = pool.acquire(10_000)
         assert a.data_bytes >= 10_000 and a.view[: len(shm.MAGIC)] == shm.MAGIC

@@ -1,233 +1,23 @@
-"""Redis prefix-hash index: the cluster view of which node holds which page in which tier (DESIGN §7).
-
-Each node's own TierManager is authoritative for what that node holds; Redis holds a best-effort,
-eventually consistent copy so any client can find the longest cached prefix across the cluster in one
-round trip. A stale entry (a node no longer holds the page) costs the reader one miss, never an error.
-
-## Key layout (all keys start with `kvs:v1:`; text so an SRE can read them with redis-cli)
-
-    kvs:v1:b:{ns16}:{hash64}   HASH  node_id -> "{epoch}:{tier}"   one per (namespace, block hash)
-    kvs:v1:alive:{node_id}     STRING epoch, with a TTL (the heartbeat)   a node is live iff it exists
-    kvs:v1:epoch:{node_id}     STRING counter (INCR)                      the node's current epoch source
-    kvs:v1:node:{node_id}      HASH  addr, epoch, version, pages_*, queued, resyncs, lag_ms, ...
-    kvs:v1:nodes               SET   every node id ever registered (for kvctl nodes)
-
-`ns16` is the first 8 bytes of SHA-256(namespace) in hex; `hash64` the block hash in hex (DESIGN §3).
-
-## Epochs
-
-An entry counts only while its node is live *and* the entry's epoch equals the node's current epoch
-(the value of its alive key). A node takes a new epoch (INCR) whenever it (re)publishes its holdings
-from scratch: at start, after Redis was unreachable, after its update queue overflowed, or when its
-heartbeat finds its alive key gone. So a restart or a resync invalidates every old entry of the node
-at once, without scanning Redis; the garbage left behind is removed by a slow background sweep.
-
-## Lookups cost one round trip
-
-`LOOKUP_SCRIPT` (Lua, run with EVALSHA) walks the chain in order and stops at the first block no live
-node holds, returning the live holders of each matched block. It reads keys it is not given in KEYS
-(the alive keys), so it needs a single Redis instance (or a Redis Cluster with hash tags, not done).
-"""
+"""The node side of the index: heartbeat, batched updates off the request path, resyncs, garbage collection."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import logging
 import time
-from collections.abc import Callable, Container, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
 
 import redis
 import redis.asyncio as aioredis
 
 from kvstore import __version__
+from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, alive_key, block_key, epoch_key, node_key
+from kvstore.names import TierKind
 from kvstore.stats import IndexStatus
-from kvstore.tiers.base import TierKind
 
 log = logging.getLogger(__name__)
-
-PREFIX = "kvs:v1:"
-NODES_KEY = PREFIX + "nodes"
-ALIVE_PREFIX = PREFIX + "alive:"
-
-LOOKUP_SCRIPT = """
-local alive_prefix = ARGV[1]
-local epochs = {}
-local out = {}
-for i = 1, #KEYS do
-  local fields = redis.call('HGETALL', KEYS[i])
-  local holders = {}
-  for j = 1, #fields, 2 do
-    local node = fields[j]
-    local ep = epochs[node]
-    if ep == nil then
-      ep = redis.call('GET', alive_prefix .. node) or false
-      epochs[node] = ep
-    end
-    if ep then
-      local sep = string.find(fields[j + 1], ':', 1, true)
-      if sep and string.sub(fields[j + 1], 1, sep - 1) == ep then
-        holders[#holders + 1] = node
-        holders[#holders + 1] = string.sub(fields[j + 1], sep + 1)
-      end
-    end
-  end
-  if #holders == 0 then break end
-  out[#out + 1] = holders
-end
-return out
-"""
-
-
-def ns_tag(namespace: str) -> str:
-    """16 hex digits naming a namespace inside Redis keys."""
-    return hashlib.sha256(namespace.encode()).hexdigest()[:16]
-
-
-def block_key(namespace: str, h: bytes) -> str:
-    return f"{PREFIX}b:{ns_tag(namespace)}:{h.hex()}"
-
-
-def alive_key(node_id: str) -> str:
-    return ALIVE_PREFIX + node_id
-
-
-def node_key(node_id: str) -> str:
-    return f"{PREFIX}node:{node_id}"
-
-
-def epoch_key(node_id: str) -> str:
-    return f"{PREFIX}epoch:{node_id}"
-
-
-# --------------------------------------------------------------------------------- lookup results
-
-
-@dataclass(slots=True)
-class NodeShare:
-    """How much of a looked-up prefix one live node holds."""
-
-    node_id: str
-    blocks: int  # matched blocks this node holds (anywhere in the prefix)
-    leading: int  # length of the run it holds from block 0
-    tiers: dict[TierKind, int] = field(default_factory=dict)  # blocks per tier
-
-
-@dataclass(slots=True)
-class ClusterLookup:
-    """Longest prefix held anywhere, and who holds each block of it (live nodes, current epochs)."""
-
-    matched: int
-    holders: list[dict[str, TierKind]]  # per matched block: node_id -> tier
-    nodes: dict[str, NodeShare]
-
-    def best_holder(self, i: int, excluded: Container[tuple[str, int]] = ()) -> tuple[str, int] | None:
-        """(node, run) to fetch from at block i: the holder with the longest run from i, ties to the
-        hotter tier, then the node id (stable); None when every holder of block i is excluded."""
-        best: tuple[int, int, str] | None = None
-        for node, tier in self.holders[i].items():
-            if (node, i) in excluded:
-                continue
-            run = 1
-            while i + run < self.matched and node in self.holders[i + run]:
-                run += 1
-            cand = (-run, int(tier), node)
-            if best is None or cand < best:
-                best = cand
-        return None if best is None else (best[2], -best[0])
-
-    def plan(self) -> list[tuple[str, int, int]]:
-        """Segments (node_id, start, end) covering blocks [0, matched), chosen by best_holder."""
-        out: list[tuple[str, int, int]] = []
-        i = 0
-        while i < self.matched:
-            node, run = self.best_holder(i)  # type: ignore[misc]  # every matched block has a holder
-            out.append((node, i, i + run))
-            i += run
-        return out
-
-
-def summarize(raw: Sequence[Sequence[bytes | str]]) -> ClusterLookup:
-    """Turn the Lua script's reply into a ClusterLookup (pure)."""
-    holders: list[dict[str, TierKind]] = []
-    for flat in raw:
-        items = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
-        holders.append({items[j]: TierKind(int(items[j + 1])) for j in range(0, len(items), 2)})
-    nodes: dict[str, NodeShare] = {}
-    for i, block in enumerate(holders):
-        for node, tier in block.items():
-            share = nodes.setdefault(node, NodeShare(node, 0, 0))
-            share.blocks += 1
-            share.tiers[tier] = share.tiers.get(tier, 0) + 1
-            if share.leading == i:
-                share.leading += 1
-    return ClusterLookup(len(holders), holders, nodes)
-
-
-# ------------------------------------------------------------------------------------ read side
-
-
-@dataclass(slots=True)
-class NodeInfo:
-    node_id: str
-    alive: bool
-    addr: str
-    epoch: int | None
-    info: dict[str, str]
-
-
-class IndexReader:
-    """Blocking reads of the index: longest-prefix lookup (one round trip) and node listing."""
-
-    def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None) -> None:
-        self.url = url
-        self._redis = client or redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                                     socket_connect_timeout=socket_timeout)  # fmt: skip
-        self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
-
-    def close(self) -> None:
-        self._redis.close()
-
-    def __enter__(self) -> IndexReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> ClusterLookup:
-        """Longest prefix of the chain held by any live node: exactly one Redis round trip."""
-        if not hashes:
-            return ClusterLookup(0, [], {})
-        raw = self._lookup(keys=[block_key(namespace, h) for h in hashes], args=[ALIVE_PREFIX])
-        return summarize(raw)
-
-    def nodes(self) -> list[NodeInfo]:
-        ids = sorted(x.decode() for x in self._redis.smembers(NODES_KEY))
-        if not ids:
-            return []
-        pipe = self._redis.pipeline(transaction=False)
-        for node in ids:
-            pipe.get(alive_key(node))
-            pipe.hgetall(node_key(node))
-        res = pipe.execute()
-        out = []
-        for k, node in enumerate(ids):
-            epoch_raw, info_raw = res[2 * k], res[2 * k + 1]
-            info = {a.decode(): b.decode() for a, b in info_raw.items()}
-            out.append(NodeInfo(node, epoch_raw is not None, info.get("addr", ""),
-                                int(epoch_raw) if epoch_raw is not None else None, info))  # fmt: skip
-        return out
-
-    def node_addrs(self) -> dict[str, str]:
-        """Addresses of live nodes."""
-        return {n.node_id: n.addr for n in self.nodes() if n.alive and n.addr}
-
-
-# ----------------------------------------------------------------------------------- write side
-
 
 Holding = tuple[str, bytes, TierKind]
 

@@ -1,0 +1,235 @@
+"""`KVStoreClient` (blocking) and `AsyncKVStoreClient` (asyncio): two drivers of one ClientCore.
+
+Each public method runs one of the core's exchanges (kvstore/client/core.py); the classes differ only in
+how an operation is performed: on the caller's thread, or awaited on its event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.calls import bind_methods, open_channel, rpc_error
+from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, PinResult, PutResult
+from kvstore.layout import PageLayout
+from kvstore.names import Buffer, TierKind
+from kvstore.security import ClientSecurity
+from kvstore.stats import LookupResult, NodeStats
+from kvstore.transport.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
+from kvstore.wire import FetchedPage
+
+T = TypeVar("T")
+
+
+class _Client:
+    """What both clients hold: the target, credentials, a channel, its method table and the core."""
+
+    def __init__(self, target: str, *, aio: bool, timeout: float, pages_per_stream: int, verify: bool,
+                 security: ClientSecurity | None, transport: str | None) -> None:  # fmt: skip
+        self.target = target
+        self.timeout = timeout
+        self.security = ClientSecurity.from_env() if security is None else security
+        self._md = self.security.metadata()
+        self._channel = open_channel(target, self.security, aio=aio)
+        self._methods = bind_methods(self._channel)
+        self._core = ClientCore(target, pages_per_stream=pages_per_stream, verify=verify, transport=transport)
+
+    @property
+    def transport(self) -> str:
+        """The transport asked for: "auto", "grpc" or "shm"."""
+        return self._core.mode
+
+    @property
+    def plane(self) -> str:
+        """The data plane page bytes travel on now ("shm" or "grpc"); "auto" may fall back once."""
+        return self._core.plane
+
+    def _call_args(self) -> dict[str, Any]:
+        return {"timeout": self.timeout, "metadata": self._md}
+
+
+class KVStoreClient(_Client):
+    """Blocking client. Thread-safe (one channel, many concurrent calls).
+
+        with KVStoreClient("127.0.0.1:50051") as kv:
+            hashes = prefix_hashes(tokens, layout.block_size, ns)
+            kv.put(ns, layout, hashes, pages)          # pages: bytes-like, layout.page_bytes each
+            n = kv.lookup(ns, hashes)                   # blocks of the longest stored prefix
+            pages = kv.get(ns, hashes[:n])              # list of memoryview, checksum-verified
+
+    Batching: `put` sends up to `pages_per_stream` pages per call (each call is atomic); `get` fetches any
+    number of pages in calls of the same size, stopping at the first missing page. Errors are the
+    server's exception classes (kvstore/errors.py).
+    """
+
+    def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+                 verify: bool = True, security: ClientSecurity | None = None,
+                 transport: str | None = None) -> None:  # fmt: skip
+        super().__init__(target, aio=False, timeout=timeout, pages_per_stream=pages_per_stream, verify=verify,
+                         security=security, transport=transport)  # fmt: skip
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+        self._core.close()
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        """Block until the channel connects (raises grpc.FutureTimeoutError after timeout)."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+
+    def _run(self, exchange: Exchange[T]) -> T:
+        """Perform each operation the exchange yields; errors are thrown back into it at the yield."""
+        with contextlib.closing(exchange):
+            op, value = advance(exchange)
+            while op is not None:
+                op, value = advance(exchange, *self._perform(op))
+            return value  # type: ignore[return-value]
+
+    def _perform(self, op: Op) -> Outcome:
+        try:
+            if isinstance(op, Blocking):
+                return op.fn(), None
+            method = self._methods[op.method]
+            if isinstance(op, Unary):
+                return method(op.request, **self._call_args()), None
+            if isinstance(op, ClientStream):
+                return method(iter(op.requests), **self._call_args()), None
+            assert isinstance(op, ServerStream)
+            for msg in method(op.request, **self._call_args()):
+                op.sink(msg)
+            return None, None
+        except Exception as exc:
+            return _failed(exc)
+
+    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
+            target_tier: TierKind | None = None, parent: bytes | None = None, chain: bool = True) -> PutResult:  # fmt: skip
+        """Store pages under their hashes. Each call of up to pages_per_stream pages is atomic.
+
+        chain: the hashes are consecutive blocks of one chain (as prefix_hashes gives them), `parent`
+        the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated
+        pages. Only eviction quality depends on it.
+        """
+        return self._run(self._core.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+
+    def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
+        return self._run(self._core.lookup_detail(namespace, hashes, prefetch))
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
+        """Number of leading blocks of the chain stored on the node."""
+        return self.lookup_detail(namespace, hashes, prefetch=prefetch).matched
+
+    def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
+        """Pages of the longest stored prefix of `hashes`, with the tier each came from."""
+        return self._run(self._core.get_pages(namespace, hashes, promote))
+
+    def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
+        """Payloads of the longest stored prefix of `hashes`, in order (checksum-verified)."""
+        return [memoryview(p.data) for p in self.get_pages(namespace, hashes, promote=promote)]
+
+    def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
+        return self._run(self._core.delete(namespace, hashes))
+
+    def pin(self, namespace: str, hashes: Sequence[bytes], *, ttl_seconds: float = 0.0) -> PinResult:
+        return self._run(self._core.pin(namespace, hashes, ttl_seconds))
+
+    def unpin(self, namespace: str, hashes: Sequence[bytes]) -> PinResult:
+        return self._run(self._core.unpin(namespace, hashes))
+
+    def prefetch(self, namespace: str, hashes: Sequence[bytes], *,
+                 target_tier: TierKind = TierKind.DRAM) -> pb.PrefetchResponse:  # fmt: skip
+        return self._run(self._core.prefetch(namespace, hashes, target_tier))
+
+    def stats(self) -> NodeStats:
+        return self._run(self._core.stats())
+
+
+class AsyncKVStoreClient(_Client):
+    """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
+
+    def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+                 verify: bool = True, security: ClientSecurity | None = None,
+                 transport: str | None = None) -> None:  # fmt: skip
+        super().__init__(target, aio=True, timeout=timeout, pages_per_stream=pages_per_stream, verify=verify,
+                         security=security, transport=transport)  # fmt: skip
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+        self._core.close()
+
+    async def _run(self, exchange: Exchange[T]) -> T:
+        """Await each operation the exchange yields; errors are thrown back into it at the yield."""
+        with contextlib.closing(exchange):
+            op, value = advance(exchange)
+            while op is not None:
+                op, value = advance(exchange, *await self._perform(op))
+            return value  # type: ignore[return-value]
+
+    async def _perform(self, op: Op) -> Outcome:
+        try:
+            if isinstance(op, Blocking):
+                return await asyncio.to_thread(op.fn), None
+            method = self._methods[op.method]
+            if isinstance(op, Unary):
+                return await method(op.request, **self._call_args()), None
+            if isinstance(op, ClientStream):
+                return await method(iter(op.requests), **self._call_args()), None
+            assert isinstance(op, ServerStream)
+            async for msg in method(op.request, **self._call_args()):
+                op.sink(msg)
+            return None, None
+        except Exception as exc:
+            return _failed(exc)
+
+    async def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
+                  target_tier: TierKind | None = None, parent: bytes | None = None,
+                  chain: bool = True) -> PutResult:  # fmt: skip
+        return await self._run(self._core.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+
+    async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
+        return await self._run(self._core.lookup_detail(namespace, hashes, prefetch))
+
+    async def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
+        return (await self.lookup_detail(namespace, hashes, prefetch=prefetch)).matched
+
+    async def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
+        return await self._run(self._core.get_pages(namespace, hashes, promote))
+
+    async def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
+        return [memoryview(p.data) for p in await self.get_pages(namespace, hashes, promote=promote)]
+
+    async def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
+        return await self._run(self._core.delete(namespace, hashes))
+
+    async def pin(self, namespace: str, hashes: Sequence[bytes], *, ttl_seconds: float = 0.0) -> PinResult:
+        return await self._run(self._core.pin(namespace, hashes, ttl_seconds))
+
+    async def unpin(self, namespace: str, hashes: Sequence[bytes]) -> PinResult:
+        return await self._run(self._core.unpin(namespace, hashes))
+
+    async def prefetch(self, namespace: str, hashes: Sequence[bytes], *,
+                       target_tier: TierKind = TierKind.DRAM) -> pb.PrefetchResponse:  # fmt: skip
+        return await self._run(self._core.prefetch(namespace, hashes, target_tier))
+
+    async def stats(self) -> NodeStats:
+        return await self._run(self._core.stats())
+
+
+def _failed(exc: Exception) -> Outcome:
+    """An operation's error as the exchange sees it: a failed RPC becomes the server's exception class."""
+    return None, rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc

@@ -1,0 +1,69 @@
+"""What a cluster lookup found, and the plan to fetch it (pure: no Redis, no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, field
+
+from kvstore.names import TierKind
+
+
+@dataclass(slots=True)
+class NodeShare:
+    """How much of a looked-up prefix one live node holds."""
+
+    node_id: str
+    blocks: int  # matched blocks this node holds (anywhere in the prefix)
+    leading: int  # length of the run it holds from block 0
+    tiers: dict[TierKind, int] = field(default_factory=dict)  # blocks per tier
+
+
+@dataclass(slots=True)
+class ClusterLookup:
+    """Longest prefix held anywhere, and who holds each block of it (live nodes, current epochs)."""
+
+    matched: int
+    holders: list[dict[str, TierKind]]  # per matched block: node_id -> tier
+    nodes: dict[str, NodeShare]
+
+    def best_holder(self, i: int, excluded: Container[tuple[str, int]] = ()) -> tuple[str, int] | None:
+        """(node, run) to fetch from at block i: the holder with the longest run from i, ties to the
+        hotter tier, then the node id (stable); None when every holder of block i is excluded."""
+        best: tuple[int, int, str] | None = None
+        for node, tier in self.holders[i].items():
+            if (node, i) in excluded:
+                continue
+            run = 1
+            while i + run < self.matched and node in self.holders[i + run]:
+                run += 1
+            cand = (-run, int(tier), node)
+            if best is None or cand < best:
+                best = cand
+        return None if best is None else (best[2], -best[0])
+
+    def plan(self) -> list[tuple[str, int, int]]:
+        """Segments (node_id, start, end) covering blocks [0, matched), chosen by best_holder."""
+        out: list[tuple[str, int, int]] = []
+        i = 0
+        while i < self.matched:
+            node, run = self.best_holder(i)  # type: ignore[misc]  # every matched block has a holder
+            out.append((node, i, i + run))
+            i += run
+        return out
+
+
+def summarize(raw: Sequence[Sequence[bytes | str]]) -> ClusterLookup:
+    """Turn the Lua script's reply into a ClusterLookup (pure)."""
+    holders: list[dict[str, TierKind]] = []
+    for flat in raw:
+        items = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
+        holders.append({items[j]: TierKind(int(items[j + 1])) for j in range(0, len(items), 2)})
+    nodes: dict[str, NodeShare] = {}
+    for i, block in enumerate(holders):
+        for node, tier in block.items():
+            share = nodes.setdefault(node, NodeShare(node, 0, 0))
+            share.blocks += 1
+            share.tiers[tier] = share.tiers.get(tier, 0) + 1
+            if share.leading == i:
+                share.leading += 1
+    return ClusterLookup(len(holders), holders, nodes)

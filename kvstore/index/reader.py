@@ -1,0 +1,67 @@
+"""The client side of the index: longest-prefix lookups (one round trip) and the node listing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import redis
+
+from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
+from kvstore.index.lookup import ClusterLookup, summarize
+
+
+@dataclass(slots=True)
+class NodeInfo:
+    node_id: str
+    alive: bool
+    addr: str
+    epoch: int | None
+    info: dict[str, str]
+
+
+class IndexReader:
+    """Blocking reads of the index: longest-prefix lookup (one round trip) and node listing."""
+
+    def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None) -> None:
+        self.url = url
+        self._redis = client or redis.Redis.from_url(url, socket_timeout=socket_timeout,
+                                                     socket_connect_timeout=socket_timeout)  # fmt: skip
+        self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def __enter__(self) -> IndexReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> ClusterLookup:
+        """Longest prefix of the chain held by any live node: exactly one Redis round trip."""
+        if not hashes:
+            return ClusterLookup(0, [], {})
+        raw = self._lookup(keys=[block_key(namespace, h) for h in hashes], args=[ALIVE_PREFIX])
+        return summarize(raw)
+
+    def nodes(self) -> list[NodeInfo]:
+        ids = sorted(x.decode() for x in self._redis.smembers(NODES_KEY))
+        if not ids:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for node in ids:
+            pipe.get(alive_key(node))
+            pipe.hgetall(node_key(node))
+        res = pipe.execute()
+        out = []
+        for k, node in enumerate(ids):
+            epoch_raw, info_raw = res[2 * k], res[2 * k + 1]
+            info = {a.decode(): b.decode() for a, b in info_raw.items()}
+            out.append(NodeInfo(node, epoch_raw is not None, info.get("addr", ""),
+                                int(epoch_raw) if epoch_raw is not None else None, info))  # fmt: skip
+        return out
+
+    def node_addrs(self) -> dict[str, str]:
+        """Addresses of live nodes."""
+        return {n.node_id: n.addr for n in self.nodes() if n.alive and n.addr}

@@ -1,0 +1,34 @@
+"""Same-host shared-memory data plane: pages cross through a client-owned /dev/shm segment.
+
+Protocol (proto: ShmRegion, PutShm, GetShm). The client creates a segment `kvstore-<pid>-<random>` and
+writes a 64-byte header: MAGIC, then a random 16-byte nonce. A PutShm names the segment, repeats the
+nonce and lists (hash, offset, length, checksum) slices holding the pages; the node opens the segment,
+checks the nonce and the bounds, and reads each slice into its own slot (one copy, by preadv) under the
+same atomic transaction as a Put stream. A GetShm names the segment and a window; the node copies each
+verified page into the window (one copy, by pwrite) and answers with where it put them.
+
+Why a nonce: the node opens segments by name, so without it any local client could make the node
+write into another process's segment. Only a process that can read the segment knows its nonce, and
+such a process could write it anyway. Segments are created 0600, so that means the same user.
+
+Ownership: the client creates, grows (a new segment) and unlinks its segments (`client.py`); the node
+only opens them, never maps them, keeps a bounded number open, and closes one when its file is gone or
+was replaced (`node.py`). This module holds what both sides must agree on.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+MAGIC = b"KVSHM001"
+NONCE_BYTES = 16
+HEADER_BYTES = 64  # segment header: MAGIC, nonce, zero padding; slices start after it
+NAME_RE = re.compile(r"^kvstore-[A-Za-z0-9_-]{8,64}$")
+
+
+def shm_available() -> bool:
+    """Whether this host has a POSIX shared-memory directory we can use."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK | os.X_OK)
