@@ -34,6 +34,9 @@ from kvstore.metrics import NodeMetrics
 from kvstore.names import TierKind
 from kvstore.pageformat import align_up
 from kvstore.security import TokenAuthenticator, server_credentials
+from kvstore.stats import PlaneInfo, planes_to_json
+from kvstore.transport.planes import host_id
+from kvstore.transport.serving import NodeServices, PlaneServer, build_plane_servers
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.node import AttachedSegment, SegmentAttachments
 from kvstore.wire import (
@@ -168,9 +171,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
     """Translates messages to TierManager calls. Validation of values lives in the manager; framing of
     the Put stream (order, sizes, truncation) lives here."""
 
-    def __init__(self, manager: TierManager, shm: SegmentAttachments | None = None) -> None:
+    def __init__(self, manager: TierManager, shm: SegmentAttachments | None = None,
+                 planes: list[PlaneInfo] | None = None) -> None:  # fmt: skip
         self.mgr = manager
         self.shm = shm  # None: the shared-memory data plane is off on this node
+        self.planes = planes if planes is not None else []  # advertised in Stats (filled as planes start)
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         res = self.mgr.lookup(request.namespace, list(request.hashes), prefetch=request.prefetch)
@@ -315,7 +320,10 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return pb.PrefetchResponse(scheduled=scheduled, already_resident=resident, missing=missing)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        return stats_to_pb(self.mgr.stats())
+        stats = self.mgr.stats()
+        stats.planes = list(self.planes)
+        stats.host_id = host_id()
+        return stats_to_pb(stats)
 
 
 class Node:
@@ -335,11 +343,14 @@ class Node:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.index: IndexPublisher | None = None
+        self.planes: list[PlaneInfo] = [PlaneInfo("shm")] if self.shm is not None else []
+        self.plane_servers: list[PlaneServer] = build_plane_servers(config)
+        self._auth = auth
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
         await self.manager.start()
-        self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager, self.shm).handlers(),))
+        self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager, self.shm, self.planes).handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.interceptor.auth is None:  # reflection has no auth hook: served only on an open node
             reflection.enable_server_reflection(
@@ -361,10 +372,13 @@ class Node:
                                                    self.config.metrics_port)  # fmt: skip
             self.interceptor.observe = self.metrics.observe_rpc
         await self.server.start()
+        services = NodeServices(self.manager, cfg, self._auth, self.advertise_addr.rsplit(":", 1)[0])
+        for plane in self.plane_servers:
+            self.planes.append(await plane.start(services))
         if self.config.redis_url:
             self.index = IndexPublisher(
                 self.config.redis_url, self.config.node_id, self.advertise_addr, self.manager.holdings,
-                self.manager.occupancy, ttl_seconds=self.config.index_ttl_seconds,
+                self._index_info, ttl_seconds=self.config.index_ttl_seconds,
                 max_pending=self.config.index_max_pending,
             )  # fmt: skip
             self.manager.on_change = self.index.note
@@ -392,6 +406,8 @@ class Node:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(self.config.grace_seconds)
+        for plane in self.plane_servers:
+            await plane.stop()
         if self.index is not None:
             self.manager.on_change = None
             await self.index.close(deregister=True)
@@ -405,6 +421,10 @@ class Node:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+    def _index_info(self) -> dict[str, int | str]:
+        """The node's record in the index: occupancy, and the planes it serves (as Stats has them)."""
+        return {**self.manager.occupancy(), "host_id": host_id(), "planes": planes_to_json(self.planes)}
 
     @property
     def advertise_addr(self) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import json
+from dataclasses import asdict, dataclass, field, fields
 
 from kvstore import __version__
 from kvstore.layout import PageLayout
@@ -69,6 +70,28 @@ class IndexStatus:
     resync_pending: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class PlaneInfo:
+    """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS."""
+
+    name: str
+    address: str = ""
+    tls: bool = False
+
+
+def planes_to_json(planes: list[PlaneInfo]) -> str:
+    """The text form of advertised planes (the node's index record)."""
+    return json.dumps([asdict(p) for p in planes], separators=(",", ":"))
+
+
+def planes_from_json(text: str) -> list[PlaneInfo]:
+    """Advertised planes from an index record; [] when absent or unreadable (a stale or foreign record)."""
+    try:
+        return [PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return []
+
+
 @dataclass(slots=True)
 class NodeStats:
     node_id: str
@@ -87,6 +110,8 @@ class NodeStats:
     prefetch_used: int = 0  # prefetched pages a Get then read
     prefetch_wasted: int = 0  # prefetched pages evicted or dropped unread
     index: IndexStatus | None = None
+    planes: list[PlaneInfo] = field(default_factory=list)  # bulk data planes besides Put/Get streams
+    host_id: str = ""  # the node's host (kvstore.transport.planes.host_id)
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -123,4 +148,6 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "pinned_pages": stats.pinned_pages,
         "put_rejected": stats.put_rejected,
         "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},
+        "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],
+        "host_id": stats.host_id,
     }

@@ -17,7 +17,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.layout import DType, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
-from kvstore.stats import IndexStatus, NodeStats, TierCounters, TierStats
+from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TierCounters, TierStats
 
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # chunk + framing, with room to spare; channels and server set this
@@ -303,6 +303,8 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         prefetch_wasted=stats.prefetch_wasted,
         index=None if stats.index is None else pb.IndexStats(**{f.name: getattr(stats.index, f.name)
                                                                 for f in fields(IndexStatus)}),
+        planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
+        host_id=stats.host_id,
     )  # fmt: skip
 
 
@@ -326,4 +328,5 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         prefetch_wasted=msg.prefetch_wasted,
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index") else None,
+        planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes], host_id=msg.host_id,
     )  # fmt: skip

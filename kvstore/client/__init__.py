@@ -7,6 +7,7 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
 """
 
 from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
-from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, TRANSPORTS, PinResult, PutResult
+from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult
+from kvstore.transport.planes import TRANSPORTS
 
 __all__ = ["DEFAULT_PAGES_PER_STREAM", "TRANSPORTS", "AsyncKVStoreClient", "KVStoreClient", "PinResult", "PutResult"]

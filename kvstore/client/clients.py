@@ -15,7 +15,7 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
-from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, PinResult, PutResult
+from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, ClientSettings, PinResult, PutResult
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity
@@ -37,16 +37,17 @@ class _Client:
         self._md = self.security.metadata()
         self._channel = open_channel(target, self.security, aio=aio)
         self._methods = bind_methods(self._channel)
-        self._core = ClientCore(target, pages_per_stream=pages_per_stream, verify=verify, transport=transport)
+        settings = ClientSettings(target, pages_per_stream, verify, self.security, timeout)
+        self._core = ClientCore(settings, transport)
 
     @property
     def transport(self) -> str:
-        """The transport asked for: "auto", "grpc" or "shm"."""
+        """The transport asked for: "auto", or one plane's name."""
         return self._core.mode
 
     @property
-    def plane(self) -> str:
-        """The data plane page bytes travel on now ("shm" or "grpc"); "auto" may fall back once."""
+    def plane(self) -> str | None:
+        """The data plane page bytes travel on now; None until the first bulk call negotiated it."""
         return self._core.plane
 
     def _call_args(self) -> dict[str, Any]:

@@ -4,15 +4,14 @@
 replies into results. `KVStoreClient` and `AsyncKVStoreClient` only drive its exchanges: one performs
 each operation on the caller's thread, the other awaits it.
 
-Data planes, in order of preference (`transport`, or KVSTORE_TRANSPORT when not given):
-- "auto" (default): shared memory when the node is on this host's loopback and /dev/shm exists, else
-  gRPC streams; a plane the node cannot serve is dropped for good after its first PlaneUnavailable;
-- "shm": shared memory only (its errors surface); "grpc": gRPC streams only.
+Data planes (`transport`, or KVSTORE_TRANSPORT when not given): "auto" (default) negotiates the fastest
+plane both ends have (kvstore/transport/planes.py) and drops a plane for good after its first
+PlaneUnavailable, down to gRPC streams; "shm", "tcp", "ucx", "grpc" use that plane only (errors surface).
+A new plane is one entry in PLANES.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,16 +21,17 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import PlaneUnavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.stats import LookupResult, NodeStats
+from kvstore.security import ClientSecurity
+from kvstore.stats import LookupResult, NodeStats, PlaneInfo
 from kvstore.transport.exchange import DataPlane, Exchange, Unary
 from kvstore.transport.grpc_streams import GrpcStreams
+from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loopback
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.client import ShmPlane
 from kvstore.wire import FetchedPage, stats_from_pb
 
 T = TypeVar("T")
 
-TRANSPORTS = ("auto", "grpc", "shm")
 DEFAULT_PAGES_PER_STREAM = 256
 
 
@@ -47,15 +47,30 @@ class PinResult:
     skipped: int
 
 
-def is_loopback(target: str) -> bool:
-    """Whether a gRPC target names this host's loopback (so same-host planes can work)."""
-    host = target.removeprefix("ipv4:").removeprefix("ipv6:").rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+@dataclass(frozen=True, slots=True)
+class ClientSettings:
+    """What a data plane's client side may need to know of its client."""
+
+    target: str
+    pages_per_call: int
+    verify: bool
+    security: ClientSecurity
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
+class PlaneSpec:
+    """A data plane a client can speak: how to open it (given what the node advertised), and whether
+    this process can at all (a library or /dev/shm may be missing)."""
+
+    make: Callable[[ClientSettings, PlaneInfo | None], DataPlane]
+    usable: Callable[[], bool] = lambda: True
+
+
+PLANES: dict[str, PlaneSpec] = {
+    "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
+    "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.verify), usable=shm_available),
+}
 
 
 def transport_mode(transport: str | None) -> str:
@@ -66,53 +81,71 @@ def transport_mode(transport: str | None) -> str:
     return mode
 
 
-def plane_names(target: str, mode: str) -> list[str]:
-    """The planes a client tries, most preferred first (see the module docstring)."""
-    if mode == "grpc" or (mode == "auto" and not (shm_available() and is_loopback(target))):
-        return ["grpc"]
-    if not shm_available():
-        raise ValueError("transport='shm' needs a writable /dev/shm on this host")
-    return ["shm"] if mode == "shm" else ["shm", "grpc"]
+def usable_planes() -> set[str]:
+    """The planes this process can speak."""
+    return {name for name, spec in PLANES.items() if spec.usable()}
 
 
 class ClientCore:
     """Every client operation as an exchange. Thread-safe: the only shared state is the plane list,
-    which is replaced (never mutated) when a plane is given up."""
+    which is set once (negotiated) and then only replaced, never mutated, when a plane is given up.
 
-    def __init__(self, target: str, *, pages_per_stream: int, verify: bool, transport: str | None) -> None:
+    Negotiation: with transport "grpc" or "shm" nothing needs asking; otherwise the first bulk call
+    reads the node's Stats once (its advertised planes and host id) and picks by `choose_planes`.
+    """
+
+    def __init__(self, settings: ClientSettings, transport: str | None) -> None:
+        self.settings = settings
         self.mode = transport_mode(transport)
-        self.pages_per_stream = pages_per_stream
-        self.verify = verify
-        makers: dict[str, Callable[[], DataPlane]] = {
-            "grpc": lambda: GrpcStreams(pages_per_stream, verify),
-            "shm": lambda: ShmPlane(pages_per_stream, verify),
-        }
-        self._planes: tuple[DataPlane, ...] = tuple(makers[n]() for n in plane_names(target, self.mode))
+        self._planes: tuple[DataPlane, ...] | None = None
+        if self.mode in ("grpc", "shm"):
+            if self.mode == "shm" and not shm_available():
+                raise ValueError("transport='shm' needs a writable /dev/shm on this host")
+            self._planes = (PLANES[self.mode].make(settings, None),)
 
     @property
-    def active(self) -> DataPlane:
-        """The data plane bulk calls use now."""
-        return self._planes[0]
+    def active(self) -> DataPlane | None:
+        """The data plane bulk calls use now; None before the first bulk call negotiated one."""
+        return self._planes[0] if self._planes else None
 
     @property
-    def plane(self) -> str:
-        return self._planes[0].name
+    def plane(self) -> str | None:
+        return self._planes[0].name if self._planes else None
 
     def close(self) -> None:
-        for p in self._planes:
+        for p in self._planes or ():
             p.close()
+
+    def _negotiate(self) -> Exchange[tuple[DataPlane, ...]]:
+        """The planes to use, asking the node once what it serves."""
+        if self._planes is not None:
+            return self._planes
+        stats: pb.StatsResponse = yield Unary("Stats", pb.StatsRequest())
+        known = bool(stats.host_id)  # a node that predates advertising planes sends no host id
+        advertised = {p.name: PlaneInfo(p.name, p.address, p.tls) for p in stats.planes} if known else None
+        same_host = is_loopback(self.settings.target) or (known and stats.host_id == host_id())
+        names = choose_planes(self.mode, same_host=same_host, advertised=advertised, client_can=usable_planes())
+        planes = tuple(PLANES[n].make(self.settings, (advertised or {}).get(n)) for n in names)
+        if self._planes is None:
+            self._planes = planes
+        else:  # another thread negotiated meanwhile: keep its planes
+            for p in planes:
+                p.close()
+        return self._planes
 
     def _bulk(self, call: Callable[[DataPlane], Exchange[T]]) -> Exchange[T]:
         """Run a bulk exchange on the preferred plane; on PlaneUnavailable give that plane up for good and
         run it on the next one, unless the caller insisted on it (then the error surfaces)."""
-        for _ in range(len(self._planes)):
-            plane = self._planes[0]
+        planes = yield from self._negotiate()
+        for _ in range(len(planes)):
+            planes = self._planes or planes
+            plane = planes[0]
             try:
                 return (yield from call(plane))
             except PlaneUnavailable:
-                if self.mode == plane.name or len(self._planes) == 1:
+                if self.mode == plane.name or len(planes) == 1:
                     raise
-                if self._planes[0] is plane:  # another thread may have given it up already
+                if self._planes is not None and self._planes[0] is plane:  # another thread may have already
                     self._planes = self._planes[1:]
                     plane.close()
         raise AssertionError("unreachable: the last plane re-raises")

@@ -9,6 +9,7 @@ import redis
 
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
+from kvstore.stats import PlaneInfo, planes_from_json
 
 
 @dataclass(slots=True)
@@ -18,6 +19,15 @@ class NodeInfo:
     addr: str
     epoch: int | None
     info: dict[str, str]
+
+    @property
+    def planes(self) -> list[PlaneInfo]:
+        """The bulk data planes the node advertised in its record."""
+        return planes_from_json(self.info.get("planes", "[]"))
+
+    @property
+    def host_id(self) -> str:
+        return self.info.get("host_id", "")
 
 
 class IndexReader:

@@ -17,9 +17,10 @@ import redis
 
 from kvstore.client import KVStoreClient
 from kvstore.cluster import ClusterClient
-from kvstore.index import block_key
+from kvstore.index import IndexReader, block_key
 from kvstore.launch import NodeProcess, RedisProcess
 from kvstore.tiers.base import TierKind
+from kvstore.transport.planes import host_id
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
 
 TTL = 1.5  # index heartbeat TTL for these tests: nodes heartbeat every 0.5 s
@@ -236,6 +237,11 @@ def test_kvctl_nodes_and_lookup(cluster: tuple[RedisProcess, list[NodeProcess]],
     wait_for(lambda: listed.update(kvctl_nodes()) or listed["n0"]["pages_dram"] == "2", what="n0 heartbeat")
     assert set(listed) == {"n0", "n1", "n2"} and all(n["alive"] for n in listed.values())
     assert listed["n0"]["pages_dram"] == "2" and listed["n0"]["queued"] == "0"
+    with IndexReader(r.url) as index:  # each record advertises the node's data planes and host, as Stats does
+        for info in index.nodes():
+            with KVStoreClient(info.addr) as kv:
+                stats = kv.stats()
+            assert info.planes == stats.planes and info.host_id == stats.host_id == host_id()
     tokens_file = tmp_path / "tokens.txt"
     tokens_file.write_text(" ".join(map(str, tokens)))
     out = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "lookup", "--redis-url", r.url, "--namespace", NS,

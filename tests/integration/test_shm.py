@@ -19,6 +19,7 @@ from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import align_up, payload_checksum
 from kvstore.security import WRITE_METHODS
+from kvstore.stats import PlaneInfo
 from kvstore.transport import shm
 from kvstore.transport.shm import client as shm_client
 from kvstore.wire import layout_to_pb
@@ -89,14 +90,22 @@ def test_a_node_without_shm_falls_back_or_refuses_as_asked(tmp_path: Path) -> No
     try:
         chain = [key(i, "fb") for i in range(3)]
         with KVStoreClient(node.addr, transport="auto") as kv:
-            assert kv.plane == "shm"  # loopback: it tries shared memory first
+            assert kv.stats().planes == [] and kv.plane is None  # advertises no bulk plane; none chosen yet
             kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
-            assert kv.plane == "grpc"  # told UNIMPLEMENTED once, it stays on gRPC streams
+            assert kv.plane == "grpc"  # the node does not offer shm: gRPC streams
             assert [bytes(p) for p in kv.get(NS, chain)] == [page(h) for h in chain]
         with KVStoreClient(node.addr, transport="shm") as kv, pytest.raises(ShmNotAvailable, match="without"):
             kv.get(NS, chain)
     finally:
         node.close()
+
+
+def test_a_same_host_client_negotiates_shm(shm_node: NodeProcess) -> None:
+    with KVStoreClient(shm_node.addr) as kv:
+        assert kv.stats().planes == [PlaneInfo("shm")]
+        h = key(0, "nego")
+        kv.put(NS, LAYOUT, [h], [page(h)])
+        assert kv.plane == "shm"
 
 
 def test_concurrent_threads_share_one_client(shm_node: NodeProcess) -> None:

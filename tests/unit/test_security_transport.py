@@ -6,10 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.client.core import is_loopback, plane_names, transport_mode
-from kvstore.errors import PermissionDenied, Unauthenticated
+from kvstore.client.core import ClientCore, ClientSettings, transport_mode
+from kvstore.errors import PermissionDenied, PlaneUnavailable, ShmNotAvailable, Unauthenticated
 from kvstore.security import ClientSecurity, Role, TokenAuthenticator, read_token_file
+from kvstore.stats import PlaneInfo
 from kvstore.transport import shm
+from kvstore.transport.exchange import DataPlane
+from kvstore.transport.planes import choose_planes, is_loopback
 from kvstore.transport.shm.client import SegmentPool
 
 RW, RO = "rw-token-" + "1" * 20, "ro-token-" + "2" * 20
@@ -70,15 +73,69 @@ def test_loopback_targets(target: str, loopback: bool) -> None:
     assert is_loopback(target) is loopback
 
 
+ALL_PLANES = {"shm": PlaneInfo("shm"), "tcp": PlaneInfo("tcp", "h:1"), "ucx": PlaneInfo("ucx", "h:2")}
+EVERY = {"grpc", "shm", "tcp", "ucx"}
+
+
 def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert plane_names("10.0.0.3:5", transport_mode(None)) == ["grpc"]  # another host: gRPC streams
-    assert plane_names("127.0.0.1:5", transport_mode("grpc")) == ["grpc"]
+    # another host, a node with no bulk plane: gRPC streams
+    assert choose_planes("auto", same_host=False, advertised={}, client_can=EVERY) == ["grpc"]
+    assert choose_planes("auto", same_host=False, advertised=ALL_PLANES, client_can=EVERY) == ["ucx", "tcp", "grpc"]
+    assert choose_planes("auto", same_host=False, advertised=ALL_PLANES, client_can={"grpc", "tcp"}) == ["tcp", "grpc"]
+    assert choose_planes("auto", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["shm", "tcp", "grpc"]
+    assert choose_planes("auto", same_host=True, advertised=None, client_can=EVERY) == ["shm", "grpc"]  # old node
+    assert choose_planes("grpc", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["grpc"]
+    assert choose_planes("tcp", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["tcp"]  # insisted
     monkeypatch.setenv("KVSTORE_TRANSPORT", "grpc")
-    assert plane_names("127.0.0.1:5", transport_mode(None)) == ["grpc"]
+    assert transport_mode(None) == "grpc"
     with pytest.raises(ValueError, match="transport must be one of"):
-        transport_mode("ucx")
-    if shm.shm_available():
-        assert plane_names("127.0.0.1:5", transport_mode("auto")) == ["shm", "grpc"]  # shm, then the fallback
+        transport_mode("carrier-pigeon")
+    with pytest.raises(PlaneUnavailable, match="does not serve the tcp"):
+        choose_planes("tcp", same_host=False, advertised={}, client_can=EVERY)
+    with pytest.raises(ValueError, match="not available in this client"):
+        choose_planes("ucx", same_host=False, advertised=ALL_PLANES, client_can={"grpc"})
+
+
+class _Plane(DataPlane):
+    """A plane that refuses (as a node without it does) or answers, to drive ClientCore's fallback."""
+
+    def __init__(self, name: str, refuse: bool) -> None:
+        self.name, self.refuse, self.closed = name, refuse, False
+
+    def put(self, *args: object):  # type: ignore[no-untyped-def, override]
+        if self.refuse:
+            raise ShmNotAvailable("no")
+        return 0, 0  # stored nothing, without any operation
+        yield
+
+    def get(self, *args: object):  # type: ignore[no-untyped-def, override]
+        return []
+        yield
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _run(exchange):  # type: ignore[no-untyped-def]
+    try:
+        next(exchange)
+    except StopIteration as done:
+        return done.value
+    raise AssertionError("the fake planes yield no operation")
+
+
+@pytest.mark.parametrize("mode", ["auto", "shm"])
+def test_a_refusing_plane_is_given_up_for_good_unless_insisted_on(mode: str) -> None:
+    core = ClientCore(ClientSettings("127.0.0.1:5", 4, True, ClientSecurity(), 5.0), "grpc")
+    core.mode = mode
+    refusing, fallback = _Plane("shm", refuse=True), _Plane("grpc", refuse=False)
+    core._planes = (refusing, fallback) if mode == "auto" else (refusing,)
+    if mode == "shm":
+        with pytest.raises(ShmNotAvailable):
+            _run(core.put("ns", None, [], [], None, None, True))  # type: ignore[arg-type]
+        return
+    assert _run(core.put("ns", None, [], [], None, None, True)).stored == 0  # type: ignore[arg-type, union-attr]
+    assert core.plane == "grpc" and refusing.closed and not fallback.closed
 
 
 def test_segment_pool_reuses_and_grows() -> None:

@@ -1,0 +1,45 @@
+"""The node side of a bulk data plane: a server the node starts beside gRPC and advertises.
+
+A plane server moves page bytes only; every page still goes through the TierManager's Put transaction
+(PutTxn) and leased reads (TierManager.get), so atomicity, verification, tiers and stats are the same as
+for Put/Get streams. It checks credentials with the node's TokenAuthenticator (same tokens, same roles)
+before touching anything.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from kvstore.config import NodeConfig
+from kvstore.manager import TierManager
+from kvstore.security import TokenAuthenticator
+from kvstore.stats import PlaneInfo
+
+
+@dataclass(slots=True)
+class NodeServices:
+    """What a plane server may use of its node."""
+
+    manager: TierManager
+    config: NodeConfig
+    auth: TokenAuthenticator | None  # None: the node runs without tokens
+    advertise_host: str  # the host part other machines reach this node at
+
+
+class PlaneServer(abc.ABC):
+    """One data plane's listener. `start` binds and serves, returning what the node advertises;
+    `stop` closes the listener and every connection (bounded in time)."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self, services: NodeServices) -> PlaneInfo: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+
+def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:
+    """The plane servers this node's config turns on (besides shm, which the gRPC servicer serves)."""
+    return []
