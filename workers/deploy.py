@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 RAY_NAMESPACE = "kvstore"
 ROUTER_NAME = "router"
 LOCAL_NODE_ENV = "KVSTORE_LOCAL_NODE"
+ROUTER_NAME_WAIT_S = 60.0
 
 
 class Role(enum.Enum):
@@ -125,11 +126,27 @@ def start_serving(slots: Sequence[Slot], cfg: Any, max_inflight: int) -> Serving
     prefill = [(a, local[s.ray_node]) for a, s in zip(actors, slots, strict=True) if s.role is Role.PREFILL]
     decode = [a for a, s in zip(actors, slots, strict=True) if s.role is Role.DECODE]
     ray.get([a.info.remote() for a, _ in prefill], timeout=600)  # fail fast if a worker cannot load the model
+    _wait_name_free(ROUTER_NAME, ROUTER_NAME_WAIT_S)
     router = Router.options(name=ROUTER_NAME, num_cpus=0).remote(
         [a for a, _ in prefill], decode, cfg.redis_url, cfg.namespace, cfg.block_size, [n for _, n in prefill],
         max_inflight=max_inflight,
     )  # fmt: skip
     return ServingSet(list(slots), actors, router, cfg.namespace)
+
+
+def _wait_name_free(name: str, timeout: float) -> None:
+    """A restarted driver may start before the GCS has reaped the previous driver's router: wait
+    (bounded) for the name to be free instead of failing on "already exists"."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=RAY_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(1.0)
+    raise RuntimeError(f"a Ray actor named {name!r} in namespace {RAY_NAMESPACE!r} still exists after {timeout:.0f}s")
 
 
 def _alive(serving: ServingSet, timeout: float) -> bool:

@@ -256,7 +256,14 @@ def test_network_policies_admit_workers_and_labelled_clients_only() -> None:
     (np_node,) = by_kind(docs, "NetworkPolicy", "-node")
     grpc_rule = next(r for r in np_node["spec"]["ingress"] if r["ports"][0]["port"] == 50051)
     peers = [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
-    assert peers == [{"ray.io/cluster": "kv-kvstore-ray"}, {"kvstore.io/client": "true"}]
+    node_pods = {"app.kubernetes.io/component": "node", "app.kubernetes.io/name": "kvstore", "app.kubernetes.io/instance": "kv"}
+    assert peers == [{"ray.io/cluster": "kv-kvstore-ray"}, {"kvstore.io/client": "true"}, node_pods]
+    assert all("namespaceSelector" not in p for p in grpc_rule["from"])  # this namespace only
+    metrics_rule = next(r for r in np_node["spec"]["ingress"] if r["ports"][0]["port"] == 9400)
+    assert "from" not in metrics_rule  # metricsFrom empty: anyone may scrape
+    (prod_np,) = by_kind(render([ROOT / "deploy" / "values" / "production.yaml"]), "NetworkPolicy", "-node")
+    metrics_rule = next(r for r in prod_np["spec"]["ingress"] if r["ports"][0]["port"] == 9400)
+    assert metrics_rule["from"][0] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     (test_pod,) = by_kind(docs, "Pod")
     assert test_pod["metadata"]["labels"]["kvstore.io/client"] == "true"
     (np_redis,) = by_kind(docs, "NetworkPolicy", "-redis")
