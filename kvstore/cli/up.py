@@ -219,13 +219,8 @@ class Stack:
     def close(self) -> None:
         # Workers first (they write to nodes), then nodes (their shutdown spill needs no Redis), then Redis.
         for proc in (self.driver, self.ray_head):
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(10)
+            if proc is not None:
+                terminate(proc, 60.0)
         if self.ray_head is not None:
             # `ray start --block` stops its raylet and GCS on SIGTERM; anything left in the session it was
             # started in (its own process group, id = its pid) goes too.
@@ -237,6 +232,17 @@ class Stack:
             p.close()
         if self.redis is not None:
             self.redis.close()  # type: ignore[attr-defined]
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM, up to `grace` seconds for a clean exit, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait(10)
 
 
 def _toml_table(name: str, table: dict) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import pytest
 import redis
 import yaml
 
+from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.errors import Unauthenticated
 from kvstore.index import IndexReader
@@ -45,14 +45,7 @@ class Up:
         return json.loads(self.ready.read_text())
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        return self.proc.returncode
+        return terminate(self.proc, 120.0)
 
 
 def gone(pid: int) -> bool:
