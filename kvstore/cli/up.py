@@ -69,6 +69,7 @@ def up(
             stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics)
         if ready_file is not None:
             tmp_ready = ready_file.with_suffix(".tmp")
+            tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
             tmp_ready.write_text(json.dumps(stack.describe()))
             os.replace(tmp_ready, ready_file)
         console.print("[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)")

@@ -11,6 +11,7 @@ import math
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -196,7 +197,7 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
                 break
             except redis.ConnectionError:
                 assert proc.poll() is None, "redis-server refused the rendered config"
-                subprocess.run(["sleep", "0.05"], check=True)
+                time.sleep(0.05)
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("protected-mode") == {"protected-mode": "yes"}
         assert client.config_get("save") == {"save": ""}
@@ -322,3 +323,22 @@ def test_values_schema_knows_every_policy_and_every_profile_passes_the_loader() 
     for p in PROFILES:
         values_of([p])
     assert (ROOT / "deploy" / "grafana" / "kvstore.json").read_text() == (CHART / "dashboards" / "kvstore.json").read_text()
+
+
+def test_notes_tell_the_operator_kvctl_commands_that_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import shlex
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-cluster"))  # a client-side dry run needs none
+    for profile in ([], [ROOT / "deploy" / "values" / "production.yaml"]):
+        args = ["install", "kv", str(CHART), "--namespace", "kvs", "--dry-run=client", "--hide-secret"]
+        for f in profile:
+            args += ["-f", str(f)]
+        notes = helm(*args).stdout.split("NOTES:", 1)[1]
+        lines = [ln.strip() for ln in notes.splitlines() if " -- " in ln and "kvctl" in ln]
+        assert {"nodes", "stats", "top"} <= {ln.split("kvctl ", 1)[1].split()[0] for ln in lines}
+        assert "helm -n kvs test kv" in notes
+        for line in lines:
+            argv = shlex.split(line.split(" -- ", 1)[1])
+            if argv[:2] == ["sh", "-c"]:
+                argv = shlex.split(argv[2].replace('"$KVSTORE_REDIS_URL"', "redis://r:6379/0"))
+            parse(argv, {}, monkeypatch)
