@@ -130,23 +130,29 @@ class RedisProcess:
     Redis restart without persistence, comes back empty.
     """
 
-    def __init__(self, host: str = "127.0.0.1", binary: str = "redis-server") -> None:
+    def __init__(self, host: str = "127.0.0.1", binary: str = "redis-server", password: str | None = None) -> None:
         path = shutil.which(binary)
         if path is None:
             raise RuntimeError(f"{binary} not found: install Debian's redis-server (./dev setup does)")
         self.binary = path
         self.host = host
         self.port = free_port(host)
+        self.password = password  # requirepass, given in a config file (never on the command line)
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
-        args = [self.binary, "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly", "no",
-                "--dir", self._tmp.name, "--protected-mode", "no", "--loglevel", "warning"]  # fmt: skip
+        conf = Path(self._tmp.name) / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        args = [self.binary, str(conf), "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly",
+                "no", "--dir", self._tmp.name, "--protected-mode", "yes" if self.password else "no",
+                "--loglevel", "warning"]  # fmt: skip
         log = open(Path(self._tmp.name) / "redis.log", "ab")  # noqa: SIM115 - owned by the process lifetime
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -156,6 +162,10 @@ class RedisProcess:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    if self.password:
+                        s.sendall(f"AUTH {self.password}\r\n".encode())
+                        if not s.recv(16).startswith(b"+OK"):
+                            raise RuntimeError(f"redis-server on port {self.port} refused its own password")
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
                         return self

@@ -1,12 +1,27 @@
-"""`kvstore up`: one machine's cluster on embedded defaults: a private redis-server and N cache nodes."""
+"""`kvstore up`: one machine's cluster: a private redis-server and N cache nodes, or, with `--values`,
+the roles the Helm chart starts, from the chart's own values file, as local processes.
+
+`--values FILE` (repeatable, merged in order over helm/kvstore/values.yaml as Helm merges them):
+Redis (with a password when redis.auth.enabled, passed to the nodes through the environment as in the
+chart), `local.nodes` cache nodes with the chart's node.toml and budgets times `local.scale`, read-write
+and read-only token files when auth.enabled, and with `local.workers` a local Ray head offering the
+chart's prefill/decode slots plus `kvstore pd-serve`, the same driver the chart runs beside its Ray head.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
@@ -16,11 +31,12 @@ from rich.console import Console
 from kvstore.cli.common import friendly_errors
 
 console = Console()
+_POLL_S = 0.2
 
 
 @friendly_errors
 def up(
-    nodes: Annotated[int, typer.Option(help="cache nodes to start", min=1, max=64)] = 1,
+    nodes: Annotated[int, typer.Option(help="cache nodes to start (without --values)", min=1, max=64)] = 1,
     dram_bytes: Annotated[str, typer.Option(help="DRAM per node")] = "256MiB",
     nvme_bytes: Annotated[str, typer.Option(help="NVMe per node (0: none)")] = "1GiB",
     nvme_root: Annotated[Path | None, typer.Option(help="NVMe directories go here (default: a temp dir)")] = None,
@@ -28,49 +44,231 @@ def up(
     redis_url: Annotated[str | None, typer.Option(help="use this Redis instead of starting one")] = None,
     index_ttl: Annotated[float, typer.Option(help="index heartbeat TTL, seconds")] = 10.0,
     metrics: Annotated[bool, typer.Option(help="serve Prometheus /metrics per node on a free port")] = True,
-    ready_file: Annotated[Path | None, typer.Option(help="write {redis_url, nodes} JSON here once up")] = None,
+    values: Annotated[
+        list[Path] | None,
+        typer.Option("--values", "-f", help="the Helm chart's values file: start the roles it describes"),
+    ] = None,
+    chart: Annotated[Path | None, typer.Option(help="chart directory for --values (default: helm/kvstore)")] = None,
+    ready_file: Annotated[Path | None, typer.Option(help="write {redis_url, nodes, ...} JSON here once up")] = None,
 ) -> None:
-    """Start Redis and N nodes on loopback; stop them all on Ctrl-C or SIGTERM."""
-    from kvstore.launch import NodeProcess, RedisProcess
-
+    """Start Redis and N nodes on loopback (or the chart's roles with --values); stop all on Ctrl-C/SIGTERM."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     tmp = tempfile.TemporaryDirectory(prefix="kvstore-up-")
     root = nvme_root or Path(tmp.name)
     root.mkdir(parents=True, exist_ok=True)
-    redis = None if redis_url else RedisProcess()
-    procs: list[NodeProcess] = []
+    stack = Stack(root)
     try:
-        if redis is not None:
-            redis.start()
-            redis_url = redis.url
-        assert redis_url is not None
-        console.print(f"redis index: {redis_url}")
-        for i in range(nodes):
-            node = NodeProcess(dram_bytes=dram_bytes, nvme_path=root / f"node-{i}", nvme_bytes=nvme_bytes,
-                               max_page_bytes=max_page_bytes, node_id=f"node-{i}", redis_url=redis_url,
-                               extra_args=["--index-ttl", str(index_ttl), *(["--metrics-port", "0"] if metrics else [])],
-                               log_path=root / f"node-{i}.log")  # fmt: skip
-            procs.append(node.start())
-            scrape = f"  metrics http://{node.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
-            console.print(f"node-{i}: {node.addr}{scrape}  (log {node.log_path})")
+        if values:
+            from kvstore.cli.values import chart_from_env, load_values, plan
+
+            v = load_values(list(values), chart or chart_from_env())
+            stack.start_from_plan(plan(v, root), v)
+        else:
+            stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics)
         if ready_file is not None:
             tmp_ready = ready_file.with_suffix(".tmp")
-            tmp_ready.write_text(json.dumps({"redis_url": redis_url, "pid": os.getpid(),
-                                             "nodes": {f"node-{i}": p.addr for i, p in enumerate(procs)},
-                                             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(procs)}}))  # fmt: skip
+            tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
+            tmp_ready.write_text(json.dumps(stack.describe()))
             os.replace(tmp_ready, ready_file)
-        console.print(f"[green]up[/]: kvctl nodes --redis-url {redis_url}   (Ctrl-C stops everything)")
+        console.print("[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)")
         while not stop.wait(1.0):
-            for i, p in enumerate(procs):
-                if p.proc is not None and p.proc.poll() is not None:
-                    console.print(f"[red]node-{i} exited[/] with {p.proc.returncode}; see {p.log_path}")
-                    stop.set()
+            dead = stack.dead()
+            if dead:
+                console.print(f"[red]{dead}[/]")
+                stop.set()
     finally:
-        for p in procs:
-            p.close()
-        if redis is not None:
-            redis.close()
+        stack.close()
         tmp.cleanup()
         console.print("stopped")
+
+
+@dataclass
+class Stack:
+    """The processes of one `kvstore up`; close() stops them all (workers, nodes, Redis), each by PID."""
+
+    root: Path
+    redis: object | None = None
+    redis_url: str = ""
+    nodes: list = field(default_factory=list)
+    ray_head: subprocess.Popen[bytes] | None = None
+    ray_address: str = ""
+    driver: subprocess.Popen[bytes] | None = None
+    driver_ready: dict = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # what every client of this stack needs (tokens)
+    ray_tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    def start_simple(self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float,
+                     metrics: bool) -> None:  # fmt: skip
+        self._start_redis(redis_url, password=False)
+        for i in range(n):
+            self._start_node(i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])])
+
+    def start_from_plan(self, plan: object, values: dict) -> None:
+        from kvstore.cli.values import LocalPlan
+
+        assert isinstance(plan, LocalPlan)
+        for note in plan.notes:
+            console.print(f"[yellow]note[/]: {note}")
+        self._start_redis(plan.redis_external_url, password=plan.redis_password)
+        extra: list[str] = []
+        if plan.auth_tokens:
+            rw, ro = self.root / "rw.tokens", self.root / "ro.tokens"
+            for f in (rw, ro):
+                f.write_text(secrets.token_urlsafe(32) + "\n")
+                f.chmod(0o600)
+            extra += ["--auth-tokens-file", str(rw), "--auth-read-tokens-file", str(ro)]
+            self.env["KVSTORE_TOKEN_FILE"] = str(rw)
+            console.print(f"tokens: read-write {rw}, read-only {ro}")
+        if plan.node is not None:
+            conf = self.root / "node.toml"
+            conf.write_text(_toml_table("node", plan.node.config))
+            for i in range(plan.nodes):
+                self._start_node(i, plan.node.dram_bytes, plan.node.nvme_bytes, plan.node.max_page_bytes,
+                                 ["--config", str(conf), "--hbm-bytes", str(plan.node.hbm_bytes), "--metrics-port", "0",
+                                  *extra])  # fmt: skip
+        if plan.workers is not None:
+            self._start_workers(plan.workers)
+
+    def _start_redis(self, external: str | None, password: bool) -> None:
+        from kvstore.launch import RedisProcess
+
+        if external:
+            self.redis_url = external
+        else:
+            self.redis = RedisProcess(password=secrets.token_hex(20) if password else None).start()
+            self.redis_url = self.redis.url  # type: ignore[attr-defined]
+        shown = self.redis_url if not password else self.redis_url.split("@")[-1] + " (password in KVSTORE_REDIS_URL)"
+        console.print(f"redis index: {shown}")
+
+    def _start_node(self, i: int, dram: int | str, nvme: int | str, page: int | str, extra: list[str]) -> None:
+        from kvstore.launch import NodeProcess
+
+        # The Redis URL (with its password) reaches the node through its environment, as in the chart.
+        node = NodeProcess(dram_bytes=dram, nvme_path=self.root / f"node-{i}", nvme_bytes=nvme, max_page_bytes=page,
+                           node_id=f"node-{i}", extra_args=extra, log_path=self.root / f"node-{i}.log",
+                           env={"KVSTORE_REDIS_URL": self.redis_url})  # fmt: skip
+        self.nodes.append(node.start())
+        scrape = f"  metrics http://{node.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
+        console.print(f"node-{i}: {node.addr}{scrape}  (log {node.log_path})")
+
+    def _start_workers(self, w: object) -> None:
+        """A local Ray head with the chart's slots, then `kvstore pd-serve` against it (as in the chart)."""
+        from kvstore.cli.values import WorkersPlan
+        from kvstore.launch import free_port
+
+        assert isinstance(w, WorkersPlan)
+        token = self.root / "ray_auth_token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        env = {**os.environ, **self.env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+               "KVSTORE_REDIS_URL": self.redis_url, "KVSTORE_LOCAL_NODE": "node-0"}  # fmt: skip
+        port = free_port()
+        # NOTE: Ray's unix socket paths must stay under 107 bytes: its temp dir is short, not under root.
+        self.ray_tmp = tempfile.TemporaryDirectory(prefix="kvray-", dir="/tmp")
+        resources = json.dumps({"kvstore_prefill": w.prefill_slots, "kvstore_decode": w.decode_slots})
+        args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
+                f"--num-cpus={max(2, os.cpu_count() or 2)}", "--num-gpus=0", f"--resources={resources}",
+                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.ray_tmp.name}",
+                f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+                f"--object-store-memory={256 << 20}"]  # fmt: skip
+        log = open(self.root / "ray-head.log", "ab")  # noqa: SIM115 - closed right after the child has it
+        self.ray_head = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        self.ray_address = f"127.0.0.1:{port}"
+        _wait_port("127.0.0.1", port, 60.0, self.ray_head, self.root / "ray-head.log")
+        ready = self.root / "pd-serve.json"
+        cmd = [sys.executable, "-m", "kvstore.cli.main", "pd-serve", f"--ray-address={self.ray_address}",
+               f"--model={w.model_path}", f"--dtype={w.dtype}", f"--block-size={w.block_size}",
+               f"--num-blocks={w.num_blocks}", f"--max-inflight={w.max_inflight}", f"--min-prefill={w.prefill_slots}",
+               f"--min-decode={w.decode_slots}", "--worker-wait=120", f"--ready-file={ready}"]  # fmt: skip
+        log = open(self.root / "pd-serve.log", "ab")  # noqa: SIM115
+        self.driver = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        log.close()
+        deadline = time.monotonic() + 300.0
+        while not ready.exists():
+            if self.driver.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"kvstore pd-serve did not come up:\n{_tail(self.root / 'pd-serve.log')}")
+            time.sleep(_POLL_S)
+        self.driver_ready = json.loads(ready.read_text())
+        console.print(f"ray: {self.ray_address} (token {token}); {w.prefill_slots} prefill + {w.decode_slots} decode "
+                      f"workers; router {self.driver_ready['router']!r} in Ray namespace "
+                      f"{self.driver_ready['ray_namespace']!r}  (log {self.root / 'pd-serve.log'})")  # fmt: skip
+
+    def describe(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "redis_url": self.redis_url, "pid": os.getpid(),
+            "nodes": {f"node-{i}": p.addr for i, p in enumerate(self.nodes)},
+            "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
+            "env": self.env,
+        }  # fmt: skip
+        if self.driver is not None:
+            out["ray"] = {"address": self.ray_address, "auth_token_path": str(self.root / "ray_auth_token"),
+                          **self.driver_ready}  # fmt: skip
+        return out
+
+    def dead(self) -> str | None:
+        for i, p in enumerate(self.nodes):
+            if p.proc is not None and p.proc.poll() is not None:
+                return f"node-{i} exited with {p.proc.returncode}; see {p.log_path}"
+        for name, proc in (("ray head", self.ray_head), ("pd-serve", self.driver)):
+            if proc is not None and proc.poll() is not None:
+                return f"{name} exited with {proc.returncode}; see {self.root}"
+        return None
+
+    def close(self) -> None:
+        # Workers first (they write to nodes), then nodes (their shutdown spill needs no Redis), then Redis.
+        for proc in (self.driver, self.ray_head):
+            if proc is not None:
+                terminate(proc, 60.0)
+        if self.ray_head is not None:
+            # `ray start --block` stops its raylet and GCS on SIGTERM; anything left in the session it was
+            # started in (its own process group, id = its pid) goes too.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.ray_head.pid, signal.SIGKILL)
+        if self.ray_tmp is not None:
+            self.ray_tmp.cleanup()
+        for p in self.nodes:
+            p.close()
+        if self.redis is not None:
+            self.redis.close()  # type: ignore[attr-defined]
+
+
+def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
+    """SIGTERM, up to `grace` seconds for a clean exit, then SIGKILL; returns the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    if proc.poll() is None:
+        proc.kill()
+    return proc.wait(10)
+
+
+def _toml_table(name: str, table: dict) -> str:
+    """A flat TOML table (strings, numbers, booleans): JSON's literals are TOML's for these."""
+    lines = [f"[{name}]"]
+    for k, v in table.items():
+        lines.append(f"{k} = {json.dumps(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(_POLL_S)
+    raise TimeoutError(f"Ray head not listening on {host}:{port} after {timeout}s:\n{_tail(log)}")
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""

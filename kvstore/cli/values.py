@@ -1,0 +1,235 @@
+"""The Helm chart's values, read for `kvstore up --values FILE`: the same roles as local processes.
+
+One values file drives both: the chart (helm/kvstore) renders it into a cluster, and this module turns
+it into a `LocalPlan` (Redis, N cache nodes with the chart's budgets times `local.scale`, optionally the
+Ray prefill/decode workers). The file is merged over the chart's own values.yaml the way Helm merges
+(maps recursively, everything else replaced, null deletes), checked against the chart's
+values.schema.json, then against the same cross-field rules as templates/validate.yaml, with the same
+value names in the messages. A bad file raises ValueError and starts nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvstore.config import parse_size
+from kvstore.pageformat import slot_bytes_for
+
+# Where the chart lives in a source checkout (kvstore/cli/values.py -> repo root / helm / kvstore).
+DEFAULT_CHART = Path(__file__).resolve().parents[2] / "helm" / "kvstore"
+MEMORY_HEADROOM = 0.8  # a local plan may use at most this share of the machine's available memory
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One local cache node's settings: the chart's node flags and node.toml, budgets scaled."""
+
+    dram_bytes: int
+    nvme_bytes: int
+    hbm_bytes: int
+    max_page_bytes: int
+    config: dict[str, Any]  # the [node] table of node.toml, exactly as the chart renders it
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersPlan:
+    model_path: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    prefill_slots: int
+    decode_slots: int
+    max_inflight: int
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPlan:
+    nodes: int
+    node: NodePlan | None  # None: node.enabled is false
+    redis_external_url: str | None  # None: start a private redis-server
+    redis_password: bool
+    auth_tokens: bool
+    workers: WorkersPlan | None
+    notes: list[str] = field(default_factory=list)  # what the local run leaves out, said out loud
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Helm's values merge: maps merge key by key, a null deletes the key, anything else replaces."""
+    if not isinstance(base, Mapping) or not isinstance(override, Mapping):
+        return copy.deepcopy(override)
+    out = dict(copy.deepcopy(base))
+    for k, v in override.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def load_values(files: list[Path], chart: Path = DEFAULT_CHART) -> dict[str, Any]:
+    """Chart defaults merged with each file in order, checked against values.schema.json and the rules."""
+    import jsonschema
+
+    if not (chart / "values.yaml").is_file():
+        raise ValueError(f"{chart}: not the kvstore chart (no values.yaml); pass --chart DIR")
+    values = yaml.safe_load((chart / "values.yaml").read_text())
+    for f in files:
+        try:
+            user = yaml.safe_load(Path(f).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{f}: {exc}") from None
+        if not isinstance(user, Mapping):
+            raise ValueError(f"{f}: a values file is a YAML mapping, got {type(user).__name__}")
+        values = merge(values, user)
+    schema = json.loads((chart / "values.schema.json").read_text())
+    errors = sorted(jsonschema.Draft7Validator(schema).iter_errors(values), key=lambda e: list(e.absolute_path))
+    if errors:
+        where = ", ".join(str(f) for f in files) or "chart defaults"
+        lines = [f"{'.'.join(str(p) for p in e.absolute_path) or '(top)'}: {e.message}" for e in errors]
+        raise ValueError(f"{where}: values do not match the chart's schema: " + "; ".join(lines))
+    check_rules(values)
+    return values
+
+
+def _bytes(values: Mapping[str, Any], path: str) -> int:
+    v: Any = values
+    for part in path.split("."):
+        v = v[part]
+    try:
+        return parse_size(v if isinstance(v, str) else int(v))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def check_rules(v: Mapping[str, Any]) -> None:
+    """The cross-field rules of templates/validate.yaml, with the same value names in the messages."""
+    node = v["node"]
+    if node.get("enabled", True):
+        need = _bytes(v, "node.budgets.dram") + _bytes(v, "node.memoryOverhead")
+        limit = (node.get("resources") or {}).get("limits", {}).get("memory")
+        if limit and need > _bytes(v, "node.resources.limits.memory"):
+            raise ValueError(f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
+                             f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})")  # fmt: skip
+        if _bytes(v, "node.budgets.hbm") > 0 and int(node["gpu"]["count"]) == 0:
+            raise ValueError(f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU")
+        if int(node["gpu"]["count"]) > 0 and not node["gpu"]["resourceName"]:
+            raise ValueError("node.gpu.resourceName is empty but node.gpu.count > 0")
+        if _bytes(v, "node.budgets.maxPageBytes") <= 0:
+            raise ValueError("node.budgets.maxPageBytes must be > 0")
+        nvme = _bytes(v, "node.budgets.nvme")
+        if node["kind"] == "DaemonSet" and nvme > 0 and not node["nvme"].get("hostPath"):
+            raise ValueError("node.nvme.hostPath is empty but node.budgets.nvme > 0")
+        if node["kind"] == "StatefulSet" and node["nvme"].get("size") and _bytes(v, "node.nvme.size") < nvme:
+            raise ValueError(f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})")
+    if v["rayCluster"]["enabled"]:
+        for pool in ("prefill", "decode"):
+            p = v["workers"][pool]
+            if int(p["gpusPerPod"]) > 0 and not v["workers"]["gpu"]["resourceName"]:
+                raise ValueError(f"workers.gpu.resourceName is empty but workers.{pool}.gpusPerPod > 0")
+            if not p["minReplicas"] <= p["replicas"] <= p["maxReplicas"]:
+                raise ValueError(f"workers.{pool}.replicas ({p['replicas']}) must lie within workers.{pool}.minReplicas "
+                                 f"({p['minReplicas']}) and workers.{pool}.maxReplicas ({p['maxReplicas']})")  # fmt: skip
+    tls = v["tls"]
+    if tls["enabled"]:
+        if not tls["secretName"] and not tls["certManager"]["enabled"]:
+            raise ValueError("tls.enabled is true but neither tls.secretName nor tls.certManager.enabled is set")
+        if tls["certManager"]["enabled"] and not tls["certManager"]["issuerRef"]["name"]:
+            raise ValueError("tls.certManager.issuerRef.name is empty")
+    elif tls["mutual"]:
+        raise ValueError("tls.mutual is true but tls.enabled is false: mutual TLS runs over TLS")
+    redis = v["redis"]
+    ext = redis["external"]
+    if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
+        ext["url"] or ext["existingSecret"]
+    ):
+        raise ValueError("redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set")
+
+
+def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
+    """The [node] table templates/node.yaml writes into node.toml."""
+    node = v["node"]
+    return {
+        "policy": node["policy"], "grace_seconds": node["shutdown"]["drainSeconds"],
+        "spill_seconds": node["shutdown"]["spillSeconds"], "spill_on_shutdown": True,
+        "index_ttl_seconds": node["index"]["ttlSeconds"], "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
+        "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "log_level": node["logLevel"], **node.get("config", {}),
+    }  # fmt: skip
+
+
+def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> LocalPlan:
+    """The local processes for checked values `v`; NVMe goes under `root`. Raises ValueError (naming
+    local.scale) when the scaled budgets do not fit this machine."""
+    local = v["local"]
+    scale = float(local["scale"])
+    notes: list[str] = []
+    node_plan = None
+    n = 0
+    if v["node"]["enabled"]:
+        node = v["node"]
+        n = int(local["nodes"]) or (int(node["replicas"]) if node["kind"] == "StatefulSet" else 1)
+        page = _bytes(v, "node.budgets.maxPageBytes")
+        dram = int(_bytes(v, "node.budgets.dram") * scale)
+        nvme = int(_bytes(v, "node.budgets.nvme") * scale)
+        slot = slot_bytes_for(page)
+        if dram < slot:
+            raise ValueError(f"local.scale {scale} leaves node.budgets.dram at {dram} bytes, less than one page slot "
+                             f"({slot} bytes for node.budgets.maxPageBytes {node['budgets']['maxPageBytes']}): raise local.scale")  # fmt: skip
+        need = n * int((_bytes(v, "node.budgets.dram") + _bytes(v, "node.memoryOverhead")) * scale)
+        avail = mem_available if mem_available is not None else _mem_available()
+        if avail and need > MEMORY_HEADROOM * avail:
+            raise ValueError(f"{n} node(s) x (node.budgets.dram + node.memoryOverhead) x local.scale {scale} = {need} "
+                             f"bytes, more than {MEMORY_HEADROOM:.0%} of this machine's available memory ({avail}): "
+                             f"lower local.scale")  # fmt: skip
+        free_disk = shutil.disk_usage(root if root.exists() else root.parent).free
+        if n * nvme > free_disk:
+            raise ValueError(f"{n} node(s) x node.budgets.nvme x local.scale {scale} = {n * nvme} bytes, more than "
+                             f"the free disk under {root} ({free_disk}): lower local.scale")  # fmt: skip
+        hbm = int(_bytes(v, "node.budgets.hbm") * scale)
+        node_plan = NodePlan(dram, nvme, hbm, page, node_toml_table(v))
+    if v["tls"]["enabled"]:
+        notes.append("tls.enabled: not reproduced locally (no certificates here); the local nodes serve plaintext")
+    ext = v["redis"]["external"]
+    external = None
+    if not v["redis"]["enabled"]:
+        if not ext["url"]:
+            raise ValueError("redis.external.existingSecret names a Kubernetes Secret: locally, set redis.external.url")
+        external = ext["url"]
+    workers = None
+    if local["workers"]:
+        if not v["rayCluster"]["enabled"]:
+            raise ValueError("local.workers is true but rayCluster.enabled is false: nothing to start")
+        if not local["modelPath"] or not (Path(local["modelPath"]) / "config.json").is_file():
+            raise ValueError(f"local.modelPath {local['modelPath']!r}: give a checkpoint directory with config.json "
+                             f"(workers.model.path is the in-cluster path)")  # fmt: skip
+        w = v["workers"]
+        slots = {p: int(w[p]["replicas"]) * max(int(w[p]["gpusPerPod"]), 1) for p in ("prefill", "decode")}
+        workers = WorkersPlan(str(local["modelPath"]), w["model"]["dtype"], int(w["blockSize"]), int(w["numBlocks"]),
+                              slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]))  # fmt: skip
+    return LocalPlan(n, node_plan, external, bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
+                     bool(v["auth"]["enabled"]), workers, notes)  # fmt: skip
+
+
+def _mem_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def chart_from_env() -> Path:
+    """The chart directory: KVSTORE_CHART, else the source checkout's helm/kvstore."""
+    return Path(os.environ.get("KVSTORE_CHART", DEFAULT_CHART))

@@ -1,0 +1,344 @@
+"""The Helm chart, offline: lint, render every example profile, validate every manifest against the
+Kubernetes / KubeRay / Prometheus Operator / cert-manager schemas, parse every container command line
+with our own CLI parsers, and refuse bad values at `helm template` with the value named."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvstore.config import NodeConfig, parse_size
+from kvstore.policy import POLICIES
+from tests.deploy.cases import BAD_VALUES, names_value
+from tests.deploy.commands import FOREIGN, argvs, container_env, parse, pod_specs
+from tests.deploy.conftest import CHART, PROFILES, ROOT, TOOLS, helm, render, render_args
+from tests.deploy.schemas import raycluster_errors
+
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and a current one.
+K8S_VERSIONS = ("1.30.0", "1.35.0")
+CRD_GROUPS = ("monitoring.coreos.com/v1", "cert-manager.io/v1")
+
+
+def crd_errors(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validate ServiceMonitor / Certificate manifests with their compiled CRD schemas (node)."""
+    modules = TOOLS / "node" / "node_modules"
+    node = shutil.which("node")
+    if node is None or not (modules / "@kubernetes-models").is_dir():
+        pytest.fail("node and .tools/node (the CRD schemas) are needed: run ./dev setup")
+    r = subprocess.run([node, str(Path(__file__).with_name("crd_validate.mjs")), str(modules)],
+                       input=json.dumps(docs), capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+
+
+def containers(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    return spec.get("initContainers", []) + spec.get("containers", [])
+
+
+def values_of(files: list[Path]) -> dict[str, Any]:
+    from kvstore.cli.values import load_values
+
+    return load_values(files, CHART)
+
+
+# ------------------------------------------------------------------------------------ lint and schemas
+
+
+def test_lint_strict(profile: list[Path]) -> None:
+    args = ["lint", "--strict", str(CHART)]
+    for f in profile:
+        args += ["-f", str(f)]
+    out = helm(*args)
+    assert "0 chart(s) failed" in out.stdout
+
+
+def test_every_rendered_manifest_validates(profile: list[Path]) -> None:
+    docs = render(profile)
+    kinds = {d["kind"] for d in docs}
+    assert {"ConfigMap", "Service", "StatefulSet", "RayCluster", "Secret", "NetworkPolicy", "ServiceMonitor"} <= kinds
+    crds = []
+    for d in docs:
+        if d["kind"] == "RayCluster":
+            assert raycluster_errors(d) == [], d["metadata"]["name"]
+        elif d["apiVersion"] in CRD_GROUPS:
+            crds.append(d)
+        else:
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(d, version, strict=True)
+    results = crd_errors(crds)
+    assert [r for r in results if r["error"]] == []
+    assert {r["kind"] for r in results} >= {"monitoring.coreos.com/v1/ServiceMonitor"}
+
+
+def test_the_validators_reject_a_broken_manifest() -> None:
+    """The checks above are not vacuous: each validator refuses a manifest with one field wrong."""
+    docs = render([ROOT / "deploy" / "values" / "production.yaml"])
+    (sts,) = by_kind(docs, "StatefulSet", "-node")
+    bad = copy.deepcopy(sts)
+    bad["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {"grpc": {"port": 50051}}  # misspelt
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, K8S_VERSIONS[0], strict=True)
+    (ray,) = by_kind(docs, "RayCluster")
+    bad = copy.deepcopy(ray)
+    bad["spec"]["workerGroupSpecs"][0]["replica"] = 2
+    bad["spec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0  # must be a string
+    errors = raycluster_errors(bad)
+    assert any("replica" in e for e in errors) and any("num-cpus" in e for e in errors)
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    (cert,) = by_kind(docs, "Certificate")
+    sm, cert = copy.deepcopy(sm), copy.deepcopy(cert)
+    sm["spec"]["endpoints"][0]["port"] = 9400  # a port *name* is a string
+    cert["spec"]["privateKey"]["algorithm"] = "DSA"
+    assert all(r["error"] for r in crd_errors([sm, cert]))
+
+
+# ------------------------------------------------------------------------------------ command lines
+
+
+def test_every_container_command_line_parses(profile: list[Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(profile)
+    ours: set[tuple[str, str]] = set()
+    for doc in docs:
+        for where, spec in pod_specs(doc):
+            for c in containers(spec):
+                for what, argv in argvs(c):
+                    if argv[0] in ("kvstore", "kvctl"):
+                        try:
+                            parse(argv, container_env(c), monkeypatch)
+                        except Exception as exc:
+                            raise AssertionError(f"{where} {c['name']} {what}: {argv}: {exc}") from exc
+                        ours.add((argv[0], argv[1]))
+                    else:
+                        assert argv[0] in FOREIGN, f"{where} {c['name']}: {argv[0]} is neither ours nor known"
+    assert {("kvstore", "serve"), ("kvstore", "pd-serve"), ("kvctl", "top")} <= ours
+
+
+def test_a_renamed_or_missing_flag_fails_the_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer._click.exceptions import UsageError
+
+    with pytest.raises(UsageError, match="--dram-byte"):
+        parse(["kvstore", "serve", "--dram-byte=1Gi"], {}, monkeypatch)
+    with pytest.raises(UsageError, match="integer"):
+        parse(["kvstore", "serve", "--port=fifty"], {}, monkeypatch)
+    monkeypatch.delenv("KVSTORE_REDIS_URL", raising=False)
+    with pytest.raises(UsageError, match=r"redis.url"):  # the chart must give the driver its index
+        parse(["kvstore", "pd-serve", "--ray-address=h:6379", "--model=/m"], {}, monkeypatch)
+    with pytest.raises(ValueError, match="not a size"):
+        parse(["kvstore", "serve", "--dram-bytes=8 gigs"], {}, monkeypatch)
+
+
+def test_node_toml_is_a_valid_node_config_and_grace_covers_drain_and_spill(profile: list[Path], tmp_path: Path) -> None:
+    docs = render(profile)
+    v = values_of(profile)
+    (cm,) = by_kind(docs, "ConfigMap", "-node")
+    conf = tmp_path / "node.toml"
+    conf.write_text(cm["data"]["node.toml"])
+    cfg = NodeConfig.load(conf, env={})
+    shutdown = v["node"]["shutdown"]
+    assert (cfg.grace_seconds, cfg.spill_seconds) == (shutdown["drainSeconds"], shutdown["spillSeconds"])
+    assert cfg.spill_on_shutdown and cfg.policy == v["node"]["policy"]
+    (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")]
+    grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace == math.ceil(cfg.grace_seconds) + math.ceil(cfg.spill_seconds) + 15
+
+
+def test_node_memory_holds_the_dram_budget(profile: list[Path]) -> None:
+    docs = render(profile)
+    v = values_of(profile)
+    (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")]
+    node = workload["spec"]["template"]["spec"]["containers"][0]
+    need = parse_size(v["node"]["budgets"]["dram"]) + parse_size(v["node"]["memoryOverhead"])
+    assert parse_size(node["resources"]["limits"]["memory"]) >= need
+    assert parse_size(node["resources"]["requests"]["memory"]) >= min(need, parse_size(node["resources"]["limits"]["memory"]))
+    flags = dict(a.removeprefix("--").split("=", 1) for a in node["args"] if "=" in a)
+    assert parse_size(flags["dram-bytes"]) == parse_size(v["node"]["budgets"]["dram"])
+    gpus = int(v["node"]["gpu"]["count"])
+    assert node["resources"]["limits"].get(v["node"]["gpu"]["resourceName"], 0) == gpus
+
+
+def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None:
+    """The chart's redis.conf (protected mode, no persistence, noeviction, requirepass include) is
+    accepted by a real redis-server, which then refuses clients without the password."""
+    import redis
+
+    from kvstore.launch import free_port
+
+    docs = render()
+    (cm,) = by_kind(docs, "ConfigMap", "-redis")
+    auth = tmp_path / "auth.conf"
+    auth.write_text("requirepass test-password-0123456789\n")
+    conf = tmp_path / "redis.conf"
+    port = free_port()
+    text = cm["data"]["redis.conf"].replace("include /run/redis/auth.conf", f"include {auth}")
+    text = text.replace("dir /data", f"dir {tmp_path}").replace("bind 0.0.0.0", "bind 127.0.0.1")
+    conf.write_text(re.sub(r"^port \d+$", f"port {port}", text, flags=re.M))
+    proc = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        client = redis.Redis(port=port, password="test-password-0123456789", socket_timeout=5)
+        for _ in range(100):
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server refused the rendered config"
+                time.sleep(0.05)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
+        assert client.config_get("save") == {"save": ""}
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=5).set("k", "v")
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+# ------------------------------------------------------------------------------------ bad values
+
+
+@pytest.mark.parametrize(("values", "name"), [c[1:] for c in BAD_VALUES], ids=[c[0] for c in BAD_VALUES])
+def test_bad_values_fail_at_template_time_naming_the_value(values: dict, name: str, tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(values))
+    r = helm(*render_args([f]), check=False)
+    assert r.returncode != 0, f"helm template accepted {values}"
+    assert names_value(r.stderr, name), r.stderr
+
+
+# ------------------------------------------------------------------------------------ what the chart wires
+
+
+def test_secrets_never_appear_in_clear_outside_their_secret() -> None:
+    docs = render(sets=["auth.enabled=true"])
+    secrets = by_kind(docs, "Secret")
+    assert {s["metadata"]["name"] for s in secrets} == {"kv-kvstore-redis-auth", "kv-kvstore-ray-auth", "kv-kvstore-tokens"}
+    plain = [base64.b64decode(v).decode() for s in secrets for v in s["data"].values()]
+    assert all(len(p) >= 16 for p in plain)
+    others = yaml.safe_dump_all([d for d in docs if d["kind"] != "Secret"])
+    assert not [p for p in plain if p.strip() in others]
+    urls = {e["value"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
+            for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
+    assert urls == {"redis://:$(REDIS_PASSWORD)@kv-kvstore-redis:6379/0"}
+    # An operator's own Secret: nothing generated, every reference points at it.
+    docs = render(sets=["redis.auth.existingSecret=my-redis", "rayCluster.auth.existingSecret=my-ray"])
+    assert not by_kind(docs, "Secret")
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
+            for e in c.get("env", []) if "secretKeyRef" in e.get("valueFrom", {})}  # fmt: skip
+    assert refs == {"my-redis", "my-ray"}
+
+
+def test_service_monitor_only_where_the_crd_is_served() -> None:
+    assert not by_kind(render(api_versions=[]), "ServiceMonitor")
+    docs = render()
+    (sm,) = by_kind(docs, "ServiceMonitor")
+    (svc,) = by_kind(docs, "Service", "-node")
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in svc["spec"]["ports"]}
+
+
+def test_network_policies_admit_workers_and_labelled_clients_only() -> None:
+    docs = render()
+    (np_node,) = by_kind(docs, "NetworkPolicy", "-node")
+    grpc_rule = next(r for r in np_node["spec"]["ingress"] if r["ports"][0]["port"] == 50051)
+    peers = [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
+    node_pods = {"app.kubernetes.io/component": "node", "app.kubernetes.io/name": "kvstore", "app.kubernetes.io/instance": "kv"}
+    assert peers == [{"ray.io/cluster": "kv-kvstore-ray"}, {"kvstore.io/client": "true"}, node_pods]
+    assert all("namespaceSelector" not in p for p in grpc_rule["from"])  # this namespace only
+    metrics_rule = next(r for r in np_node["spec"]["ingress"] if r["ports"][0]["port"] == 9400)
+    assert "from" not in metrics_rule  # metricsFrom empty: anyone may scrape
+    (prod_np,) = by_kind(render([ROOT / "deploy" / "values" / "production.yaml"]), "NetworkPolicy", "-node")
+    metrics_rule = next(r for r in prod_np["spec"]["ingress"] if r["ports"][0]["port"] == 9400)
+    assert metrics_rule["from"][0] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    (test_pod,) = by_kind(docs, "Pod")
+    assert test_pod["metadata"]["labels"]["kvstore.io/client"] == "true"
+    (np_redis,) = by_kind(docs, "NetworkPolicy", "-redis")
+    redis_peers = [p["podSelector"]["matchLabels"] for p in np_redis["spec"]["ingress"][0]["from"]]
+    assert {"app.kubernetes.io/component": "node", "app.kubernetes.io/name": "kvstore",
+            "app.kubernetes.io/instance": "kv"} in redis_peers  # fmt: skip
+
+
+def test_workers_know_their_local_cache_node_and_offer_one_slot_per_gpu() -> None:
+    from workers.deploy import Role, count, plan_slots
+
+    docs = render([ROOT / "deploy" / "values" / "production.yaml"])
+    v = values_of([ROOT / "deploy" / "values" / "production.yaml"])
+    (node_sts,) = by_kind(docs, "StatefulSet", "-node")
+    node = node_sts["spec"]["template"]["spec"]["containers"][0]
+    assert "--node-id=$(NODE_NAME)" in node["args"]
+    assert {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in node["env"]
+    (ray,) = by_kind(docs, "RayCluster")
+    fake_nodes = []
+    for g in ray["spec"]["workerGroupSpecs"]:
+        (worker,) = g["template"]["spec"]["containers"]
+        assert {"name": "KVSTORE_LOCAL_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in worker["env"]
+        resources = json.loads(json.loads(g["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
+        gpus = float(g["rayStartParams"]["num-gpus"])
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        fake_nodes += [{"NodeID": f"{g['groupName']}-{i}", "Alive": True, "Resources": {**resources, "GPU": gpus}}
+                       for i in range(g["replicas"])]  # fmt: skip
+    slots = plan_slots(fake_nodes)
+    w = v["workers"]
+    assert count(slots, Role.PREFILL) == w["prefill"]["replicas"] * w["prefill"]["gpusPerPod"]
+    assert count(slots, Role.DECODE) == w["decode"]["replicas"] * w["decode"]["gpusPerPod"]
+    assert all(s.gpus == 1.0 for s in slots)
+
+
+def test_tls_profile_probes_through_kvctl_health_and_mounts_the_certificate() -> None:
+    docs = render([ROOT / "deploy" / "values" / "production.yaml"])
+    (sts,) = by_kind(docs, "StatefulSet", "-node")
+    spec = sts["spec"]["template"]["spec"]
+    node = spec["containers"][0]
+    assert node["readinessProbe"]["exec"]["command"][:2] == ["kvctl", "health"]
+    env = container_env(node)
+    assert env["KVSTORE_TLS_SERVER_NAME"] == "kv-kvstore-node.kvs.svc" and env["KVSTORE_TLS_CERT"]
+    assert {"--tls-cert=/etc/kvstore/tls/tls.crt", "--tls-client-ca=/etc/kvstore/tls/ca.crt"} <= set(node["args"])
+    (cert,) = by_kind(docs, "Certificate")
+    tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+    assert tls_volume["secret"]["secretName"] == cert["spec"]["secretName"]
+    assert "kv-kvstore-node.kvs.svc" in cert["spec"]["dnsNames"]
+    # Without TLS the kubelet's own gRPC probe is used.
+    (ds,) = by_kind(render(), "DaemonSet", "-node")
+    assert ds["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"] == {"port": 50051}
+
+
+def test_values_schema_knows_every_policy_and_every_profile_passes_the_loader() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert sorted(schema["properties"]["node"]["properties"]["policy"]["enum"]) == sorted(POLICIES)
+    for p in PROFILES:
+        values_of([p])
+    assert (ROOT / "deploy" / "grafana" / "kvstore.json").read_text() == (CHART / "dashboards" / "kvstore.json").read_text()
+
+
+def test_notes_tell_the_operator_kvctl_commands_that_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import shlex
+
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "no-cluster"))  # a client-side dry run needs none
+    for profile in ([], [ROOT / "deploy" / "values" / "production.yaml"]):
+        args = ["install", "kv", str(CHART), "--namespace", "kvs", "--dry-run=client", "--hide-secret"]
+        for f in profile:
+            args += ["-f", str(f)]
+        notes = helm(*args).stdout.split("NOTES:", 1)[1]
+        lines = [ln.strip() for ln in notes.splitlines() if " -- " in ln and "kvctl" in ln]
+        assert {"nodes", "stats", "top"} <= {ln.split("kvctl ", 1)[1].split()[0] for ln in lines}
+        assert "helm -n kvs test kv" in notes
+        for line in lines:
+            argv = shlex.split(line.split(" -- ", 1)[1])
+            if argv[:2] == ["sh", "-c"]:
+                argv = shlex.split(argv[2].replace('"$KVSTORE_REDIS_URL"', "redis://r:6379/0"))
+            parse(argv, {}, monkeypatch)

@@ -1,0 +1,135 @@
+"""`kvstore up --values FILE`: the chart's roles from the chart's values, as real local processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from kvstore.cli.up import terminate
+from kvstore.client import KVStoreClient
+from kvstore.errors import Unauthenticated
+from kvstore.index import IndexReader
+from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = ROOT / "deploy" / "values"
+
+
+class Up:
+    """`kvstore up --values ...` in a child process, stopped (SIGTERM, bounded) by the test."""
+
+    def __init__(self, tmp_path: Path, files: list[Path]) -> None:
+        self.ready = tmp_path / "ready.json"
+        self.log = tmp_path / "up.log"
+        args = [sys.executable, "-m", "kvstore.cli.main", "up", "--nvme-root", str(tmp_path / "nvme"),
+                "--ready-file", str(self.ready)]  # fmt: skip
+        for f in files:
+            args += ["--values", str(f)]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while not self.ready.exists():
+            assert self.proc.poll() is None, f"kvstore up exited:\n{self.log.read_text()}"
+            assert time.monotonic() < deadline, f"kvstore up not ready in {timeout}s:\n{self.log.read_text()}"
+            time.sleep(0.2)
+        return json.loads(self.ready.read_text())
+
+    def stop(self) -> int:
+        return terminate(self.proc, 120.0)
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def override(tmp_path: Path, values: dict) -> Path:
+    f = tmp_path / "override.yaml"
+    f.write_text(yaml.safe_dump(values))
+    return f
+
+
+def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: Path) -> None:
+    # small-cluster.yaml: 2 nodes, tokens on; scaled further down so 2 nodes fit any CI box.
+    up = Up(tmp_path, [PROFILES / "small-cluster.yaml", override(tmp_path, {"local": {"scale": 0.0002}})])
+    try:
+        ready = up.wait_ready(90)
+        url = ready["redis_url"]
+        assert "@" in url  # Redis runs with a password, as the chart's does
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis.from_url(url.replace(url[url.index("//") + 2 : url.index("@") + 1], "")).set("k", "v")
+        with IndexReader(url) as index:
+            live = {n.node_id: n.addr for n in index.nodes() if n.alive}
+        assert live == ready["nodes"] and sorted(live) == ["node-0", "node-1"]
+        with KVStoreClient(live["node-0"], transport="grpc") as kv, pytest.raises(Unauthenticated):
+            kv.stats()  # auth.enabled: tokens required
+        env = {**os.environ, **ready["env"]}  # KVSTORE_TOKEN_FILE: the read-write token
+        r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "top", "--once", "--json", "--interval", "0.3",
+                            "--min-nodes", "2", "--redis-url", url], capture_output=True, text=True, env=env,
+                           timeout=60, check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        stats = json.loads(r.stdout)["nodes"][0]
+        dram = next(t for t in stats["tiers"] if t["tier"] == "dram")
+        assert dram["capacity_bytes"] <= int(64 * (1 << 30) * 0.0002)  # budgets scaled by local.scale
+    finally:
+        code = up.stop()
+    assert code == 0, up.log.read_text()
+    assert all(gone(p) for p in [ready["pid"]])
+
+
+def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path) -> None:
+    model = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3),
+                            writer=CheckpointWriter.SAFETENSORS)  # fmt: skip
+    local = {"local": {"nodes": 1, "scale": 0.0002, "workers": True, "modelPath": str(model)},
+             "workers": {"model": {"dtype": "float32"}, "blockSize": 8, "numBlocks": 256,
+                         "prefill": {"gpusPerPod": 0}, "decode": {"gpusPerPod": 0}},
+             "node": {"budgets": {"maxPageBytes": "64Ki"}}}  # fmt: skip
+    up = Up(tmp_path, [PROFILES / "single-node.yaml", override(tmp_path, local)])
+    try:
+        ready = up.wait_ready(240)
+        ray_info = ready["ray"]
+        assert (ray_info["prefill"], ray_info["decode"], ray_info["router"]) == (1, 1, "router")
+        # An engine: another Ray driver that finds the router by name and sends the same prompt twice.
+        client = f"""
+import json, ray
+ray.init(address={ray_info['address']!r}, namespace="kvstore", log_to_driver=False)
+router = ray.get_actor("router", namespace="kvstore")
+prompt = list(range(3, 40))
+a = ray.get(router.generate.remote("r1", prompt, 3), timeout=120)
+b = ray.get(router.generate.remote("r2", prompt, 3), timeout=120)
+print(json.dumps({{"a": a.tokens, "b": b.tokens, "cached": b.cached_blocks}}))
+ray.shutdown()
+"""
+        env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": ray_info["auth_token_path"]}
+        r = subprocess.run([sys.executable, "-c", client], capture_output=True, text=True, env=env, timeout=240,
+                           check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["a"] == out["b"] and len(out["a"]) == 3
+        assert out["cached"] == (37 - 1) // 8  # the second prefill fetched every usable block from the cache
+        driver_pid = ray_info["pid"]
+    finally:
+        code = up.stop()
+    assert code == 0, up.log.read_text()
+    assert gone(driver_pid)
+
+
+def test_up_values_refuses_bad_values_and_starts_nothing(tmp_path: Path) -> None:
+    bad = override(tmp_path, {"node": {"budgets": {"dram": "64Gi"}, "resources": {"limits": {"memory": "32Gi"}}}})
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "up", "--values", str(bad)], capture_output=True,
+                       text=True, timeout=60, check=False)  # fmt: skip
+    assert r.returncode == 1
+    assert "node.resources.limits.memory" in r.stderr and "redis index" not in r.stdout
