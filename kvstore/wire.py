@@ -217,6 +217,15 @@ class FetchedPage:
     data: bytearray
 
 
+@dataclass(frozen=True, slots=True)
+class PageRef:
+    """A page a `get_into` wrote into the caller's buffer: its hash, the tier it came from, its size."""
+
+    hash: bytes
+    tier: TierKind
+    nbytes: int
+
+
 class GetAssembler:
     """Reassembles pages from a Get response stream and verifies each page's checksum.
 

@@ -24,7 +24,7 @@ from rich.table import Table
 from kvstore.cli.common import friendly_errors
 from kvstore.cli.rates import NodeRates, NodeSample, node_rates, parse_rpc_histograms, slowest_rpcs
 from kvstore.cli.stats import human_bytes
-from kvstore.tiers.base import TierKind
+from kvstore.names import TierKind
 
 SCRAPE_TIMEOUT_S = 5.0
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.wire import FetchedPage
+from kvstore.wire import FetchedPage, PageRef
 
 T = TypeVar("T")
 
@@ -89,6 +89,22 @@ class DataPlane(abc.ABC):
     @abc.abstractmethod
     def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         """Pages of the longest stored prefix of `hashes`, in order, verified."""
+
+    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[memoryview],
+                 promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
+        """Pages of the longest stored prefix of `hashes` written into the caller's `buffers` (page i into
+        buffers[i], which must hold it), verified; returns what landed, in order. This default gets the
+        pages and copies each once; a plane that can write straight into caller memory overrides it."""
+        if len(buffers) < len(hashes):
+            raise ValueError(f"{len(hashes)} hashes but {len(buffers)} buffers")
+        out: list[PageRef] = []
+        for i, page in enumerate((yield from self.get(namespace, hashes, promote))):
+            n = len(page.data)
+            if buffers[i].nbytes < n:
+                raise ValueError(f"buffers[{i}]: {buffers[i].nbytes} bytes cannot hold a {n}-byte page")
+            buffers[i].cast("B")[:n] = page.data
+            out.append(PageRef(page.hash, page.tier, n))
+        return out
 
     def close(self) -> None:
         """Release what the plane holds (segments, connections)."""
