@@ -35,7 +35,7 @@ from machine import cpu_model
 from kvstore.index import ALIVE_PREFIX, IndexReader, block_key
 from kvstore.index.publisher import IndexPublisher
 from kvstore.launch import RedisProcess
-from kvstore.tiers.base import TierKind
+from kvstore.names import TierKind
 
 NS = "bench/index"
 CHAINS = (16, 64, 256)

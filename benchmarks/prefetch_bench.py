@@ -29,8 +29,8 @@ from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.names import TierKind
 from kvstore.pageformat import slot_bytes_for
-from kvstore.tiers.base import TierKind
 
 NS = "bench/prefetch"
 DRAM_PAGES, NVME_PAGES, CHAIN = 96, 512, 64

@@ -80,8 +80,8 @@ from kvstore.errors import KVStoreError
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.names import TierKind
 from kvstore.pageformat import slot_bytes_for
-from kvstore.tiers.base import TierKind
 
 NAMESPACE = "bench"
 MIN_CALLS = 8  # calls per run never go below this (unless --iters is smaller)

@@ -19,7 +19,7 @@ from kvstore.client import KVStoreClient
 from kvstore.cluster import ClusterClient
 from kvstore.index import IndexReader, block_key
 from kvstore.launch import NodeProcess, RedisProcess
-from kvstore.tiers.base import TierKind
+from kvstore.names import TierKind
 from kvstore.transport.planes import host_id
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
 

@@ -17,8 +17,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.hashing import prefix_hashes
 from kvstore.launch import NodeProcess
+from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
-from kvstore.tiers.base import TierKind
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
 

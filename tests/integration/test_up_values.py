@@ -17,7 +17,7 @@ from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.errors import Unauthenticated
 from kvstore.index import IndexReader
-from workers.testing import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
+from workers.tiny import TinyLlamaSpec, make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "deploy" / "values"
@@ -91,8 +91,7 @@ def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: P
 
 
 def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path) -> None:
-    model = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3),
-                            writer=CheckpointWriter.SAFETENSORS)  # fmt: skip
+    model = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3))
     local = {"local": {"nodes": 1, "scale": 0.0002, "workers": True, "modelPath": str(model)},
              "workers": {"model": {"dtype": "float32"}, "blockSize": 8, "numBlocks": 256,
                          "prefill": {"gpusPerPod": 0}, "decode": {"gpusPerPod": 0}},

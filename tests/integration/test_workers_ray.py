@@ -14,8 +14,8 @@ import ray
 
 from devkit.hf import CheckpointWriter, TinyLlamaSpec, hf_reference_logits, load_hf_oracle, make_tiny_llama
 from kvstore.client import KVStoreClient
+from kvstore.names import TierKind
 from kvstore.pageformat import slot_bytes_for
-from kvstore.tiers.base import TierKind
 from workers.loader import load_model
 from workers.model import CacheConfig, PagedLlama
 from workers.runtime import LocalStack, StackConfig

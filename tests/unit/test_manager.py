@@ -16,8 +16,8 @@ from kvstore.config import NodeConfig
 from kvstore.errors import DataLoss, InvalidArgument, LayoutMismatch, NamespaceNotFound, ResourceExhausted
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
+from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
-from kvstore.tiers.base import TierKind
 from kvstore.tiers.nvme import NvmeFormatError
 
 LAYOUT = PageLayout(DType.UINT8, 1, 1, 2048, 1)  # 4096-byte pages

@@ -16,8 +16,8 @@ from kvstore.cli.rates import (
     parse_rpc_histograms,
     slowest_rpcs,
 )
+from kvstore.names import TierKind
 from kvstore.stats import IndexStatus, NodeStats, TierCounters, TierStats
-from kvstore.tiers.base import TierKind
 
 INF = math.inf
 
