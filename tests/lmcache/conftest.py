@@ -62,7 +62,8 @@ def node(tmp_path: Path) -> Iterator[NodeProcess]:
         n.close()
 
 
-def plugin_config(url: str, *, partial: bool = False, local_cpu: bool = False, **settings: object) -> Any:
+def plugin_config(url: str, *, partial: bool = False, local_cpu: bool = False, layerwise: bool = False,
+                  **settings: object) -> Any:  # fmt: skip
     """An LMCache config whose remote tier is the kvstore plugin (what a user writes in the YAML)."""
     from lmcache.v1.config import LMCacheEngineConfig
 
@@ -76,6 +77,7 @@ def plugin_config(url: str, *, partial: bool = False, local_cpu: bool = False, *
     cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=local_cpu, max_local_cpu_size=0.05,
                                             remote_serde="naive", remote_storage_plugins=["kvstore"],
                                             save_unfull_chunk=partial, blocking_timeout_secs=10,
+                                            use_layerwise=layerwise,
                                             extra_config=extra)  # fmt: skip
     cfg.validate()
     return cfg

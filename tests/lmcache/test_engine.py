@@ -20,11 +20,10 @@ from kvstore.launch import NodeProcess
 from tests.lmcache.conftest import CHUNK, HEAD_DIM, HEADS, LAYERS, metadata, plugin_config, wait_for
 
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test installs it")
-pytestmark = pytest.mark.filterwarnings("ignore:`LoggingHandler` in `opentelemetry-sdk`:DeprecationWarning")
 
-import torch  # noqa: E402
-from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
-from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface  # noqa: E402
+import torch
+from lmcache.v1.cache_engine import LMCacheEngineBuilder
+from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 
 BLOCKS = 16  # paged cache: 16 blocks of CHUNK slots
 

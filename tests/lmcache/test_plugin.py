@@ -39,7 +39,6 @@ from tests.lmcache.conftest import (
 )
 
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test installs it")
-pytestmark = pytest.mark.filterwarnings("ignore:`LoggingHandler` in `opentelemetry-sdk`:DeprecationWarning")
 
 NS = f"lmcache/v1/{MODEL}/ws1/w0/half/kv_2ltd/2x{LAYERS}xTx{HEADS * HEAD_DIM}:half/c{CHUNK}"
 LAYOUT = PageLayout(DType.FLOAT16, LAYERS, HEADS, HEAD_DIM, CHUNK)
@@ -252,6 +251,31 @@ def test_partial_last_chunk_round_trips_through_the_tail_namespace(
     assert {(ns, pages) for ns, _, pages in stats(node).namespaces} == {(NS, 1), (NS + "/tail", 1)}
 
 
+def test_layerwise_chunks_round_trip(node: NodeProcess, storage_managers: Callable[..., Any]) -> None:
+    """LMCache's layerwise engines (SGLang's in-process connector; vLLM with use_layerwise) store one
+    MemoryObj per layer and chunk, [tokens, 2, hidden] in KV_T2D, under a LayerCacheEngineKey each."""
+    import torch
+    from lmcache.utils import LayerCacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+
+    sm = storage_managers(plugin_config(f"kvstore://{node.addr}", layerwise=True, partial=True))
+    keys = [LayerCacheEngineKey(MODEL, 1, 0, 0xC0FFEE + c, torch.float16, layer_id=layer)
+            for c in range(2) for layer in range(LAYERS)]  # fmt: skip
+    tokens = [CHUNK] * LAYERS + [7] * LAYERS  # the second chunk is a partial one
+    objs = [sm.allocate(torch.Size([t, 2, HEADS * HEAD_DIM]), torch.float16, fmt=MemoryFormat.KV_T2D) for t in tokens]
+    data = [fill(o, 20 + i) for i, o in enumerate(objs)]
+    put_and_wait(sm, keys, objs)
+    release(objs)
+    reader = storage_managers(plugin_config(f"kvstore://{node.addr}", layerwise=True, partial=True))
+    assert reader.batched_contains(keys)[0] == len(keys)
+    got = reader.batched_get(keys, location=REMOTE)
+    assert [bytes(o.byte_array) for o in got] == data
+    assert [o.get_shape()[0] for o in got] == tokens and {o.get_memory_format() for o in got} == {MemoryFormat.KV_T2D}
+    release(got)
+    layer_ns = f"lmcache/v1/{MODEL}/ws1/w0/half/kv_t2d/Tx2x{HEADS * HEAD_DIM}:half/c{CHUNK}"
+    assert {(ns, pages) for ns, _, pages in stats(node).namespaces} == {(layer_ns, LAYERS), (layer_ns + "/tail", LAYERS)}
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[RedisProcess, list[NodeProcess]]]:
     r = RedisProcess().start()
@@ -293,3 +317,32 @@ def test_a_bad_plugin_config_leaves_lmcache_running_without_the_tier(storage_man
         lmc.removeHandler(rec)
     assert REMOTE not in sm.storage_backends and "LocalCPUBackend" in sm.storage_backends
     assert "remote_storage_plugin.kvstore.url" in rec.text(logging.ERROR), rec.text()
+
+
+def test_the_readme_yaml_is_a_working_lmcache_config(node: NodeProcess, tmp_path: Path,
+                                                     storage_managers: Callable[..., Any]) -> None:  # fmt: skip
+    """The README's LMCache YAML, loaded by LMCache's own loader, puts the engine on kvstore."""
+    import json
+    import re
+
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    yaml_text = re.search(r"```yaml\n(.*?)```", readme, re.S).group(1)  # type: ignore[union-attr]
+    assert "kvstore://10.0.0.5:50051" in yaml_text
+    path = tmp_path / "lmcache-kvstore.yaml"
+    path.write_text(yaml_text.replace("10.0.0.5:50051", node.addr).replace("chunk_size: 256", f"chunk_size: {CHUNK}")
+                    .replace("max_local_cpu_size: 5", "max_local_cpu_size: 0.05"))  # fmt: skip
+    config = LMCacheEngineConfig.from_file(str(path))
+    config.validate()
+    sm = storage_managers(config)
+    conn = sm.storage_backends[REMOTE].connection.getWrappedConnector()
+    assert type(conn).__name__ == "KVStoreConnector" and conn.store.where == f"kvstore node {node.addr}"
+    objs, data = chunks(sm, 1, seed=30)
+    put_and_wait(sm, [key(0)], objs)
+    release(objs)
+    got = sm.batched_get([key(0)], location=REMOTE)
+    assert bytes(got[0].byte_array) == data[0]
+    release(got)
+    kv_transfer = re.search(r"--kv-transfer-config '([^']+)'", readme).group(1)  # type: ignore[union-attr]
+    assert json.loads(kv_transfer) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
