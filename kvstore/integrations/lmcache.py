@@ -76,7 +76,7 @@ from kvstore.integrations.lmcache_mapping import (
     parse_settings,
     tail_tokens,
 )
-from kvstore.integrations.remote import RemoteStore
+from kvstore.integrations.remote import RemoteStore, call_slices
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.wire import Buffer, FetchedPage
 
@@ -205,13 +205,23 @@ class KVStoreConnector(RemoteConnector):
         """MemoryObjs of the longest retrievable prefix of `keys`, then Nones."""
         out: list[MemoryObj | None] = []
         for (ns, tail), hashes in self._runs(keys):
-            got = self._objs(ns, self.store.get(ns, hashes), tail=False)
+            got = self._fetch_chain(ns, hashes, tail=False)
             if len(got) < len(hashes) and self.partial:
-                got += self._objs(tail, self.store.get(tail, hashes[len(got) :]), tail=True)
+                got += self._fetch_chain(tail, hashes[len(got) :], tail=True)
             out += got
             if len(got) < len(hashes):
                 break
         return out + [None] * (len(keys) - len(out))
+
+    def _fetch_chain(self, ns: str, hashes: list[bytes], *, tail: bool) -> list[MemoryObj]:
+        """The longest prefix of one namespace's chain, fetched and placed slice by slice (memory bound)."""
+        out: list[MemoryObj] = []
+        for a, b in call_slices(len(hashes), self.layout.page_bytes):
+            got = self._objs(ns, self.store.get(ns, hashes[a:b]), tail=tail)
+            out += got
+            if len(got) < b - a:
+                break
+        return out
 
     def _objs(self, ns: str, pages: list[FetchedPage], *, tail: bool) -> list[MemoryObj]:
         """Copy fetched pages into MemoryObjs from LMCache's CPU allocator; stops at the first page that
@@ -268,7 +278,8 @@ class KVStoreConnector(RemoteConnector):
                     self.store.say("partial-off", logging.WARNING, "kvstore plugin %r: a partial chunk (%d tokens) "
                                    "was not stored: save_unfull_chunk is off", self.name, tokens)  # fmt: skip
         for ns, (hashes, pages) in batches.items():
-            self.store.put(ns, self.layout, hashes, pages)
+            for a, b in call_slices(len(hashes), self.layout.page_bytes):
+                self.store.put(ns, self.layout, hashes[a:b], pages[a:b], parent_chain=hashes[:a])
 
     def _run_starts(self, keys: Sequence[CacheEngineKey]) -> list[tuple[tuple[tuple[str, str], list[bytes]], int]]:
         out, start = [], 0

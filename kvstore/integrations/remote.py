@@ -52,10 +52,20 @@ from kvstore.wire import Buffer, FetchedPage, StreamError
 
 T = TypeVar("T")
 LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
+# NOTE: one client call holds all its pages in memory at once (a Get's buffers, a shared-memory Put's
+# segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
+# 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
+CALL_BYTES = 64 << 20
 _UNREACHABLE = (Unavailable, NoLiveNode, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
                 grpc.FutureTimeoutError, grpc.RpcError, ConnectionError, TimeoutError)  # fmt: skip
 _SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
 _FAILURES = (KVStoreError, StreamError, redis.exceptions.RedisError, *_UNREACHABLE, OSError, ValueError)
+
+
+def call_slices(n: int, page_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of a chain of n pages, each of at most CALL_BYTES (at least one page)."""
+    per = max(1, CALL_BYTES // max(1, page_bytes))
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
 
 
 def client_security(s: PluginSettings) -> ClientSecurity:
@@ -82,6 +92,7 @@ class RemoteStore:
         self._local = threading.local()
         self._clusters: list[ClusterClient] = []
         self._lock = threading.Lock()
+        self._closed = False
         self._data: KVStoreClient | None = None
         self._ctl: KVStoreClient | None = None
         if settings.target.addr is not None:
@@ -110,15 +121,18 @@ class RemoteStore:
             return self._guard("get", ns, lambda: data.get_pages(ns, hashes), [])
         return self._guard("get", ns, lambda: self._cluster().get_pages(ns, hashes), [])
 
-    def put(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> int | None:
-        """Store pages as one chain; returns how many were new, None when nothing was stored."""
+    def put(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
+            parent_chain: Sequence[bytes] = ()) -> int | None:  # fmt: skip
+        """Store pages as one chain continuing `parent_chain`; returns how many were new, None when
+        nothing was stored. A cluster places it next to its parent (ClusterClient's prefix affinity)."""
         if not hashes:
             return 0
         if self._data is not None:
-            data = self._data
-            res = self._guard("put", ns, lambda: data.put(ns, layout, hashes, pages), None)
+            data, parent = self._data, (parent_chain[-1] if parent_chain else None)
+            res = self._guard("put", ns, lambda: data.put(ns, layout, hashes, pages, parent=parent), None)
         else:
-            res = self._guard("put", ns, lambda: self._cluster().put(ns, layout, hashes, pages)[1], None)
+            res = self._guard("put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1],
+                              None)  # fmt: skip
         return None if res is None else res.stored
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
@@ -147,6 +161,7 @@ class RemoteStore:
         return self._guard("ping", "", lambda: any(n.alive for n in self._cluster().nodes()), False)
 
     def close(self) -> None:
+        self._closed = True
         for c in (self._data, self._ctl):
             if c is not None:
                 c.close()
@@ -180,14 +195,15 @@ class RemoteStore:
 
     def _guard(self, op: str, ns: str, fn: Callable[[], T], miss: T) -> T:
         """Run fn unless the remote is known to be down; turn every failure into `miss` and a log line."""
-        if not self.outage.allow():
+        if self._closed or not self.outage.allow():
             return miss
         try:
             result = fn()
         except NamespaceNotFound:
             return miss  # nothing was ever stored there: a plain miss
         except _FAILURES as exc:
-            self._failed(op, ns, exc)
+            if not self._closed:  # calls cut short by close() are not the remote's fault
+                self._failed(op, ns, exc)
             return miss
         back = self.outage.succeeded()
         if back is not None:

@@ -165,3 +165,12 @@ def test_log_limiter_counts_what_it_held_back() -> None:
     assert lim.admit("full") == 0  # kinds are independent
     clock.now += 30.0
     assert lim.admit("auth") == 2
+
+
+def test_long_chains_are_sliced_to_bounded_calls() -> None:
+    from kvstore.integrations.remote import CALL_BYTES, call_slices
+
+    assert call_slices(5, CALL_BYTES // 2) == [(0, 2), (2, 4), (4, 5)]
+    assert call_slices(3, 1 << 20) == [(0, 3)]
+    assert call_slices(2, 2 * CALL_BYTES) == [(0, 1), (1, 2)]  # a page larger than the budget: one per call
+    assert call_slices(0, 1 << 20) == []
