@@ -40,6 +40,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 from machine import machine_line, save_results
+from shm_bench import memcpy_gbs  # the machine's own limit, measured the same way in every benchmark
 
 from kvstore.launch import NodeProcess, free_port
 from kvstore.pageformat import slot_bytes_for
@@ -188,16 +189,6 @@ def run_cell(stack: Stack, peer: str, size: int, run: int, args: argparse.Namesp
     return put, moved / (time.perf_counter() - t0) / 1e9
 
 
-def memcpy_gbs(nbytes: int, reps: int = 10) -> float:
-    src, dst = bytearray(os.urandom(64) * (nbytes // 64)), bytearray(nbytes)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst[:] = src
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def bench_size(size: int, args: argparse.Namespace, logs: Path) -> list[dict[str, object]]:
     node = NodeProcess(dram_bytes=max(64 * MiB, (args.batch * (args.iters + 4)) * slot_bytes_for(size)),
                        max_page_bytes=size, node_id=f"bench-lmcache-{size}",
@@ -220,7 +211,7 @@ def bench_size(size: int, args: argparse.Namespace, logs: Path) -> list[dict[str
             s.close()
         lm.stop()
         node.close()
-    copy = memcpy_gbs(args.batch * size)
+    copy = memcpy_gbs(args.batch * size, 10)
     rows: list[dict[str, object]] = []
     for op in ("put", "get"):
         lm_med = statistics.median(res["lm"][op])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,15 +30,6 @@ SLOT = slot_bytes_for(CHUNK_BYTES)
 MODEL = "it/tiny-llama"
 REMOTE = "RemoteBackend-kvstore"  # the name LMCache's storage manager gives our backend
 PLUGIN_LOGGER = "kvstore.integrations.lmcache"
-
-
-def wait_for(cond: Callable[[], object], timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start_node(tmp_path: Path, name: str = "n0", *, dram_pages: int = 16, nvme_pages: int = 64,

@@ -17,7 +17,8 @@ import pytest
 
 from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
-from tests.lmcache.conftest import CHUNK, HEAD_DIM, HEADS, LAYERS, metadata, plugin_config, wait_for
+from tests.integration.test_cluster import wait_for  # the suite's bounded poll
+from tests.lmcache.conftest import CHUNK, HEAD_DIM, HEADS, LAYERS, metadata, plugin_config
 
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test installs it")
 

@@ -8,46 +8,34 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.integrations import lmcache_mapping as v1
 from kvstore.integrations.health import LogLimiter, Outage
-from kvstore.integrations.lmcache_mapping import (
-    TAIL_TRAILER,
-    MappingError,
-    Target,
-    chunked_geometry,
-    layerwise_geometry,
-    namespace_for,
-    pack_tail,
-    page_key,
-    parse_settings,
-    parse_url,
-    tail_tokens,
-)
 from kvstore.layout import DType, PageLayout
 
-LLAMA = chunked_geometry("KV_2LTD", [(2, 32, 256, 1024)], ["bfloat16"], [2], 256, kv_heads=8, head_dim=128)
+LLAMA = v1.chunked_geometry("KV_2LTD", [(2, 32, 256, 1024)], ["bfloat16"], [2], 256, kv_heads=8, head_dim=128)
 P = "remote_storage_plugin.kvstore."
 
 
 def test_key_vectors() -> None:
-    assert page_key("meta-llama/Llama-3.1-8B-Instruct@2@1@1f2e3d4c5b6a7980@bfloat16").hex() == (
+    assert v1.page_key("meta-llama/Llama-3.1-8B-Instruct@2@1@1f2e3d4c5b6a7980@bfloat16").hex() == (
         "4b6a2c576c40618dc0670d370676ef3e1fe87638ece4533eb1fd20948b592e0e"
     )
     # request tags and (layerwise) layer ids are part of LMCache's key string, so of ours
-    assert page_key("m@1@0@ff@half@42").hex() == "971d3eafab060478ae55d8577b10e1a77a138331b1150d4dfbd9b282da35b4b2"
-    assert page_key("m@1@0@ff@half") != page_key("m@1@1@ff@half")
+    assert v1.page_key("m@1@0@ff@half@42").hex() == "971d3eafab060478ae55d8577b10e1a77a138331b1150d4dfbd9b282da35b4b2"
+    assert v1.page_key("m@1@0@ff@half") != v1.page_key("m@1@1@ff@half")
 
 
 def test_namespace_vectors_carry_everything_that_makes_pages_incompatible() -> None:
-    ns = namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA)
+    ns = v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA)
     assert ns == "lmcache/v1/meta-llama/Llama-3.1-8B-Instruct/ws2/w1/bfloat16/kv_2ltd/2x32xTx1024:bfloat16/c256"
-    assert namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA, tail=True) == ns + "/tail"
+    assert v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA, tail=True) == ns + "/tail"
     variants = {
-        namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 4, 1, "bfloat16", LLAMA),  # TP size
-        namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 0, "bfloat16", LLAMA),  # TP rank
-        namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "half", LLAMA),  # KV dtype
-        namespace_for("tenant-b", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA),  # salt
-        namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16",
-                      chunked_geometry("KV_2LTD", [(2, 32, 128, 1024)], ["bfloat16"], [2], 128)),  # chunk size
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 4, 1, "bfloat16", LLAMA),  # TP size
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 0, "bfloat16", LLAMA),  # TP rank
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "half", LLAMA),  # KV dtype
+        v1.namespace_for("tenant-b", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA),  # salt
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16",
+                      v1.chunked_geometry("KV_2LTD", [(2, 32, 128, 1024)], ["bfloat16"], [2], 128)),  # chunk size
     }
     assert len(variants) == 5 and ns not in variants
 
@@ -55,27 +43,27 @@ def test_namespace_vectors_carry_everything_that_makes_pages_incompatible() -> N
 def test_layouts_real_dims_when_known_else_bytes_of_the_same_size() -> None:
     assert LLAMA.page_layout() == PageLayout(DType.BFLOAT16, 32, 8, 128, 256)
     assert LLAMA.page_layout().page_bytes == LLAMA.chunk_bytes == 32 << 20
-    mla = chunked_geometry("KV_MLA_FMT", [(1, 61, 256, 576)], ["bfloat16"], [2], 256)
-    assert namespace_for("lmcache", "deepseek-ai/DeepSeek-V3", 8, 0, "bfloat16", mla) == (
+    mla = v1.chunked_geometry("KV_MLA_FMT", [(1, 61, 256, 576)], ["bfloat16"], [2], 256)
+    assert v1.namespace_for("lmcache", "deepseek-ai/DeepSeek-V3", 8, 0, "bfloat16", mla) == (
         "lmcache/v1/deepseek-ai/DeepSeek-V3/ws8/w0/bfloat16/kv_mla_fmt/1x61xTx576:bfloat16/c256"
     )
     assert mla.page_layout() == PageLayout(DType.UINT8, 1, 1, 61 * 576, 256)
     assert mla.page_layout().page_bytes == mla.chunk_bytes
-    lw = layerwise_geometry("KV_T2D", 2, 1024, "bfloat16", 2, 256, 8, 128)  # SGLang / vLLM layerwise
+    lw = v1.layerwise_geometry("KV_T2D", 2, 1024, "bfloat16", 2, 256, 8, 128)  # SGLang / vLLM layerwise
     assert lw.shapes(7) == [(7, 2, 1024)] and lw.shape_tag() == "Tx2x1024:bfloat16"
     assert lw.page_layout() == PageLayout(DType.BFLOAT16, 1, 8, 128, 256)
-    odd = chunked_geometry("KV_2LTD", [(2, 2, 16, 64)], ["int8"], [1], 16)  # no kvstore dtype: bytes
+    odd = v1.chunked_geometry("KV_2LTD", [(2, 2, 16, 64)], ["int8"], [1], 16)  # no kvstore dtype: bytes
     assert odd.page_layout() == PageLayout(DType.UINT8, 1, 1, 128, 16)
-    with pytest.raises(MappingError, match="layerwise memory format"):
-        layerwise_geometry("KV_2LTD", 2, 1024, "bfloat16", 2, 256)
+    with pytest.raises(v1.MappingError, match="layerwise memory format"):
+        v1.layerwise_geometry("KV_2LTD", 2, 1024, "bfloat16", 2, 256)
 
 
 def test_long_model_names_are_shortened_with_their_digest() -> None:
-    ns = namespace_for("lmcache", "x" * 300, 1, 0, "half", LLAMA)
+    ns = v1.namespace_for("lmcache", "x" * 300, 1, 0, "half", LLAMA)
     assert ns == "lmcache/v1/" + "x" * 48 + "~0d4e2ca9e9cbced7/ws1/w0/half/kv_2ltd/2x32xTx1024:bfloat16/c256"
-    assert namespace_for("lmcache", "x" * 299, 1, 0, "half", LLAMA) != ns
-    with pytest.raises(MappingError, match="namespace"):
-        namespace_for("lmcache", "model\nwith a newline", 1, 0, "half", LLAMA)
+    assert v1.namespace_for("lmcache", "x" * 299, 1, 0, "half", LLAMA) != ns
+    with pytest.raises(v1.MappingError, match="namespace"):
+        v1.namespace_for("lmcache", "model\nwith a newline", 1, 0, "half", LLAMA)
 
 
 def test_tokens_of_accepts_only_this_geometry() -> None:
@@ -89,39 +77,39 @@ def test_tokens_of_accepts_only_this_geometry() -> None:
         ([(2, 32, 256, 1024)] * 2, ["bfloat16"] * 2, "KV_2LTD", "dtypes|groups"),
     ]
     for shapes, dtypes, fmt, what in bad:
-        with pytest.raises(MappingError, match=what):
+        with pytest.raises(v1.MappingError, match=what):
             LLAMA.tokens_of(shapes, dtypes, fmt)
 
 
 def test_tail_pages_keep_the_true_length() -> None:
     data = memoryview(bytes(range(256)) * 3)
-    page = pack_tail(data, 3, 4096)
-    assert len(page) == 4096 and page[:768] == data and not any(page[768:-TAIL_TRAILER.size])
-    assert tail_tokens(page, 16) == 3
-    with pytest.raises(MappingError, match="trailer"):
-        tail_tokens(bytes(4096), 16)  # a page without the trailer
-    with pytest.raises(MappingError, match="trailer"):
-        tail_tokens(page, 3)  # as many tokens as a full chunk: not a tail
-    with pytest.raises(MappingError, match="no room"):
-        pack_tail(memoryview(bytes(4090)), 15, 4096)
+    page = v1.pack_tail(data, 3, 4096)
+    assert len(page) == 4096 and page[:768] == data and not any(page[768:-v1.TAIL_TRAILER.size])
+    assert v1.tail_tokens(page, 16) == 3
+    with pytest.raises(v1.MappingError, match="trailer"):
+        v1.tail_tokens(bytes(4096), 16)  # a page without the trailer
+    with pytest.raises(v1.MappingError, match="trailer"):
+        v1.tail_tokens(page, 3)  # as many tokens as a full chunk: not a tail
+    with pytest.raises(v1.MappingError, match="no room"):
+        v1.pack_tail(memoryview(bytes(4090)), 15, 4096)
 
 
 def test_urls() -> None:
-    assert parse_url("kvstore://10.0.0.5:50051") == Target(addr="10.0.0.5:50051")
-    assert parse_url("kvstore://[::1]:50051") == Target(addr="[::1]:50051")
-    assert parse_url("kvstore+redis://10.0.0.9:6379/0") == Target(redis_url="redis://10.0.0.9:6379/0")
+    assert v1.parse_url("kvstore://10.0.0.5:50051") == v1.Target(addr="10.0.0.5:50051")
+    assert v1.parse_url("kvstore://[::1]:50051") == v1.Target(addr="[::1]:50051")
+    assert v1.parse_url("kvstore+redis://10.0.0.9:6379/0") == v1.Target(redis_url="redis://10.0.0.9:6379/0")
     for bad in ("kvstore://host", "lm://127.0.0.1:1", "kvstore://h:1/path", "kvstore+redis:///0", "10.0.0.5:50051"):
-        with pytest.raises(MappingError, match="url"):
-            parse_url(bad)
+        with pytest.raises(v1.MappingError, match="url"):
+            v1.parse_url(bad)
 
 
 def test_settings_validation_names_the_key() -> None:
-    s = parse_settings({P + "url": "kvstore://h:1", P + "timeout": "2.5", P + "prefetch": "false", P + "threads": 2,
+    s = v1.parse_settings({P + "url": "kvstore://h:1", P + "timeout": "2.5", P + "prefetch": "false", P + "threads": 2,
                         P + "transport": "GRPC", P + "module_path": "x", "unrelated": 1}, "kvstore", 10.0)  # fmt: skip
     assert (s.target.addr, s.timeout, s.prefetch, s.threads, s.transport) == ("h:1", 2.5, False, 2, "grpc")
-    assert parse_settings({P + "url": "kvstore://h:1"}, "kvstore", 7.0).timeout == 7.0  # LMCache's blocking timeout
+    assert v1.parse_settings({P + "url": "kvstore://h:1"}, "kvstore", 7.0).timeout == 7.0  # LMCache's blocking timeout
     inst = "remote_storage_plugin.kvstore.a."
-    assert parse_settings({inst + "url": "kvstore://h:2"}, "kvstore.a", 1.0).target.addr == "h:2"
+    assert v1.parse_settings({inst + "url": "kvstore://h:2"}, "kvstore.a", 1.0).target.addr == "h:2"
     bad = [
         ({}, P + "url: required"),
         ({P + "url": "kvstore://h:1", P + "timeout": "soon"}, P + "timeout"),
@@ -133,8 +121,8 @@ def test_settings_validation_names_the_key() -> None:
         ({P + "url": "kvstore://h:1", P + "tokne": "x"}, P + "tokne: unknown setting"),
     ]
     for extra, what in bad:
-        with pytest.raises(MappingError) as err:
-            parse_settings(extra, "kvstore", 10.0)
+        with pytest.raises(v1.MappingError) as err:
+            v1.parse_settings(extra, "kvstore", 10.0)
         assert what in str(err.value)
 
 

@@ -21,6 +21,7 @@ from kvstore.launch import NodeProcess, RedisProcess, free_port
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity
 from kvstore.tiers.base import TierKind
+from tests.integration.test_cluster import wait_for  # the suite's bounded poll
 from tests.lmcache.conftest import (
     CHUNK,
     CHUNK_BYTES,
@@ -35,7 +36,6 @@ from tests.lmcache.conftest import (
     metadata,
     plugin_config,
     start_node,
-    wait_for,
 )
 
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test installs it")
