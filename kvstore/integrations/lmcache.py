@@ -44,11 +44,14 @@ kvstore client on this plugin's thread pool, so the loop never blocks on the net
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -77,6 +80,7 @@ from kvstore.integrations.lmcache_mapping import (
     tail_tokens,
 )
 from kvstore.integrations.remote import RemoteStore, call_slices
+from kvstore.layout import PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.wire import Buffer, FetchedPage
 
@@ -120,6 +124,29 @@ def engine_geometry(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> t
     return geo, list(dtypes)
 
 
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """Everything derived from the engine's chunk geometry. Replaced as a whole, never mutated, when
+    LMCache registers the engine's KV layer groups after the plugin started (vLLM's V3 GPU connector
+    does so on its first transfer), so a call always sees one consistent geometry, layout and namespaces."""
+
+    geometry: Geometry
+    layout: PageLayout
+    dtypes: list[Any]  # torch dtypes to allocate MemoryObjs with
+    fmt: MemoryFormat
+    groups_from: object  # the KVLayerGroupsManager it was derived from (None: the legacy kv_shape)
+    namespaces: dict[tuple[str, int, int, str], tuple[str, str]]
+
+    @classmethod
+    def derive(cls, config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> EngineShape:
+        geometry, dtypes = engine_geometry(config, metadata)
+        return cls(geometry, geometry.page_layout(), dtypes, MemoryFormat[geometry.fmt],
+                   metadata.kv_layer_groups_manager, {})  # fmt: skip
+
+
+Runs = list[tuple[tuple[str, str], list[bytes]]]  # (namespace, tail namespace), kvstore hashes
+
+
 class KVStoreConnector(RemoteConnector):
     """LMCache RemoteConnector over kvstore. Invariants: every page it stores is `layout.page_bytes`
     long and checksummed by the client; every MemoryObj it returns came from LMCache's local CPU
@@ -133,21 +160,17 @@ class KVStoreConnector(RemoteConnector):
         super().__init__(config, metadata)
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
+        self.config = config
         self.metadata = metadata
         self.name = plugin_name
         self.hint = f"remote_storage_plugin.{plugin_name}."
+        self.partial = bool(config.save_unfull_chunk)
+        self._shape_lock = threading.Lock()
         try:
             self.settings: PluginSettings = parse_settings(config.extra_config, plugin_name,
                                                            float(config.blocking_timeout_secs))  # fmt: skip
-            self.geometry, self._alloc_dtypes = engine_geometry(config, metadata)
-            self.layout = self.geometry.page_layout()
-            self.partial = bool(config.save_unfull_chunk)
-            if self.partial and self.geometry.token_bytes < TAIL_TRAILER.size:
-                raise MappingError(f"save_unfull_chunk needs >= {TAIL_TRAILER.size} bytes per token for the tail "
-                                   f"trailer; this model has {self.geometry.token_bytes}")  # fmt: skip
-            self._fmt = MemoryFormat[self.geometry.fmt]
-            self._namespaces: dict[tuple[str, int, int, str], tuple[str, str]] = {}
-            probe = self._namespace_pair(metadata.model_name, metadata.world_size, metadata.worker_id,
+            self._shape = self._checked(EngineShape.derive(config, metadata))
+            probe = self._namespace_pair(self._shape, metadata.model_name, metadata.world_size, metadata.worker_id,
                                          TORCH_DTYPE_TO_STR_DTYPE[metadata.kv_dtype])  # fmt: skip
         except (MappingError, ValueError, KeyError) as exc:
             raise IrrecoverableException(f"kvstore plugin {plugin_name!r}: {exc}") from None
@@ -160,7 +183,7 @@ class KVStoreConnector(RemoteConnector):
         self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"kvstore-{plugin_name}")
         self._closed = False
         logger.info("kvstore plugin %r: %s, namespace %r, pages of %s, partial chunks %s", plugin_name,
-                    self.store.where, probe[0], self.layout.describe(), "on (/tail)" if self.partial else "off")  # fmt: skip
+                    self.store.where, probe[0], self._shape.layout.describe(), "on (/tail)" if self.partial else "off")  # fmt: skip
         if config.pre_caching_hash_algorithm == "builtin" and os.environ.get("PYTHONHASHSEED") is None:
             logger.warning("kvstore plugin %r: LMCache hashes chunks with Python's builtin hash and PYTHONHASHSEED is "
                            "not set, so every engine process computes different keys and finds nothing another one "
@@ -168,20 +191,46 @@ class KVStoreConnector(RemoteConnector):
 
     # -- the mapping
 
-    def _namespace_pair(self, model: str, world_size: int, worker_id: int, dtype: str) -> tuple[str, str]:
+    def _checked(self, shape: EngineShape) -> EngineShape:
+        if self.partial and shape.geometry.token_bytes < TAIL_TRAILER.size:
+            raise MappingError(f"save_unfull_chunk needs >= {TAIL_TRAILER.size} bytes per token for the tail "
+                               f"trailer; this model has {shape.geometry.token_bytes}")  # fmt: skip
+        return shape
+
+    def _current(self) -> EngineShape:
+        """The engine's shape, re-derived once LMCache has registered its KV layer groups."""
+        shape = self._shape
+        if self.metadata.kv_layer_groups_manager is shape.groups_from:
+            return shape
+        with self._shape_lock:
+            if self.metadata.kv_layer_groups_manager is not self._shape.groups_from:
+                try:
+                    new = self._checked(EngineShape.derive(self.config, self.metadata))
+                except (MappingError, ValueError, KeyError) as exc:
+                    self.store.say("geometry", logging.ERROR, "kvstore plugin %r: the engine's KV layer groups cannot "
+                                   "be mapped (%s); keeping %s", self.name, exc, self._shape.geometry.shape_tag())  # fmt: skip
+                    new = dataclasses.replace(self._shape, groups_from=self.metadata.kv_layer_groups_manager)
+                if new.geometry != self._shape.geometry:
+                    logger.info("kvstore plugin %r: the engine registered its KV layer groups: chunks are now %s",
+                                self.name, new.geometry.shape_tag())  # fmt: skip
+                self._shape = new
+            return self._shape
+
+    def _namespace_pair(self, shape: EngineShape, model: str, world_size: int, worker_id: int, dtype: str) -> tuple[str, str]:
         k = (model, world_size, worker_id, dtype)
-        pair = self._namespaces.get(k)
+        pair = shape.namespaces.get(k)
         if pair is None:
-            args = (self.settings.namespace_prefix, model, world_size, worker_id, dtype, self.geometry)
+            args = (self.settings.namespace_prefix, model, world_size, worker_id, dtype, shape.geometry)
             pair = (namespace_for(*args), namespace_for(*args, tail=True))
-            self._namespaces[k] = pair
+            shape.namespaces[k] = pair
         return pair
 
-    def _runs(self, keys: Sequence[CacheEngineKey]) -> list[tuple[tuple[str, str], list[bytes]]]:
+    def _runs(self, shape: EngineShape, keys: Sequence[CacheEngineKey]) -> Runs:
         """Consecutive keys of one namespace pair, with their kvstore hashes (order kept)."""
-        runs: list[tuple[tuple[str, str], list[bytes]]] = []
+        runs: Runs = []
         for key in keys:
-            pair = self._namespace_pair(key.model_name, key.world_size, key.worker_id, TORCH_DTYPE_TO_STR_DTYPE[key.dtype])
+            pair = self._namespace_pair(shape, key.model_name, key.world_size, key.worker_id,
+                                        TORCH_DTYPE_TO_STR_DTYPE[key.dtype])  # fmt: skip
             if not runs or runs[-1][0] != pair:
                 runs.append((pair, []))
             runs[-1][1].append(page_key(key.to_string()))
@@ -192,7 +241,7 @@ class KVStoreConnector(RemoteConnector):
     def _contains(self, keys: Sequence[CacheEngineKey], prefetch: bool) -> int:
         """Leading keys held: full chunks, then (partial chunks on) the rest of the chain in the tail."""
         total = 0
-        for (ns, tail), hashes in self._runs(keys):
+        for (ns, tail), hashes in self._runs(self._current(), keys):
             n = self.store.lookup(ns, hashes, prefetch=prefetch)
             if n < len(hashes) and self.partial:
                 n += self.store.lookup(tail, hashes[n:], prefetch=prefetch)
@@ -203,45 +252,46 @@ class KVStoreConnector(RemoteConnector):
 
     def _fetch(self, keys: Sequence[CacheEngineKey]) -> list[MemoryObj | None]:
         """MemoryObjs of the longest retrievable prefix of `keys`, then Nones."""
+        shape = self._current()
         out: list[MemoryObj | None] = []
-        for (ns, tail), hashes in self._runs(keys):
-            got = self._fetch_chain(ns, hashes, tail=False)
+        for (ns, tail), hashes in self._runs(shape, keys):
+            got = self._fetch_chain(shape, ns, hashes, tail=False)
             if len(got) < len(hashes) and self.partial:
-                got += self._fetch_chain(tail, hashes[len(got) :], tail=True)
+                got += self._fetch_chain(shape, tail, hashes[len(got) :], tail=True)
             out += got
             if len(got) < len(hashes):
                 break
         return out + [None] * (len(keys) - len(out))
 
-    def _fetch_chain(self, ns: str, hashes: list[bytes], *, tail: bool) -> list[MemoryObj]:
+    def _fetch_chain(self, shape: EngineShape, ns: str, hashes: list[bytes], *, tail: bool) -> list[MemoryObj]:
         """The longest prefix of one namespace's chain, fetched and placed slice by slice (memory bound)."""
         out: list[MemoryObj] = []
-        for a, b in call_slices(len(hashes), self.layout.page_bytes):
-            got = self._objs(ns, self.store.get(ns, hashes[a:b]), tail=tail)
+        for a, b in call_slices(len(hashes), shape.layout.page_bytes):
+            got = self._objs(shape, ns, self.store.get(ns, hashes[a:b]), tail=tail)
             out += got
             if len(got) < b - a:
                 break
         return out
 
-    def _objs(self, ns: str, pages: list[FetchedPage], *, tail: bool) -> list[MemoryObj]:
+    def _objs(self, shape: EngineShape, ns: str, pages: list[FetchedPage], *, tail: bool) -> list[MemoryObj]:
         """Copy fetched pages into MemoryObjs from LMCache's CPU allocator; stops at the first page that
         cannot be placed (no memory: LMCache is full; a malformed page: logged)."""
-        out: list[MemoryObj] = []
+        geo, out = shape.geometry, []
         for page in pages:
             try:
-                if len(page.data) != self.layout.page_bytes:
-                    raise MappingError(f"page of {len(page.data)} B, the namespace's layout has {self.layout.page_bytes} B")
-                tokens = tail_tokens(page.data, self.geometry.chunk_size) if tail else self.geometry.chunk_size
+                if len(page.data) != shape.layout.page_bytes:
+                    raise MappingError(f"page of {len(page.data)} B, the namespace's layout has {shape.layout.page_bytes} B")
+                tokens = tail_tokens(page.data, geo.chunk_size) if tail else geo.chunk_size
             except MappingError as exc:
                 self.store.say("malformed", logging.ERROR, "kvstore plugin %r: %s in namespace %r: %s; treated as a miss",
-                                self.name, self.store.where, ns, exc)  # fmt: skip
+                               self.name, self.store.where, ns, exc)  # fmt: skip
                 break
-            obj = self.local_cpu_backend.allocate([torch.Size(s) for s in self.geometry.shapes(tokens)], self._alloc_dtypes,
-                                                  self._fmt, eviction=True, busy_loop=False)  # fmt: skip
+            obj = self.local_cpu_backend.allocate([torch.Size(s) for s in geo.shapes(tokens)], shape.dtypes, shape.fmt,
+                                                  eviction=True, busy_loop=False)  # fmt: skip
             if obj is None:
                 logger.debug("kvstore plugin %r: LMCache's CPU buffer is full; the rest is a miss", self.name)
                 break
-            nbytes = tokens * self.geometry.token_bytes
+            nbytes = tokens * geo.token_bytes
             try:
                 obj.byte_array.cast("B")[:nbytes] = memoryview(page.data)[:nbytes]
             except BaseException:
@@ -251,46 +301,42 @@ class KVStoreConnector(RemoteConnector):
         return out
 
     def _store(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        """Put full chunks into their namespace and partial ones into its tail, one call per namespace."""
+        """Put full chunks into their namespace and partial ones into its tail, one chain per namespace."""
+        shape = self._current()
+        geo = shape.geometry
         batches: dict[str, tuple[list[bytes], list[Buffer]]] = {}
-        for ((ns, tail), hashes), start in self._run_starts(keys):
-            for i, h in enumerate(hashes):
-                obj = objs[start + i]
+        start = 0
+        for (ns, tail), hashes in self._runs(shape, keys):
+            for h, obj in zip(hashes, objs[start : start + len(hashes)], strict=True):
                 try:
-                    tokens = self.geometry.tokens_of(obj.get_shapes(), [TORCH_DTYPE_TO_STR_DTYPE[d] for d in obj.get_dtypes()],
-                                                     obj.get_memory_format().name)  # fmt: skip
+                    tokens = geo.tokens_of(obj.get_shapes(), [TORCH_DTYPE_TO_STR_DTYPE[d] for d in obj.get_dtypes()],
+                                           obj.get_memory_format().name)  # fmt: skip
                     data = obj.byte_array
-                    if len(data) != tokens * self.geometry.token_bytes:
-                        raise MappingError(f"{len(data)} B for {tokens} tokens, expected {tokens * self.geometry.token_bytes}")
+                    if len(data) != tokens * geo.token_bytes:
+                        raise MappingError(f"{len(data)} B for {tokens} tokens, expected {tokens * geo.token_bytes}")
                 except (MappingError, KeyError) as exc:
                     self.store.say("bad-chunk", logging.ERROR, "kvstore plugin %r: chunk not stored, it is not this engine's "
-                                    "geometry (%s): %s", self.name, self.geometry.shape_tag(), exc)  # fmt: skip
+                                   "geometry (%s): %s", self.name, geo.shape_tag(), exc)  # fmt: skip
                     continue
-                if tokens == self.geometry.chunk_size:
+                if tokens == geo.chunk_size:
                     batch = batches.setdefault(ns, ([], []))
                     batch[0].append(h)
                     batch[1].append(data)
                 elif self.partial:
                     batch = batches.setdefault(tail, ([], []))
                     batch[0].append(h)
-                    batch[1].append(pack_tail(data, tokens, self.layout.page_bytes))
+                    batch[1].append(pack_tail(data, tokens, shape.layout.page_bytes))
                 else:
                     self.store.say("partial-off", logging.WARNING, "kvstore plugin %r: a partial chunk (%d tokens) "
                                    "was not stored: save_unfull_chunk is off", self.name, tokens)  # fmt: skip
+            start += len(hashes)
         for ns, (hashes, pages) in batches.items():
-            for a, b in call_slices(len(hashes), self.layout.page_bytes):
-                self.store.put(ns, self.layout, hashes[a:b], pages[a:b], parent_chain=hashes[:a])
-
-    def _run_starts(self, keys: Sequence[CacheEngineKey]) -> list[tuple[tuple[tuple[str, str], list[bytes]], int]]:
-        out, start = [], 0
-        for run in self._runs(keys):
-            out.append((run, start))
-            start += len(run[1])
-        return out
+            for a, b in call_slices(len(hashes), shape.layout.page_bytes):
+                self.store.put(ns, shape.layout, hashes[a:b], pages[a:b], parent_chain=hashes[:a])
 
     def _pin(self, keys: Sequence[CacheEngineKey]) -> int:
         pinned = 0
-        for (ns, tail), hashes in self._runs(keys):
+        for (ns, tail), hashes in self._runs(self._current(), keys):
             pinned += self.store.pin(ns, hashes, self.settings.pin_lease)
             if self.partial:
                 pinned += self.store.pin(tail, hashes[-1:], self.settings.pin_lease)
@@ -373,7 +419,7 @@ class KVStoreConnector(RemoteConnector):
         return [o for o in objs if o is not None]  # _fetch returns a prefix, then Nones
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
-        ((ns, tail), hashes), = self._runs([key])
+        ((ns, tail), hashes), = self._runs(self._current(), [key])
         removed = self.store.delete(ns, hashes)
         if self.partial:
             removed += self.store.delete(tail, hashes)

@@ -132,10 +132,8 @@ def plugin_log() -> Iterator[Records]:
 
 def fill(obj: Any, seed: int) -> bytes:
     """Deterministic random bytes into a MemoryObj; returns them."""
-    import torch
-
     data = random.Random(seed).randbytes(obj.get_size())
-    obj.tensor.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    obj.byte_array.cast("B")[:] = data
     return data
 
 

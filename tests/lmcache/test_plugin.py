@@ -346,3 +346,38 @@ def test_the_readme_yaml_is_a_working_lmcache_config(node: NodeProcess, tmp_path
     release(got)
     kv_transfer = re.search(r"--kv-transfer-config '([^']+)'", readme).group(1)  # type: ignore[union-attr]
     assert json.loads(kv_transfer) == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+
+
+def test_kv_layer_groups_registered_after_start_change_the_geometry(
+        tmp_path: Path, storage_managers: Callable[..., Any]) -> None:  # fmt: skip
+    """vLLM's V3 GPU connector registers the model's KV layer groups on its first transfer, after
+    LMCache built its backends. A hybrid model (here: layers with 2 and with 4 KV heads) then has
+    chunks of two groups; the plugin maps those from then on, under a namespace naming both."""
+    import torch
+    from lmcache.v1.gpu_connector.utils import EngineType, normalize_and_discover_per_layer_formats
+    from lmcache.v1.kv_layer_groups import KVLayerGroupsManager
+
+    node = start_node(tmp_path, max_page_bytes=2 * CHUNK_BYTES)
+    try:
+        meta = metadata()
+        writer = storage_managers(plugin_config(f"kvstore://{node.addr}"), meta)
+        reader = storage_managers(plugin_config(f"kvstore://{node.addr}"), meta)
+        caches = [torch.zeros(2, 8, CHUNK, heads, HEAD_DIM, dtype=torch.float16) for heads in (HEADS, 2 * HEADS)]
+        caches, formats = normalize_and_discover_per_layer_formats(caches, [], EngineType.VLLM, {"kv_layout": "NHD"})
+        meta.kv_layer_groups_manager = KVLayerGroupsManager(list(caches), engine_kv_formats=formats,
+                                                            lmcache_tokens_per_chunk=CHUNK)  # fmt: skip
+        assert len(meta.get_shapes(CHUNK)) == 2
+        objs = [writer.allocate(meta.get_shapes(CHUNK), meta.get_dtypes()) for _ in range(2)]
+        data = [fill(o, 40 + i) for i, o in enumerate(objs)]
+        put_and_wait(writer, [key(0), key(1)], objs)
+        release(objs)
+        got = reader.batched_get([key(0), key(1)], location=REMOTE)
+        assert [bytes(o.byte_array) for o in got] == data
+        assert [list(o.get_shapes()) for o in got] == [meta.get_shapes(CHUNK)] * 2
+        release(got)
+        (ns, layout, pages), = stats(node).namespaces
+        hidden = HEADS * HEAD_DIM
+        assert ns.endswith(f"/kv_2ltd/2x1xTx{hidden}:half+2x1xTx{2 * hidden}:half/c{CHUNK}") and pages == 2
+        assert layout.page_bytes == 2 * CHUNK * 3 * hidden * 2  # both groups' K and V, fp16
+    finally:
+        node.close()
