@@ -7,5 +7,6 @@
   error policy an engine needs (a failure is a logged miss, never an exception into the engine).
 - `health.py`: outage tracking and log rate limiting (pure, clock injected).
 
-Nothing in `kvstore` imports this package; it imports `kvstore.client` / `kvstore.cluster` only.
+Nothing else in `kvstore` imports this package. It stands on the public client API only (the clients,
+their errors, layouts, security and wire types) and never reaches into the node's internals.
 """

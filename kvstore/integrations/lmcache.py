@@ -172,14 +172,14 @@ class KVStoreConnector(RemoteConnector):
             self._shape = self._checked(EngineShape.derive(config, metadata))
             probe = self._namespace_pair(self._shape, metadata.model_name, metadata.world_size, metadata.worker_id,
                                          TORCH_DTYPE_TO_STR_DTYPE[metadata.kv_dtype])  # fmt: skip
-        except (MappingError, ValueError, KeyError) as exc:
+            self.store = RemoteStore(self.settings, logger, setting_prefix=self.hint)  # reads token / TLS files
+        except (MappingError, ValueError, KeyError, OSError) as exc:
             raise IrrecoverableException(f"kvstore plugin {plugin_name!r}: {exc}") from None
         if self.settings.tune_malloc:
             # NOTE: the client allocates one buffer per fetched page; with glibc's default thresholds each
             # 1-32 MiB buffer is a fresh mmap, faulted in page by page and unmapped again. Measured on a
             # 2-vCPU VM: 16 x 1 MiB of such buffers cost 18 ms untuned, 6 ms tuned (benchmarks/RESULTS.md).
             tune_malloc_for_bulk_io()
-        self.store = RemoteStore(self.settings, logger, setting_prefix=self.hint)
         self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"kvstore-{plugin_name}")
         self._closed = False
         logger.info("kvstore plugin %r: %s, namespace %r, pages of %s, partial chunks %s", plugin_name,
@@ -338,8 +338,8 @@ class KVStoreConnector(RemoteConnector):
         pinned = 0
         for (ns, tail), hashes in self._runs(self._current(), keys):
             pinned += self.store.pin(ns, hashes, self.settings.pin_lease)
-            if self.partial:
-                pinned += self.store.pin(tail, hashes[-1:], self.settings.pin_lease)
+            if self.partial:  # the chain's partial chunk(s) are in the tail namespace
+                pinned += self.store.pin(tail, hashes, self.settings.pin_lease)
         return pinned
 
     async def _run(self, fn: Callable[..., T], *args: object, miss: T) -> T:

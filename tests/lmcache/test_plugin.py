@@ -307,16 +307,22 @@ def test_a_cluster_through_the_redis_index(cluster: tuple[RedisProcess, list[Nod
     assert held == {"c0": 0, "c1": 4}  # placed on the writer's local node
 
 
-def test_a_bad_plugin_config_leaves_lmcache_running_without_the_tier(storage_managers: Callable[..., Any]) -> None:
+@pytest.mark.parametrize(("url", "settings", "named"), [
+    ("kvstore://no-port-here", {}, "remote_storage_plugin.kvstore.url"),
+    ("kvstore://127.0.0.1:1", {"timeout": "soon"}, "remote_storage_plugin.kvstore.timeout"),
+    ("kvstore://127.0.0.1:1", {"token_file": "/nonexistent/kvstore.tokens"}, "/nonexistent/kvstore.tokens"),
+])  # fmt: skip
+def test_a_bad_plugin_config_leaves_lmcache_running_without_the_tier(
+        url: str, settings: dict[str, object], named: str, storage_managers: Callable[..., Any]) -> None:  # fmt: skip
     rec = Records()
     lmc = logging.getLogger("lmcache.v1.storage_backend")  # where LMCache reports a backend that failed to start
     lmc.addHandler(rec)
     try:
-        sm = storage_managers(plugin_config("kvstore://no-port-here"))
+        sm = storage_managers(plugin_config(url, **settings))
     finally:
         lmc.removeHandler(rec)
     assert REMOTE not in sm.storage_backends and "LocalCPUBackend" in sm.storage_backends
-    assert "remote_storage_plugin.kvstore.url" in rec.text(logging.ERROR), rec.text()
+    assert named in rec.text(logging.ERROR), rec.text()
 
 
 def test_the_readme_yaml_is_a_working_lmcache_config(node: NodeProcess, tmp_path: Path,
