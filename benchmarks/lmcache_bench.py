@@ -222,14 +222,35 @@ def bench_size(size: int, args: argparse.Namespace, logs: Path) -> list[dict[str
     return rows
 
 
+def table(rows: list[dict[str, object]], args: argparse.Namespace, wall: float) -> str:
+    """The results entry: machine line, workload line, one markdown row per (chunk size, op, peer)."""
+    head = [machine_line(),
+            f"- Workload: LMCache 0.5.6 RemoteBackend, batch {args.batch}, {args.iters} calls x {args.runs} runs "
+            f"(median), chunk_size {CHUNK}, remote_serde naive; wall {wall:.0f} s", "",
+            "| chunk | op | peer | GB/s | vs lm:// | memcpy GB/s (same run) |", "|--:|---|---|--:|--:|--:|"]  # fmt: skip
+    body = [f"| {size_label(int(r['size']))} | {r['op']} | {LABELS[str(r['peer'])]} | {r['gbs']:.2f} | "  # type: ignore[call-overload]
+            f"{r['vs_lm']:.2f}x | {r['memcpy_gbs']:.1f} |" for r in rows]  # fmt: skip
+    return "\n".join(head + body)
+
+
+def size_label(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
+
+
+OPTIONS: tuple[tuple[str, type, object, str], ...] = (
+    ("--sizes", str, "1MiB,4MiB", "chunk sizes (default 1MiB,4MiB); multiples of 512 B"),
+    ("--batch", int, 16, "chunks per batched call (default 16)"),
+    ("--iters", int, 8, "timed calls per run and phase (default 8)"),
+    ("--runs", int, 5, "runs per cell; GB/s is the median (default 5)"),
+    ("--out", Path, Path(__file__).resolve().parent / "out", "where lmcache_bench.{json,md} go"),
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="1MiB,4MiB", help="chunk sizes (default 1MiB,4MiB); multiples of 512 B")
-    ap.add_argument("--batch", type=int, default=16, help="chunks per batched call (default 16)")
-    ap.add_argument("--iters", type=int, default=8, help="timed calls per run and phase (default 8)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
+    for flag, kind, default, text in OPTIONS:
+        ap.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("--quick", action="store_true", help="smoke run: 256KiB only, 1 run, 2 calls")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.runs, args.iters = "256KiB", 1, 2
@@ -240,20 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rows = [r for s in sizes for r in bench_size(s, args, args.out)]
     wall = time.perf_counter() - t0
-    lines = [
-        machine_line(),
-        f"- Workload: LMCache 0.5.6 RemoteBackend, batch {args.batch}, {args.iters} calls x {args.runs} runs "
-        f"(median), chunk_size {CHUNK}, remote_serde naive; wall {wall:.0f} s",
-        "",
-        "| chunk | op | peer | GB/s | vs lm:// | memcpy GB/s (same run) |",
-        "|--:|---|---|--:|--:|--:|",
-    ]
-    for r in rows:
-        size = int(r["size"])  # type: ignore[call-overload]
-        label = f"{size // MiB} MiB" if size >= MiB else f"{size // 1024} KiB"
-        lines.append(f"| {label} | {r['op']} | {LABELS[str(r['peer'])]} | {r['gbs']:.2f} | {r['vs_lm']:.2f}x | "
-                     f"{r['memcpy_gbs']:.1f} |")  # fmt: skip
-    save_results(args.out, "lmcache_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    save_results(args.out, "lmcache_bench", table(rows, args, wall), args, rows=rows, wall_s=wall)
     return 0
 
 
