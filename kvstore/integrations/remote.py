@@ -1,0 +1,246 @@
+"""One kvstore node, or a cluster through its Redis index, behind one blocking interface with the error
+policy an engine needs: every failure is a logged miss (or a dropped store), never an exception.
+
+    store = RemoteStore(settings, log)          # settings: lmcache_mapping.PluginSettings
+    n = store.lookup(ns, hashes)                # leading blocks held; 0 when the remote fails
+    pages = store.get(ns, hashes[:n])           # checksum-verified pages of the longest prefix
+    store.put(ns, layout, hashes, pages)        # stored count, or None when the remote refused
+
+Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds):
+- the remote does not answer (node down, Redis down, no live node, deadline): one ERROR on the edge,
+  then calls are answered with a miss without trying for `down_backoff` seconds (one probe per period),
+  and one INFO when it answers again with how many calls were skipped;
+- a wrong or read-only token: ERROR naming the setting to fix;
+- a page the node refuses (size or layout not the namespace's, larger than its max_page_bytes): ERROR;
+- a page that fails its checksum after the transfer: ERROR, and a miss from that page on;
+- the node is full of pinned or in-flight pages: WARNING, the store is dropped.
+
+Thread-safety: every method may be called from any thread. One node: a data client (transport per
+settings) and a control client (gRPC, short deadline) shared by all threads (KVStoreClient is
+thread-safe). A cluster: one ClusterClient per thread, since ClusterClient keeps unlocked caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import grpc
+import redis
+
+from kvstore.client import KVStoreClient
+from kvstore.cluster import ClusterClient, NoLiveNode
+from kvstore.errors import (
+    DataLoss,
+    InvalidArgument,
+    KVStoreError,
+    LayoutMismatch,
+    NamespaceNotFound,
+    PermissionDenied,
+    RemoteError,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from kvstore.integrations.health import LogLimiter, Outage
+from kvstore.integrations.lmcache_mapping import PluginSettings
+from kvstore.layout import PageLayout
+from kvstore.security import ClientSecurity, read_token_file
+from kvstore.wire import Buffer, FetchedPage, StreamError
+
+T = TypeVar("T")
+LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
+# NOTE: one client call holds all its pages in memory at once (a Get's buffers, a shared-memory Put's
+# segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
+# 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
+CALL_BYTES = 64 << 20
+_UNREACHABLE = (Unavailable, NoLiveNode, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                grpc.FutureTimeoutError, grpc.RpcError, ConnectionError, TimeoutError)  # fmt: skip
+_SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
+_FAILURES = (KVStoreError, StreamError, redis.exceptions.RedisError, *_UNREACHABLE, OSError, ValueError)
+
+
+def call_slices(n: int, page_bytes: int) -> list[tuple[int, int]]:
+    """[a, b) ranges of a chain of n pages, each of at most CALL_BYTES (at least one page)."""
+    per = max(1, CALL_BYTES // max(1, page_bytes))
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+def client_security(s: PluginSettings) -> ClientSecurity:
+    """The KVSTORE_* environment, overridden by the settings that are given."""
+    env = ClientSecurity.from_env()
+    token = s.token or (read_token_file(s.token_file)[0] if s.token_file else env.token)
+    tls = s.tls_ca is not None
+    return ClientSecurity(token=token, ca_file=s.tls_ca if tls else env.ca_file,
+                          cert_file=s.tls_cert if tls else env.cert_file, key_file=s.tls_key if tls else env.key_file,
+                          server_name=s.tls_server_name or env.server_name)  # fmt: skip
+
+
+class RemoteStore:
+    """A node or a cluster; see the module docstring for the error policy."""
+
+    def __init__(self, settings: PluginSettings, log: logging.Logger, *, setting_prefix: str = "") -> None:
+        self.settings = settings
+        self.log = log
+        self.where = settings.target.describe()
+        self._hint = setting_prefix  # e.g. "remote_storage_plugin.kvstore." for messages
+        self.outage = Outage(settings.down_backoff)
+        self.limiter = LogLimiter(LOG_INTERVAL)
+        self.security = client_security(settings)
+        self._local = threading.local()
+        self._clusters: list[ClusterClient] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._data: KVStoreClient | None = None
+        self._ctl: KVStoreClient | None = None
+        if settings.target.addr is not None:
+            self._data = KVStoreClient(settings.target.addr, timeout=settings.timeout, security=self.security,
+                                       transport=settings.transport)  # fmt: skip
+            self._ctl = KVStoreClient(settings.target.addr, timeout=settings.lookup_timeout, security=self.security,
+                                      transport="grpc")  # fmt: skip
+
+    # -- operations (never raise for a remote failure)
+
+    def lookup(self, ns: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
+        """Leading blocks of `hashes` the remote holds (0 on failure)."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("lookup", ns, lambda: ctl.lookup(ns, hashes, prefetch=prefetch), 0)
+        return self._guard("lookup", ns, lambda: self._cluster().lookup(ns, hashes).matched, 0)
+
+    def get(self, ns: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
+        """Checksum-verified pages of the longest prefix of `hashes` the remote can serve."""
+        if not hashes:
+            return []
+        if self._data is not None:
+            data = self._data
+            return self._guard("get", ns, lambda: data.get_pages(ns, hashes), [])
+        return self._guard("get", ns, lambda: self._cluster().get_pages(ns, hashes), [])
+
+    def put(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
+            parent_chain: Sequence[bytes] = ()) -> int | None:  # fmt: skip
+        """Store pages as one chain continuing `parent_chain`; returns how many were new, None when
+        nothing was stored. A cluster places it next to its parent (ClusterClient's prefix affinity)."""
+        if not hashes:
+            return 0
+        if self._data is not None:
+            data, parent = self._data, (parent_chain[-1] if parent_chain else None)
+            res = self._guard("put", ns, lambda: data.put(ns, layout, hashes, pages, parent=parent), None)
+        else:
+            res = self._guard("put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1],
+                              None)  # fmt: skip
+        return None if res is None else res.stored
+
+    def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
+        """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("pin", ns, lambda: ctl.pin(ns, hashes, ttl_seconds=lease).done, 0)
+        return self._guard("pin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done), 0)  # fmt: skip
+
+    def delete(self, ns: str, hashes: Sequence[bytes]) -> int:
+        """Delete the pages wherever they are held; returns how many were deleted."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("delete", ns, lambda: ctl.delete(ns, hashes).deleted, 0)
+        return self._guard("delete", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.delete(ns, hs).deleted), 0)  # fmt: skip
+
+    def ping(self) -> bool:
+        """True when the remote answers (a node's Stats; a cluster's index lists a live node)."""
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("ping", "", lambda: ctl.stats() is not None, False)
+        return self._guard("ping", "", lambda: any(n.alive for n in self._cluster().nodes()), False)
+
+    def close(self) -> None:
+        self._closed = True
+        for c in (self._data, self._ctl):
+            if c is not None:
+                c.close()
+        with self._lock:
+            clusters, self._clusters = self._clusters, []
+        for cc in clusters:
+            cc.close()
+
+    # -- helpers
+
+    def _cluster(self) -> ClusterClient:
+        cc = getattr(self._local, "cluster", None)
+        if cc is None:
+            s = self.settings
+            assert s.target.redis_url is not None
+            cc = ClusterClient(s.target.redis_url, local_node=s.local_node, timeout=s.timeout, security=self.security)
+            self._local.cluster = cc
+            with self._lock:
+                self._clusters.append(cc)
+        return cc
+
+    def _on_holders(self, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]) -> int:
+        """fn(node client, the hashes it holds) on every node the index lists for a prefix of `hashes`."""
+        cc = self._cluster()
+        found = cc.lookup(ns, hashes)
+        by_node: dict[str, list[bytes]] = {}
+        for i, holders in enumerate(found.holders):
+            for node in holders:
+                by_node.setdefault(node, []).append(hashes[i])
+        return sum(cc.call_node(node, lambda c, hs=hs: fn(c, hs)) for node, hs in sorted(by_node.items()))
+
+    def _guard(self, op: str, ns: str, fn: Callable[[], T], miss: T) -> T:
+        """Run fn unless the remote is known to be down; turn every failure into `miss` and a log line."""
+        if self._closed or not self.outage.allow():
+            return miss
+        try:
+            result = fn()
+        except NamespaceNotFound:
+            return miss  # nothing was ever stored there: a plain miss
+        except _FAILURES as exc:
+            if not self._closed:  # calls cut short by close() are not the remote's fault
+                self._failed(op, ns, exc)
+            return miss
+        back = self.outage.succeeded()
+        if back is not None:
+            self.log.info("%s %s", self.where, back)
+        return result
+
+    def _failed(self, op: str, ns: str, exc: BaseException) -> None:
+        """One log line (rate-limited per kind) saying what failed and what to do about it."""
+        if isinstance(exc, RemoteError) and exc.status_name not in _SLOW:
+            self.say("remote:" + op, logging.ERROR, "%s failed %s (namespace %r): %s", self.where, op, ns, exc)
+        elif isinstance(exc, (*_UNREACHABLE, RemoteError)):
+            self._down(op, exc)
+        elif isinstance(exc, (Unauthenticated, PermissionDenied)):
+            self.say("auth", logging.ERROR, "%s refused %s: %s. Check %stoken / %stoken_file (or KVSTORE_TOKEN): "
+                     "it must be a read-write token of that node", self.where, op, exc, self._hint, self._hint)  # fmt: skip
+        elif isinstance(exc, (InvalidArgument, LayoutMismatch)):
+            self.say("rejected:" + op, logging.ERROR, "%s rejected %s in namespace %r: %s. Nothing was stored; "
+                     "the engine recomputes these chunks", self.where, op, ns, exc)  # fmt: skip
+        elif isinstance(exc, ResourceExhausted):
+            self.say("full", logging.WARNING, "%s is full, %s dropped: %s", self.where, op, exc)
+        elif isinstance(exc, (DataLoss, StreamError)):
+            self.say("corrupt", logging.ERROR, "%s sent a page that failed verification in namespace %r (%s); "
+                     "it is a miss, from that page on", self.where, ns, exc)  # fmt: skip
+        else:
+            self.say("other:" + op, logging.ERROR, "%s: %s failed: %s: %s", self.where, op, type(exc).__name__, exc)
+
+    def _down(self, op: str, exc: BaseException) -> None:
+        msg = self.outage.failed(f"{op}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        if msg is not None:
+            self.log.error("%s %s", self.where, msg)
+
+    def say(self, kind: str, level: int, fmt: str, *args: object) -> None:
+        """Log at most once per LOG_INTERVAL per kind (the next line counts what was held back)."""
+        held = self.limiter.admit(kind)
+        if held is None:
+            return
+        if held:
+            fmt += " (%d more like this since the last report)"
+            args = (*args, held)
+        self.log.log(level, fmt, *args)
