@@ -424,7 +424,11 @@ class Node:
 
     def _index_info(self) -> dict[str, int | str]:
         """The node's record in the index: occupancy, and the planes it serves (as Stats has them)."""
-        return {**self.manager.occupancy(), "host_id": host_id(), "planes": planes_to_json(self.planes)}
+        info: dict[str, int | str] = {**self.manager.occupancy(), "host_id": host_id(),
+                                      "planes": planes_to_json(self.planes)}  # fmt: skip
+        if self.metrics_port is not None:  # where kvctl top finds this node's /metrics
+            info["metrics_addr"] = f"{self.advertise_addr.rsplit(':', 1)[0]}:{self.metrics_port}"
+        return info
 
     @property
     def advertise_addr(self) -> str:

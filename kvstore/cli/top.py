@@ -44,6 +44,7 @@ class Sampler:
         self.metrics = metrics  # host:port of /metrics endpoints, matched to nodes by their `node` label
         self.timeout = timeout
         self._clients: dict[str, object] = {}
+        self._metrics_addr: dict[str, str] = {}  # node addr -> its /metrics host:port, from the index
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvctl-top")
 
     def targets(self) -> list[str]:
@@ -52,7 +53,9 @@ class Sampler:
         from kvstore.index import IndexReader
 
         with IndexReader(self.redis_url, socket_timeout=self.timeout) as index:
-            return sorted(n.addr for n in index.nodes() if n.alive and n.addr)
+            live = [n for n in index.nodes() if n.alive and n.addr]
+        self._metrics_addr = {n.addr: n.info["metrics_addr"] for n in live if n.info.get("metrics_addr")}
+        return sorted(n.addr for n in live)
 
     def sample(self) -> list[NodeSample]:
         addrs = self.targets()
@@ -81,9 +84,9 @@ class Sampler:
         except Exception as exc:  # an unreachable node is a row saying so, not the end of the view
             return NodeSample(addr, taken, None, error=f"{type(exc).__name__}: {exc}")
         rpcs = {}
-        if self.metrics_port:
-            host = addr.rsplit(":", 1)[0]
-            text = self._scrape(f"http://{host}:{self.metrics_port}/metrics")
+        metrics = f"{addr.rsplit(':', 1)[0]}:{self.metrics_port}" if self.metrics_port else self._metrics_addr.get(addr)
+        if metrics:
+            text = self._scrape(f"http://{metrics}/metrics")
             rpcs = parse_rpc_histograms(text) if text else {}
         return NodeSample(addr, taken, stats, rpcs)
 
@@ -165,7 +168,7 @@ def render(rates: list[NodeRates], failed: list[NodeSample], source: str, have_m
         slow.add_row(node, r.method, f"{r.calls_per_s:.1f}", _ms(r.mean_s), _ms(r.p50_s), _ms(r.p99_s))
     parts: list[object] = [nodes, slow]
     if not have_metrics:
-        parts.append("[dim]RPC latencies need the nodes' /metrics: pass --metrics-port (or --metrics host:port)[/]")
+        parts.append("[dim]RPC latencies need the nodes' /metrics: run nodes with --metrics-port, or pass --metrics-port (or --metrics host:port)[/]")
     return Group(*parts)  # type: ignore[arg-type]
 
 
@@ -189,7 +192,7 @@ def top(
         raise ValueError("--json needs --once (a live view is for people; scripts take one interval)")
     sampler = Sampler(redis_url, list(addr or []), metrics_port, list(metrics or []), timeout)
     source = redact(redis_url) if redis_url else ", ".join(addr or [])
-    have_metrics = bool(metrics_port or metrics)
+    have_metrics = bool(metrics_port or metrics or redis_url)  # with the index: each node record names its /metrics
     try:
         prev = sampler.sample()
         if once:

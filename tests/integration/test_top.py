@@ -63,6 +63,23 @@ def test_rates_over_an_interval_equal_the_operations_done_in_it(cluster) -> None
     assert t1.hit_ratio is None and t1.bytes_out_per_s == 0.0  # idle node: no reads, no ratio
 
 
+def test_the_index_tells_top_where_each_nodes_metrics_are(cluster) -> None:  # type: ignore[no-untyped-def]
+    redis, nodes = cluster
+    sampler = Sampler(redis.url, [], None, [], timeout=10)  # no --metrics flags: the node records say
+    try:
+        with KVStoreClient(nodes[0].addr, transport="grpc") as kv:
+            h = key(0, "top-index")
+            kv.put(NS, LAYOUT, [h], [page(h)])
+            prev = sampler.sample()
+            assert len(kv.get(NS, [h])) == 1
+            cur = sampler.sample()
+        rates, _ = compute(prev, cur)
+    finally:
+        sampler.close()
+    t0 = next(r for r in rates if r.node_id == "t0")
+    assert any(r.method == "Get" for r in t0.rpcs)
+
+
 def test_kvctl_top_once_json_live_and_unreachable_nodes(cluster) -> None:  # type: ignore[no-untyped-def]
     redis, nodes = cluster
     metrics = [a for n in nodes for a in ("--metrics", f"127.0.0.1:{n.metrics_port}")]
