@@ -13,6 +13,7 @@ from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import HEADER_BYTES
+from kvstore.transport.ucx import ucxx_installed
 
 LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB
 PAGE = LAYOUT.page_bytes
@@ -42,7 +43,7 @@ def node(tmp_path: Path) -> Iterator[NodeProcess]:
         n.close()
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "shm", *(["ucx"] if ucxx_installed() else [])])
 def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreClient]:
     """A client of `node` over each data plane: gRPC streams, and the same-host shared-memory plane."""
     with KVStoreClient(node.addr, timeout=30, transport=request.param) as c:
