@@ -72,8 +72,8 @@ class PlaneSpec:
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
     "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.verify), usable=shm_available),
-    "ucx": PlaneSpec(lambda s, info: UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls,
-                                              info), usable=ucxx_installed),  # fmt: skip
+    "ucx": PlaneSpec(lambda s, info: UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token,
+                                              s.security.tls, info), usable=ucxx_installed),
 }
 
 

@@ -17,6 +17,7 @@ Environment (client side):
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -89,15 +90,9 @@ class UcxConnection:
         self.path = "worker-address" if by_address else "listener"
         reply = self._post_reply(0)
         msg = Array(bytearray(frame(Kind.HELLO, 0, hello.pack())))
-        if by_address:
-            send = self.worker_send_hello(msg)
-        else:
-            send = self.ep.stream_send(msg)
+        send = self.ep.tag_send(msg, ucx.UCXXTag(HELLO_TAG)) if by_address else self.ep.stream_send(msg)
         self._wait([send, reply], deadline, "UCX HELLO")
         self._reply_body(Kind.HELLO_OK, 0)
-
-    def worker_send_hello(self, msg: Any) -> Any:
-        return self.ep.tag_send(msg, self.ucx.UCXXTag(HELLO_TAG))
 
     def alive(self) -> bool:
         return not self.broken and self.ep.alive
@@ -186,16 +181,12 @@ class UcxConnection:
         touched by UCX after we return it to the caller."""
         self.broken = True
         self.close()
-        try:
+        with contextlib.suppress(Exception):  # cancelled requests report their cancellation here
             wait_blocking(self.worker, reqs, time.monotonic() + CLOSE_WAIT_SECONDS, None, "closing")
-        except Exception:  # noqa: BLE001, S110 - cancelled requests report their cancellation here
-            pass
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # closing an endpoint whose peer is gone may fail
             self.ep.close_blocking(period=10**8, max_attempts=1)
-        except Exception:  # noqa: BLE001, S110 - closing an endpoint whose peer is gone may fail
-            pass
 
 
 class UcxPlane(DataPlane):

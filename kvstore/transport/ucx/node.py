@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 from typing import Any
 
 from google.protobuf.message import DecodeError
@@ -186,7 +185,7 @@ class UcxPlaneServer(PlaneServer):
             if kind is not Kind.HELLO:
                 raise ProtocolError(f"first message must be a HELLO, got {kind.name}")
             hello = Hello.parse(body)
-        except (ProtocolError, UcxTimeout, UcxClosed, Exception) as exc:  # noqa: BLE001 - any failure closes it
+        except Exception as exc:  # any failure (protocol, timeout, UCX) closes it
             log.info("UCX listener connection dropped before its HELLO: %s", exc)
             with contextlib.suppress(Exception):
                 ep.close_blocking(period=10**8, max_attempts=1)
@@ -378,10 +377,3 @@ def _lost(exc: Exception) -> KVStoreError:
     """A failed page transfer as the client sees it (if its endpoint still listens): DATA_LOSS."""
     return DataLoss(f"UCX page transfer failed ({type(exc).__name__}: {exc}); nothing was stored")
 
-
-def new_cid() -> int:
-    """A random connection id (never the reserved HELLO id)."""
-    while True:
-        cid = secrets.randbits(32)
-        if cid != 0xFFFFFFFF:
-            return cid
