@@ -179,7 +179,7 @@ def parse_address(text: str) -> UcxAddress:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"UCX plane address {listener!r} is not host:port")
     try:
-        raw = base64.urlsafe_b64decode(worker) if worker else b""
+        raw = base64.b64decode(worker, altchars=b"-_", validate=True) if worker else b""
     except ValueError as exc:
         raise ValueError(f"UCX plane worker address is not base64: {exc}") from None
     return UcxAddress(host.strip("[]"), int(port), raw)
