@@ -7,9 +7,9 @@ transport="ucx" in three ways of connecting (kvstore/transport/ucx/client.py):
   picks the lanes both workers have that can report a dead peer: TCP here, RDMA on an IB/RoCE host);
 - ucx-address-noeh: worker address, error handling off (UCX may then pick shared memory on one host;
   a trusted-benchmark setting, not a default).
-Per page size and client: batched Put and Get GB/s of `--batch` pages per call, median of `--runs` runs
-of `--iters` calls (fresh hashes per Put, deleted after; the Get reads `--batch` resident pages);
-clients alternate within each run. The machine's own limit in the same run: single-threaded memcpy of
+Per page size and client: batched Put and Get GB/s of `--batch` pages per call: the bytes of one call
+over the median time of `--runs` x `--iters` timed calls (fresh hashes per Put, deleted after, untimed;
+the Get reads `--batch` resident pages); clients alternate between runs. The machine's own limit in the same run: single-threaded memcpy of
 the same bytes. Checksums are verified as always (client on Get, node on Put). Writes
 benchmarks/out/ucx_bench.{json,md}.
 """
@@ -45,6 +45,18 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 }
 
 
+OPTIONS: dict[str, tuple[type, object, str]] = {  # flag -> (type, default, help)
+    "--sizes-kib": (str, "1024,4096", "page sizes in KiB, multiples of 8"),
+    "--batch": (int, 16, "pages per call"),
+    "--iters": (int, 10, "timed calls per run"),
+    "--runs": (int, 3, "runs per cell (variants alternate between runs)"),
+    "--warmup": (int, 1, "untimed put+get calls per run"),
+    "--variants": (str, ",".join(VARIANTS), "comma-separated subset of the variants"),
+    "--out": (Path, Path(__file__).resolve().parent / "out", "where the .md and .json results go"),
+}
+QUICK = {"sizes_kib": "256", "runs": 1, "iters": 2, "warmup": 1}
+
+
 def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
 
@@ -67,71 +79,68 @@ def open_client(addr: str, name: str, batch: int) -> KVStoreClient:
     return kv
 
 
+def call_times(kv: KVStoreClient, layout: PageLayout, page: bytes, args: argparse.Namespace,
+               tag: str) -> tuple[list[float], list[float]]:  # fmt: skip
+    """Seconds of each timed Put call (fresh hashes, deleted after, untimed) and Get call (resident pages)."""
+    puts, gets = [], []
+    for i in range(args.iters):
+        hs = hashes(f"{tag}-put-{i}", args.batch)
+        t0 = time.perf_counter()
+        kv.put(NS, layout, hs, [page] * args.batch)
+        puts.append(time.perf_counter() - t0)
+        kv.delete(NS, hs)
+    resident = hashes(f"{tag}-get", args.batch)
+    kv.put(NS, layout, resident, [page] * args.batch)
+    for _ in range(args.iters):
+        t0 = time.perf_counter()
+        got = kv.get(NS, resident)
+        gets.append(time.perf_counter() - t0)
+        assert len(got) == args.batch
+    kv.delete(NS, resident)
+    return puts, gets
+
+
 def bench_size(kib: int, args: argparse.Namespace, names: list[str]) -> list[dict[str, object]]:
+    """GB/s per variant and op: the bytes of one call over the median call time, all runs pooled."""
     layout = PageLayout(DType.FLOAT16, num_layers=kib // 8, num_kv_heads=2, head_dim=64, block_size=16)
     page = bytes(range(256)) * (layout.page_bytes // 256)
-    node = NodeProcess(dram_bytes=(3 * args.batch + 8) * slot_bytes_for(layout.page_bytes),
-                       max_page_bytes=layout.page_bytes, node_id=f"bench-ucx-{kib}").start()  # fmt: skip
-    put: dict[str, list[float]] = {n: [] for n in names}
-    get: dict[str, list[float]] = {n: [] for n in names}
-    try:
-        clients = {n: open_client(node.addr, n, args.batch) for n in names}
-        try:
-            moved = args.iters * args.batch * layout.page_bytes
-            for run in range(args.runs):
-                for name in names if run % 2 == 0 else names[::-1]:
-                    kv = clients[name]
-                    for i in range(args.warmup):
-                        warm = hashes(f"warm-{name}-{run}-{i}", args.batch)
-                        kv.put(NS, layout, warm, [page] * args.batch)
-                        kv.get(NS, warm)
-                        kv.delete(NS, warm)
-                    t0 = time.perf_counter()
-                    for i in range(args.iters):
-                        hs = hashes(f"put-{name}-{run}-{i}", args.batch)
-                        kv.put(NS, layout, hs, [page] * args.batch)
-                        kv.delete(NS, hs)
-                    put[name].append(moved / (time.perf_counter() - t0) / 1e9)
-                    resident = hashes(f"get-{name}-{run}", args.batch)
-                    kv.put(NS, layout, resident, [page] * args.batch)
-                    t0 = time.perf_counter()
-                    for _ in range(args.iters):
-                        assert len(kv.get(NS, resident)) == args.batch
-                    get[name].append(moved / (time.perf_counter() - t0) / 1e9)
-                    kv.delete(NS, resident)
-            assert all(c.plane == VARIANTS[n][0] for n, c in clients.items()), "a client fell back to another plane"
-        finally:
-            for c in clients.values():
-                c.close()
-    finally:
-        node.close()
+    times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in ("put", "get")}
+    with contextlib.ExitStack() as stack:  # closes the clients, then stops the node, whatever happens
+        node = stack.enter_context(NodeProcess(dram_bytes=(3 * args.batch + 8) * slot_bytes_for(layout.page_bytes),
+                                               max_page_bytes=layout.page_bytes, node_id=f"bench-ucx-{kib}"))  # fmt: skip
+        clients = {n: stack.enter_context(open_client(node.addr, n, args.batch)) for n in names}
+        for run in range(args.runs):  # variants alternate, so drift in the machine's load hits all alike
+            for name in names if run % 2 == 0 else names[::-1]:
+                call_times(clients[name], layout, page, argparse.Namespace(iters=args.warmup, batch=args.batch),
+                           f"warm-{name}-{run}")  # fmt: skip
+                puts, gets = call_times(clients[name], layout, page, args, f"{name}-{run}")
+                times[name, "put"] += puts
+                times[name, "get"] += gets
+        assert all(c.plane == VARIANTS[n][0] for n, c in clients.items()), "a client fell back to another plane"
     copy = memcpy_gbs(args.batch * layout.page_bytes, 20)
-    return [{"page_kib": kib, "op": op, "memcpy_gbs": copy, **{n: statistics.median(res[n]) for n in names},
-             "runs": res} for op, res in (("put", put), ("get", get))]  # fmt: skip
+    call_bytes = args.batch * layout.page_bytes
+    return [{"page_kib": kib, "op": op, "memcpy_gbs": copy,
+             **{n: call_bytes / statistics.median(times[n, op]) / 1e9 for n in names},
+             "call_seconds": {n: times[n, op] for n in names}} for op in ("put", "get")]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-kib", default="1024,4096", help="page sizes in KiB, multiples of 8")
-    ap.add_argument("--batch", type=int, default=16, help="pages per call (default 16)")
-    ap.add_argument("--iters", type=int, default=10, help="timed calls per run (default 10)")
-    ap.add_argument("--runs", type=int, default=3, help="runs per cell; GB/s is the median (default 3)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed put+get rounds per run (default 1)")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB only, 1 run, 2 calls")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    for flag, (kind, default, text) in OPTIONS.items():
+        ap.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+    ap.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
     args = ap.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
     if not ucxx_installed():
         print("ucxx is not installed: pip install 'kvstore[ucx]'")
         return 1
-    if args.quick:
-        args.sizes_kib, args.runs, args.iters, args.warmup = "256", 1, 2, 1
     names = args.variants.split(",")
-    if unknown := set(names) - set(VARIANTS):
-        ap.error(f"--variants: unknown {sorted(unknown)}")
     sizes = [int(s) for s in args.sizes_kib.split(",")]
-    if any(s <= 0 or s % 8 for s in sizes):
-        ap.error("--sizes-kib: each size must be a positive multiple of 8")
+    problems = [f"--variants: unknown {sorted(set(names) - set(VARIANTS))}"] * bool(set(names) - set(VARIANTS))
+    problems += ["--sizes-kib: each size must be a positive multiple of 8"] * any(s <= 0 or s % 8 for s in sizes)
+    if problems:
+        ap.error("; ".join(problems))
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the node inherits it: loopback only, as the tests
     tune_malloc_for_bulk_io()
     t0 = time.perf_counter()
@@ -139,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     lines = [
         machine_line(),
-        f"- Workload: {args.batch} pages per call, {args.iters} calls x {args.runs} runs (median), DRAM-resident, "
+        f"- Workload: {args.batch} pages per call, median of {args.iters} calls x {args.runs} runs, DRAM-resident, "
         f"UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']}; wall {wall:.0f} s",
         "",
         "| page | op | " + " | ".join(f"{n} GB/s" for n in names) + " | memcpy GB/s (same run) | best UCX vs gRPC |",

@@ -30,23 +30,9 @@ from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import PlaneInfo
+from kvstore.transport import ucx as proto
 from kvstore.transport.exchange import Blocking, DataPlane, Exchange, batches
-from kvstore.transport.ucx import (
-    HELLO_TAG,
-    MAX_CONTROL_BYTES,
-    MAX_PAGES_PER_CALL,
-    Hello,
-    Kind,
-    ProtocolError,
-    TagKind,
-    UcxAddress,
-    frame,
-    load_ucxx,
-    parse_address,
-    parse_error,
-    tag,
-    unframe,
-)
+from kvstore.transport.ucx import Hello, Kind, ProtocolError, TagKind, UcxAddress
 from kvstore.transport.ucx.progress import UcxClosed, UcxTimeout, wait_blocking
 from kvstore.wire import FetchedPage, PageRef, StreamError, layout_to_pb
 
@@ -77,7 +63,7 @@ class UcxConnection:
         self.cid = int.from_bytes(os.urandom(4), "little") % 0xFFFFFFFF  # never the reserved 0xFFFFFFFF
         self.seq = 0
         self.broken = False
-        self.ctrl = bytearray(MAX_CONTROL_BYTES)
+        self.ctrl = bytearray(proto.MAX_CONTROL_BYTES)
         eh = _env_flag("KVSTORE_UCX_ERROR_HANDLING", True)
         by_address = os.environ.get("KVSTORE_UCX_CONNECT", "worker").lower() != "listener" and bool(addr.worker)
         if by_address:
@@ -89,8 +75,8 @@ class UcxConnection:
             hello = Hello(self.cid, token, b"", True)
         self.path = "worker-address" if by_address else "listener"
         reply = self._post_reply(0)
-        msg = Array(bytearray(frame(Kind.HELLO, 0, hello.pack())))
-        send = self.ep.tag_send(msg, ucx.UCXXTag(HELLO_TAG)) if by_address else self.ep.stream_send(msg)
+        msg = Array(bytearray(proto.frame(Kind.HELLO, 0, hello.pack())))
+        send = self.ep.tag_send(msg, ucx.UCXXTag(proto.HELLO_TAG)) if by_address else self.ep.stream_send(msg)
         self._wait([send, reply], deadline, "UCX HELLO")
         self._reply_body(Kind.HELLO_OK, 0)
 
@@ -101,16 +87,16 @@ class UcxConnection:
         wait_blocking(self.worker, reqs, deadline, lambda: self.ep.alive, what)
 
     def _post_reply(self, seq: int) -> Any:
-        t = self.ucx.UCXXTag(tag(self.cid, TagKind.CTRL_TO_CLIENT, seq))
+        t = self.ucx.UCXXTag(proto.tag(self.cid, TagKind.CTRL_TO_CLIENT, seq))
         return self.ep.tag_recv(self.Array(self.ctrl), t)
 
     def _reply_body(self, want: Kind, seq: int) -> memoryview:
         """The body of the reply just received; raises the node's error as its exception class."""
-        kind, _, got_seq, body = unframe(self.ctrl)
+        kind, _, got_seq, body = proto.unframe(self.ctrl)
         if got_seq != seq:
             raise ProtocolError(f"reply to request {got_seq}, expected {seq}")
         if kind is Kind.ERROR:
-            raise from_status(*parse_error(body))
+            raise from_status(*proto.parse_error(body))
         if kind is not want:
             raise ProtocolError(f"expected {want.name}, got {kind.name}")
         return body
@@ -120,8 +106,8 @@ class UcxConnection:
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         seq = self.seq
         reply = self._post_reply(seq)
-        msg = self.Array(bytearray(frame(kind, seq, body)))
-        send = self.ep.tag_send(msg, self.ucx.UCXXTag(tag(self.cid, TagKind.CTRL_TO_NODE, seq)))
+        msg = self.Array(bytearray(proto.frame(kind, seq, body)))
+        send = self.ep.tag_send(msg, self.ucx.UCXXTag(proto.tag(self.cid, TagKind.CTRL_TO_NODE, seq)))
         return seq, reply, [msg, send]
 
     def put(self, req: pb.PutShmRequest, pages: Sequence[Buffer], deadline: float) -> pb.PutResponse:
@@ -130,7 +116,7 @@ class UcxConnection:
         for i, page in enumerate(pages):
             arr = self.Array(memoryview(page).cast("B"))
             keep.append(arr)
-            sends.append(self.ep.tag_send(arr, self.ucx.UCXXTag(tag(self.cid, TagKind.DATA_TO_NODE, seq, i))))
+            sends.append(self.ep.tag_send(arr, self.ucx.UCXXTag(proto.tag(self.cid, TagKind.DATA_TO_NODE, seq, i))))
         try:
             self._wait([reply], deadline, "UCX PUT")
             body = self._reply_body(Kind.OK, seq)
@@ -151,7 +137,7 @@ class UcxConnection:
                     recv.check_error()
                     recv = None
                 if recv is None:
-                    want = self.ucx.UCXXTag(tag(self.cid, TagKind.DATA_TO_CLIENT, seq, len(lengths)))
+                    want = self.ucx.UCXXTag(proto.tag(self.cid, TagKind.DATA_TO_CLIENT, seq, len(lengths)))
                     probe = self.worker.tag_probe(want, remove=True)
                     if probe.matched:
                         n = probe.length
@@ -196,7 +182,7 @@ class UcxPlane(DataPlane):
 
     def __init__(self, pages_per_call: int, verify: bool, timeout: float, token: str | None, tls: bool,
                  info: PlaneInfo | None) -> None:  # fmt: skip
-        self.pages_per_call = min(pages_per_call, MAX_PAGES_PER_CALL)
+        self.pages_per_call = min(pages_per_call, proto.MAX_PAGES_PER_CALL)
         self.verify = verify
         self.timeout = timeout
         self.token = token
@@ -209,7 +195,7 @@ class UcxPlane(DataPlane):
                             "(set KVSTORE_UCX_ALLOW_PLAINTEXT=1 on a trusted fabric)")  # fmt: skip
         else:
             try:
-                self.addr = parse_address(info.address)
+                self.addr = proto.parse_address(info.address)
             except ValueError as exc:
                 self._refuse = str(exc)
         self._free: list[UcxConnection] = []
@@ -228,7 +214,7 @@ class UcxPlane(DataPlane):
                 conn.close()
             if self._context is None:
                 try:
-                    ucx = load_ucxx()
+                    ucx = proto.load_ucxx()
                     features = (ucx.Feature.TAG, ucx.Feature.STREAM, ucx.Feature.WAKEUP)
                     self._context = (ucx, ucx.UCXContext({}, feature_flags=features))
                 except Exception as exc:
@@ -335,6 +321,7 @@ class UcxPlane(DataPlane):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            free, self._free = self._free, []
-        for conn in free:
-            conn.close()
+            idle = list(self._free)
+            self._free.clear()
+        while idle:
+            idle.pop().close()
