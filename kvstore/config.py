@@ -73,6 +73,12 @@ class NodeConfig:
     metrics_host: str | None = None  # address to bind it to (default: host)
     # Same-host shared-memory data plane (kvstore/transport/shm.py): PutShm/GetShm through client segments.
     shm_enabled: bool = True
+    # UCX data plane (kvstore/transport/ucx): off by default. Turn it on where hosts have RDMA (InfiniBand,
+    # RoCE): over plain TCP, UCX is no faster than the TCP plane (benchmarks/RESULTS.md), and loading it
+    # costs ~1.3 s of node start. On: ucxx must be installed, or the node refuses to start.
+    ucx_enabled: bool = False
+    ucx_port: int = 0  # the UCX listener's port; 0 picks a free one (advertised in Stats and the index)
+    ucx_io_timeout_seconds: float = 30.0  # a UCX HELLO or transfer slower than this closes its connection
     # The secured cache plane (kvstore/security.py): TLS, mutual TLS, bearer tokens (write / read-only).
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -110,6 +116,10 @@ class NodeConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")
+        if not 0 <= int(self.ucx_port) <= 65535:
+            raise ValueError(f"ucx_port must be in [0, 65535], got {self.ucx_port}")
+        if self.ucx_io_timeout_seconds <= 0:
+            raise ValueError("ucx_io_timeout_seconds must be > 0")
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:

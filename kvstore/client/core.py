@@ -28,6 +28,8 @@ from kvstore.transport.grpc_streams import GrpcStreams
 from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loopback
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.client import ShmPlane
+from kvstore.transport.ucx import ucxx_installed
+from kvstore.transport.ucx.client import UcxPlane
 from kvstore.wire import FetchedPage, stats_from_pb
 
 T = TypeVar("T")
@@ -70,6 +72,8 @@ class PlaneSpec:
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
     "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.verify), usable=shm_available),
+    "ucx": PlaneSpec(lambda s, info: UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token,
+                                              s.security.tls, info), usable=ucxx_installed),
 }
 
 

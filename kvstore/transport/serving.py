@@ -15,6 +15,7 @@ from kvstore.config import NodeConfig
 from kvstore.manager import TierManager
 from kvstore.security import TokenAuthenticator
 from kvstore.stats import PlaneInfo
+from kvstore.transport.ucx import ucxx_installed
 
 
 @dataclass(slots=True)
@@ -42,4 +43,11 @@ class PlaneServer(abc.ABC):
 
 def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:
     """The plane servers this node's config turns on (besides shm, which the gRPC servicer serves)."""
-    return []
+    servers: list[PlaneServer] = []
+    if config.ucx_enabled:
+        if not ucxx_installed():
+            raise ValueError("ucx_enabled: the UCX data plane needs ucxx (pip install 'kvstore[ucx]')")
+        from kvstore.transport.ucx.node import UcxPlaneServer  # imports ucxx lazily, in start()
+
+        servers.append(UcxPlaneServer(config.ucx_port, config.ucx_io_timeout_seconds))
+    return servers

@@ -13,6 +13,7 @@ from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import HEADER_BYTES
+from kvstore.transport.ucx import ucxx_installed
 
 LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB
 PAGE = LAYOUT.page_bytes
@@ -34,16 +35,19 @@ def start_node(tmp_path: Path, dram_pages: int = 8, nvme_pages: int = 64, name: 
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[NodeProcess]:
-    n = start_node(tmp_path)
+def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NodeProcess]:
+    """A node; it serves the UCX plane (off by default) when the test's `kv` client is to use it."""
+    callspec = getattr(request.node, "callspec", None)
+    ucx = callspec is not None and callspec.params.get("kv") == "ucx"
+    n = start_node(tmp_path, extra_args=["--ucx"] if ucx else [])
     try:
         yield n
     finally:
         n.close()
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "shm", *(["ucx"] if ucxx_installed() else [])])
 def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreClient]:
-    """A client of `node` over each data plane: gRPC streams, and the same-host shared-memory plane."""
+    """A client of `node` over each data plane: gRPC streams, the same-host shared-memory plane, UCX."""
     with KVStoreClient(node.addr, timeout=30, transport=request.param) as c:
         yield c
