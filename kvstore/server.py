@@ -9,6 +9,7 @@ DRAM pages to NVMe (bounded) and closes, so a restart on the same --nvme-path is
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ from kvstore.wire import (
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+SHM_COPY_IN_THREAD_BYTES = 512 << 10  # shm page copies this big run off the event loop (see _shm_copy)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -226,8 +228,20 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise ShmNotAvailable("this node runs without the shared-memory data plane; use Put/Get")
         return self.shm.acquire(region.name, region.nonce)
 
+    async def _shm_copy(self, copy: Callable[[], None], nbytes: int) -> None:
+        """Run one page copy between a slot and a client segment. A big one runs in the manager's I/O
+        pool, so the event loop meanwhile verifies the pages read ahead (xxhash and pread/pwrite release
+        the GIL: copy and checksum overlap on two cores); a small one is cheaper inline than a thread
+        hop. IoPool.run returns only once the copy ended, even when the call is cancelled, so a slot or
+        bounce buffer is never released under it."""
+        if nbytes >= SHM_COPY_IN_THREAD_BYTES:
+            await self.mgr.io.run(copy)
+        else:
+            copy()
+
     async def PutShm(self, request: pb.PutShmRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot."""
+        """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot; the
+        checksum is the one the transaction takes of the slot (checked against a declared one, if any)."""
         if not request.HasField("open"):
             raise InvalidArgument("open", "PutShm needs `open` (namespace and layout)")
         if not request.pages:
@@ -244,7 +258,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 dst = await txn.add_page(p.hash, p.payload_bytes, p.checksum)
                 if dst is not None:
                     try:
-                        seg.read_into(p.offset, dst, f"pages[{i}]")
+                        await self._shm_copy(functools.partial(seg.read_into, p.offset, dst, f"pages[{i}]"), len(dst))
                     finally:
                         dst.release()
             stored, present = await txn.commit()
@@ -255,20 +269,29 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 txn.abort()
 
     async def GetShm(self, request: pb.GetShmRequest, context: grpc.aio.ServicerContext) -> pb.GetShmResponse:
-        """Get into the caller's segment window: one copy per page, slot -> segment."""
+        """Get into the caller's segment: one copy per page, verified slot (or tier read) -> segment.
+        Pages go back to back into the window [offset, offset + size), or, with `targets` (zero-copy
+        get_into), page i into targets[i], all checked before the first page is read."""
         seg = self._segment(request.region)
         try:
-            seg.check(request.offset, request.size, "size")
+            places: list[int] | None = None
+            if request.targets:
+                page_bytes = self.mgr.layout_of(request.namespace).page_bytes
+                places = seg.targets(request.targets, len(request.hashes), page_bytes)
+            else:
+                seg.check(request.offset, request.size, "size")
             out = pb.GetShmResponse()
             pos, end = request.offset, request.offset + request.size
             leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
             try:
                 async for lease in leases:
                     n = len(lease.payload)
-                    if pos + n > end:
+                    if places is not None:
+                        pos = places[len(out.pages)]
+                    elif pos + n > end:
                         out.next_page_bytes = n
                         break
-                    seg.write(pos, lease.payload)
+                    await self._shm_copy(functools.partial(seg.write, pos, lease.payload), n)
                     out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
                                   tier=int(lease.tier))  # fmt: skip
                     pos = align_up(pos + n)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import stat
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from kvstore.errors import InvalidArgument, ShmNotAvailable
 from kvstore.transport.shm import HEADER_BYTES, MAGIC, NAME_RE, NONCE_BYTES, SHM_DIR
@@ -34,6 +37,23 @@ class AttachedSegment:
             raise InvalidArgument(field, f"offset {offset} overlaps the {HEADER_BYTES}-byte segment header")
         if offset + length > self.size:
             raise InvalidArgument(field, f"[{offset}, {offset + length}) runs past the segment's {self.size} bytes")
+
+    def targets(self, targets: Sequence[Any], count: int, page_bytes: int) -> list[int]:
+        """Offsets of a zero-copy GetShm's targets (one per hash), after checking that each lies after the
+        header and inside the segment, holds a `page_bytes` page, and overlaps no other target's page.
+        Raises InvalidArgument naming `targets[i]` (so nothing is read or written for a bad request)."""
+        if len(targets) != count:
+            raise InvalidArgument("targets", f"{len(targets)} targets for {count} hashes (one per hash)")
+        for i, t in enumerate(targets):
+            self.check(t.offset, t.size, f"targets[{i}]")
+            if t.size < page_bytes:
+                raise InvalidArgument(f"targets[{i}]", f"{t.size} bytes cannot hold a page of this namespace "
+                                                       f"({page_bytes} bytes)")  # fmt: skip
+        order = sorted(range(count), key=lambda i: targets[i].offset)
+        for prev, cur in itertools.pairwise(order):
+            if targets[prev].offset + page_bytes > targets[cur].offset:
+                raise InvalidArgument(f"targets[{max(prev, cur)}]", f"overlaps targets[{min(prev, cur)}]")
+        return [t.offset for t in targets]
 
     def read_into(self, offset: int, dst: memoryview, field: str) -> None:
         got = os.preadv(self.fd, [dst], offset)

@@ -374,20 +374,30 @@ class PutShmRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
 
 class GetShmRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote", "region", "offset", "size")
+    __slots__ = ("namespace", "hashes", "no_promote", "region", "offset", "size", "targets")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
     REGION_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
     region: ShmRegion
     offset: int
     size: int
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    targets: _containers.RepeatedCompositeFieldContainer[ShmTarget]
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ...) -> None: ...
+
+class ShmTarget(_message.Message):
+    __slots__ = ("offset", "size")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    size: int
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class GetShmResponse(_message.Message):
     __slots__ = ("pages", "next_page_bytes")
