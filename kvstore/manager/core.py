@@ -85,7 +85,9 @@ class TierManager:
         if staging is None:
             raise ValueError("a node needs a host-memory tier (DRAM) for Put streams to land in")
         self.counters = NodeCounters()
-        self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + config.read_ahead_pages + 1)
+        # Buffers for every read a Get can have in flight (up to the deepest medium's queue) and the pool's.
+        depth = max([config.read_ahead_pages + 1, *(m.queue_depth for m in media if not m.host_memory)])
+        self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + depth + 1)
         self.durable = DurableCopies(self.table, self.io)
         self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)

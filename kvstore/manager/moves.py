@@ -136,12 +136,12 @@ class Mover:
         if src.medium.host_memory:
             await self.io.run(dst.medium.write, dst_slot, src.medium.view(src_slot)[:n])
         elif dst.medium.host_memory:
-            await self.io.run(src.medium.read, src_slot, dst.medium.view(dst_slot)[:n])
+            await self.io.read(src.medium, src_slot, dst.medium.view(dst_slot)[:n])  # batched with its peers
         else:
             buf = self.bounce.take()
             view = memoryview(buf)[:n]
             try:
-                await self.io.run(src.medium.read, src_slot, view)
+                await self.io.read(src.medium, src_slot, view)
                 await self.io.run(dst.medium.write, dst_slot, view)
             finally:
                 view.release()

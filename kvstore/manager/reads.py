@@ -7,7 +7,10 @@ Invariants:
   the header too); a mismatch is counted on the tier, the page is dropped with its durable copies, and
   the read is a miss;
 - hits and misses are counted per tier in request order, for pages actually returned: a page read
-  ahead but never handed to the caller counts nothing.
+  ahead but never handed to the caller counts nothing;
+- reads of a medium that is not host memory (NVMe) go through `IoPool.read`, which hands the ones
+  asked for together to one `read_many` call: a Get reads up to the medium's `queue_depth` pages ahead
+  and refills that queue in batches, so the device sees a deep queue rather than one read at a time.
 """
 
 from __future__ import annotations
@@ -75,9 +78,16 @@ class Reader:
 
         def read_ahead() -> None:
             nonlocal nxt
-            while nxt < len(keys) and len(pending) <= self.read_ahead:
+            started = 0
+            while nxt < len(keys):
                 key = keys[nxt]
+                depth = self.depth(key)
+                if len(pending) >= depth:
+                    break
+                if not started and depth > self.read_ahead + 1 and len(pending) > depth // 2:
+                    break  # a deep queue is refilled half at a time: one read_many call each, not one per page
                 pending.append(loop.create_task(self.read_one(key, promote)))
+                started += 1
                 nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
 
         lease: ReadLease | None = None
@@ -106,6 +116,16 @@ class Reader:
                 if isinstance(result, ReadLease):
                     result.release()
 
+    def depth(self, key: Key) -> int:
+        """Pages a Get keeps in flight while the next one to read is `key`: the read-ahead window, or the
+        queue depth of the medium the page is on when that is deeper (NVMe)."""
+        shallow = self.read_ahead + 1
+        entry = self.table.get(key)
+        if entry is None:
+            return shallow
+        medium = self.table.tiers[entry.tier].medium
+        return shallow if medium.host_memory else max(shallow, medium.queue_depth)
+
     async def read_one(self, key: Key, promote: bool) -> ReadLease | None:
         """Lease one page, promoting it first when asked; None when missing or corrupt. Counts bytes and
         checksum failures; hits and misses are counted by the caller, in request order."""
@@ -129,7 +149,7 @@ class Reader:
             else:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
-                await self.io.run(tier.medium.read, entry.slot, view)
+                await self.io.read(tier.medium, entry.slot, view)
                 payload = view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
                 ok = verify_copy(entry, view)
         except BaseException:

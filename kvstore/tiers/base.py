@@ -40,6 +40,7 @@ class Medium(abc.ABC):
     persistent: bool = False  # survives a restart: `scan` finds its pages, `invalidate` erases them
     host_memory: bool = False  # slots are host memory: `view` gives them without a copy
     detail: str = ""  # one line for operators (kvctl stats): what backs it, or why it is unavailable
+    queue_depth: int = 1  # reads `read_many` keeps in flight at once: a batched Get reads this far ahead
 
     @property
     def capacity_bytes(self) -> int:

@@ -1,0 +1,235 @@
+"""Batched NVMe gets against the disk's own O_DIRECT read rate, in one run.
+
+Method: per page size (default 256 KiB, 1 MiB, 4 MiB) one real node (`kvstore serve`, 4 DRAM slots, an
+NVMe tier in a temporary directory) holds `--batch` pages on NVMe: put one by one, pushed out of DRAM by
+filler pages, and read with `promote=False` so they stay there. Per run, in alternating order:
+- kvstore: one batched get of the `--batch` pages per call, over the same-host planes: `get_into`
+  (zero-copy, into a shared buffer) and `get` (the shm plane's copy-out), and over gRPC streams;
+- disk: `--batch` O_DIRECT reads of whole slots (header + payload, what the node reads) of a file of
+  slot-sized records on the same filesystem, the same records every call (as the kvstore gets read the
+  same pages every call): one at a time from one thread ("1-deep"), and all in flight from `--depth`
+  threads ("16-deep", the node's NVMe queue depth).
+GB/s (10^9 B/s) counts payload bytes; the figure is the median of `--runs` runs of `--iters` calls.
+Every kvstore call is checked: all pages returned, all from NVMe, and the bytes of one page compared.
+Each kvstore figure is given as a ratio to the 16-deep disk rate of the same run.
+
+Limits: "NVMe" is whatever backs the temporary directory (printed); a hypervisor cache may sit under
+O_DIRECT, and it serves the kvstore reads and the disk reads alike. Writes benchmarks/out/nvme_bench.*.
+
+Run:  .venv/bin/python benchmarks/nvme_bench.py [--quick] [--sizes-kib 256,1024,4096] [--dir PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from machine import machine_line, save_results
+
+from kvstore.client import KVStoreClient
+from kvstore.launch import NodeProcess
+from kvstore.layout import DType, PageLayout
+from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.names import TierKind
+from kvstore.pageformat import slot_bytes_for
+from kvstore.tiers.nvme import QUEUE_DEPTH
+from kvstore.transport.shm import shm_available
+
+NS = "bench/nvme"
+DRAM_SLOTS = 4
+PLANES = ("get_into", "shm_get", "grpc_get")
+
+
+def layout_for(size: int) -> PageLayout:
+    """A uint8 layout whose page is exactly `size` bytes."""
+    return PageLayout(DType.UINT8, num_layers=1, num_kv_heads=1, head_dim=size // 2, block_size=1)
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+
+
+class Disk:
+    """Whole-slot O_DIRECT reads of `count` records of a file on the node's filesystem."""
+
+    def __init__(self, root: Path, size: int, count: int, depth: int) -> None:
+        self.slot = slot_bytes_for(size)
+        self.count = count
+        self.path = root / f"disk-baseline-{size}"
+        with open(self.path, "wb") as f:
+            for _ in range(count):
+                f.write(os.urandom(self.slot))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            self.direct = hasattr(os, "O_DIRECT")
+        except OSError:
+            self.fd = os.open(self.path, os.O_RDONLY)
+            self.direct = False
+        self.bufs = [mmap.mmap(-1, self.slot) for _ in range(count)]  # page aligned, as O_DIRECT needs
+        self.pool = ThreadPoolExecutor(depth)
+
+    def read(self, i: int) -> None:
+        if os.preadv(self.fd, [self.bufs[i]], i * self.slot) != self.slot:
+            raise OSError(f"short read of record {i}")
+
+    def one_deep(self) -> None:
+        for i in range(self.count):
+            self.read(i)
+
+    def deep(self) -> None:
+        for f in [self.pool.submit(self.read, i) for i in range(self.count)]:
+            f.result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        os.close(self.fd)
+        for b in self.bufs:
+            b.close()
+        self.path.unlink()
+
+
+def timed(fn: Callable[[], None], iters: int, nbytes: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return iters * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def fill_nvme(kv: KVStoreClient, layout: PageLayout, pages: list[bytes], tag: str) -> list[bytes]:
+    """Put the pages one per call, then push them out of DRAM with fillers; returns their hashes."""
+    hs = hashes(tag, len(pages))
+    for h, p in zip(hs, pages, strict=True):
+        kv.put(NS, layout, [h], [p])
+    for round_ in range(4):  # bounded: normally the first round of fillers is enough
+        kv.put(NS, layout, hashes(f"{tag}-filler-{round_}", DRAM_SLOTS), [pages[0]] * DRAM_SLOTS)
+        if all(t is TierKind.NVME for t in kv.lookup_detail(NS, hs).tiers):
+            return hs
+    raise RuntimeError("pages did not all reach NVMe; the benchmark needs them there")
+
+
+def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str, object]]:
+    size = kib << 10
+    layout = layout_for(size)
+    slot = slot_bytes_for(size)
+    pages = [os.urandom(size) for _ in range(args.batch)]
+    nbytes = args.batch * size
+    node = NodeProcess(dram_bytes=DRAM_SLOTS * slot, nvme_path=root / f"nvme-{kib}",
+                       nvme_bytes=(args.batch + 4 * DRAM_SLOTS + 4) * slot, max_page_bytes=size,
+                       node_id=f"bench-nvme-{kib}").start()  # fmt: skip
+    disk = Disk(root, size, args.batch, args.depth)
+    res: dict[str, list[float]] = {k: [] for k in (*PLANES, "disk_1", "disk_deep")}
+    try:
+        fast = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="shm")
+        slow = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="grpc")
+        try:
+            hs = fill_nvme(fast, layout, pages, f"nvme-{kib}")
+            staging = fast.shared_buffer(args.batch * slot)
+            views = staging.pages(size, args.batch)
+
+            def check(tiers: list[TierKind], first: bytes | memoryview) -> None:
+                if len(tiers) != args.batch or any(t is not TierKind.NVME for t in tiers) or first != pages[0]:
+                    raise RuntimeError(f"a get returned {len(tiers)} pages, tiers {set(tiers)}, or wrong bytes")
+
+            def get_into() -> None:
+                refs = fast.get_into(NS, hs, views, promote=False)
+                check([r.tier for r in refs], views[0])
+
+            def shm_get() -> None:
+                got = fast.get_pages(NS, hs, promote=False)
+                check([p.tier for p in got], bytes(got[0].data))
+
+            def grpc_get() -> None:
+                got = slow.get_pages(NS, hs, promote=False)
+                check([p.tier for p in got], bytes(got[0].data))
+
+            cells: dict[str, Callable[[], None]] = {"get_into": get_into, "shm_get": shm_get, "grpc_get": grpc_get,
+                                                    "disk_1": disk.one_deep, "disk_deep": disk.deep}  # fmt: skip
+            names = list(cells)
+            for run in range(args.runs):
+                for name in names if run % 2 == 0 else names[::-1]:
+                    for _ in range(args.warmup):
+                        cells[name]()
+                    res[name].append(timed(cells[name], args.iters, nbytes))
+            staging.close()
+        finally:
+            fast.close()
+            slow.close()
+    finally:
+        disk.close()
+        node.close()
+    med = {k: statistics.median(v) for k, v in res.items()}
+    deep = med["disk_deep"]
+    return [{"page_kib": kib, "batch": args.batch, **{f"{k}_gbs": v for k, v in med.items()},
+             **{f"{k}_vs_disk_deep": med[k] / deep for k in PLANES}, "o_direct": disk.direct,
+             "runs": res}]  # fmt: skip
+
+
+def mount_of(path: Path) -> str:
+    """'device (fstype) on mountpoint' of the filesystem holding path, from /proc/mounts."""
+    best = ("", "", "")
+    target = str(path.resolve())
+    for line in Path("/proc/mounts").read_text().splitlines():
+        dev, mnt, fstype = line.split()[:3]
+        if (target == mnt or target.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+            best = (dev, mnt, fstype)
+    return f"{best[0]} ({best[2]}) on {best[1]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-kib", default="256,1024,4096", help="page sizes in KiB, multiples of 8")
+    ap.add_argument("--batch", type=int, default=16, help="pages per get (default 16)")
+    ap.add_argument("--depth", type=int, default=QUEUE_DEPTH, help=f"disk reads in flight (default {QUEUE_DEPTH})")
+    ap.add_argument("--iters", type=int, default=10, help="timed calls per run (default 10)")
+    ap.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed calls per run and cell (default 1)")
+    ap.add_argument("--dir", type=Path, default=None, help="where the NVMe tier and the disk file go (default: TMPDIR)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB only, 1 run, 2 calls")
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
+    args = ap.parse_args(argv)
+    if not shm_available():
+        print("no writable /dev/shm on this host: the same-host planes cannot run here")
+        return 1
+    if args.quick:
+        args.sizes_kib, args.runs, args.iters, args.warmup = "256", 1, 2, 1
+    sizes = [int(s) for s in args.sizes_kib.split(",")]
+    if any(s <= 0 or s % 8 for s in sizes):
+        ap.error("--sizes-kib: each size must be a positive multiple of 8")
+    tune_malloc_for_bulk_io()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        backing = mount_of(root)
+        rows = [r for kib in sizes for r in bench_size(kib, args, root)]
+    wall = time.perf_counter() - t0
+    lines = [
+        machine_line(),
+        f"- NVMe tier and disk file on {backing}; O_DIRECT: {all(r['o_direct'] for r in rows)}; load average "
+        f"(1 min) at the end {os.getloadavg()[0]:.1f}",
+        f"- Workload: {args.batch} pages per get, promote=False (pages stay on NVMe), {args.iters} calls x "
+        f"{args.runs} runs (median); wall {wall:.0f} s",
+        "",
+        f"| page | get_into GB/s | shm get GB/s | gRPC get GB/s | disk 1-deep GB/s | disk {args.depth}-deep GB/s "
+        f"| get_into vs {args.depth}-deep | shm get vs {args.depth}-deep | gRPC vs {args.depth}-deep |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['page_kib']} KiB | {r['get_into_gbs']:.2f} | {r['shm_get_gbs']:.2f} | {r['grpc_get_gbs']:.2f} "
+                     f"| {r['disk_1_gbs']:.2f} | {r['disk_deep_gbs']:.2f} | {r['get_into_vs_disk_deep']:.2f} "
+                     f"| {r['shm_get_vs_disk_deep']:.2f} | {r['grpc_get_vs_disk_deep']:.2f} |")  # fmt: skip
+    save_results(args.out, "nvme_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
