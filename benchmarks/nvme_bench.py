@@ -2,7 +2,8 @@
 
 Method: per page size (default 256 KiB, 1 MiB, 4 MiB) one real node (`kvstore serve`, 4 DRAM slots, an
 NVMe tier in a temporary directory) holds `--batch` pages on NVMe: put one by one, pushed out of DRAM by
-filler pages, and read with `promote=False` so they stay there. Per run, in alternating order:
+filler pages, and read with `promote=False` so they stay there. Per run, the cells below take turns
+call by call (a rotating order), so load from elsewhere on a shared machine hits them alike:
 - kvstore: one batched get of the `--batch` pages per call, over the same-host planes: `get_into`
   (zero-copy, into a shared buffer) and `get` (the shm plane's copy-out), and over gRPC streams;
 - disk: `--batch` O_DIRECT reads of whole slots (header + payload, what the node reads) of a file of
@@ -98,11 +99,20 @@ class Disk:
         self.path.unlink()
 
 
-def timed(fn: Callable[[], None], iters: int, nbytes: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return iters * nbytes / (time.perf_counter() - t0) / 1e9
+def round_robin(cells: dict[str, Callable[[], None]], iters: int, warmup: int, nbytes: int) -> dict[str, float]:
+    """GB/s of each cell over `iters` calls, the cells taking turns call by call (in an order that
+    rotates), so a burst of load from elsewhere on a shared machine hits them all alike."""
+    names = list(cells)
+    for name in names:
+        for _ in range(warmup):
+            cells[name]()
+    spent = dict.fromkeys(names, 0.0)
+    for i in range(iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            t0 = time.perf_counter()
+            cells[name]()
+            spent[name] += time.perf_counter() - t0
+    return {name: iters * nbytes / spent[name] / 1e9 for name in names}
 
 
 def fill_nvme(kv: KVStoreClient, layout: PageLayout, pages: list[bytes], tag: str) -> list[bytes]:
@@ -154,12 +164,9 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
 
             cells: dict[str, Callable[[], None]] = {"get_into": get_into, "shm_get": shm_get, "grpc_get": grpc_get,
                                                     "disk_1": disk.one_deep, "disk_deep": disk.deep}  # fmt: skip
-            names = list(cells)
-            for run in range(args.runs):
-                for name in names if run % 2 == 0 else names[::-1]:
-                    for _ in range(args.warmup):
-                        cells[name]()
-                    res[name].append(timed(cells[name], args.iters, nbytes))
+            for _ in range(args.runs):
+                for name, gbs in round_robin(cells, args.iters, args.warmup, nbytes).items():
+                    res[name].append(gbs)
             staging.close()
         finally:
             fast.close()

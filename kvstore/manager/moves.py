@@ -167,10 +167,15 @@ class Mover:
 
 def verify_copy(entry: Entry, view: memoryview) -> bool:
     """A slot copied out of a medium: its header must name this page, its payload match the checksum."""
+    if not header_matches(entry, view):
+        return False
+    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum
+
+
+def header_matches(entry: Entry, view: memoryview) -> bool:
+    """The header block of a slot copied out of a medium names this page (not a stale or torn one)."""
     try:
         hdr = PageHeader.unpack(view[:HEADER_BYTES])
     except HeaderError:
         return False
-    if (hdr.namespace, hdr.hash, hdr.generation) != (entry.namespace, entry.hash, entry.generation):
-        return False
-    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum
+    return (hdr.namespace, hdr.hash, hdr.generation) == (entry.namespace, entry.hash, entry.generation)

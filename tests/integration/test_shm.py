@@ -22,6 +22,7 @@ from kvstore.security import WRITE_METHODS
 from kvstore.stats import PlaneInfo
 from kvstore.transport import shm
 from kvstore.transport.shm import client as shm_client
+from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
 from kvstore.wire import layout_to_pb
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
@@ -275,3 +276,43 @@ def test_get_shm_targets_scatter_pages_in_any_order(stub: pb_grpc.KVStoreStub, s
     assert [p.hash for p in reply.pages] == hs and [p.offset for p in reply.pages] == offsets
     for h, o in zip(hs, offsets, strict=True):
         assert bytes(seg.view[o : o + PAGE]) == page(h)
+
+
+# -- registered buffers (sealed memfds the node maps) ------------------------------------------------------
+
+
+def region_of(buf: SharedBuffer, **overrides: object) -> pb.ShmRegion:
+    fields: dict[str, object] = {"name": buf.name, "nonce": buf.nonce, "pid": buf.pid, "fd": buf.fd}
+    fields.update(overrides)
+    return pb.ShmRegion(**fields)  # type: ignore[arg-type]
+
+
+def test_bad_registered_regions_are_refused(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment) -> None:
+    h = key(0, "memfd-bad")
+    stub.PutShm(put_req(seg, h), timeout=30)
+    buffers = SharedBuffers()
+    buf = buffers.allocate(2 * PAGE)
+    unsealed = os.memfd_create("kvstore-unsealed")
+    try:
+        os.ftruncate(unsealed, 4096 + PAGE)
+
+        def get(region: pb.ShmRegion) -> grpc.RpcError:
+            req = pb.GetShmRequest(namespace=NS, hashes=[h], region=region,
+                                   targets=[pb.ShmTarget(offset=buf.data_offset, size=PAGE)])  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetShm(req, timeout=30)
+            return info.value
+
+        err = get(region_of(buf, nonce=b"\x01" * 16))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("region.nonce")
+        err = get(region_of(buf, fd=unsealed))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "sealed" in err.details()
+        err = get(region_of(buf, fd=9999))  # no such descriptor in this process
+        assert err.code() is grpc.StatusCode.UNIMPLEMENTED and "cannot open" in err.details()
+        assert bytes(buf.view[:PAGE]) == bytes(PAGE)  # nothing written
+        reply = stub.GetShm(pb.GetShmRequest(namespace=NS, hashes=[h], region=region_of(buf),
+                                             targets=[pb.ShmTarget(offset=buf.data_offset, size=PAGE)]), timeout=30)  # fmt: skip
+        assert len(reply.pages) == 1 and bytes(buf.view[:PAGE]) == page(h)
+    finally:
+        os.close(unsealed)
+        buffers.close()

@@ -22,7 +22,14 @@ from kvstore.pageformat import align_up
 from kvstore.transport.buffers import buffer_span
 from kvstore.transport.exchange import DataPlane, Exchange, Unary
 from kvstore.transport.shm import HEADER_BYTES
-from kvstore.transport.shm.segments import ClientSegment, Placed, SegmentPool, SharedBuffers, sweep_stale
+from kvstore.transport.shm.segments import (
+    ClientSegment,
+    Placed,
+    SegmentPool,
+    SharedBuffer,
+    SharedBuffers,
+    sweep_stale,
+)
 from kvstore.wire import FetchedPage, PageRef, StreamError, layout_to_pb
 
 __all__ = ["ClientSegment", "SegmentPool", "ShmPlane", "sweep_stale"]
@@ -88,11 +95,15 @@ def check_reply_order(hashes: Sequence[bytes], reply: pb.GetShmResponse) -> None
             raise StreamError(f"page {i}: server sent an unexpected hash")
 
 
+def shared_region(buf: SharedBuffer) -> pb.ShmRegion:
+    """The region naming a registered buffer: this process's sealed memfd, for the node to map."""
+    return pb.ShmRegion(name=buf.name, nonce=buf.nonce, pid=buf.pid, fd=buf.fd)
+
+
 def into_request(namespace: str, hashes: Sequence[bytes], placed: Sequence[Placed], promote: bool) -> pb.GetShmRequest:
-    """A GetShm that writes page i straight into placed[i] (all in one registered segment)."""
-    seg = placed[0].buffer.segment
+    """A GetShm that writes page i straight into placed[i] (all in one registered buffer)."""
     return pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote,
-                            region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
+                            region=shared_region(placed[0].buffer),
                             targets=[pb.ShmTarget(offset=p.offset, size=p.nbytes) for p in placed])  # fmt: skip
 
 
@@ -234,10 +245,9 @@ class ShmPlane(DataPlane):
         placed = self.place(buffers, writable=False)
         stored = present = 0
         for a, b in segment_runs(placed, self.pages_per_call):
-            seg = placed[a].buffer.segment
             first_parent = parent if a == 0 else hashes[a - 1]
             req = pb.PutShmRequest(open=put_open(namespace, layout, target, first_parent if chain else None, chain),
-                                   region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
+                                   region=shared_region(placed[a].buffer),
                                    pages=[pb.ShmSlice(hash=h, offset=p.offset, payload_bytes=p.nbytes)
                                           for h, p in zip(hashes[a:b], placed[a:b], strict=True)])  # fmt: skip
             try:

@@ -1,20 +1,21 @@
 """Client-owned shared-memory segments: the plane's scratch pool, and registered staging buffers.
 
-Two kinds of segment, one file format (`kvstore.transport.shm`: MAGIC, nonce, then data):
-- `SegmentPool`: the plane's own scratch segments for `get`/`put` (the client copies pages in and out);
+Two kinds of segment, one header format (`kvstore.transport.shm`: MAGIC, nonce, then data):
+- `SegmentPool`: the plane's own scratch segments for `get`/`put` (named /dev/shm files the node reads
+  and writes with pread/pwrite; the client copies pages in and out). Created 0600 with a fresh random
+  name and nonce and unlinked on close; a pid in the name lets `sweep_stale()` unlink the orphans of
+  clients that died without closing.
 - `SharedBuffer`: staging memory the caller owns and keeps (what an engine keeps as its pinned staging
-  buffer). `get_into` has the node write pages straight into views of it, `put_from` has the node read
-  pages straight out of them: one copy per page, no client-side copy at all. `SharedBuffers` is a
-  client's registry of them: it maps any buffer the caller passes back to (segment, offset).
-
-Segments are created 0600 with a fresh random name and nonce and unlinked on close; a pid in the name
-lets `sweep_stale()` unlink the orphans of clients that died without closing.
+  buffer), a sealed memfd the node maps. `get_into` has the node copy pages straight into views of it,
+  `put_from` straight out of them: one copy per page, none on the client. `SharedBuffers` is a client's
+  registry of them: it maps any buffer the caller passes back to (buffer, offset).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import mmap
 import os
 import secrets
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 from kvstore.pageformat import ALIGN, align_up
 from kvstore.transport.buffers import address_of
-from kvstore.transport.shm import HEADER_BYTES, MAGIC, NONCE_BYTES, SHM_DIR, shm_available
+from kvstore.transport.shm import HEADER_BYTES, MAGIC, NONCE_BYTES, SHM_DIR
 
 
 class ClientSegment:
@@ -120,27 +121,45 @@ class SegmentPool:
 
 
 class SharedBuffer:
-    """Staging memory in a registered shared-memory segment, owned by the caller until `close()`.
+    """Staging memory the node can map: a sealed memfd of this process, owned by the caller until `close()`.
 
     `view` is its whole writable area (`nbytes`, starting 4 KiB aligned); `pages(page_bytes, count)`
     cuts it into page-sized views on 4 KiB-aligned boundaries. Any contiguous part of it (a view, a
     slice of one, a numpy array over it) can be passed to `get_into` and `put_from` of the client that
     made it. Wrap it for tensors with `numpy.frombuffer(buf.view, ...)` or `torch.frombuffer(buf.view, ...)`.
 
-    Invariant: while registered, its segment's name, nonce and address range do not change; `close()`
-    unregisters it before unlinking, so no later call can name it. Views still held after close keep
-    the memory mapped (readable) until they are released, but no transfer uses them any more.
+    Why a sealed memfd and not a /dev/shm file: the node maps this memory and copies pages straight
+    into it with memcpy (a kernel pwrite into tmpfs runs at about half memcpy speed here). A mapping of
+    a file that can shrink would kill the node with SIGBUS when it shrank mid-copy; F_SEAL_SHRINK (and
+    F_SEAL_GROW) makes the size final, so the node can map it safely. The node opens it as
+    /proc/<pid>/fd/<fd> (same user and pid namespace as the node), after checking the seals and the
+    nonce in its header (as for named segments: only a process that can read it knows the nonce).
+
+    Invariant: while registered, its descriptor, nonce and address range do not change; `close()`
+    unregisters it first, so no later call can name it. Views still held after close keep the memory
+    mapped until released, but no transfer uses them any more.
     """
 
     def __init__(self, nbytes: int, registry: SharedBuffers) -> None:
         if nbytes <= 0:
             raise ValueError(f"nbytes: a shared buffer needs at least 1 byte, got {nbytes}")
         self.nbytes = nbytes
-        # Data starts on its own 4 KiB page after the segment header, so views are page aligned.
-        self.segment = ClientSegment(ALIGN + align_up(nbytes))
-        self.data_offset = ALIGN
-        self.view = self.segment.view[ALIGN : ALIGN + nbytes]
-        self.base = address_of(self.segment.map)
+        self.pid = os.getpid()
+        self.name = f"kvstore-{self.pid}-{secrets.token_hex(12)}"
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.data_offset = ALIGN  # data starts on its own 4 KiB page after the header: views are page aligned
+        self.size = ALIGN + align_up(nbytes)
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self.map = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.map[: len(MAGIC) + NONCE_BYTES] = MAGIC + self.nonce
+        self.view = memoryview(self.map)[self.data_offset : self.data_offset + nbytes]
+        self.base = address_of(self.map)
         self._registry = registry
         registry.add(self)
 
@@ -161,10 +180,12 @@ class SharedBuffer:
         return [self.view[i * stride : i * stride + page_bytes] for i in range(count)]
 
     def close(self) -> None:
-        """Unregister and unlink the segment (idempotent)."""
+        """Unregister, unmap (once no view is left) and close the memfd (idempotent)."""
         if self._registry.remove(self):
             self.view.release()
-            self.segment.close()
+            with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping goes with it
+                self.map.close()
+            os.close(self.fd)
 
     def __enter__(self) -> SharedBuffer:
         return self
@@ -178,7 +199,7 @@ class Placed:
     """Where one caller buffer lies: in `buffer`'s segment at byte `offset`, `nbytes` long."""
 
     buffer: SharedBuffer
-    offset: int
+    offset: int  # from the start of the memfd (its header included), as the node addresses it
     nbytes: int
 
 
@@ -194,9 +215,9 @@ class SharedBuffers:
         self._by_base: dict[int, SharedBuffer] = {}
 
     def allocate(self, nbytes: int) -> SharedBuffer:
-        """A new registered staging buffer of `nbytes` (a /dev/shm segment)."""
-        if not shm_available():
-            raise ValueError("shared buffers need a writable /dev/shm on this host")
+        """A new registered staging buffer of `nbytes` (a sealed memfd)."""
+        if not hasattr(os, "memfd_create"):
+            raise ValueError("shared buffers need memfd_create (Linux)")
         return SharedBuffer(nbytes, self)
 
     def add(self, buf: SharedBuffer) -> None:

@@ -342,12 +342,16 @@ class IndexStats(_message.Message):
     def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., queued: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., flushed: _Optional[int] = ..., resyncs: _Optional[int] = ..., overflows: _Optional[int] = ..., errors: _Optional[int] = ..., resync_pending: _Optional[bool] = ...) -> None: ...
 
 class ShmRegion(_message.Message):
-    __slots__ = ("name", "nonce")
+    __slots__ = ("name", "nonce", "pid", "fd")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     name: str
     nonce: bytes
-    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+    pid: int
+    fd: int
+    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
 
 class ShmSlice(_message.Message):
     __slots__ = ("hash", "offset", "payload_bytes", "checksum", "tier")
