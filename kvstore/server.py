@@ -9,7 +9,6 @@ DRAM pages to NVMe (bounded) and closes, so a restart on the same --nvme-path is
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import os
@@ -54,7 +53,6 @@ from kvstore.wire import (
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-SHM_COPY_IN_THREAD_BYTES = 512 << 10  # shm page copies this big run off the event loop (see _shm_copy)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -230,17 +228,6 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             return self.shm.acquire_memfd(region.pid, region.fd, region.nonce, region.name)
         return self.shm.acquire(region.name, region.nonce)
 
-    async def _shm_copy(self, copy: Callable[[], None], nbytes: int) -> None:
-        """Run one page copy between a slot and a client segment. A big one runs in the manager's I/O
-        pool, so the event loop meanwhile verifies the pages read ahead (xxhash and pread/pwrite release
-        the GIL: copy and checksum overlap on two cores); a small one is cheaper inline than a thread
-        hop. IoPool.run returns only once the copy ended, even when the call is cancelled, so a slot or
-        bounce buffer is never released under it."""
-        if nbytes >= SHM_COPY_IN_THREAD_BYTES:
-            await self.mgr.io.run(copy)
-        else:
-            copy()
-
     async def PutShm(self, request: pb.PutShmRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot; the
         checksum is the one the transaction takes of the slot (checked against a declared one, if any)."""
@@ -260,7 +247,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 dst = await txn.add_page(p.hash, p.payload_bytes, p.checksum)
                 if dst is not None:
                     try:
-                        await self._shm_copy(functools.partial(seg.read_into, p.offset, dst, f"pages[{i}]"), len(dst))
+                        seg.read_into(p.offset, dst, f"pages[{i}]")
                     finally:
                         dst.release()
             stored, present = await txn.commit()
@@ -299,7 +286,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         out.next_page_bytes = n
                         break
                     if not windows:  # else the reader has copied it there already
-                        await self._shm_copy(functools.partial(seg.write, pos, lease.payload), n)
+                        seg.write(pos, lease.payload)
                     out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
                                   tier=int(lease.tier))  # fmt: skip
                     pos = align_up(pos + n)
