@@ -33,16 +33,15 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from machine import machine_line, save_results
+from interleave import Column, add_run_options, round_robin, save_table, start
+from machine import machine_line
 
 from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
-from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
-from kvstore.transport.shm import shm_available
 
 NS = "bench/nvme"
 DRAM_SLOTS = 4
@@ -97,22 +96,6 @@ class Disk:
         for b in self.bufs:
             b.close()
         self.path.unlink()
-
-
-def round_robin(cells: dict[str, Callable[[], None]], iters: int, warmup: int, nbytes: int) -> dict[str, float]:
-    """GB/s of each cell over `iters` calls, the cells taking turns call by call (in an order that
-    rotates), so a burst of load from elsewhere on a shared machine hits them all alike."""
-    names = list(cells)
-    for name in names:
-        for _ in range(warmup):
-            cells[name]()
-    spent = dict.fromkeys(names, 0.0)
-    for i in range(iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            t0 = time.perf_counter()
-            cells[name]()
-            spent[name] += time.perf_counter() - t0
-    return {name: iters * nbytes / spent[name] / 1e9 for name in names}
 
 
 def fill_nvme(kv: KVStoreClient, layout: PageLayout, pages: list[bytes], tag: str) -> list[bytes]:
@@ -194,47 +177,31 @@ def mount_of(path: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-kib", default="256,1024,4096", help="page sizes in KiB, multiples of 8")
-    ap.add_argument("--batch", type=int, default=16, help="pages per get (default 16)")
+    add_run_options(ap, iters=10, warmup=1, quick="256 KiB only, 1 run, 2 calls")
     ap.add_argument("--depth", type=int, default=QUEUE_DEPTH, help=f"disk reads in flight (default {QUEUE_DEPTH})")
-    ap.add_argument("--iters", type=int, default=10, help="timed calls per run (default 10)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed calls per run and cell (default 1)")
     ap.add_argument("--dir", type=Path, default=None, help="where the NVMe tier and the disk file go (default: TMPDIR)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB only, 1 run, 2 calls")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    args = ap.parse_args(argv)
-    if not shm_available():
-        print("no writable /dev/shm on this host: the same-host planes cannot run here")
-        return 1
-    if args.quick:
-        args.sizes_kib, args.runs, args.iters, args.warmup = "256", 1, 2, 1
-    sizes = [int(s) for s in args.sizes_kib.split(",")]
-    if any(s <= 0 or s % 8 for s in sizes):
-        ap.error("--sizes-kib: each size must be a positive multiple of 8")
-    tune_malloc_for_bulk_io()
+    args, sizes = start(ap, argv, quick_iters=2)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         backing = mount_of(root)
         rows = [r for kib in sizes for r in bench_size(kib, args, root)]
     wall = time.perf_counter() - t0
-    lines = [
+    deep = f"{args.depth}-deep"
+    preamble = [
         machine_line(),
         f"- NVMe tier and disk file on {backing}; O_DIRECT: {all(r['o_direct'] for r in rows)}; load average "
         f"(1 min) at the end {os.getloadavg()[0]:.1f}",
         f"- Workload: {args.batch} pages per get, promote=False (pages stay on NVMe), {args.iters} calls x "
         f"{args.runs} runs (median); wall {wall:.0f} s",
-        "",
-        f"| page | get_into GB/s | shm get GB/s | gRPC get GB/s | disk 1-deep GB/s | disk {args.depth}-deep GB/s "
-        f"| get_into vs {args.depth}-deep | shm get vs {args.depth}-deep | gRPC vs {args.depth}-deep |",
-        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for r in rows:
-        lines.append(f"| {r['page_kib']} KiB | {r['get_into_gbs']:.2f} | {r['shm_get_gbs']:.2f} | {r['grpc_get_gbs']:.2f} "
-                     f"| {r['disk_1_gbs']:.2f} | {r['disk_deep_gbs']:.2f} | {r['get_into_vs_disk_deep']:.2f} "
-                     f"| {r['shm_get_vs_disk_deep']:.2f} | {r['grpc_get_vs_disk_deep']:.2f} |")  # fmt: skip
-    save_results(args.out, "nvme_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    columns: list[Column] = [("page", lambda r: f"{r['page_kib']} KiB")]
+    columns += [(f"{label} GB/s", lambda r, k=k: f"{r[f'{k}_gbs']:.2f}")
+                for k, label in (("get_into", "get_into"), ("shm_get", "shm get"), ("grpc_get", "gRPC get"),
+                                 ("disk_1", "disk 1-deep"), ("disk_deep", f"disk {deep}"))]  # fmt: skip
+    columns += [(f"{label} vs {deep}", lambda r, k=k: f"{r[f'{k}_vs_disk_deep']:.2f}")
+                for k, label in (("get_into", "get_into"), ("shm_get", "shm get"), ("grpc_get", "gRPC"))]
+    save_table(args, "nvme_bench", preamble, columns, rows, wall)
     return 0
 
 

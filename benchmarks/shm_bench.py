@@ -24,16 +24,14 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from machine import machine_line, save_results
+from interleave import Column, add_run_options, round_robin, save_table, start
+from machine import machine_line
 
 from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
-from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.pageformat import slot_bytes_for
-from kvstore.transport.shm import shm_available
 
 NS = "bench/shm"
 PLANES = ("grpc", "shm", "zc")
@@ -42,30 +40,6 @@ LABEL = {"grpc": "gRPC", "shm": "shm", "zc": "zero-copy"}
 
 def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
-
-
-def round_robin(cells: dict[str, Callable[[], object]], iters: int, warmup: int, nbytes: int) -> dict[str, float]:
-    """GB/s of each cell over `iters` calls, the cells taking turns call by call (in an order that
-    rotates), so a burst of load from elsewhere on a shared machine hits them all alike. A call may
-    return a cleanup (a delete after a put), run untimed."""
-    names = list(cells)
-
-    def once(name: str) -> float:
-        t0 = time.perf_counter()
-        cleanup = cells[name]()
-        spent = time.perf_counter() - t0
-        if callable(cleanup):
-            cleanup()
-        return spent
-
-    for name in names:
-        for _ in range(warmup):
-            once(name)
-    spent = dict.fromkeys(names, 0.0)
-    for i in range(iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            spent[name] += once(name)
-    return {name: iters * nbytes / spent[name] / 1e9 for name in names}
 
 
 def bench_size(kib: int, args: argparse.Namespace) -> list[dict[str, object]]:
@@ -154,40 +128,21 @@ def bench_size(kib: int, args: argparse.Namespace) -> list[dict[str, object]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-kib", default="256,1024,4096", help="page sizes in KiB, multiples of 8")
-    ap.add_argument("--batch", type=int, default=16, help="pages per call (default 16)")
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per run (default 20)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed calls per run and cell (default 2)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB only, 1 run, 3 calls")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    args = ap.parse_args(argv)
-    if not shm_available():
-        print("no writable /dev/shm on this host: the shared-memory plane cannot run here")
-        return 1
-    if args.quick:
-        args.sizes_kib, args.runs, args.iters, args.warmup = "256", 1, 3, 1
-    sizes = [int(s) for s in args.sizes_kib.split(",")]
-    if any(s <= 0 or s % 8 for s in sizes):
-        ap.error("--sizes-kib: each size must be a positive multiple of 8")
-    tune_malloc_for_bulk_io()
+    add_run_options(ap, iters=20, warmup=2, quick="256 KiB only, 1 run, 3 calls")
+    args, sizes = start(ap, argv, quick_iters=3)
     t0 = time.perf_counter()
     rows = [r for kib in sizes for r in bench_size(kib, args)]
     wall = time.perf_counter() - t0
-    lines = [
+    preamble = [
         machine_line(),
         f"- Workload: {args.batch} pages per call, {args.iters} calls x {args.runs} runs (median), DRAM-resident; "
         f"load average (1 min) at the end {os.getloadavg()[0]:.1f}; wall {wall:.0f} s",
-        "",
-        "| page | op | gRPC GB/s | shm GB/s | zero-copy GB/s | memcpy GB/s (same runs) | gRPC vs memcpy "
-        "| shm vs memcpy | zero-copy vs memcpy |",
-        "|--:|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
-    for r in rows:
-        lines.append(f"| {r['page_kib']} KiB | {r['op']} | {r['grpc_gbs']:.2f} | {r['shm_gbs']:.2f} | {r['zc_gbs']:.2f} "
-                     f"| {r['memcpy_gbs']:.1f} | {r['grpc_vs_memcpy']:.2f} | {r['shm_vs_memcpy']:.2f} "
-                     f"| {r['zc_vs_memcpy']:.2f} |")  # fmt: skip
-    save_results(args.out, "shm_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    columns: list[Column] = [("page", lambda r: f"{r['page_kib']} KiB"), ("op", lambda r: str(r["op"]))]
+    columns += [(f"{LABEL[p]} GB/s", lambda r, p=p: f"{r[f'{p}_gbs']:.2f}") for p in PLANES]
+    columns.append(("memcpy GB/s (same runs)", lambda r: f"{r['memcpy_gbs']:.1f}"))
+    columns += [(f"{LABEL[p]} vs memcpy", lambda r, p=p: f"{r[f'{p}_vs_memcpy']:.2f}") for p in PLANES]
+    save_table(args, "shm_bench", preamble, columns, rows, wall)
     return 0
 
 

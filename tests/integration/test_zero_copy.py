@@ -4,10 +4,11 @@ corruption, concurrent callers, registered-buffer lifetime and fallback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import os
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,8 @@ SENTINEL = b"\xa5" * PAGE
 
 @pytest.fixture(scope="module")
 def zc_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
-    n = start_node(tmp_path_factory.mktemp("zc"), dram_pages=8, nvme_pages=400, name="zc0")
-    try:
+    with contextlib.closing(start_node(tmp_path_factory.mktemp("zc"), dram_pages=8, nvme_pages=400, name="zc0")) as n:
         yield n
-    finally:
-        n.close()
 
 
 def fill(views: list[memoryview], hashes: list[bytes]) -> None:
@@ -238,30 +236,23 @@ def flip_payload_byte(nvme_dir: Path, h: bytes) -> None:
 
 
 def test_concurrent_callers_share_one_client_and_one_buffer(zc_node: NodeProcess) -> None:
-    errors: list[BaseException] = []
     with KVStoreClient(zc_node.addr, transport="shm") as kv:
         views = kv.shared_buffer(4 * 6 * PAGE).pages(PAGE, 24)
 
-        def worker(w: int) -> None:
+        def worker(w: int) -> int:
             mine = views[w * 6 : (w + 1) * 6]
-            try:
-                for r in range(4):
-                    hs = [key(i, f"cc-{w}-{r}") for i in range(6)]
-                    fill(mine, hs)
-                    assert kv.put_from(NS, LAYOUT, hs, mine).stored == 6
-                    blank(mine)
-                    assert len(kv.get_into(NS, hs, mine, promote=r % 2 == 0)) == 6
-                    assert [bytes(v) for v in mine] == [page(h) for h in hs]
-                    kv.delete(NS, hs)
-            except BaseException as exc:
-                errors.append(exc)
+            for r in range(4):
+                hs = [key(i, f"cc-{w}-{r}") for i in range(6)]
+                fill(mine, hs)
+                assert kv.put_from(NS, LAYOUT, hs, mine).stored == 6
+                blank(mine)
+                assert len(kv.get_into(NS, hs, mine, promote=r % 2 == 0)) == 6
+                assert [bytes(v) for v in mine] == [page(h) for h in hs]
+                kv.delete(NS, hs)
+            return w
 
-        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    assert not errors, errors
+        with ThreadPoolExecutor(4) as pool:  # a worker's failure is raised here
+            assert sorted(pool.map(worker, range(4), timeout=120)) == [0, 1, 2, 3]
 
 
 def test_concurrent_async_callers(zc_node: NodeProcess) -> None:

@@ -52,6 +52,13 @@ class Probe:
         self.real_many(ops)  # the real fan-out, through our read
 
 
+async def put_to_nvme(mgr: TierManager, n: int) -> list[int]:
+    """Put pages 0..n-1 (the DRAM tier is small: most are demoted); the ids of those now on NVMe."""
+    ids = list(range(n))
+    await put(mgr, ids)
+    return [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
+
+
 def nvme_of(mgr: TierManager) -> NvmeTier:
     medium = mgr.medium(TierKind.NVME)
     assert isinstance(medium, NvmeTier)
@@ -82,9 +89,7 @@ def test_read_many_keeps_reads_in_flight_and_waits_for_all(tmp_path: Path) -> No
 
 def test_a_batched_get_reads_nvme_pages_in_batches(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
-        ids = list(range(24))
-        await put(mgr, ids)
-        on_nvme = [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
+        on_nvme = await put_to_nvme(mgr, 24)
         assert len(on_nvme) >= 18
         probe = Probe(nvme_of(mgr), delay=0.01)
         got = await read(mgr, on_nvme, promote=False)
@@ -101,8 +106,7 @@ def test_a_batched_get_reads_nvme_pages_in_batches(tmp_path: Path) -> None:
 
 def test_promoting_reads_are_batched_too(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
-        await put(mgr, list(range(16)))  # 12 pages on NVMe, 4 in DRAM
-        on_nvme = [i for i, t in enumerate(tiers_of(mgr, list(range(16)))) if t is TierKind.NVME]
+        on_nvme = await put_to_nvme(mgr, 16)  # 12 pages on NVMe, 4 in DRAM
         probe = Probe(nvme_of(mgr), delay=0.01)
         got = await read(mgr, on_nvme, promote=True)  # into DRAM slots where there is room, else bounced
         assert [p for p, _ in got] == [payload(key(i)) for i in on_nvme]
@@ -114,8 +118,7 @@ def test_promoting_reads_are_batched_too(tmp_path: Path) -> None:
 def test_a_failed_read_fails_only_its_own_get(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
         ids = list(range(16))
-        await put(mgr, ids)
-        on_nvme = [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
+        on_nvme = await put_to_nvme(mgr, 16)
         bad, good = on_nvme[0], on_nvme[1:6]
         probe = Probe(nvme_of(mgr))
         entry = mgr.entry(NS, key(bad))
@@ -136,8 +139,7 @@ def test_a_failed_read_fails_only_its_own_get(tmp_path: Path) -> None:
 def test_cancelling_a_get_waits_for_every_read_in_flight(tmp_path: Path, promote: bool) -> None:
     async def body(mgr: TierManager) -> None:
         ids = list(range(24))
-        await put(mgr, ids)
-        on_nvme = [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
+        on_nvme = await put_to_nvme(mgr, 24)
         probe = Probe(nvme_of(mgr), delay=0.2)
         task = asyncio.create_task(read(mgr, on_nvme, promote=promote))
         for _ in range(200):  # bounded: wait until a batch of reads is in flight
@@ -164,9 +166,7 @@ def test_header_of_another_page_in_a_slot_is_a_checksum_failure(tmp_path: Path) 
     """A batched read verifies each slot's header names its page (a stale slot is never served)."""
 
     async def body(mgr: TierManager) -> None:
-        ids = list(range(12))
-        await put(mgr, ids)
-        on_nvme = [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
+        on_nvme = await put_to_nvme(mgr, 12)
         a, b = (mgr.entry(NS, key(i)) for i in on_nvme[:2])
         assert a is not None and b is not None
         path_a, off_a = mgr.nvme_slot_location(a.slot)
