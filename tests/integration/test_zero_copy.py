@@ -290,3 +290,20 @@ def test_without_shm_on_the_node_get_into_falls_back_to_one_copy(tmp_path: Path)
             assert len(kv.get_into(NS, hs, plain)) == 3 and bytes(plain[2]) == page(hs[2])
     finally:
         node.close()
+
+
+def test_a_node_that_cannot_open_registered_buffers_gets_copies_instead(zc_node: NodeProcess) -> None:
+    """A node in another pid namespace cannot open /proc/<pid>/fd/<fd>: zero-copy calls then copy through
+    the plane's scratch segments (still the shm plane), instead of giving the plane up."""
+    hs = [key(i, "nomap") for i in range(3)]
+    with KVStoreClient(zc_node.addr, transport="shm") as kv:
+        buf = kv.shared_buffer(3 * PAGE)
+        buf.pid = 2**31 - 1  # names a process the node cannot see
+        views = buf.pages(PAGE, 3)
+        fill(views, hs)
+        assert kv.put_from(NS, LAYOUT, hs, views).stored == 3
+        assert kv.plane == "shm" and not kv._core.active.node_maps_buffers  # type: ignore[union-attr]
+        blank(views)
+        assert len(kv.get_into(NS, hs, views)) == 3 and [bytes(v) for v in views] == [page(h) for h in hs]
+        with pytest.raises(ValueError, match=r"buffers\[0\]: not inside a shared buffer"):
+            kv.get_into(NS, hs[:1], [bytearray(PAGE)])  # still the shm plane's rules

@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, ShmNotAvailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import align_up
@@ -154,6 +154,9 @@ class ShmPlane(DataPlane):
         self.buffers = buffers
         self.pool = SegmentPool()
         self.page_hint = DEFAULT_PAGE_HINT  # bytes per page GetShm windows are sized for (learned)
+        # False once the node could not open a registered buffer (another pid namespace, say): then
+        # get_into/put_from copy through the scratch segments, which the node reaches by name.
+        self.node_maps_buffers = True
 
     def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
             target: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[tuple[int, int]]:  # fmt: skip
@@ -226,12 +229,18 @@ class ShmPlane(DataPlane):
         buffers in one registered segment, at most pages_per_call pages each). The node checks every
         target before it reads a page, so a buffer too small for the namespace's pages changes nothing."""
         placed = self.place(buffers, writable=True)
+        if not self.node_maps_buffers:
+            return (yield from super().get_into(namespace, hashes, buffers, promote))
         out: list[PageRef] = []
         for a, b in segment_runs(placed, self.pages_per_call):
             try:
                 reply = yield Unary("GetShm", into_request(namespace, hashes[a:b], placed[a:b], promote))
             except InvalidArgument as exc:
                 raise buffer_error(exc, a) from None
+            except ShmNotAvailable:
+                if out or not self._cannot_map():
+                    raise
+                return (yield from super().get_into(namespace, hashes, buffers, promote))
             got = into_reply(hashes[a:b], placed[a:b], reply)
             out.extend(got)
             if len(got) < b - a:
@@ -243,6 +252,8 @@ class ShmPlane(DataPlane):
         """PutShm calls naming the caller's registered buffers as the page slices: the node copies each
         page once, into its slot, and computes its checksum there. Each call is atomic."""
         placed = self.place(buffers, writable=False)
+        if not self.node_maps_buffers:
+            return (yield from self.put(namespace, layout, hashes, buffers, target, parent, chain))
         stored = present = 0
         for a, b in segment_runs(placed, self.pages_per_call):
             first_parent = parent if a == 0 else hashes[a - 1]
@@ -254,9 +265,21 @@ class ShmPlane(DataPlane):
                 reply = yield Unary("PutShm", req)
             except InvalidArgument as exc:
                 raise buffer_error(exc, a) from None
+            except ShmNotAvailable:
+                if a or not self._cannot_map():
+                    raise
+                return (yield from self.put(namespace, layout, hashes, buffers, target, parent, chain))
             stored += reply.stored
             present += reply.already_present
         return stored, present
+
+    def _cannot_map(self) -> bool:
+        """After the node could not open a registered buffer: from now on zero-copy calls copy through the
+        scratch segments (True), unless they already did (False: the plane itself is unavailable)."""
+        if not self.node_maps_buffers:
+            return False
+        self.node_maps_buffers = False
+        return True
 
     def close(self) -> None:
         self.pool.close()
