@@ -41,7 +41,11 @@ class IoPool:
 
     async def read(self, medium: Medium, slot: int, into: memoryview) -> None:
         """`medium.read(slot, into)`, batched with the other reads of `medium` asked for in this loop
-        iteration into one `read_many` call. Returns or raises only once this read has ended."""
+        iteration into one `read_many` call (a medium without a queue, `queue_depth` 1, gets each read
+        on its own pool thread, as `run` would). Returns or raises only once this read has ended."""
+        if medium.queue_depth <= 1:
+            await self.run(medium.read, slot, into)
+            return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         pending = self._pending.get(medium)
