@@ -6,10 +6,10 @@ filler pages, and read with `promote=False` so they stay there. Per run, the cel
 call by call (a rotating order), so load from elsewhere on a shared machine hits them alike:
 - kvstore: one batched get of the `--batch` pages per call, over the same-host planes: `get_into`
   (zero-copy, into a shared buffer) and `get` (the shm plane's copy-out), and over gRPC streams;
-- disk: `--batch` O_DIRECT reads of whole slots (header + payload, what the node reads) of a file of
-  slot-sized records on the same filesystem, the same records every call (as the kvstore gets read the
-  same pages every call): one at a time from one thread ("1-deep"), and all in flight from `--depth`
-  threads ("16-deep", the node's NVMe queue depth).
+- disk: `--batch` O_DIRECT reads of whole slots (header + payload, what the node reads) of the node's
+  own segment file, the very slots holding the pages the gets read (found by their headers), from this
+  process: one at a time from one thread ("1-deep"), and all in flight from `--depth` threads
+  ("16-deep", the node's NVMe queue depth).
 GB/s (10^9 B/s) counts payload bytes; the figure is the median of `--runs` runs of `--iters` calls.
 Every kvstore call is checked: all pages returned, all from NVMe, and the bytes of one page compared.
 Each kvstore figure is given as a ratio to the 16-deep disk rate of the same run.
@@ -23,6 +23,7 @@ Run:  .venv/bin/python benchmarks/nvme_bench.py [--quick] [--sizes-kib 256,1024,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import mmap
 import os
@@ -40,8 +41,8 @@ from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
-from kvstore.pageformat import slot_bytes_for
-from kvstore.tiers.nvme import QUEUE_DEPTH
+from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, slot_bytes_for
+from kvstore.tiers.nvme import QUEUE_DEPTH, SEGMENT_FMT
 
 NS = "bench/nvme"
 DRAM_SLOTS = 4
@@ -58,36 +59,30 @@ def hashes(tag: str, n: int) -> list[bytes]:
 
 
 class Disk:
-    """Whole-slot O_DIRECT reads of `count` records of a file on the node's filesystem."""
+    """O_DIRECT reads of whole slots (header + payload, what the node reads) of the node's own NVMe
+    segment file: the very slots holding the benchmark's pages, read by this process beside the node."""
 
-    def __init__(self, root: Path, size: int, count: int, depth: int) -> None:
-        self.slot = slot_bytes_for(size)
-        self.count = count
-        self.path = root / f"disk-baseline-{size}"
-        with open(self.path, "wb") as f:
-            for _ in range(count):
-                f.write(os.urandom(self.slot))
-            f.flush()
-            os.fsync(f.fileno())
+    def __init__(self, segment: Path, slots: list[int], slot_bytes: int, depth: int) -> None:
+        self.slot, self.slots = slot_bytes, slots
         try:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            self.fd = os.open(segment, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
             self.direct = hasattr(os, "O_DIRECT")
         except OSError:
-            self.fd = os.open(self.path, os.O_RDONLY)
+            self.fd = os.open(segment, os.O_RDONLY)
             self.direct = False
-        self.bufs = [mmap.mmap(-1, self.slot) for _ in range(count)]  # page aligned, as O_DIRECT needs
+        self.bufs = [mmap.mmap(-1, slot_bytes) for _ in slots]  # page aligned, as O_DIRECT needs
         self.pool = ThreadPoolExecutor(depth)
 
     def read(self, i: int) -> None:
-        if os.preadv(self.fd, [self.bufs[i]], i * self.slot) != self.slot:
-            raise OSError(f"short read of record {i}")
+        if os.preadv(self.fd, [self.bufs[i]], self.slots[i] * self.slot) != self.slot:
+            raise OSError(f"short read of slot {self.slots[i]}")
 
     def one_deep(self) -> None:
-        for i in range(self.count):
+        for i in range(len(self.slots)):
             self.read(i)
 
     def deep(self) -> None:
-        for f in [self.pool.submit(self.read, i) for i in range(self.count)]:
+        for f in [self.pool.submit(self.read, i) for i in range(len(self.slots))]:
             f.result()
 
     def close(self) -> None:
@@ -95,7 +90,22 @@ class Disk:
         os.close(self.fd)
         for b in self.bufs:
             b.close()
-        self.path.unlink()
+
+
+def slots_holding(segment: Path, slot_bytes: int, wanted: list[bytes]) -> list[int]:
+    """The slots of the node's segment file whose headers name the pages `wanted`, in that order."""
+    found: dict[bytes, int] = {}
+    with open(segment, "rb") as f:
+        for slot in range(segment.stat().st_size // slot_bytes):
+            f.seek(slot * slot_bytes)
+            block = f.read(HEADER_BYTES)
+            if block[:4] == b"KVPG":
+                with contextlib.suppress(HeaderError):
+                    found[PageHeader.unpack(block).hash] = slot
+    missing = [h for h in wanted if h not in found]
+    if missing:
+        raise RuntimeError(f"{len(missing)} pages not found in {segment}")
+    return [found[h] for h in wanted]
 
 
 def fill_nvme(kv: KVStoreClient, layout: PageLayout, pages: list[bytes], tag: str) -> list[bytes]:
@@ -119,13 +129,15 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
     node = NodeProcess(dram_bytes=DRAM_SLOTS * slot, nvme_path=root / f"nvme-{kib}",
                        nvme_bytes=(args.batch + 4 * DRAM_SLOTS + 4) * slot, max_page_bytes=size,
                        node_id=f"bench-nvme-{kib}").start()  # fmt: skip
-    disk = Disk(root, size, args.batch, args.depth)
     res: dict[str, list[float]] = {k: [] for k in (*PLANES, "disk_1", "disk_deep")}
+    disk: Disk | None = None
     try:
         fast = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="shm")
         slow = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="grpc")
         try:
             hs = fill_nvme(fast, layout, pages, f"nvme-{kib}")
+            segment = root / f"nvme-{kib}" / SEGMENT_FMT.format(0)
+            disk = Disk(segment, slots_holding(segment, slot, hs), slot, args.depth)
             staging = fast.shared_buffer(args.batch * slot)
             views = staging.pages(size, args.batch)
 
@@ -155,12 +167,13 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
             fast.close()
             slow.close()
     finally:
-        disk.close()
+        if disk is not None:
+            disk.close()
         node.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     deep = med["disk_deep"]
     return [{"page_kib": kib, "batch": args.batch, **{f"{k}_gbs": v for k, v in med.items()},
-             **{f"{k}_vs_disk_deep": med[k] / deep for k in PLANES}, "o_direct": disk.direct,
+             **{f"{k}_vs_disk_deep": med[k] / deep for k in PLANES}, "o_direct": disk is not None and disk.direct,
              "runs": res}]  # fmt: skip
 
 

@@ -63,8 +63,17 @@ class IoPool:
             task.add_done_callback(self._batches.discard)
 
     async def _read_batch(self, medium: Medium, batch: list[_PendingRead]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def finish(fut: asyncio.Future[None]) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        def done(i: int) -> None:  # in an I/O thread: each reader resumes as soon as its own read ended
+            loop.call_soon_threadsafe(finish, batch[i][2])
+
         try:
-            errors = await self.run(_read_all, medium, [(slot, into) for slot, into, _ in batch])
+            errors = await self.run(_read_all, medium, [(slot, into) for slot, into, _ in batch], done)
         except asyncio.CancelledError:  # the loop is shutting down; the reads themselves have ended
             for _, _, fut in batch:
                 fut.cancel()
@@ -83,18 +92,30 @@ class IoPool:
         self._pool.shutdown(wait=True)
 
 
-def _read_all(medium: Medium, ops: Sequence[SlotIO]) -> list[BaseException | None]:
-    """Every read of a batch, each one's error or None: one read_many call, and when that fails, the
-    reads one by one, so a bad slot fails only its own reader."""
+def _read_all(medium: Medium, ops: Sequence[SlotIO], done: Callable[[int], None]) -> list[BaseException | None]:
+    """Every read of a batch, each one's error or None; `done(i)` as each read succeeds. One read_many
+    call; when that fails, the reads it did not complete are retried one by one, so a bad slot fails
+    only its own reader. NOTE: a completed read is never redone: its reader may already have moved on
+    and handed its buffer to someone else."""
+    completed: set[int] = set()
+
+    def note(i: int) -> None:
+        completed.add(i)
+        done(i)
+
     try:
-        medium.read_many(ops)
+        medium.read_many(ops, note)
         return [None] * len(ops)
     except Exception:
         errors: list[BaseException | None] = []
-        for slot, into in ops:
+        for i, (slot, into) in enumerate(ops):
+            if i in completed:
+                errors.append(None)
+                continue
             try:
                 medium.read(slot, into)
                 errors.append(None)
+                note(i)
             except Exception as exc:
                 errors.append(exc)
         return errors

@@ -15,7 +15,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -134,15 +134,18 @@ class NvmeTier(Medium):
             done += n
         raise OSError(f"short read on NVMe slot {slot}: {done}/{len(into)} bytes")
 
-    def read_many(self, ops: Sequence[SlotIO]) -> None:
-        """Read every (slot, buffer) with up to `queue_depth` reads in flight; returns once all ended, and
-        then raises the first error if any failed (so no buffer is still being written on return)."""
+    def read_many(self, ops: Sequence[SlotIO], done: Callable[[int], None] | None = None) -> None:
+        """Read every (slot, buffer) with up to `queue_depth` reads in flight, calling `done(i)` as each
+        one completes; returns once all ended, and then raises the first error if any failed (so no
+        buffer is still being written on return)."""
         if len(ops) <= 1:
-            for slot, into in ops:
-                self.read(slot, into)
+            super().read_many(ops, done)
             return
         pool = self._reader_pool()
         futures = [pool.submit(self.read, slot, into) for slot, into in ops]
+        if done is not None:
+            for i, f in enumerate(futures):
+                f.add_done_callback(lambda f, i=i: f.exception() is None and done(i))
         errors = [f.exception() for f in futures]  # waits for every read, failed or not
         first = next((e for e in errors if e is not None), None)
         if first is not None:

@@ -8,7 +8,7 @@ import contextlib
 import mmap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -47,9 +47,9 @@ class Probe:
             with self.lock:
                 self.active -= 1
 
-    def read_many(self, ops: Sequence[SlotIO]) -> None:
+    def read_many(self, ops: Sequence[SlotIO], done: Callable[[int], None] | None = None) -> None:
         self.batches.append(len(ops))
-        self.real_many(ops)  # the real fan-out, through our read
+        self.real_many(ops, done)  # the real fan-out, through our read
 
 
 async def put_to_nvme(mgr: TierManager, n: int) -> list[int]:
