@@ -31,6 +31,7 @@ class Probe:
         self.active = self.most = 0
         self.batches: list[int] = []
         self.fail_slots: set[int] = set()
+        self.slow_slots: set[int] = set()  # these take 1 s longer
         tier.read = self.read  # type: ignore[method-assign]
         tier.read_many = self.read_many  # type: ignore[method-assign]
 
@@ -39,7 +40,7 @@ class Probe:
             self.active += 1
             self.most = max(self.most, self.active)
         try:
-            time.sleep(self.delay)
+            time.sleep(self.delay + (1.0 if slot in self.slow_slots else 0.0))
             if slot in self.fail_slots:
                 raise OSError(f"injected read error on slot {slot}")
             self.real_read(slot, into)
@@ -100,6 +101,24 @@ def test_a_batched_get_reads_nvme_pages_in_batches(tmp_path: Path) -> None:
         assert probe.most > 4  # deeper than the pool's 4 threads could go one read each
         nvme = mgr.stats().tiers[2]
         assert nvme.counters.hits == len(on_nvme)  # counted once per page returned, in order
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_first_pages_are_served_while_the_rest_of_the_batch_is_in_flight(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        on_nvme = await put_to_nvme(mgr, 16)
+        probe = Probe(nvme_of(mgr))
+        last = mgr.entry(NS, key(on_nvme[-1]))
+        assert last is not None
+        probe.slow_slots = {last.slot}
+        t0 = time.perf_counter()
+        gen = mgr.get(NS, [key(i) for i in on_nvme], promote=False)
+        first = await gen.__anext__()
+        assert time.perf_counter() - t0 < 0.9  # did not wait for the slow read of its batch
+        assert bytes(first.payload) == payload(key(on_nvme[0])) and probe.batches[0] == len(on_nvme)
+        rest = [bytes(lease.payload) async for lease in gen]
+        assert rest == [payload(key(i)) for i in on_nvme[1:]]
 
     run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
 
