@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     deep = f"{args.depth}-deep"
     preamble = [
         machine_line(),
-        f"- NVMe tier and disk file on {backing}; O_DIRECT: {all(r['o_direct'] for r in rows)}; load average "
+        f"- NVMe tier on {backing} (the disk baseline reads its own segment file); O_DIRECT: "
+        f"{all(r['o_direct'] for r in rows)}; load average "
         f"(1 min) at the end {os.getloadavg()[0]:.1f}",
         f"- Workload: {args.batch} pages per get, promote=False (pages stay on NVMe), {args.iters} calls x "
         f"{args.runs} runs (median); wall {wall:.0f} s",
