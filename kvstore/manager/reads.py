@@ -74,7 +74,7 @@ class Reader:
         Each lease is released when the generator advances past it or is closed. Up to `read_ahead`
         following pages are read (I/O, promotion) while the caller streams the current one; reading
         ahead stops at the first page not stored. With `into`, page i is also copied into into[i] in
-        the pass that verifies it (`copy_verified`), so the caller's copy costs no extra pass over the
+        the pass that verifies it (`checksum_into`), so the caller's copy costs no extra pass over the
         page; a page that fails verification may have left bytes in its destination, but is never
         yielded (destinations past the last page yielded hold undefined bytes).
         """
@@ -199,7 +199,7 @@ class Reader:
             tier.counters.misses += 1
 
 
-COPY_CHUNK = 256 << 10  # bytes copied, then hashed while still in the core's L2 cache (1 MiB here)
+COPY_CHUNK = 256 << 10  # bytes copied, then hashed while still in the core's L2 cache (512 KiB per core here)
 
 
 def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
