@@ -1,129 +1,148 @@
-"""Same-host data planes compared in one run: gRPC streams vs the shared-memory plane vs memcpy.
+"""Same-host data planes compared in one run: gRPC streams, the shared-memory plane, zero-copy, memcpy.
 
-Method: one real node (DRAM only) per page size, on loopback; two clients of it, one with
-transport="grpc" and one with transport="shm". Per page size and plane: batched Put and Get GB/s of
-`--batch` pages per call (median of `--runs` runs of `--iters` calls; fresh hashes per Put, deleted
-after; the Get reads `--batch` resident pages). The planes alternate within each run. The machine's
-own limit in the same run: single-threaded memcpy GB/s of the same bytes (bytearray slice copy, what
-each plane ultimately does per page on each side), and 1/2 of it (a Get copies twice: slot -> segment
-on the node, segment -> the caller's buffer). Writes benchmarks/out/shm_bench.{json,md}.
+Method: one real node (DRAM only) per page size, on loopback, and clients of it in this process:
+- "gRPC": transport="grpc", `put` / `get`;
+- "shm": transport="shm", `put` / `get` (pages copied through the client's scratch segments);
+- "zero-copy": transport="shm", `put_from` / `get_into` with pages in a `shared_buffer` (the node copies
+  each page once, straight between its slot and the caller's buffer; one checksum, at the tier read).
+Per page size and plane: batched Put and Get GB/s of `--batch` pages per call (median of `--runs` runs
+of `--iters` calls; fresh hashes per Put, deleted after each call untimed; the Get reads `--batch`
+resident pages). The machine's own limit, in the same runs: single-threaded memcpy of the same bytes
+(one `--batch`-page buffer into another, bytearray slice copy), timed like a plane. Within a run the
+cells take turns call by call (a rotating order), so load from elsewhere on a shared machine hits them
+alike. Writes benchmarks/out/shm_bench.{json,md}.
+
+Run:  .venv/bin/python benchmarks/shm_bench.py [--quick] [--sizes-kib 256,1024,4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
+import os
 import statistics
 import time
-from pathlib import Path
+from collections.abc import Callable
 
-from machine import machine_line, save_results
+from interleave import Column, add_run_options, round_robin, save_table, start
+from machine import machine_line
 
 from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
-from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.pageformat import slot_bytes_for
-from kvstore.transport.shm import shm_available
 
 NS = "bench/shm"
-PLANES = ("grpc", "shm")
+PLANES = ("grpc", "shm", "zc")
+LABEL = {"grpc": "gRPC", "shm": "shm", "zc": "zero-copy"}
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
 
 
-def memcpy_gbs(nbytes: int, reps: int) -> float:
-    src, dst = bytearray(b"\x5a" * nbytes), bytearray(nbytes)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst[:] = src
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
-
-
 def bench_size(kib: int, args: argparse.Namespace) -> list[dict[str, object]]:
     layout = PageLayout(DType.FLOAT16, num_layers=kib // 8, num_kv_heads=2, head_dim=64, block_size=16)
-    page = bytes(range(256)) * (layout.page_bytes // 256)
-    node = NodeProcess(dram_bytes=(3 * args.batch + 8) * slot_bytes_for(layout.page_bytes),
-                       max_page_bytes=layout.page_bytes, node_id=f"bench-shm-{kib}").start()  # fmt: skip
-    put: dict[str, list[float]] = {p: [] for p in PLANES}
-    get: dict[str, list[float]] = {p: [] for p in PLANES}
+    size = layout.page_bytes
+    page = os.urandom(size)
+    nbytes = args.batch * size
+    node = NodeProcess(dram_bytes=(len(PLANES) * args.batch + 2 * args.batch + 8) * slot_bytes_for(size), max_page_bytes=size,
+                       node_id=f"bench-shm-{kib}").start()  # fmt: skip
+    res: dict[str, list[float]] = {}
+    counter = itertools.count()
     try:
-        clients = {p: KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport=p) for p in PLANES}
+        per_call = max(256, args.batch)
+        clients = {"grpc": KVStoreClient(node.addr, pages_per_stream=per_call, transport="grpc"),
+                   "shm": KVStoreClient(node.addr, pages_per_stream=per_call, transport="shm")}  # fmt: skip
+        clients["zc"] = clients["shm"]
         try:
-            moved = args.iters * args.batch * layout.page_bytes
-            for run in range(args.runs):
-                for plane in PLANES if run % 2 == 0 else PLANES[::-1]:
-                    kv = clients[plane]
-                    for i in range(args.warmup):
-                        warm = hashes(f"warm-{plane}-{run}-{i}", args.batch)
-                        kv.put(NS, layout, warm, [page] * args.batch)
-                        kv.get(NS, warm)
-                        kv.delete(NS, warm)
-                    t0 = time.perf_counter()
-                    for i in range(args.iters):
-                        hs = hashes(f"put-{plane}-{run}-{i}", args.batch)
-                        kv.put(NS, layout, hs, [page] * args.batch)
-                        kv.delete(NS, hs)
-                    put[plane].append(moved / (time.perf_counter() - t0) / 1e9)
-                    resident = hashes(f"get-{plane}-{run}", args.batch)
-                    kv.put(NS, layout, resident, [page] * args.batch)
-                    t0 = time.perf_counter()
-                    for _ in range(args.iters):
-                        assert len(kv.get(NS, resident)) == args.batch
-                    get[plane].append(moved / (time.perf_counter() - t0) / 1e9)
-                    kv.delete(NS, resident)
+            staging = clients["zc"].shared_buffer(args.batch * slot_bytes_for(size))
+            views = staging.pages(size, args.batch)
+            for v in views:
+                v[:] = page
+            src, dst = bytearray(page * args.batch), bytearray(nbytes)
+            resident = {p: hashes(f"get-{p}", args.batch) for p in PLANES}
+            for p in ("grpc", "shm"):
+                clients[p].put(NS, layout, resident[p], [page] * args.batch)
+            clients["zc"].put_from(NS, layout, resident["zc"], views)
+
+            def put_cell(plane: str) -> Callable[[], Callable[[], None]]:
+                kv = clients[plane]
+
+                def call() -> Callable[[], None]:
+                    hs = hashes(f"put-{plane}-{next(counter)}", args.batch)
+                    stored = (kv.put_from(NS, layout, hs, views) if plane == "zc" else
+                              kv.put(NS, layout, hs, [page] * args.batch)).stored  # fmt: skip
+                    if stored != args.batch:
+                        raise RuntimeError(f"{plane} put stored {stored} of {args.batch}")
+
+                    def cleanup() -> None:
+                        if kv.delete(NS, hs).deleted != args.batch:
+                            raise RuntimeError(f"{plane}: delete after the put missed pages")
+
+                    return cleanup
+
+                return call
+
+            def get_cell(plane: str) -> Callable[[], None]:
+                kv = clients[plane]
+
+                def call() -> None:
+                    n = (len(kv.get_into(NS, resident[plane], views)) if plane == "zc" else
+                         len(kv.get(NS, resident[plane])))  # fmt: skip
+                    if n != args.batch:
+                        raise RuntimeError(f"{plane} get returned {n} of {args.batch} pages")
+
+                return call
+
+            def memcpy() -> None:
+                dst[:] = src
+
+            cells: dict[str, Callable[[], object]] = {"memcpy": memcpy}
+            for p in PLANES:
+                cells[f"{p}_put"] = put_cell(p)
+                cells[f"{p}_get"] = get_cell(p)
+            res = {name: [] for name in cells}
+            for _ in range(args.runs):
+                for name, gbs in round_robin(cells, args.iters, args.warmup, nbytes).items():
+                    res[name].append(gbs)
+            if bytes(views[-1]) != page:
+                raise RuntimeError("get_into left wrong bytes in the caller's buffer")
         finally:
-            for c in clients.values():
-                c.close()
+            clients["grpc"].close()
+            clients["shm"].close()
     finally:
         node.close()
-    copy = memcpy_gbs(args.batch * layout.page_bytes, 20)
+    med = {k: statistics.median(v) for k, v in res.items()}
     rows: list[dict[str, object]] = []
-    for op, res in (("put", put), ("get", get)):
-        g, s = statistics.median(res["grpc"]), statistics.median(res["shm"])
-        rows.append({"page_kib": kib, "op": op, "grpc_gbs": g, "shm_gbs": s, "shm_vs_grpc": s / g,
-                     "memcpy_gbs": copy, "shm_vs_memcpy": s / copy, "runs": {k: v for k, v in res.items()}})  # fmt: skip
+    for op in ("put", "get"):
+        row: dict[str, object] = {"page_kib": kib, "op": op, "memcpy_gbs": med["memcpy"]}
+        for p in PLANES:
+            row[f"{p}_gbs"] = med[f"{p}_{op}"]
+            row[f"{p}_vs_memcpy"] = med[f"{p}_{op}"] / med["memcpy"]
+        row["runs"] = {k: v for k, v in res.items() if k.endswith(op) or k == "memcpy"}
+        rows.append(row)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-kib", default="256,1024,4096", help="page sizes in KiB, multiples of 8")
-    ap.add_argument("--batch", type=int, default=16, help="pages per call (default 16)")
-    ap.add_argument("--iters", type=int, default=20, help="timed calls per run (default 20)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed put+get rounds per run (default 2)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB only, 1 run, 3 calls")
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
-    args = ap.parse_args(argv)
-    if not shm_available():
-        print("no writable /dev/shm on this host: the shared-memory plane cannot run here")
-        return 1
-    if args.quick:
-        args.sizes_kib, args.runs, args.iters, args.warmup = "256", 1, 3, 1
-    sizes = [int(s) for s in args.sizes_kib.split(",")]
-    if any(s <= 0 or s % 8 for s in sizes):
-        ap.error("--sizes-kib: each size must be a positive multiple of 8")
-    tune_malloc_for_bulk_io()
+    add_run_options(ap, iters=20, warmup=2, quick="256 KiB only, 1 run, 3 calls")
+    args, sizes = start(ap, argv, quick_iters=3)
     t0 = time.perf_counter()
     rows = [r for kib in sizes for r in bench_size(kib, args)]
     wall = time.perf_counter() - t0
-    lines = [
+    preamble = [
         machine_line(),
         f"- Workload: {args.batch} pages per call, {args.iters} calls x {args.runs} runs (median), DRAM-resident; "
-        f"wall {wall:.0f} s",
-        "",
-        "| page | op | gRPC GB/s | shm GB/s | shm vs gRPC | memcpy GB/s (same run) | shm vs memcpy |",
-        "|--:|---|--:|--:|--:|--:|--:|",
+        f"load average (1 min) at the end {os.getloadavg()[0]:.1f}; wall {wall:.0f} s",
     ]
-    for r in rows:
-        lines.append(f"| {r['page_kib']} KiB | {r['op']} | {r['grpc_gbs']:.2f} | {r['shm_gbs']:.2f} | "
-                     f"{r['shm_vs_grpc']:.1f}x | {r['memcpy_gbs']:.1f} | {r['shm_vs_memcpy']:.2f} |")  # fmt: skip
-    save_results(args.out, "shm_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    columns: list[Column] = [("page", lambda r: f"{r['page_kib']} KiB"), ("op", lambda r: str(r["op"]))]
+    columns += [(f"{LABEL[p]} GB/s", lambda r, p=p: f"{r[f'{p}_gbs']:.2f}") for p in PLANES]
+    columns.append(("memcpy GB/s (same runs)", lambda r: f"{r['memcpy_gbs']:.1f}"))
+    columns += [(f"{LABEL[p]} vs memcpy", lambda r, p=p: f"{r[f'{p}_vs_memcpy']:.2f}") for p in PLANES]
+    save_table(args, "shm_bench", preamble, columns, rows, wall)
     return 0
 
 

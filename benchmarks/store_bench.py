@@ -10,9 +10,13 @@ What is measured
     - get DRAM     pages resident in DRAM (node without NVMe, DRAM large enough for everything);
     - get NVMe     a second node with 4 DRAM slots and an NVMe tier: the pages are put one by one and
                    pushed out of DRAM by filler pages, then read with `get_pages(promote=False)` so they
-                   stay on NVMe; the tier each page came from is checked and the NVMe fraction reported.
+                   stay on NVMe; the tier each page came from is checked and the NVMe fraction reported;
+    - get NVMe (shm get_into)  the same NVMe pages over the same-host plane's zero-copy `get_into` into
+                   a registered buffer (the node copies each page from its NVMe read straight into it).
 
     Each in two modes: "single" (one page per call) and "batched" (`--batch` pages per call, one stream).
+    NVMe gets are also compared with the disk itself: O_DIRECT reads of whole slots on the same
+    filesystem, 1-deep in single mode and 16-deep (the node's NVMe queue depth) in batched mode.
     Every page read is XXH3-verified by the server and again by the client (`verify=True`, the
     default), and every put is XXH3-summed by the client and re-verified by the server: that work is
     part of the measured cost, as it is in production.
@@ -66,6 +70,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from multiprocessing.connection import Connection
@@ -82,6 +87,8 @@ from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
 from kvstore.pageformat import slot_bytes_for
+from kvstore.tiers.nvme import QUEUE_DEPTH
+from kvstore.transport.shm import shm_available
 
 NAMESPACE = "bench"
 MIN_CALLS = 8  # calls per run never go below this (unless --iters is smaller)
@@ -92,7 +99,7 @@ TCP_SERVER_MAX_SECONDS = 3600.0  # the raw-TCP server exits on its own after thi
 TCP_IO_TIMEOUT = 120.0
 
 TIER_LABEL = {TierKind.HBM: "HBM", TierKind.DRAM: "DRAM", TierKind.NVME: "NVMe"}
-OP_ORDER = {"put": 0, "get_dram": 1, "get_nvme": 2}
+OP_ORDER = {"put": 0, "get_dram": 1, "get_nvme": 2, "get_nvme_zc": 3}
 MODE_ORDER = {"single": 0, "batched": 1}
 
 # One cleanup action (untimed) returned by a timed call, or None.
@@ -347,8 +354,9 @@ def bench_tcp(tcp: TcpClient, size: int, mode: str, count: int, plan: Plan) -> l
 
 def bench_disk(root: Path, size: int, mode: str, count: int, plan: Plan) -> Cell:
     """The disk's own limit for NVMe gets: O_DIRECT reads of whole slots (header + payload, as the node
-    reads them) from a file on the same filesystem, one thread, `count` slots per call; GB/s counts
-    payload bytes, like the kvstore cells."""
+    reads them) from a file on the same filesystem, `count` slots per call; in batched mode with up to
+    QUEUE_DEPTH reads in flight (one thread each, as the node's NVMe tier reads a batch), else one at
+    a time. GB/s counts payload bytes, like the kvstore cells."""
     slot = slot_bytes_for(size)
     n_slots = max(4 * count, 16)
     path = root / f"disk-baseline-{size}"
@@ -366,18 +374,31 @@ def bench_disk(root: Path, size: int, mode: str, count: int, plan: Plan) -> Cell
         fd = os.open(path, os.O_RDONLY)
     cursor = itertools.count()
     cell = Cell("disk", "read", mode, size, count, plan.runs, plan.calls_per_run(size * count), plan.warmup)
+    depth = min(count, QUEUE_DEPTH)
+    extra = [mmap.mmap(-1, slot) for _ in range(depth - 1)]  # one buffer per read in flight
+    views = [view, *(memoryview(b) for b in extra)]
+    pool = ThreadPoolExecutor(depth)
 
     def call() -> Cleanup:
-        for _ in range(count):
-            os.preadv(fd, [view], (next(cursor) % n_slots) * slot)
+        if depth == 1:
+            for _ in range(count):
+                os.preadv(fd, [view], (next(cursor) % n_slots) * slot)
+            return None
+        for f in [pool.submit(os.preadv, fd, [views[i % depth]], (next(cursor) % n_slots) * slot)
+                  for i in range(count)]:  # fmt: skip
+            f.result()
         return None
 
     try:
+        cell.check = f"{depth}-deep"
         return measure(cell, call)
     finally:
+        pool.shutdown()
         os.close(fd)
-        view.release()
-        buf.close()
+        for v in views:
+            v.release()
+        for b in [buf, *extra]:
+            b.close()
         path.unlink()
 
 
@@ -450,6 +471,34 @@ def bench_get(kv: KVStoreClient, size: int, resident: list[bytes], op: str, want
     cell.check = f"{TIER_LABEL[want]} {100 * frac:.0f}%"
     if tally["got"] != tally["asked"]:
         cell.check += f", {tally['asked'] - tally['got']} missing"
+    return cell
+
+
+def bench_get_into(kv: KVStoreClient, size: int, resident: list[bytes], mode: str, count: int,
+                   plan: Plan) -> Cell:  # fmt: skip
+    """Like bench_get for NVMe pages, but over the same-host plane's zero-copy `get_into`: the node copies
+    each page from its NVMe read straight into a registered buffer of this process."""
+    cell = Cell("kvstore", "get_nvme_zc", mode, size, count, plan.runs, plan.calls_per_run(size * count), plan.warmup)
+    staging = kv.shared_buffer(count * slot_bytes_for(size))
+    views = staging.pages(size, count)
+    cursor = itertools.count()
+    tally = {"asked": 0, "got": 0, "in_tier": 0}
+
+    def call() -> Cleanup:
+        start = next(cursor) * count % len(resident)
+        hs = resident if count == len(resident) else [resident[(start + j) % len(resident)] for j in range(count)]
+        refs = kv.get_into(NAMESPACE, hs, views, promote=False)
+        tally["asked"] += count
+        tally["got"] += len(refs)
+        tally["in_tier"] += sum(1 for r in refs if r.tier is TierKind.NVME)
+        return None
+
+    try:
+        measure(cell, call)
+    finally:
+        staging.close()
+    cell.check_ok = tally["got"] == tally["asked"] == tally["in_tier"]
+    cell.check = f"NVMe {100 * tally['in_tier'] / max(1, tally['asked']):.0f}%"
     return cell
 
 
@@ -533,6 +582,10 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
             notes.append(note)
             for mode, count in modes:
                 cells.append(bench_get(kv, size, targets, "get_nvme", TierKind.NVME, mode, count, plan, promote=False))
+            if shm_available():
+                with KVStoreClient(nvme_node.addr, pages_per_stream=max(256, batch), transport="shm") as zc:
+                    for mode, count in modes:
+                        cells.append(bench_get_into(zc, size, targets, mode, count, plan))
             stats["nvme_node"] = tier_summary(kv)
     finally:
         nvme_node.close()
@@ -609,8 +662,8 @@ def machine_line(meta: dict[str, object]) -> str:
     )
 
 
-OP_LABEL = {"put": "put", "get_dram": "get DRAM", "get_nvme": "get NVMe"}
-TCP_DIRECTION = {"put": "send", "get_dram": "recv", "get_nvme": "recv"}
+OP_LABEL = {"put": "put", "get_dram": "get DRAM", "get_nvme": "get NVMe", "get_nvme_zc": "get NVMe (shm get_into)"}
+TCP_DIRECTION = {"put": "send", "get_dram": "recv", "get_nvme": "recv", "get_nvme_zc": "recv"}
 
 
 def ratio(a: float, b: float) -> str:
@@ -626,7 +679,7 @@ def build_rows(cells: list[Cell]) -> list[dict[str, object]]:
         if c.system != "kvstore":
             continue
         t = tcp.get((c.page_bytes, c.mode, TCP_DIRECTION[c.op]))
-        d = disk.get((c.page_bytes, c.mode)) if c.op == "get_nvme" else None
+        d = disk.get((c.page_bytes, c.mode)) if c.op.startswith("get_nvme") else None
         rows.append({
             "size": size_label(c.page_bytes), "page_bytes": c.page_bytes, "mode": c.mode, "op": c.op,
             "pages_per_call": c.pages_per_call, "calls": c.runs * c.calls_per_run,
@@ -656,7 +709,8 @@ def check_text(c: Cell) -> str:
 def markdown_table(cells: list[Cell]) -> str:
     head = (
         "| page | mode | op | pages/call | calls | GB/s (vs TCP) | p50 ms (vs TCP) | p99 ms (vs TCP) "
-        "| TCP dir | TCP GB/s | TCP p50 ms | TCP p99 ms | disk O_DIRECT GB/s (kvstore vs disk) | check |\n"
+        "| TCP dir | TCP GB/s | TCP p50 ms | TCP p99 ms | disk O_DIRECT GB/s, 1-deep single / 16-deep batched "
+        "(kvstore vs disk) | check |\n"
         "|---|---|---|--:|--:|--:|--:|--:|---|--:|--:|--:|--:|---|"
     )
     tcp = {(c.page_bytes, c.mode, c.op): c for c in cells if c.system == "tcp"}
@@ -667,7 +721,7 @@ def markdown_table(cells: list[Cell]) -> str:
             continue
         t = tcp.get((c.page_bytes, c.mode, TCP_DIRECTION[c.op]))
         tg, t50, t99 = (t.gbps, t.p50_ms, t.p99_ms) if t else (0.0, 0.0, 0.0)
-        d = disk.get((c.page_bytes, c.mode)) if c.op == "get_nvme" else None
+        d = disk.get((c.page_bytes, c.mode)) if c.op.startswith("get_nvme") else None
         disk_text = f"{d.gbps:.3f} ({ratio(c.gbps, d.gbps)})" if d else "-"
         lines.append(
             f"| {size_label(c.page_bytes)} | {c.mode} | {OP_LABEL[c.op]} | {c.pages_per_call} | "

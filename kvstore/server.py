@@ -38,7 +38,7 @@ from kvstore.stats import PlaneInfo, planes_to_json
 from kvstore.transport.planes import host_id
 from kvstore.transport.serving import NodeServices, PlaneServer, build_plane_servers
 from kvstore.transport.shm import shm_available
-from kvstore.transport.shm.node import AttachedSegment, SegmentAttachments
+from kvstore.transport.shm.node import MappedSegment, NodeSegment, SegmentAttachments
 from kvstore.wire import (
     MAX_MESSAGE_BYTES,
     PutChunk,
@@ -221,13 +221,16 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         finally:
             await leases.aclose()
 
-    def _segment(self, region: pb.ShmRegion) -> AttachedSegment:
+    def _segment(self, region: pb.ShmRegion) -> NodeSegment:
         if self.shm is None:
             raise ShmNotAvailable("this node runs without the shared-memory data plane; use Put/Get")
+        if region.pid:
+            return self.shm.acquire_memfd(region.pid, region.fd, region.nonce, region.name)
         return self.shm.acquire(region.name, region.nonce)
 
     async def PutShm(self, request: pb.PutShmRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot."""
+        """Put whose page bytes lie in the caller's segment: one copy per page, segment -> slot; the
+        checksum is the one the transaction takes of the slot (checked against a declared one, if any)."""
         if not request.HasField("open"):
             raise InvalidArgument("open", "PutShm needs `open` (namespace and layout)")
         if not request.pages:
@@ -255,20 +258,35 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 txn.abort()
 
     async def GetShm(self, request: pb.GetShmRequest, context: grpc.aio.ServicerContext) -> pb.GetShmResponse:
-        """Get into the caller's segment window: one copy per page, slot -> segment."""
+        """Get into the caller's segment: one copy per page, from its slot (or tier read) to the segment.
+        Pages go back to back into the window [offset, offset + size), or, with `targets` (zero-copy
+        get_into), page i into targets[i], all checked before the first page is read. Into a registered
+        (mapped) buffer the reader copies each page itself, verifying it in the same pass."""
         seg = self._segment(request.region)
+        windows: list[memoryview] = []
         try:
-            seg.check(request.offset, request.size, "size")
+            places: list[int] | None = None
+            if request.targets:
+                page_bytes = self.mgr.layout_of(request.namespace).page_bytes
+                places = seg.targets(request.targets, len(request.hashes), page_bytes)
+                if isinstance(seg, MappedSegment):
+                    windows = [seg.window(o, page_bytes) for o in places]
+            else:
+                seg.check(request.offset, request.size, "size")
             out = pb.GetShmResponse()
             pos, end = request.offset, request.offset + request.size
-            leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
+            leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote,
+                                  into=windows or None)  # fmt: skip
             try:
                 async for lease in leases:
                     n = len(lease.payload)
-                    if pos + n > end:
+                    if places is not None:
+                        pos = places[len(out.pages)]
+                    elif pos + n > end:
                         out.next_page_bytes = n
                         break
-                    seg.write(pos, lease.payload)
+                    if not windows:  # else the reader has copied it there already
+                        seg.write(pos, lease.payload)
                     out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
                                   tier=int(lease.tier))  # fmt: skip
                     pos = align_up(pos + n)
@@ -276,6 +294,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 await leases.aclose()
             return out
         finally:
+            for w in windows:
+                w.release()
             seg.release()
 
     def handlers(self) -> grpc.GenericRpcHandler:

@@ -4,10 +4,16 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
     with KVStoreClient("127.0.0.1:50051") as kv:
         kv.put(ns, layout, hashes, pages)
         pages = kv.get(ns, hashes[: kv.lookup(ns, hashes)])
+
+        staging = kv.shared_buffer(16 * layout.page_bytes)     # zero-copy on the node's host
+        refs = kv.get_into(ns, hashes[:16], staging.pages(layout.page_bytes, 16))
 """
 
 from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult
 from kvstore.transport.planes import TRANSPORTS
+from kvstore.transport.shm.segments import SharedBuffer
+from kvstore.wire import PageRef
 
-__all__ = ["DEFAULT_PAGES_PER_STREAM", "TRANSPORTS", "AsyncKVStoreClient", "KVStoreClient", "PinResult", "PutResult"]
+__all__ = ["DEFAULT_PAGES_PER_STREAM", "TRANSPORTS", "AsyncKVStoreClient", "KVStoreClient", "PageRef", "PinResult",
+           "PutResult", "SharedBuffer"]

@@ -21,7 +21,8 @@ from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats
 from kvstore.transport.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
-from kvstore.wire import FetchedPage
+from kvstore.transport.shm.segments import SharedBuffer
+from kvstore.wire import FetchedPage, PageRef
 
 T = TypeVar("T")
 
@@ -52,6 +53,12 @@ class _Client:
 
     def _call_args(self) -> dict[str, Any]:
         return {"timeout": self.timeout, "metadata": self._md}
+
+    def shared_buffer(self, nbytes: int) -> SharedBuffer:
+        """Staging memory registered with this client (a /dev/shm segment), for zero-copy `get_into` and
+        `put_from`: on the node's host the node writes pages straight into it and reads them straight out.
+        Cut it with `.pages(page_bytes)`; free it with `.close()` (closing the client closes it too)."""
+        return self._core.shared_buffer(nbytes)
 
 
 class KVStoreClient(_Client):
@@ -137,6 +144,26 @@ class KVStoreClient(_Client):
         """Payloads of the longest stored prefix of `hashes`, in order (checksum-verified)."""
         return [memoryview(p.data) for p in self.get_pages(namespace, hashes, promote=promote)]
 
+    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *,
+                 promote: bool = True) -> list[PageRef]:  # fmt: skip
+        """Write the pages of the longest stored prefix of `hashes` into `buffers` (page i into buffers[i]);
+        returns what landed, in order (buffers past it are untouched or undefined).
+
+        buffers: one per hash, writable, C-contiguous, not overlapping, each at least a page. On the node's
+        host (the shm plane) they must lie in a `shared_buffer` of this client: the node copies each page
+        once, from its tier into your memory, verified by the one checksum of that tier read. Elsewhere
+        any writable buffers do, and the pages are copied in once on arrival, verified. Bad buffers raise
+        ValueError naming `buffers[i]` before anything is written.
+        """
+        return self._run(self._core.get_into(namespace, hashes, buffers, promote))
+
+    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer], *,
+                 target_tier: TierKind | None = None, parent: bytes | None = None, chain: bool = True) -> PutResult:  # fmt: skip
+        """`put` of pages lying in `buffers` (one per hash, each exactly layout.page_bytes). On the node's host
+        they must lie in a `shared_buffer` of this client: the node copies each page once, into its slot,
+        and checksums it there; the client touches no byte. Elsewhere it is `put`."""
+        return self._run(self._core.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return self._run(self._core.delete(namespace, hashes))
 
@@ -213,6 +240,17 @@ class AsyncKVStoreClient(_Client):
 
     async def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
         return [memoryview(p.data) for p in await self.get_pages(namespace, hashes, promote=promote)]
+
+    async def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *,
+                       promote: bool = True) -> list[PageRef]:  # fmt: skip
+        """See KVStoreClient.get_into."""
+        return await self._run(self._core.get_into(namespace, hashes, buffers, promote))
+
+    async def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
+                       *, target_tier: TierKind | None = None, parent: bytes | None = None,
+                       chain: bool = True) -> PutResult:  # fmt: skip
+        """See KVStoreClient.put_from."""
+        return await self._run(self._core.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
 
     async def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return await self._run(self._core.delete(namespace, hashes))

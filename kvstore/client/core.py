@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -23,14 +23,16 @@ from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
+from kvstore.transport.buffers import check_buffers
 from kvstore.transport.exchange import DataPlane, Exchange, Unary
 from kvstore.transport.grpc_streams import GrpcStreams
 from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loopback
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.client import ShmPlane
+from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
 from kvstore.transport.ucx import ucxx_installed
 from kvstore.transport.ucx.client import UcxPlane
-from kvstore.wire import FetchedPage, stats_from_pb
+from kvstore.wire import FetchedPage, PageRef, stats_from_pb
 
 T = TypeVar("T")
 
@@ -58,6 +60,7 @@ class ClientSettings:
     verify: bool
     security: ClientSecurity
     timeout: float
+    buffers: SharedBuffers = field(default_factory=SharedBuffers)  # this client's registered staging memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +74,7 @@ class PlaneSpec:
 
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
-    "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.verify), usable=shm_available),
+    "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.buffers), usable=shm_available),
     "ucx": PlaneSpec(lambda s, info: UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token,
                                               s.security.tls, info), usable=ucxx_installed),
 }
@@ -119,6 +122,11 @@ class ClientCore:
     def close(self) -> None:
         for p in self._planes or ():
             p.close()
+        self.settings.buffers.close()
+
+    def shared_buffer(self, nbytes: int) -> SharedBuffer:
+        """Registered staging memory for zero-copy get_into/put_from (see SharedBuffer)."""
+        return self.settings.buffers.allocate(nbytes)
 
     def _negotiate(self) -> Exchange[tuple[DataPlane, ...]]:
         """The planes to use, asking the node once what it serves."""
@@ -168,6 +176,26 @@ class ClientCore:
         if not hashes:
             return []
         return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote)))
+
+    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer],
+                 promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
+        """Pages of the longest stored prefix written into `buffers` (one per hash, writable, contiguous,
+        not overlapping: checked before anything is sent). On the shm plane they must lie in this
+        client's shared buffers and the node writes into them directly; other planes copy once."""
+        check_buffers(buffers, len(hashes), writable=True)
+        if not hashes:
+            return []
+        return (yield from self._bulk(lambda p: p.get_into(namespace, hashes, buffers, promote)))
+
+    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
+                 target_tier: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[PutResult]:  # fmt: skip
+        """Put pages that lie in `buffers` (one per hash, each exactly layout.page_bytes: checked first)."""
+        check_buffers(buffers, len(hashes), writable=False, nbytes=layout.page_bytes)
+        if not hashes:
+            return PutResult(0, 0)
+        stored, present = yield from self._bulk(
+            lambda p: p.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        return PutResult(stored, present)
 
     # -- control
 

@@ -21,7 +21,7 @@ import asyncio
 import heapq
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
 from kvstore.config import NodeConfig
@@ -85,7 +85,9 @@ class TierManager:
         if staging is None:
             raise ValueError("a node needs a host-memory tier (DRAM) for Put streams to land in")
         self.counters = NodeCounters()
-        self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + config.read_ahead_pages + 1)
+        # Buffers for every read a Get can have in flight (up to the deepest medium's queue) and the pool's.
+        depth = max([config.read_ahead_pages + 1, *(m.queue_depth for m in media if not m.host_memory)])
+        self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + depth + 1)
         self.durable = DurableCopies(self.table, self.io)
         self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
@@ -186,12 +188,16 @@ class TierManager:
     def layout_of(self, namespace: str) -> PageLayout:
         return self.table.layout_of(namespace)
 
-    def get(self, namespace: str, hashes: list[bytes], promote: bool = True) -> AsyncIterator[ReadLease]:
+    def get(self, namespace: str, hashes: list[bytes], promote: bool = True,
+            into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
         """Yield a lease per page, in order, stopping at the first missing or corrupt page (Reader.get).
-        Arguments are checked before the first page is read."""
+        With `into` (one writable view per hash, each a page long), page i is copied into into[i] as it is
+        verified. Arguments are checked before the first page is read."""
         self.layout_of(namespace)
         check_hashes(hashes, "hashes", self.config.max_pages_per_request)
-        return self.reader.get([(namespace, h) for h in hashes], promote)
+        if into is not None and len(into) != len(hashes):
+            raise InvalidArgument("into", f"{len(into)} destinations for {len(hashes)} hashes")
+        return self.reader.get([(namespace, h) for h in hashes], promote, into)
 
     # ------------------------------------------------------------------ mutations
 

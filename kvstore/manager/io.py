@@ -4,37 +4,131 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvstore.tiers.base import Medium, SlotIO
+
 T = TypeVar("T")
 _MAX_CANCEL_DEFERRALS = 10_000  # repeated cancels while waiting out an in-flight I/O (bounded loop)
+
+_PendingRead = tuple[int, memoryview, "asyncio.Future[None]"]
 
 
 class IoPool:
     """A bounded thread pool whose calls, once started, always finish before their caller moves on.
 
-    Invariant: when `run` returns or raises (cancellation included), the blocking call it started has
-    ended. NOTE: the worker thread reads or writes our buffers (DRAM slots, bounce buffers). If a
-    cancelled caller's cleanup freed a slot while the thread still wrote into it, the slot could be handed
-    to a Put and overwritten after its bytes arrived, before its checksum is taken.
+    Invariant: when `run` or `read` returns or raises (cancellation included), the blocking call it
+    started has ended. NOTE: the worker thread reads or writes our buffers (DRAM slots, bounce buffers).
+    If a cancelled caller's cleanup freed a slot while the thread still wrote into it, the slot could be
+    handed to a Put and overwritten after its bytes arrived, before its checksum is taken.
+
+    Batched reads: `read` gathers the reads of one medium asked for in the same event-loop iteration
+    (a batched Get reading ahead asks for many at once) into one `Medium.read_many` call, so a medium
+    that can keep I/Os in flight (NVMe: `queue_depth` reads) gets them all at once instead of one per
+    pool thread.
     """
 
     def __init__(self, threads: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-io")
+        self._pending: dict[Medium, list[_PendingRead]] = {}  # reads gathered this loop iteration
+        self._batches: set[asyncio.Task[None]] = set()  # running read_many calls (strong references)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await _wait_out(fut)
+
+    async def read(self, medium: Medium, slot: int, into: memoryview) -> None:
+        """`medium.read(slot, into)`, batched with the other reads of `medium` asked for in this loop
+        iteration into one `read_many` call (a medium without a queue, `queue_depth` 1, gets each read
+        on its own pool thread, as `run` would). Returns or raises only once this read has ended."""
+        if medium.queue_depth <= 1:
+            await self.run(medium.read, slot, into)
+            return
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        pending = self._pending.get(medium)
+        if pending is None:
+            pending = self._pending[medium] = []
+            loop.call_soon(self._flush, medium)  # runs after every task already scheduled: they join
+        pending.append((slot, into, fut))
+        await _wait_out(fut)
+
+    def _flush(self, medium: Medium) -> None:
+        batch = self._pending.pop(medium, [])
+        if batch:
+            task = asyncio.get_running_loop().create_task(self._read_batch(medium, batch))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _read_batch(self, medium: Medium, batch: list[_PendingRead]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def finish(fut: asyncio.Future[None]) -> None:
+            if not fut.done():
+                fut.set_result(None)
+
+        def done(i: int) -> None:  # in an I/O thread: each reader resumes as soon as its own read ended
+            loop.call_soon_threadsafe(finish, batch[i][2])
+
         try:
-            return await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            for _ in range(_MAX_CANCEL_DEFERRALS):
-                if fut.done():
-                    break
-                with contextlib.suppress(asyncio.CancelledError):
-                    await asyncio.wait([fut])
+            errors = await self.run(_read_all, medium, [(slot, into) for slot, into, _ in batch], done)
+        except asyncio.CancelledError:  # the loop is shutting down; the reads themselves have ended
+            for _, _, fut in batch:
+                fut.cancel()
             raise
+        except Exception as exc:  # the pool itself failed (shut down): every read fails with it
+            errors = [exc] * len(batch)
+        for (_, _, fut), err in zip(batch, errors, strict=True):
+            if fut.done():
+                continue
+            if err is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(err)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _read_all(medium: Medium, ops: Sequence[SlotIO], done: Callable[[int], None]) -> list[BaseException | None]:
+    """Every read of a batch, each one's error or None; `done(i)` as each read succeeds. One read_many
+    call; when that fails, the reads it did not complete are retried one by one, so a bad slot fails
+    only its own reader. NOTE: a completed read is never redone: its reader may already have moved on
+    and handed its buffer to someone else."""
+    completed: set[int] = set()
+
+    def note(i: int) -> None:
+        completed.add(i)
+        done(i)
+
+    try:
+        medium.read_many(ops, note)
+        return [None] * len(ops)
+    except Exception:
+        errors: list[BaseException | None] = []
+        for i, (slot, into) in enumerate(ops):
+            if i in completed:
+                errors.append(None)
+                continue
+            try:
+                medium.read(slot, into)
+                errors.append(None)
+                note(i)
+            except Exception as exc:
+                errors.append(exc)
+        return errors
+
+
+async def _wait_out(fut: asyncio.Future[T]) -> T:
+    """Await an I/O's future; when cancelled, first wait (bounded) until the I/O itself has ended."""
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        for _ in range(_MAX_CANCEL_DEFERRALS):
+            if fut.done():
+                break
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        raise

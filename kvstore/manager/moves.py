@@ -136,12 +136,12 @@ class Mover:
         if src.medium.host_memory:
             await self.io.run(dst.medium.write, dst_slot, src.medium.view(src_slot)[:n])
         elif dst.medium.host_memory:
-            await self.io.run(src.medium.read, src_slot, dst.medium.view(dst_slot)[:n])
+            await self.io.read(src.medium, src_slot, dst.medium.view(dst_slot)[:n])  # batched with its peers
         else:
             buf = self.bounce.take()
             view = memoryview(buf)[:n]
             try:
-                await self.io.run(src.medium.read, src_slot, view)
+                await self.io.read(src.medium, src_slot, view)
                 await self.io.run(dst.medium.write, dst_slot, view)
             finally:
                 view.release()
@@ -167,10 +167,15 @@ class Mover:
 
 def verify_copy(entry: Entry, view: memoryview) -> bool:
     """A slot copied out of a medium: its header must name this page, its payload match the checksum."""
+    if not header_matches(entry, view):
+        return False
+    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum
+
+
+def header_matches(entry: Entry, view: memoryview) -> bool:
+    """The header block of a slot copied out of a medium names this page (not a stale or torn one)."""
     try:
         hdr = PageHeader.unpack(view[:HEADER_BYTES])
     except HeaderError:
         return False
-    if (hdr.namespace, hdr.hash, hdr.generation) != (entry.namespace, entry.hash, entry.generation):
-        return False
-    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum
+    return (hdr.namespace, hdr.hash, hdr.generation) == (entry.namespace, entry.hash, entry.generation)

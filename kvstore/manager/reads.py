@@ -7,7 +7,10 @@ Invariants:
   the header too); a mismatch is counted on the tier, the page is dropped with its durable copies, and
   the read is a miss;
 - hits and misses are counted per tier in request order, for pages actually returned: a page read
-  ahead but never handed to the caller counts nothing.
+  ahead but never handed to the caller counts nothing;
+- reads of a medium that is not host memory (NVMe) go through `IoPool.read`, which hands the ones
+  asked for together to one `read_many` call: a Get reads up to the medium's `queue_depth` pages ahead
+  and refills that queue in batches, so the device sees a deep queue rather than one read at a time.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import asyncio
 import logging
 import mmap
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from kvstore.manager.moves import Mover, verify_copy
+import xxhash
+
+from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
 from kvstore.names import Key, TierKind
@@ -62,12 +67,16 @@ class Reader:
         self.read_ahead = read_ahead
         self.promote_to = promote_to  # a hit below this tier is promoted into it (when asked to)
 
-    async def get(self, keys: list[Key], promote: bool) -> AsyncIterator[ReadLease]:
+    async def get(self, keys: list[Key], promote: bool,
+                  into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
         """Yield a lease per page, in order, stopping at the first missing or corrupt page.
 
         Each lease is released when the generator advances past it or is closed. Up to `read_ahead`
         following pages are read (I/O, promotion) while the caller streams the current one; reading
-        ahead stops at the first page not stored.
+        ahead stops at the first page not stored. With `into`, page i is also copied into into[i] in
+        the pass that verifies it (`checksum_into`), so the caller's copy costs no extra pass over the
+        page; a page that fails verification may have left bytes in its destination, but is never
+        yielded (destinations past the last page yielded hold undefined bytes).
         """
         loop = asyncio.get_running_loop()
         pending: deque[asyncio.Task[ReadLease | None]] = deque()
@@ -75,9 +84,17 @@ class Reader:
 
         def read_ahead() -> None:
             nonlocal nxt
-            while nxt < len(keys) and len(pending) <= self.read_ahead:
+            started = 0
+            while nxt < len(keys):
                 key = keys[nxt]
-                pending.append(loop.create_task(self.read_one(key, promote)))
+                depth = self.depth(key)
+                if len(pending) >= depth:
+                    break
+                if not started and depth > self.read_ahead + 1 and len(pending) > depth // 2:
+                    break  # a deep queue is refilled half at a time: one read_many call each, not one per page
+                dest = into[nxt] if into is not None else None
+                pending.append(loop.create_task(self.read_one(key, promote, dest)))
+                started += 1
                 nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
 
         lease: ReadLease | None = None
@@ -106,9 +123,20 @@ class Reader:
                 if isinstance(result, ReadLease):
                     result.release()
 
-    async def read_one(self, key: Key, promote: bool) -> ReadLease | None:
-        """Lease one page, promoting it first when asked; None when missing or corrupt. Counts bytes and
-        checksum failures; hits and misses are counted by the caller, in request order."""
+    def depth(self, key: Key) -> int:
+        """Pages a Get keeps in flight while the next one to read is `key`: the read-ahead window, or the
+        queue depth of the medium the page is on when that is deeper (NVMe)."""
+        shallow = self.read_ahead + 1
+        entry = self.table.get(key)
+        if entry is None:
+            return shallow
+        medium = self.table.tiers[entry.tier].medium
+        return shallow if medium.host_memory else max(shallow, medium.queue_depth)
+
+    async def read_one(self, key: Key, promote: bool, dest: memoryview | None = None) -> ReadLease | None:
+        """Lease one page, promoting it first when asked; None when missing or corrupt. With `dest`, the
+        payload is copied there in the pass that verifies it. Counts bytes and checksum failures; hits
+        and misses are counted by the caller, in request order."""
         entry = await self.mover.settled(key)
         if entry is None:
             return None
@@ -125,13 +153,13 @@ class Reader:
         try:
             if tier.medium.host_memory:
                 payload = tier.medium.view(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-                ok = payload_checksum(payload) == entry.checksum
+                ok = checksum_into(payload, dest) == entry.checksum
             else:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
-                await self.io.run(tier.medium.read, entry.slot, view)
+                await self.io.read(tier.medium, entry.slot, view)
                 payload = view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-                ok = verify_copy(entry, view)
+                ok = header_matches(entry, view) and checksum_into(payload, dest) == entry.checksum
         except BaseException:
             entry.readers -= 1
             raise
@@ -169,3 +197,26 @@ class Reader:
                 tier.counters.hits += 1
                 return
             tier.counters.misses += 1
+
+
+COPY_CHUNK = 256 << 10  # bytes copied, then hashed while still in the core's L2 cache (512 KiB per core here)
+
+
+def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
+    """XXH3-64 of `payload` (the page checksum), copying it into `dest` in the same pass when given.
+
+    NOTE: one pass over memory instead of two: each chunk is copied, then hashed from cache, rather
+    than hashing the whole page and copying it again from RAM. The hash is of the source, so it
+    verifies the tier read; the copy is a memcpy of verified bytes.
+    """
+    if dest is None:
+        return payload_checksum(payload)
+    n = len(payload)
+    if len(dest) < n:
+        raise ValueError(f"destination of {len(dest)} bytes cannot hold a {n}-byte page")
+    h = xxhash.xxh3_64()
+    for off in range(0, n, COPY_CHUNK):
+        chunk = payload[off : off + COPY_CHUNK]
+        dest[off : off + len(chunk)] = chunk
+        h.update(chunk)
+    return h.intdigest()

@@ -9,7 +9,7 @@ bytes between any two media through this interface and never switches on which m
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstore.names import TierKind
 from kvstore.pageformat import PageHeader
@@ -40,6 +40,7 @@ class Medium(abc.ABC):
     persistent: bool = False  # survives a restart: `scan` finds its pages, `invalidate` erases them
     host_memory: bool = False  # slots are host memory: `view` gives them without a copy
     detail: str = ""  # one line for operators (kvctl stats): what backs it, or why it is unavailable
+    queue_depth: int = 1  # reads `read_many` keeps in flight at once: a batched Get reads this far ahead
 
     @property
     def capacity_bytes(self) -> int:
@@ -58,10 +59,14 @@ class Medium(abc.ABC):
     def write(self, slot: int, src: memoryview) -> None:
         """Copy `src` to the start of `slot`; durable on return for a persistent medium."""
 
-    def read_many(self, ops: Sequence[SlotIO]) -> None:
-        """Several reads; a medium that can keep I/Os in flight overrides this. All are complete on return."""
-        for slot, into in ops:
+    def read_many(self, ops: Sequence[SlotIO], done: Callable[[int], None] | None = None) -> None:
+        """Several reads; a medium that can keep I/Os in flight overrides this. All are complete on return.
+        `done(i)`, when given, is called (from whichever thread did it) as soon as ops[i] completed, so a
+        caller can use the first pages while the rest are in flight."""
+        for i, (slot, into) in enumerate(ops):
             self.read(slot, into)
+            if done is not None:
+                done(i)
 
     def write_many(self, ops: Sequence[SlotIO]) -> None:
         """Several writes (all complete, and durable where persistent, on return); a medium overrides this

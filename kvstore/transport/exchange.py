@@ -75,7 +75,9 @@ class DataPlane(abc.ABC):
 
     A plane that cannot serve a call (the node lacks it, or cannot reach the client's memory) raises
     `PlaneUnavailable` before anything was stored or returned; the client then falls back to the next
-    plane for good. Every plane verifies what it receives (checksums) unless the caller opted out.
+    plane for good. Checksums follow DESIGN.md §8: the node verifies every page it reads from a tier; a
+    plane whose bytes cross a network verifies them again on arrival (unless the caller opted out with
+    verify=False); a same-host plane (shm) crosses none and verifies nothing twice.
     """
 
     name: str
@@ -90,21 +92,31 @@ class DataPlane(abc.ABC):
     def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         """Pages of the longest stored prefix of `hashes`, in order, verified."""
 
-    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[memoryview],
+    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer],
                  promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
         """Pages of the longest stored prefix of `hashes` written into the caller's `buffers` (page i into
-        buffers[i], which must hold it), verified; returns what landed, in order. This default gets the
-        pages and copies each once; a plane that can write straight into caller memory overrides it."""
-        if len(buffers) < len(hashes):
-            raise ValueError(f"{len(hashes)} hashes but {len(buffers)} buffers")
+        buffers[i]), verified; returns what landed, in order. The caller (ClientCore) checked the buffers
+        (one per hash, writable, contiguous, not overlapping). This default gets the pages and copies
+        each once, after checking that every page fits, so a buffer too small changes nothing; a plane
+        that can write straight into caller memory overrides it."""
+        pages = yield from self.get(namespace, hashes, promote)
+        for i, page in enumerate(pages):
+            if memoryview(buffers[i]).nbytes < len(page.data):
+                raise ValueError(f"buffers[{i}]: {memoryview(buffers[i]).nbytes} bytes cannot hold a "
+                                 f"{len(page.data)}-byte page")  # fmt: skip
         out: list[PageRef] = []
-        for i, page in enumerate((yield from self.get(namespace, hashes, promote))):
+        for i, page in enumerate(pages):
             n = len(page.data)
-            if buffers[i].nbytes < n:
-                raise ValueError(f"buffers[{i}]: {buffers[i].nbytes} bytes cannot hold a {n}-byte page")
-            buffers[i].cast("B")[:n] = page.data
+            with memoryview(buffers[i]) as dst, dst.cast("B") as raw:
+                raw[:n] = page.data
             out.append(PageRef(page.hash, page.tier, n))
         return out
+
+    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
+                 target: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[tuple[int, int]]:  # fmt: skip
+        """`put` of pages that lie in the caller's buffers (checked by the caller: one per hash, each one
+        page). This default is `put` itself; a plane that can read caller memory in place overrides it."""
+        return (yield from self.put(namespace, layout, hashes, buffers, target, parent, chain))
 
     def close(self) -> None:
         """Release what the plane holds (segments, connections)."""

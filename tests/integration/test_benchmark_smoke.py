@@ -16,7 +16,7 @@ def test_store_bench_quick_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "store_bench.json").read_text())
-    assert {r["op"] for r in data["rows"]} == {"put", "get_dram", "get_nvme"}
+    assert {r["op"] for r in data["rows"]} == {"put", "get_dram", "get_nvme", "get_nvme_zc"}
     table = (tmp_path / "store_bench.md").read_text()
     assert "get NVMe" in table and "CHECK FAILED" not in table and "CELL FAILED" not in table
 
@@ -62,4 +62,12 @@ def test_shm_bench_quick_run(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "shm_bench.json").read_text())["rows"]
-    assert [r["op"] for r in rows] == ["put", "get"] and all(r["shm_gbs"] > 0 for r in rows)
+    assert [r["op"] for r in rows] == ["put", "get"] and all(r["shm_gbs"] > 0 and r["zc_gbs"] > 0 for r in rows)
+
+
+def test_nvme_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "nvme_bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "nvme_bench.json").read_text())["rows"]
+    assert rows[0]["page_kib"] == 256 and all(rows[0][f"{k}_gbs"] > 0 for k in ("get_into", "disk_deep"))

@@ -22,6 +22,7 @@ from kvstore.security import WRITE_METHODS
 from kvstore.stats import PlaneInfo
 from kvstore.transport import shm
 from kvstore.transport.shm import client as shm_client
+from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
 from kvstore.wire import layout_to_pb
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
@@ -231,3 +232,87 @@ def test_a_segment_shrunk_by_its_client_is_refused_and_the_node_lives_on(
         stub.GetShm(pb.GetShmRequest(namespace=NS, hashes=[h], region=region, offset=shm.HEADER_BYTES,
                                      size=align_up(PAGE)), timeout=30)  # fmt: skip
     assert stored(stub, h) == 0 and shm_node.proc is not None and shm_node.proc.poll() is None  # alive
+
+
+# -- GetShm with targets (zero-copy get_into): every target checked before any page is read ---------------
+
+
+@pytest.mark.parametrize(
+    ("targets", "field"),
+    [
+        (lambda one: [(shm.HEADER_BYTES, one)], "targets"),  # one target for two hashes
+        (lambda one: [(8, one), (shm.HEADER_BYTES + one, one)], "targets[0]"),  # overlaps the header
+        (lambda one: [(shm.HEADER_BYTES, one), (shm.HEADER_BYTES + 4 * one, one)], "targets[1]"),  # runs past the end
+        (lambda one: [(shm.HEADER_BYTES, one), (shm.HEADER_BYTES + one, PAGE - 1)], "targets[1]"),  # too small
+        (lambda one: [(shm.HEADER_BYTES + 100, one), (shm.HEADER_BYTES, one)], "targets[1]"),  # overlapping pages
+    ],
+)
+def test_bad_get_shm_targets_are_refused_and_write_nothing(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment,
+                                                           targets: object, field: str) -> None:  # fmt: skip
+    hs = [key(i, "targets") for i in range(2)]
+    for h in hs:
+        stub.PutShm(put_req(seg, h), timeout=30)
+    seg.view[shm.HEADER_BYTES :] = b"\x5a" * (seg.size - shm.HEADER_BYTES)
+    one = align_up(PAGE)
+    req = pb.GetShmRequest(namespace=NS, hashes=hs, region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
+                           targets=[pb.ShmTarget(offset=o, size=s) for o, s in targets(one)])  # type: ignore[operator]  # fmt: skip
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetShm(req, timeout=30)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(field)
+    assert bytes(seg.view[shm.HEADER_BYTES :]) == b"\x5a" * (seg.size - shm.HEADER_BYTES)  # nothing written
+
+
+def test_get_shm_targets_scatter_pages_in_any_order(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment) -> None:
+    hs = [key(i, "scatter") for i in range(3)]
+    for h in hs:
+        stub.PutShm(put_req(seg, h), timeout=30)
+    one = align_up(PAGE)
+    offsets = [shm.HEADER_BYTES + 2 * one + 8, shm.HEADER_BYTES, shm.HEADER_BYTES + one + 8]  # unaligned is fine
+    req = pb.GetShmRequest(namespace=NS, hashes=[*hs, key(9, "scatter-missing")],
+                           region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
+                           targets=[*(pb.ShmTarget(offset=o, size=PAGE) for o in offsets),
+                                    pb.ShmTarget(offset=shm.HEADER_BYTES + 3 * one + 8, size=PAGE)])  # fmt: skip
+    reply = stub.GetShm(req, timeout=30)
+    assert [p.hash for p in reply.pages] == hs and [p.offset for p in reply.pages] == offsets
+    for h, o in zip(hs, offsets, strict=True):
+        assert bytes(seg.view[o : o + PAGE]) == page(h)
+
+
+# -- registered buffers (sealed memfds the node maps) ------------------------------------------------------
+
+
+def region_of(buf: SharedBuffer, **overrides: object) -> pb.ShmRegion:
+    fields: dict[str, object] = {"name": buf.name, "nonce": buf.nonce, "pid": buf.pid, "fd": buf.fd}
+    fields.update(overrides)
+    return pb.ShmRegion(**fields)  # type: ignore[arg-type]
+
+
+def test_bad_registered_regions_are_refused(stub: pb_grpc.KVStoreStub, seg: shm_client.ClientSegment) -> None:
+    h = key(0, "memfd-bad")
+    stub.PutShm(put_req(seg, h), timeout=30)
+    buffers = SharedBuffers()
+    buf = buffers.allocate(2 * PAGE)
+    unsealed = os.memfd_create("kvstore-unsealed")
+    try:
+        os.ftruncate(unsealed, 4096 + PAGE)
+
+        def get(region: pb.ShmRegion) -> grpc.RpcError:
+            req = pb.GetShmRequest(namespace=NS, hashes=[h], region=region,
+                                   targets=[pb.ShmTarget(offset=buf.data_offset, size=PAGE)])  # fmt: skip
+            with pytest.raises(grpc.RpcError) as info:
+                stub.GetShm(req, timeout=30)
+            return info.value
+
+        err = get(region_of(buf, nonce=b"\x01" * 16))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("region.nonce")
+        err = get(region_of(buf, fd=unsealed))
+        assert err.code() is grpc.StatusCode.INVALID_ARGUMENT and "sealed" in err.details()
+        err = get(region_of(buf, fd=9999))  # no such descriptor in this process
+        assert err.code() is grpc.StatusCode.UNIMPLEMENTED and "cannot open" in err.details()
+        assert bytes(buf.view[:PAGE]) == bytes(PAGE)  # nothing written
+        reply = stub.GetShm(pb.GetShmRequest(namespace=NS, hashes=[h], region=region_of(buf),
+                                             targets=[pb.ShmTarget(offset=buf.data_offset, size=PAGE)]), timeout=30)  # fmt: skip
+        assert len(reply.pages) == 1 and bytes(buf.view[:PAGE]) == page(h)
+    finally:
+        os.close(unsealed)
+        buffers.close()

@@ -1,134 +1,66 @@
-"""The client's side of the shared-memory plane: segments it owns, and Put/Get as exchanges."""
+"""The client's side of the shared-memory plane: Put/Get (through pooled scratch segments) and the
+zero-copy `get_into`/`put_from` (straight into and out of the caller's registered buffers), as exchanges.
+
+Checksums (DESIGN.md §8: a page is verified when read from a tier and whenever it crossed a network):
+the node verifies every page when it reads it from its tier, before a byte of it reaches a segment,
+and computes the checksum of every page put from the bytes that landed in its slot. Nothing on this
+plane crosses a network (the node and this client share one host's memory), so the client verifies
+nothing again: `get_into` costs one copy (tier -> caller's buffer) and one checksum (the tier read),
+`put_from` one copy (caller's buffer -> slot) and one checksum (of the slot).
+"""
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
-import secrets
-import threading
+import re
 from collections.abc import Sequence
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.errors import InvalidArgument, ShmNotAvailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import ALIGN, align_up, payload_checksum
+from kvstore.pageformat import align_up
+from kvstore.transport.buffers import buffer_span
 from kvstore.transport.exchange import DataPlane, Exchange, Unary
-from kvstore.transport.shm import HEADER_BYTES, MAGIC, NONCE_BYTES, SHM_DIR
-from kvstore.wire import FetchedPage, StreamError, layout_to_pb
+from kvstore.transport.shm import HEADER_BYTES
+from kvstore.transport.shm.segments import (
+    ClientSegment,
+    Placed,
+    SegmentPool,
+    SharedBuffer,
+    SharedBuffers,
+    sweep_stale,
+)
+from kvstore.wire import FetchedPage, PageRef, StreamError, layout_to_pb
+
+__all__ = ["ClientSegment", "SegmentPool", "ShmPlane", "sweep_stale"]
 
 DEFAULT_PAGE_HINT = 256 << 10  # a client's first GetShm window assumes pages of this size, then learns
+_TARGET_FIELD = re.compile(r"^(?:targets|pages)\[(\d+)\]")
 
 
-class ClientSegment:
-    """One segment owned by a client: created 0600 with a fresh name and nonce, unlinked on close."""
-
-    def __init__(self, size: int) -> None:
-        self.size = align_up(max(size, HEADER_BYTES + ALIGN))
-        self.name = f"kvstore-{os.getpid()}-{secrets.token_hex(12)}"  # the pid lets sweep_stale() find orphans
-        self.nonce = secrets.token_bytes(NONCE_BYTES)
-        self.path = SHM_DIR / self.name
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, self.size)
-            self.map = mmap.mmap(fd, self.size)
-        except BaseException:
-            os.close(fd)
-            self.path.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        self.map[: len(MAGIC) + NONCE_BYTES] = MAGIC + self.nonce
-        self.view = memoryview(self.map)
-
-    @property
-    def data_bytes(self) -> int:
-        return self.size - HEADER_BYTES
-
-    def close(self) -> None:
-        self.path.unlink(missing_ok=True)
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a caller still holds a view; the mapping goes with it
-            self.map.close()
+# -- requests and replies (no I/O besides the copies into and out of pooled segments) -----------------
 
 
-def sweep_stale() -> int:
-    """Unlink segments left by client processes that died without closing (SIGKILL, OOM): names carry
-    the creator's pid, and a pid that no longer exists cannot be using its segment. Returns how many."""
-    removed = 0
-    try:
-        names = [p.name for p in SHM_DIR.glob("kvstore-*-*")]
-    except OSError:
-        return 0
-    for name in names:
-        pid_text = name.split("-")[1]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                (SHM_DIR / name).unlink()
-                removed += 1
-        except PermissionError:
-            pass  # alive, another user's
-    return removed
-
-
-class SegmentPool:
-    """Segments for concurrent calls of one client: `acquire(n)` gives a segment with >= n data bytes
-    that no other call is using; `release` returns it. Thread-safe. Creating a pool sweeps orphans."""
-
-    def __init__(self) -> None:
-        sweep_stale()
-        self._free: list[ClientSegment] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def acquire(self, data_bytes: int) -> ClientSegment:
-        with self._lock:
-            for i, seg in enumerate(self._free):
-                if seg.data_bytes >= data_bytes:
-                    return self._free.pop(i)
-            small = self._free.pop() if self._free else None
-        if small is not None:
-            small.close()  # too small: replaced by a bigger one
-        # Grow geometrically so a client whose batches creep up does not remap every call.
-        return ClientSegment(HEADER_BYTES + max(data_bytes, 2 * (small.data_bytes if small else 0)))
-
-    def release(self, seg: ClientSegment) -> None:
-        with self._lock:
-            if not self._closed:
-                self._free.append(seg)
-                return
-        seg.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            free, self._free = self._free, []
-        for seg in free:
-            seg.close()
-
-
-# -- client side: requests and replies (no I/O besides the copies into and out of the segment) --------
+def put_open(namespace: str, layout: PageLayout, target: TierKind | None, parent: bytes | None,
+             chain: bool) -> pb.PutOpen:  # fmt: skip
+    return pb.PutOpen(namespace=namespace, layout=layout_to_pb(layout), target_tier=int(target) if target else 0,
+                      parent_hash=parent or b"", chain=chain)  # fmt: skip
 
 
 def put_request(seg: ClientSegment, namespace: str, layout: PageLayout, hashes: Sequence[bytes],
                 pages: Sequence[Buffer], target: TierKind | None, parent: bytes | None,
                 chain: bool) -> pb.PutShmRequest:  # fmt: skip
     """Copy `pages` into `seg` (4 KiB-aligned, after the header) and describe them in a PutShmRequest.
-    `seg` must hold `put_bytes(pages)` data bytes."""
-    req = pb.PutShmRequest(
-        open=pb.PutOpen(namespace=namespace, layout=layout_to_pb(layout), target_tier=int(target) if target else 0,
-                        parent_hash=parent or b"", chain=chain),
-        region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
-    )  # fmt: skip
+    `seg` must hold `put_bytes(pages)` data bytes. Checksums are left to the node (see the module
+    docstring): it computes them from the bytes that landed in its slots."""
+    req = pb.PutShmRequest(open=put_open(namespace, layout, target, parent, chain),
+                           region=pb.ShmRegion(name=seg.name, nonce=seg.nonce))  # fmt: skip
     pos = HEADER_BYTES
     for h, page in zip(hashes, pages, strict=True):
         src = memoryview(page).cast("B")
         n = len(src)
         seg.view[pos : pos + n] = src
-        req.pages.add(hash=h, offset=pos, payload_bytes=n, checksum=payload_checksum(src))
+        req.pages.add(hash=h, offset=pos, payload_bytes=n)
         pos = align_up(pos + n)
     return req
 
@@ -144,39 +76,87 @@ def get_request(seg: ClientSegment, namespace: str, hashes: Sequence[bytes], pro
                             size=seg.data_bytes)  # fmt: skip
 
 
-def read_reply(
-    seg: ClientSegment, hashes: Sequence[bytes], reply: pb.GetShmResponse, verify: bool
-) -> list[FetchedPage]:
-    """Copy the pages a GetShm put into `seg` out into owned buffers, checking order, bounds and checksums."""
-    if len(reply.pages) > len(hashes):
-        raise StreamError(f"GetShm returned {len(reply.pages)} pages for {len(hashes)} hashes")
+def read_reply(seg: ClientSegment, hashes: Sequence[bytes], reply: pb.GetShmResponse) -> list[FetchedPage]:
+    """Copy the pages a GetShm put into `seg` out into owned buffers, checking order and bounds."""
+    check_reply_order(hashes, reply)
     out = []
-    for i, (want, p) in enumerate(zip(hashes, reply.pages, strict=False)):
-        if p.hash != want:
-            raise StreamError(f"page {i}: server sent an unexpected hash")
+    for i, p in enumerate(reply.pages):
         if p.offset < HEADER_BYTES or p.offset + p.payload_bytes > seg.size:
             raise StreamError(f"page {i}: slice [{p.offset}, {p.offset + p.payload_bytes}) outside the segment")
-        data = bytearray(seg.view[p.offset : p.offset + p.payload_bytes])
-        if verify and payload_checksum(data) != p.checksum:
-            raise StreamError(f"page {i}: checksum mismatch after transfer")
-        out.append(FetchedPage(p.hash, TierKind(p.tier), data))
+        out.append(FetchedPage(p.hash, TierKind(p.tier), bytearray(seg.view[p.offset : p.offset + p.payload_bytes])))
     return out
 
 
-class ShmPlane(DataPlane):
-    """Pages cross through this client's own segments; the RPCs carry only hashes and slices.
+def check_reply_order(hashes: Sequence[bytes], reply: pb.GetShmResponse) -> None:
+    if len(reply.pages) > len(hashes):
+        raise StreamError(f"GetShm returned {len(reply.pages)} pages for {len(hashes)} hashes")
+    for i, (want, p) in enumerate(zip(hashes, reply.pages, strict=False)):
+        if p.hash != want:
+            raise StreamError(f"page {i}: server sent an unexpected hash")
 
-    Thread-safe: concurrent calls take different segments from the pool. Each PutShm of at most
-    `pages_per_call` pages is atomic, like a Put stream.
+
+def shared_region(buf: SharedBuffer) -> pb.ShmRegion:
+    """The region naming a registered buffer: this process's sealed memfd, for the node to map."""
+    return pb.ShmRegion(name=buf.name, nonce=buf.nonce, pid=buf.pid, fd=buf.fd)
+
+
+def into_request(namespace: str, hashes: Sequence[bytes], placed: Sequence[Placed], promote: bool) -> pb.GetShmRequest:
+    """A GetShm that writes page i straight into placed[i] (all in one registered buffer)."""
+    return pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote,
+                            region=shared_region(placed[0].buffer),
+                            targets=[pb.ShmTarget(offset=p.offset, size=p.nbytes) for p in placed])  # fmt: skip
+
+
+def into_reply(hashes: Sequence[bytes], placed: Sequence[Placed], reply: pb.GetShmResponse) -> list[PageRef]:
+    """What a targeted GetShm wrote, checked against what was asked (order, place, size)."""
+    check_reply_order(hashes, reply)
+    out = []
+    for i, (p, want) in enumerate(zip(reply.pages, placed, strict=False)):
+        if p.offset != want.offset or p.payload_bytes > want.nbytes:
+            raise StreamError(f"page {i}: written at [{p.offset}, +{p.payload_bytes}), not into its buffer")
+        out.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
+    return out
+
+
+def segment_runs(placed: Sequence[Placed], per_call: int) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive buffers in one segment, each at most `per_call` long."""
+    runs: list[tuple[int, int]] = []
+    a = 0
+    for i in range(1, len(placed) + 1):
+        if i == len(placed) or i - a == per_call or placed[i].buffer is not placed[a].buffer:
+            runs.append((a, i))
+            a = i
+    return runs
+
+
+def buffer_error(exc: InvalidArgument, first: int) -> Exception:
+    """The node's complaint about targets[j] / pages[j] of one call, as the caller's buffers[first + j]."""
+    m = _TARGET_FIELD.match(exc.field)
+    if m is None:
+        return exc
+    rest = str(exc).split(":", 1)[1].strip()
+    return ValueError(f"buffers[{first + int(m.group(1))}]: {rest}")
+
+
+class ShmPlane(DataPlane):
+    """Pages cross through shared memory on this host; the RPCs carry only hashes and slices.
+
+    `put`/`get` copy through this client's pooled scratch segments; `put_from`/`get_into` use the
+    caller's registered buffers (`buffers`, from `client.shared_buffer`) directly: the node reads and
+    writes them, and the client touches no page byte. Thread-safe: concurrent calls take different
+    scratch segments. Each PutShm of at most `pages_per_call` pages is atomic, like a Put stream.
     """
 
     name = "shm"
 
-    def __init__(self, pages_per_call: int, verify: bool) -> None:
+    def __init__(self, pages_per_call: int, buffers: SharedBuffers) -> None:
         self.pages_per_call = pages_per_call
-        self.verify = verify
+        self.buffers = buffers
         self.pool = SegmentPool()
         self.page_hint = DEFAULT_PAGE_HINT  # bytes per page GetShm windows are sized for (learned)
+        # False once the node could not open a registered buffer (another pid namespace, say): then
+        # get_into/put_from copy through the scratch segments, which the node reaches by name.
+        self.node_maps_buffers = True
 
     def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
             target: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[tuple[int, int]]:  # fmt: skip
@@ -213,7 +193,7 @@ class ShmPlane(DataPlane):
                 if not batch:
                     break
                 reply = yield Unary("GetShm", get_request(seg, namespace, batch, promote))
-                got = read_reply(seg, batch, reply, self.verify)
+                got = read_reply(seg, batch, reply)
                 out.extend(got)
                 if not reply.next_page_bytes:
                     if len(got) < len(batch):
@@ -228,6 +208,78 @@ class ShmPlane(DataPlane):
             self.pool.release(seg)
         self.page_hint = hint
         return out
+
+    def place(self, buffers: Sequence[Buffer], writable: bool) -> list[Placed]:
+        """Where each caller buffer lies in this client's registered segments; ValueError naming the
+        first that lies in none (the caller checked count, contiguity and overlaps already)."""
+        placed = []
+        for i, b in enumerate(buffers):
+            field = f"buffers[{i}]"
+            where = self.buffers.locate(*buffer_span(b, field, writable))
+            if where is None:
+                raise ValueError(f"{field}: not inside a shared buffer of this client; on the shared-memory plane "
+                                 "pages move straight into registered memory: allocate it with "
+                                 "client.shared_buffer(nbytes) and pass views of it")  # fmt: skip
+            placed.append(where)
+        return placed
+
+    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer],
+                 promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
+        """GetShm calls that have the node write page i straight into buffers[i] (one per run of
+        buffers in one registered segment, at most pages_per_call pages each). The node checks every
+        target before it reads a page, so a buffer too small for the namespace's pages changes nothing."""
+        placed = self.place(buffers, writable=True)
+        if not self.node_maps_buffers:
+            return (yield from super().get_into(namespace, hashes, buffers, promote))
+        out: list[PageRef] = []
+        for a, b in segment_runs(placed, self.pages_per_call):
+            try:
+                reply = yield Unary("GetShm", into_request(namespace, hashes[a:b], placed[a:b], promote))
+            except InvalidArgument as exc:
+                raise buffer_error(exc, a) from None
+            except ShmNotAvailable:
+                if out or not self._cannot_map():
+                    raise
+                return (yield from super().get_into(namespace, hashes, buffers, promote))
+            got = into_reply(hashes[a:b], placed[a:b], reply)
+            out.extend(got)
+            if len(got) < b - a:
+                break  # the first missing page ends the prefix
+        return out
+
+    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
+                 target: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[tuple[int, int]]:  # fmt: skip
+        """PutShm calls naming the caller's registered buffers as the page slices: the node copies each
+        page once, into its slot, and computes its checksum there. Each call is atomic."""
+        placed = self.place(buffers, writable=False)
+        if not self.node_maps_buffers:
+            return (yield from self.put(namespace, layout, hashes, buffers, target, parent, chain))
+        stored = present = 0
+        for a, b in segment_runs(placed, self.pages_per_call):
+            first_parent = parent if a == 0 else hashes[a - 1]
+            req = pb.PutShmRequest(open=put_open(namespace, layout, target, first_parent if chain else None, chain),
+                                   region=shared_region(placed[a].buffer),
+                                   pages=[pb.ShmSlice(hash=h, offset=p.offset, payload_bytes=p.nbytes)
+                                          for h, p in zip(hashes[a:b], placed[a:b], strict=True)])  # fmt: skip
+            try:
+                reply = yield Unary("PutShm", req)
+            except InvalidArgument as exc:
+                raise buffer_error(exc, a) from None
+            except ShmNotAvailable:
+                if a or not self._cannot_map():
+                    raise
+                return (yield from self.put(namespace, layout, hashes, buffers, target, parent, chain))
+            stored += reply.stored
+            present += reply.already_present
+        return stored, present
+
+    def _cannot_map(self) -> bool:
+        """After the node could not open a registered buffer: from now on zero-copy calls copy through the
+        scratch segments (True), unless they already did (False: the plane itself is unavailable)."""
+        if not self.node_maps_buffers:
+            return False
+        self.node_maps_buffers = False
+        return True
 
     def close(self) -> None:
         self.pool.close()

@@ -1,0 +1,209 @@
+"""Parallel NVMe reads: batched `read_many` calls from a Get's read-ahead, errors that stay with their own
+page, and cancellation that waits for every read in flight (real NVMe segment files in a temp dir)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import mmap
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvstore.manager import TierManager
+from kvstore.names import TierKind
+from kvstore.pageformat import HEADER_BYTES
+from kvstore.tiers.base import SlotIO
+from kvstore.tiers.nvme import QUEUE_DEPTH, NvmeTier
+from tests.unit.test_manager import NS, SLOT, config, key, payload, put, read, run, tiers_of
+
+
+class Probe:
+    """Wraps an NVMe tier's reads: counts reads in flight (most at once) and the size of each batch."""
+
+    def __init__(self, tier: NvmeTier, delay: float = 0.0) -> None:
+        self.tier, self.delay = tier, delay
+        self.real_read, self.real_many = tier.read, tier.read_many
+        self.lock = threading.Lock()
+        self.active = self.most = 0
+        self.batches: list[int] = []
+        self.fail_slots: set[int] = set()
+        self.slow_slots: set[int] = set()  # these take 1 s longer
+        tier.read = self.read  # type: ignore[method-assign]
+        tier.read_many = self.read_many  # type: ignore[method-assign]
+
+    def read(self, slot: int, into: memoryview) -> None:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        try:
+            time.sleep(self.delay + (1.0 if slot in self.slow_slots else 0.0))
+            if slot in self.fail_slots:
+                raise OSError(f"injected read error on slot {slot}")
+            self.real_read(slot, into)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+    def read_many(self, ops: Sequence[SlotIO], done: Callable[[int], None] | None = None) -> None:
+        self.batches.append(len(ops))
+        self.real_many(ops, done)  # the real fan-out, through our read
+
+
+async def put_to_nvme(mgr: TierManager, n: int) -> list[int]:
+    """Put pages 0..n-1 (the DRAM tier is small: most are demoted); the ids of those now on NVMe."""
+    ids = list(range(n))
+    await put(mgr, ids)
+    return [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
+
+
+def nvme_of(mgr: TierManager) -> NvmeTier:
+    medium = mgr.medium(TierKind.NVME)
+    assert isinstance(medium, NvmeTier)
+    return medium
+
+
+def test_read_many_keeps_reads_in_flight_and_waits_for_all(tmp_path: Path) -> None:
+    tier = NvmeTier(tmp_path / "nvme", 24 * SLOT, SLOT, 1 << 30)
+    try:
+        src = mmap.mmap(-1, SLOT)
+        for i in range(20):
+            src[:] = bytes([i]) * SLOT
+            tier.write(i, memoryview(src))
+        probe = Probe(tier, delay=0.05)
+        bufs = [mmap.mmap(-1, SLOT) for _ in range(20)]
+        t0 = time.perf_counter()
+        tier.read_many([(i, memoryview(bufs[i])) for i in range(20)])
+        assert time.perf_counter() - t0 < 20 * 0.05  # overlapped, not one after another
+        assert probe.most > 1 and probe.most <= QUEUE_DEPTH
+        assert all(bufs[i][:4] == bytes([i]) * 4 for i in range(20))
+        probe.fail_slots = {3}
+        with pytest.raises(OSError, match="slot 3"):
+            tier.read_many([(i, memoryview(bufs[i])) for i in range(8)])
+        assert probe.active == 0  # raised only after every read of the batch ended
+    finally:
+        tier.close()
+
+
+def test_a_batched_get_reads_nvme_pages_in_batches(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        on_nvme = await put_to_nvme(mgr, 24)
+        assert len(on_nvme) >= 18
+        probe = Probe(nvme_of(mgr), delay=0.01)
+        got = await read(mgr, on_nvme, promote=False)
+        assert [p for p, _ in got] == [payload(key(i)) for i in on_nvme]
+        assert {t for _, t in got} == {TierKind.NVME}
+        assert max(probe.batches) == QUEUE_DEPTH  # the first fill: a whole queue in one read_many call
+        assert sum(probe.batches) == len(on_nvme) and len(probe.batches) < len(on_nvme)  # refills in batches
+        assert probe.most > 4  # deeper than the pool's 4 threads could go one read each
+        nvme = mgr.stats().tiers[2]
+        assert nvme.counters.hits == len(on_nvme)  # counted once per page returned, in order
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_first_pages_are_served_while_the_rest_of_the_batch_is_in_flight(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        on_nvme = await put_to_nvme(mgr, 16)
+        probe = Probe(nvme_of(mgr))
+        last = mgr.entry(NS, key(on_nvme[-1]))
+        assert last is not None
+        probe.slow_slots = {last.slot}
+        t0 = time.perf_counter()
+        gen = mgr.get(NS, [key(i) for i in on_nvme], promote=False)
+        first = await gen.__anext__()
+        assert time.perf_counter() - t0 < 0.9  # did not wait for the slow read of its batch
+        assert bytes(first.payload) == payload(key(on_nvme[0])) and probe.batches[0] == len(on_nvme)
+        rest = [bytes(lease.payload) async for lease in gen]
+        assert rest == [payload(key(i)) for i in on_nvme[1:]]
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_promoting_reads_are_batched_too(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        on_nvme = await put_to_nvme(mgr, 16)  # 12 pages on NVMe, 4 in DRAM
+        probe = Probe(nvme_of(mgr), delay=0.01)
+        got = await read(mgr, on_nvme, promote=True)  # into DRAM slots where there is room, else bounced
+        assert [p for p, _ in got] == [payload(key(i)) for i in on_nvme]
+        assert {t for _, t in got} == {TierKind.NVME} and max(probe.batches) > 1
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_a_failed_read_fails_only_its_own_get(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        ids = list(range(16))
+        on_nvme = await put_to_nvme(mgr, 16)
+        bad, good = on_nvme[0], on_nvme[1:6]
+        probe = Probe(nvme_of(mgr))
+        entry = mgr.entry(NS, key(bad))
+        assert entry is not None
+        probe.fail_slots = {entry.slot}
+        results = await asyncio.gather(read(mgr, [bad], promote=False), read(mgr, good, promote=False),
+                                       return_exceptions=True)  # fmt: skip
+        assert isinstance(results[0], OSError) and "injected" in str(results[0])
+        assert [p for p, _ in results[1]] == [payload(key(i)) for i in good]  # type: ignore[union-attr]
+        assert all(mgr.entry(NS, key(i)).readers == 0 for i in ids)  # type: ignore[union-attr]
+        probe.fail_slots = set()
+        assert [p for p, _ in await read(mgr, [bad], promote=False)] == [payload(key(bad))]  # still stored
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+@pytest.mark.parametrize("promote", [False, True], ids=["bounce-reads", "promoting-reads"])
+def test_cancelling_a_get_waits_for_every_read_in_flight(tmp_path: Path, promote: bool) -> None:
+    async def body(mgr: TierManager) -> None:
+        ids = list(range(24))
+        on_nvme = await put_to_nvme(mgr, 24)
+        probe = Probe(nvme_of(mgr), delay=0.2)
+        task = asyncio.create_task(read(mgr, on_nvme, promote=promote))
+        for _ in range(200):  # bounded: wait until a batch of reads is in flight
+            if probe.active > 1:
+                break
+            await asyncio.sleep(0.005)
+        assert probe.active > 1
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        assert probe.active == 0  # cancellation returned only after every read it started had ended
+        assert all(mgr.entry(NS, key(i)).readers == 0 for i in on_nvme)  # type: ignore[union-attr]
+        probe.delay = 0.0
+        # Nothing was freed under an I/O: every page still reads back right, and the tiers add up.
+        assert [p for p, _ in await read(mgr, ids, promote=False)] == [payload(key(i)) for i in ids]
+        await put(mgr, [100, 101])
+        for t in mgr.stats().tiers:
+            assert t.slots_used == t.pages or t.tier is TierKind.NVME  # NVMe may keep shadows of promoted pages
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_header_of_another_page_in_a_slot_is_a_checksum_failure(tmp_path: Path) -> None:
+    """A batched read verifies each slot's header names its page (a stale slot is never served)."""
+
+    async def body(mgr: TierManager) -> None:
+        on_nvme = await put_to_nvme(mgr, 12)
+        a, b = (mgr.entry(NS, key(i)) for i in on_nvme[:2])
+        assert a is not None and b is not None
+        path_a, off_a = mgr.nvme_slot_location(a.slot)
+        path_b, off_b = mgr.nvme_slot_location(b.slot)
+        with open(path_b, "rb") as f:
+            f.seek(off_b)
+            header_b = f.read(HEADER_BYTES)
+        with open(path_a, "r+b") as f:  # slot a now claims to hold page b
+            f.seek(off_a)
+            f.write(header_b)
+        assert await read(mgr, on_nvme[:2], promote=False) == []
+        assert mgr.stats().tiers[2].counters.checksum_failures == 1
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_queue_depth_sizes_the_bounce_pool(tmp_path: Path) -> None:
+    async def body(mgr: TierManager) -> None:
+        assert mgr._bounce.keep >= QUEUE_DEPTH + mgr.config.io_threads
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=8))
