@@ -148,6 +148,10 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError("tls.certManager.issuerRef.name is empty")
     elif tls["mutual"]:
         raise ValueError("tls.mutual is true but tls.enabled is false: mutual TLS runs over TLS")
+    elif v["auth"]["enabled"] and not v["auth"].get("allowPlaintextTokens"):
+        raise ValueError("auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
+                         "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
+                         "for a trusted pod network")  # fmt: skip
     redis = v["redis"]
     ext = redis["external"]
     if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
