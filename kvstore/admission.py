@@ -6,8 +6,9 @@ its request. So
    gRPC reads a single request message); a refused call gets a handler that never reads its request:
    whatever the method, it is answered as a request *stream* that is never iterated, so the request
    bytes are neither deserialised nor even buffered beyond the HTTP/2 flow-control window;
-2. an admitted unary call's request arrives as raw bytes and is parsed only when it is no larger than
-   its method's limit (`REQUEST_LIMITS`, far below the channel-wide MAX_MESSAGE_BYTES);
+2. no message larger than any method accepts is received at all (MAX_RECEIVE_BYTES, the server's
+   gRPC limit), and an admitted unary call's request arrives as raw bytes and is parsed only when it
+   is no larger than its own method's limit (`REQUEST_LIMITS`);
 3. repeated fields are counted (`bounded`) before they are turned into Python lists;
 4. the handler runs with its caller in `CALLER`, so it can hold a read-only principal to reading:
    `may_move_pages()` is False for one, and its Gets are served without promotion (on a full node a
@@ -29,6 +30,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.manager.core import MAX_HASHES
 from kvstore.security import Principal, Role
+from kvstore.wire import CHUNK_BYTES
 
 T = TypeVar("T")
 
@@ -43,6 +45,9 @@ REQUEST_LIMITS: dict[str, int] = {
     **{m: _HEAD + MAX_HASHES * _HASH_FIELD for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "GetShm")},
     "PutShm": _HEAD + MAX_HASHES * _SLICE_FIELD,
 }
+# The node's gRPC receive limit: the largest request any method accepts, a Put chunk included. gRPC
+# refuses a larger message (RESOURCE_EXHAUSTED) from its length prefix, before buffering it.
+MAX_RECEIVE_BYTES = max(*REQUEST_LIMITS.values(), CHUNK_BYTES + 4096)
 
 
 CALLER: ContextVar[Principal | None] = ContextVar("kvstore_caller", default=None)  # None: a node without tokens

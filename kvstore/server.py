@@ -25,7 +25,15 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
-from kvstore.admission import CALLER, bounded, check_count, may_move_pages, raw_unary, refusal_handler
+from kvstore.admission import (
+    CALLER,
+    MAX_RECEIVE_BYTES,
+    bounded,
+    check_count,
+    may_move_pages,
+    raw_unary,
+    refusal_handler,
+)
 from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ShmNotAvailable
 from kvstore.index.publisher import IndexPublisher
@@ -56,7 +64,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the largest request a method accepts
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 

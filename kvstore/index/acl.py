@@ -68,11 +68,3 @@ def index_acl(admin_password: str, client_password: str, node_passwords: dict[st
     lines += [acl_line(node_user(n), pw, node_rules(n)) for n, pw in sorted(node_passwords.items())]
     return lines
 
-
-def user_url(base_url: str, user: str, password: str) -> str:
-    """`base_url` (redis://host:port/db, no credentials) with `user:password@` in front of the host."""
-    scheme, sep, rest = base_url.partition("://")
-    if not sep or "@" in rest:
-        raise ValueError("user_url needs a redis://host:port/db URL without credentials")
-    return f"{scheme}://{user}:{password}@{rest}"
-

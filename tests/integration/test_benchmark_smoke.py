@@ -63,3 +63,11 @@ def test_shm_bench_quick_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "shm_bench.json").read_text())["rows"]
     assert [r["op"] for r in rows] == ["put", "get"] and all(r["shm_gbs"] > 0 for r in rows)
+
+
+def test_auth_memory_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "auth_memory_bench.py"), "--quick", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "auth_memory_bench.json").read_text())["rows"]
+    assert [list(r["codes"]) for r in rows] == [["UNAUTHENTICATED"], ["INVALID_ARGUMENT"], ["OK"]]

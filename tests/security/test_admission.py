@@ -80,13 +80,14 @@ def test_eight_unauthenticated_8mib_lookups_cost_the_node_no_memory(secured: Nod
     """The issue's experiment: 8 concurrent 8 MiB Lookups without a token took a node from 292 MB to
     1.33 GB RSS. Refused before they are read, they now leave RSS within a few MiB of HTTP/2 buffers.
     (A bound on memory, not a timing: the old code grows by ~700 MiB here.) The same with a read
-    token: refused by the size limit, at most the raw request bytes are held."""
+    token: larger than any method accepts, refused from its length prefix."""
     body = lookup_body(BIG - 64)
     pid = secured.proc.pid  # type: ignore[union-attr]
     call = unary(channel, "Lookup")
+    # With a read token: over every method's limit, so gRPC refuses it from its length prefix.
     for metadata, code, bound in ((None, grpc.StatusCode.UNAUTHENTICATED, 64 * MiB),
-                                  ((("authorization", f"Bearer {READ}"),), grpc.StatusCode.INVALID_ARGUMENT,
-                                   8 * BIG + 96 * MiB)):  # fmt: skip
+                                  ((("authorization", f"Bearer {READ}"),), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   64 * MiB)):  # fmt: skip
         time.sleep(0.3)
         before = rss_bytes(pid)
         futures = [call.future(body, timeout=120, metadata=metadata) for _ in range(8)]
