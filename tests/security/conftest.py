@@ -14,6 +14,8 @@ import pytest
 
 from devkit.pki import DevPki, make_dev_pki
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.launch import NodeProcess
+from tests.integration.conftest import start_node
 
 WRITE = "w-" + "a" * 30
 READ = "r-" + "b" * 30
@@ -48,6 +50,16 @@ def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condit
             return got
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def secured_node(tmp_path: Path) -> Iterator[NodeProcess]:
+    """A real node with a read-write and a read-only token (WRITE, READ)."""
+    node = start_node(tmp_path, name="sec", extra_args=token_args(tmp_path))
+    try:
+        yield node
+    finally:
+        node.close()
 
 
 @pytest.fixture(scope="module")

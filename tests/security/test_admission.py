@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 
 from kvstore.launch import NodeProcess
-from tests.integration.conftest import NS, start_node
-from tests.security.conftest import READ, rss_bytes, token_args
+from tests.integration.conftest import NS
+from tests.security.conftest import READ, rss_bytes
 
 SERVICE = "/kvstore.v1.KVStore/"
 BIG = 8 << 20  # the node's channel-wide limit (wire.MAX_MESSAGE_BYTES)
@@ -27,17 +26,8 @@ def lookup_body(total: int, hash_bytes: int = 2) -> bytes:
 
 
 @pytest.fixture
-def secured(tmp_path: Path) -> Iterator[NodeProcess]:
-    node = start_node(tmp_path, name="adm", extra_args=token_args(tmp_path))
-    try:
-        yield node
-    finally:
-        node.close()
-
-
-@pytest.fixture
-def channel(secured: NodeProcess) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(secured.addr, options=[("grpc.max_send_message_length", -1)]) as ch:
+def channel(secured_node: NodeProcess) -> Iterator[grpc.Channel]:
+    with grpc.insecure_channel(secured_node.addr, options=[("grpc.max_send_message_length", -1)]) as ch:
         yield ch
 
 
@@ -76,13 +66,14 @@ def test_oversized_or_overlong_requests_are_refused_unparsed(channel: grpc.Chann
     assert code is grpc.StatusCode.INVALID_ARGUMENT and details.startswith("hashes:") and "65536" in details
 
 
-def test_eight_unauthenticated_8mib_lookups_cost_the_node_no_memory(secured: NodeProcess, channel: grpc.Channel) -> None:
+def test_eight_unauthenticated_8mib_lookups_cost_the_node_no_memory(secured_node: NodeProcess,
+                                                                     channel: grpc.Channel) -> None:  # fmt: skip
     """The issue's experiment: 8 concurrent 8 MiB Lookups without a token took a node from 292 MB to
     1.33 GB RSS. Refused before they are read, they now leave RSS within a few MiB of HTTP/2 buffers.
     (A bound on memory, not a timing: the old code grows by ~700 MiB here.) The same with a read
     token: larger than any method accepts, refused from its length prefix."""
     body = lookup_body(BIG - 64)
-    pid = secured.proc.pid  # type: ignore[union-attr]
+    pid = secured_node.proc.pid  # type: ignore[union-attr]
     call = unary(channel, "Lookup")
     # With a read token: over every method's limit, so gRPC refuses it from its length prefix.
     for metadata, code, bound in ((None, grpc.StatusCode.UNAUTHENTICATED, 64 * MiB),

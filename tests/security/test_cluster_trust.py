@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +14,7 @@ import pytest
 import redis
 
 from devkit.pki import DevPki
+from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.cluster import ClusterClient
 from kvstore.index import NODES_KEY, alive_key, block_key, node_key
@@ -155,12 +155,7 @@ def test_kvstore_up_runs_redis_with_a_password_and_read_only_clients(tmp_path: P
         anonymous.close()
         client.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        terminate(proc, 60.0)
 
 
 def test_a_node_user_writes_only_its_own_records(tmp_path: Path) -> None:

@@ -21,20 +21,11 @@ from kvstore.client import KVStoreClient
 from kvstore.launch import NodeProcess
 from kvstore.security import ClientSecurity
 from kvstore.transport import shm
-from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
-from tests.security.conftest import READ, WRITE, token_args
+from tests.integration.conftest import LAYOUT, NS, PAGE, key, page
+from tests.security.conftest import READ, WRITE
 
 HEADER = 64  # segment header bytes (kvstore.transport.shm.HEADER_BYTES)
 MAGIC = b"KVSHM001"
-
-
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[NodeProcess]:
-    n = start_node(tmp_path, name="shmsec", extra_args=token_args(tmp_path))
-    try:
-        yield n
-    finally:
-        n.close()
 
 
 @contextlib.contextmanager
@@ -58,7 +49,8 @@ def planted(paths: dict[str, str]) -> Iterator[None]:
                 p.rmdir() if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
-def test_odd_names_in_dev_shm_do_not_break_loopback_clients(node: NodeProcess) -> None:
+def test_odd_names_in_dev_shm_do_not_break_loopback_clients(secured_node: NodeProcess) -> None:
+    node = secured_node
     tag = secrets.token_hex(4)
     odd = {f"kvstore-99999999999999999999-{tag}": "file", f"kvstore--{tag}": "file", f"kvstore-0-{tag}": "file",
            f"kvstore-abc-{tag}": "file", f"kvstore-12345678901-{tag}": "dir", f"kvstore-4000000-{tag}": "link"}  # fmt: skip
@@ -83,7 +75,8 @@ def segment_file(name: str, mode: int, nonce: bytes, size: int = HEADER + 4 * PA
     return p
 
 
-def test_unusable_segments_all_get_one_reply_and_open_ones_are_refused(node: NodeProcess) -> None:
+def test_unusable_segments_all_get_one_reply_and_open_ones_are_refused(secured_node: NodeProcess) -> None:
+    node = secured_node
     tag = secrets.token_hex(6)
     nonce = secrets.token_bytes(16)
     chain = [key(0, "probe")]
