@@ -101,7 +101,7 @@ def test_the_validators_reject_a_broken_manifest() -> None:
     errors = raycluster_errors(bad)
     assert any("replica" in e for e in errors) and any("num-cpus" in e for e in errors)
     (sm,) = by_kind(docs, "ServiceMonitor")
-    (cert,) = by_kind(docs, "Certificate")
+    (cert,) = by_kind(docs, "Certificate", "-node")
     sm, cert = copy.deepcopy(sm), copy.deepcopy(cert)
     sm["spec"]["endpoints"][0]["port"] = 9400  # a port *name* is a string
     cert["spec"]["privateKey"]["algorithm"] = "DSA"
