@@ -146,6 +146,10 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError("tls.enabled is true but neither tls.secretName nor tls.certManager.enabled is set")
         if tls["certManager"]["enabled"] and not tls["certManager"]["issuerRef"]["name"]:
             raise ValueError("tls.certManager.issuerRef.name is empty")
+        rtls = v["redis"]["tls"]
+        if v["redis"]["enabled"] and rtls["enabled"] and not tls["certManager"]["enabled"] and not rtls["secretName"]:
+            raise ValueError("redis.tls.secretName is empty: with tls.secretName, give Redis a Secret for its "
+                             "Service name, or set redis.tls.enabled: false")  # fmt: skip
     elif tls["mutual"]:
         raise ValueError("tls.mutual is true but tls.enabled is false: mutual TLS runs over TLS")
     elif v["auth"]["enabled"] and not v["auth"].get("allowPlaintextTokens"):

@@ -232,6 +232,56 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
         proc.wait(10)
 
 
+def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> None:
+    """production.yaml: Redis gets its own certificate, closes its plaintext port, and every pod's
+    KVSTORE_REDIS_URL is rediss:// with the CA; the rendered TLS config runs on a real redis-server."""
+    import redis
+
+    from devkit.pki import make_dev_pki
+    from kvstore.launch import free_port
+
+    docs = render([ROOT / "deploy" / "values" / "production.yaml"])
+    (cert,) = by_kind(docs, "Certificate", "-redis")
+    assert "kv-kvstore-redis" in cert["spec"]["dnsNames"] and cert["spec"]["usages"][0] == "server auth"
+    urls = {e["value"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
+            for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
+    assert urls and all(u.startswith("rediss://") and u.endswith("?ssl_ca_certs=/etc/kvstore/tls/ca.crt") for u in urls)
+    (cm,) = by_kind(docs, "ConfigMap", "-redis")
+    pki = make_dev_pki(tmp_path / "pki")
+    tls_dir = tmp_path / "redis-tls"
+    tls_dir.mkdir()
+    for src, name in ((pki.node_cert, "tls.crt"), (pki.node_key, "tls.key"), (pki.ca, "ca.crt")):
+        (tls_dir / name).write_bytes(src.read_bytes())
+    port = free_port()
+    text = cm["data"]["redis.conf"].replace("include /run/redis/auth.conf", "requirepass admin-password-0123456789")
+    text = text.replace("/run/redis-tls", str(tls_dir)).replace("dir /data", f"dir {tmp_path}")
+    text = re.sub(r"^tls-port \d+$", f"tls-port {port}", text.replace("bind 0.0.0.0", "bind 127.0.0.1"), flags=re.M)
+    assert "port 0" in text.splitlines()
+    conf = tmp_path / "redis.conf"
+    conf.write_text(text)
+    proc = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        url = f"rediss://:admin-password-0123456789@localhost:{port}/0?ssl_ca_certs={pki.ca}"
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        for _ in range(100):
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server refused the rendered TLS config"
+                time.sleep(0.05)
+        assert client.ping()
+        with pytest.raises(redis.ConnectionError):  # plaintext on the TLS port: no answer
+            redis.Redis(port=port, password="admin-password-0123456789", socket_timeout=2).ping()
+        other = f"rediss://:admin-password-0123456789@localhost:{port}/0?ssl_ca_certs={pki.other_ca}"
+        with pytest.raises(redis.ConnectionError):  # a client trusting another CA refuses this server
+            redis.Redis.from_url(other, socket_timeout=2).ping()
+        client.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_chart_acl_rules_are_the_ones_kvstore_up_applies() -> None:
     """One source of truth: the chart's users carry exactly kvstore.index.acl's rules (shared node user)."""
     from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, SHARED_NODE_USER, node_rules
@@ -345,7 +395,7 @@ def test_tls_profile_probes_through_kvctl_health_and_mounts_the_certificate() ->
     env = container_env(node)
     assert env["KVSTORE_TLS_SERVER_NAME"] == "kv-kvstore-node.kvs.svc" and env["KVSTORE_TLS_CERT"]
     assert {"--tls-cert=/etc/kvstore/tls/tls.crt", "--tls-client-ca=/etc/kvstore/tls/ca.crt"} <= set(node["args"])
-    cert, client_cert = by_kind(docs, "Certificate")
+    (cert,), (client_cert,) = by_kind(docs, "Certificate", "-node"), by_kind(docs, "Certificate", "-client")
     tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
     assert tls_volume["secret"]["secretName"] == cert["spec"]["secretName"]
     assert "kv-kvstore-node.kvs.svc" in cert["spec"]["dnsNames"]

@@ -111,6 +111,18 @@ YAML arrives as a float64 and is taken as bytes.
 {{- .Values.tls.secretName -}}
 {{- end -}}
 {{- end -}}
+{{/* "true" when the chart's Redis serves TLS: with tls.enabled unless redis.tls.enabled is false. */}}
+{{- define "kvstore.redisTls" -}}
+{{- if and .Values.redis.enabled .Values.tls.enabled .Values.redis.tls.enabled -}}true{{- end -}}
+{{- end -}}
+{{- define "kvstore.redisTlsSecret" -}}
+{{- if .Values.tls.certManager.enabled -}}
+{{- printf "%s-redis-tls" (include "kvstore.fullname" .) -}}
+{{- else -}}
+{{- .Values.redis.tls.secretName -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The client certificate of mutual TLS: cert-manager's own, or tls.clientSecretName (default: the node's). */}}
 {{- define "kvstore.tlsClientSecret" -}}
 {{- if .Values.tls.certManager.enabled -}}
@@ -165,6 +177,9 @@ router, kvctl: the read-only user); `kvstore.redisNodeEnv` for cache nodes (the 
 {{- define "kvstore.redisUrlEnv" -}}
 {{- $v := .ctx.Values -}}
 {{- if $v.redis.enabled }}
+{{- /* With TLS, the CA every client mounts with the cache plane's (kvstore.clientVolumes, node.yaml). */ -}}
+{{- $scheme := ternary "rediss" "redis" (eq (include "kvstore.redisTls" .ctx) "true") }}
+{{- $query := ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" (eq (include "kvstore.redisTls" .ctx) "true") }}
 {{- if $v.redis.auth.enabled }}
 - name: REDIS_USER_PASSWORD
   valueFrom:
@@ -172,10 +187,10 @@ router, kvctl: the read-only user); `kvstore.redisNodeEnv` for cache nodes (the 
       name: {{ include "kvstore.redisSecret" .ctx }}
       key: {{ .key }}
 - name: KVSTORE_REDIS_URL
-  value: "redis://{{ .user }}:$(REDIS_USER_PASSWORD)@{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/0"
+  value: "{{ $scheme }}://{{ .user }}:$(REDIS_USER_PASSWORD)@{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/0{{ $query }}"
 {{- else }}
 - name: KVSTORE_REDIS_URL
-  value: "redis://{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/0"
+  value: "{{ $scheme }}://{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/0{{ $query }}"
 {{- end }}
 {{- else if $v.redis.external.existingSecret }}
 - name: KVSTORE_REDIS_URL
