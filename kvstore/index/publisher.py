@@ -221,8 +221,10 @@ class IndexPublisher:
         self._oldest_pending = None
         self._need_resync = False
         try:
-            # Nodes load the lookup script: read-only clients may only run it (EVALSHA), see acl.py.
-            await self._redis.script_load(LOOKUP_SCRIPT)
+            # Nodes load the lookup script: read-only clients may only run it (EVALSHA), see acl.py. An
+            # operator's Redis user without SCRIPT LOAD leaves that to clients allowed to load it.
+            with contextlib.suppress(redis.exceptions.NoPermissionError):
+                await self._redis.script_load(LOOKUP_SCRIPT)
             epoch = int(await self._redis.incr(epoch_key(self.node_id)))
             snapshot = list(self._holdings())
             for start in range(0, len(snapshot), self.batch):
