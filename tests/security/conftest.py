@@ -3,6 +3,7 @@ what it is sent, and RSS readings. Every process or server a test starts is stop
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,14 @@ def wait_for(cond: Callable[[], Any], timeout: float = 20.0, what: str = "condit
             return got
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def cleanup() -> Iterator[contextlib.ExitStack]:
+    """Register what a test starts (`cleanup.callback(x.close)`) right after starting it: all of it is
+    stopped at teardown even when the test fails half-way."""
+    with contextlib.ExitStack() as stack:
+        yield stack
 
 
 @pytest.fixture

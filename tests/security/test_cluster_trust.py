@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -48,84 +49,78 @@ def holder(tmp_path: Path, url: str, name: str, chain: list[bytes], extra: list[
            **tls: str) -> NodeProcess:  # fmt: skip
     """A real node holding `chain`, registered in the index."""
     node = start_node(tmp_path, name=name, redis_url=url, extra_args=[*extra, "--index-ttl", "30"])
-    sec = ClientSecurity(token=token, **tls)
-    with KVStoreClient(node.addr, timeout=10, security=sec) as kv:
-        kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
-    with redis.Redis.from_url(url) as r:
-        wait_for(lambda: all(name.encode() in r.hgetall(block_key(NS, h)) for h in chain), what="index entries")
+    try:
+        sec = ClientSecurity(token=token, **tls)
+        with KVStoreClient(node.addr, timeout=10, security=sec) as kv:
+            kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
+        with redis.Redis.from_url(url) as r:
+            wait_for(lambda: all(name.encode() in r.hgetall(block_key(NS, h)) for h in chain), what="index entries")
+    except BaseException:
+        node.close()
+        raise
     return node
 
 
-def test_no_token_in_clear_to_an_address_read_from_the_index(tmp_path: Path, index: RedisProcess) -> None:
+def test_no_token_in_clear_to_an_address_read_from_the_index(tmp_path: Path, index: RedisProcess,
+                                                              cleanup: ExitStack) -> None:  # fmt: skip
     chain = [key(i, "leak") for i in range(3)]
     node = holder(tmp_path, index.url, "n0", chain, token_args(tmp_path), token=WRITE)
+    cleanup.callback(node.close)
     fake = FakeNode("unimplemented")
+    cleanup.callback(fake.stop)
+    register_fake(index.url, "evil", fake.addr, chain)
+    refused: Exception | None = None
     try:
-        register_fake(index.url, "evil", fake.addr, chain)
-        refused: Exception | None = None
-        try:
-            with ClusterClient(index.url, timeout=10, security=ClientSecurity(token=READ)) as cc:
-                cc.get_pages(NS, chain)
-        except Exception as exc:
-            refused = exc
-        assert fake.tokens_seen() == []
-        # Refused before anything was sent (kvstore.security.InsecureChannel), saying how to proceed.
-        assert isinstance(refused, ValueError) and "KVSTORE_ALLOW_PLAINTEXT_TOKEN" in str(refused)
-        # The explicit opt-in for a trusted network works against the real node.
-        sec = ClientSecurity(token=READ, allow_plaintext_token=True)
-        with KVStoreClient(node.addr, timeout=10, security=sec) as kv:
-            assert kv.lookup(NS, chain) == 3
-    finally:
-        fake.stop()
-        node.close()
+        with ClusterClient(index.url, timeout=10, security=ClientSecurity(token=READ)) as cc:
+            cc.get_pages(NS, chain)
+    except Exception as exc:  # whatever happened, the token must not have left
+        refused = exc
+    assert fake.tokens_seen() == []
+    # Refused before anything was sent (kvstore.security.InsecureChannel), saying how to proceed.
+    assert isinstance(refused, ValueError) and "KVSTORE_ALLOW_PLAINTEXT_TOKEN" in str(refused)
+    # The explicit opt-in for a trusted network works against the real node.
+    with KVStoreClient(node.addr, timeout=10, security=ClientSecurity(token=READ, allow_plaintext_token=True)) as kv:
+        assert kv.lookup(NS, chain) == 3
 
 
 def test_over_tls_only_the_node_named_in_the_index_gets_the_token(tmp_path: Path, index: RedisProcess,
-                                                                   pki: DevPki) -> None:  # fmt: skip
+                                                                   pki: DevPki, cleanup: ExitStack) -> None:  # fmt: skip
     chain = [key(i, "tls-trust") for i in range(3)]
     cert, pkey = pki.node_certs["n0"]
     tls = ["--tls-cert", str(cert), "--tls-key", str(pkey)]
     node = holder(tmp_path, index.url, "n0", chain, tls + token_args(tmp_path), token=WRITE,
                   ca_file=str(pki.ca), server_name="n0")  # fmt: skip
+    cleanup.callback(node.close)
     n1_cert, n1_key = pki.node_certs["n1"]
     rogue_cert, rogue_key = pki.rogue  # type: ignore[misc]
     # One impostor holds a certificate of the right CA but for another node; one a look-alike from another CA.
-    impostors = {
-        "evil": FakeNode("wrong-hash", grpc.ssl_server_credentials([(n1_key.read_bytes(), n1_cert.read_bytes())])),
-        "evil2": FakeNode("wrong-hash", grpc.ssl_server_credentials([(rogue_key.read_bytes(), rogue_cert.read_bytes())])),
-    }  # fmt: skip
-    try:
-        for name, fake in impostors.items():
-            register_fake(index.url, name, fake.addr, chain)
-        with ClusterClient(index.url, timeout=10, security=ClientSecurity(token=READ, ca_file=str(pki.ca))) as cc:
-            assert set(cc.lookup(NS, chain).holders[0]) == {"n0", "evil", "evil2"}
-            got = cc.get_pages(NS, chain)
-        assert [bytes(p.data) for p in got] == [page(h) for h in chain]  # from n0, verified as n0
-        assert all(f.calls == [] for f in impostors.values())  # no TLS handshake succeeded: nothing was sent
-    finally:
-        for fake in impostors.values():
-            fake.stop()
-        node.close()
+    impostors = {}
+    for name, (crt, k) in (("evil", (n1_cert, n1_key)), ("evil2", (rogue_cert, rogue_key))):
+        impostors[name] = fake = FakeNode("wrong-hash", grpc.ssl_server_credentials([(k.read_bytes(), crt.read_bytes())]))
+        cleanup.callback(fake.stop)
+        register_fake(index.url, name, fake.addr, chain)
+    with ClusterClient(index.url, timeout=10, security=ClientSecurity(token=READ, ca_file=str(pki.ca))) as cc:
+        assert set(cc.lookup(NS, chain).holders[0]) == {"n0", "evil", "evil2"}
+        got = cc.get_pages(NS, chain)
+    assert [bytes(p.data) for p in got] == [page(h) for h in chain]  # from n0, verified as n0
+    assert all(f.calls == [] for f in impostors.values())  # no TLS handshake succeeded: nothing was sent
 
 
 @pytest.mark.parametrize("mode", ["unimplemented", "garbage", "wrong-hash"])
 def test_a_misbehaving_node_is_a_miss_never_an_error(tmp_path: Path, index: RedisProcess, mode: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+                                                     monkeypatch: pytest.MonkeyPatch, cleanup: ExitStack) -> None:  # fmt: skip
     monkeypatch.setenv("KVSTORE_TRANSPORT", "auto" if mode != "wrong-hash" else "grpc")
     chain = [key(i, f"bad-{mode}") for i in range(3)]
     only_fake = [key(i, f"fake-only-{mode}") for i in range(2)]
-    node = holder(tmp_path, index.url, "n0", chain, [])
+    cleanup.callback(holder(tmp_path, index.url, "n0", chain, []).close)
     fake = FakeNode(mode)
-    try:
-        register_fake(index.url, "evil", fake.addr, chain + only_fake)
-        with ClusterClient(index.url, timeout=10, security=ClientSecurity()) as cc:
-            got = cc.get_pages(NS, chain)
-            assert [bytes(p.data) for p in got] == [page(h) for h in chain]  # the fake failed: n0 served
-            assert cc.get_pages(NS, only_fake) == []  # nobody else holds these: a miss
-        assert fake.calls, "the fake node was never asked (the test proves nothing)"
-    finally:
-        fake.stop()
-        node.close()
+    cleanup.callback(fake.stop)
+    register_fake(index.url, "evil", fake.addr, chain + only_fake)
+    with ClusterClient(index.url, timeout=10, security=ClientSecurity()) as cc:
+        got = cc.get_pages(NS, chain)
+        assert [bytes(p.data) for p in got] == [page(h) for h in chain]  # the fake failed: n0 served
+        assert cc.get_pages(NS, only_fake) == []  # nobody else holds these: a miss
+    assert fake.calls, "the fake node was never asked (the test proves nothing)"
 
 
 def test_kvstore_up_runs_redis_with_a_password_and_read_only_clients(tmp_path: Path) -> None:
@@ -158,23 +153,21 @@ def test_kvstore_up_runs_redis_with_a_password_and_read_only_clients(tmp_path: P
         terminate(proc, 60.0)
 
 
-def test_a_node_user_writes_only_its_own_records(tmp_path: Path) -> None:
+def test_a_node_user_writes_only_its_own_records(tmp_path: Path, cleanup: ExitStack) -> None:
     from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
 
     users = {CLIENT_USER: ("c" * 24, CLIENT_RULES), **{node_user(n): (n * 12, node_rules(n)) for n in ("n0", "n1")}}
     r = RedisProcess(password="admin-" + "a" * 20, users=users).start()
+    cleanup.callback(r.close)
     chain = [key(i, "acl") for i in range(2)]
-    node = holder(tmp_path, r.url_for(node_user("n0")), "n0", chain, [])  # a real node publishes as itself
-    try:
-        with ClusterClient(r.url_for(CLIENT_USER), timeout=10, security=ClientSecurity()) as cc:
-            assert [bytes(p.data) for p in cc.get_pages(NS, chain)] == [page(h) for h in chain]
-        n1 = redis.Redis.from_url(r.url_for(node_user("n1")), socket_timeout=5)
-        for write in (lambda: n1.set(alive_key("n0"), "1"), lambda: n1.hset(node_key("n0"), "addr", "127.0.0.1:1"),
-                      lambda: n1.delete(block_key(NS, chain[0])), lambda: n1.srem(NODES_KEY, "n0"),
-                      n1.flushall, lambda: n1.config_set("protected-mode", "no")):  # fmt: skip
-            with pytest.raises(redis.exceptions.NoPermissionError):
-                write()
-        n1.close()
-    finally:
-        node.close()
-        r.close()
+    # A real node publishes as itself, a client reads as the read-only user.
+    cleanup.callback(holder(tmp_path, r.url_for(node_user("n0")), "n0", chain, []).close)
+    with ClusterClient(r.url_for(CLIENT_USER), timeout=10, security=ClientSecurity()) as cc:
+        assert [bytes(p.data) for p in cc.get_pages(NS, chain)] == [page(h) for h in chain]
+    n1 = redis.Redis.from_url(r.url_for(node_user("n1")), socket_timeout=5)
+    cleanup.callback(n1.close)
+    for write in (lambda: n1.set(alive_key("n0"), "1"), lambda: n1.hset(node_key("n0"), "addr", "127.0.0.1:1"),
+                  lambda: n1.delete(block_key(NS, chain[0])), lambda: n1.srem(NODES_KEY, "n0"),
+                  n1.flushall, lambda: n1.config_set("protected-mode", "no")):  # fmt: skip
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            write()

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -49,23 +50,21 @@ def test_read_tokens_never_move_pages_so_reading_never_evicts(tmp_path: Path) ->
         node.close()
 
 
-def test_metrics_carry_no_namespace_key_token_or_credential(tmp_path: Path) -> None:
+def test_metrics_carry_no_namespace_key_token_or_credential(tmp_path: Path, cleanup: ExitStack) -> None:
     password = "redis-" + "q" * 24
     secret_ns = "tenant-acme/llama-secret-finetune"
     redis = RedisProcess(password=password).start()
+    cleanup.callback(redis.close)
     node = start_node(tmp_path, name="met", redis_url=redis.url,
                       extra_args=[*token_args(tmp_path), "--metrics-port", "0"])  # fmt: skip
-    try:
-        chain = [key(i, "met") for i in range(3)]
-        with KVStoreClient(node.addr, timeout=30, security=ClientSecurity(token=WRITE)) as kv:
-            kv.put(secret_ns, LAYOUT, chain, [page(h) for h in chain])
-            kv.get(secret_ns, chain)
-            wait_for(lambda: kv.stats().index.connected, what="index link")  # type: ignore[union-attr]
-        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as r:
-            text = r.read().decode()
-        assert "kvstore_tier_hits_total" in text  # it is the real endpoint
-        for secret in (secret_ns, "tenant-acme", chain[0].hex(), chain[0].hex()[:16], WRITE, READ, password):
-            assert secret not in text, secret
-    finally:
-        node.close()
-        redis.close()
+    cleanup.callback(node.close)
+    chain = [key(i, "met") for i in range(3)]
+    with KVStoreClient(node.addr, timeout=30, security=ClientSecurity(token=WRITE)) as kv:
+        kv.put(secret_ns, LAYOUT, chain, [page(h) for h in chain])
+        kv.get(secret_ns, chain)
+        wait_for(lambda: kv.stats().index.connected, what="index link")  # type: ignore[union-attr]
+    with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert "kvstore_tier_hits_total" in text  # it is the real endpoint
+    for secret in (secret_ns, "tenant-acme", chain[0].hex(), chain[0].hex()[:16], WRITE, READ, password):
+        assert secret not in text, secret

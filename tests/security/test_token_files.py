@@ -59,7 +59,7 @@ def test_a_token_file_other_users_can_read_is_refused_at_start(tmp_path: Path) -
     args = token_args(tmp_path)
     (tmp_path / "read.tokens").chmod(0o644)
     with pytest.raises(RuntimeError) as err:
-        start_node(tmp_path, name="open", extra_args=args)
+        start_node(tmp_path, name="open", extra_args=args).close()  # only if it started: the bug
     message = " ".join(str(err.value).split())  # the CLI wraps long lines
     assert "read.tokens: accessible to every user (mode 0644)" in message and "chmod 600" in message
     (tmp_path / "read.tokens").chmod(0o640)  # group-readable is fine for the node's own group (fsGroup)
