@@ -39,8 +39,11 @@ os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
-from machine import machine_line, save_results
-from shm_bench import memcpy_gbs  # the machine's own limit, measured the same way in every benchmark
+from machine import (
+    machine_line,
+    memcpy_gbs,  # the machine's own limit, measured the same way in every benchmark
+    save_results,
+)
 
 from kvstore.launch import NodeProcess, free_port
 from kvstore.pageformat import slot_bytes_for

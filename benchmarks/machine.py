@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 
@@ -35,3 +36,14 @@ def save_results(out: Path, name: str, text: str, args: object, **payload: objec
     (out / f"{name}.md").write_text(text + "\n")
     doc = {"args": {k: str(v) for k, v in vars(args).items()}, **payload}
     (out / f"{name}.json").write_text(json.dumps(doc, indent=2))
+
+
+def memcpy_gbs(nbytes: int, reps: int) -> float:
+    """The machine's own limit for moving `nbytes`: best of `reps` copies between two buffers, GB/s (1e9)."""
+    src, dst = bytearray(b"\x5a" * nbytes), bytearray(nbytes)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst[:] = src
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         pki = make_dev_pki(Path(tmp) / "pki")
         tokens = Path(tmp) / "rw.tokens"
         tokens.write_text(TOKEN + "\n")
+        tokens.chmod(0o600)  # a node refuses token files other users can read
         node_args = {
             "plain": [],
             "metrics": ["--metrics-port", "0"],

@@ -24,8 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from machine import machine_line, save_results
-from shm_bench import memcpy_gbs
+from machine import machine_line, memcpy_gbs, save_results
 
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError

@@ -2,7 +2,9 @@
 
 `make_dev_pki(dir)` writes a CA, a node certificate valid for localhost / 127.0.0.1 (plus any names
 given), a client certificate, and a second, unrelated CA (to show what a wrong trust root does), all
-PEM, EC P-256, valid for `days`. Never use these in production: the CA key sits next to the certs.
+PEM, EC P-256, valid for `days`. With `node_ids`, also one certificate per node naming only that node
+id (`node_certs[id]`: how a client checks it reached the node the index sent it to), and a "rogue"
+certificate for those ids, localhost and 127.0.0.1 signed by the unrelated CA (an impostor's). Never use these in production: the CA key sits next to the certs.
 Needs the `cryptography` package (in the dev extra).
 """
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -21,10 +23,13 @@ class DevPki:
     node_key: Path
     client_cert: Path
     client_key: Path
-    other_ca: Path  # a CA that signed nothing here
+    other_ca: Path  # a CA that signed nothing here but the rogue certificate
+    node_certs: dict[str, tuple[Path, Path]] = field(default_factory=dict)  # node id -> (cert, key)
+    rogue: tuple[Path, Path] | None = None  # (cert, key) signed by other_ca, naming every node id
 
 
-def make_dev_pki(directory: str | Path, *, hosts: tuple[str, ...] = (), days: int = 7) -> DevPki:
+def make_dev_pki(directory: str | Path, *, hosts: tuple[str, ...] = (), days: int = 7,
+                 node_ids: tuple[str, ...] = ()) -> DevPki:  # fmt: skip
     try:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
@@ -73,4 +78,13 @@ def make_dev_pki(directory: str | Path, *, hosts: tuple[str, ...] = (), days: in
     node_key, client_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
     ncrt, nkey = save("node", cert("kvstore node", node_key, "kvstore dev CA", ca_key, ca=False, san=san), node_key)
     ccrt, ckey = save("client", cert("kvstore client", client_key, "kvstore dev CA", ca_key, ca=False), client_key)
-    return DevPki(ca, ncrt, nkey, ccrt, ckey, other)
+    per_node = {}
+    for nid in node_ids:
+        k = ec.generate_private_key(ec.SECP256R1())
+        per_node[nid] = save(f"node-{nid}", cert(nid, k, "kvstore dev CA", ca_key, ca=False, san=[x509.DNSName(nid)]), k)
+    rogue = None
+    if node_ids:
+        k = ec.generate_private_key(ec.SECP256R1())
+        names: list[x509.GeneralName] = [x509.DNSName(n) for n in node_ids] + san[:2]
+        rogue = save("rogue", cert("impostor", k, "unrelated CA", other_key, ca=False, san=names), k)
+    return DevPki(ca, ncrt, nkey, ccrt, ckey, other, per_node, rogue)

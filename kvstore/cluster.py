@@ -12,6 +12,12 @@ missing block, and when every holder fails the prefix ends there: a stale entry 
 an error. After the last segment, the node that served it is asked for more of the chain directly,
 so blocks the index has not caught up with yet (updates are batched) are still found.
 
+Trust: node addresses come from Redis, which is not trusted with identities. Each node is dialled with
+`security.for_node(node_id)`: over TLS its certificate must name that node, and without TLS the token
+is only sent where the operator allowed plaintext tokens (a client refuses at construction otherwise).
+A node that cannot be verified, answers UNIMPLEMENTED, breaks the stream framing or sends pages that
+fail their checks is a miss for that segment (logged), never an error to the caller.
+
 Put placement, in this order, and why:
 1. prefix affinity: the live node holding the longest leading run of `parent_chain`. A chain kept
    on one node is fetched in one stream, and that node likely holds the shared prefix already.
@@ -36,11 +42,14 @@ from kvstore.index import ClusterLookup, IndexReader, NodeInfo
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer
 from kvstore.security import ClientSecurity
-from kvstore.wire import FetchedPage
+from kvstore.wire import FetchedPage, StreamError
 
 log = logging.getLogger(__name__)
 
 _NODE_ERRORS = (Unavailable, NamespaceNotFound, grpc.RpcError)
+# What a node that is gone, unverifiable or misbehaving (UNIMPLEMENTED, garbage, wrong pages) raises in a
+# read: each is a miss for that node's segment.
+_MISS_ERRORS = (KVStoreError, StreamError, grpc.RpcError, OSError, ValueError)
 T = TypeVar("T")
 
 
@@ -56,13 +65,14 @@ class ClusterClient:
     def __init__(self, redis_url: str, *, local_node: str | None = None, timeout: float = 60.0,
                  verify: bool = True, probe_tail: bool = True,
                  security: ClientSecurity | None = None) -> None:  # fmt: skip
-        self.index = IndexReader(redis_url)
         self.security = ClientSecurity.from_env() if security is None else security  # for every node
+        self.security.check_target(None)  # addresses come from the index: no token in clear to them
+        self.index = IndexReader(redis_url)
         self.local_node = local_node
         self.timeout = timeout
         self.verify = verify
         self.probe_tail = probe_tail
-        self._clients: dict[str, KVStoreClient] = {}
+        self._clients: dict[tuple[str, str], KVStoreClient] = {}  # (node id, address) -> client
         self._addrs: dict[str, str] = {}
 
     def __enter__(self) -> ClusterClient:
@@ -89,10 +99,11 @@ class ClusterClient:
         addr = self._addrs.get(node_id)
         if addr is None:
             raise Unavailable(f"node {node_id!r} is not live in the index")
-        client = self._clients.get(addr)
+        client = self._clients.get((node_id, addr))
         if client is None:
-            client = KVStoreClient(addr, timeout=self.timeout, verify=self.verify, security=self.security)
-            self._clients[addr] = client
+            client = KVStoreClient(addr, timeout=self.timeout, verify=self.verify,
+                                   security=self.security.for_node(node_id))  # fmt: skip
+            self._clients[(node_id, addr)] = client
         return client
 
     # -- reads
@@ -155,12 +166,16 @@ class ClusterClient:
         raise AssertionError("unreachable")
 
     def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
-        """Pages from one node; a node that is gone or errs yields [] (the caller tries elsewhere)."""
+        """Pages from one node; a node that is gone, unverifiable or misbehaving yields [] (the caller
+        tries elsewhere)."""
         try:
             return self.call_node(node, lambda c: c.get_pages(namespace, hashes))
         except _NODE_ERRORS as exc:
             log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
-            return []
+        except _MISS_ERRORS as exc:
+            log.warning("node %s misbehaved serving %d block(s), counted as a miss: %s: %s", node, len(hashes),
+                        type(exc).__name__, exc)  # fmt: skip
+        return []
 
     # -- writes
 

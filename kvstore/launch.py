@@ -37,10 +37,11 @@ class NodeProcess:
             args += ["--nvme-path", str(nvme_path), "--nvme-bytes", str(nvme_bytes)]
         if max_page_bytes is not None:
             args += ["--max-page-bytes", str(max_page_bytes)]
-        if redis_url is not None:
-            args += ["--redis-url", redis_url]
         self.args = args + (extra_args or [])
         self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
+        if redis_url is not None:
+            # The environment, not the command line: any local user can read a process's argv.
+            self.env["KVSTORE_REDIS_URL"] = redis_url
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = 0
         self.metrics_port: int | None = None  # set when started with --metrics-port
@@ -125,34 +126,45 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisProcess:
     """A private redis-server on loopback: no persistence, a free port, stopped by stop()/close().
+    Protected mode is always on. With `password` the default (administrator) user needs it; `users`
+    adds ACL users, `{name: (password, rules)}` (kvstore/index/acl.py). Both live in a 0600 config
+    file, never on a command line.
 
     `restart()` keeps the port (so clients and nodes reconnect to the same URL) and, like a real
     Redis restart without persistence, comes back empty.
     """
 
-    def __init__(self, host: str = "127.0.0.1", binary: str = "redis-server", password: str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", binary: str = "redis-server", password: str | None = None,
+                 users: dict[str, tuple[str, str]] | None = None) -> None:  # fmt: skip
         path = shutil.which(binary)
         if path is None:
             raise RuntimeError(f"{binary} not found: install Debian's redis-server (./dev setup does)")
         self.binary = path
         self.host = host
         self.port = free_port(host)
-        self.password = password  # requirepass, given in a config file (never on the command line)
+        self.password = password  # the default user's, given in a config file (never on the command line)
+        self.users = dict(users or {})
+        if self.users and not password:
+            raise ValueError("ACL users need an administrator password too (the default user would be open)")
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-redis-")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
+        """The administrator's URL (the default user)."""
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def url_for(self, user: str) -> str:
+        """The URL of one of the ACL users."""
+        return f"redis://{user}:{self.users[user][0]}@{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
         conf = Path(self._tmp.name) / "redis.conf"
         conf.touch(mode=0o600)
-        conf.write_text(f"requirepass {self.password}\n" if self.password else "")
+        conf.write_text(self._auth_conf())
         args = [self.binary, str(conf), "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly",
-                "no", "--dir", self._tmp.name, "--protected-mode", "yes" if self.password else "no",
-                "--loglevel", "warning"]  # fmt: skip
+                "no", "--dir", self._tmp.name, "--protected-mode", "yes", "--loglevel", "warning"]  # fmt: skip
         log = open(Path(self._tmp.name) / "redis.log", "ab")  # noqa: SIM115 - owned by the process lifetime
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -173,6 +185,14 @@ class RedisProcess:
                 time.sleep(_POLL_SECONDS)
         self.stop()
         raise TimeoutError(f"redis-server not answering on {self.host}:{self.port} after {timeout}s")
+
+    def _auth_conf(self) -> str:
+        from kvstore.index.acl import acl_line, admin_line
+
+        if not self.password:
+            return ""
+        lines = [admin_line(self.password)] + [acl_line(u, pw, rules) for u, (pw, rules) in self.users.items()]
+        return "\n".join(lines) + "\n"
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is None:

@@ -3,9 +3,11 @@
 Server side (`NodeConfig`): `tls_cert_file` + `tls_key_file` turn on TLS; `tls_client_ca_file`
 also requires every client to present a certificate signed by that CA (mTLS). `auth_tokens_file`
 holds the tokens that may do everything; `auth_read_tokens_file` the tokens that may only read
-(Lookup, Get, GetShm, Prefetch, Stats). A token file has one token per line (blank lines and `#` comments
-ignored), so a rotation is: add the new token, roll clients, remove the old one; files are re-read
-when they change (checked at most once a second), with no restart.
+(Lookup, Get, GetShm, Stats) and never change where pages live: their Gets are served without
+promotion, and Prefetch or Lookup with prefetch need a read-write token. A token file has one
+token per line (blank lines and `#` comments ignored), so a rotation is: add the new token, roll
+clients, remove the old one; files are re-read when they change (checked at most once a second), with
+no restart.
 
 Client side (`ClientSecurity`): a token and/or the TLS material; `ClientSecurity.from_env()` reads
 KVSTORE_TOKEN or KVSTORE_TOKEN_FILE, KVSTORE_TLS_CA, KVSTORE_TLS_CERT, KVSTORE_TLS_KEY and
@@ -13,29 +15,52 @@ KVSTORE_TLS_SERVER_NAME, which is how kvctl, the cluster client and the workers 
 flags. The token travels as `authorization: Bearer <token>` metadata on every call.
 
 Status codes (DESIGN.md §8): no token or an unknown one -> UNAUTHENTICATED; a read token on a write
-method -> PERMISSION_DENIED; nothing is changed in either case. The grpc health service stays open
-(load balancers and kubelets probe it without credentials); reflection is only served when no tokens
-are configured. Tokens compare in constant time.
+method -> PERMISSION_DENIED; nothing is changed in either case, and the request is not even read
+(kvstore/admission.py). The grpc health service stays open (load balancers and kubelets probe it
+without credentials); reflection is only served when no tokens are configured. Tokens compare in
+constant time.
+
+Token files fail closed: a file that is removed, emptied, made unreadable or invalid, or readable by
+other users revokes every token of its role until it is fixed; a file readable by others (or by a
+group other than the node's own, e.g. mode 0644) is refused at start with a message saying so.
+
+Where a client may send its token (`ClientSecurity.check_target`): over TLS anywhere (the node's
+certificate is checked; for an address read from the index, it must name the node id, see
+`for_node`); without TLS only to a loopback address the caller gave itself, unless the operator opted
+in with KVSTORE_ALLOW_PLAINTEXT_TOKEN=1 (a trusted network, SECURITY.md). Credentials in URLs never
+leave the process nor reach a log: `redact_url`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import hashlib
 import hmac
+import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import grpc
 
 from kvstore.errors import PermissionDenied, Unauthenticated
+from kvstore.transport.planes import is_loopback
+
+log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
-WRITE_METHODS = frozenset({"Put", "PutShm", "Delete", "Pin", "Unpin"})  # change what a node holds
+# Change what a node holds or where (Prefetch promotes, which on a full node drops the coldest page).
+WRITE_METHODS = frozenset({"Put", "PutShm", "Delete", "Pin", "Unpin", "Prefetch"})
 RELOAD_EVERY_S = 1.0
+
+
+_SECRET_QUERY_KEYS = ("pass", "token", "secret", "key")  # query parameters whose values are redacted
 
 
 class Role(enum.IntEnum):
@@ -43,11 +68,58 @@ class Role(enum.IntEnum):
     WRITE = 2  # includes read
 
 
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a call is: its role and a stable, non-secret subject ("token:<16 hex of SHA-256>"), the
+    handle a tenant (DESIGN.md §10) can later be bound to, as an mTLS subject can."""
+
+    role: Role
+    subject: str
+
+
+class InsecureChannel(ValueError):
+    """A client would send its token where it cannot verify who receives it (see check_target)."""
+
+
+def redact_url(url: str) -> str:
+    """`url` fit for a log, a Stats reply or a terminal: the password of its userinfo and the values of
+    password-like query parameters replaced by ***; the user name, host, port and path kept."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if colon else f"***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs],
+                          safe="*/:")  # fmt: skip
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def check_private(path: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Raise ValueError unless only this user (and at most the process's own group, as Kubernetes'
+    fsGroup gives Secret volumes) may access the file: a token readable by others is no secret."""
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
+        who = "every user" if mode & 0o007 else f"group {st.st_gid}"
+        raise ValueError(f"{path}: accessible to {who} (mode {mode:04o}); a token file must be private "
+                         f"to the user that reads it: chmod 600 {path}")  # fmt: skip
+
+
 def read_token_file(path: str | os.PathLike[str]) -> list[str]:
-    """Tokens in a file: one per line, blank lines and # comments skipped. Raises ValueError when a
-    token is too short to be a secret (< 16 characters) or the file holds none."""
+    """Tokens in a file: one per line, blank lines and # comments skipped. Raises ValueError when the
+    file is accessible to other users (check_private), a token is too short to be a secret (< 16
+    characters) or the file holds none."""
+    with open(path, "rb") as f:
+        check_private(path, os.fstat(f.fileno()))
+        text = f.read().decode()
     tokens = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         tok = line.strip()
         if not tok or tok.startswith("#"):
             continue
@@ -60,15 +132,16 @@ def read_token_file(path: str | os.PathLike[str]) -> list[str]:
 
 
 class TokenAuthenticator:
-    """Maps a call's metadata to a Role, or raises Unauthenticated. Thread-safe; re-reads its token
-    files when their mtime changes (at most once per RELOAD_EVERY_S). A file that turns unreadable or
-    invalid keeps the last good tokens (and the error is reported by `last_error`)."""
+    """Maps a call's metadata to a Principal, or raises Unauthenticated. Thread-safe; re-reads its token
+    files when they change (checked at most once per RELOAD_EVERY_S). Fails closed: a file that is
+    gone, empty, unreadable, invalid or accessible to others revokes every token of its role until it
+    is fixed (the error is logged once and kept in `last_error`)."""
 
     def __init__(self, write_file: str | None, read_file: str | None) -> None:
         if not write_file and not read_file:
             raise ValueError("TokenAuthenticator needs at least one token file")
         self._files = {Role.WRITE: write_file, Role.READ: read_file}
-        self._mtimes: dict[Role, float] = {}
+        self._seen: dict[Role, tuple[int, ...] | None] = {}  # what each file was when last read (None: failed)
         self._tokens: dict[Role, list[bytes]] = {Role.WRITE: [], Role.READ: []}
         self._lock = threading.Lock()
         self._checked = 0.0
@@ -80,19 +153,24 @@ class TokenAuthenticator:
             if not path:
                 continue
             try:
-                mtime = os.stat(path).st_mtime_ns
-                if not force and self._mtimes.get(role) == mtime:
+                st = os.stat(path)
+                seen = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_gid)
+                if not force and self._seen.get(role) == seen:
                     continue
                 tokens = [t.encode() for t in read_token_file(path)]
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, UnicodeDecodeError) as exc:
                 if force:
                     raise ValueError(f"auth token file for {role.name.lower()} access: {exc}") from exc
+                if self._seen.get(role) is not None:
+                    log.error("auth token file %s: %s; every %s token is revoked until the file is fixed",
+                              path, exc, role.name.lower())  # fmt: skip
+                self._tokens[role], self._seen[role] = [], None
                 self.last_error = str(exc)
                 continue
-            self._tokens[role], self._mtimes[role] = tokens, mtime
+            self._tokens[role], self._seen[role] = tokens, seen
             self.last_error = None
 
-    def role_of(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Role:
+    def identify(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:
         now = time.monotonic()
         if now - self._checked >= RELOAD_EVERY_S:
             with self._lock:
@@ -111,13 +189,17 @@ class TokenAuthenticator:
                     role = r
         if role is None:
             raise Unauthenticated("unknown token")
-        return role
+        return Principal(role, "token:" + hashlib.sha256(presented).hexdigest()[:16])
 
-    def check(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> None:
-        """Raise unless the call's token allows `method` (the short RPC name, e.g. "Put")."""
-        role = self.role_of(metadata)
-        if method in WRITE_METHODS and role < Role.WRITE:
+    def role_of(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Role:
+        return self.identify(metadata).role
+
+    def check(self, method: str, metadata: Sequence[tuple[str, str | bytes]] | None) -> Principal:
+        """The caller, unless its token does not allow `method` (the short RPC name, e.g. "Put")."""
+        who = self.identify(metadata)
+        if method in WRITE_METHODS and who.role < Role.WRITE:
             raise PermissionDenied(f"{method} needs a read-write token; this token may only read")
+        return who
 
 
 def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:
@@ -139,13 +221,19 @@ def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None
 
 @dataclass(frozen=True, slots=True)
 class ClientSecurity:
-    """What a client presents: a bearer token and/or TLS (roots, optional client certificate)."""
+    """What a client presents: a bearer token and/or TLS (roots, optional client certificate), and
+    where it may present them (check_target)."""
 
     token: str | None = None
     ca_file: str | None = None  # PEM roots that signed the node certificates; set -> TLS
     cert_file: str | None = None  # client certificate (mTLS), with key_file
     key_file: str | None = None
-    server_name: str | None = None  # name to check in the node certificate instead of the target host
+    # The name to check in a node's certificate instead of the target host. For nodes found in the
+    # index it may hold "{node_id}" (per-node certificates); without it every node must carry this one
+    # name (one certificate shared by the cluster's nodes); unset, the node id itself.
+    server_name: str | None = None
+    allow_plaintext_token: bool = False  # send the token without TLS anywhere: a trusted network only
+    node_id: str | None = None  # set by for_node(): the channel goes to this node, at an index address
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
@@ -159,19 +247,55 @@ class ClientSecurity:
         token = env.get("KVSTORE_TOKEN") or None
         if token is None and env.get("KVSTORE_TOKEN_FILE"):
             token = read_token_file(env["KVSTORE_TOKEN_FILE"])[0]
+        plaintext = env.get("KVSTORE_ALLOW_PLAINTEXT_TOKEN", "").strip().lower() in {"1", "true", "yes", "on"}
         return cls(token=token, ca_file=env.get("KVSTORE_TLS_CA") or None,
                    cert_file=env.get("KVSTORE_TLS_CERT") or None, key_file=env.get("KVSTORE_TLS_KEY") or None,
-                   server_name=env.get("KVSTORE_TLS_SERVER_NAME") or None)  # fmt: skip
+                   server_name=env.get("KVSTORE_TLS_SERVER_NAME") or None,
+                   allow_plaintext_token=plaintext)  # fmt: skip
 
     @property
     def tls(self) -> bool:
         return self.ca_file is not None
 
+    def for_node(self, node_id: str) -> ClientSecurity:
+        """The security of a channel to `node_id` at an address read from the index. The index is not
+        trusted with identities: over TLS the node's certificate must name the node (server_name with
+        "{node_id}" filled in, the shared node name, or the node id); without TLS the token goes only
+        where the operator allowed plaintext tokens (check_target)."""
+        return dataclasses.replace(self, node_id=node_id)
+
+    def expected_name(self) -> str | None:
+        """The name a node's certificate must carry on this channel; None: the target's host."""
+        if self.node_id is None:
+            return None if self.server_name is None or "{node_id}" in self.server_name else self.server_name
+        if self.server_name is None:
+            return self.node_id
+        return self.server_name.replace("{node_id}", self.node_id)
+
+    def check_target(self, target: str | None) -> None:
+        """Raise InsecureChannel unless this client may send its token to `target` (None: to addresses
+        read from the index): always over TLS, where the certificate proves who answers; without TLS
+        only to a loopback target the caller named itself, or anywhere once the operator allowed
+        plaintext tokens (allow_plaintext_token, KVSTORE_ALLOW_PLAINTEXT_TOKEN: a trusted network)."""
+        if not self.token or self.tls or self.allow_plaintext_token:
+            return
+        if self.node_id is None and target is not None and is_loopback(target):
+            return
+        where = target or "node addresses read from the index"
+        if self.node_id is not None:
+            where = f"{target} (node {self.node_id!r} as the index lists it)"
+        raise InsecureChannel(
+            f"refusing to send the token in clear to {where}: nothing proves who answers there. Use TLS "
+            "(KVSTORE_TLS_CA; node certificates naming their node ids), or on a trusted network set "
+            "KVSTORE_ALLOW_PLAINTEXT_TOKEN=1 (see SECURITY.md)"
+        )
+
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
         return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
 
     def channel_options(self) -> list[tuple[str, str]]:
-        return [("grpc.ssl_target_name_override", self.server_name)] if self.tls and self.server_name else []
+        name = self.expected_name() if self.tls else None
+        return [("grpc.ssl_target_name_override", name)] if name else []
 
     def channel_credentials(self) -> grpc.ChannelCredentials | None:
         if not self.tls:

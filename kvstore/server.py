@@ -25,15 +25,25 @@ from grpc_reflection.v1alpha import reflection
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.admission import (
+    CALLER,
+    MAX_RECEIVE_BYTES,
+    bounded,
+    check_count,
+    may_move_pages,
+    raw_unary,
+    refusal_handler,
+)
 from kvstore.config import NodeConfig
-from kvstore.errors import InvalidArgument, KVStoreError, ShmNotAvailable
+from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ShmNotAvailable
 from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
+from kvstore.manager.core import MAX_HASHES
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
 from kvstore.names import TierKind
 from kvstore.pageformat import align_up
-from kvstore.security import TokenAuthenticator, server_credentials
+from kvstore.security import Principal, TokenAuthenticator, redact_url, server_credentials
 from kvstore.stats import PlaneInfo, planes_to_json
 from kvstore.transport.planes import host_id
 from kvstore.transport.serving import NodeServices, PlaneServer, build_plane_servers
@@ -54,7 +64,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the largest request a method accepts
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
@@ -75,9 +85,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         self.observe = observe
         self.auth = auth  # when set, every KVStore call must carry a token allowed for its method
 
-    def authorize(self, method: str, context: grpc.aio.ServicerContext) -> None:
-        if self.auth is not None:
-            self.auth.check(method.rsplit("/", 1)[-1], context.invocation_metadata())
+    def authorize(self, method: str, metadata: Any) -> tuple[grpc.RpcMethodHandler | None, Principal | None]:
+        """(None, the caller) when the call's token allows `method`; else a handler refusing it that
+        never reads the request (kvstore/admission.py: authentication before any allocation sized by
+        the caller). The caller is None on a node without tokens."""
+        if self.auth is None:
+            return None, None
+        try:
+            return None, self.auth.check(method.rsplit("/", 1)[-1], metadata)
+        except KVStoreError as exc:
+            self.done(method, time.perf_counter(), exc)
+            return refusal_handler(exc), None
 
     async def intercept_service(
         self,
@@ -88,20 +106,25 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
             return handler
         method = details.method
+        refusal, caller = self.authorize(method, details.invocation_metadata)
+        if refusal is not None:
+            return refusal
+        # Requests reach the wrappers as raw bytes and are parsed there, after a per-method size check.
+        name, parse = method.rsplit("/", 1)[-1], handler.request_deserializer
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(handler.unary_unary, method, self),
-                handler.request_deserializer, handler.response_serializer,
+                _wrap_unary(raw_unary(handler.unary_unary, name, parse), method, self, caller),
+                None, handler.response_serializer,
             )  # fmt: skip
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, self),
+                _wrap_unary(handler.stream_unary, method, self, caller),
                 handler.request_deserializer, handler.response_serializer,
             )  # fmt: skip
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(handler.unary_stream, method, self),
-                handler.request_deserializer, handler.response_serializer,
+                _wrap_stream(raw_unary(handler.unary_stream, name, parse), method, self, caller),
+                None, handler.response_serializer,
             )  # fmt: skip
         return handler
 
@@ -129,11 +152,12 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor) -> Callable[..., Awaitable[Any]]:
+def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor,
+                caller: Principal | None) -> Callable[..., Awaitable[Any]]:  # fmt: skip
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
+        CALLER.set(caller)  # this call's own task context: seen by the handler only
         try:
-            icpt.authorize(method, context)
             result = await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
             icpt.done(method, started, exc)
@@ -148,12 +172,12 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInter
 
 
 def _wrap_stream(
-    fn: Callable[..., AsyncIterator[Any]], method: str, icpt: ErrorInterceptor
+    fn: Callable[..., AsyncIterator[Any]], method: str, icpt: ErrorInterceptor, caller: Principal | None
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         started = time.perf_counter()
+        CALLER.set(caller)
         try:
-            icpt.authorize(method, context)
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
@@ -176,9 +200,12 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         self.mgr = manager
         self.shm = shm  # None: the shared-memory data plane is off on this node
         self.planes = planes if planes is not None else []  # advertised in Stats (filled as planes start)
+        self.max_pages = manager.config.max_pages_per_request
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        res = self.mgr.lookup(request.namespace, list(request.hashes), prefetch=request.prefetch)
+        if request.prefetch and not may_move_pages():
+            raise PermissionDenied("Lookup with prefetch moves pages between tiers: it needs a read-write token")
+        res = self.mgr.lookup(request.namespace, bounded(request.hashes, MAX_HASHES, "hashes"), prefetch=request.prefetch)
         return pb.LookupResponse(
             matched_blocks=res.matched, tiers=[int(t) for t in res.tiers], namespace_known=res.namespace_known
         )
@@ -213,7 +240,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Responses leave serialized (see `handlers`): each chunk is copied once, from its slot."""
-        leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote)
+        leases = self.mgr.get(request.namespace, bounded(request.hashes, self.max_pages, "hashes"),
+                              promote=not request.no_promote and may_move_pages())  # fmt: skip
         try:
             async for lease in leases:
                 for msg in get_responses(lease.hash, lease.tier, lease.checksum, lease.payload):
@@ -235,6 +263,7 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             raise InvalidArgument("open", "PutShm needs `open` (namespace and layout)")
         if not request.pages:
             raise InvalidArgument("pages", "PutShm with no pages")
+        check_count(request.pages, self.max_pages, "pages")
         seg = self._segment(request.region)
         txn = None
         try:
@@ -275,8 +304,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                 seg.check(request.offset, request.size, "size")
             out = pb.GetShmResponse()
             pos, end = request.offset, request.offset + request.size
-            leases = self.mgr.get(request.namespace, list(request.hashes), promote=not request.no_promote,
-                                  into=windows or None)  # fmt: skip
+            leases = self.mgr.get(request.namespace, bounded(request.hashes, self.max_pages, "hashes"),
+                                  promote=not request.no_promote and may_move_pages(), into=windows or None)  # fmt: skip
             try:
                 async for lease in leases:
                     n = len(lease.payload)
@@ -321,22 +350,22 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
-        deleted, not_found, busy = await self.mgr.delete(request.namespace, list(request.hashes))
+        deleted, not_found, busy = await self.mgr.delete(request.namespace, bounded(request.hashes, MAX_HASHES, "hashes"))
         return pb.DeleteResponse(deleted=deleted, not_found=not_found, busy=busy)
 
     async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
-        pinned, not_found = self.mgr.pin(request.namespace, list(request.hashes), request.ttl_seconds)
+        pinned, not_found = self.mgr.pin(request.namespace, bounded(request.hashes, MAX_HASHES, "hashes"), request.ttl_seconds)
         return pb.PinResponse(pinned=pinned, not_found=not_found)
 
     async def Unpin(self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResponse:
-        unpinned, not_pinned = self.mgr.unpin(request.namespace, list(request.hashes))
+        unpinned, not_pinned = self.mgr.unpin(request.namespace, bounded(request.hashes, MAX_HASHES, "hashes"))
         return pb.UnpinResponse(unpinned=unpinned, not_pinned=not_pinned)
 
     async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
         target = tier_from_pb(request.target_tier)
         if target is TierKind.NVME:
             raise InvalidArgument("target_tier", "prefetch promotes toward DRAM or HBM, not NVMe")
-        scheduled, resident, missing = self.mgr.prefetch(request.namespace, list(request.hashes), target)
+        scheduled, resident, missing = self.mgr.prefetch(request.namespace, bounded(request.hashes, MAX_HASHES, "hashes"), target)
         return pb.PrefetchResponse(scheduled=scheduled, already_resident=resident, missing=missing)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
@@ -407,7 +436,7 @@ class Node:
             wait = self.config.index_register_wait_seconds
             if not await self.index.wait_registered(wait):
                 log.warning("index at %s not reachable within %.1fs: serving local pages only until it is",
-                            self.config.redis_url, wait)  # fmt: skip
+                            redact_url(self.config.redis_url), wait)  # fmt: skip
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(

@@ -17,6 +17,7 @@ from kvstore.errors import InvalidArgument
 from kvstore.layout import DType, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
+from kvstore.security import redact_url
 from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TierCounters, TierStats
 
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
@@ -311,7 +312,8 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         put_rejected=stats.put_rejected, version=stats.version, prefetch_used=stats.prefetch_used,
         prefetch_wasted=stats.prefetch_wasted,
         index=None if stats.index is None else pb.IndexStats(**{f.name: getattr(stats.index, f.name)
-                                                                for f in fields(IndexStatus)}),
+                                                                for f in fields(IndexStatus)
+                                                                if f.name != "url"}, url=redact_url(stats.index.url)),
         planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
         host_id=stats.host_id,
     )  # fmt: skip

@@ -102,6 +102,7 @@ def pd_demo(
     from kvstore.cli.stats import render_stats
     from kvstore.client import KVStoreClient
     from kvstore.pageformat import slot_bytes_for
+    from kvstore.security import redact_url
     from workers.runtime import LocalStack, StackConfig
     from workers.tokenizer import load_tokenizer
 
@@ -119,7 +120,8 @@ def pd_demo(
         console.rule("[bold]kvstore: disaggregated prefill/decode through the cache")
         t0 = time.perf_counter()
         with LocalStack(cfg) as stack:
-            console.print(f"up in {time.perf_counter() - t0:.1f}s: redis {stack.redis.url}, node {stack.node.addr}, "  # type: ignore[union-attr]
+            redis = redact_url(stack.redis.url)  # type: ignore[union-attr]
+            console.print(f"up in {time.perf_counter() - t0:.1f}s: redis {redis}, node {stack.node.addr}, "  # type: ignore[union-attr]
                           f"Ray with 1 prefill + 1 decode worker; namespace {stack.namespace}")  # fmt: skip
             table = Table(title="requests (greedy; random weights, so the text is noise)")
             for col in ("req", "conv", "sys", "prompt", "cached", "cached from", "TTFT ms", "compute", "fetch"):

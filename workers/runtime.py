@@ -16,6 +16,7 @@ from pathlib import Path
 
 import ray
 
+from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
 from kvstore.launch import NodeProcess, RedisProcess
 from workers.actors import DecodeWorker, PrefillWorker, RequestResult, Router
 from workers.serving import WorkerConfig, namespace_for
@@ -66,11 +67,16 @@ class LocalStack:
 
     def _start(self, cfg: StackConfig, run: Path) -> None:
         self.namespace = namespace_for(cfg.model_dir, cfg.dtype)
-        self.redis = RedisProcess().start()
+        # Redis with a password and ACL users, as `kvstore up` runs it: only node-0 writes its records,
+        # the workers and the router only read (kvstore/index/acl.py), so no local user can redirect them.
+        users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES), node_user("node-0"): (secrets.token_hex(20),
+                                                                                          node_rules("node-0"))}
+        self.redis = RedisProcess(password=secrets.token_hex(20), users=users).start()
+        index_url = self.redis.url_for(CLIENT_USER)
         page_bytes = self.page_bytes(cfg)
         self.node = NodeProcess(dram_bytes=cfg.dram_bytes, nvme_path=run / "nvme", nvme_bytes=cfg.nvme_bytes,
                                 max_page_bytes=cfg.max_page_bytes or page_bytes, node_id="node-0",
-                                redis_url=self.redis.url, log_path=run / "node.log",
+                                redis_url=self.redis.url_for(node_user("node-0")), log_path=run / "node.log",
                                 extra_args=["--index-ttl", "5"]).start()  # fmt: skip
         token_path = run / "ray_auth_token"
         token_path.write_text(secrets.token_hex(32))
@@ -83,14 +89,14 @@ class LocalStack:
                  log_to_driver=False, configure_logging=False)  # fmt: skip
         self._ray_started = True
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= cfg.num_prefill + cfg.num_decode else 0
-        wcfg = WorkerConfig(model_dir=cfg.model_dir, redis_url=self.redis.url, namespace=self.namespace,
+        wcfg = WorkerConfig(model_dir=cfg.model_dir, redis_url=index_url, namespace=self.namespace,
                             num_blocks=cfg.num_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
                             local_node="node-0", torch_threads=cfg.torch_threads)  # fmt: skip
         # Actors take no CPU reservation: on a 2-core host prefill, decode and the router must coexist.
         prefill = [PrefillWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_prefill)]
         decode = [DecodeWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_decode)]
         ray.get([w.info.remote() for w in prefill])  # fail fast if a worker cannot load the model
-        self.router = Router.remote(prefill, decode, self.redis.url, self.namespace, cfg.block_size,
+        self.router = Router.remote(prefill, decode, index_url, self.namespace, cfg.block_size,
                                     ["node-0"] * cfg.num_prefill, max_inflight=cfg.max_inflight)  # fmt: skip
 
     @staticmethod

@@ -26,7 +26,9 @@ def nodes(redis_url: RedisOpt, json_out: Annotated[bool, typer.Option("--json", 
         typer.echo(json.dumps([{"node_id": n.node_id, "alive": n.alive, "addr": n.addr, "epoch": n.epoch,
                                 **n.info} for n in infos], indent=2))  # fmt: skip
         return
-    table = Table(title=f"kvstore nodes in {redis_url}")
+    from kvstore.security import redact_url
+
+    table = Table(title=f"kvstore nodes in {redact_url(redis_url)}")
     for col in ("node", "alive", "addr", "epoch", "HBM", "DRAM", "NVMe", "queued", "lag ms", "resyncs"):
         table.add_column(col, justify="right" if col not in ("node", "addr") else "left")
     for n in infos:

@@ -43,24 +43,25 @@ class Sampler:
         self.metrics_port = metrics_port
         self.metrics = metrics  # host:port of /metrics endpoints, matched to nodes by their `node` label
         self.timeout = timeout
-        self._clients: dict[str, object] = {}
+        self._clients: dict[tuple[str, str | None], object] = {}
         self._metrics_addr: dict[str, str] = {}  # node addr -> its /metrics host:port, from the index
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvctl-top")
 
-    def targets(self) -> list[str]:
+    def targets(self) -> list[tuple[str, str | None]]:
+        """(address, node id as the index lists it, or None for an address given on the command line)."""
         if not self.redis_url:
-            return list(self.addrs)
+            return [(a, None) for a in self.addrs]
         from kvstore.index import IndexReader
 
         with IndexReader(self.redis_url, socket_timeout=self.timeout) as index:
             live = [n for n in index.nodes() if n.alive and n.addr]
         self._metrics_addr = {n.addr: n.info["metrics_addr"] for n in live if n.info.get("metrics_addr")}
-        return sorted(n.addr for n in live)
+        return sorted((n.addr, n.node_id) for n in live)
 
     def sample(self) -> list[NodeSample]:
         addrs = self.targets()
         shared = [self._pool.submit(self._scrape, f"http://{m}/metrics") for m in self.metrics]
-        futures = [self._pool.submit(self._one, a) for a in addrs]
+        futures = [self._pool.submit(self._one, a, node) for a, node in addrs]
         samples = [f.result() for f in futures]
         by_node: dict[str, dict] = {}  # /metrics given by address: each carries its node's id as a label
         for f in shared:
@@ -72,14 +73,18 @@ class Sampler:
                 s.rpcs = by_node[s.stats.node_id]
         return samples
 
-    def _one(self, addr: str) -> NodeSample:
+    def _one(self, addr: str, node: str | None) -> NodeSample:
         from kvstore.client import KVStoreClient
+        from kvstore.security import ClientSecurity
 
-        client = self._clients.get(addr)
-        if client is None:
-            client = self._clients[addr] = KVStoreClient(addr, timeout=self.timeout)
         taken = time.monotonic()
         try:
+            client = self._clients.get((addr, node))
+            if client is None:
+                # An address from the index is dialled as that node: it must prove it (kvstore/security.py).
+                security = ClientSecurity.from_env()
+                client = self._clients[(addr, node)] = KVStoreClient(
+                    addr, timeout=self.timeout, security=security if node is None else security.for_node(node))
             stats = client.stats()  # type: ignore[attr-defined]
         except Exception as exc:  # an unreachable node is a row saying so, not the end of the view
             return NodeSample(addr, taken, None, error=f"{type(exc).__name__}: {exc}")
@@ -131,8 +136,9 @@ def as_json(rates: list[NodeRates], failed: list[NodeSample]) -> dict[str, objec
 
 def redact(url: str) -> str:
     """A URL fit to show: credentials replaced (a Redis URL from the environment carries the password)."""
-    scheme, sep, rest = url.partition("://")
-    return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}" if sep and "@" in rest else url
+    from kvstore.security import redact_url
+
+    return redact_url(url)
 
 
 def _pct(x: float | None) -> str:

@@ -1,9 +1,13 @@
 """`kvstore up`: one machine's cluster: a private redis-server and N cache nodes, or, with `--values`,
 the roles the Helm chart starts, from the chart's own values file, as local processes.
 
+Redis always runs with protected mode and ACL users (kvstore/index/acl.py): each node gets its own user,
+allowed to write only its own records, and clients (workers, kvctl, the ready file's `redis_url`) a
+read-only one; the administrator's URL is kept in `redis-admin.url` (0600) in the run's directory.
+URLs reach the nodes through their environment, as in the chart, never a command line.
+
 `--values FILE` (repeatable, merged in order over helm/kvstore/values.yaml as Helm merges them):
-Redis (with a password when redis.auth.enabled, passed to the nodes through the environment as in the
-chart), `local.nodes` cache nodes with the chart's node.toml and budgets times `local.scale`, read-write
+Redis (as above), `local.nodes` cache nodes with the chart's node.toml and budgets times `local.scale`, read-write
 and read-only token files when auth.enabled, and with `local.workers` a local Ray head offering the
 chart's prefill/decode slots plus `kvstore pd-serve`, the same driver the chart runs beside its Ray head.
 """
@@ -90,7 +94,8 @@ class Stack:
 
     root: Path
     redis: object | None = None
-    redis_url: str = ""
+    redis_url: str = ""  # what clients use: read-only on the private Redis
+    node_urls: dict[str, str] = field(default_factory=dict)  # node id -> its own Redis user's URL
     nodes: list = field(default_factory=list)
     ray_head: subprocess.Popen[bytes] | None = None
     ray_address: str = ""
@@ -101,7 +106,7 @@ class Stack:
 
     def start_simple(self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float,
                      metrics: bool) -> None:  # fmt: skip
-        self._start_redis(redis_url, password=False)
+        self._start_redis(redis_url, [f"node-{i}" for i in range(n)])
         for i in range(n):
             self._start_node(i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])])
 
@@ -111,9 +116,12 @@ class Stack:
         assert isinstance(plan, LocalPlan)
         for note in plan.notes:
             console.print(f"[yellow]note[/]: {note}")
-        self._start_redis(plan.redis_external_url, password=plan.redis_password)
+        self._start_redis(plan.redis_external_url, [f"node-{i}" for i in range(plan.nodes)])
         extra: list[str] = []
         if plan.auth_tokens:
+            # Local nodes serve plaintext (no certificates here): an explicit opt-in, see SECURITY.md. The
+            # index cannot be used to redirect tokens: only each node's own Redis user writes its record.
+            self.env["KVSTORE_ALLOW_PLAINTEXT_TOKEN"] = "1"
             rw, ro = self.root / "rw.tokens", self.root / "ro.tokens"
             for f in (rw, ro):
                 f.write_text(secrets.token_urlsafe(32) + "\n")
@@ -131,16 +139,26 @@ class Stack:
         if plan.workers is not None:
             self._start_workers(plan.workers)
 
-    def _start_redis(self, external: str | None, password: bool) -> None:
+    def _start_redis(self, external: str | None, node_ids: list[str]) -> None:
+        from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
         from kvstore.launch import RedisProcess
+        from kvstore.security import redact_url
 
-        if external:
+        if external:  # the operator's Redis, with the operator's users
             self.redis_url = external
+            self.node_urls = dict.fromkeys(node_ids, external)
         else:
-            self.redis = RedisProcess(password=secrets.token_hex(20) if password else None).start()
-            self.redis_url = self.redis.url  # type: ignore[attr-defined]
-        shown = self.redis_url if not password else self.redis_url.split("@")[-1] + " (password in KVSTORE_REDIS_URL)"
-        console.print(f"redis index: {shown}")
+            users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES)}
+            users |= {node_user(n): (secrets.token_hex(20), node_rules(n)) for n in node_ids}
+            proc = RedisProcess(password=secrets.token_hex(20), users=users).start()
+            self.redis = proc
+            self.redis_url = proc.url_for(CLIENT_USER)
+            self.node_urls = {n: proc.url_for(node_user(n)) for n in node_ids}
+            admin = self.root / "redis-admin.url"
+            admin.touch(mode=0o600)
+            admin.write_text(proc.url + "\n")
+        console.print(f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
+                      "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}"))
 
     def _start_node(self, i: int, dram: int | str, nvme: int | str, page: int | str, extra: list[str]) -> None:
         from kvstore.launch import NodeProcess
@@ -148,7 +166,7 @@ class Stack:
         # The Redis URL (with its password) reaches the node through its environment, as in the chart.
         node = NodeProcess(dram_bytes=dram, nvme_path=self.root / f"node-{i}", nvme_bytes=nvme, max_page_bytes=page,
                            node_id=f"node-{i}", extra_args=extra, log_path=self.root / f"node-{i}.log",
-                           env={"KVSTORE_REDIS_URL": self.redis_url})  # fmt: skip
+                           env={"KVSTORE_REDIS_URL": self.node_urls[f"node-{i}"]})  # fmt: skip
         self.nodes.append(node.start())
         scrape = f"  metrics http://{node.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
         console.print(f"node-{i}: {node.addr}{scrape}  (log {node.log_path})")

@@ -146,8 +146,16 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError("tls.enabled is true but neither tls.secretName nor tls.certManager.enabled is set")
         if tls["certManager"]["enabled"] and not tls["certManager"]["issuerRef"]["name"]:
             raise ValueError("tls.certManager.issuerRef.name is empty")
+        rtls = v["redis"]["tls"]
+        if v["redis"]["enabled"] and rtls["enabled"] and not tls["certManager"]["enabled"] and not rtls["secretName"]:
+            raise ValueError("redis.tls.secretName is empty: with tls.secretName, give Redis a Secret for its "
+                             "Service name, or set redis.tls.enabled: false")  # fmt: skip
     elif tls["mutual"]:
         raise ValueError("tls.mutual is true but tls.enabled is false: mutual TLS runs over TLS")
+    elif v["auth"]["enabled"] and not v["auth"].get("allowPlaintextTokens"):
+        raise ValueError("auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
+                         "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
+                         "for a trusted pod network")  # fmt: skip
     redis = v["redis"]
     ext = redis["external"]
     if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (

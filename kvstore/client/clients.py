@@ -35,6 +35,7 @@ class _Client:
         self.target = target
         self.timeout = timeout
         self.security = ClientSecurity.from_env() if security is None else security
+        self.security.check_target(target)  # never a token where nothing proves who answers (SECURITY.md)
         self._md = self.security.metadata()
         self._channel = open_channel(target, self.security, aio=aio)
         self._methods = bind_methods(self._channel)

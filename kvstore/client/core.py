@@ -21,7 +21,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import PlaneUnavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.security import ClientSecurity
+from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
 from kvstore.transport.buffers import check_buffers
 from kvstore.transport.exchange import DataPlane, Exchange, Unary
@@ -30,6 +30,7 @@ from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loop
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.client import ShmPlane
 from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
+from kvstore.transport.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
 from kvstore.transport.ucx import ucxx_installed
 from kvstore.transport.ucx.client import UcxPlane
 from kvstore.wire import FetchedPage, PageRef, stats_from_pb
@@ -72,11 +73,20 @@ class PlaneSpec:
     usable: Callable[[], bool] = lambda: True
 
 
+def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
+    """UCX carries the token in clear: only to an advertised address this client may send it to."""
+    if info is not None and s.security.token:
+        try:
+            s.security.check_target(info.address.partition(UCX_ADDRESS_SEP)[0])
+        except InsecureChannel as exc:
+            raise PlaneUnavailable(f"ucx: {exc}") from None
+    return UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls, info)
+
+
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
     "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.buffers), usable=shm_available),
-    "ucx": PlaneSpec(lambda s, info: UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token,
-                                              s.security.tls, info), usable=ucxx_installed),
+    "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
 }
 
 
@@ -137,13 +147,23 @@ class ClientCore:
         advertised = {p.name: PlaneInfo(p.name, p.address, p.tls) for p in stats.planes} if known else None
         same_host = is_loopback(self.settings.target) or (known and stats.host_id == host_id())
         names = choose_planes(self.mode, same_host=same_host, advertised=advertised, client_can=usable_planes())
-        planes = tuple(PLANES[n].make(self.settings, (advertised or {}).get(n)) for n in names)
+        planes = tuple(p for n in names if (p := self._make(n, (advertised or {}).get(n))) is not None)
         if self._planes is None:
             self._planes = planes
         else:  # another thread negotiated meanwhile: keep its planes
             for p in planes:
                 p.close()
         return self._planes
+
+    def _make(self, name: str, info: PlaneInfo | None) -> DataPlane | None:
+        """A plane's client side; None when it refuses to open (PlaneUnavailable) and the caller did not
+        insist on it (auto mode: the next plane serves)."""
+        try:
+            return PLANES[name].make(self.settings, info)
+        except PlaneUnavailable:
+            if self.mode == name:
+                raise
+            return None
 
     def _bulk(self, call: Callable[[DataPlane], Exchange[T]]) -> Exchange[T]:
         """Run a bulk exchange on the preferred plane; on PlaneUnavailable give that plane up for good and

@@ -34,6 +34,11 @@ node holds, returning the live holders of each matched block. It reads keys it i
     lookup.py     ClusterLookup: what a lookup found, and the fetch plan over it (pure)
     reader.py     IndexReader: the client side (lookups, node listing)
     publisher.py  IndexPublisher: the node side (heartbeat, batched updates, resyncs, GC)
+    acl.py        the Redis ACL users: nodes write only their own records, clients only read (pure)
+
+Trust: the index is not trusted with identities. A client dials each address as the node id the index
+names and checks the node's TLS certificate (kvstore/cluster.py); only nodes can write (acl.py). The
+lookup script is loaded by the nodes when they publish; read-only clients may only run it (EVALSHA).
 """
 
 from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, alive_key, block_key, epoch_key, node_key, ns_tag

@@ -13,8 +13,18 @@ import redis
 import redis.asyncio as aioredis
 
 from kvstore import __version__
-from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, alive_key, block_key, epoch_key, node_key
+from kvstore.index.keys import (
+    ALIVE_PREFIX,
+    LOOKUP_SCRIPT,
+    NODES_KEY,
+    PREFIX,
+    alive_key,
+    block_key,
+    epoch_key,
+    node_key,
+)  # fmt: skip
 from kvstore.names import TierKind
+from kvstore.security import redact_url
 from kvstore.stats import IndexStatus
 
 log = logging.getLogger(__name__)
@@ -65,7 +75,7 @@ class IndexPublisher:
         self._tasks: list[asyncio.Task[None]] = []
         self._gc_cursor = 0
         self._registered = asyncio.Event()  # set once the first full publish has landed
-        self.stats = IndexStatus(url=url)  # live counters; status() hands out snapshots
+        self.stats = IndexStatus(url=redact_url(url))  # live counters (no password: Stats shows them)
 
     # -- called by the manager (sync, cheap)
 
@@ -211,6 +221,10 @@ class IndexPublisher:
         self._oldest_pending = None
         self._need_resync = False
         try:
+            # Nodes load the lookup script: read-only clients may only run it (EVALSHA), see acl.py. An
+            # operator's Redis user without SCRIPT LOAD leaves that to clients allowed to load it.
+            with contextlib.suppress(redis.exceptions.NoPermissionError):
+                await self._redis.script_load(LOOKUP_SCRIPT)
             epoch = int(await self._redis.incr(epoch_key(self.node_id)))
             snapshot = list(self._holdings())
             for start in range(0, len(snapshot), self.batch):
@@ -283,7 +297,7 @@ class IndexPublisher:
 
     def _connected(self, ok: bool) -> None:
         if ok and not self.stats.connected:
-            log.info("index: connected to %s", self.url)
+            log.info("index: connected to %s", self.stats.url)
         self.stats.connected = ok
 
     def _failed(self, exc: BaseException) -> None:

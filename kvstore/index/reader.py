@@ -52,7 +52,14 @@ class IndexReader:
         """Longest prefix of the chain held by any live node: exactly one Redis round trip."""
         if not hashes:
             return ClusterLookup(0, [], {})
-        raw = self._lookup(keys=[block_key(namespace, h) for h in hashes], args=[ALIVE_PREFIX])
+        try:
+            raw = self._lookup(keys=[block_key(namespace, h) for h in hashes], args=[ALIVE_PREFIX])
+        except redis.exceptions.NoPermissionError as exc:
+            if "script" not in str(exc).lower():
+                raise
+            # A read-only client may not load the script; nodes load it when they publish, so none has
+            # published since this Redis started: no node holds anything yet.
+            return ClusterLookup(0, [], {})
         return summarize(raw)
 
     def nodes(self) -> list[NodeInfo]:

@@ -71,7 +71,8 @@ class DurableCopies:
         """Publish the newest valid copy of each key the persistent tier holds; returns how many.
 
         Older copies of a key stay tracked (erasable if the key is deleted). A page larger than this
-        node's slots or of a layout other than its namespace's first is ignored, with a warning.
+        node's slots, whose payload length is not its layout's page size, or of a layout other than its
+        namespace's first is ignored, with a warning.
         """
         tier = self.tier
         if tier is None:
@@ -81,6 +82,10 @@ class DurableCopies:
         for slot, hdr in found:
             if hdr.payload_len > max_page_bytes:
                 log.warning("NVMe slot %d: page of %d B exceeds max_page_bytes; ignored", slot, hdr.payload_len)
+                continue
+            if hdr.payload_len != hdr.layout.page_bytes:  # a Put could never have stored it: never serve it
+                log.warning("NVMe slot %d: payload of %d B does not fit its layout's %d B pages; ignored", slot,
+                            hdr.payload_len, hdr.layout.page_bytes)  # fmt: skip
                 continue
             k = (hdr.namespace, hdr.hash)
             if k not in best or hdr.generation > best[k][1].generation:

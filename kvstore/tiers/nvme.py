@@ -10,6 +10,7 @@ slot first and then syncs each touched segment file once: same rule, one flush p
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import mmap
@@ -35,6 +36,16 @@ class NvmeFormatError(RuntimeError):
     """The directory holds segments of another geometry or format; refusing to reuse them."""
 
 
+def check_private_dir(path: Path) -> None:
+    """Refuse a tier directory other users may write into: they could plant a symlink where a segment
+    or the metadata file is about to be created and have the node write through it (issue 16). Group
+    write is accepted for the node's own group (Kubernetes fsGroup volumes)."""
+    st = os.stat(path)
+    if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()):
+        raise PermissionError(f"--nvme-path {path} is writable by other users (mode {st.st_mode & 0o7777:04o}): "
+                              f"use a directory only the node's user can write (chmod go-w {path})")  # fmt: skip
+
+
 class NvmeTier(Medium):
     """`num_slots` slots of `slot_bytes`, striped over segment files of `slots_per_segment` slots."""
 
@@ -50,6 +61,7 @@ class NvmeTier(Medium):
         self.slots_per_segment = max(1, segment_bytes // slot_bytes)
         self.num_slots = capacity_bytes // slot_bytes
         self.path.mkdir(parents=True, exist_ok=True)
+        check_private_dir(self.path)
         self._check_meta()
         self.direct_io = True
         self._fds: list[int] = []
@@ -81,7 +93,7 @@ class NvmeTier(Medium):
 
     def _open_segment(self, seg: int, size: int) -> int:
         name = self.path / SEGMENT_FMT.format(seg)
-        flags = os.O_RDWR | os.O_CREAT
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW  # a symlink planted in its place is refused
         fd = -1
         if self.direct_io and hasattr(os, "O_DIRECT"):
             try:
@@ -91,7 +103,12 @@ class NvmeTier(Medium):
         else:
             self.direct_io = False
         if fd < 0:
-            fd = os.open(name, flags, 0o600)
+            try:
+                fd = os.open(name, flags, 0o600)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise PermissionError(f"{name} is a symbolic link; refusing to write through it") from None
+                raise
         if os.fstat(fd).st_size < size:
             try:
                 os.posix_fallocate(fd, 0, size)

@@ -16,6 +16,8 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("cert-manager-without-issuer", {"tls": {"enabled": True, "certManager": {"enabled": True}}},
      "tls.certManager.issuerRef.name"),
     ("mutual-tls-without-tls", {"tls": {"mutual": True}}, "tls.mutual"),
+    ("redis-tls-without-its-secret", {"tls": {"enabled": True, "secretName": "kv-tls"}}, "redis.tls.secretName"),
+    ("tokens-in-clear-without-opt-in", {"auth": {"enabled": True}}, "auth.allowPlaintextTokens"),
     ("negative-node-replicas", {"node": {"kind": "StatefulSet", "replicas": -1}}, "node.replicas"),
     ("negative-prefill-replicas", {"workers": {"prefill": {"replicas": -2}}}, "workers.prefill.replicas"),
     ("decode-replicas-above-max", {"workers": {"decode": {"replicas": 9, "maxReplicas": 4}}}, "workers.decode.replicas"),

@@ -101,7 +101,7 @@ def test_the_validators_reject_a_broken_manifest() -> None:
     errors = raycluster_errors(bad)
     assert any("replica" in e for e in errors) and any("num-cpus" in e for e in errors)
     (sm,) = by_kind(docs, "ServiceMonitor")
-    (cert,) = by_kind(docs, "Certificate")
+    (cert,) = by_kind(docs, "Certificate", "-node")
     sm, cert = copy.deepcopy(sm), copy.deepcopy(cert)
     sm["spec"]["endpoints"][0]["port"] = 9400  # a port *name* is a string
     cert["spec"]["privateKey"]["algorithm"] = "DSA"
@@ -173,16 +173,27 @@ def test_node_memory_holds_the_dram_budget(profile: list[Path]) -> None:
 
 
 def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None:
-    """The chart's redis.conf (protected mode, no persistence, noeviction, requirepass include) is
-    accepted by a real redis-server, which then refuses clients without the password."""
+    """The chart's redis.conf (protected mode, no persistence, noeviction) with its ACL users, as the
+    auth-config init container fills them in, on a real redis-server: nobody gets in without a
+    password, clients only read, nodes publish to the index and nothing else, the admin does anything."""
+    import hashlib
+
     import redis
 
+    from kvstore.index.keys import NODES_KEY, alive_key, node_key
     from kvstore.launch import free_port
 
     docs = render()
     (cm,) = by_kind(docs, "ConfigMap", "-redis")
+    (sts,) = by_kind(docs, "StatefulSet", "-redis")
+    script = sts["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
+    assert "sha256sum" in script and "/etc/redis/users.acl.in" in script  # what the emulation below does
+    pw = {"ADMIN": "admin-password-0123456789", "NODE": "node-password-0123456789", "CLIENT": "client-password-012345"}
+    acl = cm["data"]["users.acl.in"]
+    for name, value in pw.items():
+        acl = acl.replace(f" #{name} ", f" #{hashlib.sha256(value.encode()).hexdigest()} ")
     auth = tmp_path / "auth.conf"
-    auth.write_text("requirepass test-password-0123456789\n")
+    auth.write_text(acl)
     conf = tmp_path / "redis.conf"
     port = free_port()
     text = cm["data"]["redis.conf"].replace("include /run/redis/auth.conf", f"include {auth}")
@@ -190,23 +201,94 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
     conf.write_text(re.sub(r"^port \d+$", f"port {port}", text, flags=re.M))
     proc = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        client = redis.Redis(port=port, password="test-password-0123456789", socket_timeout=5)
+        admin = redis.Redis(port=port, password=pw["ADMIN"], socket_timeout=5)
         for _ in range(100):
             try:
-                client.ping()
+                admin.ping()
                 break
             except redis.ConnectionError:
                 assert proc.poll() is None, "redis-server refused the rendered config"
                 time.sleep(0.05)
-        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
-        assert client.config_get("protected-mode") == {"protected-mode": "yes"}
-        assert client.config_get("save") == {"save": ""}
+        assert admin.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert admin.config_get("protected-mode") == {"protected-mode": "yes"}
+        assert admin.config_get("save") == {"save": ""}
         with pytest.raises(redis.AuthenticationError):
             redis.Redis(port=port, socket_timeout=5).set("k", "v")
+        node = redis.Redis(port=port, username="kvnode", password=pw["NODE"], socket_timeout=5)
+        node.set(alive_key("n0"), "1")
+        node.hset(node_key("n0"), "addr", "10.0.0.1:50051")
+        node.sadd(NODES_KEY, "n0")
+        client = redis.Redis(port=port, username="kvclient", password=pw["CLIENT"], socket_timeout=5)
+        assert client.smembers(NODES_KEY) == {b"n0"} and client.get(alive_key("n0")) == b"1"
+        for write in (lambda: client.set(alive_key("evil"), "1"), lambda: client.hset(node_key("n0"), "addr", "x"),
+                      lambda: client.eval("return 1", 0), node.flushall, lambda: node.set("other", "1"),
+                      lambda: node.config_set("protected-mode", "no")):  # fmt: skip
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                write()
+        for c in (admin, node, client):
+            c.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> None:
+    """production.yaml: Redis gets its own certificate, closes its plaintext port, and every pod's
+    KVSTORE_REDIS_URL is rediss:// with the CA; the rendered TLS config runs on a real redis-server."""
+    import redis
+
+    from devkit.pki import make_dev_pki
+    from kvstore.launch import free_port
+
+    docs = render([ROOT / "deploy" / "values" / "production.yaml"])
+    (cert,) = by_kind(docs, "Certificate", "-redis")
+    assert "kv-kvstore-redis" in cert["spec"]["dnsNames"] and cert["spec"]["usages"][0] == "server auth"
+    urls = {e["value"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
+            for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
+    assert urls and all(u.startswith("rediss://") and u.endswith("?ssl_ca_certs=/etc/kvstore/tls/ca.crt") for u in urls)
+    (cm,) = by_kind(docs, "ConfigMap", "-redis")
+    pki = make_dev_pki(tmp_path / "pki")
+    tls_dir = tmp_path / "redis-tls"
+    tls_dir.mkdir()
+    for src, name in ((pki.node_cert, "tls.crt"), (pki.node_key, "tls.key"), (pki.ca, "ca.crt")):
+        (tls_dir / name).write_bytes(src.read_bytes())
+    port = free_port()
+    text = cm["data"]["redis.conf"].replace("include /run/redis/auth.conf", "requirepass admin-password-0123456789")
+    text = text.replace("/run/redis-tls", str(tls_dir)).replace("dir /data", f"dir {tmp_path}")
+    text = re.sub(r"^tls-port \d+$", f"tls-port {port}", text.replace("bind 0.0.0.0", "bind 127.0.0.1"), flags=re.M)
+    assert "port 0" in text.splitlines()
+    conf = tmp_path / "redis.conf"
+    conf.write_text(text)
+    proc = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        url = f"rediss://:admin-password-0123456789@localhost:{port}/0?ssl_ca_certs={pki.ca}"
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        for _ in range(100):
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert proc.poll() is None, "redis-server refused the rendered TLS config"
+                time.sleep(0.05)
+        assert client.ping()
+        with pytest.raises(redis.ConnectionError):  # plaintext on the TLS port: no answer
+            redis.Redis(port=port, password="admin-password-0123456789", socket_timeout=2).ping()
+        other = f"rediss://:admin-password-0123456789@localhost:{port}/0?ssl_ca_certs={pki.other_ca}"
+        with pytest.raises(redis.ConnectionError):  # a client trusting another CA refuses this server
+            redis.Redis.from_url(other, socket_timeout=2).ping()
         client.close()
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_chart_acl_rules_are_the_ones_kvstore_up_applies() -> None:
+    """One source of truth: the chart's users carry exactly kvstore.index.acl's rules (shared node user)."""
+    from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, SHARED_NODE_USER, node_rules
+
+    (cm,) = by_kind(render(), "ConfigMap", "-redis")
+    users = {line.split()[1]: line.split(" ", 4)[4] for line in cm["data"]["users.acl.in"].splitlines()}
+    assert users == {"default": "~* &* +@all", SHARED_NODE_USER: node_rules("*"), CLIENT_USER: CLIENT_RULES}
 
 
 # ------------------------------------------------------------------------------------ bad values
@@ -225,7 +307,7 @@ def test_bad_values_fail_at_template_time_naming_the_value(values: dict, name: s
 
 
 def test_secrets_never_appear_in_clear_outside_their_secret() -> None:
-    docs = render(sets=["auth.enabled=true"])
+    docs = render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true"])
     secrets = by_kind(docs, "Secret")
     assert {s["metadata"]["name"] for s in secrets} == {"kv-kvstore-redis-auth", "kv-kvstore-ray-auth", "kv-kvstore-tokens"}
     plain = [base64.b64decode(v).decode() for s in secrets for v in s["data"].values()]
@@ -234,7 +316,12 @@ def test_secrets_never_appear_in_clear_outside_their_secret() -> None:
     assert not [p for p in plain if p.strip() in others]
     urls = {e["value"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
             for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
-    assert urls == {"redis://:$(REDIS_PASSWORD)@kv-kvstore-redis:6379/0"}
+    # Nodes publish as the node user; everyone else (workers, router, kvctl) reads as the client user.
+    assert urls == {"redis://kvnode:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0",
+                    "redis://kvclient:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0"}
+    node_urls = {e["value"] for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") for _, spec in pod_specs(d)
+                 for c in containers(spec) for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
+    assert node_urls == {"redis://kvnode:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0"}
     # An operator's own Secret: nothing generated, every reference points at it.
     docs = render(sets=["redis.auth.existingSecret=my-redis", "rayCluster.auth.existingSecret=my-ray"])
     assert not by_kind(docs, "Secret")
@@ -308,10 +395,17 @@ def test_tls_profile_probes_through_kvctl_health_and_mounts_the_certificate() ->
     env = container_env(node)
     assert env["KVSTORE_TLS_SERVER_NAME"] == "kv-kvstore-node.kvs.svc" and env["KVSTORE_TLS_CERT"]
     assert {"--tls-cert=/etc/kvstore/tls/tls.crt", "--tls-client-ca=/etc/kvstore/tls/ca.crt"} <= set(node["args"])
-    (cert,) = by_kind(docs, "Certificate")
+    (cert,), (client_cert,) = by_kind(docs, "Certificate", "-node"), by_kind(docs, "Certificate", "-client")
     tls_volume = next(v for v in spec["volumes"] if v["name"] == "tls")
     assert tls_volume["secret"]["secretName"] == cert["spec"]["secretName"]
     assert "kv-kvstore-node.kvs.svc" in cert["spec"]["dnsNames"]
+    # Workers present a client-only certificate: they never hold the nodes' key, so cannot pose as a node.
+    assert client_cert["spec"]["usages"] == ["client auth", "digital signature"] and "dnsNames" not in client_cert["spec"]
+    (ray,) = by_kind(docs, "RayCluster")
+    worker_tls = next(v for v in ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
+                      if v["name"] == "kvstore-tls")  # fmt: skip
+    secrets = {src["secret"]["name"] for src in worker_tls["projected"]["sources"]}
+    assert secrets == {cert["spec"]["secretName"], client_cert["spec"]["secretName"]}
     # Without TLS the kubelet's own gRPC probe is used.
     (ds,) = by_kind(render(), "DaemonSet", "-node")
     assert ds["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"] == {"port": 50051}

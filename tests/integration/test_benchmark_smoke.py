@@ -71,3 +71,11 @@ def test_nvme_bench_quick_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "nvme_bench.json").read_text())["rows"]
     assert rows[0]["page_kib"] == 256 and all(rows[0][f"{k}_gbs"] > 0 for k in ("get_into", "disk_deep"))
+
+
+def test_auth_memory_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "auth_memory_bench.py"), "--quick", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "auth_memory_bench.json").read_text())["rows"]
+    assert [list(r["codes"]) for r in rows] == [["UNAUTHENTICATED"], ["INVALID_ARGUMENT"], ["OK"]]

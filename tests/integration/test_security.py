@@ -28,6 +28,7 @@ OPEN = ClientSecurity()  # explicitly nothing, whatever the environment says
 
 def write_tokens(path: Path, *tokens: str) -> Path:
     path.write_text("# kvstore tokens\n" + "\n".join(tokens) + "\n")
+    path.chmod(0o600)  # a node refuses token files other users can read
     return path
 
 

@@ -169,7 +169,6 @@ def stored(stub: pb_grpc.KVStoreStub, h: bytes) -> int:
     [
         (lambda r: r.region.__setattr__("name", "../etc/passwd"), "region.name"),
         (lambda r: r.region.__setattr__("name", "kvstore-x"), "region.name"),
-        (lambda r: r.region.__setattr__("nonce", b"\x00" * 16), "region.nonce"),
         (lambda r: r.region.__setattr__("nonce", b"short"), "region.nonce"),
         (lambda r: r.pages[0].__setattr__("offset", 8), "pages[0]"),
         (lambda r: r.pages[0].__setattr__("offset", 10 << 20), "pages[0]"),

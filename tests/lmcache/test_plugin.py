@@ -172,6 +172,7 @@ def test_a_wrong_token_is_a_clear_error_and_stores_nothing(
         tmp_path: Path, storage_managers: Callable[..., Any], plugin_log: Records) -> None:  # fmt: skip
     tokens = tmp_path / "rw.tokens"
     tokens.write_text(TOKEN + "\n")
+    tokens.chmod(0o600)  # token files must be private
     node = start_node(tmp_path, extra_args=["--auth-tokens-file", str(tokens)])
     try:
         sm = storage_managers(plugin_config(f"kvstore://{node.addr}", token="x" * 32))

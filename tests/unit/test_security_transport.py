@@ -18,10 +18,17 @@ from kvstore.transport.shm.client import SegmentPool
 RW, RO = "rw-token-" + "1" * 20, "ro-token-" + "2" * 20
 
 
+def private(path: Path, text: str) -> Path:
+    """A token file as an operator writes one: mode 0600 (others are refused)."""
+    path.write_text(text)
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture
 def auth(tmp_path: Path) -> TokenAuthenticator:
-    (tmp_path / "rw").write_text(f"# writers\n\n{RW}\n")
-    (tmp_path / "ro").write_text(f"{RO}\n")
+    private(tmp_path / "rw", f"# writers\n\n{RW}\n")
+    private(tmp_path / "ro", f"{RO}\n")
     return TokenAuthenticator(str(tmp_path / "rw"), str(tmp_path / "ro"))
 
 
@@ -37,17 +44,17 @@ def test_roles_from_bearer_metadata(auth: TokenAuthenticator) -> None:
 
 def test_read_tokens_may_not_write(auth: TokenAuthenticator) -> None:
     ro = [("authorization", f"Bearer {RO}")]
-    for method in ("Lookup", "Get", "GetShm", "Prefetch", "Stats"):
+    for method in ("Lookup", "Get", "GetShm", "Stats"):
         auth.check(method, ro)
-    for method in ("Put", "PutShm", "Delete", "Pin", "Unpin"):
+    for method in ("Put", "PutShm", "Delete", "Pin", "Unpin", "Prefetch"):
         with pytest.raises(PermissionDenied, match=method):
             auth.check(method, ro)
         auth.check(method, [("authorization", f"Bearer {RW}")])
 
 
 def test_token_files_are_validated(tmp_path: Path) -> None:
-    (tmp_path / "empty").write_text("# nothing\n")
-    (tmp_path / "spaces").write_text("a token with spaces in it\n")
+    private(tmp_path / "empty", "# nothing\n")
+    private(tmp_path / "spaces", "a token with spaces in it\n")
     for name in ("empty", "spaces"):
         with pytest.raises(ValueError):
             read_token_file(tmp_path / name)
@@ -56,7 +63,7 @@ def test_token_files_are_validated(tmp_path: Path) -> None:
 
 
 def test_client_security_from_env(tmp_path: Path) -> None:
-    (tmp_path / "t").write_text(f"{RO}\n")
+    private(tmp_path / "t", f"{RO}\n")
     sec = ClientSecurity.from_env({"KVSTORE_TOKEN_FILE": str(tmp_path / "t"), "KVSTORE_TLS_CA": "ca.pem"})
     assert sec.token == RO and sec.tls and sec.metadata() == (("authorization", f"Bearer {RO}"),)
     assert ClientSecurity.from_env({}).metadata() is None and not ClientSecurity.from_env({}).tls

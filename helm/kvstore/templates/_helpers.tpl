@@ -111,6 +111,26 @@ YAML arrives as a float64 and is taken as bytes.
 {{- .Values.tls.secretName -}}
 {{- end -}}
 {{- end -}}
+{{/* "true" when the chart's Redis serves TLS: with tls.enabled unless redis.tls.enabled is false. */}}
+{{- define "kvstore.redisTls" -}}
+{{- if and .Values.redis.enabled .Values.tls.enabled .Values.redis.tls.enabled -}}true{{- end -}}
+{{- end -}}
+{{- define "kvstore.redisTlsSecret" -}}
+{{- if .Values.tls.certManager.enabled -}}
+{{- printf "%s-redis-tls" (include "kvstore.fullname" .) -}}
+{{- else -}}
+{{- .Values.redis.tls.secretName -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The client certificate of mutual TLS: cert-manager's own, or tls.clientSecretName (default: the node's). */}}
+{{- define "kvstore.tlsClientSecret" -}}
+{{- if .Values.tls.certManager.enabled -}}
+{{- printf "%s-client-tls" (include "kvstore.fullname" .) -}}
+{{- else -}}
+{{- default .Values.tls.secretName .Values.tls.clientSecretName -}}
+{{- end -}}
+{{- end -}}
 {{- define "kvstore.tlsServerName" -}}
 {{- default (printf "%s.%s.svc" (include "kvstore.nodeService" .) .Release.Namespace) .Values.tls.serverName -}}
 {{- end -}}
@@ -129,32 +149,58 @@ A random secret value that survives upgrades: reuse the one in the cluster when 
 {{- end -}}
 
 {{/*
-KVSTORE_REDIS_URL for nodes, workers and kvctl, built in the pod from a Secret: the password (or the
-whole external URL) never appears in a rendered manifest or on a command line.
+Redis ACL users of the index and their rules: the same strings as kvstore/index/acl.py's
+node_rules("*") and CLIENT_RULES (tests/deploy compares them).
+*/}}
+{{- define "kvstore.redisNodeUser" -}}kvnode{{- end -}}
+{{- define "kvstore.redisClientUser" -}}kvclient{{- end -}}
+{{- define "kvstore.redisNodeRules" -}}
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset %R~kvs:v1:* ~kvs:v1:alive:* ~kvs:v1:epoch:* ~kvs:v1:node:* +get +set +incr +incrby +del +expire +hset +hgetall +hdel +smembers +scan +evalsha +script|load (~kvs:v1:b:* +hset +hdel +hgetall) (~kvs:v1:nodes +sadd)
+{{- end -}}
+{{- define "kvstore.redisClientRules" -}}
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset ~kvs:v1:* +get +hgetall +smembers +evalsha
+{{- end -}}
+
+{{/*
+KVSTORE_REDIS_URL, built in the pod from a Secret: the password (or the whole external URL) never
+appears in a rendered manifest or on a command line. `kvstore.redisEnv` is for clients (workers, the
+router, kvctl: the read-only user); `kvstore.redisNodeEnv` for cache nodes (the user that may publish).
 */}}
 {{- define "kvstore.redisEnv" -}}
-{{- if .Values.redis.enabled }}
-{{- if .Values.redis.auth.enabled }}
-- name: REDIS_PASSWORD
+{{- include "kvstore.redisUrlEnv" (dict "ctx" . "user" (include "kvstore.redisClientUser" .) "key" .Values.redis.auth.clientPasswordKey) -}}
+{{- end -}}
+
+{{- define "kvstore.redisNodeEnv" -}}
+{{- include "kvstore.redisUrlEnv" (dict "ctx" . "user" (include "kvstore.redisNodeUser" .) "key" .Values.redis.auth.nodePasswordKey) -}}
+{{- end -}}
+
+{{- define "kvstore.redisUrlEnv" -}}
+{{- $v := .ctx.Values -}}
+{{- if $v.redis.enabled }}
+{{- /* With TLS, the CA every client mounts with the cache plane's (kvstore.clientVolumes, node.yaml). */ -}}
+{{- $scheme := ternary "rediss" "redis" (eq (include "kvstore.redisTls" .ctx) "true") }}
+{{- $query := ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" (eq (include "kvstore.redisTls" .ctx) "true") }}
+{{- if $v.redis.auth.enabled }}
+- name: REDIS_USER_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ include "kvstore.redisSecret" . }}
-      key: {{ .Values.redis.auth.passwordKey }}
+      name: {{ include "kvstore.redisSecret" .ctx }}
+      key: {{ .key }}
 - name: KVSTORE_REDIS_URL
-  value: "redis://:$(REDIS_PASSWORD)@{{ include "kvstore.redisService" . }}:{{ .Values.redis.port }}/0"
+  value: "{{ $scheme }}://{{ .user }}:$(REDIS_USER_PASSWORD)@{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/0{{ $query }}"
 {{- else }}
 - name: KVSTORE_REDIS_URL
-  value: "redis://{{ include "kvstore.redisService" . }}:{{ .Values.redis.port }}/0"
+  value: "{{ $scheme }}://{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/0{{ $query }}"
 {{- end }}
-{{- else if .Values.redis.external.existingSecret }}
+{{- else if $v.redis.external.existingSecret }}
 - name: KVSTORE_REDIS_URL
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.external.existingSecret }}
-      key: {{ .Values.redis.external.urlKey }}
+      name: {{ $v.redis.external.existingSecret }}
+      key: {{ $v.redis.external.urlKey }}
 {{- else }}
 - name: KVSTORE_REDIS_URL
-  value: {{ .Values.redis.external.url | quote }}
+  value: {{ $v.redis.external.url | quote }}
 {{- end }}
 {{- end -}}
 
@@ -179,6 +225,11 @@ Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
 {{- if $v.auth.enabled }}
 - name: KVSTORE_TOKEN_FILE
   value: {{ .tokenDir | default "/etc/kvstore/token" }}/{{ .role }}.tokens
+{{- if and (not $v.tls.enabled) $v.auth.allowPlaintextTokens }}
+# auth.allowPlaintextTokens: the operator declared this network trusted (validate.yaml requires it).
+- name: KVSTORE_ALLOW_PLAINTEXT_TOKEN
+  value: "1"
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -201,19 +252,26 @@ Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
 {{- $v := .ctx.Values -}}
 {{- if $v.tls.enabled }}
 - name: kvstore-tls
-  secret:
-    secretName: {{ include "kvstore.tlsSecret" .ctx }}
-    items:
-      - {key: ca.crt, path: ca.crt}
+  projected:
+    defaultMode: 0440
+    sources:
+      - secret:
+          name: {{ include "kvstore.tlsSecret" .ctx }}
+          items:
+            - {key: ca.crt, path: ca.crt}
 {{- if $v.tls.mutual }}
-      - {key: tls.crt, path: tls.crt}
-      - {key: tls.key, path: tls.key}
+      - secret:
+          name: {{ include "kvstore.tlsClientSecret" .ctx }}
+          items:
+            - {key: tls.crt, path: tls.crt}
+            - {key: tls.key, path: tls.key}
 {{- end }}
 {{- end }}
 {{- if $v.auth.enabled }}
 - name: kvstore-token
   secret:
     secretName: {{ include "kvstore.tokenSecret" .ctx }}
+    defaultMode: 0440  # owner and the pod's fsGroup (= runAsGroup): token files others can read are refused
     items:
       - {key: {{ .role }}.tokens, path: {{ .role }}.tokens}
 {{- end }}

@@ -25,6 +25,20 @@ from kvstore.transport.shm import HEADER_BYTES, MAGIC, NAME_RE, NONCE_BYTES, SHM
 MAX_ATTACHED = 64  # segments a node keeps open at once (least recently used closed first)
 
 
+def unusable(name: str) -> ShmNotAvailable:
+    """The one reply for every segment this node will not use. NOTE: one status and one message
+    whether the segment is missing, not a regular file, open to other users, too small or carrying
+    another nonce, so a caller cannot probe which kvstore-* names exist (issue 16)."""
+    return ShmNotAvailable(f"region: segment {name!r} is not usable by this node (not visible here, not a "
+                           "private regular file, or another nonce); use Put/Get")  # fmt: skip
+
+
+def _private_regular(st: os.stat_result) -> bool:
+    """A regular file no other user may access: only its owner (and root) can know its nonce, and the
+    owner may write it anyway, so the node writing into it on a caller's behalf grants nothing."""
+    return stat.S_ISREG(st.st_mode) and not stat.S_IMODE(st.st_mode) & 0o077
+
+
 class NodeSegment:
     """What the node does with any caller segment: bounds checks, and a use count.
 
@@ -164,8 +178,8 @@ class SegmentAttachments:
         self._open: OrderedDict[str, NodeSegment] = OrderedDict()
 
     def acquire(self, name: str, nonce: bytes) -> AttachedSegment:
-        """The caller's segment, after its name, type and nonce are checked. Raises InvalidArgument
-        naming what is wrong, or ShmNotAvailable when this node cannot see the segment."""
+        """The caller's segment, after its name, type, mode and nonce are checked. Raises InvalidArgument
+        for a malformed name or nonce, else `unusable` (ShmNotAvailable) for any segment it will not use."""
         if not NAME_RE.match(name):
             raise InvalidArgument(
                 "region.name", f"{name!r} is not a kvstore segment name (kvstore-[A-Za-z0-9_-]{{8,64}})"
@@ -175,11 +189,11 @@ class SegmentAttachments:
         path = SHM_DIR / name
         try:
             st = os.stat(path, follow_symlinks=False)
-        except FileNotFoundError:
+        except OSError:
             self._drop(name)
-            raise ShmNotAvailable(f"no shared-memory segment {name!r} visible to this node") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidArgument("region.name", f"{name!r} is not a regular shared-memory segment")
+            raise unusable(name) from None
+        if not _private_regular(st):
+            raise unusable(name)
         att = self._open.get(name)
         if not isinstance(att, AttachedSegment) or att.ino != st.st_ino or att.size != st.st_size:
             self._drop(name)
@@ -187,7 +201,7 @@ class SegmentAttachments:
         self._open.move_to_end(name)
         header = os.pread(att.fd, len(MAGIC) + NONCE_BYTES, 0)
         if header[: len(MAGIC)] != MAGIC or not secrets.compare_digest(header[len(MAGIC) :], nonce):
-            raise InvalidArgument("region.nonce", f"does not match the header of segment {name!r}")
+            raise unusable(name)
         att.users += 1
         return att
 
@@ -239,11 +253,14 @@ class SegmentAttachments:
         return att
 
     def _attach(self, name: str, path: Path) -> AttachedSegment:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            raise unusable(name) from None
         st = os.fstat(fd)
-        if st.st_size < HEADER_BYTES + 1:
+        if st.st_size < HEADER_BYTES + 1 or not _private_regular(st):  # fstat: the file opened, not the name
             os.close(fd)
-            raise InvalidArgument("region.name", f"segment {name!r} is {st.st_size} bytes, smaller than its header")
+            raise unusable(name)
         att = AttachedSegment(name, fd, st.st_ino, st.st_size)
         self._track(name, att)
         return att

@@ -18,13 +18,18 @@ import contextlib
 import fcntl
 import mmap
 import os
+import re
 import secrets
+import stat
 import threading
 from dataclasses import dataclass
 
 from kvstore.pageformat import ALIGN, align_up
 from kvstore.transport.buffers import address_of
 from kvstore.transport.shm import HEADER_BYTES, MAGIC, NONCE_BYTES, SHM_DIR
+
+_PID_IN_NAME = re.compile(r"^kvstore-(\d{1,10})-")
+_PID_MAX = 1 << 22  # Linux's largest pid_max (PID_MAX_LIMIT on 64-bit)
 
 
 class ClientSegment:
@@ -60,24 +65,32 @@ class ClientSegment:
 
 def sweep_stale() -> int:
     """Unlink segments left by client processes that died without closing (SIGKILL, OOM): names carry
-    the creator's pid, and a pid that no longer exists cannot be using its segment. Returns how many."""
+    the creator's pid, and a pid that no longer exists cannot be using its segment. Returns how many.
+
+    Tolerates any file name a local user may create in /dev/shm (issue 16: a pid too large for
+    os.kill once broke every client): only `kvstore-<pid>-...` regular files of this user with a pid
+    in the kernel's range are considered; anything else is left alone."""
     removed = 0
     try:
-        names = [p.name for p in SHM_DIR.glob("kvstore-*-*")]
+        paths = list(SHM_DIR.glob("kvstore-*-*"))
     except OSError:
         return 0
-    for name in names:
-        pid_text = name.split("-")[1]
-        if not pid_text.isdigit() or int(pid_text) == os.getpid():
+    me, uid = os.getpid(), os.geteuid()
+    for path in paths:
+        m = _PID_IN_NAME.match(path.name)
+        if m is None or not 0 < int(m.group(1)) <= _PID_MAX or int(m.group(1)) == me:
             continue
         try:
-            os.kill(int(pid_text), 0)
+            st = os.lstat(path)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                continue
+            os.kill(int(m.group(1)), 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
-                (SHM_DIR / name).unlink()
+                path.unlink()
                 removed += 1
-        except PermissionError:
-            pass  # alive, another user's
+        except (OSError, OverflowError):
+            pass  # gone meanwhile, or alive and another user's
     return removed
 
 

@@ -26,7 +26,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
-from kvstore.security import AUTH_HEADER
+from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
 from kvstore.transport.serving import NodeServices, PlaneServer
 from kvstore.transport.ucx import (
@@ -259,8 +259,8 @@ class UcxPlaneServer(PlaneServer):
                 self._check(conn, "Put")
                 reply = await self._put(conn, seq, pb.PutShmRequest.FromString(bytes(body)))
             elif kind is Kind.GET:
-                self._check(conn, "Get")
-                reply = await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)))
+                may_move = self._check(conn, "Get")
+                reply = await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)), may_move)
             else:
                 raise InvalidArgument("kind", f"{kind.name} is not a request")
         except DecodeError as exc:
@@ -271,10 +271,13 @@ class UcxPlaneServer(PlaneServer):
             return
         await self._send(conn, frame(Kind.OK, seq, reply), seq)
 
-    def _check(self, conn: Connection, method: str) -> None:
+    def _check(self, conn: Connection, method: str) -> bool:
+        """Raise unless the connection's token allows `method`; whether the caller may move pages (a
+        read-only caller's Gets are served in place, as on gRPC: kvstore/admission.py)."""
         svc = self._svc
         if svc is not None and svc.auth is not None:
-            svc.auth.check(method, conn.metadata)
+            return svc.auth.check(method, conn.metadata).role >= Role.WRITE
+        return True
 
     async def _send(self, conn: Connection, msg: bytes, seq: int) -> None:
         t = self.ucx.UCXXTag(tag(conn.cid, TagKind.CTRL_TO_CLIENT, seq))
@@ -347,13 +350,13 @@ class UcxPlaneServer(PlaneServer):
                 if not txn.done:
                     txn.abort()
 
-    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest) -> bytes:
+    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, may_move: bool) -> bytes:
         svc = self._svc
         assert svc is not None
         if len(req.hashes) > MAX_PAGES_PER_CALL:
             raise InvalidArgument("hashes", f"a GET asks for at most {MAX_PAGES_PER_CALL} pages")
         out = pb.GetShmResponse()
-        leases = svc.manager.get(req.namespace, list(req.hashes), promote=not req.no_promote)
+        leases = svc.manager.get(req.namespace, list(req.hashes), promote=not req.no_promote and may_move)
         try:
             async for lease in leases:
                 i = len(out.pages)
