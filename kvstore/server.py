@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -199,7 +200,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         view.release()
                     view = await txn.add_page(msg.hash, msg.payload_bytes, msg.checksum)  # type: ignore[union-attr]
                 else:
-                    txn = self.mgr.begin_put(msg.namespace, layout_from_pb(msg.layout), tier_from_pb(msg.target_tier),
+                    txn = self.mgr.begin_put(msg.namespace, layout_from_pb(msg.layout),
+                                             tier_from_pb(msg.target_tier, field="open.target_tier"),
                                              msg.parent_hash or None, msg.chain)  # fmt: skip
             parser.finish()
             assert txn is not None
@@ -238,7 +240,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             for i, p in enumerate(request.pages):  # bounds first: a bad slice must leave the node unchanged
                 seg.check(p.offset, p.payload_bytes, f"pages[{i}]")
             op = request.open
-            txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
+            txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout),
+                                     tier_from_pb(op.target_tier, field="open.target_tier"),
                                      op.parent_hash or None, op.chain)  # fmt: skip
             for i, p in enumerate(request.pages):
                 dst = await txn.add_page(p.hash, p.payload_bytes, p.checksum)
@@ -292,12 +295,14 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             "PutShm": (self.PutShm, pb.PutShmRequest, pb.PutResponse),
             "GetShm": (self.GetShm, pb.GetShmRequest, pb.GetShmResponse),
         }
+        # NOTE: requests are parsed inside the handler (`_parsed`), not by gRPC's deserializer, so
+        # undecodable bytes are INVALID_ARGUMENT naming the message (gRPC would answer UNKNOWN).
         methods = {
-            name: grpc.unary_unary_rpc_method_handler(fn, req.FromString, resp.SerializeToString)
+            name: grpc.unary_unary_rpc_method_handler(_parsed(fn, req), None, resp.SerializeToString)
             for name, (fn, req, resp) in unary.items()
         }
         methods["Put"] = grpc.stream_unary_rpc_method_handler(self.Put, None, pb.PutResponse.SerializeToString)
-        methods["Get"] = grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, None)
+        methods["Get"] = grpc.unary_stream_rpc_method_handler(_parsed_stream(self.Get, pb.GetRequest), None, None)
         return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
@@ -324,6 +329,34 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         stats.planes = list(self.planes)
         stats.host_id = host_id()
         return stats_to_pb(stats)
+
+
+def _decode(msg_cls: type[Message], raw: bytes) -> Any:
+    try:
+        return msg_cls.FromString(raw)
+    except DecodeError:
+        raise InvalidArgument(
+            "request", f"{len(raw)} bytes do not parse as {msg_cls.DESCRIPTOR.full_name} (or a string is not UTF-8)"
+        ) from None
+
+
+def _parsed(fn: Callable[[Any, Any], Awaitable[Any]], msg_cls: type[Message]) -> Callable[[bytes, Any], Awaitable[Any]]:
+    """A unary handler taking serialized bytes: parsed here, after the interceptor authorized the call."""
+
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        return await fn(_decode(msg_cls, raw), context)
+
+    return handler
+
+
+def _parsed_stream(fn: Callable[[Any, Any], AsyncIterator[Any]], msg_cls: type[Message]) -> Callable[..., AsyncIterator[Any]]:
+    """The same for a server-streaming handler (Get)."""
+
+    async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for item in fn(_decode(msg_cls, raw), context):
+            yield item
+
+    return handler
 
 
 class Node:

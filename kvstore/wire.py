@@ -98,8 +98,15 @@ def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout
         raise InvalidArgument(field, str(exc)) from None
 
 
-def tier_from_pb(value: int, default: TierKind = TierKind.DRAM) -> TierKind:
-    return default if value == pb.TIER_UNSPECIFIED else TierKind(value)
+def tier_from_pb(value: int, default: TierKind = TierKind.DRAM, field: str = "target_tier") -> TierKind:
+    """The tier a message names; an unknown value is InvalidArgument naming `field`."""
+    if value == pb.TIER_UNSPECIFIED:
+        return default
+    try:
+        return TierKind(value)
+    except ValueError:
+        known = ", ".join(f"{int(k)} ({k.label})" for k in TierKind)
+        raise InvalidArgument(field, f"{value} is not a tier; known: {known}") from None
 
 
 def put_requests(

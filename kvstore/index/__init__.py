@@ -38,9 +38,9 @@ node holds, returning the live holders of each matched block. It reads keys it i
 
 from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, alive_key, block_key, epoch_key, node_key, ns_tag
 from kvstore.index.lookup import ClusterLookup, NodeShare, summarize
-from kvstore.index.reader import IndexReader, NodeInfo
+from kvstore.index.reader import IndexReader, IndexUnavailable, NodeInfo
 
 __all__ = [
-    "ALIVE_PREFIX", "NODES_KEY", "PREFIX", "ClusterLookup", "IndexReader", "NodeInfo", "NodeShare", "alive_key",
+    "ALIVE_PREFIX", "NODES_KEY", "PREFIX", "ClusterLookup", "IndexReader", "IndexUnavailable", "NodeInfo", "NodeShare", "alive_key",
     "block_key", "epoch_key", "node_key", "ns_tag", "summarize",
 ]  # fmt: skip

@@ -40,6 +40,7 @@ class Medium(abc.ABC):
     persistent: bool = False  # survives a restart: `scan` finds its pages, `invalidate` erases them
     host_memory: bool = False  # slots are host memory: `view` gives them without a copy
     detail: str = ""  # one line for operators (kvctl stats): what backs it, or why it is unavailable
+    scan_failures: int = 0  # slots whose header failed its check in the last `scan` (checksum failures)
 
     @property
     def capacity_bytes(self) -> int:
@@ -74,7 +75,8 @@ class Medium(abc.ABC):
         return None  # a volatile medium forgets everything on restart anyway
 
     def scan(self) -> Iterator[tuple[int, PageHeader]]:
-        """(slot, header) of every slot holding a valid page header: what a restart recovers."""
+        """(slot, header) of every slot holding a valid page header: what a restart recovers. Slots holding
+        a header that fails its check are skipped and counted in `scan_failures`."""
         return iter(())
 
     def close(self) -> None:
