@@ -424,13 +424,13 @@ def disk_full(workdir: Path, seconds: float = 4.0, seed: int = 0) -> FaultResult
     with tmpfs(mnt, 48 * SLOT + (1 << 20)) as fs:
         # 1. a tier bigger than the filesystem: refused at start, with the numbers
         big = NodeProcess(dram_bytes=8 * SLOT, nvme_path=fs / "too-big", nvme_bytes=4 * nvme_pages * SLOT,
-                          max_page_bytes=PAGE, node_id="full-start")  # fmt: skip
+                          max_page_bytes=PAGE, node_id="full-start", env={"COLUMNS": "400"})  # fmt: skip
         try:
             big.start(timeout=30)
             res.errors += 1  # it should not have started
             res.notes["start_refusal"] = "node started on a filesystem too small"
         except RuntimeError:
-            res.notes["start_refusal"] = big.log_tail(3).splitlines()[-2:]
+            res.notes["start_refusal"] = [line for line in big.log_tail(10).splitlines() if "error" in line]
         finally:
             big.close()
         for p in (fs / "too-big").glob("*"):

@@ -33,7 +33,7 @@ from kvstore.tiers.nvme_meta import (
     write_meta,
 )
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, rich_markup_mode=None,
+app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Check or repair an NVMe tier directory (stop its node first).")  # fmt: skip
 
 _DEFAULT_SEGMENT_BYTES: int = next(f.default for f in dataclasses.fields(NodeConfig) if f.name == "nvme_segment_bytes")  # type: ignore[assignment]
@@ -63,8 +63,8 @@ def _report(path: Path, meta_state: str, geom: Geometry, segs: list[SegmentSurve
     return {
         "path": str(path), "metadata": meta_state, "slot_bytes": geom.slot_bytes,
         "slots_per_segment": geom.slots_per_segment,
-        "segments": [{"file": s.name, "bytes": s.size, "cut_mid_slot": s.cut, "foreign": s.foreign,
-                      **{st.value: n for st, n in s.counts.items()}} for s in segs],
+        "segments": [{"file": s.name, "bytes": s.size, "cut_mid_slot": s.cut, "foreign_file": s.foreign,
+                      "slots": {st.value: n for st, n in s.counts.items()}} for s in segs],
     }  # fmt: skip
 
 

@@ -68,9 +68,9 @@ class NvmeTier(Medium):
         sizes = [min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
                  for seg in range(n_segments)]  # fmt: skip
         self._check_space(sizes)
+        self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
         for seg, size in enumerate(sizes):
             self._fds.append(self._open_segment(seg, size))
-        self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation
         self._detail = f"{n_segments} segment file(s) in {self.path}, " + (
             "O_DIRECT" if self.direct_io else "buffered I/O + fdatasync (O_DIRECT unsupported here)"
         )
@@ -156,7 +156,7 @@ class NvmeTier(Medium):
             cut = old_size // self.slot_bytes
             log.warning("%s was truncated to %d bytes (inside slot %d): slots from there on are empty now; "
                         "the page cut in two is erased", name, old_size, cut)  # fmt: skip
-            self._pwrite_all(fd, memoryview(bytes(HEADER_BYTES)), cut * self.slot_bytes)
+            self._pwrite_all(fd, memoryview(self._zero), cut * self.slot_bytes)
             os.fdatasync(fd)
         return fd
 
