@@ -42,7 +42,7 @@ def _filled(tmp_path: Path) -> tuple[Path, list[bytes]]:
 
 
 def _kvstore(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore.cli.main", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "kvstore.cli.main", *args], capture_output=True, text=True, check=False,
                           timeout=120, env={**os.environ, "COLUMNS": "400"})  # fmt: skip
 
 
@@ -112,7 +112,7 @@ def test_truncated_segment_keeps_whole_pages_and_never_serves_the_cut_one(tmp_pa
     node = _node(nvme).start()
     try:
         with KVStoreClient(node.addr, timeout=30) as kv:
-            present, missing, corrupt = check_pages(kv, keys)
+            present, _, corrupt = check_pages(kv, keys)
         assert corrupt == 0
         assert len(present) == 10  # the pages wholly before the cut
         assert "truncated" in node.log_tail(200)
