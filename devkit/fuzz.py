@@ -25,6 +25,7 @@ from typing import Protocol
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -409,3 +410,25 @@ class FuzzLog:
             diff = {k: (before.get(k), after.get(k)) for k in after if before.get(k) != after.get(k)}
             self.violations.append(f"{case.plane} {case.label} ({code}) changed Stats: {diff}")
         return after
+
+
+def run_fuzz(target: FuzzTarget, requests: int, planes: list[FuzzPlane] | None = None, per_example: int = 10) -> FuzzLog:
+    """Send at least `requests` fuzzed cases, each plane equally often, `per_example` per Hypothesis
+    example; raises (with Hypothesis's shrunk example) at the first batch that breaks an invariant."""
+    planes = default_planes() if planes is None else planes
+    per_plane = [p.cases(target) for p in planes]
+    cases = st.integers(0, len(planes) - 1).flatmap(lambda i: per_plane[i])
+    log = FuzzLog()
+
+    @settings(max_examples=-(-requests // per_example), deadline=None, database=None, print_blob=True,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(st.lists(cases, min_size=per_example, max_size=per_example))
+    def run(batch: list[Case]) -> None:
+        before = None
+        seen = len(log.violations)
+        for case in batch:
+            before = log.check(target, case, before)
+        assert len(log.violations) == seen, log.violations[seen:]
+
+    run()
+    return log

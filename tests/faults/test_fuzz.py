@@ -13,14 +13,11 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from devkit.fuzz import FuzzLog, FuzzTarget, default_planes, setup_target
+from devkit.fuzz import FuzzTarget, default_planes, run_fuzz, setup_target
 from kvstore.launch import NodeProcess
 
 REQUESTS = int(os.environ.get("KVSTORE_FUZZ_REQUESTS", "10000"))
-PER_EXAMPLE = 10  # cases drawn per Hypothesis example (fewer examples, the same requests)
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +42,7 @@ def target(fuzz_node: NodeProcess) -> Iterator[FuzzTarget]:
 @pytest.mark.timeout(900)
 def test_fuzzed_requests_keep_the_node_up_and_answer_the_right_code(fuzz_node: NodeProcess, target: FuzzTarget) -> None:
     planes = default_planes()
-    per_plane = [p.cases(target) for p in planes]
-    cases = st.integers(0, len(planes) - 1).flatmap(lambda i: per_plane[i])  # each plane equally often
-    log = FuzzLog()
-
-    @settings(max_examples=-(-REQUESTS // PER_EXAMPLE), deadline=None, database=None, print_blob=True,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(st.lists(cases, min_size=PER_EXAMPLE, max_size=PER_EXAMPLE))
-    def run(batch: list) -> None:  # type: ignore[type-arg]
-        before = None
-        seen = len(log.violations)
-        for case in batch:
-            before = log.check(target, case, before)
-        assert len(log.violations) == seen, log.violations[seen:]
-
-    run()
+    log = run_fuzz(target, REQUESTS, planes)
     assert fuzz_node.proc is not None and fuzz_node.proc.poll() is None, "the node died"
     assert target.state()["node_id"] == "fuzz"  # still answering
     assert log.requests >= REQUESTS, log.requests
