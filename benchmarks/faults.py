@@ -20,9 +20,9 @@ from pathlib import Path
 from machine import machine_line, save_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from devkit import faults  # noqa: E402
-from devkit.fuzz import run_fuzz, setup_target  # noqa: E402
-from kvstore.launch import NodeProcess  # noqa: E402
+from devkit import faults
+from devkit.fuzz import run_fuzz, setup_target
+from kvstore.launch import NodeProcess
 
 
 def fuzz(requests: int) -> faults.FaultResult:
