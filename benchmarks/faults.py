@@ -24,6 +24,14 @@ from devkit import faults
 from devkit.fuzz import run_fuzz, setup_target
 from kvstore.launch import NodeProcess
 
+SIZES = {  # option: (full, --quick, what)
+    "kill_rounds": (100, 20, "kill -9 restarts"),
+    "rot_rounds": (10, 3, "bit-rot rounds (restarts)"),
+    "rot_flips": (100, 100, "bit flips per bit-rot round"),
+    "fuzz_requests": (50_000, 10_000, "fuzzed requests"),
+    "redis_outages": (5, 1, "Redis kills and restarts"),
+}
+
 
 def fuzz(requests: int) -> faults.FaultResult:
     res = faults.FaultResult("fuzzed requests (gRPC unary, Put streams, raw frames, shm)")
@@ -45,16 +53,14 @@ def fuzz(requests: int) -> faults.FaultResult:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kill-rounds", type=int, default=100)
-    ap.add_argument("--rot-rounds", type=int, default=10)
-    ap.add_argument("--rot-flips", type=int, default=100, help="bit flips per bit-rot round")
-    ap.add_argument("--fuzz-requests", type=int, default=50_000)
-    ap.add_argument("--redis-outages", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="CI smoke sizes: 20 kills, 3x100 flips, 10,000 fuzzed")
+    for name, (full, quick, what) in SIZES.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=full, help=f"{what} (default {full}, --quick {quick})")
+    ap.add_argument("--quick", action="store_true", help="the CI smoke sizes")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.kill_rounds, args.rot_rounds, args.fuzz_requests, args.redis_outages = 20, 3, 10_000, 1
+    for name, (_, quick, _) in SIZES.items():
+        if args.quick:
+            setattr(args, name, quick)
     results: list[faults.FaultResult] = []
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvstore-faults-") as tmp:

@@ -43,6 +43,16 @@ OPS = (("lookup", 0.4), ("get", 0.3), ("put", 0.2), ("prefetch", 0.1))
 OVERHEAD_MIB = 192  # interpreter + grpc + OpenTelemetry + Put/Get buffers in flight, on top of the DRAM slab
 
 
+SIZES: dict[str, tuple[type, float, float | None, str]] = {  # option: (type, default, --quick, what)
+    "seconds": (float, 600.0, 20.0, "duration in seconds"),
+    "clients": (int, 64, 8, "concurrent clients"),
+    "dram_mib": (int, 32, None, "node DRAM budget in MiB"),
+    "chains": (int, 256, None, "working set: chains of --chain-len pages"),
+    "chain_len": (int, 8, None, "pages per chain"),
+    "window": (float, 30.0, 5.0, "seconds per reported window"),
+}
+
+
 def chain_keys(c: int, length: int) -> list[bytes]:
     return [hashlib.sha256(f"soak-{c}-{i}".encode()).digest() for i in range(length)]
 
@@ -120,17 +130,15 @@ def pct(xs: list[float], q: float) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seconds", type=float, default=600, help="duration (default 600 = 10 min)")
-    ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--dram-mib", type=int, default=32, help="node DRAM budget (default 32 MiB)")
-    ap.add_argument("--chains", type=int, default=256, help="working set: chains of --chain-len pages")
-    ap.add_argument("--chain-len", type=int, default=8)
-    ap.add_argument("--window", type=float, default=30.0, help="seconds per reported window")
+    for name, (kind, full, quick, what) in SIZES.items():
+        ap.add_argument(f"--{name.replace('_', '-')}", type=kind, default=full,
+                        help=f"{what} (default {full}" + (f", --quick {quick})" if quick is not None else ")"))  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: 20 s, 8 clients, 5 s windows")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.seconds, args.clients, args.window = 20.0, 8, 5.0
+    for name, (_, _, quick, _) in SIZES.items():
+        if args.quick and quick is not None:
+            setattr(args, name, quick)
     slot = slot_bytes_for(LAYOUT.page_bytes)
     working_set = args.chains * args.chain_len
     nvme_pages = 2 * working_set

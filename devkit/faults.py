@@ -80,23 +80,22 @@ TABLE_HEAD = ("| fault | rounds | requests | corrupt served | durable pages lost
               "| node memory peak |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
 
 
-def rss_peak(pid: int) -> int:
-    """Peak resident set (VmHWM) of a live process, in bytes; 0 when it is gone."""
+def _status_kib(pid: int, field_name: str) -> int:
     try:
-        text = Path(f"/proc/{pid}/status").read_text()
+        m = re.search(rf"{field_name}:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text())
     except OSError:
         return 0
-    m = re.search(r"VmHWM:\s+(\d+) kB", text)
     return int(m.group(1)) * 1024 if m else 0
+
+
+def rss_peak(pid: int) -> int:
+    """Peak resident set (VmHWM) of a live process, in bytes; 0 when it is gone."""
+    return _status_kib(pid, "VmHWM")
 
 
 def rss_now(pid: int) -> int:
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    m = re.search(r"VmRSS:\s+(\d+) kB", text)
-    return int(m.group(1)) * 1024 if m else 0
+    """Resident set (VmRSS) of a live process, in bytes; 0 when it is gone."""
+    return _status_kib(pid, "VmRSS")
 
 
 def node_pid(node: NodeProcess) -> int:

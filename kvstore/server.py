@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -47,6 +47,7 @@ from kvstore.wire import (
     PutParser,
     get_responses,
     layout_from_pb,
+    parse_request,
     stats_to_pb,
     tier_from_pb,
 )
@@ -331,20 +332,11 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
         return stats_to_pb(stats)
 
 
-def _decode(msg_cls: type[Message], raw: bytes) -> Any:
-    try:
-        return msg_cls.FromString(raw)
-    except DecodeError:
-        raise InvalidArgument(
-            "request", f"{len(raw)} bytes do not parse as {msg_cls.DESCRIPTOR.full_name} (or a string is not UTF-8)"
-        ) from None
-
-
 def _parsed(fn: Callable[[Any, Any], Awaitable[Any]], msg_cls: type[Message]) -> Callable[[bytes, Any], Awaitable[Any]]:
     """A unary handler taking serialized bytes: parsed here, after the interceptor authorized the call."""
 
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
-        return await fn(_decode(msg_cls, raw), context)
+        return await fn(parse_request(msg_cls, raw), context)
 
     return handler
 
@@ -353,7 +345,7 @@ def _parsed_stream(fn: Callable[[Any, Any], AsyncIterator[Any]], msg_cls: type[M
     """The same for a server-streaming handler (Get)."""
 
     async def handler(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        async for item in fn(_decode(msg_cls, raw), context):
+        async for item in fn(parse_request(msg_cls, raw), context):
             yield item
 
     return handler

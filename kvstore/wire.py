@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
@@ -19,6 +20,7 @@ from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TierCounters, TierStats
 
+M = TypeVar("M", bound=Message)
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # chunk + framing, with room to spare; channels and server set this
 
@@ -80,6 +82,17 @@ def parse_put_request(msg: bytes) -> tuple[str, object]:
         raise InvalidArgument("msg", "PutRequest does not parse as kvstore.v1.PutRequest") from None
     kind = req.WhichOneof("msg")
     return kind or "", getattr(req, kind) if kind else None
+
+
+def parse_request(msg_cls: type[M], raw: bytes) -> M:
+    """A serialized request as its message; bytes that do not parse (a string that is not UTF-8
+    included) are InvalidArgument, never a bare DecodeError."""
+    try:
+        return msg_cls.FromString(raw)
+    except DecodeError:
+        raise InvalidArgument(
+            "request", f"{len(raw)} bytes do not parse as {msg_cls.DESCRIPTOR.full_name} (or a string is not UTF-8)"
+        ) from None
 
 
 def layout_to_pb(layout: PageLayout) -> pb.PageLayout:

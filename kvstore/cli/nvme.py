@@ -19,19 +19,7 @@ import typer
 from kvstore.cli.common import friendly_errors
 from kvstore.config import NodeConfig, parse_size
 from kvstore.pageformat import HEADER_BYTES, slot_bytes_for
-from kvstore.tiers.nvme_meta import (
-    META_NAME,
-    Geometry,
-    MetaDamaged,
-    NvmeFormatError,
-    SegmentSurvey,
-    SlotState,
-    classify,
-    decode_meta,
-    foreign_message,
-    survey,
-    write_meta,
-)
+from kvstore.tiers import nvme_meta as nm
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="Check or repair an NVMe tier directory (stop its node first).")  # fmt: skip
@@ -41,25 +29,25 @@ PathOpt = Annotated[Path, typer.Option(help="the node's --nvme-path directory")]
 SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 2MiB (the node's value)", show_default=False)]
 
 
-def _geometry(max_page_bytes: str | None, segment_bytes: str | None) -> Geometry | None:
+def _geometry(max_page_bytes: str | None, segment_bytes: str | None) -> nm.Geometry | None:
     if max_page_bytes is None:
         return None
     slot = slot_bytes_for(parse_size(max_page_bytes))
     seg = parse_size(segment_bytes) if segment_bytes else _DEFAULT_SEGMENT_BYTES
-    return Geometry(slot, max(1, seg // slot))
+    return nm.Geometry(slot, max(1, seg // slot))
 
 
-def _read_meta(path: Path) -> tuple[Geometry | None, str]:
-    meta = path / META_NAME
+def _read_meta(path: Path) -> tuple[nm.Geometry | None, str]:
+    meta = path / nm.META_NAME
     if not meta.exists():
         return None, "missing"
     try:
-        return decode_meta(meta.read_bytes()), "ok"
-    except MetaDamaged as exc:
+        return nm.decode_meta(meta.read_bytes()), "ok"
+    except nm.MetaDamaged as exc:
         return None, f"damaged: {exc}"
 
 
-def _report(path: Path, meta_state: str, geom: Geometry, segs: list[SegmentSurvey]) -> dict[str, object]:
+def _report(path: Path, meta_state: str, geom: nm.Geometry, segs: list[nm.SegmentSurvey]) -> dict[str, object]:
     return {
         "path": str(path), "metadata": meta_state, "slot_bytes": geom.slot_bytes,
         "slots_per_segment": geom.slots_per_segment,
@@ -82,9 +70,9 @@ def check(
     have, state = _read_meta(nvme_path)
     geom = have or _geometry(max_page_bytes, nvme_segment_bytes)
     if geom is None:
-        raise ValueError(f"{nvme_path / META_NAME} is {state}: pass --max-page-bytes (and --nvme-segment-bytes if "
+        raise ValueError(f"{nvme_path / nm.META_NAME} is {state}: pass --max-page-bytes (and --nvme-segment-bytes if "
                          "not the default) to check the segments under the node's geometry")  # fmt: skip
-    segs = survey(nvme_path, geom)
+    segs = nm.survey(nvme_path, geom)
     report = _report(nvme_path, state, geom, segs)
     if json_out:
         typer.echo(json.dumps(report, indent=2))
@@ -115,22 +103,22 @@ def repair(
     assert geom is not None
     have, state = _read_meta(nvme_path)
     if have is not None and have != geom:
-        raise NvmeFormatError(f"{nvme_path} is formatted with {have.as_dict()} (intact), not {geom.as_dict()}: "
+        raise nm.NvmeFormatError(f"{nvme_path} is formatted with {have.as_dict()} (intact), not {geom.as_dict()}: "
                               "pass the node's --max-page-bytes, or use an empty directory")  # fmt: skip
-    segs = survey(nvme_path, geom)
+    segs = nm.survey(nvme_path, geom)
     foreign = [s for s in segs if s.foreign]
     if foreign and not discard_foreign:
-        raise NvmeFormatError(foreign_message(nvme_path, foreign[0]))
+        raise nm.NvmeFormatError(nm.foreign_message(nvme_path, foreign[0]))
     erased = 0
     for s in segs:
         erased += _erase_bad_headers(nvme_path / s.name, geom, everything=s.foreign)
-    write_meta(nvme_path, geom)
-    pages = sum(s.counts[SlotState.PAGE] for s in segs if not s.foreign)
+    nm.write_meta(nvme_path, geom)
+    pages = sum(s.counts[nm.SlotState.PAGE] for s in segs if not s.foreign)
     typer.echo(f"{nvme_path}: metadata was {state}, rewritten; {len(segs)} segment file(s), {pages} page header(s) "
                f"kept, {erased} slot header(s) erased" + (f", {len(foreign)} foreign file(s) reformatted" if foreign else ""))  # fmt: skip
 
 
-def _erase_bad_headers(file: Path, geom: Geometry, everything: bool) -> int:
+def _erase_bad_headers(file: Path, geom: nm.Geometry, everything: bool) -> int:
     """Zero the header block of every slot that holds no valid page header but is not blank (all
     non-blank ones when `everything`), and of a page a truncation cut; returns how many, fsynced."""
     size = file.stat().st_size
@@ -140,9 +128,9 @@ def _erase_bad_headers(file: Path, geom: Geometry, everything: bool) -> int:
         for slot in range(-(-size // geom.slot_bytes)):
             f.seek(slot * geom.slot_bytes)
             block = f.read(HEADER_BYTES).ljust(HEADER_BYTES, b"\0")
-            state = classify(block)[0]
+            state = nm.classify(block)[0]
             cut = (slot + 1) * geom.slot_bytes > size
-            if state is not SlotState.BLANK and (everything or cut or state is not SlotState.PAGE):
+            if state is not nm.SlotState.BLANK and (everything or cut or state is not nm.SlotState.PAGE):
                 f.seek(slot * geom.slot_bytes)
                 f.write(zero[: min(HEADER_BYTES, size - slot * geom.slot_bytes)])
                 erased += 1
