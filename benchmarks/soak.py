@@ -158,9 +158,13 @@ def main(argv: list[str] | None = None) -> int:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
+        # Same-run reference: one client alone, so the soak's latencies read against the node's unloaded ones.
+        ref_s = min(30.0, max(5.0, args.seconds / 20))
+        ref = Soak(node.addr, 1, args.chains, args.chain_len, ref_s, seed=1)
         soak = Soak(node.addr, args.clients, args.chains, args.chain_len, args.window, seed=0)
-        wall = time.monotonic()
         try:
+            asyncio.run(ref.run(ref_s))
+            wall = time.monotonic()
             asyncio.run(soak.run(args.seconds))
         finally:
             stop.set()
@@ -179,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         "| prefetch p50/p99 ms | node RSS max (MiB) |",
         "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]  # fmt: skip
+    ref_w = ref.windows[0] if ref.windows else Window()
+    cells = " | ".join(f"{pct(ref_w.lat[op], 0.5):.1f} / {pct(ref_w.lat[op], 0.99):.1f}" for op, _ in OPS)
+    n = sum(len(v) for v in ref_w.lat.values())
+    lines.append(f"| reference: 1 client, {ref_s:.0f} s before | {n} | {ref_w.errors} | {ref_w.wrong_pages} | {cells} | — |")
     for i, w in enumerate(soak.windows):
         lo, hi = i * args.window, (i + 1) * args.window
         rss_w = max((r for t, r in rss if lo <= t < hi), default=0)
@@ -194,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = errors == 0 and wrong == 0 and peak <= budget and code == 0
     lines += [
         "",
-        f"- Total: {total} requests in {wall:.0f} s ({total / wall:.0f}/s), {errors} errors, {wrong} wrong pages; "
-        f"node exit code {code} after SIGTERM.",
+        f"- Total: {total} requests in {wall:.0f} s ({total / wall:.0f}/s), {errors} errors, {wrong} wrong pages; node "
+        f"exit code {code} after SIGTERM. With {args.clients} requests always in flight the mean latency is clients / "
+        f"rate (Little's law): {1e3 * args.clients * wall / max(total, 1):.0f} ms.",
         f"- Node RSS: peak {peak / 2**20:.0f} MiB against a budget of {budget >> 20} MiB (DRAM {args.dram_mib} MiB + "
         f"{OVERHEAD_MIB} MiB overhead); {growth / 2**20:+.1f} MiB from after warm-up to the end.",
         "- Node counters: " + "; ".join(f"{k}: {c.hits} hits, {c.promotions} promotions in, {c.demotions} demotions in, "
