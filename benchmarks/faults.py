@@ -14,6 +14,7 @@ import argparse
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,22 +64,31 @@ def main(argv: list[str] | None = None) -> int:
             setattr(args, name, quick)
     results: list[faults.FaultResult] = []
     t0 = time.monotonic()
+
+    def record(name: str, run: Callable[[], faults.FaultResult]) -> None:
+        """Run one scenario; a scenario that raises is a row with its error, and the others still run.
+        The table is saved after every scenario, so a long run that stops keeps what it measured."""
+        try:
+            results.append(run())
+        except Exception as exc:
+            results.append(faults.FaultResult(name, errors=1, notes={"raised": f"{type(exc).__name__}: {exc}"[:2000]}))
+        lines = ["## fault suite", "", machine_line(), "", faults.TABLE_HEAD, *(r.row() for r in results), ""]
+        lines += [f"- {r.fault}: {r.notes}" for r in results]
+        lines.append(f"- wall {time.monotonic() - t0:.0f} s so far")
+        save_results(args.out, "faults", "\n".join(lines), args, results=[asdict(r) for r in results])
+
     with tempfile.TemporaryDirectory(prefix="kvstore-faults-") as tmp:
         work = Path(tmp)
-        results.append(faults.kill9(work / "kill9", args.kill_rounds, seed=1))
-        results.append(faults.bitrot(work / "rot", args.rot_rounds, args.rot_flips, pages=2048, seed=2))
+        record("kill -9", lambda: faults.kill9(work / "kill9", args.kill_rounds, seed=1))
+        record("bit rot", lambda: faults.bitrot(work / "rot", args.rot_rounds, args.rot_flips, pages=2048, seed=2))
         why = faults.can_mount_tmpfs(work / "probe")
         if why is None:
-            results.append(faults.disk_full(work / "full", seconds=10.0))
+            record("disk full", lambda: faults.disk_full(work / "full", seconds=10.0))
         else:
             print(f"disk-full scenario not run: {why}")
-        results.append(faults.redis_outage(work / "redis", outages=args.redis_outages, down_seconds=3.0))
-        results.append(faults.slow_consumers(work / "slow", stalled=16, silent=32, seconds=10.0))
-        results.append(fuzz(args.fuzz_requests))
-    lines = ["## fault suite", "", machine_line(), "", faults.TABLE_HEAD, *(r.row() for r in results), ""]
-    lines += [f"- {r.fault}: {r.notes}" for r in results]
-    lines.append(f"- wall {time.monotonic() - t0:.0f} s")
-    save_results(args.out, "faults", "\n".join(lines), args, results=[asdict(r) for r in results])
+        record("Redis", lambda: faults.redis_outage(work / "redis", outages=args.redis_outages, down_seconds=3.0))
+        record("stalls", lambda: faults.slow_consumers(work / "slow", stalled=16, silent=32, seconds=10.0))
+        record("fuzz", lambda: fuzz(args.fuzz_requests))
     bad = [r for r in results if r.corrupt_served or r.durable_lost or r.errors]
     return 1 if bad else 0
 

@@ -186,7 +186,7 @@ class _Load:
                 st.requests += 1
                 pending.append(keys)
                 pending = pending[-64:]
-                self.stop.wait(self.rng.uniform(0.0, 0.01))  # spreads kill points over puts, demotions, lookups
+                self.stop.wait(self.rng.uniform(0.0, 0.03))  # spreads kill points over puts, demotions, lookups
                 if st.requests % 3 == 0:
                     for chain in pending:
                         res = kv.lookup_detail(NS, chain)
@@ -221,7 +221,7 @@ class _KillState:
 KILL_MODES = ("put+demote", "put+demote", "promote", "shutdown-spill")
 
 
-def kill9(workdir: Path, rounds: int, seed: int = 0, pages_per_round: int = 512) -> FaultResult:
+def kill9(workdir: Path, rounds: int, seed: int = 0, pages_per_round: int = 256) -> FaultResult:
     """`rounds` cycles of: (re)start, check every durable page and every page that may have survived,
     load (Puts that demote; promoting Gets in some rounds), then SIGKILL at a random moment (in
     shutdown-spill rounds, SIGTERM first and SIGKILL during the spill)."""

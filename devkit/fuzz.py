@@ -246,7 +246,8 @@ class GrpcPutPlane:
         def send(tg: FuzzTarget) -> str:
             # Fresh keys at every send: a page stored already is accepted without its bytes (first writer
             # wins), which would make a wrong checksum OK; drawn hashes repeat, above all when shrinking.
-            fresh = [hashlib.sha256(h + tg.sent.to_bytes(8, "little")).digest() for h in hashes]
+            # Distinct within the stream too: a repeated page is "already present" and its bytes unchecked.
+            fresh = [hashlib.sha256(h + tg.sent.to_bytes(8, "little") + bytes([i])).digest() for i, h in enumerate(hashes)]
             return tg.put(self._frames(opener, mut, fresh, bad_hash, n))
 
         return Case(self.name, f"Put: {mut}", send, frozenset({expect}), expect == OK)
