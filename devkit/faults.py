@@ -350,7 +350,7 @@ def bitrot(workdir: Path, rounds: int, flips_per_round: int, pages: int = 512, s
         res.rounds = rounds
         res.notes = {"flips": rounds * flips_per_round, "pages": pages, "refused": refused,
                      "checksum_failures_stats": counted, "checksum_failures_metrics": counted_metrics,
-                     "metadata_rebuilt": "metadata" in node.log_tail(400) and "rebuilt" in node.log_tail(400)}  # fmt: skip
+                     "metadata_rebuilt": re.search(r"NVMe metadata .* rebuilt", node.log_path.read_text()) is not None}  # fmt: skip
         return res
     finally:
         node.close()
