@@ -82,7 +82,8 @@ def parse_request(raw: bytes, method: str, parse: Callable[[bytes], T]) -> T:
     try:
         return parse(raw)
     except DecodeError as exc:
-        raise InvalidArgument("request", f"not a valid {method} request: {exc}") from None
+        raise InvalidArgument("request", f"{len(raw)} bytes do not parse as a {method} request (or a string in "
+                                         f"it is not UTF-8): {exc}") from None  # fmt: skip
 
 
 def refusal_handler(exc: KVStoreError) -> grpc.RpcMethodHandler:

@@ -226,7 +226,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
                         view.release()
                     view = await txn.add_page(msg.hash, msg.payload_bytes, msg.checksum)  # type: ignore[union-attr]
                 else:
-                    txn = self.mgr.begin_put(msg.namespace, layout_from_pb(msg.layout), tier_from_pb(msg.target_tier),
+                    txn = self.mgr.begin_put(msg.namespace, layout_from_pb(msg.layout),
+                                             tier_from_pb(msg.target_tier, field="open.target_tier"),
                                              msg.parent_hash or None, msg.chain)  # fmt: skip
             parser.finish()
             assert txn is not None
@@ -270,7 +271,8 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             for i, p in enumerate(request.pages):  # bounds first: a bad slice must leave the node unchanged
                 seg.check(p.offset, p.payload_bytes, f"pages[{i}]")
             op = request.open
-            txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
+            txn = self.mgr.begin_put(op.namespace, layout_from_pb(op.layout),
+                                     tier_from_pb(op.target_tier, field="open.target_tier"),
                                      op.parent_hash or None, op.chain)  # fmt: skip
             for i, p in enumerate(request.pages):
                 dst = await txn.add_page(p.hash, p.payload_bytes, p.checksum)
@@ -341,6 +343,9 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
             "PutShm": (self.PutShm, pb.PutShmRequest, pb.PutResponse),
             "GetShm": (self.GetShm, pb.GetShmRequest, pb.GetShmResponse),
         }
+        # NOTE: the deserializers are not run by gRPC: the interceptor takes each request as raw bytes and
+        # parses it after the token check and the method's size limit (kvstore/admission.py), so undecodable
+        # bytes are INVALID_ARGUMENT naming the request (gRPC itself would answer UNKNOWN).
         methods = {
             name: grpc.unary_unary_rpc_method_handler(fn, req.FromString, resp.SerializeToString)
             for name, (fn, req, resp) in unary.items()

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from typing import TypeVar
 
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
@@ -20,6 +21,7 @@ from kvstore.pageformat import payload_checksum
 from kvstore.security import redact_url
 from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TierCounters, TierStats
 
+M = TypeVar("M", bound=Message)
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # chunk + framing, with room to spare; channels and server set this
 
@@ -99,8 +101,15 @@ def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout
         raise InvalidArgument(field, str(exc)) from None
 
 
-def tier_from_pb(value: int, default: TierKind = TierKind.DRAM) -> TierKind:
-    return default if value == pb.TIER_UNSPECIFIED else TierKind(value)
+def tier_from_pb(value: int, default: TierKind = TierKind.DRAM, field: str = "target_tier") -> TierKind:
+    """The tier a message names; an unknown value is InvalidArgument naming `field`."""
+    if value == pb.TIER_UNSPECIFIED:
+        return default
+    try:
+        return TierKind(value)
+    except ValueError:
+        known = ", ".join(f"{int(k)} ({k.label})" for k in TierKind)
+        raise InvalidArgument(field, f"{value} is not a tier; known: {known}") from None
 
 
 def put_requests(

@@ -8,6 +8,7 @@ from importlib.metadata import entry_points
 import typer
 
 from kvstore.cli.demo import demo
+from kvstore.cli.nvme import app as nvme_app
 from kvstore.cli.serve import serve
 from kvstore.cli.up import up
 
@@ -15,6 +16,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvstore: a t
 app.command("serve")(serve)
 app.command("demo")(demo)
 app.command("up")(up)
+app.add_typer(nvme_app, name="nvme")
 
 # Commands contributed by other installed packages (e.g. `workers`: generate, pd-demo) through the
 # "kvstore.cli" entry-point group, so kvstore itself never imports them (imports point downward only).

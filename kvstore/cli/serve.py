@@ -51,7 +51,7 @@ def serve(
     auth_read_tokens_file: Annotated[
         Path | None, typer.Option(help="read-only bearer tokens (Lookup, Get, Prefetch, Stats)")
     ] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML file with a [node] table")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML file with a \\[node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
 ) -> None:

@@ -43,9 +43,9 @@ lookup script is loaded by the nodes when they publish; read-only clients may on
 
 from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, alive_key, block_key, epoch_key, node_key, ns_tag
 from kvstore.index.lookup import ClusterLookup, NodeShare, summarize
-from kvstore.index.reader import IndexReader, NodeInfo
+from kvstore.index.reader import IndexReader, IndexUnavailable, NodeInfo
 
 __all__ = [
-    "ALIVE_PREFIX", "NODES_KEY", "PREFIX", "ClusterLookup", "IndexReader", "NodeInfo", "NodeShare", "alive_key",
+    "ALIVE_PREFIX", "NODES_KEY", "PREFIX", "ClusterLookup", "IndexReader", "IndexUnavailable", "NodeInfo", "NodeShare", "alive_key",
     "block_key", "epoch_key", "node_key", "ns_tag", "summarize",
 ]  # fmt: skip

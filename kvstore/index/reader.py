@@ -2,14 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import redis
 
+from kvstore.errors import Unavailable
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
 from kvstore.stats import PlaneInfo, planes_from_json
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class IndexUnavailable(Unavailable):
+    """The Redis index cannot be reached (down, restarting, or timing out). Nodes keep serving their own
+    pages meanwhile; a caller may go to a node it knows directly or retry."""
+
+
+def _index_call(fn: F) -> F:
+    """Redis connection failures leave as IndexUnavailable (a kvstore error), naming the index URL."""
+
+    @functools.wraps(fn)
+    def wrapper(self: IndexReader, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise IndexUnavailable(f"index at {_redacted(self.url)} unreachable: {exc}") from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password (it goes into error messages and logs)."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
 
 
 @dataclass(slots=True)
@@ -48,6 +79,7 @@ class IndexReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @_index_call
     def lookup(self, namespace: str, hashes: Sequence[bytes]) -> ClusterLookup:
         """Longest prefix of the chain held by any live node: exactly one Redis round trip."""
         if not hashes:
@@ -62,6 +94,7 @@ class IndexReader:
             return ClusterLookup(0, [], {})
         return summarize(raw)
 
+    @_index_call
     def nodes(self) -> list[NodeInfo]:
         ids = sorted(x.decode() for x in self._redis.smembers(NODES_KEY))
         if not ids:

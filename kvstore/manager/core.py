@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
@@ -124,6 +125,7 @@ class TierManager:
         if self.durable.tier is not None:
             medium = self.durable.tier.medium
             found = await self.io.run(lambda: list(medium.scan()))
+            self.durable.tier.counters.checksum_failures += medium.scan_failures
             self.recovered_pages = self.durable.recover(found, self.config.max_page_bytes)
         self._spawn(self._pin_sweeper())
 
@@ -134,7 +136,10 @@ class TierManager:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.config.spill_on_shutdown:
-            await self.durable.spill(time.monotonic() + self.config.spill_seconds)
+            try:
+                await self.durable.spill(time.monotonic() + self.config.spill_seconds)
+            except Exception:  # a failed spill must not turn a clean shutdown into a crash
+                log.exception("shutdown spill failed; DRAM pages not spilled are lost")
         self.io.shutdown()
         self._bounce.close()
         for tier in self.table.tiers.values():
@@ -222,8 +227,8 @@ class TierManager:
         """Pin pages in place; returns (pinned, not_found)."""
         self.layout_of(namespace)
         check_hashes(hashes, "hashes", MAX_HASHES)
-        if ttl_seconds < 0:
-            raise InvalidArgument("ttl_seconds", "must be >= 0")
+        if not (math.isfinite(ttl_seconds) and ttl_seconds >= 0):  # NaN compares false both ways
+            raise InvalidArgument("ttl_seconds", f"must be a finite number >= 0, got {ttl_seconds}")
         pinned = not_found = 0
         deadline = time.monotonic() + ttl_seconds
         for h in hashes:

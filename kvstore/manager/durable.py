@@ -141,7 +141,33 @@ class DurableCopies:
                 batch.append((slot, self.table.tiers[entry.tier].medium.view(entry.slot)[: entry.used_len]))
             if not batch:
                 break
-            await self.io.run(dst.medium.write_many, batch)
-            spilled += len(batch)
+            written = await self._write_batch(batch)
+            spilled += written
+            if written < len(batch):
+                break  # the disk is full or failing: stop, and let the shutdown finish cleanly
         if entries:
             log.info("spilled %d of %d DRAM page(s) to NVMe for a warm restart", spilled, len(entries))
+
+    async def _write_batch(self, batch: list[tuple[int, memoryview]]) -> int:
+        """Write a spill batch; when the batch fails (ENOSPC, EIO), page by page, stopping at the first page
+        that fails too. Returns how many were written; the slots of the others are free again (the medium
+        erased them: a restart finds no half-written page)."""
+        assert self.tier is not None
+        medium, alloc = self.tier.medium, self.tier.alloc
+        try:
+            await self.io.run(medium.write_many, batch)
+            return len(batch)
+        except OSError as exc:
+            log.error("spill batch of %d page(s) failed (%s); retrying page by page", len(batch), exc)
+        written, failed = 0, False
+        for slot, view in batch:
+            if not failed:
+                try:
+                    await self.io.run(medium.write, slot, view)
+                    written += 1
+                    continue
+                except OSError as exc:
+                    log.error("spill stopped after %d more page(s): %s", written, exc)
+                    failed = True
+            alloc.free(slot)
+        return written

@@ -8,13 +8,16 @@ Invariants:
   payload, before the switch; a copy that fails is a checksum failure of the source tier, and the page
   is dropped with its durable copies;
 - leaving the persistent tier keeps the old slot as the page's shadow (DurableCopies), so a clean
-  demotion back writes nothing.
+  demotion back writes nothing;
+- a demotion whose write fails (disk full, I/O error) leaves nothing visible in the lower tier (the
+  medium erases the slot); the victim is dropped instead and the node keeps serving.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.manager.durable import DurableCopies
@@ -28,6 +31,9 @@ from kvstore.tiers.dram import BouncePool
 log = logging.getLogger(__name__)
 
 _MAX_SETTLE_ROUNDS = 64  # a page that keeps moving this often is reported Unavailable instead
+# After a failed write into a tier (a full or failing disk), evictions drop instead of demoting there for
+# this long: a full disk then costs one failed write per second, not one per eviction.
+_WRITE_FAILURE_PAUSE = 1.0
 
 
 class Mover:
@@ -41,6 +47,12 @@ class Mover:
         self.io = io
         self.bounce = bounce
         self.counters = counters
+        self._write_failed: dict[TierKind, float] = {}  # tier -> when a write into it last failed
+
+    def _failing(self, kind: TierKind) -> bool:
+        """A write into `kind` failed in the last _WRITE_FAILURE_PAUSE seconds: demote nothing there yet."""
+        failed = self._write_failed.get(kind)
+        return failed is not None and time.monotonic() - failed < _WRITE_FAILURE_PAUSE
 
     async def settled(self, key: Key) -> Entry | None:
         """The entry for key once no move is in flight for it (waits for moves; bounded)."""
@@ -57,12 +69,18 @@ class Mover:
         src.counters.evictions += 1
         self.counters.prefetch_fate(entry, used=False)
         lower = self.table.below(entry.tier)
-        if lower is not None:
+        if lower is not None and not self._failing(lower.kind):
             try:
                 await self.move(entry, lower.kind, demotion=True)
                 return
             except ResourceExhausted:
                 pass  # the lower tier is full of unevictable pages: fall through to dropping
+            except OSError as exc:
+                # ENOSPC, EIO: the medium erased the slot it could not finish (never a half-written page),
+                # and this tier keeps serving: the victim is dropped, and demotions there pause a moment.
+                self._write_failed[lower.kind] = time.monotonic()
+                log.error("demoting %s to %s failed (%s): page dropped; demotions to %s pause %.0fs",
+                          entry.hash.hex(), lower.kind.label, exc, lower.kind.label, _WRITE_FAILURE_PAUSE)  # fmt: skip
         src.counters.dropped += 1
         await self.drop(entry, erase=False)
 

@@ -41,6 +41,7 @@ class Medium(abc.ABC):
     host_memory: bool = False  # slots are host memory: `view` gives them without a copy
     detail: str = ""  # one line for operators (kvctl stats): what backs it, or why it is unavailable
     queue_depth: int = 1  # reads `read_many` keeps in flight at once: a batched Get reads this far ahead
+    scan_failures: int = 0  # slots whose header failed its check in the last `scan` (checksum failures)
 
     @property
     def capacity_bytes(self) -> int:
@@ -79,7 +80,8 @@ class Medium(abc.ABC):
         return None  # a volatile medium forgets everything on restart anyway
 
     def scan(self) -> Iterator[tuple[int, PageHeader]]:
-        """(slot, header) of every slot holding a valid page header: what a restart recovers."""
+        """(slot, header) of every slot holding a valid page header: what a restart recovers. Slots holding
+        a header that fails its check are skipped and counted in `scan_failures`."""
         return iter(())
 
     def close(self) -> None:

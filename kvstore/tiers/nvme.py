@@ -10,8 +10,8 @@ slot first and then syncs each touched segment file once: same rule, one flush p
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import json
 import logging
 import mmap
 import os
@@ -21,19 +21,33 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstore.names import TierKind
-from kvstore.pageformat import ALIGN, HEADER_BYTES, HeaderError, PageHeader
+from kvstore.pageformat import ALIGN, HEADER_BYTES, PageHeader
 from kvstore.tiers.base import Medium, SlotIO
+from kvstore.tiers.nvme_meta import (
+    META_NAME,
+    REPAIR_HINT,
+    SEGMENT_FMT,
+    Geometry,
+    MetaDamaged,
+    NvmeFormatError,
+    SegmentSurvey,
+    SlotState,
+    classify,
+    decode_meta,
+    foreign_message,
+    write_meta,
+)
+
+__all__ = ["META_NAME", "SEGMENT_FMT", "NvmeFormatError", "NvmeSpaceError", "NvmeTier"]
 
 log = logging.getLogger(__name__)
 
-META_NAME = "kvstore-nvme.json"
-SEGMENT_FMT = "seg-{:05d}.kvs"
 _MAX_IO_RETRIES = 64  # a short read/write is retried; this bounds the loop on a misbehaving device
 QUEUE_DEPTH = 16  # reads kept in flight by read_many: what NVMe devices need to approach their bandwidth
 
 
-class NvmeFormatError(RuntimeError):
-    """The directory holds segments of another geometry or format; refusing to reuse them."""
+class NvmeSpaceError(RuntimeError):
+    """The NVMe directory's filesystem cannot hold the tier asked for (checked and reserved at start)."""
 
 
 def check_private_dir(path: Path) -> None:
@@ -62,34 +76,70 @@ class NvmeTier(Medium):
         self.num_slots = capacity_bytes // slot_bytes
         self.path.mkdir(parents=True, exist_ok=True)
         check_private_dir(self.path)
-        self._check_meta()
+        self._meta_damage = self._check_meta()  # what was wrong with the metadata file, if anything
         self.direct_io = True
         self._fds: list[int] = []
         self._readers: ThreadPoolExecutor | None = None  # read_many's threads, started on first use
         self._readers_lock = threading.Lock()
+        self.write_errors = 0
         n_segments = -(-self.num_slots // self.slots_per_segment)
-        for seg in range(n_segments):
-            slots = min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment)
-            self._fds.append(self._open_segment(seg, slots * slot_bytes))
-        self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation
-        self.detail = f"{n_segments} segment file(s) in {self.path}, " + (
+        sizes = [min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
+                 for seg in range(n_segments)]  # fmt: skip
+        self._check_space(sizes)
+        self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
+        for seg, size in enumerate(sizes):
+            self._fds.append(self._open_segment(seg, size))
+        self._detail = f"{n_segments} segment file(s) in {self.path}, " + (
             "O_DIRECT" if self.direct_io else "buffered I/O + fdatasync (O_DIRECT unsupported here)"
         )
+        self.detail = self._detail
 
-    def _check_meta(self) -> None:
+    def _check_meta(self) -> str | None:
+        """Check the metadata file against this node's geometry. Returns None when it is sound (or new),
+        else what is wrong with it: the scan at recovery then checks the segment files against the
+        node's geometry and rewrites it (refusing files that are not ours)."""
         meta_path = self.path / META_NAME
-        want = {"format": 1, "slot_bytes": self.slot_bytes, "slots_per_segment": self.slots_per_segment}
-        if meta_path.exists():
-            have = json.loads(meta_path.read_text())
-            if {k: have.get(k) for k in want} != want:
-                raise NvmeFormatError(
-                    f"{self.path} was formatted with {have}, this node wants {want}: start with the same "
-                    "--max-page-bytes and segment size, or point --nvme-path at an empty directory"
-                )
-            return
-        tmp = meta_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(want))
-        os.replace(tmp, meta_path)
+        want = Geometry(self.slot_bytes, self.slots_per_segment)
+        if not meta_path.exists():
+            write_meta(self.path, want)
+            return None
+        try:
+            have = decode_meta(meta_path.read_bytes())
+        except MetaDamaged as exc:
+            log.warning("NVMe metadata %s is damaged: %s; rebuilding it from the segment files and page "
+                        "headers (this node's geometry: %s)", meta_path, exc, want)  # fmt: skip
+            return str(exc)
+        except OSError as exc:
+            raise NvmeFormatError(f"{meta_path}: unreadable ({exc}); fix the file's permissions or disk, "
+                                  f"or run `{REPAIR_HINT.format(path=self.path)}`") from None  # fmt: skip
+        if have != want:
+            raise NvmeFormatError(
+                f"{self.path} was formatted with {have.as_dict()}, this node wants {want.as_dict()}: start with "
+                "the same --max-page-bytes and segment size, or point --nvme-path at an empty directory"
+            )
+        if b'"checksum"' not in meta_path.read_bytes():
+            write_meta(self.path, want)  # format 1: add the checksum
+        return None
+
+    def _check_space(self, sizes: list[int]) -> None:
+        """Refuse to start when the filesystem cannot hold the segment files: better now, with the numbers,
+        than ENOSPC on every demotion later."""
+        need = 0
+        for seg, size in enumerate(sizes):
+            try:
+                st = (self.path / SEGMENT_FMT.format(seg)).stat()
+                need += max(0, size - st.st_blocks * 512)
+            except FileNotFoundError:
+                need += size
+        vfs = os.statvfs(self.path)
+        free = vfs.f_bavail * vfs.f_frsize
+        if need > free:
+            have = sum(sizes) - need + free
+            raise NvmeSpaceError(
+                f"--nvme-bytes {sum(sizes)} does not fit in {self.path}: its filesystem has {free} bytes free and "
+                f"the segment files need {need} more. Lower --nvme-bytes to at most {have} ({have // self.slot_bytes} "
+                "slots), or free space there"
+            )
 
     def _open_segment(self, seg: int, size: int) -> int:
         name = self.path / SEGMENT_FMT.format(seg)
@@ -109,11 +159,28 @@ class NvmeTier(Medium):
                 if exc.errno == errno.ELOOP:
                     raise PermissionError(f"{name} is a symbolic link; refusing to write through it") from None
                 raise
-        if os.fstat(fd).st_size < size:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError:
-                os.ftruncate(fd, size)  # filesystems without fallocate (tmpfs on old kernels)
+        old_size = os.fstat(fd).st_size
+        try:
+            # NOTE: always, not only when the file is short: it reserves the blocks of a sparse file too, so
+            # a full disk shows here, at start, and not as ENOSPC mid-demotion.
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                os.close(fd)
+                raise NvmeSpaceError(f"{name}: no space to reserve {size} bytes ({exc.strerror}); lower "
+                                     "--nvme-bytes or free space on its filesystem") from None  # fmt: skip
+            log.warning("%s: space cannot be reserved here (%s): a full disk will show as failed demotions, "
+                        "which drop pages instead", name, exc.strerror)  # fmt: skip
+            if old_size < size:
+                os.ftruncate(fd, size)
+        if old_size % self.slot_bytes and old_size < size:
+            # Truncated mid-slot (a whole-slot cut cannot be told from a tier that grew, and loses only
+            # what blank slots would): pages wholly before the cut are intact, the one cut in two is erased.
+            cut = old_size // self.slot_bytes
+            log.warning("%s was truncated to %d bytes (inside slot %d): slots from there on are empty now; "
+                        "the page cut in two is erased", name, old_size, cut)  # fmt: skip
+            self._pwrite_all(fd, memoryview(self._zero), cut * self.slot_bytes)
+            os.fdatasync(fd)
         return fd
 
     def _locate(self, slot: int) -> tuple[int, int]:
@@ -124,12 +191,24 @@ class NvmeTier(Medium):
 
     def write(self, slot: int, src: memoryview) -> None:
         """Durably write `src` (header block + payload, aligned length, aligned buffer) to a slot."""
-        os.fdatasync(self._write_one(slot, src))
+        self.write_many([(slot, src)])
 
     def write_many(self, ops: Sequence[SlotIO]) -> None:
-        """Write every slot, then make them durable with one fdatasync per segment file touched."""
-        for fd in {self._write_one(slot, src) for slot, src in ops}:
-            os.fdatasync(fd)
+        """Write every slot, then make them durable with one fdatasync per segment file touched.
+
+        On failure (ENOSPC, EIO) the slots of the batch are erased, best effort, so a restart never finds
+        a half-written page there, and the error is raised (the manager drops or keeps the pages)."""
+        try:
+            for fd in {self._write_one(slot, src) for slot, src in ops}:
+                os.fdatasync(fd)
+        except OSError as exc:
+            self.write_errors += 1
+            self.detail = f"{self._detail}; {self.write_errors} failed write(s), last: {exc.strerror or exc}"
+            for slot, _ in ops:
+                # A header block that cannot be rewritten either fails its checksum at recovery instead.
+                with contextlib.suppress(OSError):
+                    self.invalidate(slot)
+            raise
 
     def _write_one(self, slot: int, data: memoryview) -> int:
         if len(data) % ALIGN or len(data) > self.slot_bytes:
@@ -181,27 +260,50 @@ class NvmeTier(Medium):
         os.fdatasync(fd)
 
     def scan(self) -> Iterator[tuple[int, PageHeader]]:
-        """Yield (slot, header) for every slot holding a valid header (recovery after restart)."""
+        """Yield (slot, header) for every slot holding a valid header (recovery after restart).
+
+        Counts the slots whose header fails its check in `scan_failures`. After the last slot: a segment
+        file that holds no page and mostly other data is refused (NvmeFormatError naming it); otherwise
+        the failed headers are erased (so they are counted once) and a damaged metadata file is
+        rewritten, since the segment files checked out."""
         buf = mmap.mmap(-1, HEADER_BYTES)
         view = memoryview(buf)
-        bad = 0
-        for slot in range(self.num_slots):
-            try:
-                self.read(slot, view)
-            except OSError as exc:
-                log.warning("NVMe slot %d unreadable during recovery: %s", slot, exc)
-                continue
-            if view[:4] == b"\0\0\0\0":
-                continue
-            try:
-                yield slot, PageHeader.unpack(view)
-            except HeaderError as exc:
-                bad += 1
-                log.warning("NVMe slot %d ignored during recovery: %s", slot, exc)
-        if bad:
-            log.warning("NVMe recovery ignored %d slot(s) with invalid headers", bad)
-        view.release()
-        buf.close()
+        self.scan_failures = 0
+        bad: list[int] = []
+        surveys = [SegmentSurvey(SEGMENT_FMT.format(seg), 0, self.slot_bytes) for seg in range(len(self._fds))]
+        try:
+            for slot in range(self.num_slots):
+                seg = surveys[slot // self.slots_per_segment]
+                try:
+                    self.read(slot, view)
+                except OSError as exc:
+                    seg.counts[SlotState.UNREADABLE] += 1
+                    log.warning("NVMe slot %d unreadable during recovery: %s", slot, exc)
+                    continue
+                state, hdr, why = classify(view)
+                seg.counts[state] += 1
+                if hdr is not None:
+                    yield slot, hdr
+                elif state is not SlotState.BLANK:
+                    bad.append(slot)
+                    log.warning("NVMe slot %d ignored during recovery: %s", slot, why)
+        finally:
+            view.release()
+            buf.close()
+        self.scan_failures = sum(s.failures for s in surveys)
+        if self.scan_failures:
+            log.warning("NVMe recovery ignored %d slot(s) with invalid headers", self.scan_failures)
+        for seg in surveys:
+            if seg.foreign:
+                raise NvmeFormatError(foreign_message(self.path, seg))
+        for slot in bad:  # counted once: erased, so the next restart does not count them again
+            with contextlib.suppress(OSError):
+                self.invalidate(slot)
+        if self._meta_damage is not None:
+            write_meta(self.path, Geometry(self.slot_bytes, self.slots_per_segment))
+            log.warning("NVMe metadata %s rebuilt (%s) from %d segment file(s)", self.path / META_NAME,
+                        self._meta_damage, len(surveys))  # fmt: skip
+            self._meta_damage = None
 
     def _pwrite_all(self, fd: int, data: memoryview, off: int) -> None:
         done = 0

@@ -1,0 +1,139 @@
+"""`kvstore nvme check|repair`: inspect and repair an NVMe tier directory while its node is stopped.
+
+check   reads the metadata file and every slot's header block; exit 1 when something needs repair.
+repair  rebuilds the metadata file from the segment files and page headers under the geometry given
+        (the one the node will run with), erases headers that fail their check and the page a
+        truncation cut in two, and, with --discard-foreign, reformats segment files that are not ours.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvstore.cli.common import friendly_errors
+from kvstore.config import NodeConfig, parse_size
+from kvstore.pageformat import HEADER_BYTES, slot_bytes_for
+from kvstore.tiers import nvme_meta as nm
+
+app = typer.Typer(no_args_is_help=True, add_completion=False,
+                  help="Check or repair an NVMe tier directory (stop its node first).")  # fmt: skip
+
+_DEFAULT_SEGMENT_BYTES: int = next(f.default for f in dataclasses.fields(NodeConfig) if f.name == "nvme_segment_bytes")  # type: ignore[assignment]
+PathOpt = Annotated[Path, typer.Option(help="the node's --nvme-path directory")]
+SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 2MiB (the node's value)", show_default=False)]
+
+
+def _geometry(max_page_bytes: str | None, segment_bytes: str | None) -> nm.Geometry | None:
+    if max_page_bytes is None:
+        return None
+    slot = slot_bytes_for(parse_size(max_page_bytes))
+    seg = parse_size(segment_bytes) if segment_bytes else _DEFAULT_SEGMENT_BYTES
+    return nm.Geometry(slot, max(1, seg // slot))
+
+
+def _read_meta(path: Path) -> tuple[nm.Geometry | None, str]:
+    meta = path / nm.META_NAME
+    if not meta.exists():
+        return None, "missing"
+    try:
+        return nm.decode_meta(meta.read_bytes()), "ok"
+    except nm.MetaDamaged as exc:
+        return None, f"damaged: {exc}"
+
+
+def _report(path: Path, meta_state: str, geom: nm.Geometry, segs: list[nm.SegmentSurvey]) -> dict[str, object]:
+    return {
+        "path": str(path), "metadata": meta_state, "slot_bytes": geom.slot_bytes,
+        "slots_per_segment": geom.slots_per_segment,
+        "segments": [{"file": s.name, "bytes": s.size, "cut_mid_slot": s.cut, "foreign_file": s.foreign,
+                      "slots": {st.value: n for st, n in s.counts.items()}} for s in segs],
+    }  # fmt: skip
+
+
+@app.command("check")
+@friendly_errors
+def check(
+    nvme_path: PathOpt,
+    max_page_bytes: SizeOpt = None,
+    nvme_segment_bytes: SizeOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Report the metadata file and what every slot holds; exit 1 when `kvstore nvme repair` is needed."""
+    if not nvme_path.is_dir():
+        raise ValueError(f"--nvme-path {nvme_path}: not a directory")
+    have, state = _read_meta(nvme_path)
+    geom = have or _geometry(max_page_bytes, nvme_segment_bytes)
+    if geom is None:
+        raise ValueError(f"{nvme_path / nm.META_NAME} is {state}: pass --max-page-bytes (and --nvme-segment-bytes if "
+                         "not the default) to check the segments under the node's geometry")  # fmt: skip
+    segs = nm.survey(nvme_path, geom)
+    report = _report(nvme_path, state, geom, segs)
+    if json_out:
+        typer.echo(json.dumps(report, indent=2))
+    else:
+        typer.echo(f"{nvme_path}: metadata {state}; slot {geom.slot_bytes} B, {geom.slots_per_segment} slots/segment")
+        for s in segs:
+            counts = ", ".join(f"{n} {st.value}" for st, n in s.counts.items() if n)
+            notes = (" CUT MID-SLOT" if s.cut else "") + (" FOREIGN" if s.foreign else "")
+            typer.echo(f"  {s.name}: {s.size} B, {counts or 'no slots'}{notes}")
+    healthy = state != "missing" and not state.startswith("damaged") and not any(s.cut or s.foreign for s in segs)
+    raise SystemExit(0 if healthy else 1)
+
+
+@app.command("repair")
+@friendly_errors
+def repair(
+    nvme_path: PathOpt,
+    max_page_bytes: Annotated[str, typer.Option(help="the node's --max-page-bytes (sets the slot size)")],
+    nvme_segment_bytes: SizeOpt = None,
+    discard_foreign: Annotated[
+        bool, typer.Option(help="reformat segment files that hold no page of ours (their contents are lost)")
+    ] = False,
+) -> None:
+    """Rebuild the metadata file from the segment files and page headers, erasing what fails its check."""
+    if not nvme_path.is_dir():
+        raise ValueError(f"--nvme-path {nvme_path}: not a directory")
+    geom = _geometry(max_page_bytes, nvme_segment_bytes)
+    assert geom is not None
+    have, state = _read_meta(nvme_path)
+    if have is not None and have != geom:
+        raise nm.NvmeFormatError(f"{nvme_path} is formatted with {have.as_dict()} (intact), not {geom.as_dict()}: "
+                              "pass the node's --max-page-bytes, or use an empty directory")  # fmt: skip
+    segs = nm.survey(nvme_path, geom)
+    foreign = [s for s in segs if s.foreign]
+    if foreign and not discard_foreign:
+        raise nm.NvmeFormatError(nm.foreign_message(nvme_path, foreign[0]))
+    erased = 0
+    for s in segs:
+        erased += _erase_bad_headers(nvme_path / s.name, geom, everything=s.foreign)
+    nm.write_meta(nvme_path, geom)
+    pages = sum(s.counts[nm.SlotState.PAGE] for s in segs if not s.foreign)
+    typer.echo(f"{nvme_path}: metadata was {state}, rewritten; {len(segs)} segment file(s), {pages} page header(s) "
+               f"kept, {erased} slot header(s) erased" + (f", {len(foreign)} foreign file(s) reformatted" if foreign else ""))  # fmt: skip
+
+
+def _erase_bad_headers(file: Path, geom: nm.Geometry, everything: bool) -> int:
+    """Zero the header block of every slot that holds no valid page header but is not blank (all
+    non-blank ones when `everything`), and of a page a truncation cut; returns how many, fsynced."""
+    size = file.stat().st_size
+    zero = bytes(HEADER_BYTES)
+    erased = 0
+    with open(file, "r+b") as f:
+        for slot in range(-(-size // geom.slot_bytes)):
+            f.seek(slot * geom.slot_bytes)
+            block = f.read(HEADER_BYTES).ljust(HEADER_BYTES, b"\0")
+            state = nm.classify(block)[0]
+            cut = (slot + 1) * geom.slot_bytes > size
+            if state is not nm.SlotState.BLANK and (everything or cut or state is not nm.SlotState.PAGE):
+                f.seek(slot * geom.slot_bytes)
+                f.write(zero[: min(HEADER_BYTES, size - slot * geom.slot_bytes)])
+                erased += 1
+        f.flush()
+        os.fsync(f.fileno())
+    return erased
