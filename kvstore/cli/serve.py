@@ -38,6 +38,12 @@ def serve(
     shm: Annotated[
         bool | None, typer.Option("--shm/--no-shm", help="same-host shared-memory data plane (default on)")
     ] = None,
+    tcp: Annotated[
+        bool | None, typer.Option("--tcp/--no-tcp", help="bulk TCP data plane for remote clients (default on)")
+    ] = None,
+    tcp_port: Annotated[
+        int | None, typer.Option(help="TCP data plane port; 0 picks a free one, advertised to clients (default 0)")
+    ] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve over TLS (with --tls-key)")] = None,
     tls_key: Annotated[Path | None, typer.Option(help="PEM private key of --tls-cert")] = None,
     tls_client_ca: Annotated[
@@ -58,7 +64,7 @@ def serve(
         config,
         host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
         advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
-        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm,
+        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm, tcp_enabled=tcp, tcp_port=tcp_port,
         tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
         auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
         nvme_path=str(nvme_path) if nvme_path else None,

@@ -28,6 +28,7 @@ from kvstore.transport.grpc_streams import GrpcStreams
 from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loopback
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.client import ShmPlane
+from kvstore.transport.tcp.client import TcpPlane
 from kvstore.wire import FetchedPage, stats_from_pb
 
 T = TypeVar("T")
@@ -70,6 +71,8 @@ class PlaneSpec:
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
     "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.verify), usable=shm_available),
+    "tcp": PlaneSpec(lambda s, info: TcpPlane.from_info(info, target=s.target, pages_per_call=s.pages_per_call,
+                                                        verify=s.verify, security=s.security, timeout=s.timeout)),
 }
 
 

@@ -42,4 +42,9 @@ class PlaneServer(abc.ABC):
 
 def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:
     """The plane servers this node's config turns on (besides shm, which the gRPC servicer serves)."""
-    return []
+    servers: list[PlaneServer] = []
+    if config.tcp_enabled:
+        from kvstore.transport.tcp.node import TcpPlaneServer  # the node side imports this module
+
+        servers.append(TcpPlaneServer())
+    return servers

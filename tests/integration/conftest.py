@@ -42,7 +42,7 @@ def node(tmp_path: Path) -> Iterator[NodeProcess]:
         n.close()
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "shm", "tcp"])
 def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreClient]:
     """A client of `node` over each data plane: gRPC streams, and the same-host shared-memory plane."""
     with KVStoreClient(node.addr, timeout=30, transport=request.param) as c:
