@@ -227,7 +227,8 @@ class TcpPlane(DataPlane):
         except KVStoreError:
             raise
         except ssl.SSLCertVerificationError as exc:
-            raise Unavailable(f"TCP plane at {self.host}:{self.port}: {exc.verify_message or exc}") from None
+            raise Unavailable(f"TCP plane at {self.host}:{self.port}: the node's TLS certificate failed "
+                              f"verification: {exc.verify_message or exc}") from None
         except (OSError, StreamError) as exc:
             raise PlaneUnavailable(f"cannot open the TCP plane at {self.host}:{self.port}: {exc}") from None
 
