@@ -51,7 +51,8 @@ class Connection:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+                if SOCKET_BUFFER_BYTES:  # 0: leave the kernel's autotuning alone
+                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=server_name)
             else:

@@ -1,13 +1,14 @@
 """The node's end of one TCP plane connection on its asyncio loop: exact reads into caller views, sends
 of caller buffers, plain or TLS. Never blocks the loop: every wait is a readiness wait on the socket.
 
-NOTE (why raw non-blocking sockets and not asyncio streams or a thread per connection): measured on
-the 2-core dev VM (see benchmarks/RESULTS.md, "TCP plane"), asyncio's StreamReader copies every byte
-into its own buffer and then again into bytes, and its transport copies whatever a send leaves over;
-a thread per connection needs a hop to the loop for each page (the TierManager lives on the loop, no
-locks), which cost more than the socket work it moved off the loop. `loop.sock_recv_into` and
-`sendmsg` move page bytes kernel <-> slot with no copy in between, on the loop thread, with the GIL
-released inside the system call.
+NOTE (why asyncio on raw non-blocking sockets, not asyncio streams nor a thread per connection):
+`benchmarks/tcp_server_models.py` serves the same Get work both ways; on the 2-core dev VM the two
+models moved pages at the same rate within run-to-run noise (benchmarks/RESULTS.md, "TCP plane").
+So the simpler invariants decide: the TierManager stays single-threaded (a thread per connection
+would hop to the loop for every lease and every PutTxn page), and a stalled client costs a socket,
+not a thread. asyncio's StreamReader would copy every byte into its buffer and again into bytes,
+and its transports copy what a send leaves over; `loop.sock_recv_into` and `sendmsg` move page bytes
+between the kernel and a slot with no copy in between, with the GIL released in the system call.
 
 Memory per connection is bounded: a STAGING_BYTES buffer for headers and small metadata, the
 metadata of one frame (bounded by the node's limits), and, under TLS, the encrypted bytes of at most
