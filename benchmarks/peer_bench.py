@@ -48,6 +48,7 @@ from store_bench import TcpClient, TcpServer, source_digest
 from devkit.pki import make_dev_pki
 from kvstore.client import KVStoreClient
 from kvstore.client import core as client_core
+from kvstore.config import parse_size
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
@@ -335,6 +336,8 @@ def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, n
         for s in systems:
             try:
                 s.setup(size, args.batch)
+                s.put(1)  # warm-up, untimed: first-touch faults, connections, the peers' lazy set-up
+                s.get(1)
                 live.append(s)
             except Exception as exc:
                 notes.append(f"{s.label} at {size >> 10} KiB: setup failed ({exc}); not measured.")
@@ -403,20 +406,22 @@ def report(res: dict[str, dict[str, list[float]]], sizes: list[int], args: argpa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes-kib", default="256,1024,4096", help="page sizes in KiB, multiples of 8")
-    ap.add_argument("--batch", type=int, default=16, help="pages per call (default 16)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
-    ap.add_argument("--phase-mib", type=int, default=64, help="MiB moved per put or get phase (default 64)")
-    ap.add_argument("--no-peers", action="store_true", help="only kvstore and the baselines")
-    ap.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv", help="the peers' own venv")
+    work = ap.add_argument_group("workload")
+    work.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="page sizes (multiples of 8 KiB)")
+    work.add_argument("--batch", type=int, default=16, help="pages per call (default 16)")
+    work.add_argument("--phase-mib", type=int, default=64, help="MiB moved per put or get phase (default 64)")
+    work.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
+    peers = ap.add_argument_group("peers (LMCache, Mooncake)")
+    peers.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv", help="their own venv (made if missing)")
+    peers.add_argument("--no-peers", action="store_true", help="only kvstore and the baselines")
     ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB, 1 run, 8 MiB phases, no peers")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes_kib, args.runs, args.phase_mib, args.no_peers = "256", 1, 8, True
-    sizes = [int(s) << 10 for s in args.sizes_kib.split(",")]
+        args.sizes, args.runs, args.phase_mib, args.no_peers = "256KiB", 1, 8, True
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
     if any(s <= 0 or s % 8192 for s in sizes):
-        ap.error("--sizes-kib: each size must be a positive multiple of 8")
+        ap.error("--sizes: each size must be a positive multiple of 8 KiB")
     tune_malloc_for_bulk_io()
     t0 = time.perf_counter()
     notes: list[str] = []

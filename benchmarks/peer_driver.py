@@ -23,6 +23,7 @@ removed after each put call, untimed: a put on an existing key is a silent no-op
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -75,14 +76,13 @@ class Children:
             self.procs.append(subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
 
     def stop(self) -> None:
+        """SIGTERM each (newest first), SIGKILL what is still running 5 s later."""
         for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(5)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                if p.poll() is None:
+                    p.send_signal(sig)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        p.wait(5)
         self.procs.clear()
 
 

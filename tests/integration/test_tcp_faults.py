@@ -32,10 +32,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     n = start_node(d, name="faults", dram_pages=8, nvme_pages=0,
                    extra_args=["--auth-tokens-file", str(d / "w"), "--auth-read-tokens-file", str(d / "r")],
                    env={"KVSTORE_TCP_TIMEOUT_SECONDS": str(TIMEOUT_S)})  # fmt: skip
-    try:
-        yield n
-    finally:
-        n.close()
+    yield n
+    n.close()  # pytest runs this teardown whatever the tests did
 
 
 @pytest.fixture(scope="module")

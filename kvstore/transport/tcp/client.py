@@ -260,16 +260,20 @@ class TcpPlane(DataPlane):
         raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _release(self, conn: Connection) -> None:
+        """Keep a connection that is in step for the next call (up to KEEP_IDLE), else close it."""
+        keep = conn.usable
         with self._lock:
-            if conn.usable and not self._closed and len(self._idle) < KEEP_IDLE:
+            keep = keep and not self._closed and len(self._idle) < KEEP_IDLE
+            if keep:
                 self._idle.append(conn)
-                return
-        conn.close()
+        if not keep:
+            conn.close()
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
+            idle = list(self._idle)
+            self._idle.clear()
         for conn in idle:
             conn.close()
 
