@@ -38,6 +38,7 @@ T = TypeVar("T")
 
 SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffers per connection: a few MiB-pages in flight
 KEEP_IDLE = 4  # idle connections a plane keeps open for the next calls
+CONNECT_TIMEOUT_S = 5.0  # a firewalled plane port (dropped SYNs) falls back to gRPC after this, not the call timeout
 REPLY_META_LIMIT = 1 << 20  # what a client accepts as one reply's metadata (ERROR messages are the largest)
 
 
@@ -47,8 +48,9 @@ class Connection:
 
     def __init__(self, host: str, port: int, *, token: str | None, tls: ssl.SSLContext | None,
                  server_name: str, timeout: float) -> None:  # fmt: skip
-        sock = socket.create_connection((host, port), timeout=timeout)
+        sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
         try:
+            sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 if SOCKET_BUFFER_BYTES:  # 0: leave the kernel's autotuning alone
@@ -70,12 +72,15 @@ class Connection:
         self.replied = False
         self.usable = True  # False once a send or receive failed: the byte stream is out of step
         self.max_page_bytes = 0
-        self.send(tcp.hello(token))
-        head, meta = self.read_frame()
-        if head.kind is not Kind.WELCOME:
-            raise StreamError(f"the node answered HELLO with {head.kind.name}")
-        welcome = tcp.parse_welcome(meta)
-        self.max_page_bytes = welcome.max_page_bytes
+        try:
+            self.send(tcp.hello(token))
+            head, meta = self.read_frame()
+            if head.kind is not Kind.WELCOME:
+                raise StreamError(f"the node answered HELLO with {head.kind.name}")
+            self.max_page_bytes = tcp.parse_welcome(meta).max_page_bytes
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         self.usable = False
