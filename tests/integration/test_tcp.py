@@ -18,8 +18,10 @@ from kvstore.launch import NodeProcess
 from kvstore.names import TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import PlaneInfo
+from kvstore.transport import tcp as tcp_frames
 from kvstore.transport.exchange import Blocking, Exchange, advance
 from kvstore.transport.tcp.client import TcpPlane
+from kvstore.wire import StreamError
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
 WRITE = "w-" + "t" * 30
@@ -68,6 +70,23 @@ def test_get_into_lands_pages_in_caller_buffers(tcp_node: NodeProcess) -> None:
         with pytest.raises(ValueError, match="cannot hold"):
             kv._run(kv._core.active.get_into(NS, chain[:1], small, False))
         assert [bytes(p) for p in kv.get(NS, chain[:2])] == [page(h) for h in chain[:2]]  # still serves
+
+
+def test_a_page_corrupted_in_flight_is_refused(tcp_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+    h = key(0, "in-flight")
+    with tcp_client(tcp_node) as kv:
+        kv.put(NS, LAYOUT, [h], [page(h)])
+        real = tcp_frames.parse_page
+
+        def flipped(meta: bytes) -> tuple[bytes, int, int]:  # this client reads every checksum off by one bit
+            got, checksum, tier = real(meta)
+            return got, checksum ^ 1, tier
+
+        with monkeypatch.context() as m:
+            m.setattr(tcp_frames, "parse_page", flipped)
+            with pytest.raises(StreamError, match="checksum mismatch after transfer"):
+                kv.get(NS, [h])
+        assert bytes(kv.get(NS, [h])[0]) == page(h)  # a fresh connection serves the next call
 
 
 def test_asyncio_client_and_concurrent_calls_share_a_pool(tcp_node: NodeProcess) -> None:

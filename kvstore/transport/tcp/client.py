@@ -10,7 +10,8 @@ buffer for `get_into`.
 Errors: a node that cannot be reached, or a TLS setup the two ends do not share, is PlaneUnavailable
 before anything was sent (auto mode then falls back to gRPC streams); an ERROR frame raises the
 node's exception class, as gRPC would; a connection lost mid-request is Unavailable (nothing of an
-unfinished PUT is stored: it is atomic). A call that finds its pooled connection closed by the node
+unfinished PUT is stored: it is atomic); a received page that fails its checksum raises StreamError,
+as on the other planes, and its connection is dropped. A call that finds its pooled connection closed by the node
 before any reply byte is retried once on a fresh connection (Put and Get are idempotent).
 """
 
@@ -252,9 +253,9 @@ class TcpPlane(DataPlane):
             except KVStoreError:  # an ERROR frame: the node consumed the request; the connection is in step
                 self._release(conn)
                 raise
-            except (OSError, StreamError) as exc:
+            except OSError as exc:
                 conn.close()
-                if reused and not conn.replied and attempt == 0 and not isinstance(exc, StreamError):
+                if reused and not conn.replied and attempt == 0:
                     continue
                 raise Unavailable(f"TCP plane connection to {self.host}:{self.port} failed: {exc}") from None
             except BaseException:
