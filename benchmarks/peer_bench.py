@@ -78,7 +78,10 @@ class System:
     """One thing measured: `setup(size)` once per size, then put/get phases returning seconds."""
 
     label = ""
-    note = ""
+
+    def pids(self) -> list[int]:
+        """The processes doing this system's work (client and servers): their CPU time is counted."""
+        return [os.getpid()]
 
     def setup(self, size: int, batch: int) -> None: ...
 
@@ -114,6 +117,9 @@ class RawTcp(System):
         self.server = TcpServer().start()
         self.client = TcpClient(self.server.port)
 
+    def pids(self) -> list[int]:
+        return [os.getpid(), self.server.proc.pid]  # type: ignore[list-item]
+
     def setup(self, size: int, batch: int) -> None:
         self.page, self.into, self.batch = memoryview(os.urandom(size)), memoryview(bytearray(size)), batch
 
@@ -142,6 +148,10 @@ class Ours(System):
         self.label, self.transport, self.node, self.security, self.into = label, transport, node, security, into
         self.kv: KVStoreClient | None = None
         self.runs = 0
+
+    def pids(self) -> list[int]:
+        proc = self.node().proc
+        return [os.getpid(), *([proc.pid] if proc is not None else [])]
 
     def setup(self, size: int, batch: int) -> None:
         self.close()
@@ -196,7 +206,10 @@ class Peer(System):
         self.proc = subprocess.Popen([str(python), str(HERE / "peer_driver.py"), peer, str(logdir)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(logdir / f"{peer}.log", "ab"),  # noqa: SIM115
                                      text=True, start_new_session=True)  # fmt: skip
-        self._reply()
+        self._servers = [int(p) for p in self._reply()["pids"]]  # type: ignore[union-attr]
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *self._servers]  # this process only waits meanwhile
 
     def _call(self, **cmd: object) -> dict[str, object]:
         assert self.proc.stdin is not None
@@ -326,10 +339,25 @@ def our_systems(nodes: Nodes, notes: list[str]) -> list[System]:
 # -- run and report ---------------------------------------------------------------------------------
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time these processes' live threads have run so far (ns-resolution schedstat, not 10 ms ticks)."""
+    total = 0
+    for pid in pids:
+        for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total += int(stat.read_text().split()[0])
+            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                continue
+    return total / 1e9
+
+
+Results = dict[str, dict[str, dict[str, list[float]]]]  # metric -> system label -> "<KiB>/<op>" -> runs
+
+
 def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, nodes: Nodes,
-            notes: list[str]) -> dict[str, dict[str, list[float]]]:  # fmt: skip
-    """GB/s per system label and cell ("<KiB>/<op>"), one value per run."""
-    res: dict[str, dict[str, list[float]]] = {s.label: {} for s in systems}
+            notes: list[str]) -> Results:  # fmt: skip
+    """Per run: GB/s of wall time ("gbs") and GB per CPU-second of the system's processes ("gb_per_cpu_s")."""
+    res: Results = {"gbs": {s.label: {} for s in systems}, "gb_per_cpu_s": {s.label: {} for s in systems}}
     for size in sizes:
         nodes.start(size, args.batch)
         live = []
@@ -347,58 +375,74 @@ def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, n
             k = run % max(1, len(live))
             for s in live[k:] + live[:k]:
                 for op in ("put", "get"):
+                    cpu0 = cpu_seconds(s.pids())
                     try:
-                        if op == "put":
-                            secs, ok = s.put(iters), True
-                        else:
-                            secs, ok = s.get(iters)
+                        secs, ok = (s.put(iters), True) if op == "put" else s.get(iters)
                     except Exception as exc:
                         notes.append(f"{s.label} {op} at {size >> 10} KiB failed: {exc}")
                         continue
+                    cpu = cpu_seconds(s.pids()) - cpu0
                     if not ok:
                         notes.append(f"{s.label} {op} at {size >> 10} KiB: returned wrong bytes (value dropped)")
                         continue
-                    res[s.label].setdefault(f"{size >> 10}/{op}", []).append(iters * nbytes / secs / 1e9)
+                    cell = f"{size >> 10}/{op}"
+                    res["gbs"][s.label].setdefault(cell, []).append(iters * nbytes / secs / 1e9)
+                    if cpu > 0:
+                        res["gb_per_cpu_s"][s.label].setdefault(cell, []).append(iters * nbytes / cpu / 1e9)
             print(f"  {size >> 10} KiB run {run + 1}/{args.runs} done", flush=True)
     nodes.stop()
     return res
 
 
-def med(res: dict[str, dict[str, list[float]]], label: str, cell: str) -> float | None:
-    vals = res.get(label, {}).get(cell)
+RATIOS = [  # (row, system a, system b): a / b
+    ("kvstore TCP / LMCache lm://", "kvstore TCP plane", PEERS["lmcache"]),
+    ("kvstore TCP get_into / LMCache lm://", "kvstore TCP plane, get_into caller buffers", PEERS["lmcache"]),
+    ("kvstore TCP / Mooncake remote", "kvstore TCP plane", PEERS["mooncake-remote"]),
+    ("kvstore TCP / kvstore gRPC", "kvstore TCP plane", "kvstore gRPC streams"),
+    ("kvstore TCP+TLS / kvstore TCP (TLS cost)", "kvstore TCP plane + TLS", "kvstore TCP plane"),
+    ("kvstore TCP / raw TCP", "kvstore TCP plane", "raw TCP socket (no framing, no checksum)"),
+    ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
+    ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
+]
+
+
+def med(runs: dict[str, dict[str, list[float]]], label: str, cell: str) -> float | None:
+    vals = runs.get(label, {}).get(cell)
     return statistics.median(vals) if vals else None
 
 
-def report(res: dict[str, dict[str, list[float]]], sizes: list[int], args: argparse.Namespace, notes: list[str],
-           wall: float) -> str:  # fmt: skip
+def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str, cell: str) -> float | None:
+    """Median over runs of a/b within the same run (both measured seconds apart, so drift cancels)."""
+    xs, ys = runs.get(a, {}).get(cell, []), runs.get(b, {}).get(cell, [])
+    pairs = [x / y for x, y in zip(xs, ys, strict=False) if y]
+    return statistics.median(pairs) if pairs and len(xs) == len(ys) else None
+
+
+def table(runs: dict[str, dict[str, list[float]]], cells: list[str], head: str, title: str) -> list[str]:
+    lines = ["", f"| {title} | {head} |", "|---|" + "--:|" * len(cells)]
+    for label in runs:
+        vals = [med(runs, label, c) for c in cells]
+        lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.2f}" for v in vals) + " |")
+    return lines
+
+
+def report(res: Results, sizes: list[int], args: argparse.Namespace, notes: list[str], wall: float) -> str:
     cells = [f"{s >> 10}/{op}" for s in sizes for op in ("put", "get")]
     head = " | ".join(f"{c.split('/')[0]} KiB {c.split('/')[1]}" for c in cells)
     lines = [
         machine_line() + f" | src {source_digest()} | load avg {os.getloadavg()[0]:.1f} at end",
         f"- Workload: batch {args.batch} pages per call, ~{args.phase_mib} MiB per phase, median of {args.runs} runs "
-        f"(systems in rotating order), loopback; wall {wall:.0f} s. GB/s = 10^9 B/s.",
-        "", f"| system | {head} |", "|---|" + "--:|" * len(cells),
-    ]  # fmt: skip
-    for label in res:
-        vals = [med(res, label, c) for c in cells]
-        lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.2f}" for v in vals) + " |")
-    ratios = [
-        ("kvstore TCP / LMCache lm://", "kvstore TCP plane", PEERS["lmcache"]),
-        ("kvstore TCP get_into / LMCache lm://", "kvstore TCP plane, get_into caller buffers", PEERS["lmcache"]),
-        ("kvstore TCP / Mooncake remote", "kvstore TCP plane", PEERS["mooncake-remote"]),
-        ("kvstore TCP / kvstore gRPC", "kvstore TCP plane", "kvstore gRPC streams"),
-        ("kvstore TCP+TLS / kvstore TCP (TLS cost)", "kvstore TCP plane + TLS", "kvstore TCP plane"),
-        ("kvstore TCP / raw TCP", "kvstore TCP plane", "raw TCP socket (no framing, no checksum)"),
-        ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
-        ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
+        f"(systems in rotating order), loopback; wall {wall:.0f} s. GB = 10^9 B.",
     ]
-    lines += ["", f"| same-run ratio | {head} |", "|---|" + "--:|" * len(cells)]
-    for name, a, b in ratios:
-        pairs = [(med(res, a, c), med(res, b, c)) for c in cells]
-        if all(x is None or y is None for x, y in pairs):
+    lines += table(res["gbs"], cells, head, "GB/s (wall)")
+    lines += table(res["gb_per_cpu_s"], cells, head, "GB per CPU-second, client + server processes")
+    lines += ["", f"| same-run ratio: wall · CPU | {head} |", "|---|" + "--:|" * len(cells)]
+    for name, a, b in RATIOS:
+        both = [(paired(res["gbs"], a, b, c), paired(res["gb_per_cpu_s"], a, b, c)) for c in cells]
+        if all(w is None for w, _ in both):
             continue
-        lines.append(f"| {name} | " + " | ".join("—" if x is None or y is None else f"{x / y:.2f}x"
-                                               for x, y in pairs) + " |")  # fmt: skip
+        lines.append(f"| {name} | " + " | ".join(
+            "—" if w is None else f"{w:.2f}x · " + ("—" if e is None else f"{e:.2f}x") for w, e in both) + " |")  # fmt: skip
     if notes:
         lines += ["", *[f"- {n}" for n in dict.fromkeys(notes)]]
     return "\n".join(lines)

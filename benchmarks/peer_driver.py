@@ -7,6 +7,8 @@ peer_bench.py, which sends commands and reads one JSON reply per command:
     {"cmd": "put", "iters": K}                 -> {"secs": s}       K batched puts of fresh keys
     {"cmd": "get", "iters": K}                 -> {"secs": s, "verified": bool}
     {"cmd": "close"}                           -> {"ok": true}      and the process exits
+The first line, once the peer is up, is {"ok": true, "pids": [...]}: its servers' pids (their CPU time
+is counted with this process's).
 
 Peers (each server started here on 127.0.0.1, a free port, and stopped by PID):
     lmcache          `python -m lmcache.v1.server HOST PORT cpu` (LMCache's lm:// server), driven through
@@ -284,7 +286,7 @@ def main() -> None:
     sys.stdout = sys.stderr  # libraries print; only replies go to the real stdout
     try:
         client: LMCache | Mooncake = LMCache(children) if peer == "lmcache" else Mooncake(children, peer.endswith("local"))
-        out.write(json.dumps({"ok": True}) + "\n")
+        out.write(json.dumps({"ok": True, "pids": [p.pid for p in children.procs]}) + "\n")
         out.flush()
         for line in sys.stdin:
             cmd = json.loads(line)

@@ -36,9 +36,13 @@ frame for longer than the node's `tcp_timeout_seconds` is closed; whatever its r
 freed (a PUT is atomic like a Put stream: nothing of it becomes visible).
 
 Checksums: every PAGE carries its XXH3-64, computed by the sender; the node verifies a PUT's pages
-when it commits them (PutTxn, as for every Put), and the client verifies every received page unless
-it was built with verify=False. With the tier read's own verification that keeps the DESIGN rule: a
-page is verified when read from a tier and whenever it crossed a network.
+in its PutTxn (as for every Put), and the client verifies every received page unless it was built
+with verify=False. With the tier read's own verification that keeps the DESIGN rule: a page is
+verified when read from a tier and whenever it crossed a network. Where it is computed keeps it off
+the copy's critical path: all pages of a request are in flight back to back, so while one side
+hashes page i the other is already moving page i+1 through the socket buffers (the PutTxn verifies
+page i when page i+1 is added, not all pages at commit), and the two hashes of a transfer run in
+two processes, on two cores.
 """
 
 from __future__ import annotations
