@@ -19,7 +19,8 @@ Systems:
     LMCache lm://   LMCache's own client stack against its lm:// server (remote)
     Mooncake remote Mooncake Store's zero-copy batch API over its TCP transfer engine, storage in another
                     process; "same host": the client mounts the segment itself (Mooncake's local path)
-kvstore is measured with library defaults (the client options a user gets without asking).
+kvstore is measured with library defaults (the client options a user gets without asking; this
+process leaves glibc's malloc as it is, unlike the node, which tunes its own at start).
 
 The peers live in a venv of their own (`--peers-venv`, default benchmarks/.peers-venv, gitignored),
 created on first use (about 2 minutes from the pip cache) and driven by benchmarks/peer_driver.py in
@@ -51,7 +52,6 @@ from kvstore.client import core as client_core
 from kvstore.config import parse_size
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
-from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
 
@@ -466,7 +466,6 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if any(s <= 0 or s % 8192 for s in sizes):
         ap.error("--sizes: each size must be a positive multiple of 8 KiB")
-    tune_malloc_for_bulk_io()
     t0 = time.perf_counter()
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
