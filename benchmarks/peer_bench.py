@@ -13,7 +13,8 @@ Systems:
                     no framing or checksums (put = send to the server, get = receive from it)
     kvstore gRPC    transport="grpc": Put/Get streams (the fallback plane)
     kvstore TCP     transport="tcp": the bulk TCP plane (remote clients' default); "get_into" receives
-                    into caller buffers; "TLS" is the same plane with the node's certificate (TLS cost)
+                    into caller buffers; "TLS" is the same plane with the node's certificate (TLS cost);
+                    "(info) verify=False" is not a default: it shows what the client's XXH3 costs
     kvstore shm     transport="shm": the same-host shared-memory plane
     kvstore UCX, kvstore zero-copy: measured when present in this tree (else a note says why not)
     LMCache lm://   LMCache's own client stack against its lm:// server (remote)
@@ -144,8 +145,9 @@ class Ours(System):
     """A kvstore client on one plane, against a node started per page size."""
 
     def __init__(self, label: str, transport: str, node: Callable[[], NodeProcess],
-                 security: ClientSecurity | None = None, into: bool = False) -> None:  # fmt: skip
+                 security: ClientSecurity | None = None, into: bool = False, verify: bool = True) -> None:  # fmt: skip
         self.label, self.transport, self.node, self.security, self.into = label, transport, node, security, into
+        self.verify = verify
         self.kv: KVStoreClient | None = None
         self.runs = 0
 
@@ -155,7 +157,8 @@ class Ours(System):
 
     def setup(self, size: int, batch: int) -> None:
         self.close()
-        self.kv = KVStoreClient(self.node().addr, transport=self.transport, security=self.security or ClientSecurity())
+        self.kv = KVStoreClient(self.node().addr, transport=self.transport, security=self.security or ClientSecurity(),
+                                verify=self.verify)  # fmt: skip
         self.layout, self.batch = layout_for(size), batch
         # Every plane reads the same resident pages (one set fits the node's DRAM beside a put's pages).
         self.page = random.Random(size).randbytes(size)
@@ -322,6 +325,8 @@ def our_systems(nodes: Nodes, notes: list[str]) -> list[System]:
         Ours("kvstore gRPC streams", "grpc", plain),  # type: ignore[arg-type]
         Ours("kvstore TCP plane", "tcp", plain),  # type: ignore[arg-type]
         Ours("kvstore TCP plane, get_into caller buffers", "tcp", plain, into=True),  # type: ignore[arg-type]
+        # Not a default: what the client's own XXH3 of every received page costs (the node still verifies).
+        Ours("(info) kvstore TCP get_into, client verify=False", "tcp", plain, into=True, verify=False),  # type: ignore[arg-type]
         Ours("kvstore TCP plane + TLS", "tcp", lambda: nodes.tls, security=tls),  # type: ignore[arg-type]
         Ours("kvstore shm (same host)", "shm", plain),  # type: ignore[arg-type]
     ]
