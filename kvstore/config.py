@@ -73,6 +73,12 @@ class NodeConfig:
     metrics_host: str | None = None  # address to bind it to (default: host)
     # Same-host shared-memory data plane (kvstore/transport/shm.py): PutShm/GetShm through client segments.
     shm_enabled: bool = True
+    # Bulk TCP data plane (kvstore/transport/tcp): on by default on a free port, advertised in Stats and
+    # the index record, so clients on other hosts move pages over it instead of gRPC streams.
+    tcp_enabled: bool = True
+    tcp_port: int = 0  # 0: a free port (clients learn it by negotiation); set one for a firewall rule
+    tcp_timeout_seconds: float = 10.0  # a TCP plane connection stalled this long mid-handshake/frame is closed
+    tcp_max_connections: int = 1024
     # UCX data plane (kvstore/transport/ucx): off by default. Turn it on where hosts have RDMA (InfiniBand,
     # RoCE): over plain TCP, UCX is no faster than the TCP plane (benchmarks/RESULTS.md), and loading it
     # costs ~1.3 s of node start. On: ucxx must be installed, or the node refuses to start.
@@ -105,6 +111,10 @@ class NodeConfig:
         if self.index_ttl_seconds <= 0 or self.index_max_pending < 1 or self.index_register_wait_seconds < 0:
             raise ValueError("index_ttl_seconds must be > 0, index_max_pending >= 1, "
                              "index_register_wait_seconds >= 0")  # fmt: skip
+        if not 0 <= int(self.tcp_port) <= 65535:
+            raise ValueError(f"tcp_port must be in [0, 65535], got {self.tcp_port}")
+        if self.tcp_timeout_seconds <= 0 or self.tcp_max_connections < 1:
+            raise ValueError("tcp_timeout_seconds must be > 0 and tcp_max_connections >= 1")
         if self.metrics_port is not None and not 0 <= int(self.metrics_port) <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -38,6 +38,12 @@ def serve(
     shm: Annotated[
         bool | None, typer.Option("--shm/--no-shm", help="same-host shared-memory data plane (default on)")
     ] = None,
+    tcp: Annotated[
+        bool | None, typer.Option("--tcp/--no-tcp", help="bulk TCP data plane for remote clients (default on)")
+    ] = None,
+    tcp_port: Annotated[
+        int | None, typer.Option(help="TCP data plane port; 0 picks a free one, advertised to clients (default 0)")
+    ] = None,
     ucx: Annotated[
         bool | None, typer.Option("--ucx/--no-ucx", help="UCX data plane (default off; for hosts with RDMA; needs ucxx)")
     ] = None,
@@ -62,7 +68,8 @@ def serve(
         config,
         host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
         advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
-        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm, ucx_enabled=ucx, ucx_port=ucx_port,
+        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm, tcp_enabled=tcp, tcp_port=tcp_port,
+        ucx_enabled=ucx, ucx_port=ucx_port,
         tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
         auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
         nvme_path=str(nvme_path) if nvme_path else None,

@@ -167,11 +167,13 @@ def check_rules(v: Mapping[str, Any]) -> None:
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
     """The [node] table templates/node.yaml writes into node.toml."""
     node = v["node"]
+    # tcp_port stays 0 here (a free port): local nodes share one machine, and each advertises its own.
     return {
         "policy": node["policy"], "grace_seconds": node["shutdown"]["drainSeconds"],
         "spill_seconds": node["shutdown"]["spillSeconds"], "spill_on_shutdown": True,
         "index_ttl_seconds": node["index"]["ttlSeconds"], "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
-        "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "log_level": node["logLevel"], **node.get("config", {}),
+        "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
+        "log_level": node["logLevel"], **node.get("config", {}),
     }  # fmt: skip
 
 

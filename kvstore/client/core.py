@@ -30,6 +30,7 @@ from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loop
 from kvstore.transport.shm import shm_available
 from kvstore.transport.shm.client import ShmPlane
 from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
+from kvstore.transport.tcp.client import TcpPlane
 from kvstore.transport.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
 from kvstore.transport.ucx import ucxx_installed
 from kvstore.transport.ucx.client import UcxPlane
@@ -86,6 +87,8 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
     "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.buffers), usable=shm_available),
+    "tcp": PlaneSpec(lambda s, info: TcpPlane.from_info(info, target=s.target, pages_per_call=s.pages_per_call,
+                                                        verify=s.verify, security=s.security, timeout=s.timeout)),
     "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
 }
 

@@ -91,6 +91,7 @@ class PutTxn:
         self._chain = chain
         self._prev: bytes | None = parent  # the chain's block before the next page
         self._staged: list[tuple[bytes, int, int, bytes | None]] = []  # (hash, slot, declared checksum, parent)
+        self._sums: list[int] = []  # checksums of the staged pages verified so far: a prefix of _staged
         self._seen: set[bytes] = set()
         self.stored = 0
         self.already_present = 0
@@ -110,6 +111,9 @@ class PutTxn:
             )
         if len(self._seen) + self.already_present >= st.max_pages:
             raise InvalidArgument("pages", f"more than {st.max_pages} pages in one stream")
+        # NOTE: the previous page is complete now (the contract above), so it is verified here, while the
+        # sender is still streaming this one, rather than all at once at commit with the sender idle.
+        self._verify_staged()
         parent = self._prev if self._chain else None
         self._prev = h
         if st.has((self.namespace, h)) or h in self._seen:
@@ -135,28 +139,37 @@ class PutTxn:
         self._staging.after_commit([(self.namespace, h) for h in self._seen], self.target)
         return self.stored, self.already_present
 
-    def _publish_staged(self) -> None:
-        """Verify all staged pages (any failure aborts the transaction), then publish them."""
+    def _verify_staged(self) -> None:
+        """Checksum the staged pages not verified yet; a mismatch aborts the transaction (DataLoss)."""
         st = self._staging
         plen = self.layout.page_bytes
         try:
-            st.table.check_layout(self.namespace, self.layout)
-            sums = []
-            for h, slot, declared, _ in self._staged:
+            for h, slot, declared, _ in self._staged[len(self._sums) :]:
                 actual = st.checksum(slot, plen)
                 if declared and declared != actual:
                     raise DataLoss(f"page {h.hex()}: payload checksum {actual:#x} != declared {declared:#x}")
-                sums.append(actual)
+                self._sums.append(actual)
         except BaseException:
             self.abort()
             raise
-        for (h, slot, _, parent), csum in zip(self._staged, sums, strict=True):
+
+    def _publish_staged(self) -> None:
+        """Verify all staged pages (any failure aborts the transaction), then publish them."""
+        st = self._staging
+        try:
+            st.table.check_layout(self.namespace, self.layout)
+        except BaseException:
+            self.abort()
+            raise
+        self._verify_staged()
+        for (h, slot, _, parent), csum in zip(self._staged, self._sums, strict=True):
             key_parent = (self.namespace, parent) if parent is not None else None
             if st.publish(self.namespace, h, self.layout, slot, csum, key_parent):
                 self.stored += 1
             else:  # another stream committed it meanwhile
                 self.already_present += 1
         self._staged.clear()
+        self._sums.clear()
         st.placement.space_changed()
 
     def abort(self) -> None:
@@ -168,5 +181,6 @@ class PutTxn:
         for _, slot, _, _ in self._staged:
             st.release(slot)
         self._staged.clear()
+        self._sums.clear()
         st.rejected()
         st.placement.space_changed()

@@ -8,5 +8,8 @@ both clients) and a node side (served beside the gRPC servicer).
     exchange.py      the operations client-side code yields, and the DataPlane interface
     grpc_streams.py  Put/Get as gRPC streams (client side; framing in kvstore/wire.py)
     shm/             same-host shared-memory segments: protocol, client side, node side
+    tcp/             the bulk TCP plane for other hosts: frame format (__init__), client.py, node.py
+                     (+ node_io.py: the node's non-blocking socket I/O, plain or TLS)
+    serving.py       PlaneServer: a node-side listener the node starts and advertises (tcp, ucx)
     ucx/             UCX through ucxx (RDMA, shared memory or TCP, as UCX finds): protocol, client, node
 """

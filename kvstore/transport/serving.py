@@ -44,6 +44,10 @@ class PlaneServer(abc.ABC):
 def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:
     """The plane servers this node's config turns on (besides shm, which the gRPC servicer serves)."""
     servers: list[PlaneServer] = []
+    if config.tcp_enabled:
+        from kvstore.transport.tcp.node import TcpPlaneServer  # the node side imports this module
+
+        servers.append(TcpPlaneServer())
     if config.ucx_enabled:
         if not ucxx_installed():
             raise ValueError("ucx_enabled: the UCX data plane needs ucxx (pip install 'kvstore[ucx]')")

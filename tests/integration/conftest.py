@@ -46,7 +46,7 @@ def node(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[NodeProcess
         n.close()
 
 
-@pytest.fixture(params=["grpc", "shm", *(["ucx"] if ucxx_installed() else [])])
+@pytest.fixture(params=["grpc", "shm", "tcp", *(["ucx"] if ucxx_installed() else [])])
 def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreClient]:
     """A client of `node` over each data plane: gRPC streams, the same-host shared-memory plane, UCX."""
     with KVStoreClient(node.addr, timeout=30, transport=request.param) as c:

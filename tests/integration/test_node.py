@@ -127,7 +127,7 @@ def test_delete_pin_unpin_prefetch(kv: KVStoreClient) -> None:
     assert kv.stats().prefetch_issued == len(nvme_pages)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "shm"])
+@pytest.mark.parametrize("transport", ["grpc", "shm", "tcp"])
 def test_concurrent_clients_threads_and_asyncio(node: NodeProcess, transport: str) -> None:
     errors: list[BaseException] = []
 

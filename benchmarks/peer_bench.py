@@ -1,0 +1,500 @@
+"""kvstore's data planes beside LMCache and Mooncake Store, memcpy and raw sockets, in one run.
+
+Method. Per page size (default 256 KiB, 1 MiB, 4 MiB) and per system: batched put and get of `--batch`
+pages per call (default 16); a phase is `iters` calls moving about `--phase-mib` MiB; GB/s (10^9 B/s)
+is the median of `--runs` runs. Every run visits every system, in an order rotated per run, so drift
+on a shared machine is spread over all of them; compare ratios within this run, not across runs.
+Put keys are fresh per call (removed after, untimed); get reads `--batch` resident pages and checks
+their bytes on the first call of each run (kvstore's clients also verify every page's XXH3).
+
+Systems:
+    memcpy          bytearray copy of the same bytes (the machine's own limit for one core)
+    raw TCP         store_bench's reference: a server process, one TCP_NODELAY connection, reused buffers,
+                    no framing or checksums (put = send to the server, get = receive from it)
+    kvstore gRPC    transport="grpc": Put/Get streams (the fallback plane)
+    kvstore TCP     transport="tcp": the bulk TCP plane (remote clients' default); "get_into" receives
+                    into caller buffers; "TLS" is the same plane with the node's certificate (TLS cost);
+                    "(info) verify=False" is not a default: it shows what the client's XXH3 costs
+    kvstore shm     transport="shm": the same-host shared-memory plane
+    kvstore UCX, kvstore zero-copy: measured when present in this tree (else a note says why not)
+    LMCache lm://   LMCache's own client stack against its lm:// server (remote)
+    Mooncake remote Mooncake Store's zero-copy batch API over its TCP transfer engine, storage in another
+                    process; "same host": the client mounts the segment itself (Mooncake's local path)
+kvstore is measured with library defaults (the client options a user gets without asking; this
+process leaves glibc's malloc as it is, unlike the node, which tunes its own at start).
+
+The peers live in a venv of their own (`--peers-venv`, default benchmarks/.peers-venv, gitignored),
+created on first use (about 2 minutes from the pip cache) and driven by benchmarks/peer_driver.py in
+subprocesses; `--no-peers` skips them. Writes benchmarks/out/peer_bench.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from machine import machine_line, save_results
+from store_bench import TcpClient, TcpServer, source_digest
+
+from devkit.pki import make_dev_pki
+from kvstore.client import KVStoreClient
+from kvstore.client import core as client_core
+from kvstore.config import parse_size
+from kvstore.launch import NodeProcess
+from kvstore.layout import DType, PageLayout
+from kvstore.pageformat import slot_bytes_for
+from kvstore.security import ClientSecurity
+
+HERE = Path(__file__).resolve().parent
+NS = "bench/peers"
+PEERS = {"lmcache": "LMCache lm://", "mooncake-remote": "Mooncake remote (zero-copy batch)",
+         "mooncake-local": "Mooncake same host (zero-copy batch)"}  # fmt: skip
+PEER_PACKAGES = [["torch==2.13.0"], ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
+                 ["-c", "{constraints}", "lmcache==0.5.6", "hiredis"]]  # fmt: skip
+PEER_DEBS = ["libibverbs1", "librdmacm1", "libnuma1"]  # Mooncake's wheel links them
+REPLY_TIMEOUT_S = 300.0
+
+
+def hashes(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+
+
+def layout_for(size: int) -> PageLayout:
+    # fp16, 2 kv heads, head dim 64, block 16: 8 KiB per layer, so the layer count sets the page size.
+    return PageLayout(DType.FLOAT16, num_layers=size // 8192, num_kv_heads=2, head_dim=64, block_size=16)
+
+
+class System:
+    """One thing measured: `setup(size)` once per size, then put/get phases returning seconds."""
+
+    label = ""
+
+    def pids(self) -> list[int]:
+        """The processes doing this system's work (client and servers): their CPU time is counted."""
+        return [os.getpid()]
+
+    def setup(self, size: int, batch: int) -> None: ...
+
+    def put(self, iters: int) -> float:
+        raise NotImplementedError
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        raise NotImplementedError
+
+    def close(self) -> None: ...
+
+
+class Memcpy(System):
+    label = "memcpy (same bytes, one core)"
+
+    def setup(self, size: int, batch: int) -> None:
+        self.src, self.dst = bytearray(os.urandom(size * batch)), bytearray(size * batch)
+
+    def put(self, iters: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.dst[:] = self.src
+        return time.perf_counter() - t0
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        return self.put(iters), self.dst == self.src
+
+
+class RawTcp(System):
+    label = "raw TCP socket (no framing, no checksum)"
+
+    def __init__(self) -> None:
+        self.server = TcpServer().start()
+        self.client = TcpClient(self.server.port)
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), self.server.proc.pid]  # type: ignore[list-item]
+
+    def setup(self, size: int, batch: int) -> None:
+        self.page, self.into, self.batch = memoryview(os.urandom(size)), memoryview(bytearray(size)), batch
+
+    def put(self, iters: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.client.send(self.page, self.batch)
+        return time.perf_counter() - t0
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            self.client.recv(self.into, self.batch)
+        return time.perf_counter() - t0, True
+
+    def close(self) -> None:
+        self.client.close(quit_server=True)
+        self.server.stop()
+
+
+class Ours(System):
+    """A kvstore client on one plane, against a node started per page size."""
+
+    def __init__(self, label: str, transport: str, node: Callable[[], NodeProcess],
+                 security: ClientSecurity | None = None, into: bool = False, verify: bool = True) -> None:  # fmt: skip
+        self.label, self.transport, self.node, self.security, self.into = label, transport, node, security, into
+        self.verify = verify
+        self.kv: KVStoreClient | None = None
+        self.runs = 0
+
+    def pids(self) -> list[int]:
+        proc = self.node().proc
+        return [os.getpid(), *([proc.pid] if proc is not None else [])]
+
+    def setup(self, size: int, batch: int) -> None:
+        self.close()
+        self.kv = KVStoreClient(self.node().addr, transport=self.transport, security=self.security or ClientSecurity(),
+                                verify=self.verify)  # fmt: skip
+        self.layout, self.batch = layout_for(size), batch
+        # Every plane reads the same resident pages (one set fits the node's DRAM beside a put's pages).
+        self.page = random.Random(size).randbytes(size)
+        self.resident = hashes(f"resident-{size}", batch)
+        self.kv.put(NS, self.layout, self.resident, [self.page] * batch)
+        self.buffers = [memoryview(bytearray(size)) for _ in range(batch)]
+        if self.kv.plane != self.transport:
+            raise RuntimeError(f"{self.label}: ran on {self.kv.plane}, not {self.transport}")
+
+    def put(self, iters: int) -> float:
+        assert self.kv is not None
+        self.runs += 1
+        secs = 0.0
+        for i in range(iters):
+            hs = hashes(f"put-{self.label}-{self.runs}-{i}", self.batch)
+            t0 = time.perf_counter()
+            stored = self.kv.put(NS, self.layout, hs, [self.page] * self.batch).stored
+            secs += time.perf_counter() - t0
+            self.kv.delete(NS, hs)
+            if stored != self.batch:
+                raise RuntimeError(f"{self.label}: stored {stored} of {self.batch}")
+        return secs
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        assert self.kv is not None
+        ok = True
+        t0 = time.perf_counter()
+        for i in range(iters):
+            if self.into:
+                refs = self.kv._run(self.kv._core.active.get_into(NS, self.resident, self.buffers, True))  # type: ignore[union-attr]
+                ok = ok and len(refs) == self.batch and (i or all(bytes(b) == self.page for b in self.buffers))
+            else:
+                pages = self.kv.get(NS, self.resident)
+                ok = ok and len(pages) == self.batch and (i or all(bytes(p) == self.page for p in pages))
+        return time.perf_counter() - t0, ok
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+            self.kv = None
+
+
+class Peer(System):
+    """A peer cache's client in its own venv (benchmarks/peer_driver.py), spoken to in JSON lines."""
+
+    def __init__(self, python: Path, peer: str, logdir: Path) -> None:
+        self.label = PEERS[peer]
+        self.proc = subprocess.Popen([str(python), str(HERE / "peer_driver.py"), peer, str(logdir)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(logdir / f"{peer}.log", "ab"),  # noqa: SIM115
+                                     text=True, start_new_session=True)  # fmt: skip
+        self._servers = [int(p) for p in self._reply()["pids"]]  # type: ignore[union-attr]
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *self._servers]  # this process only waits meanwhile
+
+    def _call(self, **cmd: object) -> dict[str, object]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict[str, object]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], REPLY_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise RuntimeError(f"{self.label}: the driver gave no answer (see its log)")
+        return json.loads(line)
+
+    def setup(self, size: int, batch: int) -> None:
+        self._call(cmd="setup", size=size, batch=batch)
+
+    def put(self, iters: int) -> float:
+        return float(self._call(cmd="put", iters=iters)["secs"])  # type: ignore[arg-type]
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        r = self._call(cmd="get", iters=iters)
+        return float(r["secs"]), bool(r["verified"])  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._call(cmd="close")
+                self.proc.wait(30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+# -- the peers' venv --------------------------------------------------------------------------------
+
+
+def ensure_peers_venv(venv: Path, log: Path) -> Path:
+    """The peers' interpreter, creating their venv on first use (never kvstore's own)."""
+    python = venv / "bin" / "python"
+    stamp = venv / ".peers-installed"
+    if stamp.exists():
+        return python
+    missing = [d for d in PEER_DEBS if subprocess.run(["dpkg", "-s", d], check=False, capture_output=True).returncode != 0]
+    if missing and os.geteuid() == 0:
+        print(f"installing Debian packages for Mooncake: {' '.join(missing)}", flush=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=False, capture_output=True)
+    print(f"creating the peers' venv in {venv} (LMCache, Mooncake; about 2 minutes)", flush=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    constraints = venv / "constraints.txt"
+    constraints.write_text("torch==2.13.0\n")  # LMCache would otherwise pull a CUDA torch
+    with open(log, "ab") as out:
+        for pkgs in PEER_PACKAGES:
+            args = [p.format(constraints=constraints) for p in pkgs]
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True, stdout=out, stderr=out)
+    stamp.touch()
+    return python
+
+
+def start_peers(args: argparse.Namespace, logdir: Path, notes: list[str]) -> list[System]:
+    if args.no_peers:
+        notes.append("Peers skipped (--no-peers).")
+        return []
+    try:
+        python = ensure_peers_venv(args.peers_venv, logdir / "peers-venv.log")
+    except (OSError, subprocess.CalledProcessError) as exc:
+        notes.append(f"Peers skipped: their venv could not be created ({exc}); see {logdir}/peers-venv.log.")
+        return []
+    out: list[System] = []
+    for peer, label in PEERS.items():
+        try:
+            out.append(Peer(python, peer, logdir))
+        except Exception as exc:
+            notes.append(f"{label} skipped: {exc} (log: {logdir}/{peer}.log).")
+    return out
+
+
+# -- our planes -------------------------------------------------------------------------------------
+
+
+class Nodes:
+    """One plain node and one TLS node per page size (DRAM only), restarted when the size changes."""
+
+    def __init__(self, pki_dir: Path) -> None:
+        self.pki = make_dev_pki(pki_dir)
+        self.plain: NodeProcess | None = None
+        self.tls: NodeProcess | None = None
+
+    def start(self, size: int, batch: int) -> None:
+        self.stop()
+        kw = {"dram_bytes": (2 * batch + 4) * slot_bytes_for(size), "max_page_bytes": size}
+        self.plain = NodeProcess(node_id="peer-bench", **kw).start()  # type: ignore[arg-type]
+        self.tls = NodeProcess(node_id="peer-bench-tls", extra_args=["--tls-cert", str(self.pki.node_cert),
+                               "--tls-key", str(self.pki.node_key)], **kw).start()  # type: ignore[arg-type]  # fmt: skip
+
+    def stop(self) -> None:
+        for n in (self.plain, self.tls):
+            if n is not None:
+                n.close()
+        self.plain = self.tls = None
+
+
+def our_systems(nodes: Nodes, notes: list[str]) -> list[System]:
+    plain = lambda: nodes.plain  # noqa: E731
+    tls = ClientSecurity(ca_file=str(nodes.pki.ca))
+    out: list[System] = [
+        Ours("kvstore gRPC streams", "grpc", plain),  # type: ignore[arg-type]
+        Ours("kvstore TCP plane", "tcp", plain),  # type: ignore[arg-type]
+        Ours("kvstore TCP plane, get_into caller buffers", "tcp", plain, into=True),  # type: ignore[arg-type]
+        # Not a default: what the client's own XXH3 of every received page costs (the node still verifies).
+        Ours("(info) kvstore TCP get_into, client verify=False", "tcp", plain, into=True, verify=False),  # type: ignore[arg-type]
+        Ours("kvstore TCP plane + TLS", "tcp", lambda: nodes.tls, security=tls),  # type: ignore[arg-type]
+        Ours("kvstore shm (same host)", "shm", plain),  # type: ignore[arg-type]
+    ]
+    if "ucx" in client_core.PLANES:
+        out.append(Ours("kvstore UCX plane", "ucx", plain))  # type: ignore[arg-type]
+    else:
+        notes.append("kvstore UCX plane: not in this tree (kvstore/transport/ucx), not measured.")
+    if hasattr(KVStoreClient, "put_from"):
+        notes.append("kvstore zero-copy get_into/put_from is in this tree but this script does not drive it yet.")
+    else:
+        notes.append("kvstore same-host zero-copy get_into/put_from: not in this tree, not measured.")
+    return out
+
+
+# -- run and report ---------------------------------------------------------------------------------
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time these processes have run so far: this one exactly (process_time), others from their
+    live threads' schedstat (ns resolution, updated when they are switched out, which blocked I/O
+    servers are all the time)."""
+    total = 0.0
+    for pid in pids:
+        if pid == os.getpid():
+            total += time.process_time()
+            continue
+        for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                total += int(stat.read_text().split()[0]) / 1e9
+            except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+                continue
+    return total
+
+
+Results = dict[str, dict[str, dict[str, list[float]]]]  # metric -> system label -> "<KiB>/<op>" -> runs
+
+
+def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, nodes: Nodes,
+            notes: list[str]) -> Results:  # fmt: skip
+    """Per run: GB/s of wall time ("gbs") and GB per CPU-second of the system's processes ("gb_per_cpu_s")."""
+    res: Results = {"gbs": {s.label: {} for s in systems}, "gb_per_cpu_s": {s.label: {} for s in systems}}
+    for size in sizes:
+        nodes.start(size, args.batch)
+        live = []
+        for s in systems:
+            try:
+                s.setup(size, args.batch)
+                s.put(1)  # warm-up, untimed: first-touch faults, connections, the peers' lazy set-up
+                s.get(1)
+                live.append(s)
+            except Exception as exc:
+                notes.append(f"{s.label} at {size >> 10} KiB: setup failed ({exc}); not measured.")
+        nbytes = size * args.batch
+        iters = max(2, (args.phase_mib << 20) // nbytes)
+        for run in range(args.runs):
+            k = run % max(1, len(live))
+            for s in live[k:] + live[:k]:
+                for op in ("put", "get"):
+                    cpu0 = cpu_seconds(s.pids())
+                    try:
+                        secs, ok = (s.put(iters), True) if op == "put" else s.get(iters)
+                    except Exception as exc:
+                        notes.append(f"{s.label} {op} at {size >> 10} KiB failed: {exc}")
+                        continue
+                    cpu = cpu_seconds(s.pids()) - cpu0
+                    if not ok:
+                        notes.append(f"{s.label} {op} at {size >> 10} KiB: returned wrong bytes (value dropped)")
+                        continue
+                    cell = f"{size >> 10}/{op}"
+                    res["gbs"][s.label].setdefault(cell, []).append(iters * nbytes / secs / 1e9)
+                    if cpu > 0:
+                        res["gb_per_cpu_s"][s.label].setdefault(cell, []).append(iters * nbytes / cpu / 1e9)
+            print(f"  {size >> 10} KiB run {run + 1}/{args.runs} done", flush=True)
+    nodes.stop()
+    return res
+
+
+RATIOS = [  # (row, system a, system b): a / b
+    ("kvstore TCP / LMCache lm://", "kvstore TCP plane", PEERS["lmcache"]),
+    ("kvstore TCP get_into / LMCache lm://", "kvstore TCP plane, get_into caller buffers", PEERS["lmcache"]),
+    ("kvstore TCP / Mooncake remote", "kvstore TCP plane", PEERS["mooncake-remote"]),
+    ("kvstore TCP / kvstore gRPC", "kvstore TCP plane", "kvstore gRPC streams"),
+    ("kvstore TCP+TLS / kvstore TCP (TLS cost)", "kvstore TCP plane + TLS", "kvstore TCP plane"),
+    ("kvstore TCP / raw TCP", "kvstore TCP plane", "raw TCP socket (no framing, no checksum)"),
+    ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
+    ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
+]
+
+
+def med(runs: dict[str, dict[str, list[float]]], label: str, cell: str) -> float | None:
+    vals = runs.get(label, {}).get(cell)
+    return statistics.median(vals) if vals else None
+
+
+def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str, cell: str) -> float | None:
+    """Median over runs of a/b within the same run (both measured seconds apart, so drift cancels)."""
+    xs, ys = runs.get(a, {}).get(cell, []), runs.get(b, {}).get(cell, [])
+    pairs = [x / y for x, y in zip(xs, ys, strict=False) if y]
+    return statistics.median(pairs) if pairs and len(xs) == len(ys) else None
+
+
+def table(runs: dict[str, dict[str, list[float]]], cells: list[str], head: str, title: str) -> list[str]:
+    lines = ["", f"| {title} | {head} |", "|---|" + "--:|" * len(cells)]
+    for label in runs:
+        vals = [med(runs, label, c) for c in cells]
+        lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.2f}" for v in vals) + " |")
+    return lines
+
+
+def report(res: Results, sizes: list[int], args: argparse.Namespace, notes: list[str], wall: float) -> str:
+    cells = [f"{s >> 10}/{op}" for s in sizes for op in ("put", "get")]
+    head = " | ".join(f"{c.split('/')[0]} KiB {c.split('/')[1]}" for c in cells)
+    lines = [
+        machine_line() + f" | src {source_digest()} | load avg {os.getloadavg()[0]:.1f} at end",
+        f"- Workload: batch {args.batch} pages per call, ~{args.phase_mib} MiB per phase, median of {args.runs} runs "
+        f"(systems in rotating order), loopback; wall {wall:.0f} s. GB = 10^9 B.",
+    ]
+    lines += table(res["gbs"], cells, head, "GB/s (wall)")
+    lines += table(res["gb_per_cpu_s"], cells, head, "GB per CPU-second, client + server processes")
+    lines += ["", f"| same-run ratio: wall · CPU | {head} |", "|---|" + "--:|" * len(cells)]
+    for name, a, b in RATIOS:
+        both = [(paired(res["gbs"], a, b, c), paired(res["gb_per_cpu_s"], a, b, c)) for c in cells]
+        if all(w is None for w, _ in both):
+            continue
+        lines.append(f"| {name} | " + " | ".join(
+            "—" if w is None else f"{w:.2f}x · " + ("—" if e is None else f"{e:.2f}x") for w, e in both) + " |")  # fmt: skip
+    if notes:
+        lines += ["", *[f"- {n}" for n in dict.fromkeys(notes)]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    work = ap.add_argument_group("workload")
+    work.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="page sizes (multiples of 8 KiB)")
+    work.add_argument("--batch", type=int, default=16, help="pages per call (default 16)")
+    work.add_argument("--phase-mib", type=int, default=64, help="MiB moved per put or get phase (default 64)")
+    work.add_argument("--runs", type=int, default=5, help="runs per cell; GB/s is the median (default 5)")
+    peers = ap.add_argument_group("peers (LMCache, Mooncake)")
+    peers.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv", help="their own venv (made if missing)")
+    peers.add_argument("--no-peers", action="store_true", help="only kvstore and the baselines")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB, 1 run, 8 MiB phases, no peers")
+    ap.add_argument("--out", type=Path, default=HERE / "out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.runs, args.phase_mib, args.no_peers = "256KiB", 1, 8, True
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if any(s <= 0 or s % 8192 for s in sizes):
+        ap.error("--sizes: each size must be a positive multiple of 8 KiB")
+    t0 = time.perf_counter()
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
+        logdir = args.out / "peer_logs"
+        logdir.mkdir(parents=True, exist_ok=True)
+        nodes = Nodes(Path(tmp) / "pki")
+        systems: list[System] = [Memcpy(), RawTcp(), *our_systems(nodes, notes)]
+        systems += start_peers(args, logdir, notes)
+        try:
+            res = measure(systems, sizes, args, nodes, notes)
+        finally:
+            for s in systems:
+                s.close()
+            nodes.stop()
+    wall = time.perf_counter() - t0
+    save_results(args.out, "peer_bench", report(res, sizes, args, notes, wall), args, results=res, notes=notes,
+                 wall_s=wall)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

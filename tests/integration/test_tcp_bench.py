@@ -1,0 +1,31 @@
+"""The TCP plane's benchmarks still run end to end on a fresh clone (smoke runs: no figure is asserted;
+peer_bench's --quick leaves the peers out, they need their own venv)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(script: str, *args: str, timeout: float = 300) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], capture_output=True, text=True,
+                         timeout=timeout, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_peer_bench_quick_run(tmp_path: Path) -> None:
+    run("peer_bench.py", "--quick", "--out", str(tmp_path))
+    doc = json.loads((tmp_path / "peer_bench.json").read_text())
+    for label in ("kvstore TCP plane", "kvstore TCP plane + TLS", "kvstore gRPC streams", "memcpy (same bytes, one core)"):
+        for metric in ("gbs", "gb_per_cpu_s"):  # wall time, and CPU time of the client and server processes
+            assert set(doc["results"][metric][label]) == {"256/put", "256/get"}, (metric, label)
+    assert not [n for n in doc["notes"] if "failed" in n or "wrong bytes" in n], doc["notes"]
+    assert "kvstore TCP / kvstore gRPC" in (tmp_path / "peer_bench.md").read_text()
+
+
+def test_tcp_server_models_quick_run(tmp_path: Path) -> None:
+    run("tcp_server_models.py", "--page-mib", "1", "--calls", "1", "--runs", "1", "--batch", "4", "--out", str(tmp_path))
+    rows = json.loads((tmp_path / "tcp_server_models.json").read_text())["rows"]
+    assert rows[0]["asyncio"] > 0 and rows[0]["thread"] > 0
