@@ -117,7 +117,21 @@ class _Sessions:
 # ------------------------------------------------------------------------------------------ shapes
 
 
-class Chat:
+class _PromptedSessions:
+    """A shape whose sessions start from one of `count` shared prompts of lo..hi blocks (Zipf(1)
+    popularity) and come back after think times."""
+
+    def __init__(self, rnd: random.Random, ch: Chainer, count: int, lo: int, hi: int) -> None:
+        self.rnd, self.ch = rnd, ch
+        self.prompts = [ch.fresh(rnd.randint(lo, hi)) for _ in range(count)]
+        self.weights = zipf_weights(count, 1.0)
+        self.due = _Sessions()
+
+    def _prompt(self) -> list[int]:
+        return list(self.rnd.choices(self.prompts, self.weights)[0])
+
+
+class Chat(_PromptedSessions):
     """Multi-turn chat. A new conversation picks one of PROMPTS system prompts (Zipf(1)) and asks a
     question; it has another turn with probability CONTINUE (geometric: mean 1/(1-CONTINUE) turns,
     most conversations short) until its history reaches MAX_HISTORY blocks. A turn resends the
@@ -130,16 +144,13 @@ class Chat:
     MAX_HISTORY = 160
 
     def __init__(self, rnd: random.Random, ch: Chainer) -> None:
-        self.rnd, self.ch = rnd, ch
-        self.prompts = [ch.fresh(rnd.randint(6, 24)) for _ in range(self.PROMPTS)]
-        self.weights = zipf_weights(self.PROMPTS, 1.0)
-        self.due = _Sessions()
+        super().__init__(rnd, ch, self.PROMPTS, 6, 24)
 
     def next(self, now: int) -> Request:
         rnd = self.rnd
         s = self.due.pop(now)
         if s is None:
-            s = _Session(list(rnd.choices(self.prompts, self.weights)[0]), 0)
+            s = _Session(self._prompt(), 0)
         else:
             s.content += self.ch.fresh(lognormal_int(rnd, 3, 0.6, hi=12))  # the previous answer
         s.content += self.ch.fresh(lognormal_int(rnd, 1, 0.7, hi=8))  # the new question
@@ -185,7 +196,7 @@ class Rag:
         return self.ch.chain(content)
 
 
-class Agent:
+class Agent(_PromptedSessions):
     """Agent loops: TOOLS tool prompts of 30-60 blocks (Zipf(1)); a session states a task (1-3
     blocks) and runs STEPS (lognormal, median 12) steps, each appending a tool call and its
     observation (lognormal, median 2 blocks). The next step comes back quickly (lognormal,
@@ -197,17 +208,13 @@ class Agent:
     MAX_HISTORY = 200
 
     def __init__(self, rnd: random.Random, ch: Chainer) -> None:
-        self.rnd, self.ch = rnd, ch
-        self.tools = [ch.fresh(rnd.randint(30, 60)) for _ in range(self.TOOLS)]
-        self.weights = zipf_weights(self.TOOLS, 1.0)
-        self.due = _Sessions()
+        super().__init__(rnd, ch, self.TOOLS, 30, 60)  # the tool prompts
 
     def next(self, now: int) -> Request:
         rnd = self.rnd
         s = self.due.pop(now)
         if s is None:
-            tool = rnd.choices(self.tools, self.weights)[0]
-            s = _Session(tool + self.ch.fresh(rnd.randint(1, 3)), lognormal_int(rnd, self.STEPS, 0.7, hi=60))
+            s = _Session(self._prompt() + self.ch.fresh(rnd.randint(1, 3)), lognormal_int(rnd, self.STEPS, 0.7, hi=60))
         else:
             s.content += self.ch.fresh(lognormal_int(rnd, 2, 0.6, hi=10))
         req = self.ch.chain(s.content)

@@ -197,27 +197,27 @@ def _quick_second_use(n: int) -> list[list[int]]:
     return out
 
 
-def test_adaptive_turns_admission_on_where_it_pays() -> None:
-    requests = _loop_and_scan(2000)
-    results = {}
+def _rates(requests: list[list[int]]) -> tuple[dict[str, float], AdaptivePolicy]:
+    """Prefix hit rates of prefix-arc, tinylfu and adaptive in a cache of 12; the adaptive policy."""
+    results, policy = {}, None
     for name in ("prefix-arc", "tinylfu", "adaptive"):
         cache = TieredBlockCache(12, name)
         results[name] = replay(requests, cache).prefix_hit_rate
-        if name == "adaptive":
-            policy = cache.policies[0]
-            assert isinstance(policy, AdaptivePolicy) and policy.admission_on
+        policy = cache.policies[0]
+    assert isinstance(policy, AdaptivePolicy)
+    return results, policy
+
+
+def test_adaptive_turns_admission_on_where_it_pays() -> None:
+    results, policy = _rates(_loop_and_scan(2000))
+    assert policy.admission_on
     assert results["tinylfu"] > results["prefix-arc"] + 0.1
     assert results["adaptive"] >= 0.95 * results["tinylfu"]
 
 
 def test_adaptive_keeps_admission_off_where_it_costs() -> None:
-    requests = _quick_second_use(600)
-    results = {}
-    for name in ("prefix-arc", "tinylfu", "adaptive"):
-        cache = TieredBlockCache(12, name)
-        results[name] = replay(requests, cache).prefix_hit_rate
-        if name == "adaptive":
-            assert not cache.policies[0].admission_on  # type: ignore[attr-defined]
+    results, policy = _rates(_quick_second_use(600))
+    assert not policy.admission_on and policy.switches == 0
     assert results["prefix-arc"] > results["tinylfu"] + 0.1
     assert results["adaptive"] >= 0.95 * results["prefix-arc"]
 
