@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from kvstore.errors import ResourceExhausted
 from kvstore.manager.durable import DurableCopies
 from kvstore.manager.state import Entry, PageTable
 from kvstore.names import TierKind
 from kvstore.policy import first_usable
+
+if TYPE_CHECKING:
+    from kvstore.manager.tenants import TenantQuotas
 
 _MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
 
@@ -26,27 +30,35 @@ Evict = Callable[[Entry], Awaitable[None]]
 class Placement:
     """Allocation of slots with eviction. Runs on the event loop only (no locks)."""
 
-    def __init__(self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float) -> None:
+    def __init__(self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float,
+                 quotas: TenantQuotas | None = None) -> None:  # fmt: skip
         self.table = table
         self.durable = durable
         self.alloc_wait_seconds = alloc_wait_seconds
+        self.quotas = quotas  # tenants' shares per tier (kvstore/manager/tenants.py); None: one shared pool
         self.evict: Evict = _unwired  # Mover.evict: eviction is a move (the manager wires it)
         self._waiters: list[asyncio.Future[None]] = []
 
-    def victim(self, kind: TierKind) -> Entry | None:
-        """The page the tier's policy would evict first among those evictable now."""
+    def victim(self, kind: TierKind, tenant: str | None = None, own_only: bool = False) -> Entry | None:
+        """The page the tier's policy would evict first among those evictable now (with shares: among
+        those `tenant` may evict, see TenantQuotas.victim)."""
         entries = self.table.entries
-        key = first_usable(self.table.tiers[kind].policy, lambda k: entries[k].evictable)
+        tier = self.table.tiers[kind]
+        if self.quotas is not None and tenant is not None:
+            key = self.quotas.victim(tier, entries, tenant, own_only)
+        else:
+            key = first_usable(tier.policy, lambda k: entries[k].evictable)
         return None if key is None else entries[key]
 
-    async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True) -> int:
+    async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True, tenant: str | None = None) -> int:
         """A free slot in `kind`, evicting (demoting or dropping) victims as needed.
 
         Raises ResourceExhausted when nothing in the tier can be evicted. `reserve` is the number of slots
         the caller already holds unpublished (named in the error so the limit is visible). With `wait`, a
         tier blocked only by other streams' staged pages or by reads and moves in flight is waited on for
         up to alloc_wait_seconds before giving up. The persistent tier never waits (no stream stages there):
-        a demotion into it falls back to dropping the page instead (see Mover.evict).
+        a demotion into it falls back to dropping the page instead (see Mover.evict). With shares, the slot
+        is for a page of `tenant`: at its share it evicts its own pages first (TenantQuotas).
         """
         tier = self.table.tiers[kind]
         if not tier.available:
@@ -55,12 +67,13 @@ class Placement:
         may_wait = wait and tier is not self.durable.tier
         deadline: float | None = None
         for _ in range(tier.alloc.num_slots + _MAX_SPACE_WAITS):
-            if tier.alloc.can_allocate():
+            own_only = self.quotas is not None and tenant is not None and self.quotas.full(tenant, tier, reserve)
+            if tier.alloc.can_allocate() and not own_only:
                 slot = tier.alloc.allocate()
                 if tier is self.durable.tier:
                     self.durable.forget(slot)
                 return slot
-            victim = self.victim(kind)
+            victim = self.victim(kind, tenant, own_only)
             if victim is not None:
                 await self.evict(victim)
                 continue
@@ -72,6 +85,9 @@ class Placement:
                 if loop.time() < deadline:
                     await self.wait_for_space(deadline - loop.time())
                     continue
+            if own_only:
+                raise ResourceExhausted(f"tenant {tenant}'s {kind.label} share is full ({reserve} of its slots held "
+                                        "by this request) and every other page of it is pinned, being read or moved")
             raise ResourceExhausted(
                 f"{kind.label} tier is full ({tier.alloc.num_slots} slots, {reserve} held by this request, "
                 f"{tier.in_transit - reserve} in transit for others) and every page in it is pinned, "

@@ -15,6 +15,7 @@ from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, check_hash
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, PageHeader, payload_checksum
+from kvstore.tenants import tenant_of
 
 AfterCommit = Callable[[list[Key], TierKind], None]  # (pages published, the tier the writer asked for)
 
@@ -39,9 +40,10 @@ class Staging:
     def has(self, key: Key) -> bool:
         return key in self.table
 
-    async def reserve(self, held: int, wait: bool) -> int:
-        """A slot for the next page; `held` slots are already staged by the caller (see Placement.allocate)."""
-        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait)
+    async def reserve(self, held: int, wait: bool, tenant: str | None = None) -> int:
+        """A slot for the next page (of `tenant`: its share); `held` slots are already staged by the caller
+        (see Placement.allocate)."""
+        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait, tenant=tenant)
 
     def payload_view(self, slot: int, length: int) -> memoryview:
         return self.tier.medium.view(slot)[HEADER_BYTES : HEADER_BYTES + length]
@@ -86,6 +88,7 @@ class PutTxn:
                  parent: bytes | None = None, chain: bool = False) -> None:  # fmt: skip
         self._staging = staging
         self.namespace = namespace
+        self._tenant = tenant_of(namespace)  # whose share its slots count against
         self.layout = layout
         self.target = target
         self._chain = chain
@@ -120,12 +123,12 @@ class PutTxn:
             self.already_present += 1
             return None
         try:
-            slot = await st.reserve(held=len(self._staged), wait=not self._staged)
+            slot = await st.reserve(held=len(self._staged), wait=not self._staged, tenant=self._tenant)
         except ResourceExhausted:
             if not self._staged:
                 raise
             self._publish_staged()  # the stream outgrew the staging tier: commit what it staged so far
-            slot = await st.reserve(held=0, wait=True)
+            slot = await st.reserve(held=0, wait=True, tenant=self._tenant)
         self._seen.add(h)
         self._staged.append((h, slot, checksum, parent))
         return st.payload_view(slot, payload_len)

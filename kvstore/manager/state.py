@@ -16,6 +16,7 @@ from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, align_up
 from kvstore.policy import EvictionPolicy
 from kvstore.stats import TierCounters
+from kvstore.tenants import tenant_of, unscope
 from kvstore.tiers.base import Medium
 from kvstore.tiers.slots import SlotAllocator
 
@@ -100,6 +101,7 @@ class Tier:
         self.counters = TierCounters()
         self.pages = 0
         self.used_bytes = 0
+        self.tenant_pages: dict[str, int] = {}  # visible pages per tenant (quotas, Stats)
 
     @property
     def in_transit(self) -> int:
@@ -113,7 +115,8 @@ class PageTable:
     Invariants:
     - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
       and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
-    - `ns_pages[ns]` is the number of entries of namespace ns; a namespace's layout is bound by its first
+    - `ns_pages[ns]` is the number of entries of namespace ns (a tier's `tenant_pages[t]`, of tenant t's
+      entries in it); a namespace's layout is bound by its first
       page and never changes while the node runs;
     - `on_change` hears of every placement change (the index publisher), in order.
     Tiers are ordered fastest first (`TierKind` order); `below`/`above` skip unavailable tiers.
@@ -163,6 +166,8 @@ class PageTable:
         tier.policy.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
         tier.pages += 1
         tier.used_bytes += entry.payload_len
+        t = tenant_of(entry.namespace)
+        tier.tenant_pages[t] = tier.tenant_pages.get(t, 0) + 1
         if self.on_change is not None:
             self.on_change(entry.namespace, entry.hash, kind)
 
@@ -172,6 +177,7 @@ class PageTable:
         tier.policy.on_remove(entry.key)
         tier.pages -= 1
         tier.used_bytes -= entry.payload_len
+        tier.tenant_pages[tenant_of(entry.namespace)] -= 1
 
     def remove(self, entry: Entry) -> None:
         """Entry leaves the node (its slot is the caller's to free)."""
@@ -196,7 +202,7 @@ class PageTable:
         bound = self.layouts.get(namespace)
         if bound is not None and bound != layout:
             raise LayoutMismatch(
-                f"open.layout: namespace {namespace!r} holds pages of layout {bound.describe()}; "
+                f"open.layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "
                 f"this Put sends {layout.describe()}"
             )
 
@@ -224,8 +230,10 @@ class PageTable:
 
 
 def check_namespace(namespace: str) -> None:
+    """InvalidArgument unless `namespace` is a valid client namespace, or one scoped to a tenant
+    (kvstore/tenants.py) whose client part is."""
     try:
-        validate_namespace(namespace)
+        validate_namespace(unscope(namespace))
     except HashContractError as exc:
         raise InvalidArgument("namespace", str(exc)) from None
 
