@@ -7,12 +7,15 @@ pages; mTLS subjects bind tenants; bad tenancy files refuse the start, naming th
 from __future__ import annotations
 
 import random
+import urllib.request
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from kvstore.cli.stats import render_stats
 from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidArgument, KVStoreError, NamespaceNotFound, PermissionDenied
 from kvstore.launch import NodeProcess
@@ -141,7 +144,8 @@ def test_shares_hold_under_pressure_and_a_tenant_evicts_its_own_pages(tmp_path: 
                                                                       clients: list[Clients]) -> None:  # fmt: skip
     shares = (f"[tenants.tenant-a]\ndram_bytes = {2 * SLOT}\nnvme_bytes = {4 * SLOT}\n"
               f"[tenants.tenant-b]\ndram_bytes = {4 * SLOT}\nnvme_bytes = {8 * SLOT}\n")  # fmt: skip
-    node = start_node(tmp_path, name="q", dram_pages=8, nvme_pages=16, extra_args=tenant_args(tmp_path, shares))
+    node = start_node(tmp_path, name="q", dram_pages=8, nvme_pages=16,
+                      extra_args=[*tenant_args(tmp_path, shares), "--metrics-port", "0"])  # fmt: skip
     try:
         cs = Clients(node)
         clients.append(cs)
@@ -158,6 +162,16 @@ def test_shares_hold_under_pressure_and_a_tenant_evicts_its_own_pages(tmp_path: 
         assert [bytes(p) for p in b.get(NS, b_chain)] == [page(h) for h in b_chain]
         # The last pages a wrote are the ones it kept (its own oldest went first).
         assert a.lookup(NS, a_chain[-2:]) >= 1
+        # Per-tenant figures reach /metrics and `kvctl stats` (its renderer, over the same Stats).
+        with urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'kvstore_tenant_pages{node="q",tenant="tenant-b",tier="dram"}' in text
+        assert 'kvstore_tenant_share_bytes{node="q",tenant="tenant-a",tier="dram"} ' + f"{2 * SLOT}" in text
+        assert 'kvstore_tenant_lookup_blocks_total{node="q",tenant="tenant-a"} 2.0' in text
+        console = Console(record=True, width=200)
+        render_stats(d.stats(), console)
+        table = console.export_text()
+        assert "cross-tenant misses" in table and "tenant-a" in table and "tenant-b" in table
     finally:
         node.close()
 
@@ -206,3 +220,60 @@ def test_bad_tenancy_files_refuse_the_start_naming_the_file(tmp_path: Path, wher
     with pytest.raises(RuntimeError) as err:
         start_node(tmp_path, name="bad", extra_args=args)
     assert says in " ".join(str(err.value).split())  # the CLI wraps its message
+
+
+def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path: Path, clients: list[Clients]) -> None:
+    import redis
+
+    from kvstore.cluster import ClusterClient
+    from kvstore.index.acl import (
+        CLIENT_RULES,
+        CLIENT_USER,
+        node_rules,
+        node_user,
+        tenant_client_rules,
+        tenant_client_user,
+    )
+    from kvstore.index.keys import block_key
+    from kvstore.launch import RedisProcess
+    from kvstore.tenants import scope
+    from tests.security.conftest import wait_for
+
+    users = {CLIENT_USER: ("c" * 24, CLIENT_RULES), node_user("n0"): ("n" * 24, node_rules("n0")),
+             **{tenant_client_user(t): (t[-1] * 24, tenant_client_rules(t)) for t in ("tenant-a", "tenant-b")}}  # fmt: skip
+    r = RedisProcess(password="admin-" + "a" * 20, users=users).start()
+    node = None
+    try:
+        node = start_node(tmp_path, name="n0", redis_url=r.url_for(node_user("n0")),
+                          extra_args=[*tenant_args(tmp_path), "--index-ttl", "30"])  # fmt: skip
+        cs = Clients(node)
+        clients.append(cs)
+        chain = [key(i, "index") for i in range(4)]
+        cs(TOK_A).put(NS, LAYOUT, chain, [page(h) for h in chain])
+        cs(TOK_B).put(NS, LAYOUT, chain[:2], [other_page(h) for h in chain[:2]])
+        admin = redis.Redis.from_url(r.url, socket_timeout=5)
+        wait_for(lambda: all(admin.exists(block_key(scope(NS, t), h)) for t, n in (("tenant-a", 4), ("tenant-b", 2))
+                             for h in chain[:n]), what="index entries")  # fmt: skip
+        assert admin.keys("kvs:v1:t:tenant-a:b:*") and not admin.keys("kvs:v1:b:*")  # no entry in the default scope
+
+        def cluster(user: str, tenant: str | None, token: str) -> ClusterClient:
+            sec = ClientSecurity(token=token, allow_plaintext_token=True)  # loopback only
+            return ClusterClient(r.url_for(user), timeout=10, security=sec, tenant=tenant)
+
+        with cluster(tenant_client_user("tenant-a"), "tenant-a", TOK_A) as ca, \
+                cluster(tenant_client_user("tenant-b"), "tenant-b", TOK_B) as cb, \
+                cluster(CLIENT_USER, None, TOK_D) as cd:  # fmt: skip
+            assert ca.lookup(NS, chain).matched == 4 and cb.lookup(NS, chain).matched == 2
+            assert cd.lookup(NS, chain).matched == 0  # the default tenant's entries: none
+            assert [bytes(p.data) for p in ca.get_pages(NS, chain)] == [page(h) for h in chain]
+            assert [bytes(p.data) for p in cb.get_pages(NS, chain)] == [other_page(h) for h in chain[:2]]
+        # Redis itself keeps each tenant's client to its own entries (and the default client to the default's).
+        for user in (tenant_client_user("tenant-b"), CLIENT_USER):
+            with redis.Redis.from_url(r.url_for(user), socket_timeout=5) as spy, \
+                    pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
+                spy.hgetall(block_key(scope(NS, "tenant-a"), chain[0]))
+        admin.close()
+    finally:
+        if node is not None:
+            node.close()
+        r.close()
