@@ -10,12 +10,14 @@ Modes (one real node each, DRAM only, full, so every Put evicts; loopback; a rea
 Per mode and data plane (gRPC streams, the same-host shm plane): batched Put and Get GB/s of `--batch` pages of
 `--page-kib` KiB (median of `--runs` runs of `--iters` calls), Lookup p50/p99 of a 64-block chain that hits, and of
 one that misses at its first block (the cross-tenant check runs on every miss). Modes run in rotating order per run
-so drift on a shared machine favours none. Writes benchmarks/out/tenancy_bench.{json,md}.
+so drift on a shared machine favours none. Then the same three modes in process, the TierManager alone (no RPC,
+4 KiB pages), where tenancy's own cost is not lost in RPC noise. Writes benchmarks/out/tenancy_bench.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hashlib
 import statistics
 import tempfile
@@ -25,9 +27,13 @@ from pathlib import Path
 from machine import machine_line, save_results
 
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
+from kvstore.manager import TierManager
+from kvstore.manager.tenants import TenantView
 from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.names import TierKind
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
 
@@ -47,6 +53,69 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+async def _micro_mode(mode: str, layout: PageLayout, rounds: int, batch: int) -> dict[str, float]:
+    """Microseconds per manager call in one mode, in process (no RPC): Lookup of 64 blocks (hit, miss), a Get
+    of `batch` pages, a Put of `batch` pages into a full DRAM tier (each page evicts one)."""
+    slot = slot_bytes_for(layout.page_bytes)
+    dram_slots = 4 * batch
+    shares = {"t0": {TierKind.DRAM: dram_slots // 2}} if mode == "tenant+share" else None
+    mgr = TierManager(NodeConfig(dram_bytes=dram_slots * slot, max_page_bytes=layout.page_bytes, io_threads=2),
+                      shares=shares)  # fmt: skip
+    await mgr.start()
+    # The reference calls the manager as every plane did before tenancy; the others go through the view.
+    view: TierManager | TenantView = mgr if mode == "no-tenancy" else mgr.scoped("t0")
+    page = bytes(layout.page_bytes)
+
+    async def put(v: TierManager | TenantView, hs: list[bytes]) -> None:
+        txn = v.begin_put(NS, layout)
+        for h in hs:
+            dst = await txn.add_page(h, layout.page_bytes, 0)
+            if dst is not None:
+                dst[:] = page
+                dst.release()
+        await txn.commit()
+
+    try:
+        if mode != "no-tenancy":
+            for i in range(1, 8):  # seven more tenants on the node: every miss checks 8 scopes
+                await put(mgr.scoped(f"t{i}"), hashes(f"other-{i}", 1))
+        chain, cold = hashes("chain", 64), hashes("cold", 64)
+        await put(view, chain)
+        out: dict[str, float] = {}
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            view.lookup(NS, chain)
+        out["lookup_hit_us"] = (time.perf_counter() - t0) / rounds * 1e6
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            view.lookup(NS, cold)
+        out["lookup_miss_us"] = (time.perf_counter() - t0) / rounds * 1e6
+        t0 = time.perf_counter()
+        for _ in range(rounds // 10):
+            leases = view.get(NS, chain[:batch], promote=False)
+            async for _lease in leases:
+                pass
+        out["get_us"] = (time.perf_counter() - t0) / (rounds // 10) * 1e6
+        t0 = time.perf_counter()
+        for r in range(rounds // 10):
+            await put(view, hashes(f"evict-{r}", batch))
+        out["put_evict_us"] = (time.perf_counter() - t0) / (rounds // 10) * 1e6
+        return out
+    finally:
+        await mgr.close()
+
+
+def micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict[str, dict[str, float]]:
+    """Median over `runs` (modes rotated per run) of _micro_mode's figures."""
+    got: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    for m in MODES:  # warm-up (imports, allocator, caches), not counted
+        asyncio.run(_micro_mode(m, layout, 20, batch))
+    for run in range(runs):
+        for m in MODES[run % len(MODES) :] + MODES[: run % len(MODES)]:
+            got[m].append(asyncio.run(_micro_mode(m, layout, rounds, batch)))
+    return {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in got.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--page-kib", type=int, default=256, help="page size in KiB (default 256)")
@@ -54,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="timed calls per run (default 10)")
     ap.add_argument("--runs", type=int, default=5, help="runs per mode; GB/s is the median (default 5)")
     ap.add_argument("--lookups", type=int, default=300, help="timed Lookups per run, hit and miss each (default 300)")
+    ap.add_argument("--micro-rounds", type=int, default=2000, help="in-process Lookups per run (default 2000)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 run, 2 calls, 30 lookups")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
     if args.quick:
-        args.runs, args.iters, args.lookups = 1, 2, 30
+        args.runs, args.iters, args.lookups, args.micro_rounds = 1, 2, 30, 100
     if args.page_kib <= 0 or args.page_kib % 8:
         ap.error("--page-kib must be a positive multiple of 8")
     tune_malloc_for_bulk_io()
@@ -126,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 c.close()
             for n in nodes.values():
                 n.close()
+    micro_layout = PageLayout(DType.UINT8, 1, 1, 4096, 1)  # 4 KiB pages: the manager's own cost dominates
+    figures = micro(micro_layout, args.runs, args.micro_rounds, args.batch)
     wall = time.perf_counter() - t_start
     rows = []
     for m in MODES:
@@ -154,7 +226,20 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['shm_get_gbs']:.2f} ({r['shm_get_ratio']:.2f}x) | {r['hit_p50_ms']:.3f} / {r['hit_p99_ms']:.3f} | "
             f"{r['miss_p50_ms']:.3f} / {r['miss_p99_ms']:.3f} |"
         )  # fmt: skip
-    save_results(args.out, "tenancy_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    base = figures["no-tenancy"]
+    lines += [
+        "",
+        f"In process, the manager alone (no RPC; 4 KiB pages, median of {args.runs} runs of {args.micro_rounds} "
+        "Lookups, 1/10 as many Gets and Puts of the batch):",
+        "",
+        "| mode | lookup hit µs (64 blocks) | lookup miss µs | get µs (batch) | put into a full tier µs (batch) |",
+        "|---|--:|--:|--:|--:|",
+    ]
+    for m in MODES:
+        f = figures[m]
+        lines.append(" | ".join([f"| {m}", *(f"{f[k]:.1f} ({f[k] / base[k]:.2f}x)" for k in
+                                              ("lookup_hit_us", "lookup_miss_us", "get_us", "put_evict_us"))]) + " |")  # fmt: skip
+    save_results(args.out, "tenancy_bench", "\n".join(lines), args, rows=rows, micro=figures, wall_s=wall)
     return 0
 
 
