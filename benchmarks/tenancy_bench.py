@@ -53,17 +53,13 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def _micro_mode(mode: str, layout: PageLayout, rounds: int, batch: int) -> dict[str, float]:
-    """Microseconds per manager call in one mode, in process (no RPC): Lookup of 64 blocks (hit, miss), a Get
-    of `batch` pages, a Put of `batch` pages into a full DRAM tier (each page evicts one)."""
+async def _micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict[str, dict[str, float]]:
+    """Microseconds per manager call, in process (no RPC), the three modes' managers side by side and their
+    calls interleaved in blocks (so drift on a shared machine hits every mode alike): Lookup of 64 blocks
+    (hit; miss at the first block), a Get of `batch` pages, a Put of `batch` pages into a full DRAM tier
+    (each page evicts one). Per figure: the median over `runs` x 10 blocks."""
     slot = slot_bytes_for(layout.page_bytes)
     dram_slots = 4 * batch
-    shares = {"t0": {TierKind.DRAM: dram_slots // 2}} if mode == "tenant+share" else None
-    mgr = TierManager(NodeConfig(dram_bytes=dram_slots * slot, max_page_bytes=layout.page_bytes, io_threads=2),
-                      shares=shares)  # fmt: skip
-    await mgr.start()
-    # The reference calls the manager as every plane did before tenancy; the others go through the view.
-    view: TierManager | TenantView = mgr if mode == "no-tenancy" else mgr.scoped("t0")
     page = bytes(layout.page_bytes)
 
     async def put(v: TierManager | TenantView, hs: list[bytes]) -> None:
@@ -75,45 +71,56 @@ async def _micro_mode(mode: str, layout: PageLayout, rounds: int, batch: int) ->
                 dst.release()
         await txn.commit()
 
-    try:
-        if mode != "no-tenancy":
+    async def get(v: TierManager | TenantView, hs: list[bytes]) -> None:
+        leases = v.get(NS, hs, promote=False)
+        async for _lease in leases:
+            pass
+
+    mgrs, views = {}, {}
+    for m in MODES:
+        shares = {"t0": {TierKind.DRAM: dram_slots // 2}} if m == "tenant+share" else None
+        mgrs[m] = TierManager(NodeConfig(dram_bytes=dram_slots * slot, max_page_bytes=layout.page_bytes,
+                                         io_threads=2), shares=shares)  # fmt: skip
+        await mgrs[m].start()
+        # The reference calls the manager as every plane did before tenancy; the others go through the view.
+        views[m] = mgrs[m] if m == "no-tenancy" else mgrs[m].scoped("t0")
+        if m != "no-tenancy":
             for i in range(1, 8):  # seven more tenants on the node: every miss checks 8 scopes
-                await put(mgr.scoped(f"t{i}"), hashes(f"other-{i}", 1))
-        chain, cold = hashes("chain", 64), hashes("cold", 64)
-        await put(view, chain)
-        out: dict[str, float] = {}
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            view.lookup(NS, chain)
-        out["lookup_hit_us"] = (time.perf_counter() - t0) / rounds * 1e6
-        t0 = time.perf_counter()
-        for _ in range(rounds):
-            view.lookup(NS, cold)
-        out["lookup_miss_us"] = (time.perf_counter() - t0) / rounds * 1e6
-        t0 = time.perf_counter()
-        for _ in range(rounds // 10):
-            leases = view.get(NS, chain[:batch], promote=False)
-            async for _lease in leases:
-                pass
-        out["get_us"] = (time.perf_counter() - t0) / (rounds // 10) * 1e6
-        t0 = time.perf_counter()
-        for r in range(rounds // 10):
-            await put(view, hashes(f"evict-{r}", batch))
-        out["put_evict_us"] = (time.perf_counter() - t0) / (rounds // 10) * 1e6
-        return out
+                await put(mgrs[m].scoped(f"t{i}"), hashes(f"other-{i}", 1))
+    chain, cold = hashes("chain", 64), hashes("cold", 64)
+    for m in MODES:
+        await put(views[m], chain)
+    ops = {
+        "lookup_hit_us": (rounds // 10, lambda v, _i: _sync(v.lookup(NS, chain))),
+        "lookup_miss_us": (rounds // 10, lambda v, _i: _sync(v.lookup(NS, cold))),
+        "get_us": (rounds // 100, lambda v, _i: get(v, chain[:batch])),
+        "put_evict_us": (rounds // 100, lambda v, i: put(v, hashes(f"evict-{i}", batch))),
+    }
+    samples: dict[str, dict[str, list[float]]] = {m: {k: [] for k in ops} for m in MODES}
+    counter = 0
+    try:
+        for block in range(runs * 10 + 1):  # block 0 warms up and is not counted
+            order = MODES[block % len(MODES) :] + MODES[: block % len(MODES)]
+            for name, (n, op) in ops.items():
+                for m in order:
+                    t0 = time.perf_counter()
+                    for _ in range(max(n, 1)):
+                        counter += 1
+                        await op(views[m], counter)
+                    if block:
+                        samples[m][name].append((time.perf_counter() - t0) / max(n, 1) * 1e6)
     finally:
-        await mgr.close()
+        for mgr in mgrs.values():
+            await mgr.close()
+    return {m: {k: statistics.median(v) for k, v in samples[m].items()} for m in MODES}
+
+
+async def _sync(_: object) -> None:
+    """Lets a synchronous manager call stand where the block loop awaits."""
 
 
 def micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict[str, dict[str, float]]:
-    """Median over `runs` (modes rotated per run) of _micro_mode's figures."""
-    got: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
-    for m in MODES:  # warm-up (imports, allocator, caches), not counted
-        asyncio.run(_micro_mode(m, layout, 20, batch))
-    for run in range(runs):
-        for m in MODES[run % len(MODES) :] + MODES[: run % len(MODES)]:
-            got[m].append(asyncio.run(_micro_mode(m, layout, rounds, batch)))
-    return {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in got.items()}
+    return asyncio.run(_micro(layout, runs, rounds, batch))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -229,8 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     base = figures["no-tenancy"]
     lines += [
         "",
-        f"In process, the manager alone (no RPC; 4 KiB pages, median of {args.runs} runs of {args.micro_rounds} "
-        "Lookups, 1/10 as many Gets and Puts of the batch):",
+        f"In process, the manager alone (no RPC; 4 KiB pages; the three managers side by side, calls interleaved "
+        f"in blocks; median of {args.runs * 10} blocks of {args.micro_rounds // 10} Lookups or "
+        f"{max(args.micro_rounds // 100, 1)} Gets / Puts of the batch):",
         "",
         "| mode | lookup hit µs (64 blocks) | lookup miss µs | get µs (batch) | put into a full tier µs (batch) |",
         "|---|--:|--:|--:|--:|",

@@ -94,6 +94,8 @@ class TierManager:
         self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + depth + 1)
         self.durable = DurableCopies(self.table, self.io)
         quotas = TenantQuotas(shares) if shares else None
+        if quotas is not None:
+            quotas.attach(self.table.tiers.values(), lambda: make_policy(config.policy))
         self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds, quotas)
         self.tenants = TenantLedger(self, quotas)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)

@@ -102,11 +102,38 @@ class Tier:
         self.pages = 0
         self.used_bytes = 0
         self.tenant_pages: dict[str, int] = {}  # visible pages per tenant (quotas, Stats)
+        # With tenant shares in this tier (TenantQuotas.attach): one more policy per share group (a tenant
+        # with a share, or POOL for the rest), fed the same events, so a group's victim is found directly.
+        self.groups: dict[str, EvictionPolicy] | None = None
+        self.group_of: Callable[[str], str] = _same
+        self.new_policy: Callable[[], EvictionPolicy] | None = None
+
+    def group_policy(self, namespace: str) -> EvictionPolicy | None:
+        """The share group's policy of a page of `namespace` (None: no shares in this tier)."""
+        if self.groups is None:
+            return None
+        g = self.group_of(tenant_of(namespace))
+        p = self.groups.get(g)
+        if p is None:
+            assert self.new_policy is not None
+            p = self.groups[g] = self.new_policy()
+        return p
+
+    def on_access(self, key: Key) -> None:
+        """A page of this tier was read (policy event)."""
+        self.policy.on_access(key)
+        gp = self.group_policy(key[0])
+        if gp is not None:
+            gp.on_access(key)
 
     @property
     def in_transit(self) -> int:
         """Slots held by pages not (yet) visible in this tier."""
         return self.alloc.used_count - self.pages
+
+
+def _same(tenant: str) -> str:
+    return tenant
 
 
 class PageTable:
@@ -164,6 +191,9 @@ class PageTable:
             self.entries[entry.key] = entry
             self.ns_pages[entry.namespace] = self.ns_pages.get(entry.namespace, 0) + 1
         tier.policy.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
+        gp = tier.group_policy(entry.namespace)
+        if gp is not None:
+            gp.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
         tier.pages += 1
         tier.used_bytes += entry.payload_len
         t = tenant_of(entry.namespace)
@@ -175,6 +205,9 @@ class PageTable:
         """Take entry out of its tier's accounting (it stays in the table: a move publishes it again)."""
         tier = self.tiers[entry.tier]
         tier.policy.on_remove(entry.key)
+        gp = tier.group_policy(entry.namespace)
+        if gp is not None:
+            gp.on_remove(entry.key)
         tier.pages -= 1
         tier.used_bytes -= entry.payload_len
         tier.tenant_pages[tenant_of(entry.namespace)] -= 1

@@ -8,7 +8,7 @@ index keys carry, so recovery and the index keep tenancy without anything extra.
 
 Shares (`TenantQuotas`, pure): a tenant may have a cap of slots per tier. Placement asks it which page to
 evict: a tenant at its cap evicts its own pages only; a tenant below it evicts first from tenants over
-their caps, then from itself or tenants without a cap, never from a tenant within its cap. A cross-tenant
+their caps, then from tenants without a cap, then its own, never from another tenant within its cap. A cross-tenant
 miss (the page exists, but only in another tenant's scope) is answered exactly as the cold miss it is for
 the caller and counted for the caller; the check runs on every miss, found or not, so it costs the same
 either way.
@@ -16,7 +16,7 @@ either way.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -25,9 +25,12 @@ from kvstore.hashing import HashContractError, validate_namespace
 from kvstore.layout import PageLayout
 from kvstore.manager.state import Entry, Tier
 from kvstore.names import Key, TierKind
-from kvstore.policy import first_usable
+from kvstore.policy import EvictionPolicy, first_usable
 from kvstore.stats import LookupResult, NodeStats, TenantStats
-from kvstore.tenants import DEFAULT_TENANT, scope, split, tenant_of
+from kvstore.tenants import DEFAULT_TENANT, scope, split
+
+POOL = ""  # the share group of every tenant without a cap in a tier (tenant names are never empty)
+_MAX_REMEMBERED = 1024  # client namespaces a view remembers as valid (beyond, each call validates again)
 
 if TYPE_CHECKING:  # the manager builds its views; views call back into it
     from kvstore.manager.core import TierManager
@@ -51,12 +54,22 @@ class TenantQuotas:
     """Per-tenant caps in slots per tier, and the victim rule that keeps every tenant within its cap.
 
     Invariant (once pages settle): a tenant's visible pages in a tier exceed its cap only by pages
-    another path put there without placement (a shutdown spill), and such a tenant is evicted first.
-    Pure: reads tiers' `tenant_pages` and policies, changes nothing.
+    another path put there without placement (a shutdown spill, a demotion back onto the page's own
+    durable copy), and such a tenant is evicted first. Victims are found through per-group policies
+    (`attach`): each tenant with a cap in a tier is a group, everyone else is POOL; so finding a tenant's
+    own victim costs the same as finding any victim, however many pages other tenants hold.
     """
 
     def __init__(self, caps: dict[str, dict[TierKind, int]]) -> None:
         self.caps = caps
+
+    def attach(self, tiers: Iterable[Tier], new_policy: Callable[[], EvictionPolicy]) -> None:
+        """Give every tier where some tenant has a cap its per-group policies (before any page is published)."""
+        for tier in tiers:
+            capped = frozenset(t for t, c in self.caps.items() if tier.kind in c)
+            if capped:
+                tier.groups, tier.new_policy = {}, new_policy
+                tier.group_of = lambda t, c=capped: t if t in c else POOL  # type: ignore[misc]
 
     def cap(self, tenant: str, kind: TierKind) -> int | None:
         return self.caps.get(tenant, {}).get(kind)
@@ -66,40 +79,57 @@ class TenantQuotas:
         cap = self.cap(tenant, tier.kind)
         return cap is not None and tier.tenant_pages.get(tenant, 0) + reserve >= cap
 
-    def over(self, tenant: str, tier: Tier) -> bool:
-        cap = self.cap(tenant, tier.kind)
-        return cap is not None and tier.tenant_pages.get(tenant, 0) > cap
-
     def victim(self, tier: Tier, entries: dict[Key, Entry], tenant: str, own_only: bool) -> Key | None:
-        """The key to evict from `tier` to make room for a page of `tenant` (None: nothing allowed)."""
-        def usable(rule: Callable[[str], bool]) -> Callable[[Key], bool]:
-            return lambda k: entries[k].evictable and rule(tenant_of(k[0]))
+        """The key to evict from `tier` for a page of `tenant` (None: nothing it may evict): at its cap,
+        its own; else first the pages of the tenant furthest over its cap, then of tenants without a cap
+        (POOL), then its own; never a page of another tenant within its cap."""
+        def evictable(k: Key) -> bool:
+            return entries[k].evictable
 
+        if tier.groups is None:  # no caps in this tier: one shared pool
+            return first_usable(tier.policy, evictable)
+
+        def first(group: str) -> Key | None:
+            p = tier.groups.get(group) if tier.groups is not None else None
+            return None if p is None else first_usable(p, evictable)
+
+        mine = tier.group_of(tenant)
         if own_only:
-            return first_usable(tier.policy, usable(lambda t: t == tenant))
-        key = first_usable(tier.policy, usable(lambda t: self.over(t, tier)))
-        if key is None:
-            key = first_usable(tier.policy, usable(lambda t: t == tenant or self.cap(t, tier.kind) is None))
-        return key
+            return first(mine)
+        over = sorted(((tier.tenant_pages.get(t, 0) - c[tier.kind], t) for t, c in self.caps.items()
+                       if tier.kind in c and tier.tenant_pages.get(t, 0) > c[tier.kind]), reverse=True)  # fmt: skip
+        for _, t in over:
+            key = first(t)
+            if key is not None:
+                return key
+        key = first(POOL)
+        return key if key is not None or mine == POOL else first(mine)
 
 
 class TenantView:
     """The manager as the callers of one tenant reach it: the same calls, with client namespaces."""
 
-    __slots__ = ("counters", "manager", "tenant")
+    __slots__ = ("_scoped", "counters", "manager", "tenant")
 
     def __init__(self, manager: TierManager, tenant: str, counters: TenantCounters) -> None:
         self.manager = manager
         self.tenant = tenant
         self.counters = counters
+        self._scoped: dict[str, str] = {}  # valid client namespaces seen -> stored ones (bounded)
 
     def ns(self, namespace: str) -> str:
         """The stored namespace of a client's `namespace`; InvalidArgument unless it is a valid one."""
+        scoped = self._scoped.get(namespace)
+        if scoped is not None:
+            return scoped
         try:
             validate_namespace(namespace)
         except HashContractError as exc:
             raise InvalidArgument("namespace", str(exc)) from None
-        return scope(namespace, self.tenant)
+        scoped = scope(namespace, self.tenant)
+        if len(self._scoped) < _MAX_REMEMBERED:
+            self._scoped[namespace] = scoped
+        return scoped
 
     def lookup(self, namespace: str, hashes: list[bytes], prefetch: bool = False) -> LookupResult:
         res = self.manager.lookup(self.ns(namespace), hashes, prefetch)
@@ -186,6 +216,8 @@ class TenantLedger:
         self.quotas = quotas
         self.counters: dict[str, TenantCounters] = {}
         self._views: dict[str, TenantView] = {}
+        self._known: tuple[str, ...] = ()
+        self._known_seen = -1
 
     def view(self, tenant: str) -> TenantView:
         v = self._views.get(tenant)
@@ -193,12 +225,17 @@ class TenantLedger:
             v = self._views[tenant] = TenantView(self.manager, tenant, self.counters.setdefault(tenant, TenantCounters()))
         return v
 
-    def known(self) -> list[str]:
-        """Every tenant with pages on this node or calls since it started, in a stable order."""
-        names = set(self.counters)
-        for tier in self.manager.table.tiers.values():
-            names.update(t for t, n in tier.tenant_pages.items() if n)
-        return sorted(names)
+    def known(self) -> tuple[str, ...]:
+        """Every tenant that had pages on this node or made calls since it started, in a stable order.
+        Cached: tenants are only ever added (a tier's `tenant_pages` keeps a tenant's key at 0 pages)."""
+        tiers = self.manager.table.tiers.values()
+        seen = len(self.counters) + sum(len(t.tenant_pages) for t in tiers)
+        if seen != self._known_seen:
+            names = set(self.counters)
+            for tier in tiers:
+                names.update(tier.tenant_pages)
+            self._known, self._known_seen = tuple(sorted(names)), seen
+        return self._known
 
     def snapshot(self, slot_bytes: int) -> list[TenantStats]:
         out = []

@@ -235,6 +235,7 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
         tenant_client_user,
     )
     from kvstore.index.keys import block_key
+    from kvstore.index.reader import IndexReader
     from kvstore.launch import RedisProcess
     from kvstore.tenants import scope
     from tests.security.conftest import wait_for
@@ -272,6 +273,10 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
             with redis.Redis.from_url(r.url_for(user), socket_timeout=5) as spy, \
                     pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
                 spy.hgetall(block_key(scope(NS, "tenant-a"), chain[0]))
+        # ... the lookup script too: b's index user asking for a's entries is refused, not answered.
+        with IndexReader(r.url_for(tenant_client_user("tenant-b")), tenant="tenant-a") as spy_index, \
+                pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
+            spy_index.lookup(NS, chain)
         admin.close()
     finally:
         if node is not None:
