@@ -57,7 +57,7 @@ async def _micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict
     """Microseconds per manager call, in process (no RPC), the three modes' managers side by side and their
     calls interleaved in blocks (so drift on a shared machine hits every mode alike): Lookup of 64 blocks
     (hit; miss at the first block), a Get of `batch` pages, a Put of `batch` pages into a full DRAM tier
-    (each page evicts one). Per figure: the median over `runs` x 10 blocks."""
+    (each page evicts one). Per figure: the best of `runs` x 10 blocks (and the median)."""
     slot = slot_bytes_for(layout.page_bytes)
     dram_slots = 4 * batch
     page = bytes(layout.page_bytes)
@@ -112,7 +112,10 @@ async def _micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict
     finally:
         for mgr in mgrs.values():
             await mgr.close()
-    return {m: {k: statistics.median(v) for k, v in samples[m].items()} for m in MODES}
+    # Best block, not median: on a shared machine the other processes only ever add time, so the fastest
+    # block is the closest to what the code itself costs (the median is printed too, in the JSON).
+    return {m: {k: min(v) for k, v in samples[m].items()} | {f"{k}_median": statistics.median(v)
+                                                              for k, v in samples[m].items()} for m in MODES}  # fmt: skip
 
 
 async def _sync(_: object) -> None:
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         "",
         f"In process, the manager alone (no RPC; 4 KiB pages; the three managers side by side, calls interleaved "
-        f"in blocks; median of {args.runs * 10} blocks of {args.micro_rounds // 10} Lookups or "
+        f"in blocks; best of {args.runs * 10} blocks of {args.micro_rounds // 10} Lookups or "
         f"{max(args.micro_rounds // 100, 1)} Gets / Puts of the batch):",
         "",
         "| mode | lookup hit µs (64 blocks) | lookup miss µs | get µs (batch) | put into a full tier µs (batch) |",

@@ -150,8 +150,7 @@ class TenantView:
         """TierManager.get in this tenant's scope (arguments checked now, before the first page)."""
         try:
             leases = self.manager.get(self.ns(namespace), hashes, promote, into)
-        except NamespaceNotFound:  # the namespace is cold for this tenant: a miss on its first page
-            self.counters.get_pages += len(hashes)
+        except NamespaceNotFound:  # cold for this tenant: refused, and counted only if another tenant has it
             if hashes:
                 self._missed(namespace, hashes[0])
             raise
