@@ -22,6 +22,7 @@ import hashlib
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from machine import machine_line, save_results
@@ -44,8 +45,25 @@ MODES = ("no-tenancy", "tenant", "tenant+share")
 PLANES = ("grpc", "shm")
 
 
+OPTIONS = [  # (flag, default, what it sets): every option is an int
+    ("--page-kib", 256, "page size in KiB"),
+    ("--batch", 32, "pages per Put/Get call"),
+    ("--iters", 10, "timed calls per run"),
+    ("--runs", 5, "runs per mode; GB/s is the median"),
+    ("--lookups", 300, "timed Lookups per run, hit and miss each"),
+    ("--micro-rounds", 2000, "in-process Lookups per run"),
+]
+
+
 def hashes(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of fn takes."""
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -128,12 +146,8 @@ def micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict[str, d
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--page-kib", type=int, default=256, help="page size in KiB (default 256)")
-    ap.add_argument("--batch", type=int, default=32, help="pages per Put/Get call (default 32)")
-    ap.add_argument("--iters", type=int, default=10, help="timed calls per run (default 10)")
-    ap.add_argument("--runs", type=int, default=5, help="runs per mode; GB/s is the median (default 5)")
-    ap.add_argument("--lookups", type=int, default=300, help="timed Lookups per run, hit and miss each (default 300)")
-    ap.add_argument("--micro-rounds", type=int, default=2000, help="in-process Lookups per run (default 2000)")
+    for flag, default, text in OPTIONS:
+        ap.add_argument(flag, type=int, default=default, help=f"{text} (default {default})")
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 run, 2 calls, 30 lookups")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
@@ -195,17 +209,11 @@ def main(argv: list[str] | None = None) -> int:
                     kv = clients[(m, "grpc")]
                     kv.put(NS, layout, chain[:16], [page] * 16)  # the Lookup chain's head is resident
                     for _ in range(args.lookups):
-                        t0 = time.perf_counter()
-                        kv.lookup(NS, chain[:16])
-                        hit_s[m].append(time.perf_counter() - t0)
-                        t0 = time.perf_counter()
-                        kv.lookup(NS, cold)
-                        miss_s[m].append(time.perf_counter() - t0)
+                        hit_s[m].append(timed(lambda kv=kv: kv.lookup(NS, chain[:16])))
+                        miss_s[m].append(timed(lambda kv=kv: kv.lookup(NS, cold)))
         finally:
-            for c in clients.values():
-                c.close()
-            for n in nodes.values():
-                n.close()
+            for closable in [*clients.values(), *nodes.values()]:
+                closable.close()
     micro_layout = PageLayout(DType.UINT8, 1, 1, 4096, 1)  # 4 KiB pages: the manager's own cost dominates
     figures = micro(micro_layout, args.runs, args.micro_rounds, args.batch)
     wall = time.perf_counter() - t_start

@@ -226,26 +226,19 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
     import redis
 
     from kvstore.cluster import ClusterClient
-    from kvstore.index.acl import (
-        CLIENT_RULES,
-        CLIENT_USER,
-        node_rules,
-        node_user,
-        tenant_client_rules,
-        tenant_client_user,
-    )
+    from kvstore.index import acl
     from kvstore.index.keys import block_key
     from kvstore.index.reader import IndexReader
     from kvstore.launch import RedisProcess
     from kvstore.tenants import scope
     from tests.security.conftest import wait_for
 
-    users = {CLIENT_USER: ("c" * 24, CLIENT_RULES), node_user("n0"): ("n" * 24, node_rules("n0")),
-             **{tenant_client_user(t): (t[-1] * 24, tenant_client_rules(t)) for t in ("tenant-a", "tenant-b")}}  # fmt: skip
+    users = {acl.CLIENT_USER: ("c" * 24, acl.CLIENT_RULES), acl.node_user("n0"): ("n" * 24, acl.node_rules("n0")),
+             **{acl.tenant_client_user(t): (t[-1] * 24, acl.tenant_client_rules(t)) for t in ("tenant-a", "tenant-b")}}  # fmt: skip
     r = RedisProcess(password="admin-" + "a" * 20, users=users).start()
     node = None
     try:
-        node = start_node(tmp_path, name="n0", redis_url=r.url_for(node_user("n0")),
+        node = start_node(tmp_path, name="n0", redis_url=r.url_for(acl.node_user("n0")),
                           extra_args=[*tenant_args(tmp_path), "--index-ttl", "30"])  # fmt: skip
         cs = Clients(node)
         clients.append(cs)
@@ -261,20 +254,20 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
             sec = ClientSecurity(token=token, allow_plaintext_token=True)  # loopback only
             return ClusterClient(r.url_for(user), timeout=10, security=sec, tenant=tenant)
 
-        with cluster(tenant_client_user("tenant-a"), "tenant-a", TOK_A) as ca, \
-                cluster(tenant_client_user("tenant-b"), "tenant-b", TOK_B) as cb, \
-                cluster(CLIENT_USER, None, TOK_D) as cd:  # fmt: skip
+        with cluster(acl.tenant_client_user("tenant-a"), "tenant-a", TOK_A) as ca, \
+                cluster(acl.tenant_client_user("tenant-b"), "tenant-b", TOK_B) as cb, \
+                cluster(acl.CLIENT_USER, None, TOK_D) as cd:  # fmt: skip
             assert ca.lookup(NS, chain).matched == 4 and cb.lookup(NS, chain).matched == 2
             assert cd.lookup(NS, chain).matched == 0  # the default tenant's entries: none
             assert [bytes(p.data) for p in ca.get_pages(NS, chain)] == [page(h) for h in chain]
             assert [bytes(p.data) for p in cb.get_pages(NS, chain)] == [other_page(h) for h in chain[:2]]
         # Redis itself keeps each tenant's client to its own entries (and the default client to the default's).
-        for user in (tenant_client_user("tenant-b"), CLIENT_USER):
+        for user in (acl.tenant_client_user("tenant-b"), acl.CLIENT_USER):
             with redis.Redis.from_url(r.url_for(user), socket_timeout=5) as spy, \
                     pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
                 spy.hgetall(block_key(scope(NS, "tenant-a"), chain[0]))
         # ... the lookup script too: b's index user asking for a's entries is refused, not answered.
-        with IndexReader(r.url_for(tenant_client_user("tenant-b")), tenant="tenant-a") as spy_index, \
+        with IndexReader(r.url_for(acl.tenant_client_user("tenant-b")), tenant="tenant-a") as spy_index, \
                 pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
             spy_index.lookup(NS, chain)
         admin.close()
