@@ -7,7 +7,9 @@ the peer scripts in ../shared/peers use). Peers, each on loopback, started here 
 
     kvstore          our plugin (remote_storage_plugins) -> a real `kvstore serve` node (DRAM only),
                      plugin defaults: transport "auto" = the shared-memory plane on this host
-    kvstore (grpc)   the same with `transport: grpc`: what an engine on another host gets today
+    kvstore (tcp)    the same with `transport: tcp`: what an engine on another host gets by default (the
+                     bulk TCP plane; on this host the benchmark forces it)
+    kvstore (grpc)   the same with `transport: grpc`: the fallback plane (a node without the TCP plane)
     lm://            `python -m lmcache.v1.server 127.0.0.1 PORT cpu` (LMCache's own server; a dict
                      in RAM, PUT without a reply) through LMCache's LMCServerConnector
 
@@ -48,8 +50,9 @@ from machine import (
 from kvstore.launch import NodeProcess, free_port
 from kvstore.pageformat import slot_bytes_for
 
-PEERS = ("kvstore", "kvstore-grpc", "lm")
-LABELS = {"kvstore": "kvstore plugin (auto: shm)", "kvstore-grpc": "kvstore plugin (grpc)", "lm": "LMCache lm://"}
+PEERS = ("kvstore", "kvstore-tcp", "kvstore-grpc", "lm")
+LABELS = {"kvstore": "kvstore plugin (auto: shm)", "kvstore-tcp": "kvstore plugin (tcp)",
+          "kvstore-grpc": "kvstore plugin (grpc)", "lm": "LMCache lm://"}  # fmt: skip
 CHUNK = 256
 MiB = 1 << 20
 
@@ -113,8 +116,8 @@ class Stack:
             extra = {"remote_storage_plugin.kvstore.module_path": "kvstore.integrations.lmcache",
                      "remote_storage_plugin.kvstore.class_name": "KVStoreConnectorAdapter",
                      "remote_storage_plugin.kvstore.url": target}  # fmt: skip
-            if peer == "kvstore-grpc":
-                extra["remote_storage_plugin.kvstore.transport"] = "grpc"
+            if peer in ("kvstore-grpc", "kvstore-tcp"):
+                extra["remote_storage_plugin.kvstore.transport"] = peer.split("-")[1]
             cfg = LMCacheEngineConfig.from_defaults(remote_storage_plugins=["kvstore"], extra_config=extra, **common)
             plugin = "kvstore"
         cfg.validate()

@@ -1,14 +1,17 @@
 """Replay a trace through a real cache node over gRPC, with the simulator's exact semantics.
 
-`NodeReplayCache` implements `kvstore.sim.ReplayCache` (and `ProbingCache`) on top of a node, so
-`kvstore.sim.replay` drives a node exactly as it drives `TieredBlockCache`: the same hit counts prove
+`NodeReplayCache` implements `devkit.sim.ReplayCache` (and `ProbingCache`) on top of a node, so
+`devkit.sim.replay` drives a node exactly as it drives `TieredBlockCache`: the same hit counts prove
 the node runs the policy the simulation models (issue 4). Per request, mirroring
 `TieredBlockCache.put`: the request's cached blocks are pinned (the simulator pins the request being
 served); then, in request order, a cached block is read (a one-page Get: the policy sees an access and
 the page's read count grows) and a missing block is put with its chain parent (a one-page Put: the
 policy sees an insertion with `parent`), then pinned; finally every pin is released. The node has one
 DRAM tier of exactly `capacity` slots and no NVMe, so an evicted page is dropped, as in a single-tier
-simulation. Block ids become 32-byte keys by SHA-256 of their decimal text.
+simulation. Block ids become 32-byte keys by SHA-256 of their decimal text; `node_requests` gives
+the simulation the node's own keys, (namespace, hash), so a policy that hashes keys (the admission
+sketch) sees the same values in both. A page the node declines to store (admission, no lower tier)
+is simply not pinned: the simulation does not store it either.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ PAGE = bytes(LAYOUT.page_bytes)
 
 def block_key(block: int) -> bytes:
     return hashlib.sha256(str(block).encode()).digest()
+
+
+def node_requests(requests: Sequence[Sequence[int]]) -> list[list[tuple[str, bytes]]]:
+    """The requests with each block id replaced by the key the node files its page under."""
+    return [[(NAMESPACE, block_key(b)) for b in req] for req in requests]
 
 
 class NodeReplayCache:
@@ -89,8 +97,8 @@ class NodeReplayCache:
                         self.not_stored += 1  # every slot pinned by this request: as the simulator, skip it
                     else:
                         self.rpcs += 1
-                        self.kv.pin(NAMESPACE, [k])
-                        pinned.append(k)
+                        if self.kv.pin(NAMESPACE, [k]).done:  # 0 when the node did not store it
+                            pinned.append(k)
                 parent = k
         finally:
             if pinned:

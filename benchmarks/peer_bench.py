@@ -16,7 +16,10 @@ Systems:
                     into caller buffers; "TLS" is the same plane with the node's certificate (TLS cost);
                     "(info) verify=False" is not a default: it shows what the client's XXH3 costs
     kvstore shm     transport="shm": the same-host shared-memory plane
-    kvstore UCX, kvstore zero-copy: measured when present in this tree (else a note says why not)
+    kvstore zero-copy  transport="shm" with `put_from`/`get_into` on pages in the client's `shared_buffer`:
+                    the node copies each page once, between its slot and the caller's memory
+    kvstore UCX     transport="ucx" (the node started with --ucx; UCX over TCP on `lo` here, as
+                    UCX_NET_DEVICES=lo; on RDMA hosts UCX picks verbs): measured when ucxx is installed
     LMCache lm://   LMCache's own client stack against its lm:// server (remote)
     Mooncake remote Mooncake Store's zero-copy batch API over its TCP transfer engine, storage in another
                     process; "same host": the client mounts the segment itself (Mooncake's local path)
@@ -55,8 +58,10 @@ from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
+from kvstore.transport.ucx import ucxx_installed
 
 HERE = Path(__file__).resolve().parent
+ZERO_COPY = "kvstore zero-copy (same host, put_from/get_into)"
 NS = "bench/peers"
 PEERS = {"lmcache": "LMCache lm://", "mooncake-remote": "Mooncake remote (zero-copy batch)",
          "mooncake-local": "Mooncake same host (zero-copy batch)"}  # fmt: skip
@@ -145,9 +150,11 @@ class Ours(System):
     """A kvstore client on one plane, against a node started per page size."""
 
     def __init__(self, label: str, transport: str, node: Callable[[], NodeProcess],
-                 security: ClientSecurity | None = None, into: bool = False, verify: bool = True) -> None:  # fmt: skip
+                 security: ClientSecurity | None = None, into: bool = False, verify: bool = True,
+                 zero_copy: bool = False) -> None:  # fmt: skip
         self.label, self.transport, self.node, self.security, self.into = label, transport, node, security, into
         self.verify = verify
+        self.zero_copy = zero_copy  # put_from / get_into on views of a shared_buffer (same host)
         self.kv: KVStoreClient | None = None
         self.runs = 0
 
@@ -164,7 +171,13 @@ class Ours(System):
         self.page = random.Random(size).randbytes(size)
         self.resident = hashes(f"resident-{size}", batch)
         self.kv.put(NS, self.layout, self.resident, [self.page] * batch)
-        self.buffers = [memoryview(bytearray(size)) for _ in range(batch)]
+        if self.zero_copy:  # what an engine does: pages staged in memory the node can map
+            self.shared = self.kv.shared_buffer(batch * size)
+            self.buffers = self.shared.pages(size, batch)
+            for b in self.buffers:
+                b[:] = self.page
+        else:
+            self.buffers = [memoryview(bytearray(size)) for _ in range(batch)]
         if self.kv.plane != self.transport:
             raise RuntimeError(f"{self.label}: ran on {self.kv.plane}, not {self.transport}")
 
@@ -175,7 +188,10 @@ class Ours(System):
         for i in range(iters):
             hs = hashes(f"put-{self.label}-{self.runs}-{i}", self.batch)
             t0 = time.perf_counter()
-            stored = self.kv.put(NS, self.layout, hs, [self.page] * self.batch).stored
+            if self.zero_copy:
+                stored = self.kv.put_from(NS, self.layout, hs, self.buffers).stored
+            else:
+                stored = self.kv.put(NS, self.layout, hs, [self.page] * self.batch).stored
             secs += time.perf_counter() - t0
             self.kv.delete(NS, hs)
             if stored != self.batch:
@@ -187,8 +203,8 @@ class Ours(System):
         ok = True
         t0 = time.perf_counter()
         for i in range(iters):
-            if self.into:
-                refs = self.kv._run(self.kv._core.active.get_into(NS, self.resident, self.buffers, True))  # type: ignore[union-attr]
+            if self.into or self.zero_copy:
+                refs = self.kv.get_into(NS, self.resident, self.buffers)
                 ok = ok and len(refs) == self.batch and (i or all(bytes(b) == self.page for b in self.buffers))
             else:
                 pages = self.kv.get(NS, self.resident)
@@ -197,6 +213,9 @@ class Ours(System):
 
     def close(self) -> None:
         if self.kv is not None:
+            if self.zero_copy:
+                self.buffers = []
+                self.shared.close()
             self.kv.close()
             self.kv = None
 
@@ -307,7 +326,8 @@ class Nodes:
     def start(self, size: int, batch: int) -> None:
         self.stop()
         kw = {"dram_bytes": (2 * batch + 4) * slot_bytes_for(size), "max_page_bytes": size}
-        self.plain = NodeProcess(node_id="peer-bench", **kw).start()  # type: ignore[arg-type]
+        ucx = ["--ucx"] if ucxx_installed() else []  # the UCX plane is opt-in on a node
+        self.plain = NodeProcess(node_id="peer-bench", extra_args=ucx, **kw).start()  # type: ignore[arg-type]
         self.tls = NodeProcess(node_id="peer-bench-tls", extra_args=["--tls-cert", str(self.pki.node_cert),
                                "--tls-key", str(self.pki.node_key)], **kw).start()  # type: ignore[arg-type]  # fmt: skip
 
@@ -329,15 +349,12 @@ def our_systems(nodes: Nodes, notes: list[str]) -> list[System]:
         Ours("(info) kvstore TCP get_into, client verify=False", "tcp", plain, into=True, verify=False),  # type: ignore[arg-type]
         Ours("kvstore TCP plane + TLS", "tcp", lambda: nodes.tls, security=tls),  # type: ignore[arg-type]
         Ours("kvstore shm (same host)", "shm", plain),  # type: ignore[arg-type]
+        Ours(ZERO_COPY, "shm", plain, zero_copy=True),  # type: ignore[arg-type]
     ]
-    if "ucx" in client_core.PLANES:
+    if "ucx" in client_core.PLANES and ucxx_installed():
         out.append(Ours("kvstore UCX plane", "ucx", plain))  # type: ignore[arg-type]
     else:
-        notes.append("kvstore UCX plane: not in this tree (kvstore/transport/ucx), not measured.")
-    if hasattr(KVStoreClient, "put_from"):
-        notes.append("kvstore zero-copy get_into/put_from is in this tree but this script does not drive it yet.")
-    else:
-        notes.append("kvstore same-host zero-copy get_into/put_from: not in this tree, not measured.")
+        notes.append("kvstore UCX plane: ucxx is not installed here (the dev extras install it), not measured.")
     return out
 
 
@@ -413,6 +430,9 @@ RATIOS = [  # (row, system a, system b): a / b
     ("kvstore TCP / raw TCP", "kvstore TCP plane", "raw TCP socket (no framing, no checksum)"),
     ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
     ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
+    ("kvstore zero-copy / memcpy", ZERO_COPY, "memcpy (same bytes, one core)"),
+    ("kvstore zero-copy / Mooncake same host", ZERO_COPY, PEERS["mooncake-local"]),
+    ("kvstore UCX / kvstore gRPC", "kvstore UCX plane", "kvstore gRPC streams"),
 ]
 
 
@@ -477,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(s <= 0 or s % 8192 for s in sizes):
         ap.error("--sizes: each size must be a positive multiple of 8 KiB")
     t0 = time.perf_counter()
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the node inherits it: UCX stays on loopback, as the tests
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
         logdir = args.out / "peer_logs"

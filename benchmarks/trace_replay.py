@@ -1,37 +1,45 @@
-"""Hit rates of the eviction policies on a request trace, against Belady's offline optimum.
+"""Hit rates of every eviction policy on every workload of the suite and on any trace, against
+Belady's offline optimum, and the check of issue 14's target for the default policy.
 
 What is measured
-    Each request of the trace (its prompt's block ids, in arrival order) is served by a simulated
-    cache (kvstore.sim.TieredBlockCache driving the kvstore.policy classes the way the TierManager
-    does): the longest cached prefix is looked up, then every block of the request is touched or
-    inserted in order, with parent = the previous block. Per policy and capacity:
-      block hit   blocks found cached, at any position, over all blocks of the trace;
+    Each request of a workload (its prompt's block ids, in arrival order) is served by a simulated
+    cache (devkit.sim.TieredBlockCache driving the kvstore.policy classes the way the TierManager
+    does, admission included): the longest cached prefix is looked up, then every block of the
+    request is touched or inserted in order, with parent = the previous block. Per policy, workload
+    and capacity:
       prefix hit  per request the longest cached prefix (the prefill really saved), over all blocks;
-      per tier    for --tiers, the block/prefix hits served from each tier (exclusive tiers: a hit
-                  in a lower tier is promoted to the top one, a victim is demoted one tier down).
-    See kvstore/sim.py for the exact semantics.
+                  the figure the target is about;
+      block hit   blocks found cached at any position, over all blocks (in the JSON);
+      per tier    for --tiers, the hits served from each tier (exclusive tiers).
+    See devkit/sim.py for the exact semantics.
 
-Reference (same run, same trace)
-    Belady's MIN with bypass at the same capacity (for --tiers, at the sum of the tiers): the most
-    block hits any cache of that size can get on the trace. Every rate is also given as a fraction
-    of that bound, and "ceiling" is the hit rate of an unbounded cache (1 - unique blocks / blocks).
+Workloads
+    The suite (devkit/workloads.py: chat, rag, agent, batch, tenants; seeded) at --suite full or
+    smoke, plus every --trace PATH (Mooncake FAST'25 format: one JSON object per line with
+    `timestamp`, `input_length`, `output_length`, `hash_ids`; any trace in that format works).
+
+Capacities
+    --fractions of each workload's working set: the blocks it references at least twice (the only
+    blocks any cache can hit on; a cache of that size lets Belady reach the trace's ceiling). The
+    default 0.02,0.05,0.1,0.2,0.3 is the range of issue 14's target. --capacity adds absolute sizes.
+
+Reference (same run, same workload)
+    Belady's MIN with bypass at the same capacity (for --tiers, the sum of the tiers): the most block
+    hits any cache of that size can get; and LRU, the baseline.
+
+Target (issue 14)
+    At every workload and capacity, the default policy (--default, "adaptive") is within 5%
+    (relative) of the best other policy on prefix hit rate, and never below LRU. The summary table
+    says, per cell, the best candidate, the default's ratio to it, and whether the target is met.
 
 Method
-    The replay is deterministic (no timing in any figure but wall time), so each cell is run once.
-    Wall time is time.perf_counter around each replay, on this machine, one process.
+    The replay is deterministic (no timing in any figure but wall time), so each cell is run once;
+    cells run in --jobs processes (default: every core). Wall time is time.perf_counter around a
+    replay, on this machine.
 
-Trace format
-    Mooncake FAST'25 (kvcache-ai/Mooncake, FAST25-release/traces): one JSON object per line with
-    `timestamp` (ms), `input_length`, `output_length`, `hash_ids` (the prompt's blocks). Any trace in
-    that format works; --synthetic chat|docs|mixed replays a generated one instead
-    (kvstore.sim.synthetic_workload).
-
-Plugging in a real node
-    `replay_cell` takes any kvstore.sim.ReplayCache (lookup(blocks) -> int, put(blocks)); a cache
-    backed by a node over gRPC can be passed instead of the simulated one.
-
-Run:  .venv/bin/python benchmarks/trace_replay.py --trace PATH --capacity 2000,8000 [--tiers hbm:N,dram:N,nvme:N]
-          [--policy NAME[,NAME...]|all] [--json [PATH]] [--out DIR]
+Run:  .venv/bin/python benchmarks/trace_replay.py [--suite full|smoke|none] [--trace PATH ...]
+          [--fractions 0.02,...] [--capacity N,...] [--tiers hbm:N,dram:N,nvme:N] [--policy all|NAME,...]
+          [--default adaptive] [--jobs N] [--node-requests N --node-capacity N,...] [--out DIR] [--json [PATH]]
 """
 
 from __future__ import annotations
@@ -44,37 +52,41 @@ import os
 import platform
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from machine import cpu_model
 
-from kvstore.policy import POLICIES
-from kvstore.sim import (
+from devkit.sim import (
     ReplayCache,
     ReplayResult,
     TieredBlockCache,
     TierSpec,
     TraceRecord,
-    Workload,
     belady_block_hits,
     parse_tiers,
     replay,
-    replay_policy,
-    synthetic_workload,
 )
+from devkit.workloads import WORKLOADS, Size, generate
+from kvstore.policy import POLICIES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
-# NOTE: the order of the table's columns: the baseline first, the recommended default last.
-POLICY_ORDER = ("lru", "prefix-lru", "arc", "s3fifo", "prefix-arc")
+# NOTE: the order of the table's columns: the baseline first, the proposed default last.
+POLICY_ORDER = ("lru", "prefix-lru", "arc", "s3fifo", "prefix-arc", "tinylfu", "adaptive")
+DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3)
+TARGET_RATIO = 0.95  # issue 14: within 5% (relative) of the best candidate
 
 
 @dataclass(slots=True)
 class Cell:
-    """One replay: a policy on one cache configuration."""
+    """One replay: a policy on one cache configuration of one workload."""
 
+    source: str
     config: str  # "2000" or "hbm:500,dram:1500"
+    capacity: int  # total blocks
     policy: str
     block_hit: float | None
     prefix_hit: float
@@ -85,26 +97,90 @@ class Cell:
 
 @dataclass(slots=True)
 class Bound:
+    source: str
     config: str
     capacity: int
     belady_block_hit: float
     wall_s: float
 
 
-# ------------------------------------------------------------------------------------------- replay
+@dataclass(slots=True)
+class Verdict:
+    """The target check for one single-tier cell."""
+
+    source: str
+    capacity: int
+    default: str
+    default_hit: float
+    best: str
+    best_hit: float
+    lru_hit: float | None
+
+    @property
+    def ratio(self) -> float:
+        return self.default_hit / self.best_hit if self.best_hit else 1.0
+
+    @property
+    def met(self) -> bool:
+        return self.ratio >= TARGET_RATIO and (self.lru_hit is None or self.default_hit >= self.lru_hit)
 
 
-def load_trace(path: Path) -> list[TraceRecord]:
-    records = []
-    with path.open() as f:
+# ------------------------------------------------------------------------------------------ sources
+
+
+def load_trace(path: Path) -> list[list[int]]:
+    """A Mooncake-format trace's requests; exits naming the file and line of a malformed record."""
+    requests = []
+    try:
+        f = path.open()
+    except OSError as e:
+        raise SystemExit(f"--trace {path}: {e.strerror}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                records.append(TraceRecord.from_json(json.loads(line)))
+                requests.append(list(TraceRecord.from_json(json.loads(line)).hash_ids))
             except (ValueError, json.JSONDecodeError) as e:
                 raise SystemExit(f"{path}:{lineno}: {e}") from None
-    return records
+    return requests
+
+
+_SOURCES: dict[str, list[list[int]]] = {}  # per process: workloads are rebuilt, not pickled
+
+
+def source_requests(spec: str) -> list[list[int]]:
+    """'suite:NAME:SIZE' (a generated workload) or 'trace:PATH' -> its requests (cached per process)."""
+    reqs = _SOURCES.get(spec)
+    if reqs is None:
+        kind, _, rest = spec.partition(":")
+        if kind == "suite":
+            name, _, size = rest.partition(":")
+            reqs = generate(name, size=size)
+        else:
+            reqs = load_trace(Path(rest))
+        _SOURCES[spec] = reqs
+    return reqs
+
+
+def source_label(spec: str) -> str:
+    kind, _, rest = spec.partition(":")
+    return rest.partition(":")[0] if kind == "suite" else Path(rest).stem
+
+
+def trace_summary(requests: Sequence[Sequence[int]]) -> dict[str, float | int]:
+    counts = Counter(b for r in requests for b in r)
+    blocks = sum(counts.values())
+    return {
+        "requests": len(requests),
+        "blocks": blocks,
+        "unique_blocks": len(counts),
+        "working_set": sum(1 for n in counts.values() if n > 1),  # blocks referenced at least twice
+        "ceiling_hit_rate": 1 - len(counts) / blocks if blocks else 0.0,
+    }
+
+
+# ------------------------------------------------------------------------------------------- replay
 
 
 def replay_cell(requests: Sequence[Sequence[int]], cache: ReplayCache) -> tuple[ReplayResult, float]:
@@ -114,56 +190,86 @@ def replay_cell(requests: Sequence[Sequence[int]], cache: ReplayCache) -> tuple[
     return res, time.perf_counter() - t0
 
 
+def _run_cell(job: tuple[str, str, tuple[TierSpec, ...], str]) -> Cell:
+    spec, label, tiers, policy = job
+    cache = TieredBlockCache(tiers, policy)
+    res, wall = replay_cell(source_requests(spec), cache)
+    c = cache.counters
+    return Cell(source_label(spec), label, sum(t.capacity for t in tiers), policy, res.block_hit_rate,
+                res.prefix_hit_rate, res.tier_rates() if len(tiers) > 1 else {},
+                {"promoted": c.promoted, "demoted": c.demoted, "dropped": c.dropped, "not_admitted": c.not_admitted,
+                 "not_stored": c.not_stored}, wall)  # fmt: skip
+
+
+def _run_bound(job: tuple[str, str, int]) -> Bound:
+    spec, label, capacity = job
+    t0 = time.perf_counter()
+    opt = belady_block_hits(source_requests(spec), capacity)
+    return Bound(source_label(spec), label, capacity, opt.block_hit_rate or 0.0, time.perf_counter() - t0)
+
+
 def run(
-    requests: Sequence[Sequence[int]],
-    configs: Sequence[tuple[str, tuple[TierSpec, ...]]],
+    configs: Sequence[tuple[str, str, tuple[TierSpec, ...]]],
     policies: Sequence[str],
+    jobs: int,
     progress: Callable[[str], None],
 ) -> tuple[list[Cell], list[Bound]]:
-    cells: list[Cell] = []
-    bounds: list[Bound] = []
-    for label, tiers in configs:
-        total = sum(t.capacity for t in tiers)
-        t0 = time.perf_counter()
-        opt = belady_block_hits(requests, total)
-        bounds.append(Bound(label, total, opt.block_hit_rate or 0.0, time.perf_counter() - t0))
-        for name in policies:
-            cache = TieredBlockCache(tiers, name)
-            res, wall = replay_cell(requests, cache)
-            c = cache.counters
-            cells.append(
-                Cell(
-                    label,
-                    name,
-                    res.block_hit_rate,
-                    res.prefix_hit_rate,
-                    res.tier_rates() if len(tiers) > 1 else {},
-                    {
-                        "promoted": c.promoted,
-                        "demoted": c.demoted,
-                        "dropped": c.dropped,
-                        "not_stored": c.not_stored,
-                    },
-                    wall,
-                )
-            )
-            progress(
-                f"  {label:>24} {name:<11} block {res.block_hit_rate:.3f} prefix {res.prefix_hit_rate:.3f} ({wall:.1f} s)"
-            )
+    """Every (source, config) x policy, and Belady per (source, config); `jobs` processes."""
+    bound_jobs = [(spec, label, sum(t.capacity for t in tiers)) for spec, label, tiers in configs]
+    # NOTE: the slowest policies first, so the pool's last jobs are short ones.
+    cell_jobs = [(spec, label, tiers, p) for p in reversed(policies) for spec, label, tiers in configs]
+    if jobs <= 1:
+        bounds = [_run_bound(j) for j in bound_jobs]
+        cells = []
+        for j in cell_jobs:
+            cells.append(_run_cell(j))
+            _log_cell(cells[-1], progress)
+        return cells, bounds
+    with ProcessPoolExecutor(jobs) as pool:
+        bounds = list(pool.map(_run_bound, bound_jobs))
+        cells = []
+        for cell in pool.map(_run_cell, cell_jobs):
+            cells.append(cell)
+            _log_cell(cell, progress)
     return cells, bounds
+
+
+def _log_cell(c: Cell, progress: Callable[[str], None]) -> None:
+    progress(f"  {c.source:>10} {c.config:>20} {c.policy:<11} prefix {c.prefix_hit:.3f} ({c.wall_s:.1f} s)")
+
+
+def verdicts(cells: Sequence[Cell], default: str) -> list[Verdict]:
+    """The target check for every single-tier (source, capacity) where the default was replayed."""
+    out = []
+    groups: dict[tuple[str, str], list[Cell]] = {}
+    for c in cells:
+        if not c.tiers:
+            groups.setdefault((c.source, c.config), []).append(c)
+    for (source, _), group in groups.items():
+        by = {c.policy: c for c in group}
+        others = [c for c in group if c.policy != default]
+        if default not in by or not others:
+            continue
+        best = max(others, key=lambda c: c.prefix_hit)
+        lru = by.get("lru")
+        out.append(Verdict(source, by[default].capacity, default, by[default].prefix_hit, best.policy, best.prefix_hit,
+                           lru.prefix_hit if lru is not None else None))  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------------- report
 
 
 def source_digest() -> str:
-    """Short SHA-256 over kvstore/policy.py and kvstore/sim.py: which code was measured."""
+    """Short SHA-256 over kvstore/policy/*.py, devkit/sim.py and devkit/workloads.py: which code was measured."""
+    import devkit
     import kvstore
 
-    root = Path(kvstore.__file__).resolve().parent
+    files = sorted((Path(kvstore.__file__).resolve().parent / "policy").glob("*.py"))
+    files += [Path(devkit.__file__).resolve().parent / n for n in ("sim.py", "workloads.py")]
     h = hashlib.sha256()
-    for name in ("policy.py", "sim.py"):
-        h.update(name.encode() + b"\0" + (root / name).read_bytes())
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -181,56 +287,45 @@ def machine_info() -> dict[str, object]:
 def machine_line(meta: dict[str, object]) -> str:
     return (
         f"{meta['date']} | cpu: {meta['cpu_model']}, os.cpu_count()={meta['cpu_count']} | {meta['platform']} | "
-        f"python {meta['python']} | policy.py+sim.py {meta['policy_sim_src']}"
+        f"python {meta['python']} | policy+sim+workloads {meta['policy_sim_src']}"
     )
 
 
-def trace_summary(requests: Sequence[Sequence[int]]) -> dict[str, float | int]:
-    blocks = sum(len(r) for r in requests)
-    unique = len({b for r in requests for b in r})
-    return {
-        "requests": len(requests),
-        "blocks": blocks,
-        "unique_blocks": unique,
-        "ceiling_hit_rate": 1 - unique / blocks if blocks else 0.0,
-    }
-
-
-def _rate(x: float | None) -> str:
-    return "—" if x is None else f"{x:.3f}"
-
-
 def markdown(
-    source: str,
-    summary: dict[str, float | int],
+    summaries: dict[str, dict[str, float | int]],
     cells: Sequence[Cell],
     bounds: Sequence[Bound],
     policies: Sequence[str],
+    checks: Sequence[Verdict],
     meta: dict[str, object],
     wall_s: float,
 ) -> str:
-    by = {(c.config, c.policy): c for c in cells}
+    by = {(c.source, c.config, c.policy): c for c in cells}
     lines = [
-        f"# trace_replay — {source}",
+        "# trace_replay — every policy on every workload, against Belady",
         "",
-        f"Machine: {machine_line(meta)}",
-        f"Trace: {summary['requests']} requests, {summary['blocks']} blocks, {summary['unique_blocks']} unique; "
-        f"ceiling (unbounded cache) {summary['ceiling_hit_rate']:.3f}. Wall time {wall_s:.1f} s.",
+        f"Machine: {machine_line(meta)}. Wall time {wall_s:.0f} s.",
         "",
-        "Cells: block hit / prefix hit (see kvstore/sim.py). Belady: MIN with bypass, block hits, same capacity "
-        "(tiered: the sum of the tiers). (x%) = prefix hit as a fraction of Belady.",
-        "",
-        "| capacity | " + " | ".join(policies) + " | Belady (block) |",
-        "|---:|" + "---:|" * len(policies) + "---:|",
+        "Cells: prefix hit rate (the prefill saved, over all blocks; devkit/sim.py). Belady: MIN with bypass, "
+        "block hits, same capacity (an upper bound for both rates). Capacities are fractions of the workload's "
+        "working set (blocks referenced at least twice).",
     ]
-    for b in bounds:
-        row = [b.config]
-        for p in policies:
-            c = by[(b.config, p)]
-            frac = f" ({c.prefix_hit / b.belady_block_hit:.0%})" if b.belady_block_hit else ""
-            row.append(f"{_rate(c.block_hit)} / {c.prefix_hit:.3f}{frac}")
-        row.append(f"{b.belady_block_hit:.3f}")
-        lines.append("| " + " | ".join(row) + " |")
+    for source, summary in summaries.items():
+        lines += [
+            "",
+            f"**{source}**: {summary['requests']} requests, {summary['blocks']} blocks, {summary['unique_blocks']} "
+            f"unique, working set {summary['working_set']}; ceiling (unbounded cache) {summary['ceiling_hit_rate']:.3f}.",
+            "",
+            "| capacity | " + " | ".join(policies) + " | Belady |",
+            "|---:|" + "---:|" * len(policies) + "---:|",
+        ]
+        for b in (b for b in bounds if b.source == source):
+            row = [b.config]
+            for p in policies:
+                c = by.get((source, b.config, p))
+                row.append("" if c is None else f"{c.prefix_hit:.3f}")
+            row.append(f"{b.belady_block_hit:.3f}")
+            lines.append("| " + " | ".join(row) + " |")
     tiered = [c for c in cells if c.tiers]
     if tiered:
         names = list(tiered[0].tiers)
@@ -238,36 +333,65 @@ def markdown(
             "",
             "Tiered: block / prefix hits served from each tier (they sum to the totals above).",
             "",
-            "| config | policy | " + " | ".join(names) + " | promoted | demoted | dropped |",
-            "|---|---|" + "---:|" * (len(names) + 3),
+            "| workload | config | policy | " + " | ".join(names) + " | promoted | demoted | dropped | not admitted |",
+            "|---|---|---|" + "---:|" * (len(names) + 4),
         ]
         for c in tiered:
             per = [f"{c.tiers[n][0]:.3f} / {c.tiers[n][1]:.3f}" for n in names]
-            lines.append(
-                f"| {c.config} | {c.policy} | "
-                + " | ".join(per)
-                + f" | {c.counters['promoted']} | {c.counters['demoted']} | {c.counters['dropped']} |"
-            )
-    lines += ["", "Wall time per replay (s): " + ", ".join(f"{c.config}/{c.policy} {c.wall_s:.1f}" for c in cells)]
-    lines += ["Belady (s): " + ", ".join(f"{b.config} {b.wall_s:.1f}" for b in bounds), ""]
+            k = c.counters
+            lines.append(f"| {c.source} | {c.config} | {c.policy} | " + " | ".join(per)
+                         + f" | {k['promoted']} | {k['demoted']} | {k['dropped']} | {k['not_admitted']} |")  # fmt: skip
+    if checks:
+        met = sum(v.met for v in checks)
+        lines += [
+            "",
+            f"Target (issue 14): `{checks[0].default}` within {1 - TARGET_RATIO:.0%} of the best other policy on prefix "
+            f"hit rate, and never below LRU: **met in {met} of {len(checks)} cells**.",
+            "",
+            "| workload | capacity | default | best other | ratio | vs LRU | met |",
+            "|---|--:|--:|---|--:|--:|---|",
+        ]
+        for v in checks:
+            vs_lru = "" if v.lru_hit is None else f"{v.default_hit - v.lru_hit:+.3f}"
+            lines.append(f"| {v.source} | {v.capacity} | {v.default_hit:.3f} | {v.best} {v.best_hit:.3f} | "
+                         f"{v.ratio:.3f} | {vs_lru} | {'yes' if v.met else '**no**'} |")  # fmt: skip
+    walls: dict[str, float] = {}
+    for c in cells:
+        walls[c.policy] = walls.get(c.policy, 0.0) + c.wall_s
+    lines += ["", "Replay time per policy, all cells (s): " + ", ".join(f"{p} {w:.0f}" for p, w in walls.items())]
+    lines += [f"Belady (s): {sum(b.wall_s for b in bounds):.0f}", ""]
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------- main
 
 
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{what}: {text!r} is not a comma-separated list of numbers") from None
+    return vals
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--trace", type=Path, help="Mooncake-format JSONL trace")
-    src.add_argument("--synthetic", choices=[w.value for w in Workload], help="replay a generated workload instead")
-    ap.add_argument("--requests", type=int, default=4000, help="requests of a --synthetic workload (default 4000)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of a --synthetic workload (default 0)")
-    ap.add_argument("--capacity", default="", help="single-tier capacities in blocks, comma-separated")
+    ap.add_argument(
+        "--suite", choices=["full", "smoke", "none"], default="full", help="the generated workloads (default full)"
+    )
+    ap.add_argument("--workloads", default="", help=f"a subset of the suite, comma-separated, from {sorted(WORKLOADS)}")
+    ap.add_argument(
+        "--trace", type=Path, action="append", default=[], help="a Mooncake-format JSONL trace (repeatable)"
+    )
+    ap.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)),
+                    help="capacities as fractions of each workload's working set ('' for none)")  # fmt: skip
+    ap.add_argument("--capacity", default="", help="absolute single-tier capacities in blocks, comma-separated")
     ap.add_argument("--tiers", default="", help="a tiered config, e.g. hbm:500,dram:2000,nvme:8000 (exclusive tiers)")
     ap.add_argument("--policy", default="all", help=f"'all' or comma-separated names from {sorted(POLICIES)}")
+    ap.add_argument("--default", default="adaptive", help="the policy checked against the target (default adaptive)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
     ap.add_argument(
         "--json", nargs="?", const="-", default=None, metavar="PATH", help="write the JSON (to stdout without PATH)"
     )
@@ -275,24 +399,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=DEFAULT_OUT, help=f"directory for trace_replay.{{json,md}} (default {DEFAULT_OUT})"
     )
     ap.add_argument("--node-requests", type=int, default=0,
-                    help="also replay the first N requests through a real node over gRPC per policy and "
-                         "--node-capacity, and compare with the simulation of the same requests (0: off)")  # fmt: skip
+                    help="also replay the first N requests of the first workload through a real node over gRPC per "
+                         "policy and --node-capacity, and compare with the simulation (0: off)")  # fmt: skip
     ap.add_argument("--node-capacity", default="500,1000", help="capacities (blocks) for the node replay")
     args = ap.parse_args(argv)
-    if not args.capacity and not args.tiers:
-        ap.error("give --capacity and/or --tiers")
+    if args.suite == "none" and not args.trace:
+        ap.error("nothing to replay: give --trace or a --suite")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     t_start = time.perf_counter()
-    if args.trace is not None:
-        source = str(args.trace)
-        requests: list[list[int]] = [list(r.hash_ids) for r in load_trace(args.trace)]
-    else:
-        source = f"synthetic:{args.synthetic} ({args.requests} requests, seed {args.seed})"
-        requests = synthetic_workload(args.synthetic, args.requests, args.seed)
+    names = [w.strip() for w in args.workloads.split(",") if w.strip()] or list(WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {unknown}; known: {sorted(WORKLOADS)}")
+    specs = [] if args.suite == "none" else [f"suite:{n}:{Size(args.suite).value}" for n in names]
+    specs += [f"trace:{p}" for p in args.trace]
     if args.policy == "all":
         policies = [p for p in POLICY_ORDER if p in POLICIES] + sorted(set(POLICIES) - set(POLICY_ORDER))
     else:
@@ -300,47 +424,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         unknown = [p for p in policies if p not in POLICIES]
         if unknown:
             raise SystemExit(f"unknown policy {unknown}; known: {sorted(POLICIES)}")
+    fractions = _floats(args.fractions, "--fractions")
+    if any(not 0 < f <= 1 for f in fractions):
+        raise SystemExit(f"--fractions: each must be in (0, 1], got {fractions}")
+    capacities = [int(c) for c in _floats(args.capacity, "--capacity")]
     try:
-        configs = [(str(int(c)), (TierSpec("cache", int(c)),)) for c in args.capacity.split(",") if c.strip()]
-        if args.tiers:
-            configs.append((args.tiers, parse_tiers(args.tiers)))
+        tiers = parse_tiers(args.tiers) if args.tiers else None
+        extra = [(str(c), (TierSpec("cache", c),)) for c in capacities]
     except ValueError as e:
         raise SystemExit(f"bad capacity or tiers: {e}") from None
 
     meta = machine_info()
-    summary = trace_summary(requests)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json == "-" else (lambda s: print(s, flush=True))
     log(f"# trace_replay — {machine_line(meta)}")
-    log(f"# {source}: {summary['requests']} requests, {summary['blocks']} blocks")
-    cells, bounds = run(requests, configs, policies, log)
+    summaries: dict[str, dict[str, float | int]] = {}
+    configs: list[tuple[str, str, tuple[TierSpec, ...]]] = []
+    for spec in specs:
+        summary = trace_summary(source_requests(spec))
+        summaries[source_label(spec)] = summary
+        caps = sorted({max(1, int(f * int(summary["working_set"]))) for f in fractions})
+        configs += [(spec, str(c), (TierSpec("cache", c),)) for c in caps]
+        configs += [(spec, label, t) for label, t in extra]
+        if tiers is not None:
+            configs.append((spec, args.tiers, tiers))
+        log(f"# {source_label(spec)}: {summary['requests']} requests, {summary['blocks']} blocks, "
+            f"working set {summary['working_set']}")  # fmt: skip
+    cells, bounds = run(configs, policies, args.jobs, log)
+    checks = verdicts(cells, args.default)
     wall = time.perf_counter() - t_start
 
-    md = markdown(source, summary, cells, bounds, policies, meta, wall)
-    node_rows = node_vs_sim(requests[: args.node_requests], [int(c) for c in args.node_capacity.split(",")],
-                            policies, log) if args.node_requests else []  # fmt: skip
-    if node_rows:
-        md += node_markdown(node_rows, args.node_requests)
+    md = markdown(summaries, cells, bounds, policies, checks, meta, wall)
+    node_rows = []
+    if args.node_requests and specs:
+        node_rows = node_vs_sim(source_requests(specs[0])[: args.node_requests],
+                                [int(c) for c in _floats(args.node_capacity, "--node-capacity")], policies, log)  # fmt: skip
+        md += node_markdown(node_rows, args.node_requests, source_label(specs[0]))
     doc = {
-        "source": source,
         "machine": meta,
-        "trace": summary,
+        "workloads": summaries,
         "policies": policies,
-        "bounds": [
-            {"config": b.config, "capacity": b.capacity, "belady_block_hit": b.belady_block_hit, "wall_s": b.wall_s}
-            for b in bounds
-        ],
-        "cells": [
-            {
-                "config": c.config,
-                "policy": c.policy,
-                "block_hit": c.block_hit,
-                "prefix_hit": c.prefix_hit,
-                "tiers": {k: {"block_hit": v[0], "prefix_hit": v[1]} for k, v in c.tiers.items()},
-                "counters": c.counters,
-                "wall_s": c.wall_s,
-            }
-            for c in cells
-        ],
+        "default": args.default,
+        "bounds": [asdict(b) for b in bounds],
+        "cells": [asdict(c) for c in cells],
+        "target": [asdict(v) | {"ratio": v.ratio, "met": v.met} for v in checks],
         "wall_s": wall,
         "node_replay": node_rows,
     }
@@ -359,14 +485,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def node_vs_sim(requests: Sequence[Sequence[int]], capacities: Sequence[int], policies: Sequence[str],
                 log: Callable[[str], None]) -> list[dict[str, object]]:  # fmt: skip
-    """Replay `requests` through a real node (benchmarks/node_replay.py) and through the simulation,
-    per policy and capacity: the hit counts must be identical if the node runs the policy it claims."""
-    from node_replay import NodeReplayCache  # sibling module: the I/O stays out of the pure path
+    """Replay `requests` through a real node (benchmarks/node_replay.py) and through the simulation
+    of the node's own keys, per policy and capacity: the hit counts must be identical if the node runs
+    the policy it claims, admission included (the node's manager asks admit() where the simulation does)."""
+    from node_replay import NodeReplayCache, node_requests  # sibling module: the I/O stays out of the pure path
 
+    keyed = node_requests(requests)
     rows = []
     for cap in capacities:
         for pol in policies:
-            sim, _ = replay_policy(requests, cap, pol)
+            sim = replay(keyed, TieredBlockCache(cap, pol, admission=True))
             t0 = time.perf_counter()
             cache = NodeReplayCache(cap, pol)
             try:
@@ -383,8 +511,8 @@ def node_vs_sim(requests: Sequence[Sequence[int]], capacities: Sequence[int], po
     return rows
 
 
-def node_markdown(rows: Sequence[dict[str, object]], n: int) -> str:
-    lines = [f"\n\n## The same policies on a real node over gRPC (first {n} requests)\n",
+def node_markdown(rows: Sequence[dict[str, object]], n: int, source: str) -> str:
+    lines = [f"\n\n## The same policies on a real node over gRPC (first {n} requests of {source})\n",
              "| capacity | policy | prefix hit rate: simulation | node | block hit rate: simulation | node | agree |",
              "|--:|---|--:|--:|--:|--:|---|"]  # fmt: skip
     for r in rows:

@@ -12,7 +12,7 @@ The node under test has no background work to change Stats between two reads: DR
 enough never to evict, and no lease outlives its case (see GrpcUnaryPlane._pin_unpin).
 
 Planes plug in: `default_planes()` gives gRPC unary, gRPC Put streams, raw frames and shared memory; a
-new data plane (TCP, UCX) adds a FuzzPlane whose cases speak its own frames, and appends it.
+data plane adds a FuzzPlane whose cases speak its own frames (the TCP plane's: devkit/fuzz_tcp.py).
 """
 
 from __future__ import annotations

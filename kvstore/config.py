@@ -52,7 +52,7 @@ class NodeConfig:
     nvme_segment_bytes: int = 1 << 30
     hbm_bytes: int = 0
     max_page_bytes: int = 2 << 20
-    policy: str = "prefix-arc"  # see kvstore/policy.py and benchmarks/RESULTS.md (trace_replay)
+    policy: str = "adaptive"  # see kvstore/policy/ and benchmarks/RESULTS.md (trace_replay, issue 14)
     io_threads: int = 4
     max_pages_per_request: int = 4096
     grace_seconds: float = 5.0

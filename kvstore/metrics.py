@@ -2,7 +2,7 @@
 
 `NodeMetrics` exports, per node (label `node`) and where it applies per tier (label `tier`):
 
-    kvstore_tier_{hits,misses,evictions,promotions,demotions,dropped,checksum_failures}_total
+    kvstore_tier_{hits,misses,evictions,promotions,demotions,dropped,not_admitted,checksum_failures}_total
     kvstore_tier_{written,read}_bytes_total          bytes written into / read out of a tier
     kvstore_tier_hit_ratio                           hits / (hits + misses) since start (absent before any)
     kvstore_tier_{capacity,used}_bytes, kvstore_tier_{pages,slots_used,slots_total}
@@ -59,6 +59,7 @@ _TIER_COUNTERS = {  # TierCounters field -> (metric name, unit, description)
     "promotions": ("kvstore.tier.promotions", "", "pages promoted into this tier"),
     "demotions": ("kvstore.tier.demotions", "", "pages demoted out of this tier"),
     "dropped": ("kvstore.tier.dropped", "", "pages dropped from the last tier"),
+    "not_admitted": ("kvstore.tier.not_admitted", "", "pages this full tier's admission policy refused"),
     "checksum_failures": ("kvstore.tier.checksum_failures", "", "reads whose page checksum did not match"),
     "bytes_in": ("kvstore.tier.written", "By", "bytes written into this tier"),
     "bytes_out": ("kvstore.tier.read", "By", "bytes read out of this tier"),

@@ -31,6 +31,7 @@ class TierCounters:
     bytes_out: int = 0
     checksum_failures: int = 0
     dropped: int = 0
+    not_admitted: int = 0  # pages this full tier's policy refused (written through to the next tier, or not stored)
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ def serve(
     hbm_bytes: SizeOpt = None,
     max_page_bytes: SizeOpt = None,
     node_id: Annotated[str | None, typer.Option(help="node name in stats (default: hostname)")] = None,
-    policy: Annotated[str | None, typer.Option(help="eviction policy (default prefix-arc)")] = None,
+    policy: Annotated[str | None, typer.Option(help="eviction and admission policy (default adaptive)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="join a cluster: publish to this Redis index")] = None,
     advertise_addr: Annotated[str | None, typer.Option(help="host:port other machines reach this node at")] = None,
     index_ttl: Annotated[float | None, typer.Option(help="index heartbeat TTL in seconds (default 10)")] = None,

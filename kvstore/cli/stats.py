@@ -45,6 +45,7 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
     row("promotions in", lambda t: str(t.counters.promotions))
     row("demotions in", lambda t: str(t.counters.demotions))
     row("dropped", lambda t: str(t.counters.dropped))
+    row("not admitted", lambda t: str(t.counters.not_admitted))
     row("bytes in", lambda t: human_bytes(t.counters.bytes_in))
     row("bytes out", lambda t: human_bytes(t.counters.bytes_out))
     row("checksum failures", lambda t: str(t.counters.checksum_failures))

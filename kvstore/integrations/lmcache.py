@@ -14,7 +14,7 @@ LMCache. The LMCache YAML:
       remote_storage_plugin.kvstore.url: kvstore://10.0.0.5:50051      # or kvstore+redis://10.0.0.9:6379/0
 
 Other settings (`remote_storage_plugin.kvstore.<name>`, all optional): timeout, lookup_timeout,
-transport (auto|grpc|shm), token, token_file, tls_ca, tls_cert, tls_key, tls_server_name (default:
+transport (auto|grpc|shm|tcp|ucx), token, token_file, tls_ca, tls_cert, tls_key, tls_server_name (default:
 the KVSTORE_* environment), namespace_prefix (a tenant's or deployment's salt), local_node (a
 cluster's node on this host, preferred for stores), threads, down_backoff, pin_lease, prefetch,
 tune_malloc (default true: raise glibc's mmap/trim thresholds in the engine process). A

@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES, HashContractError, validate_namespace
 from kvstore.layout import DType, PageLayout
+from kvstore.transport.planes import TRANSPORTS
 
 MAPPING_VERSION = "v1"
 KEY_TAG = b"kvstore-lmcache/v1\x00"
@@ -284,7 +285,7 @@ class PluginSettings:
 _LMCACHE_FIELDS = {"module_path", "class_name"}  # LMCache's own plugin-loading keys
 _FLOATS = {"timeout", "lookup_timeout", "down_backoff", "pin_lease"}
 _STRINGS = {"token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "local_node"}
-_TRANSPORTS = ("auto", "grpc", "shm")
+_TRANSPORTS = TRANSPORTS  # every plane a client speaks
 
 
 def parse_settings(extra: Mapping[str, object] | None, plugin_name: str, default_timeout: float) -> PluginSettings:

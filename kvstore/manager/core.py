@@ -33,7 +33,7 @@ from kvstore.manager.io import IoPool
 from kvstore.manager.moves import Mover
 from kvstore.manager.placement import Placement
 from kvstore.manager.prefetch import Prefetcher
-from kvstore.manager.put import PutTxn, Staging
+from kvstore.manager.put import PutTxn, Staging, WriteThrough
 from kvstore.manager.reads import Reader, ReadLease
 from kvstore.manager.state import (
     ChangeListener,
@@ -104,8 +104,10 @@ class TierManager:
                              config.read_ahead_pages, promote_to=staging.kind)  # fmt: skip
         # NOTE: half the I/O threads at most, so a large Prefetch cannot starve Gets of I/O threads.
         self.prefetcher = Prefetcher(self.table, self.mover, self.counters, self._spawn, config.io_threads // 2)
+        durable_kind = self.durable.tier.kind if self.durable.tier is not None else None
+        through = WriteThrough(self.table, self.placement, self.io, self._bounce, durable_kind)
         self.staging = Staging(self.table, self.placement, self.counters, staging.kind, config.max_pages_per_request,
-                               after_commit=self._after_commit)  # fmt: skip
+                               after_commit=self._after_commit, through=through)  # fmt: skip
         self._ttl_pins: list[tuple[float, Key]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False

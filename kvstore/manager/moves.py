@@ -85,23 +85,30 @@ class Mover:
         src.counters.dropped += 1
         await self.drop(entry, erase=False)
 
-    async def promote(self, entry: Entry, kind: TierKind) -> bool:
+    async def promote(self, entry: Entry, kind: TierKind, admission: bool = True) -> bool:
         """Move a settled page up into tier `kind` if there is room to make there without waiting;
-        False when it stays where it is (then it is served from there)."""
+        False when it stays where it is (then it is served from there). Into a full host-memory tier
+        the page must first be admitted by that tier's policy (Placement.admit), unless `admission`
+        is False (an explicit Prefetch: the engine said it is about to read the page)."""
         if entry.moving is not None or entry.tier <= kind:
             return False
+        victim = None
+        if admission and self.table.tiers[kind].medium.host_memory:
+            admitted, victim = self.placement.admit(kind, entry.key, entry.parent)
+            if not admitted:
+                return False
         try:
-            await self.move(entry, kind, demotion=False)
+            await self.move(entry, kind, demotion=False, victim=victim)
         except ResourceExhausted:
             log.debug("no %s room to promote %s; serving from %s", kind.label, entry.hash.hex(), entry.tier.label)
             return False
         return True
 
-    async def move(self, entry: Entry, dst_kind: TierKind, demotion: bool) -> None:
+    async def move(self, entry: Entry, dst_kind: TierKind, demotion: bool, victim: Entry | None = None) -> None:
         """Copy a page to a slot in dst_kind, verify where needed, then switch and free the source.
 
         A promotion never waits for space (the page is served from where it is instead); a demotion
-        may (see Placement.allocate).
+        may (see Placement.allocate). `victim`: the page admission chose to make room (evicted first).
         """
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry.moving = fut
@@ -114,7 +121,8 @@ class Mover:
                 dst_slot = entry.shadow
                 self.durable.adopt(dst_slot)
             else:
-                dst_slot = await self.placement.allocate(dst_kind, wait=demotion, tenant=tenant_of(entry.namespace))
+                dst_slot = await self.placement.allocate(dst_kind, wait=demotion, victim=victim,
+                                                         tenant=tenant_of(entry.namespace))  # its share
                 await self.copy(entry, src, src_slot, dst, dst_slot)
                 verify = dst.medium.host_memory and not src.medium.host_memory
                 if verify and not verify_copy(entry, dst.medium.view(dst_slot)[: entry.used_len]):

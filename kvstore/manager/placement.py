@@ -5,6 +5,11 @@ now (not pinned, not being read, not moving) and hands it to `evict` (kvstore/ma
 demotes it one tier down or drops it. When nothing is evictable but space is only held for a moment
 (other streams' staged pages, reads or moves in flight), a caller that may wait is parked, bounded by
 `alloc_wait_seconds`, until `space_changed` wakes it.
+
+Admission (kvstore/policy/admission.py): before a page that is not in the host-memory tier enters it
+while it is full (a Put, a promotion on read), `admit` asks that tier's policy whether the page may
+take the victim's place, exactly once per reference, and the victim named in the question is the one
+`allocate` evicts first (choosing a victim can reorder some policies' keys, so it is not chosen twice).
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import TYPE_CHECKING
 from kvstore.errors import ResourceExhausted
 from kvstore.manager.durable import DurableCopies
 from kvstore.manager.state import Entry, PageTable
-from kvstore.names import TierKind
-from kvstore.policy import first_usable
+from kvstore.names import Key, TierKind
+from kvstore.policy import first_usable, should_admit
+from kvstore.tenants import tenant_of
 
 if TYPE_CHECKING:
     from kvstore.manager.tenants import TenantQuotas
@@ -50,15 +56,40 @@ class Placement:
             key = first_usable(tier.policy, lambda k: entries[k].evictable)
         return None if key is None else entries[key]
 
-    async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True, tenant: str | None = None) -> int:
+    def _at_share(self, kind: TierKind, tenant: str | None, reserve: int) -> bool:
+        """Whether a page of `tenant` may only take the place of one of its own (it is at its share)."""
+        return self.quotas is not None and tenant is not None and self.quotas.full(tenant, self.table.tiers[kind], reserve)
+
+    def admit(self, kind: TierKind, key: Key, parent: Key | None) -> tuple[bool, Entry | None]:
+        """May `key` (not in tier `kind`) enter it now? (True, None) when the tier has a free slot; else
+        the tier's policy is asked once: (False, None) when it refuses, (True, victim) when it admits
+        the page in place of `victim`, which the caller passes on to `allocate`. With nothing evictable
+        the policy only hears of the reference and (True, None) leaves the rest to `allocate`."""
+        tier = self.table.tiers[kind]
+        tenant = tenant_of(key[0])
+        own_only = self._at_share(kind, tenant, 0)
+        if tier.alloc.can_allocate() and not own_only:
+            return True, None
+        victim = self.victim(kind, tenant, own_only)
+        admitted = should_admit(tier.policy, key, None if victim is None else victim.key, parent)
+        if victim is None:
+            return True, None
+        if not admitted:
+            tier.counters.not_admitted += 1
+            return False, None
+        return True, victim
+
+    async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True,
+                       victim: Entry | None = None, tenant: str | None = None) -> int:  # fmt: skip
         """A free slot in `kind`, evicting (demoting or dropping) victims as needed.
 
         Raises ResourceExhausted when nothing in the tier can be evicted. `reserve` is the number of slots
         the caller already holds unpublished (named in the error so the limit is visible). With `wait`, a
         tier blocked only by other streams' staged pages or by reads and moves in flight is waited on for
         up to alloc_wait_seconds before giving up. The persistent tier never waits (no stream stages there):
-        a demotion into it falls back to dropping the page instead (see Mover.evict). With shares, the slot
-        is for a page of `tenant`: at its share it evicts its own pages first (TenantQuotas).
+        a demotion into it falls back to dropping the page instead (see Mover.evict). `victim` (from
+        `admit`) is evicted first, when it is still in the tier and evictable. With shares, the slot is for
+        a page of `tenant`: at its share it evicts its own pages first (TenantQuotas).
         """
         tier = self.table.tiers[kind]
         if not tier.available:
@@ -67,15 +98,22 @@ class Placement:
         may_wait = wait and tier is not self.durable.tier
         deadline: float | None = None
         for _ in range(tier.alloc.num_slots + _MAX_SPACE_WAITS):
-            own_only = self.quotas is not None and tenant is not None and self.quotas.full(tenant, tier, reserve)
+            own_only = self._at_share(kind, tenant, reserve)
             if tier.alloc.can_allocate() and not own_only:
                 slot = tier.alloc.allocate()
                 if tier is self.durable.tier:
                     self.durable.forget(slot)
                 return slot
-            victim = self.victim(kind, tenant, own_only)
-            if victim is not None:
-                await self.evict(victim)
+            chosen, victim = victim, None
+            if (
+                chosen is None
+                or chosen.tier != kind
+                or not chosen.evictable
+                or self.table.get(chosen.key) is not chosen
+            ):
+                chosen = self.victim(kind, tenant, own_only)
+            if chosen is not None:
+                await self.evict(chosen)
                 continue
             busy = tier.in_transit > reserve or any(
                 (e := self.table.entries[k]).readers or e.moving for k in tier.policy.candidates()

@@ -63,7 +63,11 @@ class Prefetcher:
                     if entry is None or entry.tier <= target:
                         break
                     step = self.table.above(entry.tier)
-                    if step is None or step.kind < target or not await self.mover.promote(entry, step.kind):
+                    if (
+                        step is None
+                        or step.kind < target
+                        or not await self.mover.promote(entry, step.kind, admission=False)
+                    ):
                         break
                 entry = self.table.get(key)
                 if entry is not None and entry.tier <= target:

@@ -3,21 +3,101 @@
 `Staging` is the small API a transaction uses (and all it may touch): reserve a slot, fill it through a
 view, publish it as a page, or release it. Every transport (gRPC streams, shared memory, the bulk
 planes) drives the same `PutTxn`, so atomicity and verification are the same everywhere.
+
+Admission: a page the full host-memory tier's policy refuses (Placement.admit) is received into a
+bounce buffer instead of a slot, verified like any other, and written through into the persistent tier
+(NVMe) when the group is published; with no persistent tier (or no room there) it is not stored, and
+the Put reports it neither stored nor already present (Stats counts it in `not_admitted`).
 """
 
 from __future__ import annotations
 
+import logging
+import mmap
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvstore.errors import DataLoss, InvalidArgument, ResourceExhausted
 from kvstore.layout import PageLayout
+from kvstore.manager.io import IoPool
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, check_hash
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, PageHeader, payload_checksum
 from kvstore.tenants import tenant_of
+from kvstore.tiers.dram import BouncePool
+
+log = logging.getLogger(__name__)
 
 AfterCommit = Callable[[list[Key], TierKind], None]  # (pages published, the tier the writer asked for)
+
+
+class WriteThrough:
+    """Where pages refused by the host-memory tier's admission go: a bounce buffer while they arrive,
+    then straight into a slot of the persistent tier, never through host-memory slots.
+
+    Invariant: a page is published in the persistent tier only after its whole slot (header and
+    payload) was written there; a failed or superfluous write leaves nothing visible and frees its slot.
+    """
+
+    def __init__(self, table: PageTable, placement: Placement, io: IoPool, bounce: BouncePool,
+                 kind: TierKind | None) -> None:  # fmt: skip
+        self.table = table
+        self.placement = placement
+        self.io = io
+        self.bounce = bounce
+        self.tier = table.tiers[kind] if kind is not None and table.tiers[kind].available else None
+
+    def take(self) -> mmap.mmap:
+        return self.bounce.take()
+
+    def give(self, buf: mmap.mmap) -> None:
+        self.bounce.give(buf)
+
+    async def store(self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int,
+                    parent: Key | None) -> bool:  # fmt: skip
+        """Write a verified page from `buf` into the persistent tier and publish it there; False (nothing
+        visible) when there is no such tier, it is stored already, there is no room or the write failed."""
+        tier = self.tier
+        if tier is None or (namespace, h) in self.table:
+            return False
+        try:
+            slot = await self.placement.allocate(tier.kind, wait=False, tenant=tenant_of(namespace))  # its share
+        except ResourceExhausted:
+            return False
+        plen = layout.page_bytes
+        entry = Entry(namespace, h, tier.kind, slot, plen, checksum, self.table.next_generation(), layout)
+        entry.parent = parent
+        view = memoryview(buf)
+        try:
+            view[:HEADER_BYTES] = PageHeader(namespace, h, layout, plen, checksum, entry.generation).pack()
+            await self.io.run(tier.medium.write, slot, view[: entry.used_len])
+        except OSError as exc:  # ENOSPC, EIO: the medium erased the slot it could not finish
+            tier.alloc.free(slot)
+            log.error("writing %s through to %s failed (%s): not stored", h.hex(), tier.kind.label, exc)
+            return False
+        finally:
+            view.release()
+        if (namespace, h) in self.table:  # another stream published it while this one was writing
+            await self.io.run(tier.medium.invalidate, slot)
+            tier.alloc.free(slot)
+            return False
+        self.table.layouts.setdefault(namespace, layout)
+        self.table.publish(entry, tier.kind)
+        tier.counters.bytes_in += plen
+        return True
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A page of a transaction, received but not visible: in a host-memory slot, or (refused by
+    admission) in a bounce buffer to be written through."""
+
+    hash: bytes
+    slot: int  # -1 when `through` holds the page
+    declared: int  # checksum the client declared (0: none)
+    parent: bytes | None
+    through: mmap.mmap | None = None
 
 
 class Staging:
@@ -29,21 +109,26 @@ class Staging:
     """
 
     def __init__(self, table: PageTable, placement: Placement, counters: NodeCounters, kind: TierKind,
-                 max_pages: int, after_commit: AfterCommit) -> None:  # fmt: skip
+                 max_pages: int, after_commit: AfterCommit, through: WriteThrough) -> None:  # fmt: skip
         self.table = table
         self.placement = placement
         self.counters = counters
         self.tier = table.tiers[kind]
         self.max_pages = max_pages  # per transaction
         self.after_commit = after_commit
+        self.through = through
+
+    def admit(self, key: Key, parent: Key | None) -> tuple[bool, Entry | None]:
+        """Whether a new page may take a slot of the full staging tier (Placement.admit)."""
+        return self.placement.admit(self.tier.kind, key, parent)
 
     def has(self, key: Key) -> bool:
         return key in self.table
 
-    async def reserve(self, held: int, wait: bool, tenant: str | None = None) -> int:
+    async def reserve(self, held: int, wait: bool, victim: Entry | None = None, tenant: str | None = None) -> int:
         """A slot for the next page (of `tenant`: its share); `held` slots are already staged by the caller
         (see Placement.allocate)."""
-        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait, tenant=tenant)
+        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait, victim=victim, tenant=tenant)
 
     def payload_view(self, slot: int, length: int) -> memoryview:
         return self.tier.medium.view(slot)[HEADER_BYTES : HEADER_BYTES + length]
@@ -81,7 +166,8 @@ class PutTxn:
     Atomicity: nothing is visible before commit, as long as the stream's pages fit in the staging tier
     together. A stream that outgrows it (no free or evictable slot left besides its own staged ones) is
     committed in groups: the staged, verified pages are published and the stream goes on. Each page is
-    always atomic: a page is either complete and verified or absent.
+    always atomic: a page is either complete and verified or absent. A page refused by admission is
+    staged in a bounce buffer and written through at publish (see the module docstring).
     """
 
     def __init__(self, staging: Staging, namespace: str, layout: PageLayout, target: TierKind,
@@ -93,17 +179,19 @@ class PutTxn:
         self.target = target
         self._chain = chain
         self._prev: bytes | None = parent  # the chain's block before the next page
-        self._staged: list[tuple[bytes, int, int, bytes | None]] = []  # (hash, slot, declared checksum, parent)
+        self._staged: list[_Staged] = []
         self._sums: list[int] = []  # checksums of the staged pages verified so far: a prefix of _staged
         self._seen: set[bytes] = set()
+        self._slots_held = 0  # staged pages holding a host-memory slot
         self.stored = 0
         self.already_present = 0
+        self.not_admitted = 0  # refused by admission and not stored (no persistent tier, or no room there)
         self.done = False
 
     async def add_page(self, h: bytes, payload_len: int, checksum: int) -> memoryview | None:
         """Reserve a slot for the next page and return the writable view its payload goes into, or
-        None when the page is already stored (the caller discards its bytes). The previous page's
-        view must be completely written before this is called."""
+        None when the page is already stored or not admitted and not storable (the caller discards its
+        bytes). The previous page's view must be completely written before this is called."""
         st = self._staging
         check_hash(h, "page.hash")
         if payload_len != self.layout.page_bytes:
@@ -112,7 +200,7 @@ class PutTxn:
                 f"{payload_len} bytes does not match the layout's page size {self.layout.page_bytes} "
                 f"({self.layout.describe()})",
             )
-        if len(self._seen) + self.already_present >= st.max_pages:
+        if len(self._seen) + self.already_present + self.not_admitted >= st.max_pages:
             raise InvalidArgument("pages", f"more than {st.max_pages} pages in one stream")
         # NOTE: the previous page is complete now (the contract above), so it is verified here, while the
         # sender is still streaming this one, rather than all at once at commit with the sender idle.
@@ -122,22 +210,33 @@ class PutTxn:
         if st.has((self.namespace, h)) or h in self._seen:
             self.already_present += 1
             return None
+        key_parent = (self.namespace, parent) if parent is not None else None
+        admitted, victim = st.admit((self.namespace, h), key_parent)
+        if not admitted:
+            if st.through.tier is None:
+                self.not_admitted += 1
+                return None
+            buf = st.through.take()
+            self._seen.add(h)
+            self._staged.append(_Staged(h, -1, checksum, parent, buf))
+            return memoryview(buf)[HEADER_BYTES : HEADER_BYTES + payload_len]
         try:
-            slot = await st.reserve(held=len(self._staged), wait=not self._staged, tenant=self._tenant)
+            slot = await st.reserve(held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant)
         except ResourceExhausted:
-            if not self._staged:
+            if not self._slots_held:
                 raise
-            self._publish_staged()  # the stream outgrew the staging tier: commit what it staged so far
+            await self._publish_staged()  # the stream outgrew the staging tier: commit what it staged so far
             slot = await st.reserve(held=0, wait=True, tenant=self._tenant)
         self._seen.add(h)
-        self._staged.append((h, slot, checksum, parent))
+        self._staged.append(_Staged(h, slot, checksum, parent))
+        self._slots_held += 1
         return st.payload_view(slot, payload_len)
 
     async def commit(self) -> tuple[int, int]:
         """Verify every staged page and publish them; returns (stored, already_present)."""
         if self.done:
             raise RuntimeError("transaction already finished")
-        self._publish_staged()
+        await self._publish_staged()
         self.done = True
         self._staging.after_commit([(self.namespace, h) for h in self._seen], self.target)
         return self.stored, self.already_present
@@ -147,17 +246,22 @@ class PutTxn:
         st = self._staging
         plen = self.layout.page_bytes
         try:
-            for h, slot, declared, _ in self._staged[len(self._sums) :]:
-                actual = st.checksum(slot, plen)
-                if declared and declared != actual:
-                    raise DataLoss(f"page {h.hex()}: payload checksum {actual:#x} != declared {declared:#x}")
+            for p in self._staged[len(self._sums) :]:
+                if p.through is None:
+                    actual = st.checksum(p.slot, plen)
+                else:
+                    with memoryview(p.through) as view:
+                        actual = payload_checksum(view[HEADER_BYTES : HEADER_BYTES + plen])
+                if p.declared and p.declared != actual:
+                    raise DataLoss(f"page {p.hash.hex()}: payload checksum {actual:#x} != declared {p.declared:#x}")
                 self._sums.append(actual)
         except BaseException:
             self.abort()
             raise
 
-    def _publish_staged(self) -> None:
-        """Verify all staged pages (any failure aborts the transaction), then publish them."""
+    async def _publish_staged(self) -> None:
+        """Verify all staged pages (any failure aborts the transaction), then publish them: the ones in
+        host-memory slots at once, then the written-through ones as their writes finish."""
         st = self._staging
         try:
             st.table.check_layout(self.namespace, self.layout)
@@ -165,25 +269,49 @@ class PutTxn:
             self.abort()
             raise
         self._verify_staged()
-        for (h, slot, _, parent), csum in zip(self._staged, self._sums, strict=True):
-            key_parent = (self.namespace, parent) if parent is not None else None
-            if st.publish(self.namespace, h, self.layout, slot, csum, key_parent):
+        staged, sums = self._staged, self._sums
+        self._staged, self._sums, self._slots_held = [], [], 0
+        through: list[tuple[_Staged, int]] = []
+        for p, csum in zip(staged, sums, strict=True):
+            key_parent = (self.namespace, p.parent) if p.parent is not None else None
+            if p.through is not None:
+                through.append((p, csum))
+            elif st.publish(self.namespace, p.hash, self.layout, p.slot, csum, key_parent):
                 self.stored += 1
             else:  # another stream committed it meanwhile
                 self.already_present += 1
-        self._staged.clear()
-        self._sums.clear()
+        try:
+            for p, csum in through:
+                key_parent = (self.namespace, p.parent) if p.parent is not None else None
+                assert p.through is not None
+                if await st.through.store(self.namespace, p.hash, self.layout, p.through, csum, key_parent):
+                    self.stored += 1
+                elif st.has((self.namespace, p.hash)):
+                    self.already_present += 1
+                else:
+                    self.not_admitted += 1
+                st.through.give(p.through)
+                p.through = None
+        finally:  # cancelled mid-way: the buffers not written yet go back
+            for p, _ in through:
+                if p.through is not None:
+                    st.through.give(p.through)
+                    p.through = None
         st.placement.space_changed()
 
     def abort(self) -> None:
-        """Free every staged slot; idempotent."""
+        """Free every staged slot and buffer; idempotent."""
         if self.done:
             return
         self.done = True
         st = self._staging
-        for _, slot, _, _ in self._staged:
-            st.release(slot)
+        for p in self._staged:
+            if p.through is None:
+                st.release(p.slot)
+            else:
+                st.through.give(p.through)
         self._staged.clear()
         self._sums.clear()
+        self._slots_held = 0
         st.rejected()
         st.placement.space_changed()

@@ -1,5 +1,6 @@
 """Fuzzing the wire API of a real node (devkit/fuzz.py): Hypothesis strategies over the proto messages
-and raw frames, on every data plane the node serves (gRPC unary, Put streams, shared memory).
+and raw frames, on every data plane the node serves (gRPC unary, Put streams, shared memory, the TCP
+plane's own frames: devkit/fuzz_tcp.py).
 
 Invariants, after every request: the node answers, the status code is the one expected (exact for a
 message with one broken field; INVALID_ARGUMENT for bytes that do not parse; never INTERNAL or UNKNOWN),
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from devkit.fuzz import FuzzTarget, default_planes, run_fuzz, setup_target
+from devkit.fuzz_tcp import TcpPlane
 from kvstore.launch import NodeProcess
 
 REQUESTS = int(os.environ.get("KVSTORE_FUZZ_REQUESTS", "10000"))
@@ -41,7 +43,7 @@ def target(fuzz_node: NodeProcess) -> Iterator[FuzzTarget]:
 
 @pytest.mark.timeout(900)
 def test_fuzzed_requests_keep_the_node_up_and_answer_the_right_code(fuzz_node: NodeProcess, target: FuzzTarget) -> None:
-    planes = default_planes()
+    planes = [*default_planes(), TcpPlane()]
     log = run_fuzz(target, REQUESTS, planes)
     assert fuzz_node.proc is not None and fuzz_node.proc.poll() is None, "the node died"
     assert target.state()["node_id"] == "fuzz"  # still answering

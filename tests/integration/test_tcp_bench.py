@@ -18,7 +18,9 @@ def run(script: str, *args: str, timeout: float = 300) -> None:
 def test_peer_bench_quick_run(tmp_path: Path) -> None:
     run("peer_bench.py", "--quick", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "peer_bench.json").read_text())
-    for label in ("kvstore TCP plane", "kvstore TCP plane + TLS", "kvstore gRPC streams", "memcpy (same bytes, one core)"):
+    labels = ["kvstore TCP plane", "kvstore TCP plane + TLS", "kvstore gRPC streams", "memcpy (same bytes, one core)",
+              "kvstore shm (same host)", "kvstore zero-copy (same host, put_from/get_into)", "kvstore UCX plane"]
+    for label in labels:
         for metric in ("gbs", "gb_per_cpu_s"):  # wall time, and CPU time of the client and server processes
             assert set(doc["results"][metric][label]) == {"256/put", "256/get"}, (metric, label)
     assert not [n for n in doc["notes"] if "failed" in n or "wrong bytes" in n], doc["notes"]

@@ -19,6 +19,6 @@ def test_lmcache_bench_quick_run(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "lmcache_bench.json").read_text())["rows"]
-    assert {(r["op"], r["peer"]) for r in rows} == {(op, p) for op in ("put", "get") for p in ("kvstore", "kvstore-grpc", "lm")}
+    assert {(r["op"], r["peer"]) for r in rows} == {(op, p) for op in ("put", "get") for p in ("kvstore", "kvstore-tcp", "kvstore-grpc", "lm")}
     assert all(r["gbs"] > 0 for r in rows)
     assert "LMCache lm://" in (tmp_path / "lmcache_bench.md").read_text()

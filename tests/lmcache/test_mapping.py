@@ -107,6 +107,8 @@ def test_settings_validation_names_the_key() -> None:
     s = v1.parse_settings({P + "url": "kvstore://h:1", P + "timeout": "2.5", P + "prefetch": "false", P + "threads": 2,
                         P + "transport": "GRPC", P + "module_path": "x", "unrelated": 1}, "kvstore", 10.0)  # fmt: skip
     assert (s.target.addr, s.timeout, s.prefetch, s.threads, s.transport) == ("h:1", 2.5, False, 2, "grpc")
+    for plane in ("tcp", "ucx", "shm", "auto"):  # every plane a client speaks
+        assert v1.parse_settings({P + "url": "kvstore://h:1", P + "transport": plane}, "kvstore", 1.0).transport == plane
     assert v1.parse_settings({P + "url": "kvstore://h:1"}, "kvstore", 7.0).timeout == 7.0  # LMCache's blocking timeout
     inst = "remote_storage_plugin.kvstore.a."
     assert v1.parse_settings({inst + "url": "kvstore://h:2"}, "kvstore.a", 1.0).target.addr == "h:2"

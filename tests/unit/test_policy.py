@@ -1,5 +1,6 @@
-"""Eviction policies (kvstore/policy.py): interface invariants of every registered policy, the
-prefix-aware rule (tails before heads), behaviour without hints, and PrefixARC's adaptation."""
+"""Eviction policies (kvstore/policy/): interface invariants of every registered policy (also as a
+property under random event streams), the prefix-aware rule (tails before heads), behaviour without
+hints, and PrefixARC's adaptation. Admission and the adaptive policy: tests/unit/test_admission.py."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import random
 from collections.abc import Callable, Hashable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from devkit.sim import TieredBlockCache, replay
 from kvstore.policy import (
     POLICIES,
     ARCPolicy,
@@ -20,7 +24,6 @@ from kvstore.policy import (
     make_policy,
     should_admit,
 )
-from kvstore.sim import TieredBlockCache, replay
 
 # NOTE: policies whose candidates() order is exactly the order first_candidate(usable) searches
 # (S3-FIFO moves keys while it searches; its fast path is checked separately).
@@ -94,12 +97,53 @@ def test_interface_invariants(name: str, hints: bool) -> None:
 def test_make_policy_and_admit(name: str) -> None:
     policy = make_policy(name.upper())
     assert policy.name == name
-    assert should_admit(policy, "k") and should_admit(policy, "k", parent="p")
+    assert should_admit(policy, "k", "v")
     assert len(policy) == 0 and list(policy.candidates()) == [] and first_usable(policy, lambda _k: True) is None
     policy.on_insert("a")  # the manager's call form, no hints
     policy.on_insert("a")  # inserting a resident key again counts as an access
     assert len(policy) == 1 and first_usable(policy, lambda _k: True) == "a"
     assert first_usable(policy, lambda _k: False) is None
+
+
+_EVENTS = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "access", "remove", "evict", "admit"]), st.integers(0, 24), st.integers(0, 24)
+    ),
+    max_size=150,
+)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=40, deadline=None)
+@given(events=_EVENTS)
+def test_every_inserted_key_is_a_candidate_exactly_once(name: str, events: list[tuple[str, int, int]]) -> None:
+    """Under any stream of events: every key inserted and not removed is a candidate exactly once,
+    victims are resident and usable, and admit() (asked of a key that is not resident) changes
+    nothing about what is resident."""
+    policy = make_policy(name)
+    resident: set[int] = set()
+    for op, key, other in events:
+        if op == "insert":
+            policy.on_insert(key, parent=other if other < key else None, reads=other % 2)  # type: ignore[call-arg]
+            resident.add(key)
+        elif op == "access":
+            policy.on_access(key)
+        elif op == "remove":
+            policy.on_remove(key)
+            resident.discard(key)
+        elif op == "evict":
+            victim = first_usable(policy, lambda k, pinned=key: k != pinned)
+            assert (victim is None) == (not resident - {key})
+            if victim is not None:
+                assert victim in resident and victim != key
+                policy.on_remove(victim)
+                resident.discard(victim)
+        elif key not in resident:
+            victim = first_usable(policy, lambda _k: True)
+            assert isinstance(should_admit(policy, key, victim, other if other < key else None), bool)
+        order = list(policy.candidates())
+        assert len(order) == len(set(order)) == len(policy) == len(resident)
+        assert set(order) == resident
 
 
 def test_unknown_policy_names_the_known_ones() -> None:

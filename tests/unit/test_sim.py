@@ -1,5 +1,5 @@
-"""Trace replay (kvstore/sim.py): hand-computed hit rates, Belady's optimality against brute force,
-tiered promotion/demotion accounting, trace parsing and the synthetic workloads."""
+"""Trace replay (devkit/sim.py): hand-computed hit rates, Belady's optimality against brute force,
+tiered promotion/demotion accounting, trace parsing, and how the simulation asks admit()."""
 
 from __future__ import annotations
 
@@ -9,18 +9,17 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstore.policy import POLICIES
-from kvstore.sim import (
+from devkit.sim import (
     TieredBlockCache,
     TierSpec,
     TraceRecord,
-    Workload,
     belady_block_hits,
     parse_tiers,
     replay,
     replay_policy,
-    synthetic_workload,
 )
+from devkit.workloads import generate
+from kvstore.policy import POLICIES
 
 
 def test_block_and_prefix_hits_by_hand() -> None:
@@ -59,7 +58,7 @@ def test_tiered_promotion_demotion_accounting() -> None:
 def test_tiers_are_exclusive_and_bounded(name: str) -> None:
     tiers = parse_tiers("hbm:3,dram:5,nvme:9")
     cache = TieredBlockCache(tiers, name)
-    requests = synthetic_workload(Workload.MIXED, 150, seed=3)
+    requests = generate("tenants", 150, seed=3)
     res = replay(requests, cache)
     for t, spec in enumerate(tiers):
         assert cache.size(t) <= spec.capacity
@@ -163,46 +162,51 @@ def test_trace_record_and_tier_parsing() -> None:
             parse_tiers(bad)
 
 
-@pytest.mark.parametrize("kind", list(Workload))
-def test_synthetic_workloads_are_chained_and_reproducible(kind: Workload) -> None:
-    a = synthetic_workload(kind, 300, seed=2)
-    assert a == synthetic_workload(kind.value, 300, seed=2) and len(a) == 300
-    assert a != synthetic_workload(kind, 300, seed=3)
-    # a block id names its whole prefix: it always follows the same parent
-    parent: dict[int, int | None] = {}
-    for req in a:
-        prev = None
-        for b in req:
-            assert parent.setdefault(b, prev) == prev
-            prev = b
+class _Picky:
+    """A policy that admits only even keys, and logs what it is asked."""
+
+    name = "picky"
+
+    def __init__(self) -> None:
+        self.keys: dict[int, None] = {}
+        self.asked: list[tuple[int, int | None, int | None]] = []
+
+    def on_insert(self, key: int, parent: int | None = None, reads: int = 0) -> None:
+        self.keys[key] = None
+
+    def on_access(self, key: int) -> None:
+        pass
+
+    def on_remove(self, key: int) -> None:
+        del self.keys[key]
+
+    def candidates(self):  # type: ignore[no-untyped-def]
+        return iter(list(self.keys))
+
+    def admit(self, key: int, victim: int | None, parent: int | None) -> bool:
+        self.asked.append((key, victim, parent))
+        return key % 2 == 0
+
+    def __len__(self) -> int:
+        return len(self.keys)
 
 
-def test_hints_off_and_admission_declined() -> None:
-    class Picky:
-        name = "picky"
+def test_admit_is_asked_only_of_a_full_tier_with_its_victim() -> None:
+    cache = TieredBlockCache(2, _Picky, hints=False)
+    res = replay([[1, 2], [3, 4], [6], [1, 2]], cache)
+    picky = cache.policies[0]
+    assert isinstance(picky, _Picky)
+    # [1, 2] fill the cache unasked. 3: full, victim 1 (FIFO order), refused; 4: victim 1, admitted
+    # (1 evicted). 6: victim 2, admitted. [1, 2]: 1 refused (victim 4); 2, evicted for 6, is a miss
+    # too: victim 4, admitted. Without hints the parent is never passed.
+    assert picky.asked == [(3, 1, None), (4, 1, None), (6, 2, None), (1, 4, None), (2, 4, None)]
+    assert cache.counters.not_admitted == 2 and sorted(picky.keys) == [2, 6]
+    assert (res.block_hits, res.prefix_hits) == (0, 0)
 
-        def __init__(self) -> None:
-            self.keys: dict[int, None] = {}
 
-        def on_insert(self, key: int) -> None:  # no hint arguments: the manager's call form
-            self.keys[key] = None
-
-        def on_access(self, key: int) -> None:
-            pass
-
-        def on_remove(self, key: int) -> None:
-            del self.keys[key]
-
-        def candidates(self):  # type: ignore[no-untyped-def]
-            return iter(list(self.keys))
-
-        def admit(self, key: int, parent: int | None) -> bool:
-            return key % 2 == 0
-
-        def __len__(self) -> int:
-            return len(self.keys)
-
-    cache = TieredBlockCache(10, Picky, hints=False)
-    res = replay([[1, 2, 3, 4], [1, 2, 3, 4]], cache)
-    assert cache.counters.not_admitted == 4 and len(cache) == 2
-    assert (res.block_hits, res.prefix_hits) == (2, 0)
+def test_admit_hears_of_a_reference_even_when_every_block_is_pinned() -> None:
+    cache = TieredBlockCache(2, _Picky, hints=True)
+    replay([[2, 4, 6]], cache)  # 6 finds 2 and 4 pinned by its own request: asked with no victim
+    picky = cache.policies[0]
+    assert picky.asked == [(6, None, 4)]  # type: ignore[attr-defined]
+    assert cache.counters.not_stored == 1 and cache.counters.not_admitted == 0

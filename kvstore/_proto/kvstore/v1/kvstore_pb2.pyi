@@ -216,7 +216,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("tier", "available", "detail", "capacity_bytes", "used_bytes", "slot_bytes", "slots_total", "slots_used", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "checksum_failures", "dropped")
+    __slots__ = ("tier", "available", "detail", "capacity_bytes", "used_bytes", "slot_bytes", "slots_total", "slots_used", "pages", "hits", "misses", "evictions", "promotions", "demotions", "bytes_in", "bytes_out", "checksum_failures", "dropped", "not_admitted")
     TIER_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class TierStats(_message.Message):
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
+    NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     tier: Tier
     available: bool
     detail: str
@@ -253,7 +254,8 @@ class TierStats(_message.Message):
     bytes_out: int
     checksum_failures: int
     dropped: int
-    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., available: _Optional[bool] = ..., detail: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
+    not_admitted: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., available: _Optional[bool] = ..., detail: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., pages: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., dropped: _Optional[int] = ..., not_admitted: _Optional[int] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
     __slots__ = ("namespace", "layout", "pages", "page_bytes")

@@ -26,18 +26,23 @@ Hit rates (all over the total number of blocks in the trace):
                      that capacity can get on the trace (an upper bound for both rates above).
 
 While a request is served its blocks are pinned (the engine holds them), so a request never evicts
-its own blocks; a request longer than the cache stores what fits. `synthetic_workload` generates
-other shapes of traffic (multi-turn chat, document QA, a mix) to check that a policy is not fitted
-to one trace.
+its own blocks; a request longer than the cache stores what fits. devkit/workloads.py generates
+the workload suite (chat, RAG, agents, batch jobs, tenants) to replay here.
+
+Admission (see kvstore/policy/admission.py): a block that is not in the top tier (a miss, or a hit
+in a lower tier) and would enter it while it is full is first offered to the top tier's policy as
+`admit(key, victim, parent)`, victim being the key its first_usable() chose (None when every block
+there is pinned: the call then only tells the policy of the reference). Refused, a missing block is
+written through to the next tier down (never lost while a lower tier has room) or, with no lower
+tier, not stored; a block in a lower tier stays there and is read from there. The victim chosen for
+the question is the one evicted: the policy is not asked twice.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
-import itertools
-import random
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -179,6 +184,15 @@ def replay(requests: Iterable[Sequence[Block]], cache: ReplayCache) -> ReplayRes
     return res
 
 
+class _Verdict(enum.Enum):
+    """What the top tier says to a block that is not in it."""
+
+    ROOM = "room"  # not full: no question asked
+    PINNED = "pinned"  # full, and every block in it is pinned
+    ADMITTED = "admitted"  # full; the policy lets the block take its victim's place
+    REFUSED = "refused"  # full; the policy keeps its victim (the block goes one tier down, or is not stored)
+
+
 @dataclass(slots=True)
 class CacheCounters:
     """What a TieredBlockCache did, for reports and tests."""
@@ -187,7 +201,7 @@ class CacheCounters:
     promoted: int = 0  # lower-tier hits moved to the top tier
     demoted: int = 0  # victims moved one tier down
     dropped: int = 0  # victims of the last tier (gone from the cache)
-    not_admitted: int = 0  # missing blocks the policy's admit() declined
+    not_admitted: int = 0  # blocks the top tier's admit() refused (stored lower down, or not at all)
     not_stored: int = 0  # missing blocks with no room anywhere (every block pinned)
 
 
@@ -205,11 +219,14 @@ class TieredBlockCache:
     A promotion first takes the block out of its tier, then makes room at the top, so the slot it
     frees can take the block demoted by that (a swap; nothing is dropped for it).
 
+    A promoted block is inserted with the reads it had, then its read is an access in the top tier
+    (the manager publishes the page, then counts the read that moved it).
+
     `hints=True` passes `parent` (the previous block of the request) and `reads` (hits on the block
     since it was stored, in any tier) on every insert, also when a block moves between tiers (every
-    policy in POLICIES takes them; `hints=False` uses the bare `on_insert(key)` of the manager).
-    `admission=True` asks the top tier's policy `admit(key, parent)` (if it has one) before storing
-    a missing block.
+    policy in POLICIES takes them; `hints=False` uses the bare `on_insert(key)`).
+    `admission=True` asks the top tier's policy `admit(key, victim, parent)` (if it has one; see the
+    module docstring) before a block enters the full top tier; False never asks.
     """
 
     def __init__(
@@ -273,43 +290,66 @@ class TieredBlockCache:
 
     def _serve_block(self, key: Block, parent: Block | None) -> None:
         tier = self._where.get(key)
-        if tier is not None:
-            self._reads[key] += 1
         if tier == 0:
+            self._reads[key] += 1
             self.policies[0].on_access(key)
             return
+        verdict, victim = self._top_verdict(key, parent)
         if tier is not None:
-            full = self._size[0] >= self.tiers[0].capacity
-            if full and first_usable(self.policies[0], self._usable) is None:
-                self.policies[tier].on_access(key)  # the top tier is all pinned: served from here
+            if verdict is _Verdict.PINNED or verdict is _Verdict.REFUSED:
+                self._reads[key] += 1
+                self.policies[tier].on_access(key)  # not promoted: served from where it is
                 return
-            # NOTE: take the block out first, so the slot it frees can take a block demoted by
+            # NOTE: take the block out first, so the slot it frees can take the block demoted by
             # the room-making below (exclusive tiers: the promotion is a swap, not a drop).
             reads = self._reads[key]
             self._remove(key)
-            self._make_room(0)
+            self._make_room(0, victim)
+            # As the manager: the page is published in the top tier with the reads it had, then the
+            # read that promoted it is an access there.
             self._place(key, parent, 0, reads)
+            self._reads[key] += 1
+            self.policies[0].on_access(key)
             self.counters.promoted += 1
             return
-        if self.admission and not should_admit(self.policies[0], key, parent if self.hints else None):
-            self.counters.not_admitted += 1
-            return
-        for t in range(len(self.tiers)):
-            if self._make_room(t):
+        for t in range(1 if verdict is _Verdict.REFUSED else 0, len(self.tiers)):
+            if self._make_room(t, victim if t == 0 else None):
                 self._place(key, parent, t)
                 self.counters.inserted += 1
                 return
-        self.counters.not_stored += 1
+        if verdict is not _Verdict.REFUSED:
+            self.counters.not_stored += 1
+
+    def _top_verdict(self, key: Block, parent: Block | None) -> tuple[_Verdict, Block | None]:
+        """May a block not in the top tier (missing, or in a lower tier) enter it now, and which
+        victim would make room for it? The policy is asked `admit(key, victim)` only when the tier is
+        full and has a victim; a refusal is counted in `not_admitted` (the policy counts the reference
+        itself). NOTE: the victim is chosen once and is the one evicted (as the manager does):
+        choosing can reorder a policy's keys (S3-FIFO, the W-TinyLFU window), so a second
+        first_usable() need not name the same key."""
+        if self._size[0] < self.tiers[0].capacity:
+            return _Verdict.ROOM, None
+        victim = first_usable(self.policies[0], self._usable)
+        if victim is None:
+            if self.admission:  # as the manager: the policy still hears of the reference
+                should_admit(self.policies[0], key, None, parent if self.hints else None)
+            return _Verdict.PINNED, None
+        if self.admission and not should_admit(self.policies[0], key, victim, parent if self.hints else None):
+            self.counters.not_admitted += 1
+            return _Verdict.REFUSED, None
+        return _Verdict.ADMITTED, victim
 
     def _usable(self, key: Block) -> bool:
         return key not in self._pinned
 
-    def _make_room(self, tier: int) -> bool:
-        """Evict from `tier` (demoting down the stack) until one block fits; False if all are pinned."""
+    def _make_room(self, tier: int, victim: Block | None = None) -> bool:
+        """Evict from `tier` (demoting down the stack) until one block fits; False if all are pinned.
+        `victim`, when given, is the first one evicted (already chosen by the policy)."""
         while self._size[tier] >= self.tiers[tier].capacity:
-            victim = first_usable(self.policies[tier], self._usable)
             if victim is None:
-                return False
+                victim = first_usable(self.policies[tier], self._usable)
+                if victim is None:
+                    return False
             parent, reads = self._parent[victim], self._reads[victim]
             self._remove(victim)
             if tier + 1 < len(self.tiers) and self._make_room(tier + 1):
@@ -317,6 +357,7 @@ class TieredBlockCache:
                 self.counters.demoted += 1
             else:
                 self.counters.dropped += 1
+            victim = None
         return True
 
     def _place(self, key: Block, parent: Block | None, tier: int, reads: int = 0) -> None:
@@ -412,88 +453,3 @@ def belady_block_hits(requests: Sequence[Sequence[Block]], capacity: int) -> Rep
                 heap = [e for e in heap if cached.get(e[2]) == -e[0]]
                 heapq.heapify(heap)
     return res
-
-
-# --------------------------------------------------------------------------------------------------
-# Synthetic workloads (seeded, pure): other shapes than the Mooncake trace, to check that a policy
-# is not fitted to one file. Block ids are ints; two requests share an id only where they share the
-# whole prefix up to it, as in the Mooncake format.
-
-
-class Workload(enum.Enum):
-    """Synthetic workload shapes (see `synthetic_workload`)."""
-
-    CHAT = "chat"  # multi-turn conversations over a few shared system prompts, short think times
-    DOCS = "docs"  # document QA: a popular document (Zipf) plus a one-off question per request
-    MIXED = "mixed"  # half chat, half docs, interleaved, plus one-off long prompts
-
-
-def synthetic_workload(kind: Workload | str, requests: int, seed: int = 0) -> list[list[int]]:
-    """`requests` requests (lists of block ids) of the given shape, reproducible from `seed`.
-
-    chat   conversations start at random; each turn is the previous turn's blocks (the whole
-           history) plus 1-4 new blocks (question and answer); after each turn a conversation goes
-           on with probability 0.8, its next turn placed a geometric number of requests later
-           (mean 50); 8 system prompts of 4-16 blocks, chosen by Zipf(1).
-    docs   1000 documents of 4-64 blocks, chosen by Zipf(0.8); each request is the document plus
-           one question block of its own.
-    mixed  the two interleaved at random, and one request in five a one-off prompt of 8-80 blocks.
-    """
-    kind = Workload(kind)
-    rnd = random.Random(seed)
-    ids = itertools.count()
-    chat = _ChatGen(rnd, ids)
-    docs = _DocsGen(rnd, ids)
-    out: list[list[int]] = []
-    while len(out) < requests:
-        if kind is Workload.CHAT:
-            out.append(chat.next())
-        elif kind is Workload.DOCS:
-            out.append(docs.next())
-        else:
-            u = rnd.random()
-            if u < 0.2:
-                out.append([next(ids) for _ in range(rnd.randint(8, 80))])
-            else:
-                out.append(chat.next() if u < 0.6 else docs.next())
-    return out
-
-
-def _zipf_weights(n: int, s: float) -> list[float]:
-    return [1.0 / (i + 1) ** s for i in range(n)]
-
-
-class _ChatGen:
-    CONTINUE = 0.8  # a conversation has another turn with this probability (mean 5 turns)
-    MEAN_GAP = 50  # requests between two turns of a conversation (geometric)
-
-    def __init__(self, rnd: random.Random, ids: Iterator[int]) -> None:
-        self.rnd, self.ids = rnd, ids
-        self.prompts = [[next(ids) for _ in range(rnd.randint(4, 16))] for _ in range(8)]
-        self.weights = _zipf_weights(len(self.prompts), 1.0)
-        self.due: list[tuple[int, int, list[int]]] = []  # (due request no, tie, history)
-        self.n = 0
-
-    def next(self) -> list[int]:
-        self.n += 1
-        if self.due and self.due[0][0] <= self.n:
-            _, _, hist = heapq.heappop(self.due)
-        else:
-            hist = list(self.rnd.choices(self.prompts, self.weights)[0])
-        req = hist + [next(self.ids) for _ in range(self.rnd.randint(1, 4))]
-        if self.rnd.random() < self.CONTINUE:
-            gap = 1
-            while self.rnd.random() > 1.0 / self.MEAN_GAP:
-                gap += 1
-            heapq.heappush(self.due, (self.n + gap, next(self.ids), req))
-        return req
-
-
-class _DocsGen:
-    def __init__(self, rnd: random.Random, ids: Iterator[int]) -> None:
-        self.rnd, self.ids = rnd, ids
-        self.docs = [[next(ids) for _ in range(rnd.randint(4, 64))] for _ in range(1000)]
-        self.weights = _zipf_weights(len(self.docs), 0.8)
-
-    def next(self) -> list[int]:
-        return [*self.rnd.choices(self.docs, self.weights)[0], next(self.ids)]

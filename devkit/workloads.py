@@ -1,0 +1,329 @@
+"""The workload suite: seeded generators of request streams with the shapes users run (issue 14).
+
+A request is the list of its prompt's block ids in order, as in the Mooncake trace format: ids are
+chained (`Chainer`), so two requests share a block id exactly where they share the whole prefix up
+to and including that block. Every generator is pure and deterministic: the same name, size and
+seed give the same requests, on any machine and Python version (only `random.Random` with an
+explicit seed, no `hash()` of strings).
+
+Shapes (`WORKLOADS`; `describe()` prints them):
+    chat      multi-turn conversations over a few shared system prompts; each turn resends the
+              whole history plus the last answer and a new question; heavy-tailed think times and
+              conversation lengths (most conversations are short, a few run long).
+    rag       document QA over a large corpus of reused documents (Zipf popularity): a system prompt,
+              2-4 retrieved documents and a question; only a prefix that matches in order is shared
+              (the top document right after the system prompt); some follow-up questions.
+    agent     agent loops: a few long shared tool prompts, sessions of many short steps that come
+              back quickly, each step appending a tool call and its observation.
+    batch     batch few-shot jobs: a job's long few-shot prefix (some jobs reuse a popular template)
+              followed by many one-block inputs in a burst, interleaved with one-off long prompts.
+    tenants   a mix of tenants with different shapes (chat, rag, agent, batch) whose shares change
+              halfway through the stream: a policy must adapt online.
+
+The Mooncake trace is not generated here: benchmarks/trace_replay.py takes any trace by path.
+
+Sizes: `Size.FULL` is what benchmarks/trace_replay.py replays (every workload 60k-150k block
+accesses: the whole suite, every policy at five capacities, replays in minutes on 2 cores);
+`Size.SMOKE` is ~1/25 of that for CI (the suite replays in seconds).
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import math
+import random
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+Request = list[int]
+
+
+class Size(enum.Enum):
+    FULL = "full"
+    SMOKE = "smoke"
+
+
+class Chainer:
+    """Block ids as a serving engine's chained block hashes give them: the id of a block is a
+    function of its content and its parent's id, so equal ids mean equal whole prefixes.
+    Invariant: ids are dense ints from 0, assigned in first-seen order (deterministic)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[int, Hashable], int] = {}
+        self._content = itertools.count()
+
+    def fresh(self, n: int) -> list[int]:
+        """`n` blocks of content never seen before (a new question, answer or document)."""
+        return [next(self._content) for _ in range(n)]
+
+    def chain(self, content: Sequence[int]) -> Request:
+        ids, parent = [], -1
+        for c in content:
+            parent = self._ids.setdefault((parent, c), len(self._ids))
+            ids.append(parent)
+        return ids
+
+
+def zipf_weights(n: int, s: float) -> list[float]:
+    return [1.0 / (i + 1) ** s for i in range(n)]
+
+
+def lognormal_int(rnd: random.Random, median: float, sigma: float, lo: int = 1, hi: int | None = None) -> int:
+    """A heavy-tailed positive integer: round(median * e^(sigma * N(0,1))), clamped to [lo, hi]."""
+    v = max(lo, round(median * math.exp(sigma * rnd.gauss(0.0, 1.0))))
+    return v if hi is None else min(v, hi)
+
+
+@dataclass(order=True, slots=True)
+class _Due:
+    """A session whose next request is due at request number `at` (heap order; `seq` breaks ties)."""
+
+    at: int
+    seq: int
+    session: _Session = field(compare=False)
+
+
+@dataclass(slots=True)
+class _Session:
+    """A multi-request session: its content so far and the requests it still has to make."""
+
+    content: list[int]
+    left: int
+    kind: str = ""
+    extra: list[int] = field(default_factory=list)  # e.g. a RAG session's retrieved documents
+
+
+class _Sessions:
+    """Sessions coming back after think times; `pop(now)` gives the next one due, if any."""
+
+    def __init__(self) -> None:
+        self._heap: list[_Due] = []
+        self._seq = itertools.count()
+
+    def push(self, at: int, s: _Session) -> None:
+        heapq.heappush(self._heap, _Due(at, next(self._seq), s))
+
+    def pop(self, now: int) -> _Session | None:
+        if self._heap and self._heap[0].at <= now:
+            return heapq.heappop(self._heap).session
+        return None
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
+# ------------------------------------------------------------------------------------------ shapes
+
+
+class _PromptedSessions:
+    """A shape whose sessions start from one of `count` shared prompts of lo..hi blocks (Zipf(1)
+    popularity) and come back after think times."""
+
+    def __init__(self, rnd: random.Random, ch: Chainer, count: int, lo: int, hi: int) -> None:
+        self.rnd, self.ch = rnd, ch
+        self.prompts = [ch.fresh(rnd.randint(lo, hi)) for _ in range(count)]
+        self.weights = zipf_weights(count, 1.0)
+        self.due = _Sessions()
+
+    def _prompt(self) -> list[int]:
+        return list(self.rnd.choices(self.prompts, self.weights)[0])
+
+
+class Chat(_PromptedSessions):
+    """Multi-turn chat. A new conversation picks one of PROMPTS system prompts (Zipf(1)) and asks a
+    question; it has another turn with probability CONTINUE (geometric: mean 1/(1-CONTINUE) turns,
+    most conversations short) until its history reaches MAX_HISTORY blocks. A turn resends the
+    history, the previous answer and a new question. Think time between turns: lognormal in
+    requests, median THINK, sigma THINK_SIGMA (some users answer at once, some come back much later)."""
+
+    PROMPTS = 4
+    CONTINUE = 0.7
+    THINK, THINK_SIGMA = 300, 1.0
+    MAX_HISTORY = 160
+
+    def __init__(self, rnd: random.Random, ch: Chainer) -> None:
+        super().__init__(rnd, ch, self.PROMPTS, 6, 24)
+
+    def next(self, now: int) -> Request:
+        rnd = self.rnd
+        s = self.due.pop(now)
+        if s is None:
+            s = _Session(self._prompt(), 0)
+        else:
+            s.content += self.ch.fresh(lognormal_int(rnd, 3, 0.6, hi=12))  # the previous answer
+        s.content += self.ch.fresh(lognormal_int(rnd, 1, 0.7, hi=8))  # the new question
+        req = self.ch.chain(s.content)
+        if rnd.random() < self.CONTINUE and len(s.content) < self.MAX_HISTORY:
+            self.due.push(now + lognormal_int(rnd, self.THINK, self.THINK_SIGMA), s)
+        return req
+
+
+class Rag:
+    """Document QA over DOCS documents (lengths lognormal, median 12 blocks), popularity Zipf(ZIPF).
+    A request is one of two system prompts, K retrieved documents (K uniform in 2..4, the first by
+    popularity, the others too, in retrieval order) and a one-block question. With probability
+    FOLLOW_UP the user asks again on the same documents a few requests later."""
+
+    DOCS = 6000
+    ZIPF = 0.9
+    FOLLOW_UP, FOLLOW_GAP = 0.25, 20
+
+    def __init__(self, rnd: random.Random, ch: Chainer) -> None:
+        self.rnd, self.ch = rnd, ch
+        self.prompts = [ch.fresh(rnd.randint(3, 6)) for _ in range(2)]
+        self.docs: dict[int, list[int]] = {}  # created on first retrieval: the corpus is large
+        self.cum = list(itertools.accumulate(zipf_weights(self.DOCS, self.ZIPF)))
+        self.due = _Sessions()
+
+    def _doc(self, i: int) -> list[int]:
+        doc = self.docs.get(i)
+        if doc is None:
+            doc = self.docs[i] = self.ch.fresh(lognormal_int(self.rnd, 12, 0.6, lo=2, hi=64))
+        return doc
+
+    def next(self, now: int) -> Request:
+        rnd = self.rnd
+        s = self.due.pop(now)
+        if s is None:
+            picks = rnd.choices(range(self.DOCS), cum_weights=self.cum, k=rnd.randint(2, 4))
+            picks = list(dict.fromkeys(picks))  # a document is retrieved once per request
+            s = _Session(list(rnd.choice(self.prompts)) + [b for i in picks for b in self._doc(i)], 0)
+        content = s.content + self.ch.fresh(1)
+        if rnd.random() < self.FOLLOW_UP:
+            self.due.push(now + lognormal_int(rnd, self.FOLLOW_GAP, 1.0), s)
+        return self.ch.chain(content)
+
+
+class Agent(_PromptedSessions):
+    """Agent loops: TOOLS tool prompts of 30-60 blocks (Zipf(1)); a session states a task (1-3
+    blocks) and runs STEPS (lognormal, median 12) steps, each appending a tool call and its
+    observation (lognormal, median 2 blocks). The next step comes back quickly (lognormal,
+    median STEP_GAP requests): about that many sessions run at once."""
+
+    TOOLS = 3
+    STEPS = 12
+    STEP_GAP = 15
+    MAX_HISTORY = 200
+
+    def __init__(self, rnd: random.Random, ch: Chainer) -> None:
+        super().__init__(rnd, ch, self.TOOLS, 30, 60)  # the tool prompts
+
+    def next(self, now: int) -> Request:
+        rnd = self.rnd
+        s = self.due.pop(now)
+        if s is None:
+            s = _Session(self._prompt() + self.ch.fresh(rnd.randint(1, 3)), lognormal_int(rnd, self.STEPS, 0.7, hi=60))
+        else:
+            s.content += self.ch.fresh(lognormal_int(rnd, 2, 0.6, hi=10))
+        req = self.ch.chain(s.content)
+        s.left -= 1
+        if s.left > 0 and len(s.content) < self.MAX_HISTORY:
+            self.due.push(now + lognormal_int(rnd, self.STEP_GAP, 0.5), s)
+        return req
+
+
+class Batch:
+    """Batch few-shot jobs: a job has a few-shot prefix (an instruction and examples, 10-40 blocks;
+    with probability TEMPLATE_SHARE one of TEMPLATES popular templates, else its own) and ITEMS
+    (lognormal, median 60) requests, each the prefix plus a 1-2 block input, sent in a burst. Up to
+    CONCURRENT jobs interleave; one request in ONE_OFF is a one-off long prompt (a scan)."""
+
+    TEMPLATES, TEMPLATE_SHARE = 8, 0.4
+    ITEMS = 40
+    CONCURRENT = 12
+    ONE_OFF = 0.3
+
+    def __init__(self, rnd: random.Random, ch: Chainer) -> None:
+        self.rnd, self.ch = rnd, ch
+        self.templates = [ch.fresh(rnd.randint(20, 80)) for _ in range(self.TEMPLATES)]
+        self.jobs: list[_Session] = []
+
+    def next(self, now: int) -> Request:
+        rnd = self.rnd
+        if rnd.random() < self.ONE_OFF:
+            return self.ch.chain(self.ch.fresh(lognormal_int(rnd, 40, 0.6, lo=4, hi=160)))
+        while len(self.jobs) < self.CONCURRENT:
+            shared = rnd.random() < self.TEMPLATE_SHARE
+            prefix = rnd.choice(self.templates) if shared else self.ch.fresh(rnd.randint(20, 80))
+            self.jobs.append(_Session(list(prefix), lognormal_int(rnd, self.ITEMS, 0.8, lo=5, hi=600)))
+        job = rnd.choice(self.jobs)
+        job.left -= 1
+        if job.left <= 0:
+            self.jobs.remove(job)
+        return self.ch.chain(job.content + self.ch.fresh(rnd.randint(1, 2)))
+
+
+class Tenants:
+    """A mix of tenants sharing one cache, each with its own shape and prompts: in the first half
+    of the stream chat and agent traffic dominate (shares PHASES[0]), in the second half document
+    QA and batch jobs do (PHASES[1])."""
+
+    PHASES = (
+        {"chat": 0.45, "agent": 0.3, "rag": 0.15, "batch": 0.1},
+        {"chat": 0.15, "agent": 0.1, "rag": 0.4, "batch": 0.35},
+    )
+
+    def __init__(self, rnd: random.Random, ch: Chainer, requests: int) -> None:
+        self.rnd, self.requests = rnd, requests
+        self.gens = {"chat": Chat(rnd, ch), "agent": Agent(rnd, ch), "rag": Rag(rnd, ch), "batch": Batch(rnd, ch)}
+
+    def next(self, now: int) -> Request:
+        shares = self.PHASES[0] if now < self.requests // 2 else self.PHASES[1]
+        name = self.rnd.choices(list(shares), list(shares.values()))[0]
+        return self.gens[name].next(now)
+
+
+# ------------------------------------------------------------------------------------------- suite
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadSpec:
+    """A suite entry: how many requests at each size, and the generator's one-line summary."""
+
+    name: str
+    full: int
+    smoke: int
+    summary: str
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    "chat": WorkloadSpec("chat", 4000, 160, "multi-turn chat, growing histories, 4 shared system prompts"),
+    "rag": WorkloadSpec("rag", 4000, 160, "document QA over 6000 reused documents (Zipf 0.9)"),
+    "agent": WorkloadSpec("agent", 2500, 100, "agent loops: long shared tool prompts, many short steps"),
+    "batch": WorkloadSpec("batch", 4000, 160, "batch few-shot jobs in bursts, one-off long prompts"),
+    "tenants": WorkloadSpec("tenants", 4000, 160, "four tenants of those shapes; the mix changes halfway"),
+}
+
+_GENERATORS: dict[str, Callable[[random.Random, Chainer, int], Callable[[int], Request]]] = {
+    "chat": lambda rnd, ch, _n: Chat(rnd, ch).next,
+    "rag": lambda rnd, ch, _n: Rag(rnd, ch).next,
+    "agent": lambda rnd, ch, _n: Agent(rnd, ch).next,
+    "batch": lambda rnd, ch, _n: Batch(rnd, ch).next,
+    "tenants": lambda rnd, ch, n: Tenants(rnd, ch, n).next,
+}
+
+
+def generate(name: str, requests: int | None = None, *, seed: int = 0, size: Size | str = Size.FULL) -> list[Request]:
+    """The requests of workload `name` (`requests` of them, default: the suite's count at `size`),
+    reproducible from `seed`. Raises ValueError naming the known workloads."""
+    spec = WORKLOADS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
+    if requests is None:
+        requests = spec.full if Size(size) is Size.FULL else spec.smoke
+    if requests < 0:
+        raise ValueError(f"requests must be >= 0, got {requests}")
+    rnd = random.Random(f"{name}:{seed}")  # NOTE: str seeds are hashed with SHA-512, stable across runs
+    nxt = _GENERATORS[name](rnd, Chainer(), requests)
+    return [nxt(i) for i in range(requests)]
+
+
+def suite(size: Size | str = Size.FULL, seed: int = 0) -> dict[str, list[Request]]:
+    """Every workload of the suite at `size`, in a fixed order."""
+    return {name: generate(name, seed=seed, size=size) for name in WORKLOADS}
+
+
+def describe() -> str:
+    return "\n".join(f"{s.name:<8} {s.full:>5} requests ({s.smoke} smoke): {s.summary}" for s in WORKLOADS.values())

@@ -1,0 +1,53 @@
+"""benchmarks/trace_replay.py runs end to end on the workload suite in its smoke size plus a trace
+given by path (no figures asserted, only what must hold for any policy), and refuses bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from devkit.workloads import WORKLOADS, generate
+from kvstore.policy import POLICIES
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "trace_replay.py"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def test_smoke_suite_and_a_trace(tmp_path: Path) -> None:
+    trace = tmp_path / "tiny.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i, "input_length": 512 * len(r), "output_length": 1,
+                                         "hash_ids": r}) + "\n" for i, r in enumerate(generate("chat", 40))))  # fmt: skip
+    out = _run("--suite", "smoke", "--trace", str(trace), "--fractions", "0.05,0.3", "--out", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "trace_replay.json").read_text())
+    assert set(doc["workloads"]) == {*WORKLOADS, "tiny"} and doc["policies"][0] == "lru"
+    assert set(doc["policies"]) == set(POLICIES)
+    bound = {(b["source"], b["config"]): b["belady_block_hit"] for b in doc["bounds"]}
+    assert len(bound) == 2 * len(doc["workloads"])
+    for c in doc["cells"]:
+        # any cache's prefix hits are block hits, and Belady bounds the block hits
+        assert c["prefix_hit"] <= c["block_hit"] <= bound[(c["source"], c["config"])] + 1e-12
+    assert len(doc["target"]) == len(bound)  # one verdict per workload and capacity
+    assert "Target (issue 14)" in (tmp_path / "trace_replay.md").read_text()
+
+
+def test_bad_input_is_named(tmp_path: Path) -> None:
+    out = _run("--suite", "none", "--trace", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))
+    assert out.returncode != 0 and "missing.jsonl" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "hash_ids": [1]}\n{"timestamp": 1}\n')
+    out = _run("--suite", "none", "--trace", str(bad), "--out", str(tmp_path))
+    assert out.returncode != 0 and "bad.jsonl:2" in out.stderr and "hash_ids" in out.stderr
+    out = _run("--workloads", "chat,nope", "--out", str(tmp_path))
+    assert out.returncode != 0 and "nope" in out.stderr
+    out = _run("--suite", "smoke", "--fractions", "0,2", "--out", str(tmp_path))
+    assert out.returncode != 0 and "--fractions" in out.stderr
+    assert not (tmp_path / "trace_replay.json").exists()  # nothing was written by the refused runs

@@ -1,0 +1,267 @@
+"""Admission (kvstore/policy/sketch.py, admission.py, adaptive.py): the frequency sketch's counts,
+aging and memory bound, stable hashing, the TinyLFU admit() contract, write-through in a tiered
+simulation, and the adaptive policy's switch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from devkit.sim import TieredBlockCache, TierSpec, parse_tiers, replay
+from kvstore.policy import AdaptivePolicy, Admitted, FrequencySketch, PrefixARCPolicy, make_policy, stable_hash
+
+# ------------------------------------------------------------------------------------------ sketch
+
+
+def test_sketch_counts_through_the_doorkeeper_and_saturates() -> None:
+    s = FrequencySketch(64)
+    assert s.estimate("k") == 0
+    s.increment("k")  # the first reference only marks the doorkeeper
+    assert s.estimate("k") == 1
+    for n in range(2, 10):
+        s.increment("k")
+        assert s.estimate("k") == n
+    for _ in range(40):
+        s.increment("k")
+    assert s.estimate("k") == FrequencySketch.MAX_COUNT + 1  # 4-bit counters, plus the doorkeeper
+    assert s.estimate("other") == 0
+
+
+def test_sketch_never_undercounts_within_a_sample() -> None:
+    s = FrequencySketch(256)
+    truth = {k: (k % 7) + 1 for k in range(300)}  # 300 keys in a sketch sized for 256: collisions happen
+    for rnd in range(8):
+        for k, n in truth.items():
+            if rnd < n:
+                s.increment(k)
+    assert s.resets == 0
+    over = [s.estimate(k) - n for k, n in truth.items()]
+    assert min(over) >= 0  # count-min: collisions can only add
+    assert sum(over) / len(over) < 0.5  # ... and conservative update keeps that rare
+
+
+def test_sketch_ages_by_halving() -> None:
+    s = FrequencySketch(10)
+    for _ in range(9):
+        s.increment("hot")
+    assert s.estimate("hot") == 9
+    before = s.additions
+    filler = 0
+    while s.resets == 0:
+        s.increment(("filler", filler))
+        filler += 1
+    assert before + filler == s.sample_size  # a reset every sample_size references
+    assert s.estimate("hot") == 8 // 2  # counters halve, the doorkeeper is cleared
+    assert s.additions == s.sample_size // 2
+
+
+def test_sketch_memory_is_bounded_by_capacity_not_keys() -> None:
+    s = FrequencySketch(1000)
+    size = s.nbytes
+    for k in range(50_000):
+        s.increment(k)
+    assert s.nbytes == size == FrequencySketch.DEPTH * s.width + s.width // 8
+    assert s.width == 4096  # the power of two >= WIDTH_FACTOR * capacity
+
+
+def test_sketch_growth_keeps_every_estimate() -> None:
+    s = FrequencySketch(16)
+    for k in range(200):
+        for _ in range(k % 5):
+            s.increment(k)
+    before = {k: s.estimate(k) for k in range(200)}
+    s.ensure_capacity(5000)
+    assert s.width >= 20000
+    assert {k: s.estimate(k) for k in range(200)} == before
+    s.ensure_capacity(10)  # never shrinks
+    assert s.width >= 20000
+
+
+def test_stable_hash_is_the_same_in_every_process() -> None:
+    keys = [0, 7, -3, 2**80, "ns", b"\x00" * 32, ("ns", b"\x01" * 32), (1, (2, "x"))]
+    here = [stable_hash(k) for k in keys]
+    assert len(set(here)) == len(keys) and all(0 <= h < 2**64 for h in here)
+    code = f"from kvstore.policy import stable_hash; print([stable_hash(k) for k in {keys!r}])"
+    for seed in ("1", "12345"):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed}, timeout=60)  # fmt: skip
+        assert out.stdout.strip() == str(here)
+    with pytest.raises(TypeError, match="float"):
+        stable_hash(1.5)
+
+
+# -------------------------------------------------------------------------------------- admission
+
+
+def _admitted() -> Admitted:
+    return Admitted(PrefixARCPolicy())
+
+
+def test_admit_prefers_the_more_frequent_key() -> None:
+    p = _admitted()
+    for k in ("hot", "cold"):
+        p.on_insert(k)
+    for _ in range(3):
+        p.on_access("hot")
+    assert not p.admit("new", "hot")  # seen once (now) against four references
+    assert not p.admit("new2", "cold")  # once (now) against once: a tie keeps the victim
+    assert p.admit("new2", "cold")  # the refusal counted: twice against once
+
+
+def test_admit_contract() -> None:
+    p = _admitted()
+    p.on_insert("a")
+    p.on_insert("b", parent="a")
+    for _ in range(3):
+        p.on_access("a")
+    # a newcomer seen for the first time does not displace a block referenced as often or more
+    assert not p.admit("x", "b")
+    # the refusal counted the reference: the second sighting wins against a once-seen victim
+    assert p.admit("x", "b")
+    # a block whose chain parent is not in this tier is refused whatever its count
+    for _ in range(5):
+        p.admit("orphan", "b", parent="gone")
+    assert not p.admit("orphan", "b", parent="gone")
+    assert p.admit("child", "b", parent="a") is False  # first sighting vs "b" (once): a tie
+    # nothing evictable: the answer is no, and the reference is still counted
+    before = p.filter.sketch.estimate("pinned-out")
+    assert not p.admit("pinned-out", None)
+    assert p.filter.sketch.estimate("pinned-out") == before + 1
+    assert len(p) == 2 and "a" in p and "x" not in p  # admit() never changes what is resident
+
+
+def test_promotion_counts_one_reference() -> None:
+    # The manager records a promotion as on_insert then on_access of the same key: one reference.
+    p = _admitted()
+    p.on_insert("k", reads=1)
+    p.on_access("k")
+    assert p.filter.sketch.estimate("k") == 1
+    p.on_access("k")  # a later read is a new reference
+    assert p.filter.sketch.estimate("k") == 2
+
+
+def test_not_admitted_means_not_stored_in_one_tier() -> None:
+    cache = TieredBlockCache(4, "tinylfu")
+    hot = [[1, 2, 3, 4]]
+    replay(hot * 3, cache)  # four blocks referenced three times fill the cache
+    res = replay([[10, 11, 12]], cache)  # one-off blocks: refused, not stored
+    # 10 loses to the victim (3 references); 11 and 12 follow a parent that is not cached
+    assert res.block_hits == 0 and cache.counters.not_admitted == 3
+    assert all(cache.tier_of(b) == 0 for b in (1, 2, 3, 4)) and len(cache) == 4
+
+
+def test_not_admitted_is_written_through_to_the_next_tier() -> None:
+    cache = TieredBlockCache(parse_tiers("dram:4,nvme:100"), "tinylfu")
+    replay([[1, 2, 3, 4]] * 3, cache)
+    replay([[10, 11, 12]], cache)
+    assert [cache.tier_of(b) for b in (10, 11, 12)] == [1, 1, 1]  # refused by DRAM, stored on NVMe
+    assert [cache.tier_of(b) for b in (1, 2, 3, 4)] == [0, 0, 0, 0]
+    assert cache.counters.not_admitted == 3 and cache.counters.inserted == 7
+    res = replay([[10, 11, 12]], cache)  # a second sighting: served from NVMe (a hit), promoted or not
+    assert res.block_hits == 3
+
+
+def test_policies_without_admit_store_everything() -> None:
+    for name in ("lru", "prefix-arc"):
+        cache = TieredBlockCache(4, name)
+        replay([[1, 2, 3, 4]] * 3 + [[10, 11, 12]], cache)
+        assert cache.counters.not_admitted == 0 and {cache.tier_of(b) for b in (10, 11, 12)} == {0}
+
+
+def test_admission_off_asks_nothing() -> None:
+    cache = TieredBlockCache((TierSpec("cache", 4),), "tinylfu", admission=False)
+    replay([[1, 2, 3, 4]] * 3 + [[10, 11, 12]], cache)
+    assert cache.counters.not_admitted == 0 and cache.tier_of(12) == 0
+
+
+# --------------------------------------------------------------------------------------- adaptive
+
+
+def _loop_and_scan(n: int) -> list[list[int]]:
+    """A loop over 16 one-block prompts interleaved with one-off prompts: admission's case (a cache of
+    12 keeps none of the loop by recency, and 12 of its 16 keys when one-offs are refused)."""
+    return [[i % 16] if i % 2 else [10_000 + i] for i in range(n)]
+
+
+def _quick_second_use(n: int) -> list[list[int]]:
+    """Each prompt asked twice, two requests apart, never again: recency's case (no admission)."""
+    prompts = [[5000 + 3 * i, 5001 + 3 * i, 5002 + 3 * i] for i in range(n)]
+    out = []
+    for i, prompt in enumerate(prompts):
+        out.append(prompt)
+        if i >= 2:
+            out.append(prompts[i - 2])
+    return out
+
+
+def _rates(requests: list[list[int]]) -> tuple[dict[str, float], AdaptivePolicy]:
+    """Prefix hit rates of prefix-arc, tinylfu and adaptive in a cache of 12; the adaptive policy."""
+    results, policy = {}, None
+    for name in ("prefix-arc", "tinylfu", "adaptive"):
+        cache = TieredBlockCache(12, name)
+        results[name] = replay(requests, cache).prefix_hit_rate
+        policy = cache.policies[0]
+    assert isinstance(policy, AdaptivePolicy)
+    return results, policy
+
+
+def test_adaptive_turns_admission_on_where_it_pays() -> None:
+    results, policy = _rates(_loop_and_scan(2000))
+    assert policy.admission_on
+    assert results["tinylfu"] > results["prefix-arc"] + 0.1
+    assert results["adaptive"] >= 0.95 * results["tinylfu"]
+
+
+def test_adaptive_keeps_admission_off_where_it_costs() -> None:
+    results, policy = _rates(_quick_second_use(600))
+    assert not policy.admission_on and policy.switches == 0
+    assert results["prefix-arc"] > results["tinylfu"] + 0.1
+    assert results["adaptive"] >= 0.95 * results["prefix-arc"]
+
+
+def test_adaptive_follows_a_change_of_workload() -> None:
+    cache = TieredBlockCache(12, "adaptive")
+    policy = cache.policies[0]
+    replay(_loop_and_scan(2000), cache)
+    assert policy.admission_on  # type: ignore[attr-defined]
+    replay(_quick_second_use(1500), cache)
+    assert not policy.admission_on  # type: ignore[attr-defined]
+    assert policy.switches >= 2  # type: ignore[attr-defined]
+
+
+def test_adaptive_victims_are_prefix_arcs() -> None:
+    # Whatever admission does, the victim order is prefix-arc's: same events, same candidates.
+    a, b = AdaptivePolicy(), PrefixARCPolicy()
+    for i in range(50):
+        for p in (a, b):
+            p.on_insert(i, parent=i - 1 if i % 5 else None)
+            if i % 3 == 0:
+                p.on_access(i // 2)
+    assert list(a.candidates()) == list(b.candidates())
+
+
+class _SmallShadows(AdaptivePolicy):
+    SHADOW_MAX = 16
+
+
+def test_adaptive_shadows_are_bounded_and_sampled() -> None:
+    cache = TieredBlockCache(200, _SmallShadows)
+    replay(_loop_and_scan(3000), cache)
+    policy = cache.policies[0]
+    assert isinstance(policy, _SmallShadows)
+    assert policy._k == 4 and policy._shadows is not None  # 200 keys / 2**4 = 12.5 <= 16 per shadow
+    for shadow in policy._shadows:
+        assert len(shadow.resident) <= shadow.capacity == 12 <= _SmallShadows.SHADOW_MAX
+
+
+def test_adaptive_is_deterministic() -> None:
+    requests = _loop_and_scan(1000) + _quick_second_use(300)
+    runs = []
+    for _ in range(2):
+        cache = TieredBlockCache(12, make_policy("adaptive").__class__)
+        res = replay(requests, cache)
+        runs.append((res.prefix_hits, res.block_hits, cache.counters, cache.policies[0].switches))  # type: ignore[attr-defined]
+    assert runs[0] == runs[1]

@@ -1,0 +1,102 @@
+"""The workload suite (devkit/workloads.py): seeded and deterministic (also across processes), chained
+like real block hashes, the shapes it claims, its sizes, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+
+from devkit.workloads import WORKLOADS, Chainer, Size, describe, generate, suite
+
+
+def _digest(requests: list[list[int]]) -> str:
+    return hashlib.sha256(repr(requests).encode()).hexdigest()
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_seeded_and_chained(name: str) -> None:
+    a = generate(name, 120, seed=2)
+    assert a == generate(name, 120, seed=2) and len(a) == 120 and all(a)
+    assert a != generate(name, 120, seed=3)
+    # a block id names its whole prefix: it always follows the same parent
+    parent: dict[int, int | None] = {}
+    for req in a:
+        prev = None
+        for b in req:
+            assert parent.setdefault(b, prev) == prev
+            prev = b
+
+
+def test_the_same_in_every_process() -> None:
+    here = {name: _digest(reqs) for name, reqs in suite(Size.SMOKE, seed=5).items()}
+    code = (
+        "import hashlib; from devkit.workloads import suite, Size; "
+        "print({n: hashlib.sha256(repr(r).encode()).hexdigest() for n, r in suite(Size.SMOKE, seed=5).items()})"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                         env={**os.environ, "PYTHONHASHSEED": "777"})  # fmt: skip
+    assert out.stdout.strip() == str(here)
+
+
+def test_chainer_shares_ids_exactly_on_equal_prefixes() -> None:
+    ch = Chainer()
+    a, b = ch.fresh(3), ch.fresh(2)
+    x = ch.chain(a + b)
+    assert ch.chain(a) == x[:3]  # same prefix, same ids
+    assert ch.chain(b)[0] != x[3]  # same content after another prefix: another block
+    assert ch.chain(a[:1] + b)[:1] == x[:1] and ch.chain(a[:1] + b)[1] != x[1]
+
+
+def _extends(requests: list[list[int]]) -> float:
+    """Share of requests that start with the whole of an earlier request (a resent history)."""
+    seen: set[tuple[int, ...]] = set()
+    n = 0
+    for r in requests:
+        n += any(tuple(r[:k]) in seen for k in range(1, len(r)))
+        seen.add(tuple(r))
+    return n / len(requests)
+
+
+def test_shapes() -> None:
+    chat, agent, rag, batch = (generate(n, 800, seed=1) for n in ("chat", "agent", "rag", "batch"))
+    # chat: many turns resend an earlier turn whole; four system prompts start every conversation
+    assert _extends(chat) > 0.25 and len({r[0] for r in chat}) <= 4
+    # agent: long shared tool prompts, many steps of each session
+    heads = Counter(tuple(r[:30]) for r in agent)
+    assert len(heads) <= 3 and _extends(agent) > 0.8
+    # rag: a large corpus: most blocks are seen once, a popular few often
+    counts = Counter(b for r in rag for b in r)
+    assert sum(1 for c in counts.values() if c == 1) > 0.5 * len(counts) and max(counts.values()) > 50
+    # batch: one-off long prompts and jobs whose requests share a long prefix
+    assert sum(1 for r in batch if len(r) >= 20 and counts_once(batch, r)) > 0.1 * len(batch)
+
+
+def counts_once(requests: list[list[int]], req: list[int]) -> bool:
+    first = req[0]
+    return sum(1 for r in requests if r[0] == first) == 1
+
+
+def test_tenants_change_halfway() -> None:
+    reqs = generate("tenants", 1000, seed=0)
+    first, second = reqs[:500], reqs[500:]
+    mean = [sum(map(len, half)) / len(half) for half in (first, second)]
+    assert mean[0] != mean[1]  # the mix of shapes (and so the request lengths) changes
+
+
+def test_sizes_and_errors() -> None:
+    for spec in WORKLOADS.values():
+        assert len(generate(spec.name, size=Size.SMOKE)) == spec.smoke < spec.full
+    assert len(generate("chat", size="full")) == WORKLOADS["chat"].full
+    assert generate("chat", 0) == []
+    with pytest.raises(ValueError, match=r"unknown workload .nope.*chat"):
+        generate("nope")
+    with pytest.raises(ValueError, match="requests must be >= 0"):
+        generate("chat", -1)
+    with pytest.raises(ValueError):
+        generate("chat", size="huge")
+    assert all(name in describe() for name in WORKLOADS)
