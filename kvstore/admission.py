@@ -12,7 +12,8 @@ its request. So
 3. repeated fields are counted (`bounded`) before they are turned into Python lists;
 4. the handler runs with its caller in `CALLER`, so it can hold a read-only principal to reading:
    `may_move_pages()` is False for one, and its Gets are served without promotion (on a full node a
-   promotion makes room by dropping the coldest page: reading must not be a way to evict).
+   promotion makes room by dropping the coldest page: reading must not be a way to evict); and so it
+   reaches only its tenant's namespaces (`tenant_of_caller()`, kvstore/manager/tenants.py).
 
 Pure bookkeeping plus gRPC handler plumbing; no I/O.
 """
@@ -30,6 +31,7 @@ from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.manager.core import MAX_HASHES
 from kvstore.security import Principal, Role
+from kvstore.tenants import DEFAULT_TENANT
 from kvstore.wire import CHUNK_BYTES
 
 T = TypeVar("T")
@@ -58,6 +60,13 @@ def may_move_pages() -> bool:
     principal. Set per call by the interceptor (CALLER)."""
     who = CALLER.get()
     return who is None or who.role >= Role.WRITE
+
+
+def tenant_of_caller(who: Principal | None = None) -> str:
+    """The tenant whose namespaces a call reaches (DESIGN.md §10): `who`'s, by default the current
+    call's (CALLER); the default tenant on a node without tokens or tenants."""
+    who = CALLER.get() if who is None else who
+    return DEFAULT_TENANT if who is None else who.scope
 
 
 def check_count(items: Sized, limit: int, field: str) -> None:

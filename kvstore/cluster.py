@@ -64,10 +64,10 @@ class ClusterClient:
 
     def __init__(self, redis_url: str, *, local_node: str | None = None, timeout: float = 60.0,
                  verify: bool = True, probe_tail: bool = True,
-                 security: ClientSecurity | None = None) -> None:  # fmt: skip
+                 security: ClientSecurity | None = None, tenant: str | None = None) -> None:  # fmt: skip
         self.security = ClientSecurity.from_env() if security is None else security  # for every node
         self.security.check_target(None)  # addresses come from the index: no token in clear to them
-        self.index = IndexReader(redis_url)
+        self.index = IndexReader(redis_url, tenant=tenant)  # tenant: whose index entries (KVSTORE_TENANT)
         self.local_node = local_node
         self.timeout = timeout
         self.verify = verify

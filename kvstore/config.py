@@ -91,6 +91,10 @@ class NodeConfig:
     tls_client_ca_file: str | None = None  # set: clients must present a certificate this CA signed
     auth_tokens_file: str | None = None  # tokens allowed every RPC, one per line
     auth_read_tokens_file: str | None = None  # tokens allowed Lookup, Get, Prefetch, Stats only
+    # Tenants (kvstore/tenancy.py): TOML with a [tenants.NAME] table per tenant: its shares per tier
+    # (dram_bytes, nvme_bytes, hbm_bytes) and the mTLS subjects bound to it. Tokens name their tenant
+    # in the token files; without either, every caller is the default tenant (no change).
+    tenants_file: str | None = None
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -122,7 +126,7 @@ class NodeConfig:
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file",
-                     "auth_read_tokens_file"):  # fmt: skip
+                     "auth_read_tokens_file", "tenants_file"):  # fmt: skip
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")

@@ -5,6 +5,8 @@ Every message names the offending field, so a caller can fix the request without
 
 from __future__ import annotations
 
+from kvstore.tenants import unscope
+
 
 class KVStoreError(Exception):
     """Base of every error the cache node reports to a caller."""
@@ -28,7 +30,8 @@ class NamespaceNotFound(KVStoreError):
     status_name = "NOT_FOUND"
 
     def __init__(self, namespace: str) -> None:
-        super().__init__(f"namespace: {namespace!r} is not known to this node (no page was ever put under it)")
+        # A tenant's namespace is named as its clients name it (kvstore/tenants.py): a cold miss either way.
+        super().__init__(f"namespace: {unscope(namespace)!r} is not known to this node (no page was ever put under it)")
         self.namespace = namespace
 
 

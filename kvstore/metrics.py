@@ -10,6 +10,9 @@
     kvstore_prefetch_{issued,completed,used,wasted}_total, kvstore_pinned_pages
     kvstore_index_{connected,queued,lag_seconds}, kvstore_index_{flushed,resyncs,overflows,errors}_total
     kvstore_rpc_duration_seconds{method,code}        histogram of every KVStore RPC, by gRPC status
+    kvstore_tenant_{lookups,lookup_blocks,lookup_matched_blocks,get_pages,get_served_pages}_total{tenant}
+    kvstore_tenant_cross_tenant_misses_total{tenant} misses on pages only another tenant holds
+    kvstore_tenant_hit_ratio{tenant}, kvstore_tenant_pages{tenant,tier}, kvstore_tenant_share_bytes{tenant,tier}
 
 Counters are the node's own cumulative counters (they restart at 0 with the process, which Prometheus'
 rate() handles); a hit ratio over a window is rate(hits) / (rate(hits) + rate(misses)).
@@ -39,7 +42,8 @@ from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, start_http_server
 
 from kvstore import __version__
-from kvstore.stats import NodeStats, TierCounters, TierStats
+from kvstore.names import TierKind
+from kvstore.stats import NodeStats, TenantStats, TierCounters, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,22 @@ class NodeMetrics:
         }
         for name, (unit, get) in node_gauges.items():
             meter.create_observable_gauge(name, [self._node_value(get)], unit=unit, description=name.replace(".", " "))
+        tenant_counters = {  # per tenant (label `tenant`, DESIGN.md §10): names the operator chose, no namespaces
+            "kvstore.tenant.lookups": lambda t: t.lookups,
+            "kvstore.tenant.lookup_blocks": lambda t: t.lookup_blocks,
+            "kvstore.tenant.lookup_matched_blocks": lambda t: t.lookup_matched,
+            "kvstore.tenant.get_pages": lambda t: t.get_pages,
+            "kvstore.tenant.get_served_pages": lambda t: t.get_served,
+            "kvstore.tenant.cross_tenant_misses": lambda t: t.cross_tenant_misses,
+        }
+        for name, tget in tenant_counters.items():
+            meter.create_observable_counter(name, [self._per_tenant(tget)], description=name.replace(".", " "))
+        meter.create_observable_gauge("kvstore.tenant.hit_ratio", [self._per_tenant(lambda t: t.hit_rate)],
+                                      description="a tenant's matched / asked Lookup blocks since start")  # fmt: skip
+        meter.create_observable_gauge("kvstore.tenant.pages", [self._per_tenant_tier(lambda t, k: t.pages.get(k))],
+                                      description="a tenant's pages in a tier")  # fmt: skip
+        meter.create_observable_gauge("kvstore.tenant.share", [self._per_tenant_tier(lambda t, k: t.quota_bytes.get(k))],
+                                      unit="By", description="a tenant's share of a tier (absent: none set)")  # fmt: skip
         self._rpc = meter.create_histogram("kvstore.rpc.duration", unit="s", description="KVStore RPC latency")
         self._server: object | None = None
         self._thread: threading.Thread | None = None
@@ -185,6 +205,29 @@ class NodeMetrics:
             tiers = stats.tiers if stats is not None else []
             values = ((t, get(t)) for t in tiers)
             return [Observation(v, {**self._base, "tier": t.tier.label}) for t, v in values if v is not None]
+
+        return callback
+
+    def _per_tenant(self, get: Callable[[TenantStats], float | int | None]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(_: CallbackOptions) -> Iterable[Observation]:
+            stats = self.snapshot()
+            rows = ((t, get(t)) for t in (stats.tenants if stats is not None else []))
+            return [Observation(v, {**self._base, "tenant": t.tenant}) for t, v in rows if v is not None]
+
+        return callback
+
+    def _per_tenant_tier(
+        self, get: Callable[[TenantStats, TierKind], int | None]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(_: CallbackOptions) -> Iterable[Observation]:
+            stats = self.snapshot()
+            out = []
+            for t in stats.tenants if stats is not None else []:
+                for k in TierKind:
+                    v = get(t, k)
+                    if v is not None:
+                        out.append(Observation(v, {**self._base, "tenant": t.tenant, "tier": k.label}))
+            return out
 
         return callback
 

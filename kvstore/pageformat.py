@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
+from kvstore.hashing import HASH_BYTES
 from kvstore.layout import PageLayout
+from kvstore.tenants import MAX_SCOPED_NAMESPACE_BYTES  # a tenant's scoped namespace
 
 MAGIC = b"KVPG"
 FORMAT_VERSION = 1
@@ -61,7 +62,7 @@ class PageHeader:
     def pack(self) -> bytes:
         """The header block: exactly HEADER_BYTES bytes."""
         ns = self.namespace.encode()
-        if len(ns) > MAX_NAMESPACE_BYTES or len(self.hash) != HASH_BYTES:
+        if len(ns) > MAX_SCOPED_NAMESPACE_BYTES or len(self.hash) != HASH_BYTES:
             raise ValueError("namespace or hash out of range for a page header")
         body = _FIXED.pack(
             MAGIC, FORMAT_VERSION, 0, self.generation, self.payload_len, self.checksum,
@@ -80,7 +81,7 @@ class PageHeader:
             raise HeaderError("no page header (blank or foreign slot)")
         if version != FORMAT_VERSION:
             raise HeaderError(f"page format {version} is not supported (this build reads {FORMAT_VERSION})")
-        if ns_len > MAX_NAMESPACE_BYTES:
+        if ns_len > MAX_SCOPED_NAMESPACE_BYTES:
             raise HeaderError("namespace length out of range")
         end = _FIXED.size + ns_len
         (stored,) = struct.unpack_from("<Q", block, end)

@@ -5,7 +5,8 @@ also requires every client to present a certificate signed by that CA (mTLS). `a
 holds the tokens that may do everything; `auth_read_tokens_file` the tokens that may only read
 (Lookup, Get, GetShm, Stats) and never change where pages live: their Gets are served without
 promotion, and Prefetch or Lookup with prefetch need a read-write token. A token file has one
-token per line (blank lines and `#` comments ignored), so a rotation is: add the new token, roll
+token per line, optionally followed by the name of the tenant it belongs to (kvstore/tenants.py; blank
+lines and `#` comments ignored), so a rotation is: add the new token, roll
 clients, remove the old one; files are re-read when they change (checked at most once a second), with
 no restart.
 
@@ -50,6 +51,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import grpc
 
 from kvstore.errors import PermissionDenied, Unauthenticated
+from kvstore.tenants import DEFAULT_TENANT, check_tenant
 from kvstore.transport.planes import is_loopback
 
 log = logging.getLogger(__name__)
@@ -70,11 +72,19 @@ class Role(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a call is: its role and a stable, non-secret subject ("token:<16 hex of SHA-256>"), the
-    handle a tenant (DESIGN.md §10) can later be bound to, as an mTLS subject can."""
+    """Who a call is: its role, a stable, non-secret subject ("token:<16 hex of SHA-256>", or
+    "mtls:<certificate name>") and the tenant it is bound to (DESIGN.md §10)."""
 
     role: Role
     subject: str
+    # The tenant the server binds this caller to (kvstore/tenants.py): from its token's line in the token
+    # file or from its mTLS subject in the tenants file; None: unbound, i.e. the default tenant.
+    tenant: str | None = None
+
+    @property
+    def scope(self) -> str:
+        """The tenant whose namespaces this caller reaches."""
+        return self.tenant or DEFAULT_TENANT
 
 
 class InsecureChannel(ValueError):
@@ -111,24 +121,32 @@ def check_private(path: str | os.PathLike[str], st: os.stat_result) -> None:
                          f"to the user that reads it: chmod 600 {path}")  # fmt: skip
 
 
-def read_token_file(path: str | os.PathLike[str]) -> list[str]:
-    """Tokens in a file: one per line, blank lines and # comments skipped. Raises ValueError when the
-    file is accessible to other users (check_private), a token is too short to be a secret (< 16
-    characters) or the file holds none."""
+def read_token_entries(path: str | os.PathLike[str]) -> list[tuple[str, str | None]]:
+    """(token, tenant or None) per line of a token file: `TOKEN` or `TOKEN TENANT` (the tenant the node
+    binds the token's callers to; none: the default tenant), blank lines and # comments skipped. Raises
+    ValueError when the file is accessible to other users (check_private), a token is too short to be a
+    secret (< 16 characters), a tenant name is invalid, a line has more fields, or there are no tokens."""
     with open(path, "rb") as f:
         check_private(path, os.fstat(f.fileno()))
         text = f.read().decode()
-    tokens = []
+    entries: list[tuple[str, str | None]] = []
     for n, line in enumerate(text.splitlines(), 1):
-        tok = line.strip()
-        if not tok or tok.startswith("#"):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
             continue
-        if len(tok) < 16 or any(c.isspace() for c in tok):
-            raise ValueError(f"{path}:{n}: a token must be >= 16 characters without spaces")
-        tokens.append(tok)
-    if not tokens:
+        if len(fields) > 2 or len(fields[0]) < 16:
+            raise ValueError(f"{path}:{n}: a line is a token (>= 16 characters without spaces), optionally "
+                             "followed by its tenant's name")  # fmt: skip
+        tenant = check_tenant(fields[1], f"{path}:{n}: tenant") if len(fields) == 2 else None
+        entries.append((fields[0], tenant))
+    if not entries:
         raise ValueError(f"{path}: no tokens")
-    return tokens
+    return entries
+
+
+def read_token_file(path: str | os.PathLike[str]) -> list[str]:
+    """The tokens of a token file (read_token_entries without their tenants)."""
+    return [tok for tok, _ in read_token_entries(path)]
 
 
 class TokenAuthenticator:
@@ -142,7 +160,7 @@ class TokenAuthenticator:
             raise ValueError("TokenAuthenticator needs at least one token file")
         self._files = {Role.WRITE: write_file, Role.READ: read_file}
         self._seen: dict[Role, tuple[int, ...] | None] = {}  # what each file was when last read (None: failed)
-        self._tokens: dict[Role, list[bytes]] = {Role.WRITE: [], Role.READ: []}
+        self._tokens: dict[Role, list[tuple[bytes, str | None]]] = {Role.WRITE: [], Role.READ: []}
         self._lock = threading.Lock()
         self._checked = 0.0
         self.last_error: str | None = None
@@ -157,7 +175,7 @@ class TokenAuthenticator:
                 seen = (st.st_mtime_ns, st.st_size, st.st_ino, st.st_mode, st.st_uid, st.st_gid)
                 if not force and self._seen.get(role) == seen:
                     continue
-                tokens = [t.encode() for t in read_token_file(path)]
+                tokens = [(t.encode(), tenant) for t, tenant in read_token_entries(path)]
             except (OSError, ValueError, UnicodeDecodeError) as exc:
                 if force:
                     raise ValueError(f"auth token file for {role.name.lower()} access: {exc}") from exc
@@ -182,14 +200,14 @@ class TokenAuthenticator:
             raise Unauthenticated("this node requires a token (set KVSTORE_TOKEN or KVSTORE_TOKEN_FILE; "
                                   "on the wire: 'authorization: Bearer <token>')")
         # Check every token (no early exit), so timing says nothing about which one nearly matched.
-        role: Role | None = None
+        found: tuple[Role, str | None] | None = None
         for r in (Role.WRITE, Role.READ):
-            for tok in self._tokens[r]:
-                if hmac.compare_digest(tok, presented) and role is None:
-                    role = r
-        if role is None:
+            for tok, tenant in self._tokens[r]:
+                if hmac.compare_digest(tok, presented) and found is None:
+                    found = (r, tenant)
+        if found is None:
             raise Unauthenticated("unknown token")
-        return Principal(role, "token:" + hashlib.sha256(presented).hexdigest()[:16])
+        return Principal(found[0], "token:" + hashlib.sha256(presented).hexdigest()[:16], found[1])
 
     def role_of(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Role:
         return self.identify(metadata).role

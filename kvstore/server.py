@@ -33,18 +33,21 @@ from kvstore.admission import (
     may_move_pages,
     raw_unary,
     refusal_handler,
+    tenant_of_caller,
 )
 from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ShmNotAvailable
 from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.manager.core import MAX_HASHES
+from kvstore.manager.tenants import TenantView
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
 from kvstore.names import TierKind
 from kvstore.pageformat import align_up
 from kvstore.security import Principal, TokenAuthenticator, redact_url, server_credentials
 from kvstore.stats import PlaneInfo, planes_to_json
+from kvstore.tenancy import TenantBinder, grpc_cert_names, load_tenants_file, share_slots
 from kvstore.transport.planes import host_id
 from kvstore.transport.serving import NodeServices, PlaneServer, build_plane_servers
 from kvstore.transport.shm import shm_available
@@ -81,9 +84,17 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     with its traceback). The only place exceptions become status codes, and so also where every
     KVStore RPC is timed: `observe(method, code, seconds)` (metrics) sees each call once it ends."""
 
-    def __init__(self, observe: RpcObserver | None = None, auth: TokenAuthenticator | None = None) -> None:
+    def __init__(self, observe: RpcObserver | None = None, auth: TokenAuthenticator | None = None,
+                 binder: TenantBinder | None = None) -> None:  # fmt: skip
         self.observe = observe
         self.auth = auth  # when set, every KVStore call must carry a token allowed for its method
+        self.binder = binder  # when set, callers with a certificate its tenants file lists get that tenant
+
+    def caller(self, caller: Principal | None, context: grpc.aio.ServicerContext) -> Principal | None:
+        """The call's principal, bound to its mTLS certificate's tenant where the tenants file says so."""
+        if self.binder is None:
+            return caller
+        return self.binder.bind(caller, grpc_cert_names(context.auth_context()))
 
     def authorize(self, method: str, metadata: Any) -> tuple[grpc.RpcMethodHandler | None, Principal | None]:
         """(None, the caller) when the call's token allows `method`; else a handler refusing it that
@@ -158,6 +169,7 @@ def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInter
         started = time.perf_counter()
         CALLER.set(caller)  # this call's own task context: seen by the handler only
         try:
+            CALLER.set(icpt.caller(caller, context))
             result = await fn(request, context)
         except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
             icpt.done(method, started, exc)
@@ -178,6 +190,7 @@ def _wrap_stream(
         started = time.perf_counter()
         CALLER.set(caller)
         try:
+            CALLER.set(icpt.caller(caller, context))
             async for item in fn(request, context):
                 yield item
         except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
@@ -197,10 +210,15 @@ class KVStoreServicer(pb_grpc.KVStoreServicer):
 
     def __init__(self, manager: TierManager, shm: SegmentAttachments | None = None,
                  planes: list[PlaneInfo] | None = None) -> None:  # fmt: skip
-        self.mgr = manager
+        self.manager = manager
         self.shm = shm  # None: the shared-memory data plane is off on this node
         self.planes = planes if planes is not None else []  # advertised in Stats (filled as planes start)
         self.max_pages = manager.config.max_pages_per_request
+
+    @property
+    def mgr(self) -> TenantView:
+        """The manager in the calling tenant's scope: every namespace of a request goes through it."""
+        return self.manager.scoped(tenant_of_caller())
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         if request.prefetch and not may_move_pages():
@@ -385,11 +403,13 @@ class Node:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.manager = TierManager(config)
+        tenants = load_tenants_file(config.tenants_file) if config.tenants_file else {}
+        self.manager = TierManager(config, shares=share_slots(tenants, config.slot_bytes))
         auth = None
         if config.auth_tokens_file or config.auth_read_tokens_file:
             auth = TokenAuthenticator(config.auth_tokens_file, config.auth_read_tokens_file)
-        self.interceptor = ErrorInterceptor(auth=auth)
+        binder = TenantBinder(tenants) if any(t.mtls_subjects for t in tenants.values()) else None
+        self.interceptor = ErrorInterceptor(auth=auth, binder=binder)
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=GRPC_OPTIONS)
         self.metrics: NodeMetrics | None = None
         self.metrics_port: int | None = None  # bound /metrics port once started
@@ -426,7 +446,8 @@ class Node:
                                                    self.config.metrics_port)  # fmt: skip
             self.interceptor.observe = self.metrics.observe_rpc
         await self.server.start()
-        services = NodeServices(self.manager, cfg, self._auth, self.advertise_addr.rsplit(":", 1)[0])
+        services = NodeServices(self.manager, cfg, self._auth, self.advertise_addr.rsplit(":", 1)[0],
+                                self.interceptor.binder)  # fmt: skip
         for plane in self.plane_servers:
             self.planes.append(await plane.start(services))
         if self.config.redis_url:

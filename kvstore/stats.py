@@ -94,6 +94,42 @@ def planes_from_json(text: str) -> list[PlaneInfo]:
 
 
 @dataclass(slots=True)
+class TenantStats:
+    """One tenant on a node (DESIGN.md §10): its pages and share per tier, and how its reads fared.
+    Counters count this tenant's calls; `cross_tenant_misses` are its misses on a page another tenant
+    holds under the same namespace and hash (answered as the cold misses they are for it)."""
+
+    tenant: str
+    pages: dict[TierKind, int] = field(default_factory=dict)
+    quota_bytes: dict[TierKind, int] = field(default_factory=dict)  # a tier absent: no share set
+    lookups: int = 0
+    lookup_blocks: int = 0
+    lookup_matched: int = 0
+    get_pages: int = 0  # pages asked for by Gets that ran to their end
+    get_served: int = 0  # of those, served
+    cross_tenant_misses: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        """Matched blocks per block asked about (Lookup), the engine-facing hit rate."""
+        return self.lookup_matched / self.lookup_blocks if self.lookup_blocks else None
+
+    @property
+    def get_hit_rate(self) -> float | None:
+        return self.get_served / self.get_pages if self.get_pages else None
+
+
+def tenant_as_dict(t: TenantStats) -> dict[str, object]:
+    return {
+        "tenant": t.tenant, "pages": {k.label: n for k, n in t.pages.items()},
+        "quota_bytes": {k.label: n for k, n in t.quota_bytes.items()}, "lookups": t.lookups,
+        "lookup_blocks": t.lookup_blocks, "lookup_matched": t.lookup_matched, "hit_rate": t.hit_rate,
+        "get_pages": t.get_pages, "get_served": t.get_served, "get_hit_rate": t.get_hit_rate,
+        "cross_tenant_misses": t.cross_tenant_misses,
+    }  # fmt: skip
+
+
+@dataclass(slots=True)
 class NodeStats:
     node_id: str
     uptime_seconds: float
@@ -113,6 +149,7 @@ class NodeStats:
     index: IndexStatus | None = None
     planes: list[PlaneInfo] = field(default_factory=list)  # bulk data planes besides Put/Get streams
     host_id: str = ""  # the node's host (kvstore.transport.planes.host_id)
+    tenants: list[TenantStats] = field(default_factory=list)  # the caller's own (every one for the default tenant)
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -151,4 +188,5 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},
         "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],
         "host_id": stats.host_id,
+        "tenants": [tenant_as_dict(t) for t in stats.tenants],
     }

@@ -19,7 +19,7 @@ from kvstore.layout import DType, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.security import redact_url
-from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TierCounters, TierStats
+from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
 
 M = TypeVar("M", bound=Message)
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
@@ -324,8 +324,24 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
                                                                 for f in fields(IndexStatus)
                                                                 if f.name != "url"}, url=redact_url(stats.index.url)),
         planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
-        host_id=stats.host_id,
+        host_id=stats.host_id, tenants=[_tenant_to_pb(t) for t in stats.tenants],
     )  # fmt: skip
+
+
+_TENANT_COUNTERS = ("lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
+
+
+def _tenant_to_pb(t: TenantStats) -> pb.TenantStats:
+    kinds = sorted(set(t.pages) | set(t.quota_bytes))
+    return pb.TenantStats(tenant=t.tenant, **{n: getattr(t, n) for n in _TENANT_COUNTERS},
+                          tiers=[pb.TenantTier(tier=int(k), pages=t.pages.get(k, 0), quota_bytes=t.quota_bytes.get(k, 0))
+                                 for k in kinds])  # fmt: skip
+
+
+def _tenant_from_pb(m: pb.TenantStats) -> TenantStats:
+    return TenantStats(m.tenant, {TierKind(x.tier): x.pages for x in m.tiers},
+                       {TierKind(x.tier): x.quota_bytes for x in m.tiers if x.quota_bytes},
+                       **{n: getattr(m, n) for n in _TENANT_COUNTERS})  # fmt: skip
 
 
 def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
@@ -349,4 +365,5 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index") else None,
         planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes], host_id=msg.host_id,
+        tenants=[_tenant_from_pb(t) for t in msg.tenants],
     )  # fmt: skip

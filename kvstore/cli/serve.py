@@ -57,6 +57,9 @@ def serve(
     auth_read_tokens_file: Annotated[
         Path | None, typer.Option(help="read-only bearer tokens (Lookup, Get, Prefetch, Stats)")
     ] = None,
+    tenants_file: Annotated[
+        Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a \\[node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
@@ -72,7 +75,7 @@ def serve(
         ucx_enabled=ucx, ucx_port=ucx_port,
         tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
         auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
-        nvme_path=str(nvme_path) if nvme_path else None,
+        tenants_file=_path(tenants_file), nvme_path=str(nvme_path) if nvme_path else None,
         dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),
     )  # fmt: skip

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from kvstore.cli.common import friendly_errors
 from kvstore.stats import NodeStats, stats_as_dict
+from kvstore.tenants import DEFAULT_TENANT
 
 
 def human_bytes(n: float) -> str:
@@ -68,6 +69,24 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
         )
     for ns, layout, pages in stats.namespaces:
         console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
+    render_tenants(stats, console)
+
+
+def render_tenants(stats: NodeStats, console: Console) -> None:
+    """One row per tenant the caller may see (its own; every one for the default tenant): pages and share
+    per tier, hit rates, cross-tenant misses. Nothing on a node where only the default tenant ever called."""
+    if not stats.tenants or [t.tenant for t in stats.tenants] == [DEFAULT_TENANT]:
+        return
+    table = Table(title="tenants")
+    for col in ("tenant", *[f"{t.tier.label.upper()} pages/share" for t in stats.tiers if t.available],
+                "lookup hit rate", "get hit rate", "cross-tenant misses"):  # fmt: skip
+        table.add_column(col, justify="left" if col == "tenant" else "right")
+    for t in stats.tenants:
+        per_tier = [f"{t.pages.get(k.tier, 0)}/" + (human_bytes(t.quota_bytes[k.tier]) if k.tier in t.quota_bytes else "-")
+                    for k in stats.tiers if k.available]  # fmt: skip
+        rate = [("-" if r is None else f"{r:.1%}") for r in (t.hit_rate, t.get_hit_rate)]
+        table.add_row(t.tenant, *per_tier, *rate, str(t.cross_tenant_misses))
+    console.print(table)
 
 
 @friendly_errors

@@ -116,7 +116,7 @@ class Stack:
         assert isinstance(plan, LocalPlan)
         for note in plan.notes:
             console.print(f"[yellow]note[/]: {note}")
-        self._start_redis(plan.redis_external_url, [f"node-{i}" for i in range(plan.nodes)])
+        self._start_redis(plan.redis_external_url, [f"node-{i}" for i in range(plan.nodes)], plan.tenants)
         extra: list[str] = []
         if plan.auth_tokens:
             # Local nodes serve plaintext (no certificates here): an explicit opt-in, see SECURITY.md. The
@@ -126,7 +126,18 @@ class Stack:
             for f in (rw, ro):
                 f.write_text(secrets.token_urlsafe(32) + "\n")
                 f.chmod(0o600)
+            for name in plan.tenants:  # as the chart: each tenant's token bound by its rw.tokens line, and alone
+                token, own = secrets.token_urlsafe(32), self.root / f"tenant-{name}.token"
+                own.touch(mode=0o600)
+                own.write_text(token + "\n")
+                rw.write_text(rw.read_text() + f"{token} {name}\n")
+                console.print(f"tenant {name}: token in {own}")
             extra += ["--auth-tokens-file", str(rw), "--auth-read-tokens-file", str(ro)]
+            if plan.tenants_toml:
+                tf = self.root / "tenants.toml"
+                tf.touch(mode=0o600)
+                tf.write_text(plan.tenants_toml)
+                extra += ["--tenants-file", str(tf)]
             self.env["KVSTORE_TOKEN_FILE"] = str(rw)
             console.print(f"tokens: read-write {rw}, read-only {ro}")
         if plan.node is not None:
@@ -139,8 +150,15 @@ class Stack:
         if plan.workers is not None:
             self._start_workers(plan.workers)
 
-    def _start_redis(self, external: str | None, node_ids: list[str]) -> None:
-        from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
+    def _start_redis(self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = ()) -> None:
+        from kvstore.index.acl import (
+            CLIENT_RULES,
+            CLIENT_USER,
+            node_rules,
+            node_user,
+            tenant_client_rules,
+            tenant_client_user,
+        )
         from kvstore.launch import RedisProcess
         from kvstore.security import redact_url
 
@@ -150,7 +168,12 @@ class Stack:
         else:
             users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES)}
             users |= {node_user(n): (secrets.token_hex(20), node_rules(n)) for n in node_ids}
+            users |= {tenant_client_user(t): (secrets.token_hex(20), tenant_client_rules(t)) for t in tenants}
             proc = RedisProcess(password=secrets.token_hex(20), users=users).start()
+            for t in tenants:  # each tenant's read-only index user sees only its entries (KVSTORE_TENANT=<t>)
+                url = self.root / f"redis-tenant-{t}.url"
+                url.touch(mode=0o600)
+                url.write_text(proc.url_for(tenant_client_user(t)) + "\n")
             self.redis = proc
             self.redis_url = proc.url_for(CLIENT_USER)
             self.node_urls = {n: proc.url_for(node_user(n)) for n in node_ids}

@@ -60,6 +60,8 @@ class LocalPlan:
     auth_tokens: bool
     workers: WorkersPlan | None
     notes: list[str] = field(default_factory=list)  # what the local run leaves out, said out loud
+    tenants: tuple[str, ...] = ()  # auth.tenants' names: a token (and index user) each
+    tenants_toml: str | None = None  # the tenants file the chart renders (shares scaled like the budgets)
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -156,6 +158,13 @@ def check_rules(v: Mapping[str, Any]) -> None:
         raise ValueError("auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
                          "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
                          "for a trusted pod network")  # fmt: skip
+    tenants = v["auth"].get("tenants") or []
+    if tenants and not v["auth"]["enabled"]:
+        raise ValueError("auth.tenants is set but auth.enabled is false: tenants are bound to tokens; enable auth")
+    for t in tenants:
+        if t.get("mtlsSubjects") and not tls["mutual"]:
+            raise ValueError(f"auth.tenants[{t['name']}].mtlsSubjects is set but tls.mutual is false: certificate "
+                             "subjects bind tenants only with mutual TLS")  # fmt: skip
     redis = v["redis"]
     ext = redis["external"]
     if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
@@ -175,6 +184,22 @@ def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
         "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
         "log_level": node["logLevel"], **node.get("config", {}),
     }  # fmt: skip
+
+
+def tenants_toml(v: Mapping[str, Any], scale: float = 1.0) -> str | None:
+    """The tenants file templates/node.yaml renders from auth.tenants (None without tenants); shares
+    multiplied by `scale` (local.scale, as the budgets are)."""
+    tenants = v["auth"].get("tenants") or []
+    if not tenants:
+        return None
+    out = []
+    for t in tenants:
+        out.append(f"[tenants.{json.dumps(t['name'])}]")
+        for key, name in (("dramBytes", "dram_bytes"), ("nvmeBytes", "nvme_bytes"), ("hbmBytes", "hbm_bytes")):
+            if t.get(key) is not None:
+                out.append(f"{name} = {int(parse_size(t[key]) * scale)}")
+        out.append(f"mtls_subjects = {json.dumps(t.get('mtlsSubjects') or [])}")
+    return "\n".join(out) + "\n"
 
 
 def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> LocalPlan:
@@ -226,8 +251,9 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         slots = {p: int(w[p]["replicas"]) * max(int(w[p]["gpusPerPod"]), 1) for p in ("prefill", "decode")}
         workers = WorkersPlan(str(local["modelPath"]), w["model"]["dtype"], int(w["blockSize"]), int(w["numBlocks"]),
                               slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]))  # fmt: skip
+    names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
     return LocalPlan(n, node_plan, external, bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
-                     bool(v["auth"]["enabled"]), workers, notes)  # fmt: skip
+                     bool(v["auth"]["enabled"]), workers, notes, names, tenants_toml(v, scale))  # fmt: skip
 
 
 def _mem_available() -> int | None:

@@ -7,7 +7,9 @@ Roles (SECURITY.md):
   drop another node's block entries: that costs a miss (clients ask the real node, which says no),
   never a page from the wrong node.
 - a client (`kvclient`: workers, routers, kvctl) only reads, and may run only scripts a node loaded
-  (EVALSHA, no EVAL / SCRIPT LOAD), so it cannot write or run Lua of its own.
+  (EVALSHA, no EVAL / SCRIPT LOAD), so it cannot write or run Lua of its own; it reads the node records
+  and the default tenant's block entries. A tenant's client (`kvclient-<tenant>`) reads the node
+  records and that tenant's block entries only (`tenant_client_rules`).
 - `default` is the administrator (all commands), for the operator and the Redis pod's probes.
 
 `node_rules("*")` is the shared node user the Helm chart renders when node ids are not known in
@@ -20,7 +22,8 @@ from __future__ import annotations
 import hashlib
 import re
 
-from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, epoch_key, node_key
+from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, epoch_key, node_key, tenant_prefix
+from kvstore.tenants import check_tenant
 
 NODE_USER_PREFIX = "kvnode-"
 SHARED_NODE_USER = "kvnode"
@@ -34,7 +37,22 @@ _RESET = "resetkeys resetchannels nocommands"
 # NOTE: `~` rather than `%R~`: EVALSHA declares its keys read-write whatever the script does. The
 # commands keep the client read-only: only read commands, and EVALSHA of scripts a node loaded, whose
 # own calls Redis checks against these same command rules.
-CLIENT_RULES = f"{_RESET} {_CONNECT} ~{PREFIX}* +get +hgetall +smembers +evalsha"
+_NODE_RECORDS = f"~{ALIVE_PREFIX}* ~{PREFIX}node:* ~{NODES_KEY} ~{PREFIX}epoch:*"  # where nodes are, who is alive
+_CLIENT_COMMANDS = "+get +hgetall +smembers +evalsha"
+# The default tenant's client: node records and the default tenant's block entries, no other tenant's.
+CLIENT_RULES = f"{_RESET} {_CONNECT} {_NODE_RECORDS} ~{PREFIX}b:* {_CLIENT_COMMANDS}"
+
+
+def tenant_client_rules(tenant: str) -> str:
+    """ACL rules of tenant `tenant`'s index client (`kvclient-<tenant>`): node records and that tenant's
+    block entries only, so its lookups through the index see no other tenant's pages (Redis answers
+    NOPERM for another tenant's keys, and the lookup script's reads are checked the same way)."""
+    check_tenant(tenant, "tenant of an index client")
+    return f"{_RESET} {_CONNECT} {_NODE_RECORDS} ~{tenant_prefix(tenant)}* {_CLIENT_COMMANDS}"
+
+
+def tenant_client_user(tenant: str) -> str:
+    return f"{CLIENT_USER}-{tenant}"
 
 
 def node_rules(node_id: str) -> str:
@@ -45,7 +63,7 @@ def node_rules(node_id: str) -> str:
     own = f"~{ALIVE_PREFIX}{node_id} ~{epoch_key(node_id)} ~{node_key(node_id)}"
     return (f"{_RESET} {_CONNECT} %R~{PREFIX}* {own} +get +set +incr +incrby +del +expire +hset +hgetall +hdel "
             f"+smembers +scan +evalsha +script|load "
-            f"(~{PREFIX}b:* +hset +hdel +hgetall) (~{NODES_KEY} +sadd)")  # fmt: skip
+            f"(~{PREFIX}b:* +hset +hdel +hgetall) (~{PREFIX}t:* +hset +hdel +hgetall) (~{NODES_KEY} +sadd)")  # fmt: skip
 
 
 def node_user(node_id: str) -> str:
@@ -61,10 +79,14 @@ def admin_line(password: str) -> str:
     return acl_line("default", password, "~* &* +@all")
 
 
-def index_acl(admin_password: str, client_password: str, node_passwords: dict[str, str]) -> list[str]:
-    """Every `user` line of a secured index: the administrator, the read-only client user and one user
-    per node id (each may write only its own records)."""
+def index_acl(admin_password: str, client_password: str, node_passwords: dict[str, str],
+              tenant_passwords: dict[str, str] | None = None) -> list[str]:  # fmt: skip
+    """Every `user` line of a secured index: the administrator, the read-only client user (default
+    tenant), one user per node id (each may write only its own records) and one read-only client user
+    per tenant (each may read only its tenant's entries)."""
     lines = [admin_line(admin_password), acl_line(CLIENT_USER, client_password, CLIENT_RULES)]
     lines += [acl_line(node_user(n), pw, node_rules(n)) for n, pw in sorted(node_passwords.items())]
+    lines += [acl_line(tenant_client_user(t), pw, tenant_client_rules(t))
+              for t, pw in sorted((tenant_passwords or {}).items())]  # fmt: skip
     return lines
 

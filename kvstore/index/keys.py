@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 
+from kvstore.tenants import DEFAULT_TENANT, tenant_of
+
 PREFIX = "kvs:v1:"
 NODES_KEY = PREFIX + "nodes"
 ALIVE_PREFIX = PREFIX + "alive:"
@@ -43,7 +45,21 @@ def ns_tag(namespace: str) -> str:
 
 
 def block_key(namespace: str, h: bytes) -> str:
-    return f"{PREFIX}b:{ns_tag(namespace)}:{h.hex()}"
+    """The entry of a page. A tenant's pages (a scoped namespace, kvstore/tenants.py) live under the
+    tenant's own prefix, so a Redis user can be let read one tenant's entries only (index/acl.py); the
+    default tenant's keys are those of a node without tenancy."""
+    tenant = tenant_of(namespace)
+    if tenant == DEFAULT_TENANT:
+        return f"{PREFIX}b:{ns_tag(namespace)}:{h.hex()}"
+    return f"{tenant_prefix(tenant)}b:{ns_tag(namespace)}:{h.hex()}"
+
+
+def tenant_prefix(tenant: str) -> str:
+    """Where a (non-default) tenant's block entries live."""
+    return f"{PREFIX}t:{tenant}:"
+
+
+BLOCK_KEYS_GLOB = f"{PREFIX}[bt]:*"  # every block entry, of every tenant (the node's garbage collection)
 
 
 def alive_key(node_id: str) -> str:

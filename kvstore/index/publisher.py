@@ -15,9 +15,9 @@ import redis.asyncio as aioredis
 from kvstore import __version__
 from kvstore.index.keys import (
     ALIVE_PREFIX,
+    BLOCK_KEYS_GLOB,
     LOOKUP_SCRIPT,
     NODES_KEY,
-    PREFIX,
     alive_key,
     block_key,
     epoch_key,
@@ -270,7 +270,7 @@ class IndexPublisher:
 
     async def gc_step(self, count: int = 1000) -> int:
         """Remove up to one SCAN page of dead or stale fields; returns how many fields were removed."""
-        cursor, keys = await self._redis.scan(self._gc_cursor, match=f"{PREFIX}b:*", count=count)
+        cursor, keys = await self._redis.scan(self._gc_cursor, match=BLOCK_KEYS_GLOB, count=count)
         self._gc_cursor = int(cursor)
         if not keys:
             return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -13,6 +14,7 @@ from kvstore.errors import Unavailable
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
 from kvstore.stats import PlaneInfo, planes_from_json
+from kvstore.tenants import DEFAULT_TENANT, check_tenant, scope
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -64,8 +66,13 @@ class NodeInfo:
 class IndexReader:
     """Blocking reads of the index: longest-prefix lookup (one round trip) and node listing."""
 
-    def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None) -> None:
+    def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None,
+                 tenant: str | None = None) -> None:  # fmt: skip
+        """`tenant`: whose entries lookups read (kvstore/tenants.py); by default KVSTORE_TENANT, else the
+        default tenant. It must be the tenant the nodes bind this client's token to, or lookups find
+        nothing; Redis ACL users (index/acl.py) keep a tenant's client from reading any other's."""
         self.url = url
+        self.tenant = check_tenant(tenant or os.environ.get("KVSTORE_TENANT") or DEFAULT_TENANT, "KVSTORE_TENANT")
         self._redis = client or redis.Redis.from_url(url, socket_timeout=socket_timeout,
                                                      socket_connect_timeout=socket_timeout)  # fmt: skip
         self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
@@ -85,7 +92,8 @@ class IndexReader:
         if not hashes:
             return ClusterLookup(0, [], {})
         try:
-            raw = self._lookup(keys=[block_key(namespace, h) for h in hashes], args=[ALIVE_PREFIX])
+            scoped = scope(namespace, self.tenant)
+            raw = self._lookup(keys=[block_key(scoped, h) for h in hashes], args=[ALIVE_PREFIX])
         except redis.exceptions.NoPermissionError as exc:
             if "script" not in str(exc).lower():
                 raise

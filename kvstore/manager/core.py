@@ -45,6 +45,7 @@ from kvstore.manager.state import (
     check_hashes,
     check_namespace,
 )
+from kvstore.manager.tenants import TenantLedger, TenantQuotas, TenantView
 from kvstore.names import Key, TierKind
 from kvstore.policy import make_policy
 from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierStats, copy_counters
@@ -76,7 +77,9 @@ def build_media(config: NodeConfig) -> list[Medium]:
 class TierManager:
     """Owns every page on the node: placement, demotion, promotion, pins and in-flight reads."""
 
-    def __init__(self, config: NodeConfig, media: list[Medium] | None = None) -> None:
+    def __init__(self, config: NodeConfig, media: list[Medium] | None = None,
+                 shares: dict[str, dict[TierKind, int]] | None = None) -> None:  # fmt: skip
+        """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/tenants.py)."""
         self.config = config
         self._started = time.monotonic()
         self.io = IoPool(config.io_threads)
@@ -90,7 +93,11 @@ class TierManager:
         depth = max([config.read_ahead_pages + 1, *(m.queue_depth for m in media if not m.host_memory)])
         self._bounce = BouncePool(config.slot_bytes, keep=config.io_threads + depth + 1)
         self.durable = DurableCopies(self.table, self.io)
-        self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds)
+        quotas = TenantQuotas(shares) if shares else None
+        if quotas is not None:
+            quotas.attach(self.table.tiers.values(), lambda: make_policy(config.policy))
+        self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds, quotas)
+        self.tenants = TenantLedger(self, quotas)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
         self.placement.evict = self.mover.evict
         self.reader = Reader(self.table, self.mover, self.placement, self._bounce, self.counters,
@@ -115,6 +122,11 @@ class TierManager:
     @on_change.setter
     def on_change(self, listener: ChangeListener | None) -> None:
         self.table.on_change = listener
+
+    def scoped(self, tenant: str) -> TenantView:
+        """The manager as `tenant`'s callers reach it: the one door every plane passes a caller's
+        namespace through (kvstore/manager/tenants.py)."""
+        return self.tenants.view(tenant)
 
     def medium(self, kind: TierKind) -> Medium:
         """The medium of a tier (for tools and fault-injection tests)."""
@@ -341,4 +353,5 @@ class TierManager:
             pinned_pages=sum(1 for e in table if e.pinned),
             put_rejected=c.put_rejected,
             index=self.index_status() if self.index_status is not None else None,
+            tenants=self.tenants.snapshot(self.config.slot_bytes),
         )

@@ -26,6 +26,7 @@ from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, Tier
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, payload_checksum
+from kvstore.tenants import tenant_of
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,8 @@ class Mover:
                 dst_slot = entry.shadow
                 self.durable.adopt(dst_slot)
             else:
-                dst_slot = await self.placement.allocate(dst_kind, wait=demotion, victim=victim)
+                dst_slot = await self.placement.allocate(dst_kind, wait=demotion, victim=victim,
+                                                         tenant=tenant_of(entry.namespace))  # its share
                 await self.copy(entry, src, src_slot, dst, dst_slot)
                 verify = dst.medium.host_memory and not src.medium.host_memory
                 if verify and not verify_copy(entry, dst.medium.view(dst_slot)[: entry.used_len]):

@@ -16,12 +16,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from kvstore.errors import ResourceExhausted
 from kvstore.manager.durable import DurableCopies
 from kvstore.manager.state import Entry, PageTable
 from kvstore.names import Key, TierKind
 from kvstore.policy import first_usable, should_admit
+from kvstore.tenants import tenant_of
+
+if TYPE_CHECKING:
+    from kvstore.manager.tenants import TenantQuotas
 
 _MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
 
@@ -31,18 +36,29 @@ Evict = Callable[[Entry], Awaitable[None]]
 class Placement:
     """Allocation of slots with eviction. Runs on the event loop only (no locks)."""
 
-    def __init__(self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float) -> None:
+    def __init__(self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float,
+                 quotas: TenantQuotas | None = None) -> None:  # fmt: skip
         self.table = table
         self.durable = durable
         self.alloc_wait_seconds = alloc_wait_seconds
+        self.quotas = quotas  # tenants' shares per tier (kvstore/manager/tenants.py); None: one shared pool
         self.evict: Evict = _unwired  # Mover.evict: eviction is a move (the manager wires it)
         self._waiters: list[asyncio.Future[None]] = []
 
-    def victim(self, kind: TierKind) -> Entry | None:
-        """The page the tier's policy would evict first among those evictable now."""
+    def victim(self, kind: TierKind, tenant: str | None = None, own_only: bool = False) -> Entry | None:
+        """The page the tier's policy would evict first among those evictable now (with shares: among
+        those `tenant` may evict, see TenantQuotas.victim)."""
         entries = self.table.entries
-        key = first_usable(self.table.tiers[kind].policy, lambda k: entries[k].evictable)
+        tier = self.table.tiers[kind]
+        if self.quotas is not None and tenant is not None:
+            key = self.quotas.victim(tier, entries, tenant, own_only)
+        else:
+            key = first_usable(tier.policy, lambda k: entries[k].evictable)
         return None if key is None else entries[key]
+
+    def _at_share(self, kind: TierKind, tenant: str | None, reserve: int) -> bool:
+        """Whether a page of `tenant` may only take the place of one of its own (it is at its share)."""
+        return self.quotas is not None and tenant is not None and self.quotas.full(tenant, self.table.tiers[kind], reserve)
 
     def admit(self, kind: TierKind, key: Key, parent: Key | None) -> tuple[bool, Entry | None]:
         """May `key` (not in tier `kind`) enter it now? (True, None) when the tier has a free slot; else
@@ -50,9 +66,11 @@ class Placement:
         the page in place of `victim`, which the caller passes on to `allocate`. With nothing evictable
         the policy only hears of the reference and (True, None) leaves the rest to `allocate`."""
         tier = self.table.tiers[kind]
-        if tier.alloc.can_allocate():
+        tenant = tenant_of(key[0])
+        own_only = self._at_share(kind, tenant, 0)
+        if tier.alloc.can_allocate() and not own_only:
             return True, None
-        victim = self.victim(kind)
+        victim = self.victim(kind, tenant, own_only)
         admitted = should_admit(tier.policy, key, None if victim is None else victim.key, parent)
         if victim is None:
             return True, None
@@ -62,7 +80,7 @@ class Placement:
         return True, victim
 
     async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True,
-                       victim: Entry | None = None) -> int:  # fmt: skip
+                       victim: Entry | None = None, tenant: str | None = None) -> int:  # fmt: skip
         """A free slot in `kind`, evicting (demoting or dropping) victims as needed.
 
         Raises ResourceExhausted when nothing in the tier can be evicted. `reserve` is the number of slots
@@ -70,7 +88,8 @@ class Placement:
         tier blocked only by other streams' staged pages or by reads and moves in flight is waited on for
         up to alloc_wait_seconds before giving up. The persistent tier never waits (no stream stages there):
         a demotion into it falls back to dropping the page instead (see Mover.evict). `victim` (from
-        `admit`) is evicted first, when it is still in the tier and evictable.
+        `admit`) is evicted first, when it is still in the tier and evictable. With shares, the slot is for
+        a page of `tenant`: at its share it evicts its own pages first (TenantQuotas).
         """
         tier = self.table.tiers[kind]
         if not tier.available:
@@ -79,7 +98,8 @@ class Placement:
         may_wait = wait and tier is not self.durable.tier
         deadline: float | None = None
         for _ in range(tier.alloc.num_slots + _MAX_SPACE_WAITS):
-            if tier.alloc.can_allocate():
+            own_only = self._at_share(kind, tenant, reserve)
+            if tier.alloc.can_allocate() and not own_only:
                 slot = tier.alloc.allocate()
                 if tier is self.durable.tier:
                     self.durable.forget(slot)
@@ -91,7 +111,7 @@ class Placement:
                 or not chosen.evictable
                 or self.table.get(chosen.key) is not chosen
             ):
-                chosen = self.victim(kind)
+                chosen = self.victim(kind, tenant, own_only)
             if chosen is not None:
                 await self.evict(chosen)
                 continue
@@ -103,6 +123,9 @@ class Placement:
                 if loop.time() < deadline:
                     await self.wait_for_space(deadline - loop.time())
                     continue
+            if own_only:
+                raise ResourceExhausted(f"tenant {tenant}'s {kind.label} share is full ({reserve} of its slots held "
+                                        "by this request) and every other page of it is pinned, being read or moved")
             raise ResourceExhausted(
                 f"{kind.label} tier is full ({tier.alloc.num_slots} slots, {reserve} held by this request, "
                 f"{tier.in_transit - reserve} in transit for others) and every page in it is pinned, "

@@ -24,6 +24,7 @@ from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, check_hash
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, PageHeader, payload_checksum
+from kvstore.tenants import tenant_of
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class WriteThrough:
         if tier is None or (namespace, h) in self.table:
             return False
         try:
-            slot = await self.placement.allocate(tier.kind, wait=False)
+            slot = await self.placement.allocate(tier.kind, wait=False, tenant=tenant_of(namespace))  # its share
         except ResourceExhausted:
             return False
         plen = layout.page_bytes
@@ -124,9 +125,10 @@ class Staging:
     def has(self, key: Key) -> bool:
         return key in self.table
 
-    async def reserve(self, held: int, wait: bool, victim: Entry | None = None) -> int:
-        """A slot for the next page; `held` slots are already staged by the caller (see Placement.allocate)."""
-        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait, victim=victim)
+    async def reserve(self, held: int, wait: bool, victim: Entry | None = None, tenant: str | None = None) -> int:
+        """A slot for the next page (of `tenant`: its share); `held` slots are already staged by the caller
+        (see Placement.allocate)."""
+        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait, victim=victim, tenant=tenant)
 
     def payload_view(self, slot: int, length: int) -> memoryview:
         return self.tier.medium.view(slot)[HEADER_BYTES : HEADER_BYTES + length]
@@ -172,6 +174,7 @@ class PutTxn:
                  parent: bytes | None = None, chain: bool = False) -> None:  # fmt: skip
         self._staging = staging
         self.namespace = namespace
+        self._tenant = tenant_of(namespace)  # whose share its slots count against
         self.layout = layout
         self.target = target
         self._chain = chain
@@ -218,12 +221,12 @@ class PutTxn:
             self._staged.append(_Staged(h, -1, checksum, parent, buf))
             return memoryview(buf)[HEADER_BYTES : HEADER_BYTES + payload_len]
         try:
-            slot = await st.reserve(held=self._slots_held, wait=not self._slots_held, victim=victim)
+            slot = await st.reserve(held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant)
         except ResourceExhausted:
             if not self._slots_held:
                 raise
             await self._publish_staged()  # the stream outgrew the staging tier: commit what it staged so far
-            slot = await st.reserve(held=0, wait=True)
+            slot = await st.reserve(held=0, wait=True, tenant=self._tenant)
         self._seen.add(h)
         self._staged.append(_Staged(h, slot, checksum, parent))
         self._slots_held += 1

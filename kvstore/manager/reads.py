@@ -106,7 +106,7 @@ class Reader:
                 self.count_path(lease.tier if lease is not None else None)
                 if lease is None:
                     return
-                self.table.tiers[lease.held_in].policy.on_access(lease.key)
+                self.table.tiers[lease.held_in].on_access(lease.key)
                 if (e := self.table.get(lease.key)) is not None:
                     e.reads += 1
                     self.counters.prefetch_fate(e, used=True)

@@ -16,6 +16,7 @@ from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, align_up
 from kvstore.policy import EvictionPolicy
 from kvstore.stats import TierCounters
+from kvstore.tenants import tenant_of, unscope
 from kvstore.tiers.base import Medium
 from kvstore.tiers.slots import SlotAllocator
 
@@ -100,11 +101,39 @@ class Tier:
         self.counters = TierCounters()
         self.pages = 0
         self.used_bytes = 0
+        self.tenant_pages: dict[str, int] = {}  # visible pages per tenant (quotas, Stats)
+        # With tenant shares in this tier (TenantQuotas.attach): one more policy per share group (a tenant
+        # with a share, or POOL for the rest), fed the same events, so a group's victim is found directly.
+        self.groups: dict[str, EvictionPolicy] | None = None
+        self.group_of: Callable[[str], str] = _same
+        self.new_policy: Callable[[], EvictionPolicy] | None = None
+
+    def group_policy(self, namespace: str) -> EvictionPolicy | None:
+        """The share group's policy of a page of `namespace` (None: no shares in this tier)."""
+        if self.groups is None:
+            return None
+        g = self.group_of(tenant_of(namespace))
+        p = self.groups.get(g)
+        if p is None:
+            assert self.new_policy is not None
+            p = self.groups[g] = self.new_policy()
+        return p
+
+    def on_access(self, key: Key) -> None:
+        """A page of this tier was read (policy event)."""
+        self.policy.on_access(key)
+        gp = self.group_policy(key[0])
+        if gp is not None:
+            gp.on_access(key)
 
     @property
     def in_transit(self) -> int:
         """Slots held by pages not (yet) visible in this tier."""
         return self.alloc.used_count - self.pages
+
+
+def _same(tenant: str) -> str:
+    return tenant
 
 
 class PageTable:
@@ -113,7 +142,8 @@ class PageTable:
     Invariants:
     - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
       and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
-    - `ns_pages[ns]` is the number of entries of namespace ns; a namespace's layout is bound by its first
+    - `ns_pages[ns]` is the number of entries of namespace ns (a tier's `tenant_pages[t]`, of tenant t's
+      entries in it); a namespace's layout is bound by its first
       page and never changes while the node runs;
     - `on_change` hears of every placement change (the index publisher), in order.
     Tiers are ordered fastest first (`TierKind` order); `below`/`above` skip unavailable tiers.
@@ -161,8 +191,13 @@ class PageTable:
             self.entries[entry.key] = entry
             self.ns_pages[entry.namespace] = self.ns_pages.get(entry.namespace, 0) + 1
         tier.policy.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
+        gp = tier.group_policy(entry.namespace)
+        if gp is not None:
+            gp.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
         tier.pages += 1
         tier.used_bytes += entry.payload_len
+        t = tenant_of(entry.namespace)
+        tier.tenant_pages[t] = tier.tenant_pages.get(t, 0) + 1
         if self.on_change is not None:
             self.on_change(entry.namespace, entry.hash, kind)
 
@@ -170,8 +205,12 @@ class PageTable:
         """Take entry out of its tier's accounting (it stays in the table: a move publishes it again)."""
         tier = self.tiers[entry.tier]
         tier.policy.on_remove(entry.key)
+        gp = tier.group_policy(entry.namespace)
+        if gp is not None:
+            gp.on_remove(entry.key)
         tier.pages -= 1
         tier.used_bytes -= entry.payload_len
+        tier.tenant_pages[tenant_of(entry.namespace)] -= 1
 
     def remove(self, entry: Entry) -> None:
         """Entry leaves the node (its slot is the caller's to free)."""
@@ -196,7 +235,7 @@ class PageTable:
         bound = self.layouts.get(namespace)
         if bound is not None and bound != layout:
             raise LayoutMismatch(
-                f"open.layout: namespace {namespace!r} holds pages of layout {bound.describe()}; "
+                f"open.layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "
                 f"this Put sends {layout.describe()}"
             )
 
@@ -224,8 +263,10 @@ class PageTable:
 
 
 def check_namespace(namespace: str) -> None:
+    """InvalidArgument unless `namespace` is a valid client namespace, or one scoped to a tenant
+    (kvstore/tenants.py) whose client part is."""
     try:
-        validate_namespace(namespace)
+        validate_namespace(unscope(namespace))
     except HashContractError as exc:
         raise InvalidArgument("namespace", str(exc)) from None
 

@@ -15,6 +15,7 @@ from kvstore.config import NodeConfig
 from kvstore.manager import TierManager
 from kvstore.security import TokenAuthenticator
 from kvstore.stats import PlaneInfo
+from kvstore.tenancy import TenantBinder
 from kvstore.transport.ucx import ucxx_installed
 
 
@@ -26,6 +27,7 @@ class NodeServices:
     config: NodeConfig
     auth: TokenAuthenticator | None  # None: the node runs without tokens
     advertise_host: str  # the host part other machines reach this node at
+    binder: TenantBinder | None = None  # binds callers to tenants by their mTLS certificates (kvstore/tenancy.py)
 
 
 class PlaneServer(abc.ABC):

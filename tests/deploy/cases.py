@@ -25,6 +25,12 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
     ("not-a-size", {"node": {"budgets": {"dram": "8 gigs"}}}, "node.budgets.dram"),
     ("misspelt-key", {"node": {"budget": {"dram": "8Gi"}}}, "budget"),
     ("external-redis-without-url", {"redis": {"enabled": False}}, "redis.external.url"),
+    ("tenants-without-auth", {"auth": {"tenants": [{"name": "alice"}]}}, "auth.tenants"),
+    ("tenant-subjects-without-mutual-tls", {"auth": {"enabled": True, "allowPlaintextTokens": True,
+                                                     "tenants": [{"name": "alice", "mtlsSubjects": ["a.example"]}]}},
+     "mtlsSubjects"),
+    ("tenant-name-not-a-name", {"auth": {"enabled": True, "allowPlaintextTokens": True, "tenants": [{"name": "a/b"}]}},
+     "auth.tenants.0.name"),
     ("redis-url-with-credentials", {"redis": {"enabled": False, "external": {"url": "redis://:pw@h:6379/0"}}},
      "redis.external.url"),
 ]

@@ -175,20 +175,23 @@ def test_node_memory_holds_the_dram_budget(profile: list[Path]) -> None:
 def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None:
     """The chart's redis.conf (protected mode, no persistence, noeviction) with its ACL users, as the
     auth-config init container fills them in, on a real redis-server: nobody gets in without a
-    password, clients only read, nodes publish to the index and nothing else, the admin does anything."""
+    password, clients only read, nodes publish to the index and nothing else, the admin does anything,
+    a tenant's index user (auth.tenants) reads its own tenant's entries and nobody else's."""
     import hashlib
 
     import redis
 
-    from kvstore.index.keys import NODES_KEY, alive_key, node_key
+    from kvstore.index.keys import NODES_KEY, alive_key, block_key, node_key
     from kvstore.launch import free_port
+    from kvstore.tenants import scope
 
-    docs = render()
+    docs = render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true", "auth.tenants[0].name=alice"])
     (cm,) = by_kind(docs, "ConfigMap", "-redis")
     (sts,) = by_kind(docs, "StatefulSet", "-redis")
     script = sts["spec"]["template"]["spec"]["initContainers"][0]["command"][2]
     assert "sha256sum" in script and "/etc/redis/users.acl.in" in script  # what the emulation below does
-    pw = {"ADMIN": "admin-password-0123456789", "NODE": "node-password-0123456789", "CLIENT": "client-password-012345"}
+    pw = {"ADMIN": "admin-password-0123456789", "NODE": "node-password-0123456789", "CLIENT": "client-password-012345",
+          "TENANT0": "alice-password-012345"}  # fmt: skip
     acl = cm["data"]["users.acl.in"]
     for name, value in pw.items():
         acl = acl.replace(f" #{name} ", f" #{hashlib.sha256(value.encode()).hexdigest()} ")
@@ -225,7 +228,15 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
                       lambda: node.config_set("protected-mode", "no")):  # fmt: skip
             with pytest.raises(redis.exceptions.NoPermissionError):
                 write()
-        for c in (admin, node, client):
+        alice = redis.Redis(port=port, username="kvclient-alice", password=pw["TENANT0"], socket_timeout=5)
+        mine, default = block_key(scope("ns", "alice"), b"\1" * 32), block_key("ns", b"\1" * 32)
+        node.hset(mine, "n0", "1:2")
+        node.hset(default, "n0", "1:2")
+        assert alice.hgetall(mine) == {b"n0": b"1:2"} and client.hgetall(default) == {b"n0": b"1:2"}
+        for spy in (lambda: alice.hgetall(default), lambda: client.hgetall(mine), lambda: alice.hset(mine, "x", "1")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                spy()
+        for c in (admin, node, client, alice):
             c.close()
     finally:
         proc.terminate()

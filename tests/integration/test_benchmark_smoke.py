@@ -79,3 +79,15 @@ def test_auth_memory_bench_quick_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "auth_memory_bench.json").read_text())["rows"]
     assert [list(r["codes"]) for r in rows] == [["UNAUTHENTICATED"], ["INVALID_ARGUMENT"], ["OK"]]
+
+
+def test_tenancy_bench_quick_run(tmp_path: Path) -> None:
+    """The tenancy benchmark runs end to end: every mode, both planes, the in-process figures."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "tenancy_bench.py"), "--quick", "--page-kib", "64", "--out",
+            str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "tenancy_bench.json").read_text())
+    assert [r["mode"] for r in doc["rows"]] == ["no-tenancy", "tenant", "tenant+share"] == list(doc["micro"])
+    assert min(r[f"{p}_{op}_gbs"] for r in doc["rows"] for p in ("grpc", "shm") for op in ("put", "get")) > 0
+    assert all(f["lookup_miss_us"] > 0 and f["put_evict_us"] > 0 for f in doc["micro"].values())

@@ -17,6 +17,9 @@ from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.errors import Unauthenticated
 from kvstore.index import IndexReader
+from kvstore.index.keys import block_key
+from kvstore.names import TierKind
+from kvstore.security import ClientSecurity
 from workers.tiny import TinyLlamaSpec, make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +67,9 @@ def override(tmp_path: Path, values: dict) -> Path:
 
 def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: Path) -> None:
     # small-cluster.yaml: 2 nodes, tokens on; scaled further down so 2 nodes fit any CI box.
-    up = Up(tmp_path, [PROFILES / "small-cluster.yaml", override(tmp_path, {"local": {"scale": 0.0002}})])
+    # With a tenant (auth.tenants): its own token and index user, and a DRAM share scaled like the budgets.
+    tenants = {"auth": {"tenants": [{"name": "alice", "dramBytes": "32Gi"}]}}
+    up = Up(tmp_path, [PROFILES / "small-cluster.yaml", override(tmp_path, {"local": {"scale": 0.0002}, **tenants})])
     try:
         ready = up.wait_ready(90)
         url = ready["redis_url"]
@@ -84,6 +89,14 @@ def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: P
         stats = json.loads(r.stdout)["nodes"][0]
         dram = next(t for t in stats["tiers"] if t["tier"] == "dram")
         assert dram["capacity_bytes"] <= int(64 * (1 << 30) * 0.0002)  # budgets scaled by local.scale
+        # The tenant's token reaches its own scope only; its index user reads its own entries only.
+        alice = (tmp_path / "nvme" / "tenant-alice.token").read_text().strip()
+        with KVStoreClient(live["node-0"], transport="grpc", security=ClientSecurity(token=alice)) as kv:
+            (row,) = kv.stats().tenants
+        assert row.tenant == "alice" and row.quota_bytes[TierKind.DRAM] >= int(32 * (1 << 30) * 0.0002) - (3 << 20)
+        alice_url = (tmp_path / "nvme" / "redis-tenant-alice.url").read_text().strip()
+        with redis.Redis.from_url(alice_url) as r, pytest.raises(redis.exceptions.NoPermissionError):
+            r.hgetall(block_key("ns", b"\0" * 32))  # the default tenant's entries
     finally:
         code = up.stop()
     assert code == 0, up.log.read_text()

@@ -22,9 +22,11 @@ import ssl
 
 from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
 from kvstore.manager import TierManager
+from kvstore.manager.tenants import TenantView
 from kvstore.names import TierKind
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
+from kvstore.tenants import DEFAULT_TENANT
 from kvstore.transport import tcp
 from kvstore.transport.serving import NodeServices, PlaneServer
 from kvstore.transport.tcp import FrameError, Header, Kind
@@ -122,6 +124,7 @@ class _Connection:
         self.auth = server.services.auth
         self.timeout = self.cfg.tcp_timeout_seconds
         self.token = ""
+        self.cert_names: list[str] = []  # of the client's certificate (mutual TLS), for tenant binding
         self.busy = False
 
     async def serve(self) -> None:
@@ -133,6 +136,7 @@ class _Connection:
                     tls = TlsChannel(loop, self.sock, self.server.tls)
                     chan = tls
                     await tls.handshake()
+                    self.cert_names = tls.cert_names()
                 else:
                     chan = PlainChannel(loop, self.sock)
                 if len(self.server._conns) > self.cfg.tcp_max_connections:
@@ -191,12 +195,14 @@ class _Connection:
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
 
-    def _authorize(self, method: str) -> bool:
+    def _authorize(self, method: str) -> tuple[bool, TenantView]:
         """Raise unless the token allows `method`; whether the caller may move pages (a read-only caller's
-        Gets are served in place, as on gRPC: kvstore/admission.py)."""
-        if self.auth is None:
-            return True
-        return self.auth.check(method, self._metadata()).role >= Role.WRITE
+        Gets are served in place, as on gRPC: kvstore/admission.py), and the manager in its tenant's scope."""
+        who = None if self.auth is None else self.auth.check(method, self._metadata())
+        binder = self.server.services.binder
+        if binder is not None:
+            who = binder.bind(who, self.cert_names)
+        return who is None or who.role >= Role.WRITE, self.mgr.scoped(DEFAULT_TENANT if who is None else who.scope)
 
     async def _request(self, chan: Channel, head: Header) -> None:
         async with asyncio.timeout(self.timeout):
@@ -221,9 +227,9 @@ class _Connection:
         txn = None
         try:
             try:
-                self._authorize("Put")
+                _, view = self._authorize("Put")
                 op = tcp.parse_put(meta)
-                txn = self.mgr.begin_put(op.namespace, op.layout, op.target or TierKind.DRAM, op.parent, op.chain)
+                txn = view.begin_put(op.namespace, op.layout, op.target or TierKind.DRAM, op.parent, op.chain)
             except KVStoreError as exc:
                 failure = exc
             for _ in range(npages):
@@ -266,8 +272,8 @@ class _Connection:
     async def _get(self, chan: Channel, meta: bytearray) -> None:
         """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""
         namespace, hashes, promote = tcp.parse_get(meta)
-        may_move = self._authorize("Get")
-        leases = self.mgr.get(namespace, hashes, promote=promote and may_move)
+        may_move, view = self._authorize("Get")
+        leases = view.get(namespace, hashes, promote=promote and may_move)
         sent = 0
         try:
             async for lease in leases:

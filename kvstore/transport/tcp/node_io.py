@@ -54,6 +54,10 @@ class Channel:
         self._view.release()
         self.sock.close()
 
+    def cert_names(self) -> list[str]:
+        """Names of the peer's verified certificate (common name, DNS names); none without mutual TLS."""
+        return []
+
     async def readinto(self, dst: memoryview) -> None:
         """Fill `dst` exactly: buffered bytes first, then large remainders straight from the socket."""
         n = len(dst)
@@ -136,6 +140,11 @@ class TlsChannel(Channel):
         self._in = ssl.MemoryBIO()
         self._out = ssl.MemoryBIO()
         self._tls = ctx.wrap_bio(self._in, self._out, server_side=True)
+
+    def cert_names(self) -> list[str]:
+        cert = self._tls.getpeercert() or {}
+        names = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+        return names + [v for k, v in cert.get("subjectAltName", ()) if k == "DNS"]
 
     async def handshake(self) -> None:
         while True:

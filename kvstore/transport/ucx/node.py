@@ -25,9 +25,10 @@ from typing import Any
 from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
-from kvstore.security import AUTH_HEADER, Role
+from kvstore.errors import DataLoss, InvalidArgument, KVStoreError, PermissionDenied
+from kvstore.security import AUTH_HEADER, Principal, Role
 from kvstore.stats import PlaneInfo
+from kvstore.tenants import DEFAULT_TENANT
 from kvstore.transport.serving import NodeServices, PlaneServer
 from kvstore.transport.ucx import (
     FRAME,
@@ -256,11 +257,11 @@ class UcxPlaneServer(PlaneServer):
     async def _handle(self, conn: Connection, kind: Kind, seq: int, body: memoryview) -> None:
         try:
             if kind is Kind.PUT:
-                self._check(conn, "Put")
-                reply = await self._put(conn, seq, pb.PutShmRequest.FromString(bytes(body)))
+                who = self._check(conn, "Put")
+                reply = await self._put(conn, seq, pb.PutShmRequest.FromString(bytes(body)), who)
             elif kind is Kind.GET:
-                may_move = self._check(conn, "Get")
-                reply = await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)), may_move)
+                who = self._check(conn, "Get")
+                reply = await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)), who)
             else:
                 raise InvalidArgument("kind", f"{kind.name} is not a request")
         except DecodeError as exc:
@@ -271,13 +272,18 @@ class UcxPlaneServer(PlaneServer):
             return
         await self._send(conn, frame(Kind.OK, seq, reply), seq)
 
-    def _check(self, conn: Connection, method: str) -> bool:
-        """Raise unless the connection's token allows `method`; whether the caller may move pages (a
-        read-only caller's Gets are served in place, as on gRPC: kvstore/admission.py)."""
+    def _check(self, conn: Connection, method: str) -> Principal | None:
+        """The caller, unless the connection's token does not allow `method` (None: a node without
+        tokens). Its role says whether it may move pages (a read-only caller's Gets are served in place,
+        as on gRPC: kvstore/admission.py), its tenant which namespaces it reaches."""
         svc = self._svc
-        if svc is not None and svc.auth is not None:
-            return svc.auth.check(method, conn.metadata).role >= Role.WRITE
-        return True
+        who = svc.auth.check(method, conn.metadata) if svc is not None and svc.auth is not None else None
+        if svc is not None and svc.binder is not None and (who is None or who.tenant is None):
+            # UCX carries no client certificate: a caller whose tenant would come from one is refused
+            # rather than served as the default tenant.
+            raise PermissionDenied("this node binds tenants to client certificates, which the UCX plane does "
+                                   "not carry: use a token whose line names its tenant, or another plane")  # fmt: skip
+        return who
 
     async def _send(self, conn: Connection, msg: bytes, seq: int) -> None:
         t = self.ucx.UCXXTag(tag(conn.cid, TagKind.CTRL_TO_CLIENT, seq))
@@ -300,7 +306,7 @@ class UcxPlaneServer(PlaneServer):
 
     # ---------------------------------------------------------------- requests
 
-    async def _put(self, conn: Connection, seq: int, req: pb.PutShmRequest) -> bytes:
+    async def _put(self, conn: Connection, seq: int, req: pb.PutShmRequest, who: Principal | None) -> bytes:
         svc = self._svc
         assert svc is not None
         if not req.HasField("open"):
@@ -311,7 +317,7 @@ class UcxPlaneServer(PlaneServer):
             if not p.checksum:  # a short message would leave stale bytes that only the checksum catches
                 raise InvalidArgument(f"pages[{i}].checksum", "required on the UCX plane")
         op = req.open
-        txn = svc.manager.begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
+        txn = svc.manager.scoped(DEFAULT_TENANT if who is None else who.scope).begin_put(op.namespace, layout_from_pb(op.layout), tier_from_pb(op.target_tier),
                                     op.parent_hash or None, op.chain)  # fmt: skip
         recvs: list[Any] = []
         arrays: list[Any] = []  # kept referenced while UCX may write through them
@@ -350,13 +356,15 @@ class UcxPlaneServer(PlaneServer):
                 if not txn.done:
                     txn.abort()
 
-    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, may_move: bool) -> bytes:
+    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, who: Principal | None) -> bytes:
         svc = self._svc
         assert svc is not None
         if len(req.hashes) > MAX_PAGES_PER_CALL:
             raise InvalidArgument("hashes", f"a GET asks for at most {MAX_PAGES_PER_CALL} pages")
         out = pb.GetShmResponse()
-        leases = svc.manager.get(req.namespace, list(req.hashes), promote=not req.no_promote and may_move)
+        may_move = who is None or who.role >= Role.WRITE
+        leases = svc.manager.scoped(DEFAULT_TENANT if who is None else who.scope).get(req.namespace, list(req.hashes),
+                                                              promote=not req.no_promote and may_move)  # fmt: skip
         try:
             async for lease in leases:
                 i = len(out.pages)
