@@ -1,7 +1,7 @@
 """The cache node's gRPC server (grpc.aio): request validation, stream framing, status codes.
 
-One interceptor (`ErrorInterceptor`) turns every kvstore exception into its gRPC status code, so
-handlers just raise. Health (grpc.health.v1) and reflection are served beside kvstore.v1.KVStore.
+One interceptor (`ErrorInterceptor`, kvstore/interceptor.py) authenticates every call before its
+request is read and turns every kvstore exception into its gRPC status code, so handlers just raise. Health (grpc.health.v1) and reflection are served beside kvstore.v1.KVStore.
 SIGTERM/SIGINT: health goes NOT_SERVING, in-flight RPCs get `grace_seconds`, then the manager spills
 DRAM pages to NVMe (bounded) and closes, so a restart on the same --nvme-path is warm.
 """
@@ -14,10 +14,8 @@ import logging
 import os
 import signal
 import socket
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,18 +24,16 @@ from grpc_reflection.v1alpha import reflection
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.admission import (
-    CALLER,
     MAX_RECEIVE_BYTES,
     bounded,
     check_count,
     may_move_pages,
-    raw_unary,
-    refusal_handler,
     tenant_of_caller,
 )
 from kvstore.config import NodeConfig
-from kvstore.errors import InvalidArgument, KVStoreError, PermissionDenied, ShmNotAvailable
+from kvstore.errors import InvalidArgument, PermissionDenied, ShmNotAvailable
 from kvstore.index.publisher import IndexPublisher
+from kvstore.interceptor import SERVICE_NAME, ErrorInterceptor
 from kvstore.manager import TierManager
 from kvstore.manager.core import MAX_HASHES
 from kvstore.manager.tenants import TenantView
@@ -45,9 +41,9 @@ from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.metrics import NodeMetrics
 from kvstore.names import TierKind
 from kvstore.pageformat import align_up
-from kvstore.security import Principal, TokenAuthenticator, redact_url, server_credentials
+from kvstore.security import TokenAuthenticator, redact_url, server_credentials
 from kvstore.stats import PlaneInfo, planes_to_json
-from kvstore.tenancy import TenantBinder, grpc_cert_names, load_tenants_file, share_slots
+from kvstore.tenancy import TenantBinder, load_tenants_file, share_slots
 from kvstore.transport.planes import host_id
 from kvstore.transport.serving import NodeServices, PlaneServer, build_plane_servers
 from kvstore.transport.shm import shm_available
@@ -65,143 +61,10 @@ from kvstore.wire import (
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the largest request a method accepts
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
-
-
-def status_of(exc: KVStoreError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, exc.status_name)
-
-
-RpcObserver = Callable[[str, str, float], None]  # (method, status code name, seconds)
-
-
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Maps KVStoreError subclasses to their status codes and anything unexpected to INTERNAL (logged
-    with its traceback). The only place exceptions become status codes, and so also where every
-    KVStore RPC is timed: `observe(method, code, seconds)` (metrics) sees each call once it ends."""
-
-    def __init__(self, observe: RpcObserver | None = None, auth: TokenAuthenticator | None = None,
-                 binder: TenantBinder | None = None) -> None:  # fmt: skip
-        self.observe = observe
-        self.auth = auth  # when set, every KVStore call must carry a token allowed for its method
-        self.binder = binder  # when set, callers with a certificate its tenants file lists get that tenant
-
-    def caller(self, caller: Principal | None, context: grpc.aio.ServicerContext) -> Principal | None:
-        """The call's principal, bound to its mTLS certificate's tenant where the tenants file says so."""
-        if self.binder is None:
-            return caller
-        return self.binder.bind(caller, grpc_cert_names(context.auth_context()))
-
-    def authorize(self, method: str, metadata: Any) -> tuple[grpc.RpcMethodHandler | None, Principal | None]:
-        """(None, the caller) when the call's token allows `method`; else a handler refusing it that
-        never reads the request (kvstore/admission.py: authentication before any allocation sized by
-        the caller). The caller is None on a node without tokens."""
-        if self.auth is None:
-            return None, None
-        try:
-            return None, self.auth.check(method.rsplit("/", 1)[-1], metadata)
-        except KVStoreError as exc:
-            self.done(method, time.perf_counter(), exc)
-            return refusal_handler(exc), None
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        method = details.method
-        refusal, caller = self.authorize(method, details.invocation_metadata)
-        if refusal is not None:
-            return refusal
-        # Requests reach the wrappers as raw bytes and are parsed there, after a per-method size check.
-        name, parse = method.rsplit("/", 1)[-1], handler.request_deserializer
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                _wrap_unary(raw_unary(handler.unary_unary, name, parse), method, self, caller),
-                None, handler.response_serializer,
-            )  # fmt: skip
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(
-                _wrap_unary(handler.stream_unary, method, self, caller),
-                handler.request_deserializer, handler.response_serializer,
-            )  # fmt: skip
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                _wrap_stream(raw_unary(handler.unary_stream, name, parse), method, self, caller),
-                None, handler.response_serializer,
-            )  # fmt: skip
-        return handler
-
-    def done(self, method: str, started: float, exc: BaseException | None) -> None:
-        if self.observe is None:
-            return
-        if exc is None:
-            code = "OK"
-        elif isinstance(exc, asyncio.CancelledError):
-            code = "CANCELLED"
-        elif isinstance(exc, KVStoreError):
-            code = status_of(exc).name
-        elif isinstance(exc, grpc.aio.AbortError):
-            code = "UNKNOWN"  # a handler aborted by itself (none does today: errors go through _abort)
-        else:
-            code = "INTERNAL"
-        self.observe(method, code, time.perf_counter() - started)
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
-    if isinstance(exc, KVStoreError):
-        log.debug("%s -> %s: %s", method, exc.status_name, exc)
-        await context.abort(status_of(exc), str(exc))
-    log.exception("%s failed unexpectedly", method, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
-
-
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor,
-                caller: Principal | None) -> Callable[..., Awaitable[Any]]:  # fmt: skip
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.perf_counter()
-        CALLER.set(caller)  # this call's own task context: seen by the handler only
-        try:
-            CALLER.set(icpt.caller(caller, context))
-            result = await fn(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-            icpt.done(method, started, exc)
-            raise
-        except Exception as exc:
-            icpt.done(method, started, exc)
-            await _abort(context, exc, method)
-        icpt.done(method, started, None)
-        return result
-
-    return wrapper
-
-
-def _wrap_stream(
-    fn: Callable[..., AsyncIterator[Any]], method: str, icpt: ErrorInterceptor, caller: Principal | None
-) -> Callable[..., AsyncIterator[Any]]:
-    async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started = time.perf_counter()
-        CALLER.set(caller)
-        try:
-            CALLER.set(icpt.caller(caller, context))
-            async for item in fn(request, context):
-                yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-            icpt.done(method, started, exc)
-            raise
-        except Exception as exc:
-            icpt.done(method, started, exc)
-            await _abort(context, exc, method)
-        icpt.done(method, started, None)
-
-    return wrapper
 
 
 class KVStoreServicer(pb_grpc.KVStoreServicer):
