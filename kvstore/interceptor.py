@@ -10,6 +10,7 @@ its caller (bound to its mTLS tenant where the tenants file says so) in `admissi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -119,22 +120,31 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+@contextlib.asynccontextmanager
+async def _handled(method: str, icpt: ErrorInterceptor, caller: Principal | None,
+                   context: grpc.aio.ServicerContext) -> AsyncIterator[None]:  # fmt: skip
+    """One KVStore call as its handler runs: the caller in CALLER (this call's own task context, seen
+    by the handler only), the outcome timed and any exception mapped to its status (an abort)."""
+    started = time.perf_counter()
+    CALLER.set(caller)
+    try:
+        CALLER.set(icpt.caller(caller, context))  # may refuse (a certificate of another tenant)
+        yield
+    except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
+        icpt.done(method, started, exc)
+        raise
+    except Exception as exc:
+        icpt.done(method, started, exc)
+        await _abort(context, exc, method)
+    else:
+        icpt.done(method, started, None)
+
+
 def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor,
                 caller: Principal | None) -> Callable[..., Awaitable[Any]]:  # fmt: skip
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.perf_counter()
-        CALLER.set(caller)  # this call's own task context: seen by the handler only
-        try:
-            CALLER.set(icpt.caller(caller, context))
-            result = await fn(request, context)
-        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-            icpt.done(method, started, exc)
-            raise
-        except Exception as exc:
-            icpt.done(method, started, exc)
-            await _abort(context, exc, method)
-        icpt.done(method, started, None)
-        return result
+        async with _handled(method, icpt, caller, context):
+            return await fn(request, context)
 
     return wrapper
 
@@ -143,18 +153,8 @@ def _wrap_stream(
     fn: Callable[..., AsyncIterator[Any]], method: str, icpt: ErrorInterceptor, caller: Principal | None
 ) -> Callable[..., AsyncIterator[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        started = time.perf_counter()
-        CALLER.set(caller)
-        try:
-            CALLER.set(icpt.caller(caller, context))
+        async with _handled(method, icpt, caller, context):
             async for item in fn(request, context):
                 yield item
-        except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
-            icpt.done(method, started, exc)
-            raise
-        except Exception as exc:
-            icpt.done(method, started, exc)
-            await _abort(context, exc, method)
-        icpt.done(method, started, None)
 
     return wrapper
