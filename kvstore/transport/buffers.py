@@ -9,7 +9,7 @@ argument (`buffers[i]`), raised before anything is sent, so a bad call changes n
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,3 +59,16 @@ def check_buffers(buffers: Sequence[Any], count: int, *, writable: bool,
             if spans[prev][0] + spans[prev][1] > spans[cur][0]:
                 raise ValueError(f"buffers[{max(prev, cur)}]: overlaps buffers[{min(prev, cur)}]")
     return spans
+
+
+def page_sink(buffers: Sequence[Any], first: int) -> Callable[[int, int], memoryview]:
+    """Where a plane receiving a batch that starts at hash `first` puts page i of `n` bytes:
+    buffers[first + i], cut to the page; ValueError naming that buffer when it cannot hold the page."""
+
+    def sink(i: int, n: int) -> memoryview:
+        dst = memoryview(buffers[first + i]).cast("B")
+        if dst.nbytes < n:
+            raise ValueError(f"buffers[{first + i}]: {dst.nbytes} bytes cannot hold a {n}-byte page")
+        return dst[:n]
+
+    return sink

@@ -126,3 +126,15 @@ class DataPlane(abc.ABC):
 def batches(n: int, size: int) -> list[tuple[int, int]]:
     """[start, end) ranges of at most `size` covering range(n)."""
     return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def prefix_batches(n: int, size: int, fetch: Callable[[int, int], Exchange[list[T]]]) -> Exchange[list[T]]:
+    """What `fetch(a, b)` returns for the batches [a, b) of range(n) (at most `size` each), in order,
+    stopping after the first batch that came back short: there the longest stored prefix ended."""
+    out: list[T] = []
+    for a, b in batches(n, size):
+        got = yield from fetch(a, b)
+        out.extend(got)
+        if len(got) < b - a:
+            break
+    return out

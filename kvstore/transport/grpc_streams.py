@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.transport.exchange import ClientStream, DataPlane, Exchange, ServerStream, batches
+from kvstore.transport.exchange import ClientStream, DataPlane, Exchange, ServerStream, batches, prefix_batches
 from kvstore.wire import FetchedPage, GetAssembler, put_requests
 
 
@@ -36,13 +36,10 @@ class GrpcStreams(DataPlane):
         return stored, present
 
     def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        out: list[FetchedPage] = []
-        for a, b in batches(len(hashes), self.pages_per_call):
+        def fetch(a: int, b: int) -> Exchange[list[FetchedPage]]:
             asm = GetAssembler(hashes[a:b], self.verify)
             yield ServerStream("Get", pb.GetRequest(namespace=namespace, hashes=list(hashes[a:b]),
                                                     no_promote=not promote), asm.feed)  # fmt: skip
-            got = asm.finish()
-            out.extend(got)
-            if len(got) < b - a:
-                break
-        return out
+            return asm.finish()
+
+        return (yield from prefix_batches(len(hashes), self.pages_per_call, fetch))

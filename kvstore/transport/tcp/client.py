@@ -31,7 +31,8 @@ from kvstore.pageformat import payload_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import PlaneInfo
 from kvstore.transport import tcp
-from kvstore.transport.exchange import Blocking, DataPlane, Exchange, batches
+from kvstore.transport.buffers import page_sink
+from kvstore.transport.exchange import Blocking, DataPlane, Exchange, batches, prefix_batches
 from kvstore.transport.tcp import Header, Kind
 from kvstore.wire import FetchedPage, PageRef, StreamError
 
@@ -301,35 +302,23 @@ class TcpPlane(DataPlane):
         return stored, present
 
     def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        out: list[FetchedPage] = []
-        for a, b in batches(len(hashes), self.pages_per_call):
-            got = yield Blocking(lambda a=a, b=b: self._call(
-                lambda c: c.get(namespace, hashes[a:b], promote, self.verify, _fresh)))  # fmt: skip
-            out.extend(FetchedPage(h, tier, view.obj) for h, tier, view in got)  # type: ignore[arg-type]
-            if len(got) < b - a:
-                break
-        return out
+        def fetch(a: int, b: int) -> Exchange[list[FetchedPage]]:
+            got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes[a:b], promote, self.verify, _fresh)))
+            return [FetchedPage(h, tier, view.obj) for h, tier, view in got]  # type: ignore[arg-type]
+
+        return (yield from prefix_batches(len(hashes), self.pages_per_call, fetch))
 
     def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[memoryview],
                  promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
         """Pages received straight into the caller's buffers (one copy: kernel -> buffer), verified."""
         if len(buffers) < len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(buffers)} buffers")
-        targets = [memoryview(b).cast("B") for b in buffers]
-        out: list[PageRef] = []
-        for a, b in batches(len(hashes), self.pages_per_call):
+        def fetch(a: int, b: int) -> Exchange[list[PageRef]]:
+            sink = page_sink(buffers, a)
+            got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes[a:b], promote, self.verify, sink)))
+            return [PageRef(h, tier, len(view)) for h, tier, view in got]
 
-            def sink(i: int, n: int, a: int = a) -> memoryview:
-                if targets[a + i].nbytes < n:
-                    raise ValueError(f"buffers[{a + i}]: {targets[a + i].nbytes} bytes cannot hold a {n}-byte page")
-                return targets[a + i][:n]
-
-            got = yield Blocking(lambda a=a, b=b, sink=sink: self._call(
-                lambda c: c.get(namespace, hashes[a:b], promote, self.verify, sink)))  # fmt: skip
-            out.extend(PageRef(h, tier, len(view)) for h, tier, view in got)
-            if len(got) < b - a:
-                break
-        return out
+        return (yield from prefix_batches(len(hashes), self.pages_per_call, fetch))
 
 
 def _fresh(i: int, n: int) -> memoryview:

@@ -31,7 +31,8 @@ from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import PlaneInfo
 from kvstore.transport import ucx as proto
-from kvstore.transport.exchange import Blocking, DataPlane, Exchange, batches
+from kvstore.transport.buffers import page_sink
+from kvstore.transport.exchange import Blocking, DataPlane, Exchange, batches, prefix_batches
 from kvstore.transport.ucx import Hello, Kind, ProtocolError, TagKind, UcxAddress
 from kvstore.transport.ucx.progress import UcxClosed, UcxTimeout, wait_blocking
 from kvstore.wire import FetchedPage, PageRef, StreamError, layout_to_pb
@@ -268,33 +269,22 @@ class UcxPlane(DataPlane):
             bufs.append(bytearray(n))
             return memoryview(bufs[-1])
 
-        out: list[FetchedPage] = []
-        for a, b in batches(len(hashes), self.pages_per_call):
+        def fetch(a: int, b: int) -> Exchange[list[FetchedPage]]:
             bufs.clear()
             got = yield from self._get_batch(namespace, hashes[a:b], promote, sink)
-            out.extend(FetchedPage(ref.hash, ref.tier, bufs[i]) for i, ref in enumerate(got))
-            if len(got) < b - a:
-                break
-        return out
+            return [FetchedPage(ref.hash, ref.tier, bufs[i]) for i, ref in enumerate(got)]
+
+        return (yield from prefix_batches(len(hashes), self.pages_per_call, fetch))
 
     def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[memoryview],
                  promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
         """Pages received straight into the caller's buffers (no copy besides the network's)."""
         if len(buffers) < len(hashes):
             raise ValueError(f"{len(hashes)} hashes but {len(buffers)} buffers")
-        out: list[PageRef] = []
-        for a, b in batches(len(hashes), self.pages_per_call):
-            def sink(i: int, n: int, a: int = a) -> memoryview:
-                dst = buffers[a + i].cast("B")
-                if dst.nbytes < n:
-                    raise ValueError(f"buffers[{a + i}]: {dst.nbytes} bytes cannot hold a {n}-byte page")
-                return dst[:n]
+        def fetch(a: int, b: int) -> Exchange[list[PageRef]]:
+            return (yield from self._get_batch(namespace, hashes[a:b], promote, page_sink(buffers, a)))
 
-            got = yield from self._get_batch(namespace, hashes[a:b], promote, sink)
-            out.extend(got)
-            if len(got) < b - a:
-                break
-        return out
+        return (yield from prefix_batches(len(hashes), self.pages_per_call, fetch))
 
     def _get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool, sink: Sink) -> Exchange[list[PageRef]]:
         req = pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
