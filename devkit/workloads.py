@@ -58,7 +58,7 @@ class Chainer:
         """`n` blocks of content never seen before (a new question, answer or document)."""
         return [next(self._content) for _ in range(n)]
 
-    def chain(self, content: Sequence[int]) -> Request:
+    def chain(self, content: Sequence[Hashable]) -> Request:
         ids, parent = [], -1
         for c in content:
             parent = self._ids.setdefault((parent, c), len(self._ids))
@@ -89,7 +89,7 @@ class _Due:
 class _Session:
     """A multi-request session: its content so far and the requests it still has to make."""
 
-    content: list[int]
+    content: list[Hashable]  # block contents: fresh ints, or tuples naming shared content
     left: int
     kind: str = ""
     extra: list[int] = field(default_factory=list)  # e.g. a RAG session's retrieved documents
@@ -275,6 +275,109 @@ class Tenants:
         return self.gens[name].next(now)
 
 
+class Conversation:
+    """Production chat traffic as the published statistics describe it (the Mooncake FAST'25
+    conversation trace, Kimi: 12,031 requests in an hour, mean input 12,035 tokens, median about
+    6,900, a long tail to 126k; mean output 343 tokens; about 40% of blocks reusable with an unbounded
+    cache, a few system-prompt blocks shared by nearly every request; LMSYS-Chat-1M: 2.0 turns per
+    conversation on average, user prompts of about 70 tokens, answers of about 215), in blocks of
+    BLOCK_TOKENS tokens as in the released traces. Only full blocks are hashed: a turn's partial last
+    block is computed anew, with the next turn's tokens, in the next request.
+
+    A conversation starts with a system prompt (DEFAULT_SHARE of conversations use the product's
+    default prompt, the others one of APPS app prompts by Zipf(1); SYSTEM_TOKENS each) and a first
+    user message: with probability DOC_SHARE a popular document (one of DOCS, Zipf(DOC_ZIPF)) put in
+    front of a question, otherwise the user's own content (pasted text, an uploaded file, search
+    results: lognormal tokens, median FIRST_TOKENS, sigma FIRST_SIGMA; most blocks of the trace are
+    these, seen once). It has another turn with probability CONTINUE (geometric: mean 1/(1-CONTINUE)
+    turns) while its history is under CONTEXT tokens. A turn resends the history, the previous answer
+    (lognormal, median ANSWER_TOKENS) and a new question (median QUESTION_TOKENS); with probability
+    ATTACH the question carries new material (a file, search results; median ATTACH_TOKENS). Think
+    time between turns: lognormal seconds (median THINK_S, sigma THINK_SIGMA) at RATE requests per
+    second, so many users are in a conversation at once and most next turns come back after a few
+    hundred other requests.
+    """
+
+    BLOCK_TOKENS = 512
+    RATE = 3.34  # requests per second (12,031 in an hour)
+    SYSTEM_TOKENS = (600, 1500)
+    DEFAULT_SHARE, APPS = 0.75, 12
+    DOC_SHARE, DOCS, DOC_ZIPF, DOC_TOKENS = 0.1, 300, 1.0, 6000
+    FIRST_TOKENS, FIRST_SIGMA = 4800, 1.3
+    MULTI, CONTINUE = 0.2, 0.85
+    CONTEXT = 128_000
+    ANSWER_TOKENS, QUESTION_TOKENS = 290, 50
+    ATTACH, ATTACH_TOKENS = 0.15, 2500
+    THINK_S, THINK_SIGMA = 150.0, 1.2
+    WARMUP = 1500  # requests generated and dropped first: the trace is a window of traffic in progress
+
+    def __init__(self, rnd: random.Random, ch: Chainer) -> None:
+        self.rnd, self.ch = rnd, ch
+        lo, hi = self.SYSTEM_TOKENS
+        self.system = [rnd.randint(lo, hi) for _ in range(self.APPS + 1)]  # tokens; [0] is the default
+        self.app_weights = zipf_weights(self.APPS, 1.0)
+        self.docs: dict[int, int] = {}  # document -> tokens, made on first use
+        self.doc_cum = list(itertools.accumulate(zipf_weights(self.DOCS, self.DOC_ZIPF)))
+        self.due = _Sessions()
+        self._clock = -self.WARMUP
+        for _ in range(self.WARMUP):
+            self.next(0)
+
+    def _tokens(self, median: float, sigma: float, hi: int | None = None) -> int:
+        return lognormal_int(self.rnd, median, sigma, hi=hi)
+
+    def _start(self) -> _Session:
+        rnd = self.rnd
+        app = 0 if rnd.random() < self.DEFAULT_SHARE else 1 + rnd.choices(range(self.APPS), self.app_weights)[0]
+        s = _Session([], int(rnd.random() < self.MULTI), kind=f"app{app}")
+        # NOTE: shared content is chained by its own id, so equal prompts (and equal documents after
+        # the same prompt) give equal block ids; `extra` carries [tokens not yet in a full block].
+        # NOTE: every prompt opens with the product's common preamble (its first block is in nearly
+        # every request of the trace), then the app's own text.
+        s.content = [("system", 0 if i == 0 else app, i) for i in range(self.system[app] // self.BLOCK_TOKENS)]
+        s.extra = [self.system[app] % self.BLOCK_TOKENS]
+        if rnd.random() < self.DOC_SHARE:
+            doc = rnd.choices(range(self.DOCS), cum_weights=self.doc_cum)[0]
+            tokens = self.docs.setdefault(doc, self._tokens(self.DOC_TOKENS, 0.8, hi=60_000))
+            self._shared(s, ("doc", doc), tokens)
+            self._append(s, self._tokens(self.QUESTION_TOKENS, 1.0, hi=2000))
+        else:
+            self._append(s, self._tokens(self.FIRST_TOKENS, self.FIRST_SIGMA, hi=self.CONTEXT // 2))
+        return s
+
+    def _shared(self, s: _Session, name: tuple[str, int], tokens: int) -> None:
+        """Shared content (the same for every user) after what the session holds: it chains to equal
+        ids only if it starts on a block boundary, as the engine's hashing would."""
+        if s.extra[0]:
+            self._append(s, tokens)  # misaligned: its blocks differ from another user's copy
+            return
+        s.content += [(*name, i) for i in range(tokens // self.BLOCK_TOKENS)]
+        s.extra[0] = tokens % self.BLOCK_TOKENS
+
+    def _append(self, s: _Session, tokens: int) -> None:
+        total = s.extra[0] + tokens
+        s.content += self.ch.fresh(total // self.BLOCK_TOKENS)
+        s.extra[0] = total % self.BLOCK_TOKENS
+
+    def next(self, now: int) -> Request:
+        # NOTE: an own clock, so the warm-up's requests come before request 0 of the window.
+        now, self._clock = self._clock, self._clock + 1
+        rnd = self.rnd
+        s = self.due.pop(now)
+        if s is None:
+            s = self._start()
+        else:
+            self._append(s, self._tokens(self.ANSWER_TOKENS, 0.6, hi=4000))  # the previous answer
+            extra = self._tokens(self.ATTACH_TOKENS, 1.0, hi=40_000) if rnd.random() < self.ATTACH else 0
+            self._append(s, self._tokens(self.QUESTION_TOKENS, 1.0, hi=2000) + extra)
+        req = self.ch.chain(s.content)
+        tokens = len(s.content) * self.BLOCK_TOKENS + s.extra[0]
+        if s.left and rnd.random() < self.CONTINUE and tokens < self.CONTEXT:
+            think = self.THINK_S * math.exp(self.THINK_SIGMA * rnd.gauss(0.0, 1.0))
+            self.due.push(now + max(1, round(think * self.RATE)), s)
+        return req
+
+
 # ------------------------------------------------------------------------------------------- suite
 
 
@@ -294,6 +397,12 @@ WORKLOADS: dict[str, WorkloadSpec] = {
     "agent": WorkloadSpec("agent", 2500, 100, "agent loops: long shared tool prompts, many short steps"),
     "batch": WorkloadSpec("batch", 4000, 160, "batch few-shot jobs in bursts, one-off long prompts"),
     "tenants": WorkloadSpec("tenants", 4000, 160, "four tenants of those shapes; the mix changes halfway"),
+    "conversation": WorkloadSpec(
+        "conversation",
+        6000,
+        240,
+        "production chat as published (Mooncake, LMSYS): long shared system prompts, uploads, most blocks seen once",
+    ),
 }
 
 _GENERATORS: dict[str, Callable[[random.Random, Chainer, int], Callable[[int], Request]]] = {
@@ -302,6 +411,7 @@ _GENERATORS: dict[str, Callable[[random.Random, Chainer, int], Callable[[int], R
     "agent": lambda rnd, ch, _n: Agent(rnd, ch).next,
     "batch": lambda rnd, ch, _n: Batch(rnd, ch).next,
     "tenants": lambda rnd, ch, n: Tenants(rnd, ch, n).next,
+    "conversation": lambda rnd, ch, _n: Conversation(rnd, ch).next,
 }
 
 

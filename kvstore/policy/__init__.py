@@ -38,21 +38,29 @@ one without it; see admission.py for the exact contract):
         stored when there is none; a page moving up stays where it is.
 
 Modules: base (the protocol, first_usable, should_admit), recency (LRU, ARC), frequency (S3-FIFO),
-prefix (the chain-forest policies), sketch (the frequency sketch, stable hashing), admission (TinyLFU
-in front of any policy), adaptive (the admission duel), registry (config names, make_policy).
+prefix (the chain-forest policies), sketch (the frequency sketch, stable hashing), history (exact
+recent reference counts, the adaptive default's ghost list), admission (rules in front of any
+policy: TinyLFU, second sight), duel (issue 14's two-shadow switch), adaptive (the default's three
+thresholds), registry (config names, make_policy).
 
 Policies (config names): "lru", "prefix-lru", "arc", "s3fifo", "prefix-arc", "tinylfu" (prefix-arc
-behind TinyLFU admission, always on) and "adaptive" (prefix-arc with admission switched on and off
-online by dueling shadow caches: the node's default). The manager asks admit() for its host-memory
-tier only (kvstore/manager/placement.py: Put and promotion on read; never for an explicit Prefetch,
-HBM, NVMe, recovery or the shutdown spill). benchmarks/trace_replay.py compares them on the
-workload suite and any trace, against Belady's offline optimum.
+behind TinyLFU admission, always on), "second-sight" (LRU admitting a key on its second sight: a
+ghost list of 4x the tier remembers the refused keys), "duel" (prefix-arc with TinyLFU switched on
+and off by two dueling shadow caches: issue 14's default) and "adaptive" (prefix-arc behind an
+admission threshold that moves between admit-all, second sight and TinyLFU's test as three sampled
+shadow caches show which one hits most: the node's default). The manager asks admit() for its
+host-memory tier only (kvstore/manager/placement.py: Put and promotion on read; never for an
+explicit Prefetch, HBM, NVMe, recovery or the shutdown spill). benchmarks/trace_replay.py compares
+them on the workload suite and any trace, against Belady's offline optimum; benchmarks/policy_bench.py
+measures what each one's bookkeeping costs per event.
 """
 
 from kvstore.policy.adaptive import AdaptivePolicy, ShadowCache
-from kvstore.policy.admission import Admitted, TinyLFU
+from kvstore.policy.admission import Admitted, SecondSight, TinyLFU
 from kvstore.policy.base import EvictionPolicy, Key, first_usable, should_admit
+from kvstore.policy.duel import DuelPolicy
 from kvstore.policy.frequency import S3FIFOPolicy
+from kvstore.policy.history import History
 from kvstore.policy.prefix import PrefixARCPolicy, PrefixLRUPolicy, PrefixTreePolicy
 from kvstore.policy.recency import ARCPolicy, LRUPolicy
 from kvstore.policy.registry import POLICIES, make_policy
@@ -63,14 +71,17 @@ __all__ = [
     "ARCPolicy",
     "AdaptivePolicy",
     "Admitted",
+    "DuelPolicy",
     "EvictionPolicy",
     "FrequencySketch",
+    "History",
     "Key",
     "LRUPolicy",
     "PrefixARCPolicy",
     "PrefixLRUPolicy",
     "PrefixTreePolicy",
     "S3FIFOPolicy",
+    "SecondSight",
     "ShadowCache",
     "TinyLFU",
     "first_usable",

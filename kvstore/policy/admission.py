@@ -23,15 +23,33 @@ nothing extra for admission: admit() where a full tier takes a page, the usual e
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 from kvstore.policy.base import EvictionPolicy, Key, first_usable
 from kvstore.policy.sketch import FrequencySketch
 
 
+class AdmissionRule(Protocol):
+    """What Admitted asks of an admission rule. `admits` is a query (no side effects); `record` hears
+    every reference to a key (before `admits` is asked about that reference); `refused`/`admitted`
+    hear the wrapper's answer (whatever the reason: the chain-parent rule refuses too)."""
+
+    name: str
+
+    def ensure_capacity(self, capacity: int) -> None: ...
+    def record(self, key: Key) -> None: ...
+    def admits(self, key: Key, victim: Key) -> bool: ...
+    def refused(self, key: Key) -> None: ...
+    def admitted(self, key: Key) -> None: ...
+
+
 class TinyLFU:
     """The admission rule over a FrequencySketch: `admits(key, victim)` says whether key (referenced
     now, not yet recorded) is worth more than victim. Pure; sized by `ensure_capacity`."""
+
+    name = "tinylfu"
 
     def __init__(self, *, doorkeeper: bool = True) -> None:
         self.sketch = FrequencySketch(doorkeeper=doorkeeper)
@@ -47,20 +65,76 @@ class TinyLFU:
         # a tie keeps the victim: churning equals out only costs writes.
         return self.sketch.estimate(key) + 1 > self.sketch.estimate(victim)
 
+    def refused(self, key: Key) -> None:
+        pass
 
-class Admitted:
-    """`policy` behind a TinyLFU admission filter (see the module docstring for admit()'s contract).
+    def admitted(self, key: Key) -> None:
+        pass
 
-    Invariants: as `policy` (same keys, same victim order: every event is forwarded unchanged);
-    `_resident` maps exactly the keys inserted and not removed to their parent hint; the sketch is sized for the
-    most keys this tier has held (a full tier stays at its high-water mark). `policy` must accept
-    the `parent`/`reads` hints on on_insert (every policy of this package does).
+
+class SecondSight:
+    """Admission on second sight: a key enters a full tier only if it was refused before and is still
+    remembered. The memory is a ghost list (a FIFO of refused keys, no data) of at most
+    `ghost_factor` x capacity keys; a key leaves it when it is admitted or pushed out by newer
+    refusals. So a block seen once (most blocks of chat traffic: uploads, one-off questions) never
+    displaces a resident, and one that comes back within the ghost's reach enters on its second sight.
+
+    Invariants: `len(ghost) <= max(1, ghost_factor * capacity)`; a key is in the ghost only after a
+    refusal of it and before its admission. Deterministic: no hashing, the order of events alone.
     """
 
-    def __init__(self, policy: EvictionPolicy, *, doorkeeper: bool = True) -> None:
+    name = "second-sight"
+
+    def __init__(self, ghost_factor: float = 4.0) -> None:
+        if not ghost_factor > 0:
+            raise ValueError(f"ghost_factor must be > 0, got {ghost_factor}")
+        self.ghost_factor = ghost_factor
+        self.ghost: OrderedDict[Key, None] = OrderedDict()
+        self._limit = 1
+
+    def ensure_capacity(self, capacity: int) -> None:
+        self._limit = max(self._limit, round(self.ghost_factor * capacity))
+
+    def record(self, key: Key) -> None:
+        pass
+
+    def admits(self, key: Key, victim: Key) -> bool:
+        return key in self.ghost
+
+    def refused(self, key: Key) -> None:
+        ghost = self.ghost
+        ghost[key] = None
+        ghost.move_to_end(key)
+        while len(ghost) > self._limit:
+            ghost.popitem(last=False)
+
+    def admitted(self, key: Key) -> None:
+        self.ghost.pop(key, None)
+
+
+class Admitted:
+    """`policy` behind an admission rule, TinyLFU unless `rule` says otherwise (see the module
+    docstring for admit()'s contract). With `parent_rule`, a block whose chain parent is not in this
+    tier is refused whatever the rule says.
+
+    Invariants: as `policy` (same keys, same victim order: every event is forwarded unchanged);
+    `_resident` maps exactly the keys inserted and not removed to their parent hint; the rule is sized
+    for the most keys this tier has held (a full tier stays at its high-water mark). `policy` must
+    accept the `parent`/`reads` hints on on_insert (every policy of this package does).
+    """
+
+    def __init__(
+        self,
+        policy: EvictionPolicy,
+        rule: AdmissionRule | None = None,
+        *,
+        parent_rule: bool = True,
+        doorkeeper: bool = True,
+    ) -> None:
         self.policy = policy
-        self.name = f"{policy.name}+tinylfu"
-        self.filter = TinyLFU(doorkeeper=doorkeeper)
+        self.filter: AdmissionRule = rule if rule is not None else TinyLFU(doorkeeper=doorkeeper)
+        self.parent_rule = parent_rule
+        self.name = f"{policy.name}+{self.filter.name}"
         self._resident: dict[Key, Key | None] = {}
         self._high = 0  # the most keys this tier has held
         self._just_inserted: Key | None = None  # see the module docstring: insert + access = one reference
@@ -94,7 +168,10 @@ class Admitted:
         """May `key` take `victim`'s place in this full tier? Counts the reference when it says no."""
         self._just_inserted = None
         ok = self._admits(key, victim, parent)
-        if not ok:
+        if ok:
+            self.filter.admitted(key)
+        else:
+            self.filter.refused(key)
             self._reference(key, parent)
         return ok
 
@@ -103,7 +180,7 @@ class Admitted:
     def _admits(self, key: Key, victim: Key | None, parent: Key | None) -> bool:
         if victim is None:
             return False
-        if parent is not None and parent not in self._resident:
+        if self.parent_rule and parent is not None and parent not in self._resident:
             return False
         return self.filter.admits(key, victim)
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvstore.policy.adaptive import AdaptivePolicy
-from kvstore.policy.admission import Admitted
+from kvstore.policy.admission import Admitted, SecondSight
 from kvstore.policy.base import EvictionPolicy
+from kvstore.policy.duel import DuelPolicy
 from kvstore.policy.frequency import S3FIFOPolicy
 from kvstore.policy.prefix import PrefixARCPolicy, PrefixLRUPolicy
 from kvstore.policy.recency import ARCPolicy, LRUPolicy
@@ -18,6 +19,12 @@ def _tinylfu() -> EvictionPolicy:
     return policy
 
 
+def _second_sight() -> EvictionPolicy:
+    policy = Admitted(LRUPolicy(), SecondSight(4.0), parent_rule=False)
+    policy.name = "second-sight"
+    return policy
+
+
 POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "lru": LRUPolicy,
     "prefix-lru": PrefixLRUPolicy,
@@ -25,7 +32,9 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "s3fifo": S3FIFOPolicy,
     "prefix-arc": PrefixARCPolicy,
     "tinylfu": _tinylfu,  # prefix-arc behind TinyLFU admission, always on
-    "adaptive": AdaptivePolicy,  # prefix-arc, admission switched by dueling shadows
+    "second-sight": _second_sight,  # LRU admitting a block on its second sight (ghost of 4x the tier)
+    "duel": DuelPolicy,  # prefix-arc, TinyLFU admission switched on and off by two shadows (issue 14)
+    "adaptive": AdaptivePolicy,  # prefix-arc behind all / second-sight / TinyLFU, chosen by three shadows
 }
 
 

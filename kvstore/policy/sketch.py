@@ -24,6 +24,7 @@ from collections.abc import Hashable
 import xxhash
 
 _MASK64 = (1 << 64) - 1
+_HALF = bytes(v >> 1 for v in range(256))  # a translate table that halves every counter
 
 
 def _mix64(x: int) -> int:
@@ -33,9 +34,24 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
+_TUPLE_SEED = 0x243F6A8885A308D3
+_NAMESPACE_PART: dict[str, int] = {}  # str -> the tuple hash's state after that first part (see stable_hash)
+_NAMESPACE_PART_MAX = 4096  # bounds that memo: namespaces are few, but nothing here trusts that
+
+
 def stable_hash(key: Hashable) -> int:
     """A 64-bit hash of an int, str, bytes or a tuple of those, equal in every process.
     Raises TypeError for any other key type (the manager's keys are (namespace, hash) tuples)."""
+    if type(key) is tuple and len(key) == 2 and type(key[0]) is str and type(key[1]) is bytes:
+        # NOTE: the manager's (namespace, hash) keys, on every event of a policy that hashes: the
+        # general formula below, with the namespace's part remembered. Same value, a third the time.
+        ns = key[0]
+        h = _NAMESPACE_PART.get(ns)
+        if h is None:
+            h = _mix64(_TUPLE_SEED ^ 2 ^ xxhash.xxh3_64_intdigest(ns.encode(), seed=1))
+            if len(_NAMESPACE_PART) < _NAMESPACE_PART_MAX:
+                _NAMESPACE_PART[ns] = h
+        return _mix64(h ^ xxhash.xxh3_64_intdigest(key[1]))
     if isinstance(key, bool):
         raise TypeError(f"cannot hash key of type bool: {key!r}")
     if isinstance(key, int):
@@ -50,7 +66,7 @@ def stable_hash(key: Hashable) -> int:
     if isinstance(key, str):
         return xxhash.xxh3_64_intdigest(key.encode(), seed=1)
     if isinstance(key, tuple):
-        h = 0x243F6A8885A308D3 ^ len(key)
+        h = _TUPLE_SEED ^ len(key)
         for part in key:
             h = _mix64(h ^ stable_hash(part))
         return h
@@ -103,58 +119,63 @@ class FrequencySketch:
 
     # -- counting -----------------------------------------------------------------------------------
 
-    def _slots(self, h: int) -> tuple[int, int, int, int]:
-        # NOTE: double hashing (Kirsch & Mitzenmacher): DEPTH indexes from two 32-bit halves.
+    def _slots(self, h: int) -> tuple[int, int, int, int, int, int]:
+        """The counter of each row, then the doorkeeper's two bits, for the key hashed to h.
+        NOTE: double hashing (Kirsch & Mitzenmacher): the rows' indexes from the two 32-bit halves;
+        the doorkeeper's from a remix, independent of them."""
         m = self.width - 1
         a, b = h & 0xFFFFFFFF, (h >> 32) | 1
-        return a & m, (a + b) & m, (a + 2 * b) & m, (a + 3 * b) & m
-
-    def _door_bits(self, h: int) -> tuple[int, int]:
-        d, m = _mix64(h ^ 0x5851F42D4C957F2D), self.width - 1  # independent of the rows' indexes
-        return d & m, (d >> 32) & m
-
-    def _door_has(self, h: int) -> bool:
-        door = self._door
-        assert door is not None
-        i, j = self._door_bits(h)
-        return bool(door[i >> 3] >> (i & 7) & 1 and door[j >> 3] >> (j & 7) & 1)
-
-    def _door_add(self, h: int) -> bool:
-        """Put h in the doorkeeper; True if it was there already."""
-        door = self._door
-        assert door is not None
-        i, j = self._door_bits(h)
-        had = bool(door[i >> 3] >> (i & 7) & 1 and door[j >> 3] >> (j & 7) & 1)
-        door[i >> 3] |= 1 << (i & 7)
-        door[j >> 3] |= 1 << (j & 7)
-        return had
+        d = _mix64(h ^ 0x5851F42D4C957F2D)
+        return a & m, (a + b) & m, (a + 2 * b) & m, (a + 3 * b) & m, d & m, (d >> 32) & m
 
     def increment(self, key: Hashable) -> None:
         """Count one reference to key."""
-        h = stable_hash(key)
+        self.increment_hash(stable_hash(key))
+
+    def increment_hash(self, h: int) -> None:
+        """Count one reference to the key whose stable_hash is h."""
+        # NOTE: unrolled over DEPTH = 4 rows: this runs on every reference a tier sees.
+        i0, i1, i2, i3, d0, d1 = self._slots(h)
         self.additions += 1
-        if self._door is None or self._door_add(h):
-            rows, slots = self._rows, self._slots(h)
-            low = min(rows[d][s] for d, s in enumerate(slots))
-            if low < self.MAX_COUNT:
-                for d, s in enumerate(slots):
-                    if rows[d][s] == low:  # conservative update: only the counters at the minimum
-                        rows[d][s] = low + 1
+        door = self._door
+        if door is not None:
+            had = door[d0 >> 3] >> (d0 & 7) & 1 and door[d1 >> 3] >> (d1 & 7) & 1
+            if not had:
+                door[d0 >> 3] |= 1 << (d0 & 7)
+                door[d1 >> 3] |= 1 << (d1 & 7)
+        if door is None or had:
+            r0, r1, r2, r3 = self._rows
+            c0, c1, c2, c3 = r0[i0], r1[i1], r2[i2], r3[i3]
+            low = min(c0, c1, c2, c3)
+            if low < self.MAX_COUNT:  # conservative update: only the counters at the minimum
+                if c0 == low:
+                    r0[i0] = low + 1
+                if c1 == low:
+                    r1[i1] = low + 1
+                if c2 == low:
+                    r2[i2] = low + 1
+                if c3 == low:
+                    r3[i3] = low + 1
         if self.additions >= self.sample_size:
             self.reset()
 
     def estimate(self, key: Hashable) -> int:
         """References to key in the current sample (an over-estimate only through collisions)."""
-        h = stable_hash(key)
-        rows = self._rows
-        n = min(rows[d][s] for d, s in enumerate(self._slots(h)))
-        if self._door is not None and self._door_has(h):
+        return self.estimate_hash(stable_hash(key))
+
+    def estimate_hash(self, h: int) -> int:
+        """estimate() of the key whose stable_hash is h."""
+        i0, i1, i2, i3, d0, d1 = self._slots(h)
+        r0, r1, r2, r3 = self._rows
+        n = min(r0[i0], r1[i1], r2[i2], r3[i3])
+        door = self._door
+        if door is not None and door[d0 >> 3] >> (d0 & 7) & 1 and door[d1 >> 3] >> (d1 & 7) & 1:
             n += 1
         return n
 
     def reset(self) -> None:
         """Age: halve every counter and clear the doorkeeper (TinyLFU's reset)."""
-        self._rows = [bytearray(v >> 1 for v in row) for row in self._rows]
+        self._rows = [bytearray(row.translate(_HALF)) for row in self._rows]
         if self._door is not None:
             self._door = bytearray(len(self._door))
         self.additions //= 2

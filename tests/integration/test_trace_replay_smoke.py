@@ -1,5 +1,6 @@
 """benchmarks/trace_replay.py runs end to end on the workload suite in its smoke size plus a trace
-given by path (no figures asserted, only what must hold for any policy), and refuses bad input."""
+given by path (no figures asserted, only what must hold for any policy), and refuses bad input; so
+does benchmarks/policy_bench.py."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_smoke_suite_and_a_trace(tmp_path: Path) -> None:
         # any cache's prefix hits are block hits, and Belady bounds the block hits
         assert c["prefix_hit"] <= c["block_hit"] <= bound[(c["source"], c["config"])] + 1e-12
     assert len(doc["target"]) == len(bound)  # one verdict per workload and capacity
-    assert "Target (issue 14)" in (tmp_path / "trace_replay.md").read_text()
+    assert "Target (issues 14 and 22)" in (tmp_path / "trace_replay.md").read_text()
 
 
 def test_bad_input_is_named(tmp_path: Path) -> None:
@@ -51,3 +52,21 @@ def test_bad_input_is_named(tmp_path: Path) -> None:
     out = _run("--suite", "smoke", "--fractions", "0,2", "--out", str(tmp_path))
     assert out.returncode != 0 and "--fractions" in out.stderr
     assert not (tmp_path / "trace_replay.json").exists()  # nothing was written by the refused runs
+
+
+def test_policy_bench_replays_every_decision(tmp_path: Path) -> None:
+    """benchmarks/policy_bench.py: the recorded calls replay to the same answers (it checks that itself
+    and fails otherwise) and a figure is written per policy and cell; bad input is named."""
+    script = ROOT / "benchmarks" / "policy_bench.py"
+    args = ["--size", "smoke", "--workloads", "conversation,batch", "--fractions", "0.1",
+            "--policy", "lru,second-sight,adaptive", "--runs", "1", "--out", str(tmp_path)]  # fmt: skip
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "policy_bench.json").read_text())["rows"]
+    assert {(r["workload"], r["policy"]) for r in rows} == {
+        (w, p) for w in ("conversation", "batch") for p in ("lru", "second-sight", "adaptive")
+    }
+    assert all(r["events"] > 0 and r["us_per_event"] >= 0 for r in rows)
+    bad = subprocess.run([sys.executable, str(script), "--policy", "nope", "--out", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "x").exists()

@@ -11,7 +11,18 @@ import sys
 import pytest
 
 from devkit.sim import TieredBlockCache, TierSpec, parse_tiers, replay
-from kvstore.policy import AdaptivePolicy, Admitted, FrequencySketch, PrefixARCPolicy, make_policy, stable_hash
+from kvstore.policy import (
+    AdaptivePolicy,
+    Admitted,
+    FrequencySketch,
+    History,
+    LRUPolicy,
+    PrefixARCPolicy,
+    SecondSight,
+    make_policy,
+    stable_hash,
+)
+from kvstore.policy.adaptive import ALL, SECOND
 
 # ------------------------------------------------------------------------------------------ sketch
 
@@ -177,6 +188,59 @@ def test_admission_off_asks_nothing() -> None:
     assert cache.counters.not_admitted == 0 and cache.tier_of(12) == 0
 
 
+# ---------------------------------------------------------------------------------- second sight
+
+
+def test_second_sight_admits_a_key_it_refused_before() -> None:
+    p = Admitted(LRUPolicy(), SecondSight(2.0), parent_rule=False)
+    for k in "ab":
+        p.on_insert(k)
+    assert not p.admit("x", "a")  # first sight: refused, remembered
+    assert p.admit("x", "a")  # second sight: admitted, forgotten
+    assert not p.admit("x", "a")  # (not inserted here: the next ask is a first sight again)
+    assert len(p) == 2 and "x" not in p  # admit() never changes what is resident
+
+
+def test_second_sight_ghost_is_bounded_by_its_factor() -> None:
+    rule = SecondSight(2.0)
+    p = Admitted(LRUPolicy(), rule, parent_rule=False)
+    for k in range(3):
+        p.on_insert(k)
+    for k in range(100, 120):
+        assert not p.admit(k, 0)
+    assert len(rule.ghost) == 6 == 2 * 3  # the ghost keeps the 6 most recent refusals
+    assert p.admit(119, 0) and not p.admit(100, 0)  # the newest is remembered, the oldest is not
+    with pytest.raises(ValueError, match="ghost_factor"):
+        SecondSight(0)
+
+
+def test_second_sight_lru_is_the_registered_candidate() -> None:
+    cache = TieredBlockCache(4, "second-sight")
+    replay([[1, 2, 3, 4]], cache)  # fills the cache: no question asked
+    res = replay([[10, 11], [10, 11], [10, 11]], cache)
+    # the first sighting is refused, the second admitted (victims: LRU), the third hits
+    assert cache.counters.not_admitted == 2 and res.block_hits == 2
+    assert [cache.tier_of(b) for b in (10, 11)] == [0, 0] and len(cache) == 4
+
+
+# --------------------------------------------------------------------------------------- history
+
+
+def test_history_counts_ages_and_forgets_by_recency() -> None:
+    h = History()
+    h.ensure_capacity(1)  # 10 keys, aged every 10 references
+    assert h.reference("a") == 0 and h.last_age == -1
+    assert h.reference("a") == 1 and h.last_age == 0  # no reference in between
+    for k in range(7):
+        h.reference(k)
+    assert h.count("a") == 2 and h.age_of("a") == 7 and h.references == 9
+    h.reference("b")  # the tenth reference: every count halves, rounding up (seen stays seen)
+    assert h.agings == 1 and h.count("a") == 1 and h.count(0) == 1 and h.references == 0
+    for k in range(100, 110):
+        h.reference(k)
+    assert len(h) == 10 and "a" not in h and h.count("a") == 0 and h.age_of("a") == -1
+
+
 # --------------------------------------------------------------------------------------- adaptive
 
 
@@ -197,10 +261,24 @@ def _quick_second_use(n: int) -> list[list[int]]:
     return out
 
 
-def _rates(requests: list[list[int]]) -> tuple[dict[str, float], AdaptivePolicy]:
-    """Prefix hit rates of prefix-arc, tinylfu and adaptive in a cache of 12; the adaptive policy."""
+def _late_returns(n: int) -> list[list[int]]:
+    """Conversations of two blocks that come back twice, six steps apart, between one-off
+    requests: second sight's case. Admitting all, the one-offs push a conversation out before it
+    comes back; admitting on second sight, it enters on its second visit and hits on its third."""
+    out: list[list[int]] = []
+    for i in range(n):
+        out.append([50_000 + i])  # a one-off
+        for back in (0, 6, 12):
+            if i >= back and (i - back) % 3 == 0:
+                c = (i - back) // 3
+                out.append([20_000 + 2 * c, 20_001 + 2 * c])
+    return out
+
+
+def _rates(requests: list[list[int]], names: tuple[str, ...]) -> tuple[dict[str, float], AdaptivePolicy]:
+    """Prefix hit rates of `names` and adaptive in a cache of 12; the adaptive policy."""
     results, policy = {}, None
-    for name in ("prefix-arc", "tinylfu", "adaptive"):
+    for name in (*names, "adaptive"):
         cache = TieredBlockCache(12, name)
         results[name] = replay(requests, cache).prefix_hit_rate
         policy = cache.policies[0]
@@ -208,28 +286,35 @@ def _rates(requests: list[list[int]]) -> tuple[dict[str, float], AdaptivePolicy]
     return results, policy
 
 
-def test_adaptive_turns_admission_on_where_it_pays() -> None:
-    results, policy = _rates(_loop_and_scan(2000))
-    assert policy.admission_on
+def test_adaptive_counts_where_frequency_pays() -> None:
+    results, policy = _rates(_loop_and_scan(2000), ("prefix-arc", "tinylfu"))
+    assert policy.level != ALL
     assert results["tinylfu"] > results["prefix-arc"] + 0.1
     assert results["adaptive"] >= 0.95 * results["tinylfu"]
 
 
-def test_adaptive_keeps_admission_off_where_it_costs() -> None:
-    results, policy = _rates(_quick_second_use(600))
-    assert not policy.admission_on and policy.switches == 0
+def test_adaptive_admits_all_where_admission_costs() -> None:
+    results, policy = _rates(_quick_second_use(600), ("prefix-arc", "tinylfu"))
+    assert policy.level == ALL and policy.switches == 0
     assert results["prefix-arc"] > results["tinylfu"] + 0.1
     assert results["adaptive"] >= 0.95 * results["prefix-arc"]
+
+
+def test_adaptive_admits_on_second_sight_where_conversations_return_late() -> None:
+    results, policy = _rates(_late_returns(1500), ("prefix-arc", "tinylfu", "second-sight"))
+    assert policy.level == SECOND
+    assert results["second-sight"] > results["prefix-arc"] + 0.05
+    assert results["adaptive"] >= max(results.values()) * 0.95
 
 
 def test_adaptive_follows_a_change_of_workload() -> None:
     cache = TieredBlockCache(12, "adaptive")
     policy = cache.policies[0]
+    assert isinstance(policy, AdaptivePolicy)
     replay(_loop_and_scan(2000), cache)
-    assert policy.admission_on  # type: ignore[attr-defined]
+    assert policy.level != ALL
     replay(_quick_second_use(1500), cache)
-    assert not policy.admission_on  # type: ignore[attr-defined]
-    assert policy.switches >= 2  # type: ignore[attr-defined]
+    assert policy.level == ALL and policy.switches >= 2
 
 
 def test_adaptive_victims_are_prefix_arcs() -> None:
@@ -244,7 +329,7 @@ def test_adaptive_victims_are_prefix_arcs() -> None:
 
 
 class _SmallShadows(AdaptivePolicy):
-    SHADOW_MAX = 16
+    SHADOW_MIN = 8
 
 
 def test_adaptive_shadows_are_bounded_and_sampled() -> None:
@@ -252,9 +337,10 @@ def test_adaptive_shadows_are_bounded_and_sampled() -> None:
     replay(_loop_and_scan(3000), cache)
     policy = cache.policies[0]
     assert isinstance(policy, _SmallShadows)
-    assert policy._k == 4 and policy._shadows is not None  # 200 keys / 2**4 = 12.5 <= 16 per shadow
+    assert policy._k == 4 and policy._shadows is not None  # 200 keys / 2**4 = 12.5: 8 <= 12 < 16
     for shadow in policy._shadows:
-        assert len(shadow.resident) <= shadow.capacity == 12 <= _SmallShadows.SHADOW_MAX
+        assert len(shadow.resident) <= shadow.capacity == 12
+    assert sum(policy.moves) < 3000  # only the sampled references reach the shadows
 
 
 def test_adaptive_is_deterministic() -> None:
@@ -263,5 +349,7 @@ def test_adaptive_is_deterministic() -> None:
     for _ in range(2):
         cache = TieredBlockCache(12, make_policy("adaptive").__class__)
         res = replay(requests, cache)
-        runs.append((res.prefix_hits, res.block_hits, cache.counters, cache.policies[0].switches))  # type: ignore[attr-defined]
+        policy = cache.policies[0]
+        assert isinstance(policy, AdaptivePolicy)
+        runs.append((res.prefix_hits, res.block_hits, cache.counters, policy.switches, policy.moves))
     assert runs[0] == runs[1]

@@ -97,7 +97,8 @@ def test_interface_invariants(name: str, hints: bool) -> None:
 def test_make_policy_and_admit(name: str) -> None:
     policy = make_policy(name.upper())
     assert policy.name == name
-    assert should_admit(policy, "k", "v")
+    # every policy admits a key against a victim it never heard of (second sight: on the second ask)
+    assert should_admit(policy, "k", "v") or (name == "second-sight" and should_admit(policy, "k", "v"))
     assert len(policy) == 0 and list(policy.candidates()) == [] and first_usable(policy, lambda _k: True) is None
     policy.on_insert("a")  # the manager's call form, no hints
     policy.on_insert("a")  # inserting a resident key again counts as an access

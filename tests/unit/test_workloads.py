@@ -81,6 +81,22 @@ def counts_once(requests: list[list[int]], req: list[int]) -> bool:
     return sum(1 for r in requests if r[0] == first) == 1
 
 
+def test_conversation_has_the_published_shape() -> None:
+    """Mooncake's conversation trace (FAST'25) and LMSYS-Chat-1M, as devkit/workloads.py cites them:
+    input lengths in 512-token blocks (mean about 23.5, median about 13.5, a long tail), a block
+    shared by nearly every request (the system prompt's first), most blocks seen once, about 40% of
+    block references reusable with an unbounded cache, turns that resend the whole history."""
+    reqs = generate("conversation")
+    lens = sorted(map(len, reqs))
+    assert 20 <= sum(lens) / len(lens) <= 27 and 11 <= lens[len(lens) // 2] <= 16 and lens[-1] > 100
+    counts = Counter(b for r in reqs for b in r)
+    assert counts.most_common(1)[0][1] >= 0.95 * len(reqs)
+    assert sum(1 for c in counts.values() if c == 1) > 0.6 * len(counts)  # most blocks seen once
+    ceiling = 1 - len(counts) / sum(counts.values())
+    assert 0.35 <= ceiling <= 0.5
+    assert 0.1 < _extends(reqs) < 0.5  # follow-up turns: a minority of the requests, most of the reuse
+
+
 def test_tenants_change_halfway() -> None:
     reqs = generate("tenants", 1000, seed=0)
     first, second = reqs[:500], reqs[500:]

@@ -1,0 +1,90 @@
+"""Reference history: how often each recently referenced key was referenced, in bounded memory.
+
+The admission rules of the adaptive policy read it (kvstore/policy/adaptive.py): "seen before" is
+a key in the history (admission on second sight: the history is the ghost list of keys referenced
+and not necessarily cached), "referenced more often than the victim" compares two counts (TinyLFU's
+test, Einziger et al. 2017, with exact counts instead of a sketch).
+
+Bounded by recency, aged by halving. The history keeps the `limit` keys referenced most recently
+(a key's reference moves it to the young end; the oldest is forgotten when a new one comes in), so
+its memory is `limit` entries whatever the number of distinct keys. Every `window` references each
+count is halved, rounding up (TinyLFU's reset, except that a key seen once stays seen: only recency
+forgets), so counts follow a changing popularity. The owner sizes both from its tier's capacity
+(`ensure_capacity`, never shrinking).
+
+Why exact counts and not the count-min sketch (kvstore/policy/sketch.py): a sketch needs a stable
+hash of every key (about 1 us in Python) and four counter updates per reference; a dict update is a
+tenth of that. The price is memory: one dict entry per remembered key (about 100 bytes beside the
+key, which the tier holds anyway) against a few bytes per key, negligible beside pages of KV data.
+
+Pure and deterministic: no hashing, only the order of events.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvstore.policy.base import Key
+
+
+class History:
+    """Recent reference counts. Invariants: `len(self) <= limit`; count(k) >= 1 exactly for the keys
+    remembered; a count is the number of references since the key was last forgotten (at most
+    MAX_COUNT), halved (rounded up) at each aging; age(k) is the number of references made since
+    k's last one; `references` counts those since the last aging, < window."""
+
+    HISTORY_FACTOR = 10  # keys remembered per key of capacity: the tier's own and 9x as many others
+    WINDOW_FACTOR = 10  # references between agings per key of capacity (TinyLFU's W = 10 x C)
+    MAX_COUNT = 255
+
+    def __init__(self) -> None:
+        # NOTE: one int per key, (clock of its last reference << 8) | count: one dict operation per
+        # reference keeps both.
+        self.entries: OrderedDict[Key, int] = OrderedDict()
+        self.limit = self.HISTORY_FACTOR
+        self.window = self.WINDOW_FACTOR
+        self.clock = 0  # references ever made
+        self.references = 0
+        self.agings = 0
+        self.last_age = -1  # of the key of the last reference(): its age before it (-1: not remembered)
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Size for a tier of `capacity` keys (never shrinks)."""
+        self.limit = max(self.limit, self.HISTORY_FACTOR * capacity)
+        self.window = max(self.window, self.WINDOW_FACTOR * capacity)
+
+    def reference(self, key: Key) -> int:
+        """Count one reference to key; returns its count before this one (0: not remembered) and
+        leaves the key's age before this reference in `last_age`."""
+        entries = self.entries
+        v = entries.pop(key, 0)
+        before = v & 0xFF
+        self.last_age = self.clock - (v >> 8) if v else -1
+        self.clock += 1
+        entries[key] = (self.clock << 8) | (before + 1 if before < self.MAX_COUNT else before)
+        if len(entries) > self.limit:
+            entries.popitem(last=False)
+        self.references += 1
+        if self.references >= self.window:
+            self.age()
+        return before
+
+    def count(self, key: Key) -> int:
+        return self.entries.get(key, 0) & 0xFF
+
+    def age_of(self, key: Key) -> int:
+        """References made since key's last one; -1 if it is not remembered."""
+        v = self.entries.get(key, 0)
+        return self.clock - (v >> 8) if v else -1
+
+    def age(self) -> None:
+        """Halve every count, rounding up (recency order and clocks are kept)."""
+        self.entries = OrderedDict((k, (v & ~0xFF) | (((v & 0xFF) + 1) >> 1)) for k, v in self.entries.items())
+        self.references = 0
+        self.agings += 1
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
