@@ -37,8 +37,8 @@ from pathlib import Path
 from interleave import Column, add_run_options, round_robin, save_table, start
 from machine import machine_line
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, slot_bytes_for

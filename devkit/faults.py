@@ -26,9 +26,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
@@ -491,9 +491,9 @@ def disk_full(workdir: Path, seconds: float = 4.0, seed: int = 0) -> FaultResult
 def redis_outage(workdir: Path, outages: int = 1, chains: int = 16, down_seconds: float = 2.0) -> FaultResult:
     """Redis killed (SIGKILL) under load and restarted empty on the same port: local reads keep being
     served while it is down; seconds until the index finds every chain again are the recovery time."""
-    from kvstore.cluster import ClusterClient
+    from kvstore.cli.launch import RedisProcess
+    from kvstore.client.cluster import ClusterClient
     from kvstore.index import IndexUnavailable
-    from kvstore.launch import RedisProcess
 
     res = FaultResult("Redis killed and restarted empty under load")
     all_keys = [[key(c * CHAIN + j, "redis") for j in range(CHAIN)] for c in range(chains)]

@@ -29,13 +29,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.planes.shm import ClientSegment
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import stats_as_dict
-from kvstore.transport.shm import HEADER_BYTES as SHM_HEADER
-from kvstore.transport.shm.client import ClientSegment
-from kvstore.wire import CHUNK_BYTES, PUT_CHUNK_TAG, frame_chunk, layout_to_pb, stats_from_pb
+from kvstore.wire.shm import HEADER_BYTES as SHM_HEADER
+from kvstore.wire.streams import CHUNK_BYTES, PUT_CHUNK_TAG, frame_chunk, layout_to_pb, stats_from_pb
 
 SERVICE = "/kvstore.v1.KVStore/"
 OK, INVALID, NOT_FOUND = "OK", "INVALID_ARGUMENT", "NOT_FOUND"

@@ -23,7 +23,7 @@ import xxhash
 
 from kvstore.hashing import HASH_BYTES
 from kvstore.layout import PageLayout
-from kvstore.tenants import MAX_SCOPED_NAMESPACE_BYTES  # a tenant's scoped namespace
+from kvstore.scoping import MAX_SCOPED_NAMESPACE_BYTES  # a tenant's scoped namespace
 
 MAGIC = b"KVPG"
 FORMAT_VERSION = 1

@@ -5,7 +5,7 @@ also requires every client to present a certificate signed by that CA (mTLS). `a
 holds the tokens that may do everything; `auth_read_tokens_file` the tokens that may only read
 (Lookup, Get, GetShm, Stats) and never change where pages live: their Gets are served without
 promotion, and Prefetch or Lookup with prefetch need a read-write token. A token file has one
-token per line, optionally followed by the name of the tenant it belongs to (kvstore/tenants.py; blank
+token per line, optionally followed by the name of the tenant it belongs to (kvstore/scoping.py; blank
 lines and `#` comments ignored), so a rotation is: add the new token, roll
 clients, remove the old one; files are re-read when they change (checked at most once a second), with
 no restart.
@@ -17,7 +17,7 @@ flags. The token travels as `authorization: Bearer <token>` metadata on every ca
 
 Status codes (DESIGN.md §8): no token or an unknown one -> UNAUTHENTICATED; a read token on a write
 method -> PERMISSION_DENIED; nothing is changed in either case, and the request is not even read
-(kvstore/admission.py). The grpc health service stays open (load balancers and kubelets probe it
+(kvstore/node/limits.py). The grpc health service stays open (load balancers and kubelets probe it
 without credentials); reflection is only served when no tokens are configured. Tokens compare in
 constant time.
 
@@ -50,9 +50,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import grpc
 
+from kvstore.addresses import is_loopback
 from kvstore.errors import PermissionDenied, Unauthenticated
-from kvstore.tenants import DEFAULT_TENANT, check_tenant
-from kvstore.transport.planes import is_loopback
+from kvstore.scoping import DEFAULT_TENANT, check_tenant
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Principal:
 
     role: Role
     subject: str
-    # The tenant the server binds this caller to (kvstore/tenants.py): from its token's line in the token
+    # The tenant the server binds this caller to (kvstore/scoping.py): from its token's line in the token
     # file or from its mTLS subject in the tenants file; None: unbound, i.e. the default tenant.
     tenant: str | None = None
 

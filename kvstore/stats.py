@@ -148,7 +148,7 @@ class NodeStats:
     prefetch_wasted: int = 0  # prefetched pages evicted or dropped unread
     index: IndexStatus | None = None
     planes: list[PlaneInfo] = field(default_factory=list)  # bulk data planes besides Put/Get streams
-    host_id: str = ""  # the node's host (kvstore.transport.planes.host_id)
+    host_id: str = ""  # the node's host (kvstore.addresses.host_id)
     tenants: list[TenantStats] = field(default_factory=list)  # the caller's own (every one for the default tenant)
 
 

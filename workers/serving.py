@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from kvstore.cluster import ClusterClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.errors import KVStoreError
 from kvstore.hashing import prefix_hashes
 from kvstore.index import ClusterLookup

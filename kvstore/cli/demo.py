@@ -27,10 +27,10 @@ def demo(
     prompts: Annotated[int, typer.Option(help="number of prompts")] = 12,
 ) -> None:
     """Run the single-node demo: put, lookup, demote to NVMe, read back, restart, stats."""
+    from kvstore.cli.launch import NodeProcess
     from kvstore.cli.stats import render_stats
     from kvstore.client import KVStoreClient
     from kvstore.hashing import prefix_hashes
-    from kvstore.launch import NodeProcess
     from kvstore.layout import DType, PageLayout
     from kvstore.pageformat import slot_bytes_for
 

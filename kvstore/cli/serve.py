@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kvstore.cli.common import friendly_errors, setup_logging
-from kvstore.config import NodeConfig, parse_size
+from kvstore.node.config import NodeConfig, parse_size
 
 SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 64MiB, 2G", show_default=False)]
 
@@ -65,7 +65,7 @@ def serve(
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
 ) -> None:
     """Run a cache node: tiers in DRAM, NVMe (and HBM on CUDA hosts), gRPC on HOST:PORT."""
-    from kvstore.server import serve as run_server
+    from kvstore.node.server import serve as run_server
 
     cfg = NodeConfig.load(
         config,

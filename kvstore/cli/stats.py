@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.cli.common import friendly_errors
+from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats, stats_as_dict
-from kvstore.tenants import DEFAULT_TENANT
 
 
 def human_bytes(n: float) -> str:

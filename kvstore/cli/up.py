@@ -151,6 +151,7 @@ class Stack:
             self._start_workers(plan.workers)
 
     def _start_redis(self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = ()) -> None:
+        from kvstore.cli.launch import RedisProcess
         from kvstore.index.acl import (
             CLIENT_RULES,
             CLIENT_USER,
@@ -159,7 +160,6 @@ class Stack:
             tenant_client_rules,
             tenant_client_user,
         )
-        from kvstore.launch import RedisProcess
         from kvstore.security import redact_url
 
         if external:  # the operator's Redis, with the operator's users
@@ -184,7 +184,7 @@ class Stack:
                       "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}"))
 
     def _start_node(self, i: int, dram: int | str, nvme: int | str, page: int | str, extra: list[str]) -> None:
-        from kvstore.launch import NodeProcess
+        from kvstore.cli.launch import NodeProcess
 
         # The Redis URL (with its password) reaches the node through its environment, as in the chart.
         node = NodeProcess(dram_bytes=dram, nvme_path=self.root / f"node-{i}", nvme_bytes=nvme, max_page_bytes=page,
@@ -196,8 +196,8 @@ class Stack:
 
     def _start_workers(self, w: object) -> None:
         """A local Ray head with the chart's slots, then `kvstore pd-serve` against it (as in the chart)."""
+        from kvstore.cli.launch import free_port
         from kvstore.cli.values import WorkersPlan
-        from kvstore.launch import free_port
 
         assert isinstance(w, WorkersPlan)
         token = self.root / "ray_auth_token"

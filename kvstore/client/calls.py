@@ -19,7 +19,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 # name -> (request serializer, response deserializer). None leaves bytes as they are: Put requests are
 # sent already serialized and Get responses received serialized, so page bytes skip protobuf's extra copy
-# (kvstore.wire.put_requests / GetAssembler); the wire format is the proto's all the same.
+# (kvstore.wire.streams.put_requests / GetAssembler); the wire format is the proto's all the same.
 _UNARY = {
     "Lookup": pb.LookupResponse, "Delete": pb.DeleteResponse, "Pin": pb.PinResponse, "Unpin": pb.UnpinResponse,
     "Prefetch": pb.PrefetchResponse, "Stats": pb.StatsResponse, "PutShm": pb.PutResponse,

@@ -16,13 +16,15 @@ import grpc
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, ClientSettings, PinResult, PutResult
+from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
+from kvstore.client.planes.segments import SharedBuffer
+from kvstore.errors import Unavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats
-from kvstore.transport.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
-from kvstore.transport.shm.segments import SharedBuffer
-from kvstore.wire import FetchedPage, PageRef
+from kvstore.wire import PutOpen
+from kvstore.wire.streams import FetchedPage, PageRef
 
 T = TypeVar("T")
 
@@ -128,7 +130,7 @@ class KVStoreClient(_Client):
         the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated
         pages. Only eviction quality depends on it.
         """
-        return self._run(self._core.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+        return self._run(self._core.put(PutOpen(namespace, layout, target_tier, parent, chain), hashes, pages))
 
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return self._run(self._core.lookup_detail(namespace, hashes, prefetch))
@@ -163,7 +165,7 @@ class KVStoreClient(_Client):
         """`put` of pages lying in `buffers` (one per hash, each exactly layout.page_bytes). On the node's host
         they must lie in a `shared_buffer` of this client: the node copies each page once, into its slot,
         and checksums it there; the client touches no byte. Elsewhere it is `put`."""
-        return self._run(self._core.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        return self._run(self._core.put_from(PutOpen(namespace, layout, target_tier, parent, chain), hashes, buffers))
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return self._run(self._core.delete(namespace, hashes))
@@ -228,7 +230,7 @@ class AsyncKVStoreClient(_Client):
     async def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
                   target_tier: TierKind | None = None, parent: bytes | None = None,
                   chain: bool = True) -> PutResult:  # fmt: skip
-        return await self._run(self._core.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+        return await self._run(self._core.put(PutOpen(namespace, layout, target_tier, parent, chain), hashes, pages))
 
     async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return await self._run(self._core.lookup_detail(namespace, hashes, prefetch))
@@ -251,7 +253,8 @@ class AsyncKVStoreClient(_Client):
                        *, target_tier: TierKind | None = None, parent: bytes | None = None,
                        chain: bool = True) -> PutResult:  # fmt: skip
         """See KVStoreClient.put_from."""
-        return await self._run(self._core.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        return await self._run(self._core.put_from(op, hashes, buffers))
 
     async def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return await self._run(self._core.delete(namespace, hashes))
@@ -271,5 +274,10 @@ class AsyncKVStoreClient(_Client):
 
 
 def _failed(exc: Exception) -> Outcome:
-    """An operation's error as the exchange sees it: a failed RPC becomes the server's exception class."""
-    return None, rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
+    """An operation's error as the exchange sees it, under KVStoreError (kvstore/errors.py): a failed RPC
+    becomes the server's exception class, a failed socket or file operation Unavailable."""
+    if isinstance(exc, grpc.RpcError):
+        return None, rpc_error(exc)
+    if isinstance(exc, OSError):
+        return None, Unavailable(f"{type(exc).__name__}: {exc}")
+    return None, exc

@@ -1,11 +1,11 @@
-"""What both clients do, written once as exchanges (kvstore/transport/exchange.py).
+"""What both clients do, written once as exchanges (kvstore/client/exchange.py).
 
 `ClientCore` builds requests, picks the data plane, falls back when a plane cannot serve, and turns
 replies into results. `KVStoreClient` and `AsyncKVStoreClient` only drive its exchanges: one performs
 each operation on the caller's thread, the other awaits it.
 
 Data planes (`transport`, or KVSTORE_TRANSPORT when not given): "auto" (default) negotiates the fastest
-plane both ends have (kvstore/transport/planes.py) and drops a plane for good after its first
+plane both ends have (kvstore/client/planes/choice.py) and drops a plane for good after its first
 PlaneUnavailable, down to gRPC streams; "shm", "tcp", "ucx", "grpc" use that plane only (errors surface).
 A new plane is one entry in PLANES.
 """
@@ -18,23 +18,25 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.addresses import host_id, is_loopback
+from kvstore.client.exchange import Exchange, Unary
+from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.buffers import check_buffers
+from kvstore.client.planes.choice import TRANSPORTS, choose_planes
+from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
+from kvstore.client.planes.shm import ShmPlane
+from kvstore.client.planes.streams import GrpcStreams
+from kvstore.client.planes.tcp import TcpPlane
+from kvstore.client.planes.ucx import UcxPlane
 from kvstore.errors import PlaneUnavailable
-from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
-from kvstore.transport.buffers import check_buffers
-from kvstore.transport.exchange import DataPlane, Exchange, Unary
-from kvstore.transport.grpc_streams import GrpcStreams
-from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loopback
-from kvstore.transport.shm import shm_available
-from kvstore.transport.shm.client import ShmPlane
-from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
-from kvstore.transport.tcp.client import TcpPlane
-from kvstore.transport.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
-from kvstore.transport.ucx import ucxx_installed
-from kvstore.transport.ucx.client import UcxPlane
-from kvstore.wire import FetchedPage, PageRef, stats_from_pb
+from kvstore.wire import PutOpen
+from kvstore.wire.shm import shm_available
+from kvstore.wire.streams import FetchedPage, PageRef, stats_from_pb
+from kvstore.wire.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
+from kvstore.wire.ucx import ucxx_installed
 
 T = TypeVar("T")
 
@@ -187,12 +189,10 @@ class ClientCore:
 
     # -- bulk
 
-    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
-            target_tier: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[PutResult]:  # fmt: skip
+    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
-        stored, present = yield from self._bulk(
-            lambda p: p.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+        stored, present = yield from self._bulk(lambda p: p.put(op, hashes, pages))
         return PutResult(stored, present)
 
     def get_pages(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
@@ -210,14 +210,12 @@ class ClientCore:
             return []
         return (yield from self._bulk(lambda p: p.get_into(namespace, hashes, buffers, promote)))
 
-    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
-                 target_tier: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[PutResult]:  # fmt: skip
-        """Put pages that lie in `buffers` (one per hash, each exactly layout.page_bytes: checked first)."""
-        check_buffers(buffers, len(hashes), writable=False, nbytes=layout.page_bytes)
+    def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[PutResult]:
+        """Put pages that lie in `buffers` (one per hash, each exactly a page of op.layout: checked first)."""
+        check_buffers(buffers, len(hashes), writable=False, nbytes=op.layout.page_bytes)
         if not hashes:
             return PutResult(0, 0)
-        stored, present = yield from self._bulk(
-            lambda p: p.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        stored, present = yield from self._bulk(lambda p: p.put_from(op, hashes, buffers))
         return PutResult(stored, present)
 
     # -- control

@@ -23,7 +23,7 @@ import hashlib
 import re
 
 from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, epoch_key, node_key, tenant_prefix
-from kvstore.tenants import check_tenant
+from kvstore.scoping import check_tenant
 
 NODE_USER_PREFIX = "kvnode-"
 SHARED_NODE_USER = "kvnode"

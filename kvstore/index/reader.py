@@ -13,8 +13,8 @@ import redis
 from kvstore.errors import Unavailable
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
+from kvstore.scoping import DEFAULT_TENANT, check_tenant, scope
 from kvstore.stats import PlaneInfo, planes_from_json
-from kvstore.tenants import DEFAULT_TENANT, check_tenant, scope
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -68,7 +68,7 @@ class IndexReader:
 
     def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None,
                  tenant: str | None = None) -> None:  # fmt: skip
-        """`tenant`: whose entries lookups read (kvstore/tenants.py); by default KVSTORE_TENANT, else the
+        """`tenant`: whose entries lookups read (kvstore/scoping.py); by default KVSTORE_TENANT, else the
         default tenant. It must be the tenant the nodes bind this client's token to, or lookups find
         nothing; Redis ACL users (index/acl.py) keep a tenant's client from reading any other's."""
         self.url = url

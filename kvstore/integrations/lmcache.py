@@ -82,7 +82,7 @@ from kvstore.integrations.lmcache_mapping import (
 from kvstore.integrations.remote import RemoteStore, call_slices
 from kvstore.layout import PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
-from kvstore.wire import Buffer, FetchedPage
+from kvstore.wire.streams import Buffer, FetchedPage
 
 logger = init_logger(__name__)
 PLUGIN_TYPE = "kvstore"

@@ -42,9 +42,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from kvstore.client.planes.choice import TRANSPORTS
 from kvstore.hashing import MAX_NAMESPACE_BYTES, HashContractError, validate_namespace
 from kvstore.layout import DType, PageLayout
-from kvstore.transport.planes import TRANSPORTS
 
 MAPPING_VERSION = "v1"
 KEY_TAG = b"kvstore-lmcache/v1\x00"

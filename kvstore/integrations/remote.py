@@ -31,7 +31,7 @@ import grpc
 import redis
 
 from kvstore.client import KVStoreClient
-from kvstore.cluster import ClusterClient, NoLiveNode
+from kvstore.client.cluster import ClusterClient, NoLiveNode
 from kvstore.errors import (
     DataLoss,
     InvalidArgument,
@@ -41,6 +41,7 @@ from kvstore.errors import (
     PermissionDenied,
     RemoteError,
     ResourceExhausted,
+    StreamError,
     Unauthenticated,
     Unavailable,
 )
@@ -48,7 +49,7 @@ from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.integrations.lmcache_mapping import PluginSettings
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity, read_token_file
-from kvstore.wire import Buffer, FetchedPage, StreamError
+from kvstore.wire.streams import Buffer, FetchedPage
 
 T = TypeVar("T")
 LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
@@ -57,9 +58,10 @@ LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
 # 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
 CALL_BYTES = 64 << 20
 _UNREACHABLE = (Unavailable, NoLiveNode, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                grpc.FutureTimeoutError, grpc.RpcError, ConnectionError, TimeoutError)  # fmt: skip
+                grpc.FutureTimeoutError)  # fmt: skip
 _SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
-_FAILURES = (KVStoreError, StreamError, redis.exceptions.RedisError, *_UNREACHABLE, OSError, ValueError)
+# Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it); the index's are Redis's.
+_FAILURES = (KVStoreError, redis.exceptions.RedisError, grpc.FutureTimeoutError, ValueError)
 
 
 def call_slices(n: int, page_bytes: int) -> list[tuple[int, int]]:

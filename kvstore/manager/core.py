@@ -25,15 +25,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
-from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.layout import PageLayout
 from kvstore.manager.durable import DurableCopies
 from kvstore.manager.io import IoPool
+from kvstore.manager.ledger import TenantLedger
 from kvstore.manager.moves import Mover
 from kvstore.manager.placement import Placement
 from kvstore.manager.prefetch import Prefetcher
 from kvstore.manager.put import PutTxn, Staging, WriteThrough
+from kvstore.manager.quotas import TenantQuotas
 from kvstore.manager.reads import Reader, ReadLease
 from kvstore.manager.state import (
     ChangeListener,
@@ -45,19 +46,19 @@ from kvstore.manager.state import (
     check_hashes,
     check_namespace,
 )
-from kvstore.manager.tenants import TenantLedger, TenantQuotas, TenantView
 from kvstore.names import Key, TierKind
+from kvstore.node.config import NodeConfig
 from kvstore.policy import make_policy
 from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierStats, copy_counters
 from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.wire import MAX_HASHES, PutOpen
 
 log = logging.getLogger(__name__)
 
 _PIN_SWEEP_SECONDS = 1.0
-MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch
 
 
 def build_media(config: NodeConfig) -> list[Medium]:
@@ -79,7 +80,7 @@ class TierManager:
 
     def __init__(self, config: NodeConfig, media: list[Medium] | None = None,
                  shares: dict[str, dict[TierKind, int]] | None = None) -> None:  # fmt: skip
-        """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/tenants.py)."""
+        """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/quotas.py)."""
         self.config = config
         self._started = time.monotonic()
         self.io = IoPool(config.io_threads)
@@ -97,7 +98,7 @@ class TierManager:
         if quotas is not None:
             quotas.attach(self.table.tiers.values(), lambda: make_policy(config.policy))
         self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds, quotas)
-        self.tenants = TenantLedger(self, quotas)
+        self.tenants = TenantLedger(self.table, quotas)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
         self.placement.evict = self.mover.evict
         self.reader = Reader(self.table, self.mover, self.placement, self._bounce, self.counters,
@@ -122,11 +123,6 @@ class TierManager:
     @on_change.setter
     def on_change(self, listener: ChangeListener | None) -> None:
         self.table.on_change = listener
-
-    def scoped(self, tenant: str) -> TenantView:
-        """The manager as `tenant`'s callers reach it: the one door every plane passes a caller's
-        namespace through (kvstore/manager/tenants.py)."""
-        return self.tenants.view(tenant)
 
     def medium(self, kind: TierKind) -> Medium:
         """The medium of a tier (for tools and fault-injection tests)."""
@@ -180,24 +176,25 @@ class TierManager:
             self.prefetcher.prefetch([(namespace, h) for h in hashes[: len(tiers)]], self.staging.tier.kind)
         return LookupResult(len(tiers), tiers, namespace in self.table.layouts)
 
-    def begin_put(self, namespace: str, layout: PageLayout, target: TierKind = TierKind.DRAM,
-                  parent: bytes | None = None, chain: bool = False) -> PutTxn:  # fmt: skip
-        """Open a Put transaction. With `chain`, page i's chain parent is page i-1 and the first page's
-        is `parent` (policy hints: prefix-aware policies evict a chain's tail before its head)."""
+    def begin_put(self, op: PutOpen) -> PutTxn:
+        """Open a Put transaction in `op.namespace` (the stored, tenant-scoped one). With `op.chain`, page
+        i's chain parent is page i-1 and the first page's is `op.parent` (policy hints: prefix-aware
+        policies evict a chain's tail before its head); `op.target` None: the staging tier (DRAM)."""
         if self._closing:
             raise Unavailable("node is shutting down")
-        check_namespace(namespace)
+        check_namespace(op.namespace)
+        layout = op.layout
         if layout.page_bytes > self.config.max_page_bytes:
             raise InvalidArgument(
                 "open.layout",
                 f"page size {layout.page_bytes} B exceeds this node's max_page_bytes {self.config.max_page_bytes} B",
             )
-        self.table.check_layout(namespace, layout)
-        if parent is not None:
-            check_hash(parent, "open.parent_hash")
+        self.table.check_layout(op.namespace, layout)
+        if op.parent is not None:
+            check_hash(op.parent, "open.parent_hash")
         if self.staging.tier.alloc.num_slots == 0:
             raise ResourceExhausted("this node has no DRAM slots (dram_bytes smaller than one slot)")
-        return PutTxn(self.staging, namespace, layout, target, parent, chain)
+        return PutTxn(self.staging, op)
 
     def _after_commit(self, keys: list[Key], target: TierKind) -> None:
         """A writer that asked for a tier faster than staging (HBM) gets its pages promoted there."""
@@ -318,11 +315,11 @@ class TierManager:
         return self.table.get((namespace, h))
 
     def nvme_slot_location(self, slot: int) -> tuple[str, int]:
-        medium = self.table.tiers[TierKind.NVME].medium
-        if not isinstance(medium, NvmeTier):
+        """(file, offset) of an NVMe slot, for tools and fault tests (Medium.slot_location)."""
+        where = self.table.tiers[TierKind.NVME].medium.slot_location(slot)
+        if where is None:
             raise RuntimeError("no NVMe tier")
-        path, off = medium.slot_location(slot)
-        return str(path), off
+        return where
 
     def stats(self) -> NodeStats:
         tiers = []

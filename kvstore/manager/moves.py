@@ -26,7 +26,7 @@ from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, Tier
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, payload_checksum
-from kvstore.tenants import tenant_of
+from kvstore.scoping import tenant_of
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)

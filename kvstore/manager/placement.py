@@ -23,10 +23,10 @@ from kvstore.manager.durable import DurableCopies
 from kvstore.manager.state import Entry, PageTable
 from kvstore.names import Key, TierKind
 from kvstore.policy import first_usable, should_admit
-from kvstore.tenants import tenant_of
+from kvstore.scoping import tenant_of
 
 if TYPE_CHECKING:
-    from kvstore.manager.tenants import TenantQuotas
+    from kvstore.manager.quotas import TenantQuotas
 
 _MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
 
@@ -41,7 +41,7 @@ class Placement:
         self.table = table
         self.durable = durable
         self.alloc_wait_seconds = alloc_wait_seconds
-        self.quotas = quotas  # tenants' shares per tier (kvstore/manager/tenants.py); None: one shared pool
+        self.quotas = quotas  # tenants' shares per tier (kvstore/manager/quotas.py); None: one shared pool
         self.evict: Evict = _unwired  # Mover.evict: eviction is a move (the manager wires it)
         self._waiters: list[asyncio.Future[None]] = []
 

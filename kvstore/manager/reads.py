@@ -34,10 +34,24 @@ from kvstore.tiers.dram import BouncePool
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceBytes:
+    """Where a leased page's payload lies in accelerator memory: a device address and a length."""
+
+    pointer: int
+    nbytes: int
+
+
 @dataclass(slots=True)
 class ReadLease:
-    """A page being read: `payload` stays valid and unchanged until release() is called. `tier` is
-    where the page was found (an NVMe hit stays an NVMe hit even when the read promoted it)."""
+    """A page being read: `payload` (host memory) stays valid and unchanged until release() is called.
+    `tier` is where the page was found (an NVMe hit stays an NVMe hit even when the read promoted it).
+
+    Where its bytes are: `payload` always (a host view of a DRAM slot, or the verified host copy of a
+    read from any other medium); `device` too when the page is held in device memory (HBM), supplied by
+    its medium, valid for the lease's life (a leased page is never moved), so a plane that can send
+    device memory sends it from there.
+    """
 
     hash: bytes
     tier: TierKind
@@ -46,11 +60,17 @@ class ReadLease:
     _release: Callable[[], None] | None = None
     key: Key = ("", b"")
     held_in: TierKind = TierKind.DRAM  # where the payload is read from now (after any promotion)
+    device: DeviceBytes | None = None
 
     def release(self) -> None:
         if self._release is not None:
             self._release()
             self._release = None
+
+    def keep(self) -> None:
+        """Never release this lease: the page stays leased (unevictable, its slot never reused). For a
+        plane whose transfer from the payload may still be running after it gave up waiting for it."""
+        self._release = None
 
 
 class Reader:
@@ -178,7 +198,9 @@ class Reader:
                 self.placement.space_changed()
             self._close(payload, view, bounce)
 
-        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier)
+        ptr = tier.medium.device_pointer(entry.slot)
+        device = None if ptr is None else DeviceBytes(ptr + HEADER_BYTES, entry.payload_len)
+        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier, device)
 
     def _close(self, payload: memoryview, view: memoryview | None, bounce: mmap.mmap | None) -> None:
         """Release a read's views, then return its bounce buffer (it must have no views left)."""

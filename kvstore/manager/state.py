@@ -15,8 +15,8 @@ from kvstore.layout import PageLayout
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, align_up
 from kvstore.policy import EvictionPolicy
+from kvstore.scoping import tenant_of, unscope
 from kvstore.stats import TierCounters
-from kvstore.tenants import tenant_of, unscope
 from kvstore.tiers.base import Medium
 from kvstore.tiers.slots import SlotAllocator
 
@@ -102,11 +102,16 @@ class Tier:
         self.pages = 0
         self.used_bytes = 0
         self.tenant_pages: dict[str, int] = {}  # visible pages per tenant (quotas, Stats)
-        # With tenant shares in this tier (TenantQuotas.attach): one more policy per share group (a tenant
+        # With tenant shares in this tier (use_groups): one more policy per share group (a tenant
         # with a share, or POOL for the rest), fed the same events, so a group's victim is found directly.
         self.groups: dict[str, EvictionPolicy] | None = None
         self.group_of: Callable[[str], str] = _same
         self.new_policy: Callable[[], EvictionPolicy] | None = None
+
+    def use_groups(self, group_of: Callable[[str], str], new_policy: Callable[[], EvictionPolicy]) -> None:
+        """Keep one more policy per share group (`group_of(tenant)`), made by `new_policy` on first use.
+        Called before any page is published (kvstore/manager/quotas.py)."""
+        self.groups, self.group_of, self.new_policy = {}, group_of, new_policy
 
     def group_policy(self, namespace: str) -> EvictionPolicy | None:
         """The share group's policy of a page of `namespace` (None: no shares in this tier)."""
@@ -264,7 +269,7 @@ class PageTable:
 
 def check_namespace(namespace: str) -> None:
     """InvalidArgument unless `namespace` is a valid client namespace, or one scoped to a tenant
-    (kvstore/tenants.py) whose client part is."""
+    (kvstore/scoping.py) whose client part is."""
     try:
         validate_namespace(unscope(namespace))
     except HashContractError as exc:

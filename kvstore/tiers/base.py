@@ -52,6 +52,16 @@ class Medium(abc.ABC):
         streams land); other media move bytes only through read/write."""
         raise TypeError(f"{self.kind.label} slots are not host memory; use read/write")
 
+    def device_pointer(self, slot: int) -> int | None:
+        """The device address of a slot's first byte, for media in accelerator memory (HBM), so a data
+        plane that can send device memory sends it from there; None for every other medium."""
+        return None
+
+    def slot_location(self, slot: int) -> tuple[str, int] | None:
+        """(file path, byte offset) of a slot, for file-backed media (NVMe): for tools and fault tests that
+        reach a page's bytes on disk; None for every other medium."""
+        return None
+
     @abc.abstractmethod
     def read(self, slot: int, into: memoryview) -> None:
         """Copy len(into) bytes from the start of `slot` into host memory."""

@@ -316,10 +316,10 @@ class NvmeTier(Medium):
             done += n
         raise OSError(f"short write at offset {off}: {done}/{len(data)} bytes")
 
-    def slot_location(self, slot: int) -> tuple[Path, int]:
+    def slot_location(self, slot: int) -> tuple[str, int]:
         """(segment file, byte offset) of a slot: for operators and corruption tests."""
         seg, idx = divmod(slot, self.slots_per_segment)
-        return self.path / SEGMENT_FMT.format(seg), idx * self.slot_bytes
+        return str(self.path / SEGMENT_FMT.format(seg)), idx * self.slot_bytes
 
     def close(self) -> None:
         if self._readers is not None:

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvstore.config import NodeConfig, parse_size
+from kvstore.node.config import NodeConfig, parse_size
 from kvstore.policy import POLICIES
 from tests.deploy.cases import BAD_VALUES, names_value
 from tests.deploy.commands import FOREIGN, argvs, container_env, parse, pod_specs
@@ -181,9 +181,9 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
 
     import redis
 
+    from kvstore.cli.launch import free_port
     from kvstore.index.keys import NODES_KEY, alive_key, block_key, node_key
-    from kvstore.launch import free_port
-    from kvstore.tenants import scope
+    from kvstore.scoping import scope
 
     docs = render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true", "auth.tenants[0].name=alice"])
     (cm,) = by_kind(docs, "ConfigMap", "-redis")
@@ -249,7 +249,7 @@ def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> 
     import redis
 
     from devkit.pki import make_dev_pki
-    from kvstore.launch import free_port
+    from kvstore.cli.launch import free_port
 
     docs = render([ROOT / "deploy" / "values" / "production.yaml"])
     (cert,) = by_kind(docs, "Certificate", "-redis")

@@ -17,7 +17,7 @@ import pytest
 
 from devkit.fuzz import FuzzTarget, default_planes, run_fuzz, setup_target
 from devkit.fuzz_tcp import TcpPlane
-from kvstore.launch import NodeProcess
+from kvstore.cli.launch import NodeProcess
 
 REQUESTS = int(os.environ.get("KVSTORE_FUZZ_REQUESTS", "10000"))
 

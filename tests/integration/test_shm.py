@@ -12,18 +12,18 @@ import pytest
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
+from kvstore.client.planes import shm as shm_client
+from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
 from kvstore.errors import ShmNotAvailable
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import align_up, payload_checksum
 from kvstore.security import WRITE_METHODS
 from kvstore.stats import PlaneInfo
-from kvstore.transport import shm
-from kvstore.transport.shm import client as shm_client
-from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
-from kvstore.wire import layout_to_pb
+from kvstore.wire import shm
+from kvstore.wire.streams import layout_to_pb
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="needs a writable /dev/shm")
@@ -138,7 +138,7 @@ def test_orphaned_segments_of_dead_clients_are_swept(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    code = "from kvstore.transport.shm.client import ClientSegment; s = ClientSegment(1 << 16); print(s.name)"
+    code = "from kvstore.client.planes.shm import ClientSegment; s = ClientSegment(1 << 16); print(s.name)"
     proc = subprocess.run([sys.executable, "-c", f"{code}; import os; os._exit(0)"], capture_output=True,
                           text=True, timeout=60, check=True)  # fmt: skip
     name = proc.stdout.strip()

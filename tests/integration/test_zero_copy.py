@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import AsyncKVStoreClient, KVStoreClient, SharedBuffer
-from kvstore.launch import NodeProcess
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES, PageHeader
-from kvstore.transport import shm
+from kvstore.wire import shm
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="needs a writable /dev/shm")

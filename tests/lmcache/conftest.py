@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvstore.launch import NodeProcess, free_port
+from kvstore.cli.launch import NodeProcess, free_port
 from kvstore.pageformat import slot_bytes_for
 
 # Before LMCache is imported anywhere: no usage reporting from tests, and quiet INFO logs.

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from kvstore.launch import NodeProcess
+from kvstore.cli.launch import NodeProcess
 from tests.integration.conftest import NS
 from tests.security.conftest import READ, rss_bytes
 

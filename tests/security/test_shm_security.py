@@ -17,14 +17,14 @@ import pytest
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.security import ClientSecurity
-from kvstore.transport import shm
+from kvstore.wire import shm
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page
 from tests.security.conftest import READ, WRITE
 
-HEADER = 64  # segment header bytes (kvstore.transport.shm.HEADER_BYTES)
+HEADER = 64  # segment header bytes (kvstore.wire.shm.HEADER_BYTES)
 MAGIC = b"KVSHM001"
 
 

@@ -6,16 +6,19 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.addresses import is_loopback
 from kvstore.client.core import ClientCore, ClientSettings, transport_mode
+from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.choice import choose_planes
+from kvstore.client.planes.shm import SegmentPool
 from kvstore.errors import PermissionDenied, PlaneUnavailable, ShmNotAvailable, Unauthenticated
+from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity, Role, TokenAuthenticator, read_token_file
 from kvstore.stats import PlaneInfo
-from kvstore.transport import shm
-from kvstore.transport.exchange import DataPlane
-from kvstore.transport.planes import choose_planes, is_loopback
-from kvstore.transport.shm.client import SegmentPool
+from kvstore.wire import PutOpen, shm
 
 RW, RO = "rw-token-" + "1" * 20, "ro-token-" + "2" * 20
+OPEN, H = PutOpen("ns", PageLayout(DType.UINT8, 1, 1, 1, 1)), b"h" * 32
 
 
 def private(path: Path, text: str) -> Path:
@@ -108,14 +111,15 @@ class _Plane(DataPlane):
 
     def __init__(self, name: str, refuse: bool) -> None:
         self.name, self.refuse, self.closed = name, refuse, False
+        self.pages_per_call = 4
 
-    def put(self, *args: object):  # type: ignore[no-untyped-def, override]
+    def put_batch(self, *args: object):  # type: ignore[no-untyped-def, override]
         if self.refuse:
             raise ShmNotAvailable("no")
         return 0, 0  # stored nothing, without any operation
         yield
 
-    def get(self, *args: object):  # type: ignore[no-untyped-def, override]
+    def get_batch(self, *args: object):  # type: ignore[no-untyped-def, override]
         return []
         yield
 
@@ -139,9 +143,9 @@ def test_a_refusing_plane_is_given_up_for_good_unless_insisted_on(mode: str) -> 
     core._planes = (refusing, fallback) if mode == "auto" else (refusing,)
     if mode == "shm":
         with pytest.raises(ShmNotAvailable):
-            _run(core.put("ns", None, [], [], None, None, True))  # type: ignore[arg-type]
+            _run(core.put(OPEN, [H], [b"x"]))
         return
-    assert _run(core.put("ns", None, [], [], None, None, True)).stored == 0  # type: ignore[arg-type, union-attr]
+    assert _run(core.put(OPEN, [H], [b"x"])).stored == 0  # type: ignore[union-attr]
     assert core.plane == "grpc" and refusing.closed and not fallback.closed
 
 

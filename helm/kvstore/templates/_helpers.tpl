@@ -59,7 +59,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 Bytes of a Kubernetes quantity (Ki Mi Gi Ti k M G T or none), as a float64 string. The same units as
-kvstore.config.parse_size, so the chart and the node agree on every budget. A number given unquoted in
+kvstore.node.config.parse_size, so the chart and the node agree on every budget. A number given unquoted in
 YAML arrives as a float64 and is taken as bytes.
 */}}
 {{- define "kvstore.bytes" -}}
