@@ -163,9 +163,14 @@ def paged_attention_decode(
     if max_seq_len is not None:
         max_seq_len = _int_arg("max_seq_len", max_seq_len, 0)
     device = _device_of(
-        [("query", query), ("key_cache", key_cache), ("value_cache", value_cache),
-         ("block_tables", block_tables), ("seq_lens", seq_lens)]
-    )  # fmt: skip
+        [
+            ("query", query),
+            ("key_cache", key_cache),
+            ("value_cache", value_cache),
+            ("block_tables", block_tables),
+            ("seq_lens", seq_lens),
+        ]
+    )
     capacity = block_tables.shape[1] * block_size
 
     if device.type == "cpu":
@@ -187,9 +192,15 @@ def paged_attention_decode(
     from kernels import cuda
 
     return cuda.paged_attention_decode(
-        query, key_cache, value_cache, block_tables, seq_lens, float(scale),
-        max_seq_len=max_seq_len or 0, partition_size=partition_size,
-    )  # fmt: skip
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        max_seq_len=max_seq_len or 0,
+        partition_size=partition_size,
+    )
 
 
 def _check_seq_lens_and_tables(
@@ -242,9 +253,14 @@ def reshape_and_cache(
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for {key.shape[0]} tokens in key")
     device = _device_of(
-        [("key", key), ("value", value), ("key_cache", key_cache), ("value_cache", value_cache),
-         ("slot_mapping", slot_mapping)]
-    )  # fmt: skip
+        [
+            ("key", key),
+            ("value", value),
+            ("key_cache", key_cache),
+            ("value_cache", value_cache),
+            ("slot_mapping", slot_mapping),
+        ]
+    )
     if device.type == "cpu":
         if slot_mapping.numel() and int(slot_mapping.max()) >= num_blocks * block_size:
             raise ValueError(

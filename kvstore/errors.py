@@ -104,8 +104,17 @@ class RemoteError(KVStoreError):
 
 _BY_STATUS: dict[str, type[KVStoreError]] = {
     cls.status_name: cls
-    for cls in (InvalidArgument, NamespaceNotFound, LayoutMismatch, ResourceExhausted, DataLoss, Unavailable,
-                Unauthenticated, PermissionDenied, ShmNotAvailable)
+    for cls in (
+        InvalidArgument,
+        NamespaceNotFound,
+        LayoutMismatch,
+        ResourceExhausted,
+        DataLoss,
+        Unavailable,
+        Unauthenticated,
+        PermissionDenied,
+        ShmNotAvailable,
+    )
 }
 
 

@@ -38,6 +38,7 @@ class DType(enum.IntEnum):
 
 
 _ITEMSIZE = {DType.FLOAT16: 2, DType.BFLOAT16: 2, DType.FLOAT32: 4, DType.FLOAT8_E4M3: 1, DType.UINT8: 1}
+# One line per dtype: its names read as a table (hence the formatter is told to leave it).
 _ALIASES = {
     "float16": DType.FLOAT16, "fp16": DType.FLOAT16, "half": DType.FLOAT16,
     "bfloat16": DType.BFLOAT16, "bf16": DType.BFLOAT16,
@@ -78,7 +79,9 @@ class PageLayout:
 
     def pack(self) -> bytes:
         """20-byte little-endian encoding used in page headers."""
-        return struct.pack("<IIIII", int(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim, self.block_size)
+        return struct.pack(
+            "<IIIII", int(self.dtype), self.num_layers, self.num_kv_heads, self.head_dim, self.block_size
+        )
 
     @classmethod
     def unpack(cls, raw: bytes) -> PageLayout:

@@ -64,10 +64,20 @@ class PageHeader:
         ns = self.namespace.encode()
         if len(ns) > MAX_SCOPED_NAMESPACE_BYTES or len(self.hash) != HASH_BYTES:
             raise ValueError("namespace or hash out of range for a page header")
-        body = _FIXED.pack(
-            MAGIC, FORMAT_VERSION, 0, self.generation, self.payload_len, self.checksum,
-            self.layout.pack(), self.hash, len(ns),
-        ) + ns  # fmt: skip
+        body = (
+            _FIXED.pack(
+                MAGIC,
+                FORMAT_VERSION,
+                0,
+                self.generation,
+                self.payload_len,
+                self.checksum,
+                self.layout.pack(),
+                self.hash,
+                len(ns),
+            )
+            + ns
+        )
         body += struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
         return body + bytes(HEADER_BYTES - len(body))
 

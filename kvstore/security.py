@@ -106,8 +106,9 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs],
-                          safe="*/:")  # fmt: skip
+        query = urlencode(
+            [(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs], safe="*/:"
+        )
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
@@ -117,8 +118,10 @@ def check_private(path: str | os.PathLike[str], st: os.stat_result) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
         who = "every user" if mode & 0o007 else f"group {st.st_gid}"
-        raise ValueError(f"{path}: accessible to {who} (mode {mode:04o}); a token file must be private "
-                         f"to the user that reads it: chmod 600 {path}")  # fmt: skip
+        raise ValueError(
+            f"{path}: accessible to {who} (mode {mode:04o}); a token file must be private "
+            f"to the user that reads it: chmod 600 {path}"
+        )
 
 
 def read_token_entries(path: str | os.PathLike[str]) -> list[tuple[str, str | None]]:
@@ -135,8 +138,10 @@ def read_token_entries(path: str | os.PathLike[str]) -> list[tuple[str, str | No
         if not fields or fields[0].startswith("#"):
             continue
         if len(fields) > 2 or len(fields[0]) < 16:
-            raise ValueError(f"{path}:{n}: a line is a token (>= 16 characters without spaces), optionally "
-                             "followed by its tenant's name")  # fmt: skip
+            raise ValueError(
+                f"{path}:{n}: a line is a token (>= 16 characters without spaces), optionally "
+                "followed by its tenant's name"
+            )
         tenant = check_tenant(fields[1], f"{path}:{n}: tenant") if len(fields) == 2 else None
         entries.append((fields[0], tenant))
     if not entries:
@@ -180,8 +185,12 @@ class TokenAuthenticator:
                 if force:
                     raise ValueError(f"auth token file for {role.name.lower()} access: {exc}") from exc
                 if self._seen.get(role) is not None:
-                    log.error("auth token file %s: %s; every %s token is revoked until the file is fixed",
-                              path, exc, role.name.lower())  # fmt: skip
+                    log.error(
+                        "auth token file %s: %s; every %s token is revoked until the file is fixed",
+                        path,
+                        exc,
+                        role.name.lower(),
+                    )
                 self._tokens[role], self._seen[role] = [], None
                 self.last_error = str(exc)
                 continue
@@ -197,8 +206,10 @@ class TokenAuthenticator:
                     self._reload()
         presented = _bearer(metadata)
         if presented is None:
-            raise Unauthenticated("this node requires a token (set KVSTORE_TOKEN or KVSTORE_TOKEN_FILE; "
-                                  "on the wire: 'authorization: Bearer <token>')")
+            raise Unauthenticated(
+                "this node requires a token (set KVSTORE_TOKEN or KVSTORE_TOKEN_FILE; "
+                "on the wire: 'authorization: Bearer <token>')"
+            )
         # Check every token (no early exit), so timing says nothing about which one nearly matched.
         found: tuple[Role, str | None] | None = None
         for r in (Role.WRITE, Role.READ):
@@ -266,10 +277,14 @@ class ClientSecurity:
         if token is None and env.get("KVSTORE_TOKEN_FILE"):
             token = read_token_file(env["KVSTORE_TOKEN_FILE"])[0]
         plaintext = env.get("KVSTORE_ALLOW_PLAINTEXT_TOKEN", "").strip().lower() in {"1", "true", "yes", "on"}
-        return cls(token=token, ca_file=env.get("KVSTORE_TLS_CA") or None,
-                   cert_file=env.get("KVSTORE_TLS_CERT") or None, key_file=env.get("KVSTORE_TLS_KEY") or None,
-                   server_name=env.get("KVSTORE_TLS_SERVER_NAME") or None,
-                   allow_plaintext_token=plaintext)  # fmt: skip
+        return cls(
+            token=token,
+            ca_file=env.get("KVSTORE_TLS_CA") or None,
+            cert_file=env.get("KVSTORE_TLS_CERT") or None,
+            key_file=env.get("KVSTORE_TLS_KEY") or None,
+            server_name=env.get("KVSTORE_TLS_SERVER_NAME") or None,
+            allow_plaintext_token=plaintext,
+        )
 
     @property
     def tls(self) -> bool:

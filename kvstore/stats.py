@@ -88,7 +88,9 @@ def planes_to_json(planes: list[PlaneInfo]) -> str:
 def planes_from_json(text: str) -> list[PlaneInfo]:
     """Advertised planes from an index record; [] when absent or unreadable (a stale or foreign record)."""
     try:
-        return [PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)]
+        return [
+            PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)
+        ]
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
 
@@ -121,12 +123,18 @@ class TenantStats:
 
 def tenant_as_dict(t: TenantStats) -> dict[str, object]:
     return {
-        "tenant": t.tenant, "pages": {k.label: n for k, n in t.pages.items()},
-        "quota_bytes": {k.label: n for k, n in t.quota_bytes.items()}, "lookups": t.lookups,
-        "lookup_blocks": t.lookup_blocks, "lookup_matched": t.lookup_matched, "hit_rate": t.hit_rate,
-        "get_pages": t.get_pages, "get_served": t.get_served, "get_hit_rate": t.get_hit_rate,
+        "tenant": t.tenant,
+        "pages": {k.label: n for k, n in t.pages.items()},
+        "quota_bytes": {k.label: n for k, n in t.quota_bytes.items()},
+        "lookups": t.lookups,
+        "lookup_blocks": t.lookup_blocks,
+        "lookup_matched": t.lookup_matched,
+        "hit_rate": t.hit_rate,
+        "get_pages": t.get_pages,
+        "get_served": t.get_served,
+        "get_hit_rate": t.get_hit_rate,
         "cross_tenant_misses": t.cross_tenant_misses,
-    }  # fmt: skip
+    }
 
 
 @dataclass(slots=True)
@@ -165,9 +173,15 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "max_page_bytes": stats.max_page_bytes,
         "tiers": {
             t.tier.label: {
-                "available": t.available, "detail": t.detail, "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes, "slot_bytes": t.slot_bytes, "slots_total": t.slots_total,
-                "slots_used": t.slots_used, "pages": t.pages, "hit_rate": t.hit_rate,
+                "available": t.available,
+                "detail": t.detail,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "slot_bytes": t.slot_bytes,
+                "slots_total": t.slots_total,
+                "slots_used": t.slots_used,
+                "pages": t.pages,
+                "hit_rate": t.hit_rate,
                 **{f.name: getattr(t.counters, f.name) for f in fields(t.counters)},
             }
             for t in stats.tiers

@@ -76,13 +76,27 @@ def generate(
     with LocalStack(StackConfig(model_dir=str(model), block_size=block_size)) as stack:
         r = stack.generate("cli-0", ids, max_new_tokens)
     timings = {
-        "lookup_s": r.prefill.lookup_s, "fetch_s": r.prefill.fetch_s, "prefill_s": r.prefill.compute_s,
-        "put_s": r.prefill.put_s, "ttft_s": r.ttft_s, "decode_fetch_s": r.decode.fetch_s,
-        "decode_s": r.total_s - r.ttft_s, "total_s": r.total_s,
-    }  # fmt: skip
+        "lookup_s": r.prefill.lookup_s,
+        "fetch_s": r.prefill.fetch_s,
+        "prefill_s": r.prefill.compute_s,
+        "put_s": r.prefill.put_s,
+        "ttft_s": r.ttft_s,
+        "decode_fetch_s": r.decode.fetch_s,
+        "decode_s": r.total_s - r.ttft_s,
+        "total_s": r.total_s,
+    }
     if json_out:
-        typer.echo(json.dumps({"prompt_ids": ids, "tokens": r.tokens, "cached_blocks": r.cached_blocks,
-                               "timings": timings, "text": tok.decode(r.tokens) if tok else None}))  # fmt: skip
+        typer.echo(
+            json.dumps(
+                {
+                    "prompt_ids": ids,
+                    "tokens": r.tokens,
+                    "cached_blocks": r.cached_blocks,
+                    "timings": timings,
+                    "text": tok.decode(r.tokens) if tok else None,
+                }
+            )
+        )
         return
     console.print(f"prompt: {len(ids)} tokens, cached prefix {r.cached_blocks} blocks; tokens: {r.tokens}")
     if tok is not None:
@@ -121,8 +135,10 @@ def pd_demo(
         t0 = time.perf_counter()
         with LocalStack(cfg) as stack:
             redis = redact_url(stack.redis.url)  # type: ignore[union-attr]
-            console.print(f"up in {time.perf_counter() - t0:.1f}s: redis {redis}, node {stack.node.addr}, "  # type: ignore[union-attr]
-                          f"Ray with 1 prefill + 1 decode worker; namespace {stack.namespace}")  # fmt: skip
+            console.print(
+                f"up in {time.perf_counter() - t0:.1f}s: redis {redis}, node {stack.node.addr}, "  # type: ignore[union-attr]
+                f"Ray with 1 prefill + 1 decode worker; namespace {stack.namespace}"
+            )
             table = Table(title="requests (greedy; random weights, so the text is noise)")
             for col in ("req", "conv", "sys", "prompt", "cached", "cached from", "TTFT ms", "compute", "fetch"):
                 table.add_column(col, justify="right")
@@ -135,9 +151,17 @@ def pd_demo(
                 r = stack.generate(f"req-{n}", ids, max_new_tokens)
                 history[c] += tok.decode(r.tokens) + " "
                 src = " ".join(f"{k}:{v}" for k, v in sorted(r.cached_tiers.items())) or "-"
-                table.add_row(str(n), f"{c}.{t}", str(sys_id), str(len(ids)), str(r.cached_blocks * cfg.block_size),
-                              src, f"{r.ttft_s * 1000:.0f}", f"{r.prefill.compute_s * 1000:.0f}",
-                              f"{r.prefill.fetch_s * 1000:.0f}")  # fmt: skip
+                table.add_row(
+                    str(n),
+                    f"{c}.{t}",
+                    str(sys_id),
+                    str(len(ids)),
+                    str(r.cached_blocks * cfg.block_size),
+                    src,
+                    f"{r.ttft_s * 1000:.0f}",
+                    f"{r.prefill.compute_s * 1000:.0f}",
+                    f"{r.prefill.fetch_s * 1000:.0f}",
+                )
             console.print(table)
             console.rule("kvctl stats (the cache node)")
             with KVStoreClient(stack.node.addr) as kv:  # type: ignore[union-attr]

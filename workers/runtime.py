@@ -69,15 +69,23 @@ class LocalStack:
         self.namespace = namespace_for(cfg.model_dir, cfg.dtype)
         # Redis with a password and ACL users, as `kvstore up` runs it: only node-0 writes its records,
         # the workers and the router only read (kvstore/index/acl.py), so no local user can redirect them.
-        users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES), node_user("node-0"): (secrets.token_hex(20),
-                                                                                          node_rules("node-0"))}
+        users = {
+            CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES),
+            node_user("node-0"): (secrets.token_hex(20), node_rules("node-0")),
+        }
         self.redis = RedisProcess(password=secrets.token_hex(20), users=users).start()
         index_url = self.redis.url_for(CLIENT_USER)
         page_bytes = self.page_bytes(cfg)
-        self.node = NodeProcess(dram_bytes=cfg.dram_bytes, nvme_path=run / "nvme", nvme_bytes=cfg.nvme_bytes,
-                                max_page_bytes=cfg.max_page_bytes or page_bytes, node_id="node-0",
-                                redis_url=self.redis.url_for(node_user("node-0")), log_path=run / "node.log",
-                                extra_args=["--index-ttl", "5"]).start()  # fmt: skip
+        self.node = NodeProcess(
+            dram_bytes=cfg.dram_bytes,
+            nvme_path=run / "nvme",
+            nvme_bytes=cfg.nvme_bytes,
+            max_page_bytes=cfg.max_page_bytes or page_bytes,
+            node_id="node-0",
+            redis_url=self.redis.url_for(node_user("node-0")),
+            log_path=run / "node.log",
+            extra_args=["--index-ttl", "5"],
+        ).start()
         token_path = run / "ray_auth_token"
         token_path.write_text(secrets.token_hex(32))
         token_path.chmod(0o600)
@@ -85,19 +93,37 @@ class LocalStack:
             self._env_before[k] = os.environ.get(k)
             os.environ[k] = v
         _refresh_ray_auth()
-        ray.init(num_cpus=cfg.num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)  # fmt: skip
+        ray.init(
+            num_cpus=cfg.num_cpus or max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         self._ray_started = True
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= cfg.num_prefill + cfg.num_decode else 0
-        wcfg = WorkerConfig(model_dir=cfg.model_dir, redis_url=index_url, namespace=self.namespace,
-                            num_blocks=cfg.num_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                            local_node="node-0", torch_threads=cfg.torch_threads)  # fmt: skip
+        wcfg = WorkerConfig(
+            model_dir=cfg.model_dir,
+            redis_url=index_url,
+            namespace=self.namespace,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            dtype=cfg.dtype,
+            local_node="node-0",
+            torch_threads=cfg.torch_threads,
+        )
         # Actors take no CPU reservation: on a 2-core host prefill, decode and the router must coexist.
         prefill = [PrefillWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_prefill)]
         decode = [DecodeWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_decode)]
         ray.get([w.info.remote() for w in prefill])  # fail fast if a worker cannot load the model
-        self.router = Router.remote(prefill, decode, index_url, self.namespace, cfg.block_size,
-                                    ["node-0"] * cfg.num_prefill, max_inflight=cfg.max_inflight)  # fmt: skip
+        self.router = Router.remote(
+            prefill,
+            decode,
+            index_url,
+            self.namespace,
+            cfg.block_size,
+            ["node-0"] * cfg.num_prefill,
+            max_inflight=cfg.max_inflight,
+        )
 
     @staticmethod
     def page_bytes(cfg: StackConfig) -> int:
@@ -109,8 +135,9 @@ class LocalStack:
         from workers.paged_cache import kv_dtype
 
         mc = read_config(cfg.model_dir)
-        layout = PageLayout(kv_dtype(getattr(torch, cfg.dtype)), mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                            cfg.block_size)  # fmt: skip
+        layout = PageLayout(
+            kv_dtype(getattr(torch, cfg.dtype)), mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size
+        )
         return layout.page_bytes
 
     def generate(self, request_id: str, prompt: list[int], max_new_tokens: int) -> RequestResult:

@@ -98,8 +98,11 @@ class _Engine:
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
         self.cfg = cfg
-        ckpt = load_checkpoint(cfg.model_dir, cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks),
-                               dtype=getattr(torch, cfg.dtype))  # fmt: skip
+        ckpt = load_checkpoint(
+            cfg.model_dir,
+            cache=CacheConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks),
+            dtype=getattr(torch, cfg.dtype),
+        )
         self.model: PagedLlama = ckpt.model
         self.tokenizer = ckpt.tokenizer
         self.layout = self.model.page_layout()
@@ -114,8 +117,13 @@ class _Engine:
     def hashes(self, prompt: Sequence[int]) -> list[bytes]:
         return prefix_hashes(prompt, self.cfg.block_size, self.cfg.namespace)
 
-    def _fetch(self, hashes: Sequence[bytes], prefer_node: str | None = None,
-               tiers: dict[str, int] | None = None, found: ClusterLookup | None = None) -> torch.Tensor | None:  # fmt: skip
+    def _fetch(
+        self,
+        hashes: Sequence[bytes],
+        prefer_node: str | None = None,
+        tiers: dict[str, int] | None = None,
+        found: ClusterLookup | None = None,
+    ) -> torch.Tensor | None:
         """Pages of the longest retrievable prefix of hashes, as [k, *page_shape] (None when k == 0);
         counts in `tiers` where each page was found."""
         if not hashes:
@@ -189,8 +197,9 @@ class PrefillEngine(_Engine):
             if new:
                 out = self.model.export_pages(seq, list(new))
                 blobs = [out[i].contiguous().view(torch.uint8).numpy() for i in range(out.shape[0])]
-                stored_on, res = self.cache.put(self.cfg.namespace, self.layout, hashes[cached:], blobs,
-                                                parent_chain=hashes[:cached])  # fmt: skip
+                stored_on, res = self.cache.put(
+                    self.cfg.namespace, self.layout, hashes[cached:], blobs, parent_chain=hashes[:cached]
+                )
                 stored = res.stored
             t4 = time.perf_counter()
         finally:
@@ -202,8 +211,14 @@ class PrefillEngine(_Engine):
 class DecodeEngine(_Engine):
     """Rebuilds a prompt's KV from the cache and decodes."""
 
-    def generate(self, request_id: str, prompt: Sequence[int], prefill: PrefillResult, max_new_tokens: int,
-                 stats: list[DecodeStats] | None = None) -> Iterator[int]:  # fmt: skip
+    def generate(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        prefill: PrefillResult,
+        max_new_tokens: int,
+        stats: list[DecodeStats] | None = None,
+    ) -> Iterator[int]:
         """Yield max_new_tokens tokens, the first being prefill's. `stats` receives one DecodeStats."""
         prompt = list(prompt)
         if max_new_tokens <= 0:

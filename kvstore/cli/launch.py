@@ -23,16 +23,41 @@ _POLL_SECONDS = 0.05
 class NodeProcess:
     """One cache node in a child process, bound to loopback on a free port."""
 
-    def __init__(self, *, dram_bytes: int | str = "64MiB", nvme_path: str | Path | None = None,
-                 nvme_bytes: int | str = 0, max_page_bytes: int | str | None = None, node_id: str = "node-0",
-                 host: str = "127.0.0.1", redis_url: str | None = None, extra_args: list[str] | None = None,
-                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:  # fmt: skip
+    # keyword-only settings, each with a default
+    def __init__(  # noqa: PLR0913
+        self,
+        *,
+        dram_bytes: int | str = "64MiB",
+        nvme_path: str | Path | None = None,
+        nvme_bytes: int | str = 0,
+        max_page_bytes: int | str | None = None,
+        node_id: str = "node-0",
+        host: str = "127.0.0.1",
+        redis_url: str | None = None,
+        extra_args: list[str] | None = None,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.host = host
         self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-node-")
         self.ready_file = Path(self._tmp.name) / "ready.json"
         self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "node.log"
-        args = [sys.executable, "-m", "kvstore.cli.main", "serve", "--host", host, "--port", "0",
-                "--dram-bytes", str(dram_bytes), "--node-id", node_id, "--ready-file", str(self.ready_file)]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "kvstore.cli.main",
+            "serve",
+            "--host",
+            host,
+            "--port",
+            "0",
+            "--dram-bytes",
+            str(dram_bytes),
+            "--node-id",
+            node_id,
+            "--ready-file",
+            str(self.ready_file),
+        ]
         if nvme_path is not None and nvme_bytes:
             args += ["--nvme-path", str(nvme_path), "--nvme-bytes", str(nvme_bytes)]
         if max_page_bytes is not None:
@@ -76,8 +101,11 @@ class NodeProcess:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 # Say so loudly: a killed node skipped its shutdown spill, which tests then see as lost pages.
-                print(f"kvstore node {self.addr} did not stop within {timeout}s of SIGTERM; killing it. "
-                      f"Log tail:\n{self.log_tail()}", file=sys.stderr)  # fmt: skip
+                print(
+                    f"kvstore node {self.addr} did not stop within {timeout}s of SIGTERM; killing it. "
+                    f"Log tail:\n{self.log_tail()}",
+                    file=sys.stderr,
+                )
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.proc.pid, signal.SIGABRT)  # faulthandler writes every thread's stack to the log
                 try:
@@ -134,8 +162,13 @@ class RedisProcess:
     Redis restart without persistence, comes back empty.
     """
 
-    def __init__(self, host: str = "127.0.0.1", binary: str = "redis-server", password: str | None = None,
-                 users: dict[str, tuple[str, str]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        binary: str = "redis-server",
+        password: str | None = None,
+        users: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
         path = shutil.which(binary)
         if path is None:
             raise RuntimeError(f"{binary} not found: install Debian's redis-server (./dev setup does)")
@@ -163,8 +196,24 @@ class RedisProcess:
         conf = Path(self._tmp.name) / "redis.conf"
         conf.touch(mode=0o600)
         conf.write_text(self._auth_conf())
-        args = [self.binary, str(conf), "--bind", self.host, "--port", str(self.port), "--save", "", "--appendonly",
-                "no", "--dir", self._tmp.name, "--protected-mode", "yes", "--loglevel", "warning"]  # fmt: skip
+        args = [
+            self.binary,
+            str(conf),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._tmp.name,
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
         log = open(Path(self._tmp.name) / "redis.log", "ab")  # noqa: SIM115 - owned by the process lifetime
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -15,7 +15,8 @@ SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 64MiB,
 
 
 @friendly_errors
-def serve(
+# one parameter per CLI option (typer)
+def serve(  # noqa: PLR0913
     host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port to bind; 0 picks a free one (default 50051)")] = None,
     dram_bytes: SizeOpt = None,
@@ -45,7 +46,8 @@ def serve(
         int | None, typer.Option(help="TCP data plane port; 0 picks a free one, advertised to clients (default 0)")
     ] = None,
     ucx: Annotated[
-        bool | None, typer.Option("--ucx/--no-ucx", help="UCX data plane (default off; for hosts with RDMA; needs ucxx)")
+        bool | None,
+        typer.Option("--ucx/--no-ucx", help="UCX data plane (default off; for hosts with RDMA; needs ucxx)"),
     ] = None,
     ucx_port: Annotated[int | None, typer.Option(help="UCX listener port (default 0: a free one)")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve over TLS (with --tls-key)")] = None,
@@ -69,16 +71,34 @@ def serve(
 
     cfg = NodeConfig.load(
         config,
-        host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
-        advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
-        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm, tcp_enabled=tcp, tcp_port=tcp_port,
-        ucx_enabled=ucx, ucx_port=ucx_port,
-        tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
-        auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
-        tenants_file=_path(tenants_file), nvme_path=str(nvme_path) if nvme_path else None,
-        dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
+        host=host,
+        port=port,
+        node_id=node_id,
+        policy=policy,
+        log_level=log_level,
+        redis_url=redis_url,
+        advertise_addr=advertise_addr,
+        index_ttl_seconds=index_ttl,
+        index_register_wait_seconds=index_register_wait,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        shm_enabled=shm,
+        tcp_enabled=tcp,
+        tcp_port=tcp_port,
+        ucx_enabled=ucx,
+        ucx_port=ucx_port,
+        tls_cert_file=_path(tls_cert),
+        tls_key_file=_path(tls_key),
+        tls_client_ca_file=_path(tls_client_ca),
+        auth_tokens_file=_path(auth_tokens_file),
+        auth_read_tokens_file=_path(auth_read_tokens_file),
+        tenants_file=_path(tenants_file),
+        nvme_path=str(nvme_path) if nvme_path else None,
+        dram_bytes=_size(dram_bytes),
+        nvme_bytes=_size(nvme_bytes),
+        hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),
-    )  # fmt: skip
+    )
     setup_logging(cfg.log_level)
     asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))
 

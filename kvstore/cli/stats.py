@@ -78,12 +78,20 @@ def render_tenants(stats: NodeStats, console: Console) -> None:
     if not stats.tenants or [t.tenant for t in stats.tenants] == [DEFAULT_TENANT]:
         return
     table = Table(title="tenants")
-    for col in ("tenant", *[f"{t.tier.label.upper()} pages/share" for t in stats.tiers if t.available],
-                "lookup hit rate", "get hit rate", "cross-tenant misses"):  # fmt: skip
+    for col in (
+        "tenant",
+        *[f"{t.tier.label.upper()} pages/share" for t in stats.tiers if t.available],
+        "lookup hit rate",
+        "get hit rate",
+        "cross-tenant misses",
+    ):
         table.add_column(col, justify="left" if col == "tenant" else "right")
     for t in stats.tenants:
-        per_tier = [f"{t.pages.get(k.tier, 0)}/" + (human_bytes(t.quota_bytes[k.tier]) if k.tier in t.quota_bytes else "-")
-                    for k in stats.tiers if k.available]  # fmt: skip
+        per_tier = [
+            f"{t.pages.get(k.tier, 0)}/" + (human_bytes(t.quota_bytes[k.tier]) if k.tier in t.quota_bytes else "-")
+            for k in stats.tiers
+            if k.available
+        ]
         rate = [("-" if r is None else f"{r:.1%}") for r in (t.hit_rate, t.get_hit_rate)]
         table.add_row(t.tenant, *per_tier, *rate, str(t.cross_tenant_misses))
     console.print(table)

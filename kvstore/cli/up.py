@@ -39,7 +39,8 @@ _POLL_S = 0.2
 
 
 @friendly_errors
-def up(
+# one parameter per CLI option (typer)
+def up(  # noqa: PLR0913
     nodes: Annotated[int, typer.Option(help="cache nodes to start (without --values)", min=1, max=64)] = 1,
     dram_bytes: Annotated[str, typer.Option(help="DRAM per node")] = "256MiB",
     nvme_bytes: Annotated[str, typer.Option(help="NVMe per node (0: none)")] = "1GiB",
@@ -76,7 +77,9 @@ def up(
             tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
             tmp_ready.write_text(json.dumps(stack.describe()))
             os.replace(tmp_ready, ready_file)
-        console.print("[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)")
+        console.print(
+            "[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)"
+        )
         while not stop.wait(1.0):
             dead = stack.dead()
             if dead:
@@ -104,11 +107,14 @@ class Stack:
     env: dict[str, str] = field(default_factory=dict)  # what every client of this stack needs (tokens)
     ray_tmp: tempfile.TemporaryDirectory[str] | None = None
 
-    def start_simple(self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float,
-                     metrics: bool) -> None:  # fmt: skip
+    def start_simple(
+        self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float, metrics: bool
+    ) -> None:
         self._start_redis(redis_url, [f"node-{i}" for i in range(n)])
         for i in range(n):
-            self._start_node(i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])])
+            self._start_node(
+                i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])]
+            )
 
     def start_from_plan(self, plan: object, values: dict) -> None:
         from kvstore.cli.values import LocalPlan
@@ -144,9 +150,13 @@ class Stack:
             conf = self.root / "node.toml"
             conf.write_text(_toml_table("node", plan.node.config))
             for i in range(plan.nodes):
-                self._start_node(i, plan.node.dram_bytes, plan.node.nvme_bytes, plan.node.max_page_bytes,
-                                 ["--config", str(conf), "--hbm-bytes", str(plan.node.hbm_bytes), "--metrics-port", "0",
-                                  *extra])  # fmt: skip
+                self._start_node(
+                    i,
+                    plan.node.dram_bytes,
+                    plan.node.nvme_bytes,
+                    plan.node.max_page_bytes,
+                    ["--config", str(conf), "--hbm-bytes", str(plan.node.hbm_bytes), "--metrics-port", "0", *extra],
+                )
         if plan.workers is not None:
             self._start_workers(plan.workers)
 
@@ -180,16 +190,25 @@ class Stack:
             admin = self.root / "redis-admin.url"
             admin.touch(mode=0o600)
             admin.write_text(proc.url + "\n")
-        console.print(f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
-                      "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}"))
+        console.print(
+            f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
+            "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}")
+        )
 
     def _start_node(self, i: int, dram: int | str, nvme: int | str, page: int | str, extra: list[str]) -> None:
         from kvstore.cli.launch import NodeProcess
 
         # The Redis URL (with its password) reaches the node through its environment, as in the chart.
-        node = NodeProcess(dram_bytes=dram, nvme_path=self.root / f"node-{i}", nvme_bytes=nvme, max_page_bytes=page,
-                           node_id=f"node-{i}", extra_args=extra, log_path=self.root / f"node-{i}.log",
-                           env={"KVSTORE_REDIS_URL": self.node_urls[f"node-{i}"]})  # fmt: skip
+        node = NodeProcess(
+            dram_bytes=dram,
+            nvme_path=self.root / f"node-{i}",
+            nvme_bytes=nvme,
+            max_page_bytes=page,
+            node_id=f"node-{i}",
+            extra_args=extra,
+            log_path=self.root / f"node-{i}.log",
+            env={"KVSTORE_REDIS_URL": self.node_urls[f"node-{i}"]},
+        )
         self.nodes.append(node.start())
         scrape = f"  metrics http://{node.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
         console.print(f"node-{i}: {node.addr}{scrape}  (log {node.log_path})")
@@ -203,27 +222,58 @@ class Stack:
         token = self.root / "ray_auth_token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        env = {**os.environ, **self.env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-               "KVSTORE_REDIS_URL": self.redis_url, "KVSTORE_LOCAL_NODE": "node-0"}  # fmt: skip
+        env = {
+            **os.environ,
+            **self.env,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "KVSTORE_REDIS_URL": self.redis_url,
+            "KVSTORE_LOCAL_NODE": "node-0",
+        }
         port = free_port()
         # NOTE: Ray's unix socket paths must stay under 107 bytes: its temp dir is short, not under root.
         self.ray_tmp = tempfile.TemporaryDirectory(prefix="kvray-", dir="/tmp")
         resources = json.dumps({"kvstore_prefill": w.prefill_slots, "kvstore_decode": w.decode_slots})
-        args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-                f"--num-cpus={max(2, os.cpu_count() or 2)}", "--num-gpus=0", f"--resources={resources}",
-                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.ray_tmp.name}",
-                f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                f"--object-store-memory={256 << 20}"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--num-cpus={max(2, os.cpu_count() or 2)}",
+            "--num-gpus=0",
+            f"--resources={resources}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={self.ray_tmp.name}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--object-store-memory={256 << 20}",
+        ]
         log = open(self.root / "ray-head.log", "ab")  # noqa: SIM115 - closed right after the child has it
         self.ray_head = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.ray_address = f"127.0.0.1:{port}"
         _wait_port("127.0.0.1", port, 60.0, self.ray_head, self.root / "ray-head.log")
         ready = self.root / "pd-serve.json"
-        cmd = [sys.executable, "-m", "kvstore.cli.main", "pd-serve", f"--ray-address={self.ray_address}",
-               f"--model={w.model_path}", f"--dtype={w.dtype}", f"--block-size={w.block_size}",
-               f"--num-blocks={w.num_blocks}", f"--max-inflight={w.max_inflight}", f"--min-prefill={w.prefill_slots}",
-               f"--min-decode={w.decode_slots}", "--worker-wait=120", f"--ready-file={ready}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstore.cli.main",
+            "pd-serve",
+            f"--ray-address={self.ray_address}",
+            f"--model={w.model_path}",
+            f"--dtype={w.dtype}",
+            f"--block-size={w.block_size}",
+            f"--num-blocks={w.num_blocks}",
+            f"--max-inflight={w.max_inflight}",
+            f"--min-prefill={w.prefill_slots}",
+            f"--min-decode={w.decode_slots}",
+            "--worker-wait=120",
+            f"--ready-file={ready}",
+        ]
         log = open(self.root / "pd-serve.log", "ab")  # noqa: SIM115
         self.driver = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -233,20 +283,26 @@ class Stack:
                 raise RuntimeError(f"kvstore pd-serve did not come up:\n{_tail(self.root / 'pd-serve.log')}")
             time.sleep(_POLL_S)
         self.driver_ready = json.loads(ready.read_text())
-        console.print(f"ray: {self.ray_address} (token {token}); {w.prefill_slots} prefill + {w.decode_slots} decode "
-                      f"workers; router {self.driver_ready['router']!r} in Ray namespace "
-                      f"{self.driver_ready['ray_namespace']!r}  (log {self.root / 'pd-serve.log'})")  # fmt: skip
+        console.print(
+            f"ray: {self.ray_address} (token {token}); {w.prefill_slots} prefill + {w.decode_slots} decode "
+            f"workers; router {self.driver_ready['router']!r} in Ray namespace "
+            f"{self.driver_ready['ray_namespace']!r}  (log {self.root / 'pd-serve.log'})"
+        )
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "redis_url": self.redis_url, "pid": os.getpid(),
+            "redis_url": self.redis_url,
+            "pid": os.getpid(),
             "nodes": {f"node-{i}": p.addr for i, p in enumerate(self.nodes)},
             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
             "env": self.env,
-        }  # fmt: skip
+        }
         if self.driver is not None:
-            out["ray"] = {"address": self.ray_address, "auth_token_path": str(self.root / "ray_auth_token"),
-                          **self.driver_ready}  # fmt: skip
+            out["ray"] = {
+                "address": self.ray_address,
+                "auth_token_path": str(self.root / "ray_auth_token"),
+                **self.driver_ready,
+            }
         return out
 
     def dead(self) -> str | None:

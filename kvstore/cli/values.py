@@ -121,10 +121,14 @@ def check_rules(v: Mapping[str, Any]) -> None:
         need = _bytes(v, "node.budgets.dram") + _bytes(v, "node.memoryOverhead")
         limit = (node.get("resources") or {}).get("limits", {}).get("memory")
         if limit and need > _bytes(v, "node.resources.limits.memory"):
-            raise ValueError(f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
-                             f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})")  # fmt: skip
+            raise ValueError(
+                f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
+                f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})"
+            )
         if _bytes(v, "node.budgets.hbm") > 0 and int(node["gpu"]["count"]) == 0:
-            raise ValueError(f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU")
+            raise ValueError(
+                f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU"
+            )
         if int(node["gpu"]["count"]) > 0 and not node["gpu"]["resourceName"]:
             raise ValueError("node.gpu.resourceName is empty but node.gpu.count > 0")
         if _bytes(v, "node.budgets.maxPageBytes") <= 0:
@@ -133,15 +137,19 @@ def check_rules(v: Mapping[str, Any]) -> None:
         if node["kind"] == "DaemonSet" and nvme > 0 and not node["nvme"].get("hostPath"):
             raise ValueError("node.nvme.hostPath is empty but node.budgets.nvme > 0")
         if node["kind"] == "StatefulSet" and node["nvme"].get("size") and _bytes(v, "node.nvme.size") < nvme:
-            raise ValueError(f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})")
+            raise ValueError(
+                f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})"
+            )
     if v["rayCluster"]["enabled"]:
         for pool in ("prefill", "decode"):
             p = v["workers"][pool]
             if int(p["gpusPerPod"]) > 0 and not v["workers"]["gpu"]["resourceName"]:
                 raise ValueError(f"workers.gpu.resourceName is empty but workers.{pool}.gpusPerPod > 0")
             if not p["minReplicas"] <= p["replicas"] <= p["maxReplicas"]:
-                raise ValueError(f"workers.{pool}.replicas ({p['replicas']}) must lie within workers.{pool}.minReplicas "
-                                 f"({p['minReplicas']}) and workers.{pool}.maxReplicas ({p['maxReplicas']})")  # fmt: skip
+                raise ValueError(
+                    f"workers.{pool}.replicas ({p['replicas']}) must lie within workers.{pool}.minReplicas "
+                    f"({p['minReplicas']}) and workers.{pool}.maxReplicas ({p['maxReplicas']})"
+                )
     tls = v["tls"]
     if tls["enabled"]:
         if not tls["secretName"] and not tls["certManager"]["enabled"]:
@@ -150,27 +158,37 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError("tls.certManager.issuerRef.name is empty")
         rtls = v["redis"]["tls"]
         if v["redis"]["enabled"] and rtls["enabled"] and not tls["certManager"]["enabled"] and not rtls["secretName"]:
-            raise ValueError("redis.tls.secretName is empty: with tls.secretName, give Redis a Secret for its "
-                             "Service name, or set redis.tls.enabled: false")  # fmt: skip
+            raise ValueError(
+                "redis.tls.secretName is empty: with tls.secretName, give Redis a Secret for its "
+                "Service name, or set redis.tls.enabled: false"
+            )
     elif tls["mutual"]:
         raise ValueError("tls.mutual is true but tls.enabled is false: mutual TLS runs over TLS")
     elif v["auth"]["enabled"] and not v["auth"].get("allowPlaintextTokens"):
-        raise ValueError("auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
-                         "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
-                         "for a trusted pod network")  # fmt: skip
+        raise ValueError(
+            "auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
+            "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
+            "for a trusted pod network"
+        )
     tenants = v["auth"].get("tenants") or []
     if tenants and not v["auth"]["enabled"]:
         raise ValueError("auth.tenants is set but auth.enabled is false: tenants are bound to tokens; enable auth")
     for t in tenants:
         if t.get("mtlsSubjects") and not tls["mutual"]:
-            raise ValueError(f"auth.tenants[{t['name']}].mtlsSubjects is set but tls.mutual is false: certificate "
-                             "subjects bind tenants only with mutual TLS")  # fmt: skip
+            raise ValueError(
+                f"auth.tenants[{t['name']}].mtlsSubjects is set but tls.mutual is false: certificate "
+                "subjects bind tenants only with mutual TLS"
+            )
     redis = v["redis"]
     ext = redis["external"]
-    if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
-        ext["url"] or ext["existingSecret"]
+    if (
+        not redis["enabled"]
+        and (node.get("enabled", True) or v["rayCluster"]["enabled"])
+        and not (ext["url"] or ext["existingSecret"])
     ):
-        raise ValueError("redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set")
+        raise ValueError(
+            "redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set"
+        )
 
 
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,12 +196,17 @@ def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
     node = v["node"]
     # tcp_port stays 0 here (a free port): local nodes share one machine, and each advertises its own.
     return {
-        "policy": node["policy"], "grace_seconds": node["shutdown"]["drainSeconds"],
-        "spill_seconds": node["shutdown"]["spillSeconds"], "spill_on_shutdown": True,
-        "index_ttl_seconds": node["index"]["ttlSeconds"], "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
-        "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
-        "log_level": node["logLevel"], **node.get("config", {}),
-    }  # fmt: skip
+        "policy": node["policy"],
+        "grace_seconds": node["shutdown"]["drainSeconds"],
+        "spill_seconds": node["shutdown"]["spillSeconds"],
+        "spill_on_shutdown": True,
+        "index_ttl_seconds": node["index"]["ttlSeconds"],
+        "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
+        "shm_enabled": node["dataPlanes"]["shm"]["enabled"],
+        "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
+        "log_level": node["logLevel"],
+        **node.get("config", {}),
+    }
 
 
 def tenants_toml(v: Mapping[str, Any], scale: float = 1.0) -> str | None:
@@ -218,18 +241,24 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         nvme = int(_bytes(v, "node.budgets.nvme") * scale)
         slot = slot_bytes_for(page)
         if dram < slot:
-            raise ValueError(f"local.scale {scale} leaves node.budgets.dram at {dram} bytes, less than one page slot "
-                             f"({slot} bytes for node.budgets.maxPageBytes {node['budgets']['maxPageBytes']}): raise local.scale")  # fmt: skip
+            raise ValueError(
+                f"local.scale {scale} leaves node.budgets.dram at {dram} bytes, less than one page slot "
+                f"({slot} bytes for node.budgets.maxPageBytes {node['budgets']['maxPageBytes']}): raise local.scale"
+            )
         need = n * int((_bytes(v, "node.budgets.dram") + _bytes(v, "node.memoryOverhead")) * scale)
         avail = mem_available if mem_available is not None else _mem_available()
         if avail and need > MEMORY_HEADROOM * avail:
-            raise ValueError(f"{n} node(s) x (node.budgets.dram + node.memoryOverhead) x local.scale {scale} = {need} "
-                             f"bytes, more than {MEMORY_HEADROOM:.0%} of this machine's available memory ({avail}): "
-                             f"lower local.scale")  # fmt: skip
+            raise ValueError(
+                f"{n} node(s) x (node.budgets.dram + node.memoryOverhead) x local.scale {scale} = {need} "
+                f"bytes, more than {MEMORY_HEADROOM:.0%} of this machine's available memory ({avail}): "
+                f"lower local.scale"
+            )
         free_disk = shutil.disk_usage(root if root.exists() else root.parent).free
         if n * nvme > free_disk:
-            raise ValueError(f"{n} node(s) x node.budgets.nvme x local.scale {scale} = {n * nvme} bytes, more than "
-                             f"the free disk under {root} ({free_disk}): lower local.scale")  # fmt: skip
+            raise ValueError(
+                f"{n} node(s) x node.budgets.nvme x local.scale {scale} = {n * nvme} bytes, more than "
+                f"the free disk under {root} ({free_disk}): lower local.scale"
+            )
         hbm = int(_bytes(v, "node.budgets.hbm") * scale)
         node_plan = NodePlan(dram, nvme, hbm, page, node_toml_table(v))
     if v["tls"]["enabled"]:
@@ -245,15 +274,33 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         if not v["rayCluster"]["enabled"]:
             raise ValueError("local.workers is true but rayCluster.enabled is false: nothing to start")
         if not local["modelPath"] or not (Path(local["modelPath"]) / "config.json").is_file():
-            raise ValueError(f"local.modelPath {local['modelPath']!r}: give a checkpoint directory with config.json "
-                             f"(workers.model.path is the in-cluster path)")  # fmt: skip
+            raise ValueError(
+                f"local.modelPath {local['modelPath']!r}: give a checkpoint directory with config.json "
+                f"(workers.model.path is the in-cluster path)"
+            )
         w = v["workers"]
         slots = {p: int(w[p]["replicas"]) * max(int(w[p]["gpusPerPod"]), 1) for p in ("prefill", "decode")}
-        workers = WorkersPlan(str(local["modelPath"]), w["model"]["dtype"], int(w["blockSize"]), int(w["numBlocks"]),
-                              slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]))  # fmt: skip
+        workers = WorkersPlan(
+            str(local["modelPath"]),
+            w["model"]["dtype"],
+            int(w["blockSize"]),
+            int(w["numBlocks"]),
+            slots["prefill"],
+            slots["decode"],
+            int(v["rayCluster"]["router"]["maxInflight"]),
+        )
     names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
-    return LocalPlan(n, node_plan, external, bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
-                     bool(v["auth"]["enabled"]), workers, notes, names, tenants_toml(v, scale))  # fmt: skip
+    return LocalPlan(
+        n,
+        node_plan,
+        external,
+        bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
+        bool(v["auth"]["enabled"]),
+        workers,
+        notes,
+        names,
+        tenants_toml(v, scale),
+    )
 
 
 def _mem_available() -> int | None:

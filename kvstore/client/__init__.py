@@ -15,5 +15,13 @@ from kvstore.client.planes.choice import TRANSPORTS
 from kvstore.client.planes.segments import SharedBuffer
 from kvstore.wire.streams import PageRef
 
-__all__ = ["DEFAULT_PAGES_PER_STREAM", "TRANSPORTS", "AsyncKVStoreClient", "KVStoreClient", "PageRef", "PinResult",
-           "PutResult", "SharedBuffer"]
+__all__ = [
+    "DEFAULT_PAGES_PER_STREAM",
+    "TRANSPORTS",
+    "AsyncKVStoreClient",
+    "KVStoreClient",
+    "PageRef",
+    "PinResult",
+    "PutResult",
+    "SharedBuffer",
+]

@@ -60,9 +60,17 @@ class NoLiveNode(KVStoreError):
 class ClusterClient:
     """Blocking cluster client. One channel per node, opened on first use and kept."""
 
-    def __init__(self, redis_url: str, *, local_node: str | None = None, timeout: float = 60.0,
-                 verify: bool = True, probe_tail: bool = True,
-                 security: ClientSecurity | None = None, tenant: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        local_node: str | None = None,
+        timeout: float = 60.0,
+        verify: bool = True,
+        probe_tail: bool = True,
+        security: ClientSecurity | None = None,
+        tenant: str | None = None,
+    ) -> None:
         self.security = ClientSecurity.from_env() if security is None else security  # for every node
         self.security.check_target(None)  # addresses come from the index: no token in clear to them
         self.index = IndexReader(redis_url, tenant=tenant)  # tenant: whose index entries (KVSTORE_TENANT)
@@ -99,8 +107,9 @@ class ClusterClient:
             raise Unavailable(f"node {node_id!r} is not live in the index")
         client = self._clients.get((node_id, addr))
         if client is None:
-            client = KVStoreClient(addr, timeout=self.timeout, verify=self.verify,
-                                   security=self.security.for_node(node_id))  # fmt: skip
+            client = KVStoreClient(
+                addr, timeout=self.timeout, verify=self.verify, security=self.security.for_node(node_id)
+            )
             self._clients[(node_id, addr)] = client
         return client
 
@@ -110,8 +119,14 @@ class ClusterClient:
         """Longest prefix held by any live node, and per node how much of it: one Redis round trip."""
         return self.index.lookup(namespace, hashes)
 
-    def get_pages(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None,
-                  found: ClusterLookup | None = None) -> list[FetchedPage]:  # fmt: skip
+    def get_pages(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        *,
+        prefer_node: str | None = None,
+        found: ClusterLookup | None = None,
+    ) -> list[FetchedPage]:
         """Pages of the longest retrievable prefix of `hashes`, in order, from whichever nodes hold them.
 
         prefer_node: a node known to hold (part of) the chain, e.g. where a prefill worker just stored
@@ -171,8 +186,13 @@ class ClusterClient:
         except _NODE_ERRORS as exc:
             log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
         except _MISS_ERRORS as exc:
-            log.warning("node %s misbehaved serving %d block(s), counted as a miss: %s: %s", node, len(hashes),
-                        type(exc).__name__, exc)  # fmt: skip
+            log.warning(
+                "node %s misbehaved serving %d block(s), counted as a miss: %s: %s",
+                node,
+                len(hashes),
+                type(exc).__name__,
+                exc,
+            )
         return []
 
     # -- writes
@@ -186,16 +206,26 @@ class ClusterClient:
         names = {n.node_id for n in live}
         if parent_chain:
             shares = self.index.lookup(namespace, parent_chain).nodes
-            best = max((s for s in shares.values() if s.node_id in names and s.leading > 0),
-                       key=lambda s: (s.leading, s.node_id), default=None)  # fmt: skip
+            best = max(
+                (s for s in shares.values() if s.node_id in names and s.leading > 0),
+                key=lambda s: (s.leading, s.node_id),
+                default=None,
+            )
             if best is not None:
                 return best.node_id
         if self.local_node in names:
             return self.local_node  # type: ignore[return-value]
         return max(live, key=lambda n: (_free_slots(n), n.node_id)).node_id
 
-    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
-            parent_chain: Sequence[bytes] = ()) -> tuple[str, PutResult]:  # fmt: skip
+    def put(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Buffer],
+        *,
+        parent_chain: Sequence[bytes] = (),
+    ) -> tuple[str, PutResult]:
         """Store pages on the node choose_node picks; `parent_chain` is the chain before hashes[0]."""
         node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None

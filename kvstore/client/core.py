@@ -89,8 +89,16 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
 PLANES: dict[str, PlaneSpec] = {
     "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
     "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.buffers), usable=shm_available),
-    "tcp": PlaneSpec(lambda s, info: TcpPlane.from_info(info, target=s.target, pages_per_call=s.pages_per_call,
-                                                        verify=s.verify, security=s.security, timeout=s.timeout)),
+    "tcp": PlaneSpec(
+        lambda s, info: TcpPlane.from_info(
+            info,
+            target=s.target,
+            pages_per_call=s.pages_per_call,
+            verify=s.verify,
+            security=s.security,
+            timeout=s.timeout,
+        )
+    ),
     "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
 }
 
@@ -200,8 +208,9 @@ class ClientCore:
             return []
         return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote)))
 
-    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer],
-                 promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
+    def get_into(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
+    ) -> Exchange[list[PageRef]]:
         """Pages of the longest stored prefix written into `buffers` (one per hash, writable, contiguous,
         not overlapping: checked before anything is sent). On the shm plane they must lie in this
         client's shared buffers and the node writes into them directly; other planes copy once."""

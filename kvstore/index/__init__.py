@@ -46,6 +46,18 @@ from kvstore.index.lookup import ClusterLookup, NodeShare, summarize
 from kvstore.index.reader import IndexReader, IndexUnavailable, NodeInfo
 
 __all__ = [
-    "ALIVE_PREFIX", "NODES_KEY", "PREFIX", "ClusterLookup", "IndexReader", "IndexUnavailable", "NodeInfo", "NodeShare", "alive_key",
-    "block_key", "epoch_key", "node_key", "ns_tag", "summarize",
-]  # fmt: skip
+    "ALIVE_PREFIX",
+    "NODES_KEY",
+    "PREFIX",
+    "ClusterLookup",
+    "IndexReader",
+    "IndexUnavailable",
+    "NodeInfo",
+    "NodeShare",
+    "alive_key",
+    "block_key",
+    "epoch_key",
+    "node_key",
+    "ns_tag",
+    "summarize",
+]

@@ -56,9 +56,12 @@ _MODEL_KEEP = 48  # characters of a too-long model name kept before its digest
 
 # LMCache's dtype names (lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE) that have a kvstore DType.
 _DTYPES: dict[str, DType] = {
-    "half": DType.FLOAT16, "bfloat16": DType.BFLOAT16, "float": DType.FLOAT32,
-    "uint8": DType.UINT8, "fp8_e4m3fn": DType.FLOAT8_E4M3,
-}  # fmt: skip
+    "half": DType.FLOAT16,
+    "bfloat16": DType.BFLOAT16,
+    "float": DType.FLOAT32,
+    "uint8": DType.UINT8,
+    "fp8_e4m3fn": DType.FLOAT8_E4M3,
+}
 
 
 class MappingError(ValueError):
@@ -161,8 +164,15 @@ class Geometry:
         return PageLayout(DType.UINT8, 1, 1, self.token_bytes // 2, self.chunk_size)
 
 
-def chunked_geometry(fmt: str, shapes: Sequence[Sequence[int]], dtypes: Sequence[str], itemsizes: Sequence[int],
-                     chunk_size: int, kv_heads: int = 0, head_dim: int = 0) -> Geometry:  # fmt: skip
+def chunked_geometry(
+    fmt: str,
+    shapes: Sequence[Sequence[int]],
+    dtypes: Sequence[str],
+    itemsizes: Sequence[int],
+    chunk_size: int,
+    kv_heads: int = 0,
+    head_dim: int = 0,
+) -> Geometry:
     """Geometry of a whole-chunk (non-layerwise) engine from LMCache's full-chunk shapes
     (`LMCacheMetadata.get_shapes()`: [kv, layers, tokens, hidden] per group; the token dimension is 2)."""
     groups = []
@@ -175,8 +185,9 @@ def chunked_geometry(fmt: str, shapes: Sequence[Sequence[int]], dtypes: Sequence
     return Geometry(fmt, tuple(groups), chunk_size, kv_heads, head_dim)
 
 
-def layerwise_geometry(fmt: str, kv: int, hidden: int, dtype: str, itemsize: int, chunk_size: int,
-                       kv_heads: int = 0, head_dim: int = 0) -> Geometry:  # fmt: skip
+def layerwise_geometry(
+    fmt: str, kv: int, hidden: int, dtype: str, itemsize: int, chunk_size: int, kv_heads: int = 0, head_dim: int = 0
+) -> Geometry:
     """Geometry of a layerwise engine: one MemoryObj per layer and chunk, shaped as LMCache's layerwise
     GPU connectors make it: KV_T2D [T, 2, hidden], KV_2TD [2, T, hidden], KV_MLA_FMT [T, hidden]."""
     templates = {"KV_T2D": (TOKEN, 2, hidden), "KV_2TD": (2, TOKEN, hidden), "KV_MLA_FMT": (TOKEN, hidden)}
@@ -188,11 +199,14 @@ def layerwise_geometry(fmt: str, kv: int, hidden: int, dtype: str, itemsize: int
     return Geometry(fmt, (GroupShape(templates[fmt], dtype, itemsize),), chunk_size, heads, dim)
 
 
-def namespace_for(prefix: str, model: str, world_size: int, worker_id: int, key_dtype: str, geometry: Geometry,
-                  *, tail: bool = False) -> str:  # fmt: skip
+def namespace_for(
+    prefix: str, model: str, world_size: int, worker_id: int, key_dtype: str, geometry: Geometry, *, tail: bool = False
+) -> str:
     """The namespace of one (model, world size, worker, dtype) x geometry; `tail` for partial chunks."""
-    rest = (f"ws{world_size}/w{worker_id}/{key_dtype}/{geometry.fmt.lower()}/{geometry.shape_tag()}"
-            f"/c{geometry.chunk_size}{TAIL_SUFFIX if tail else ''}")  # fmt: skip
+    rest = (
+        f"ws{world_size}/w{worker_id}/{key_dtype}/{geometry.fmt.lower()}/{geometry.shape_tag()}"
+        f"/c{geometry.chunk_size}{TAIL_SUFFIX if tail else ''}"
+    )
     ns = f"{prefix}/{MAPPING_VERSION}/{model}/{rest}"
     if len(ns.encode()) > MAX_NAMESPACE_BYTES:
         digest = hashlib.sha256(model.encode()).hexdigest()[:16]

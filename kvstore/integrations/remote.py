@@ -57,8 +57,13 @@ LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
 # segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
 # 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
 CALL_BYTES = 64 << 20
-_UNREACHABLE = (Unavailable, NoLiveNode, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                grpc.FutureTimeoutError)  # fmt: skip
+_UNREACHABLE = (
+    Unavailable,
+    NoLiveNode,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    grpc.FutureTimeoutError,
+)
 _SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
 # Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it); the index's are Redis's.
 _FAILURES = (KVStoreError, redis.exceptions.RedisError, grpc.FutureTimeoutError, ValueError)
@@ -75,9 +80,13 @@ def client_security(s: PluginSettings) -> ClientSecurity:
     env = ClientSecurity.from_env()
     token = s.token or (read_token_file(s.token_file)[0] if s.token_file else env.token)
     tls = s.tls_ca is not None
-    return ClientSecurity(token=token, ca_file=s.tls_ca if tls else env.ca_file,
-                          cert_file=s.tls_cert if tls else env.cert_file, key_file=s.tls_key if tls else env.key_file,
-                          server_name=s.tls_server_name or env.server_name)  # fmt: skip
+    return ClientSecurity(
+        token=token,
+        ca_file=s.tls_ca if tls else env.ca_file,
+        cert_file=s.tls_cert if tls else env.cert_file,
+        key_file=s.tls_key if tls else env.key_file,
+        server_name=s.tls_server_name or env.server_name,
+    )
 
 
 class RemoteStore:
@@ -98,10 +107,12 @@ class RemoteStore:
         self._data: KVStoreClient | None = None
         self._ctl: KVStoreClient | None = None
         if settings.target.addr is not None:
-            self._data = KVStoreClient(settings.target.addr, timeout=settings.timeout, security=self.security,
-                                       transport=settings.transport)  # fmt: skip
-            self._ctl = KVStoreClient(settings.target.addr, timeout=settings.lookup_timeout, security=self.security,
-                                      transport="grpc")  # fmt: skip
+            self._data = KVStoreClient(
+                settings.target.addr, timeout=settings.timeout, security=self.security, transport=settings.transport
+            )
+            self._ctl = KVStoreClient(
+                settings.target.addr, timeout=settings.lookup_timeout, security=self.security, transport="grpc"
+            )
 
     # -- operations (never raise for a remote failure)
 
@@ -123,8 +134,14 @@ class RemoteStore:
             return self._guard("get", ns, lambda: data.get_pages(ns, hashes), [])
         return self._guard("get", ns, lambda: self._cluster().get_pages(ns, hashes), [])
 
-    def put(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
-            parent_chain: Sequence[bytes] = ()) -> int | None:  # fmt: skip
+    def put(
+        self,
+        ns: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Buffer],
+        parent_chain: Sequence[bytes] = (),
+    ) -> int | None:
         """Store pages as one chain continuing `parent_chain`; returns how many were new, None when
         nothing was stored. A cluster places it next to its parent (ClusterClient's prefix affinity)."""
         if not hashes:
@@ -133,8 +150,9 @@ class RemoteStore:
             data, parent = self._data, (parent_chain[-1] if parent_chain else None)
             res = self._guard("put", ns, lambda: data.put(ns, layout, hashes, pages, parent=parent), None)
         else:
-            res = self._guard("put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1],
-                              None)  # fmt: skip
+            res = self._guard(
+                "put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1], None
+            )
         return None if res is None else res.stored
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
@@ -144,7 +162,9 @@ class RemoteStore:
         if self._ctl is not None:
             ctl = self._ctl
             return self._guard("pin", ns, lambda: ctl.pin(ns, hashes, ttl_seconds=lease).done, 0)
-        return self._guard("pin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done), 0)  # fmt: skip
+        return self._guard(
+            "pin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done), 0
+        )
 
     def delete(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Delete the pages wherever they are held; returns how many were deleted."""
@@ -153,7 +173,9 @@ class RemoteStore:
         if self._ctl is not None:
             ctl = self._ctl
             return self._guard("delete", ns, lambda: ctl.delete(ns, hashes).deleted, 0)
-        return self._guard("delete", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.delete(ns, hs).deleted), 0)  # fmt: skip
+        return self._guard(
+            "delete", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.delete(ns, hs).deleted), 0
+        )
 
     def ping(self) -> bool:
         """True when the remote answers (a node's Stats; a cluster's index lists a live node)."""
@@ -219,16 +241,38 @@ class RemoteStore:
         elif isinstance(exc, (*_UNREACHABLE, RemoteError)):
             self._down(op, exc)
         elif isinstance(exc, (Unauthenticated, PermissionDenied)):
-            self.say("auth", logging.ERROR, "%s refused %s: %s. Check %stoken / %stoken_file (or KVSTORE_TOKEN): "
-                     "it must be a read-write token of that node", self.where, op, exc, self._hint, self._hint)  # fmt: skip
+            self.say(
+                "auth",
+                logging.ERROR,
+                "%s refused %s: %s. Check %stoken / %stoken_file (or KVSTORE_TOKEN): "
+                "it must be a read-write token of that node",
+                self.where,
+                op,
+                exc,
+                self._hint,
+                self._hint,
+            )
         elif isinstance(exc, (InvalidArgument, LayoutMismatch)):
-            self.say("rejected:" + op, logging.ERROR, "%s rejected %s in namespace %r: %s. Nothing was stored; "
-                     "the engine recomputes these chunks", self.where, op, ns, exc)  # fmt: skip
+            self.say(
+                "rejected:" + op,
+                logging.ERROR,
+                "%s rejected %s in namespace %r: %s. Nothing was stored; the engine recomputes these chunks",
+                self.where,
+                op,
+                ns,
+                exc,
+            )
         elif isinstance(exc, ResourceExhausted):
             self.say("full", logging.WARNING, "%s is full, %s dropped: %s", self.where, op, exc)
         elif isinstance(exc, (DataLoss, StreamError)):
-            self.say("corrupt", logging.ERROR, "%s sent a page that failed verification in namespace %r (%s); "
-                     "it is a miss, from that page on", self.where, ns, exc)  # fmt: skip
+            self.say(
+                "corrupt",
+                logging.ERROR,
+                "%s sent a page that failed verification in namespace %r (%s); it is a miss, from that page on",
+                self.where,
+                ns,
+                exc,
+            )
         else:
             self.say("other:" + op, logging.ERROR, "%s: %s failed: %s: %s", self.where, op, type(exc).__name__, exc)
 

@@ -78,8 +78,12 @@ def build_media(config: NodeConfig) -> list[Medium]:
 class TierManager:
     """Owns every page on the node: placement, demotion, promotion, pins and in-flight reads."""
 
-    def __init__(self, config: NodeConfig, media: list[Medium] | None = None,
-                 shares: dict[str, dict[TierKind, int]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: NodeConfig,
+        media: list[Medium] | None = None,
+        shares: dict[str, dict[TierKind, int]] | None = None,
+    ) -> None:
         """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/quotas.py)."""
         self.config = config
         self._started = time.monotonic()
@@ -101,14 +105,28 @@ class TierManager:
         self.tenants = TenantLedger(self.table, quotas)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
         self.placement.evict = self.mover.evict
-        self.reader = Reader(self.table, self.mover, self.placement, self._bounce, self.counters,
-                             config.read_ahead_pages, promote_to=staging.kind)  # fmt: skip
+        self.reader = Reader(
+            self.table,
+            self.mover,
+            self.placement,
+            self._bounce,
+            self.counters,
+            config.read_ahead_pages,
+            promote_to=staging.kind,
+        )
         # NOTE: half the I/O threads at most, so a large Prefetch cannot starve Gets of I/O threads.
         self.prefetcher = Prefetcher(self.table, self.mover, self.counters, self._spawn, config.io_threads // 2)
         durable_kind = self.durable.tier.kind if self.durable.tier is not None else None
         through = WriteThrough(self.table, self.placement, self.io, self._bounce, durable_kind)
-        self.staging = Staging(self.table, self.placement, self.counters, staging.kind, config.max_pages_per_request,
-                               after_commit=self._after_commit, through=through)  # fmt: skip
+        self.staging = Staging(
+            self.table,
+            self.placement,
+            self.counters,
+            staging.kind,
+            config.max_pages_per_request,
+            after_commit=self._after_commit,
+            through=through,
+        )
         self._ttl_pins: list[tuple[float, Key]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -204,8 +222,9 @@ class TierManager:
     def layout_of(self, namespace: str) -> PageLayout:
         return self.table.layout_of(namespace)
 
-    def get(self, namespace: str, hashes: list[bytes], promote: bool = True,
-            into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
+    def get(
+        self, namespace: str, hashes: list[bytes], promote: bool = True, into: Sequence[memoryview] | None = None
+    ) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page (Reader.get).
         With `into` (one writable view per hash, each a page long), page i is copied into into[i] as it is
         verified. Arguments are checked before the first page is read."""
@@ -324,13 +343,20 @@ class TierManager:
     def stats(self) -> NodeStats:
         tiers = []
         for kind, t in self.table.tiers.items():
-            tiers.append(TierStats(
-                tier=kind, available=t.available, detail=t.medium.detail,
-                capacity_bytes=t.alloc.num_slots * t.medium.slot_bytes if t.available else 0,
-                used_bytes=t.used_bytes, slot_bytes=t.medium.slot_bytes,
-                slots_total=t.alloc.num_slots if t.available else 0, slots_used=t.alloc.used_count,
-                pages=t.pages, counters=copy_counters(t.counters),
-            ))  # fmt: skip
+            tiers.append(
+                TierStats(
+                    tier=kind,
+                    available=t.available,
+                    detail=t.medium.detail,
+                    capacity_bytes=t.alloc.num_slots * t.medium.slot_bytes if t.available else 0,
+                    used_bytes=t.used_bytes,
+                    slot_bytes=t.medium.slot_bytes,
+                    slots_total=t.alloc.num_slots if t.available else 0,
+                    slots_used=t.alloc.used_count,
+                    pages=t.pages,
+                    counters=copy_counters(t.counters),
+                )
+            )
         table = self.table
         namespaces = [(ns, layout, table.ns_pages.get(ns, 0)) for ns, layout in sorted(table.layouts.items())]
         c = self.counters

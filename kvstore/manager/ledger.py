@@ -57,9 +57,12 @@ class TenantLedger:
         tiers = self.table.tiers
         for name in sorted(set(self.known()) | set(caps)):
             c = self.counters.get(name, TenantCounters())
-            out.append(TenantStats(
-                name, {k: t.tenant_pages.get(name, 0) for k, t in tiers.items() if t.available},
-                {k: n * slot_bytes for k, n in caps.get(name, {}).items()},
-                **{f.name: getattr(c, f.name) for f in fields(TenantCounters)},
-            ))  # fmt: skip
+            out.append(
+                TenantStats(
+                    name,
+                    {k: t.tenant_pages.get(name, 0) for k, t in tiers.items() if t.available},
+                    {k: n * slot_bytes for k, n in caps.get(name, {}).items()},
+                    **{f.name: getattr(c, f.name) for f in fields(TenantCounters)},
+                )
+            )
         return out

@@ -40,8 +40,15 @@ _WRITE_FAILURE_PAUSE = 1.0
 class Mover:
     """Demotes, promotes, evicts and drops pages; runs on the event loop, its I/O in the pool."""
 
-    def __init__(self, table: PageTable, placement: Placement, durable: DurableCopies, io: IoPool,
-                 bounce: BouncePool, counters: NodeCounters) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: PageTable,
+        placement: Placement,
+        durable: DurableCopies,
+        io: IoPool,
+        bounce: BouncePool,
+        counters: NodeCounters,
+    ) -> None:
         self.table = table
         self.placement = placement
         self.durable = durable
@@ -80,8 +87,14 @@ class Mover:
                 # ENOSPC, EIO: the medium erased the slot it could not finish (never a half-written page),
                 # and this tier keeps serving: the victim is dropped, and demotions there pause a moment.
                 self._write_failed[lower.kind] = time.monotonic()
-                log.error("demoting %s to %s failed (%s): page dropped; demotions to %s pause %.0fs",
-                          entry.hash.hex(), lower.kind.label, exc, lower.kind.label, _WRITE_FAILURE_PAUSE)  # fmt: skip
+                log.error(
+                    "demoting %s to %s failed (%s): page dropped; demotions to %s pause %.0fs",
+                    entry.hash.hex(),
+                    lower.kind.label,
+                    exc,
+                    lower.kind.label,
+                    _WRITE_FAILURE_PAUSE,
+                )
         src.counters.dropped += 1
         await self.drop(entry, erase=False)
 
@@ -121,8 +134,9 @@ class Mover:
                 dst_slot = entry.shadow
                 self.durable.adopt(dst_slot)
             else:
-                dst_slot = await self.placement.allocate(dst_kind, wait=demotion, victim=victim,
-                                                         tenant=tenant_of(entry.namespace))  # its share
+                dst_slot = await self.placement.allocate(
+                    dst_kind, wait=demotion, victim=victim, tenant=tenant_of(entry.namespace)
+                )  # its share
                 await self.copy(entry, src, src_slot, dst, dst_slot)
                 verify = dst.medium.host_memory and not src.medium.host_memory
                 if verify and not verify_copy(entry, dst.medium.view(dst_slot)[: entry.used_len]):

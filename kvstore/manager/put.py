@@ -41,8 +41,9 @@ class WriteThrough:
     payload) was written there; a failed or superfluous write leaves nothing visible and frees its slot.
     """
 
-    def __init__(self, table: PageTable, placement: Placement, io: IoPool, bounce: BouncePool,
-                 kind: TierKind | None) -> None:  # fmt: skip
+    def __init__(
+        self, table: PageTable, placement: Placement, io: IoPool, bounce: BouncePool, kind: TierKind | None
+    ) -> None:
         self.table = table
         self.placement = placement
         self.io = io
@@ -55,8 +56,9 @@ class WriteThrough:
     def give(self, buf: mmap.mmap) -> None:
         self.bounce.give(buf)
 
-    async def store(self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int,
-                    parent: Key | None) -> bool:  # fmt: skip
+    async def store(
+        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int, parent: Key | None
+    ) -> bool:
         """Write a verified page from `buf` into the persistent tier and publish it there; False (nothing
         visible) when there is no such tier, it is stored already, there is no room or the write failed."""
         tier = self.tier
@@ -109,8 +111,16 @@ class Staging:
     page becomes visible.
     """
 
-    def __init__(self, table: PageTable, placement: Placement, counters: NodeCounters, kind: TierKind,
-                 max_pages: int, after_commit: AfterCommit, through: WriteThrough) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: PageTable,
+        placement: Placement,
+        counters: NodeCounters,
+        kind: TierKind,
+        max_pages: int,
+        after_commit: AfterCommit,
+        through: WriteThrough,
+    ) -> None:
         self.table = table
         self.placement = placement
         self.counters = counters
@@ -140,8 +150,9 @@ class Staging:
     def release(self, slot: int) -> None:
         self.tier.alloc.free(slot)
 
-    def publish(self, namespace: str, h: bytes, layout: PageLayout, slot: int, checksum: int,
-                parent: Key | None) -> bool:  # fmt: skip
+    def publish(
+        self, namespace: str, h: bytes, layout: PageLayout, slot: int, checksum: int, parent: Key | None
+    ) -> bool:
         """Make a staged page visible; False (and the slot released) when the key is stored already."""
         if (namespace, h) in self.table:
             self.release(slot)
@@ -179,8 +190,9 @@ class Staging:
     def give_bounce(self, buf: mmap.mmap) -> None:
         self.through.give(buf)
 
-    async def store_through(self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int,
-                            parent: Key | None) -> bool:  # fmt: skip
+    async def store_through(
+        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int, parent: Key | None
+    ) -> bool:
         return await self.through.store(namespace, h, layout, buf, checksum, parent)
 
 
@@ -246,7 +258,9 @@ class PutTxn:
             self._staged.append(_Staged(h, -1, checksum, parent, buf))
             return memoryview(buf)[HEADER_BYTES : HEADER_BYTES + payload_len]
         try:
-            slot = await st.reserve(held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant)
+            slot = await st.reserve(
+                held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant
+            )
         except ResourceExhausted:
             if not self._slots_held:
                 raise

@@ -54,6 +54,7 @@ class TenantQuotas:
         """The key to evict from `tier` for a page of `tenant` (None: nothing it may evict): at its cap,
         its own; else first the pages of the tenant furthest over its cap, then of tenants without a cap
         (POOL), then its own; never a page of another tenant within its cap."""
+
         def evictable(k: Key) -> bool:
             return entries[k].evictable
 
@@ -67,8 +68,14 @@ class TenantQuotas:
         mine = tier.group_of(tenant)
         if own_only:
             return first(mine)
-        over = sorted(((tier.tenant_pages.get(t, 0) - c[tier.kind], t) for t, c in self.caps.items()
-                       if tier.kind in c and tier.tenant_pages.get(t, 0) > c[tier.kind]), reverse=True)  # fmt: skip
+        over = sorted(
+            (
+                (tier.tenant_pages.get(t, 0) - c[tier.kind], t)
+                for t, c in self.caps.items()
+                if tier.kind in c and tier.tenant_pages.get(t, 0) > c[tier.kind]
+            ),
+            reverse=True,
+        )
         for _, t in over:
             key = first(t)
             if key is not None:

@@ -76,8 +76,16 @@ class ReadLease:
 class Reader:
     """Serves Gets: one lease per page, in order, reading up to `read_ahead` pages ahead."""
 
-    def __init__(self, table: PageTable, mover: Mover, placement: Placement, bounce: BouncePool,
-                 counters: NodeCounters, read_ahead: int, promote_to: TierKind) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: PageTable,
+        mover: Mover,
+        placement: Placement,
+        bounce: BouncePool,
+        counters: NodeCounters,
+        read_ahead: int,
+        promote_to: TierKind,
+    ) -> None:
         self.table = table
         self.mover = mover
         self.placement = placement
@@ -87,8 +95,9 @@ class Reader:
         self.read_ahead = read_ahead
         self.promote_to = promote_to  # a hit below this tier is promoted into it (when asked to)
 
-    async def get(self, keys: list[Key], promote: bool,
-                  into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
+    async def get(
+        self, keys: list[Key], promote: bool, into: Sequence[memoryview] | None = None
+    ) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page.
 
         Each lease is released when the generator advances past it or is closed. Up to `read_ahead`

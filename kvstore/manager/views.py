@@ -70,8 +70,9 @@ class TenantView:
     def begin_put(self, op: PutOpen) -> PutTxn:
         return self.manager.begin_put(replace(op, namespace=self.ns(op.namespace)))
 
-    def get(self, namespace: str, hashes: list[bytes], promote: bool = True,
-            into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
+    def get(
+        self, namespace: str, hashes: list[bytes], promote: bool = True, into: Sequence[memoryview] | None = None
+    ) -> AsyncIterator[ReadLease]:
         """TierManager.get in this tenant's scope (arguments checked now, before the first page)."""
         try:
             leases = self.manager.get(self.ns(namespace), hashes, promote, into)
@@ -81,8 +82,9 @@ class TenantView:
             raise
         return self._counted(leases, namespace, hashes)
 
-    async def _counted(self, leases: AsyncIterator[ReadLease], namespace: str,
-                       hashes: list[bytes]) -> AsyncIterator[ReadLease]:  # fmt: skip
+    async def _counted(
+        self, leases: AsyncIterator[ReadLease], namespace: str, hashes: list[bytes]
+    ) -> AsyncIterator[ReadLease]:
         served = 0
         try:
             async for lease in leases:
@@ -125,8 +127,9 @@ class TenantView:
         """The node's Stats as this tenant may see them: its own namespaces (as it names them) and its
         own tenant row; the default tenant (the operator's) sees every tenant's row."""
         stats = self.manager.stats()
-        stats.namespaces = [(name, layout, n) for ns, layout, n in stats.namespaces
-                            for t, name in [split(ns)] if t == self.tenant]  # fmt: skip
+        stats.namespaces = [
+            (name, layout, n) for ns, layout, n in stats.namespaces for t, name in [split(ns)] if t == self.tenant
+        ]
         if self.tenant != DEFAULT_TENANT:
             stats.tenants = [t for t in stats.tenants if t.tenant == self.tenant]
         return stats

@@ -113,8 +113,7 @@ class NodeConfig:
         if self.io_threads < 1 or self.max_pages_per_request < 1:
             raise ValueError("io_threads and max_pages_per_request must be >= 1")
         if self.index_ttl_seconds <= 0 or self.index_max_pending < 1 or self.index_register_wait_seconds < 0:
-            raise ValueError("index_ttl_seconds must be > 0, index_max_pending >= 1, "
-                             "index_register_wait_seconds >= 0")  # fmt: skip
+            raise ValueError("index_ttl_seconds must be > 0, index_max_pending >= 1, index_register_wait_seconds >= 0")
         if not 0 <= int(self.tcp_port) <= 65535:
             raise ValueError(f"tcp_port must be in [0, 65535], got {self.tcp_port}")
         if self.tcp_timeout_seconds <= 0 or self.tcp_max_connections < 1:
@@ -125,8 +124,14 @@ class NodeConfig:
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.tls_client_ca_file and not self.tls_cert_file:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
-        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file",
-                     "auth_read_tokens_file", "tenants_file"):  # fmt: skip
+        for name in (
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+            "auth_tokens_file",
+            "auth_read_tokens_file",
+            "tenants_file",
+        ):
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name}: no such file {path!r}")

@@ -79,18 +79,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(raw_unary(handler.unary_unary, name, parse), method, self, caller),
-                None, handler.response_serializer,
-            )  # fmt: skip
+                None,
+                handler.response_serializer,
+            )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 _wrap_unary(handler.stream_unary, method, self, caller),
-                handler.request_deserializer, handler.response_serializer,
-            )  # fmt: skip
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(raw_unary(handler.unary_stream, name, parse), method, self, caller),
-                None, handler.response_serializer,
-            )  # fmt: skip
+                None,
+                handler.response_serializer,
+            )
         return handler
 
     def done(self, method: str, started: float, exc: BaseException | None) -> None:
@@ -118,8 +121,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
 
 
 @contextlib.asynccontextmanager
-async def _handled(method: str, icpt: ErrorInterceptor, caller: Principal | None,
-                   context: grpc.aio.ServicerContext) -> AsyncIterator[None]:  # fmt: skip
+async def _handled(
+    method: str, icpt: ErrorInterceptor, caller: Principal | None, context: grpc.aio.ServicerContext
+) -> AsyncIterator[None]:
     """One KVStore call as its handler runs: the caller in CALLER (this call's own task context, seen
     by the handler only), the outcome timed and any exception mapped to its status (an abort)."""
     started = time.perf_counter()
@@ -137,8 +141,9 @@ async def _handled(method: str, icpt: ErrorInterceptor, caller: Principal | None
         icpt.done(method, started, None)
 
 
-def _wrap_unary(fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor,
-                caller: Principal | None) -> Callable[..., Awaitable[Any]]:  # fmt: skip
+def _wrap_unary(
+    fn: Callable[..., Awaitable[Any]], method: str, icpt: ErrorInterceptor, caller: Principal | None
+) -> Callable[..., Awaitable[Any]]:
     async def wrapper(request: Any, context: grpc.aio.ServicerContext) -> Any:
         async with _handled(method, icpt, caller, context):
             return await fn(request, context)

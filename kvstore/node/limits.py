@@ -63,13 +63,16 @@ def parse_request(raw: bytes, method: str, parse: Callable[[bytes], T]) -> T:
     """The request of `method` from its raw bytes, refusing one over the method's limit unparsed."""
     limit = REQUEST_LIMITS.get(method)
     if limit is not None and len(raw) > limit:
-        raise InvalidArgument("request", f"{len(raw)} bytes is over the {limit}-byte limit of {method} "
-                                         f"(at most {MAX_HASHES} hashes per call)")  # fmt: skip
+        raise InvalidArgument(
+            "request",
+            f"{len(raw)} bytes is over the {limit}-byte limit of {method} (at most {MAX_HASHES} hashes per call)",
+        )
     try:
         return parse(raw)
     except DecodeError as exc:
-        raise InvalidArgument("request", f"{len(raw)} bytes do not parse as a {method} request (or a string in "
-                                         f"it is not UTF-8): {exc}") from None  # fmt: skip
+        raise InvalidArgument(
+            "request", f"{len(raw)} bytes do not parse as a {method} request (or a string in it is not UTF-8): {exc}"
+        ) from None
 
 
 def refusal_handler(exc: KVStoreError) -> grpc.RpcMethodHandler:
@@ -86,8 +89,9 @@ def refusal_handler(exc: KVStoreError) -> grpc.RpcMethodHandler:
     return grpc.stream_stream_rpc_method_handler(refuse, None, None)
 
 
-def raw_unary(fn: Callable[[Any, grpc.aio.ServicerContext], T], method: str,
-              parse: Callable[[bytes], Any] | None) -> Callable[[bytes, grpc.aio.ServicerContext], T]:  # fmt: skip
+def raw_unary(
+    fn: Callable[[Any, grpc.aio.ServicerContext], T], method: str, parse: Callable[[bytes], Any] | None
+) -> Callable[[bytes, grpc.aio.ServicerContext], T]:
     """Wrap a handler whose request now arrives as raw bytes: size-check and parse, then call it."""
     if parse is None:
         return fn  # the handler takes bytes already (Put, Get's responses)
@@ -96,4 +100,3 @@ def raw_unary(fn: Callable[[Any, grpc.aio.ServicerContext], T], method: str,
         return fn(parse_request(raw, method, parse), context)
 
     return call
-

@@ -137,12 +137,22 @@ class NodeMetrics:
         }
         for name, tget in tenant_counters.items():
             meter.create_observable_counter(name, [self._per_tenant(tget)], description=name.replace(".", " "))
-        meter.create_observable_gauge("kvstore.tenant.hit_ratio", [self._per_tenant(lambda t: t.hit_rate)],
-                                      description="a tenant's matched / asked Lookup blocks since start")  # fmt: skip
-        meter.create_observable_gauge("kvstore.tenant.pages", [self._per_tenant_tier(lambda t, k: t.pages.get(k))],
-                                      description="a tenant's pages in a tier")  # fmt: skip
-        meter.create_observable_gauge("kvstore.tenant.share", [self._per_tenant_tier(lambda t, k: t.quota_bytes.get(k))],
-                                      unit="By", description="a tenant's share of a tier (absent: none set)")  # fmt: skip
+        meter.create_observable_gauge(
+            "kvstore.tenant.hit_ratio",
+            [self._per_tenant(lambda t: t.hit_rate)],
+            description="a tenant's matched / asked Lookup blocks since start",
+        )
+        meter.create_observable_gauge(
+            "kvstore.tenant.pages",
+            [self._per_tenant_tier(lambda t, k: t.pages.get(k))],
+            description="a tenant's pages in a tier",
+        )
+        meter.create_observable_gauge(
+            "kvstore.tenant.share",
+            [self._per_tenant_tier(lambda t, k: t.quota_bytes.get(k))],
+            unit="By",
+            description="a tenant's share of a tier (absent: none set)",
+        )
         self._rpc = meter.create_histogram("kvstore.rpc.duration", unit="s", description="KVStore RPC latency")
         self._server: object | None = None
         self._thread: threading.Thread | None = None
@@ -197,7 +207,9 @@ class NodeMetrics:
 
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(SNAPSHOT_TIMEOUT_S)
 
-    def _per_tier(self, get: Callable[[TierStats], float | int | None]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _per_tier(
+        self, get: Callable[[TierStats], float | int | None]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         """Callback observing get(tier) for every tier of the snapshot (None: that tier reports nothing)."""
 
         def callback(_: CallbackOptions) -> Iterable[Observation]:
@@ -208,7 +220,9 @@ class NodeMetrics:
 
         return callback
 
-    def _per_tenant(self, get: Callable[[TenantStats], float | int | None]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def _per_tenant(
+        self, get: Callable[[TenantStats], float | int | None]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
         def callback(_: CallbackOptions) -> Iterable[Observation]:
             stats = self.snapshot()
             rows = ((t, get(t)) for t in (stats.tenants if stats is not None else []))

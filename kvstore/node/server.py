@@ -95,8 +95,9 @@ class Node:
             raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         if self.config.metrics_port is not None:
             self.metrics = NodeMetrics(self.config.node_id, self.manager.stats, asyncio.get_running_loop())
-            self.metrics_port = self.metrics.start(self.config.metrics_host or self.config.host,
-                                                   self.config.metrics_port)  # fmt: skip
+            self.metrics_port = self.metrics.start(
+                self.config.metrics_host or self.config.host, self.config.metrics_port
+            )
             self.interceptor.observe = self.metrics.observe_rpc
         await self.server.start()
         services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0])
@@ -104,25 +105,36 @@ class Node:
             self.planes.append(await plane.start(services))
         if self.config.redis_url:
             self.index = IndexPublisher(
-                self.config.redis_url, self.config.node_id, self.advertise_addr, self.manager.holdings,
-                self._index_info, ttl_seconds=self.config.index_ttl_seconds,
+                self.config.redis_url,
+                self.config.node_id,
+                self.advertise_addr,
+                self.manager.holdings,
+                self._index_info,
+                ttl_seconds=self.config.index_ttl_seconds,
                 max_pending=self.config.index_max_pending,
-            )  # fmt: skip
+            )
             self.manager.on_change = self.index.note
             self.manager.index_status = self.index.status
             await self.index.start()
             wait = self.config.index_register_wait_seconds
             if not await self.index.wait_registered(wait):
-                log.warning("index at %s not reachable within %.1fs: serving local pages only until it is",
-                            redact_url(self.config.redis_url), wait)  # fmt: skip
+                log.warning(
+                    "index at %s not reachable within %.1fs: serving local pages only until it is",
+                    redact_url(self.config.redis_url),
+                    wait,
+                )
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
             "kvstore node %s serving on %s:%d (recovered %d NVMe page(s)); metrics: %s",
-            self.config.node_id, self.config.host, self.port, self.manager.recovered_pages,
+            self.config.node_id,
+            self.config.host,
+            self.port,
+            self.manager.recovered_pages,
             f"http://{self.config.metrics_host or self.config.host}:{self.metrics_port}/metrics"
-            if self.metrics_port is not None else "off",
-        )  # fmt: skip
+            if self.metrics_port is not None
+            else "off",
+        )
         return self.port
 
     async def stop(self) -> None:
@@ -151,8 +163,11 @@ class Node:
 
     def _index_info(self) -> dict[str, int | str]:
         """The node's record in the index: occupancy, and the planes it serves (as Stats has them)."""
-        info: dict[str, int | str] = {**self.manager.occupancy(), "host_id": host_id(),
-                                      "planes": planes_to_json(self.planes)}  # fmt: skip
+        info: dict[str, int | str] = {
+            **self.manager.occupancy(),
+            "host_id": host_id(),
+            "planes": planes_to_json(self.planes),
+        }
         if self.metrics_port is not None:  # where kvctl top finds this node's /metrics
             info["metrics_addr"] = f"{self.advertise_addr.rsplit(':', 1)[0]}:{self.metrics_port}"
         return info
@@ -179,8 +194,9 @@ async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
         loop.add_signal_handler(sig, lambda: stop_task.append(loop.create_task(node.stop())))
     if ready_file:
         tmp = Path(f"{ready_file}.tmp")
-        tmp.write_text(json.dumps({"port": node.port, "pid": os.getpid(), "host": config.host,
-                                   "metrics_port": node.metrics_port}))  # fmt: skip
+        tmp.write_text(
+            json.dumps({"port": node.port, "pid": os.getpid(), "host": config.host, "metrics_port": node.metrics_port})
+        )
         os.replace(tmp, ready_file)
     await node.wait()
     await asyncio.gather(*stop_task)

@@ -56,8 +56,10 @@ def load_tenants_file(path: str | os.PathLike[str]) -> dict[str, TenantSpec]:
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"tenants file {path}: {exc}") from None
     if stat.S_IMODE(st.st_mode) & 0o022:
-        raise ValueError(f"tenants file {path}: writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                         f"it decides who reads which pages: chmod go-w {path}")  # fmt: skip
+        raise ValueError(
+            f"tenants file {path}: writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"it decides who reads which pages: chmod go-w {path}"
+        )
     unknown = set(data) - {"tenants"}
     if unknown or not isinstance(data.get("tenants", {}), dict):
         raise ValueError(f"tenants file {path}: only [tenants.NAME] tables are allowed, found {sorted(data)}")
@@ -95,8 +97,10 @@ def share_slots(specs: Mapping[str, TenantSpec], slot_bytes: int) -> dict[str, d
     for spec in specs.values():
         for kind, nbytes in spec.shares.items():
             if nbytes < slot_bytes:
-                raise ValueError(f"tenant {spec.name}: its {kind.label} share of {nbytes} B is smaller than one "
-                                 f"slot ({slot_bytes} B: a 4 KiB header + max_page_bytes)")  # fmt: skip
+                raise ValueError(
+                    f"tenant {spec.name}: its {kind.label} share of {nbytes} B is smaller than one "
+                    f"slot ({slot_bytes} B: a 4 KiB header + max_page_bytes)"
+                )
             out.setdefault(spec.name, {})[kind] = nbytes // slot_bytes
     return out
 
@@ -118,8 +122,9 @@ class TenantBinder:
         if caller is None:  # a node without tokens: mutual TLS alone identifies the caller
             return Principal(Role.WRITE, f"mtls:{subject}", tenant)
         if caller.tenant is not None and caller.tenant != tenant:
-            raise PermissionDenied(f"this token belongs to tenant {caller.tenant!r} but the client certificate "
-                                   f"to tenant {tenant!r}")  # fmt: skip
+            raise PermissionDenied(
+                f"this token belongs to tenant {caller.tenant!r} but the client certificate to tenant {tenant!r}"
+            )
         return dataclasses.replace(caller, tenant=tenant)
 
 

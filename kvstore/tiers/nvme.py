@@ -2,8 +2,8 @@
 
 Methods here block (pread/pwrite/fdatasync); the manager calls them from its I/O thread pool, never on
 the event loop. `read_many` keeps up to `queue_depth` O_DIRECT reads in flight (a thread each: preadv
-releases the GIL, and a device only reaches its bandwidth with a deep queue). Durability rule: `write` returns only after the slot's header and payload are on
-stable storage (fdatasync), and the manager makes a page visible only after that, so whatever a
+releases the GIL, and a device only reaches its bandwidth with a deep queue). Durability rule: `write`
+returns only after the slot's header and payload are on stable storage (fdatasync), and the manager makes a page visible only after that, so whatever a
 restarted node finds with a valid header was durably and completely written. `write_many` writes every
 slot first and then syncs each touched segment file once: same rule, one flush per file.
 """
@@ -56,8 +56,10 @@ def check_private_dir(path: Path) -> None:
     write is accepted for the node's own group (Kubernetes fsGroup volumes)."""
     st = os.stat(path)
     if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()):
-        raise PermissionError(f"--nvme-path {path} is writable by other users (mode {st.st_mode & 0o7777:04o}): "
-                              f"use a directory only the node's user can write (chmod go-w {path})")  # fmt: skip
+        raise PermissionError(
+            f"--nvme-path {path} is writable by other users (mode {st.st_mode & 0o7777:04o}): "
+            f"use a directory only the node's user can write (chmod go-w {path})"
+        )
 
 
 class NvmeTier(Medium):
@@ -83,8 +85,10 @@ class NvmeTier(Medium):
         self._readers_lock = threading.Lock()
         self.write_errors = 0
         n_segments = -(-self.num_slots // self.slots_per_segment)
-        sizes = [min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
-                 for seg in range(n_segments)]  # fmt: skip
+        sizes = [
+            min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
+            for seg in range(n_segments)
+        ]
         self._check_space(sizes)
         self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
         for seg, size in enumerate(sizes):
@@ -106,12 +110,19 @@ class NvmeTier(Medium):
         try:
             have = decode_meta(meta_path.read_bytes())
         except MetaDamaged as exc:
-            log.warning("NVMe metadata %s is damaged: %s; rebuilding it from the segment files and page "
-                        "headers (this node's geometry: %s)", meta_path, exc, want)  # fmt: skip
+            log.warning(
+                "NVMe metadata %s is damaged: %s; rebuilding it from the segment files and page "
+                "headers (this node's geometry: %s)",
+                meta_path,
+                exc,
+                want,
+            )
             return str(exc)
         except OSError as exc:
-            raise NvmeFormatError(f"{meta_path}: unreadable ({exc}); fix the file's permissions or disk, "
-                                  f"or run `{REPAIR_HINT.format(path=self.path)}`") from None  # fmt: skip
+            raise NvmeFormatError(
+                f"{meta_path}: unreadable ({exc}); fix the file's permissions or disk, "
+                f"or run `{REPAIR_HINT.format(path=self.path)}`"
+            ) from None
         if have != want:
             raise NvmeFormatError(
                 f"{self.path} was formatted with {have.as_dict()}, this node wants {want.as_dict()}: start with "
@@ -167,18 +178,29 @@ class NvmeTier(Medium):
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 os.close(fd)
-                raise NvmeSpaceError(f"{name}: no space to reserve {size} bytes ({exc.strerror}); lower "
-                                     "--nvme-bytes or free space on its filesystem") from None  # fmt: skip
-            log.warning("%s: space cannot be reserved here (%s): a full disk will show as failed demotions, "
-                        "which drop pages instead", name, exc.strerror)  # fmt: skip
+                raise NvmeSpaceError(
+                    f"{name}: no space to reserve {size} bytes ({exc.strerror}); lower "
+                    "--nvme-bytes or free space on its filesystem"
+                ) from None
+            log.warning(
+                "%s: space cannot be reserved here (%s): a full disk will show as failed demotions, "
+                "which drop pages instead",
+                name,
+                exc.strerror,
+            )
             if old_size < size:
                 os.ftruncate(fd, size)
         if old_size % self.slot_bytes and old_size < size:
             # Truncated mid-slot (a whole-slot cut cannot be told from a tier that grew, and loses only
             # what blank slots would): pages wholly before the cut are intact, the one cut in two is erased.
             cut = old_size // self.slot_bytes
-            log.warning("%s was truncated to %d bytes (inside slot %d): slots from there on are empty now; "
-                        "the page cut in two is erased", name, old_size, cut)  # fmt: skip
+            log.warning(
+                "%s was truncated to %d bytes (inside slot %d): slots from there on are empty now; "
+                "the page cut in two is erased",
+                name,
+                old_size,
+                cut,
+            )
             self._pwrite_all(fd, memoryview(self._zero), cut * self.slot_bytes)
             os.fdatasync(fd)
         return fd
@@ -301,8 +323,12 @@ class NvmeTier(Medium):
                 self.invalidate(slot)
         if self._meta_damage is not None:
             write_meta(self.path, Geometry(self.slot_bytes, self.slots_per_segment))
-            log.warning("NVMe metadata %s rebuilt (%s) from %d segment file(s)", self.path / META_NAME,
-                        self._meta_damage, len(surveys))  # fmt: skip
+            log.warning(
+                "NVMe metadata %s rebuilt (%s) from %d segment file(s)",
+                self.path / META_NAME,
+                self._meta_damage,
+                len(surveys),
+            )
             self._meta_damage = None
 
     def _pwrite_all(self, fd: int, data: memoryview, off: int) -> None:

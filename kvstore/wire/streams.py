@@ -86,9 +86,12 @@ def parse_put_request(msg: bytes) -> tuple[str, object]:
 
 def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
     return pb.PageLayout(
-        dtype=int(layout.dtype), num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim, block_size=layout.block_size,
-    )  # fmt: skip
+        dtype=int(layout.dtype),
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+    )
 
 
 def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout:
@@ -112,19 +115,28 @@ def tier_from_pb(value: int, default: TierKind = TierKind.DRAM, field: str = "ta
 
 
 def put_open_to_pb(op: PutOpen) -> pb.PutOpen:
-    return pb.PutOpen(namespace=op.namespace, layout=layout_to_pb(op.layout), target_tier=int(op.target or 0),
-                      parent_hash=op.parent or b"", chain=op.chain)  # fmt: skip
+    return pb.PutOpen(
+        namespace=op.namespace,
+        layout=layout_to_pb(op.layout),
+        target_tier=int(op.target or 0),
+        parent_hash=op.parent or b"",
+        chain=op.chain,
+    )
 
 
 def put_open_from_pb(msg: pb.PutOpen, field: str = "open") -> PutOpen:
     """The typed opening of a Put; InvalidArgument naming `field`.layout / .target_tier when they are bad."""
-    target = None if msg.target_tier == pb.TIER_UNSPECIFIED else tier_from_pb(msg.target_tier, field=f"{field}.target_tier")
-    return PutOpen(msg.namespace, layout_from_pb(msg.layout, f"{field}.layout"), target, msg.parent_hash or None,
-                   msg.chain)  # fmt: skip
+    target = (
+        None if msg.target_tier == pb.TIER_UNSPECIFIED else tier_from_pb(msg.target_tier, field=f"{field}.target_tier")
+    )
+    return PutOpen(
+        msg.namespace, layout_from_pb(msg.layout, f"{field}.layout"), target, msg.parent_hash or None, msg.chain
+    )
 
 
-def put_requests(op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer],
-                 chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:  # fmt: skip
+def put_requests(
+    op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
     """The serialized messages of one Put stream: open, then per page its header and chunks."""
     if len(hashes) != len(pages):
         raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
@@ -204,11 +216,14 @@ class PutParser:
         if not self.opened:
             raise InvalidArgument("open", "empty Put stream")
         if self._fill != self._need:
-            raise InvalidArgument("chunk", f"stream truncated: page {self._page} got {self._fill} of {self._need} bytes")
+            raise InvalidArgument(
+                "chunk", f"stream truncated: page {self._page} got {self._fill} of {self._need} bytes"
+            )
 
 
-def get_responses(h: bytes, tier: TierKind, checksum: int, payload: memoryview,
-                  chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:  # fmt: skip
+def get_responses(
+    h: bytes, tier: TierKind, checksum: int, payload: memoryview, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
     """The serialized messages of one page in a Get stream: its header, then its chunks (one copy each)."""
     n = len(payload)
     page = pb.GetPage(hash=h, payload_bytes=n, checksum=checksum, tier=int(tier))
@@ -299,30 +314,49 @@ _COUNTER_FIELDS = [f.name for f in fields(TierCounters)]
 def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
     tiers = [
         pb.TierStats(
-            tier=int(t.tier), available=t.available, detail=t.detail, capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes, slot_bytes=t.slot_bytes, slots_total=t.slots_total,
-            slots_used=t.slots_used, pages=t.pages,
+            tier=int(t.tier),
+            available=t.available,
+            detail=t.detail,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            slot_bytes=t.slot_bytes,
+            slots_total=t.slots_total,
+            slots_used=t.slots_used,
+            pages=t.pages,
             **{name: getattr(t.counters, name) for name in _COUNTER_FIELDS},
         )
         for t in stats.tiers
-    ]  # fmt: skip
+    ]
     namespaces = [
         pb.NamespaceStats(namespace=ns, layout=layout_to_pb(layout), pages=pages, page_bytes=layout.page_bytes)
         for ns, layout, pages in stats.namespaces
     ]
     return pb.StatsResponse(
-        node_id=stats.node_id, uptime_seconds=stats.uptime_seconds, max_page_bytes=stats.max_page_bytes,
-        tiers=tiers, namespaces=namespaces, lookups=stats.lookups, lookup_blocks=stats.lookup_blocks,
-        lookup_matched=stats.lookup_matched, prefetch_issued=stats.prefetch_issued,
-        prefetch_completed=stats.prefetch_completed, pinned_pages=stats.pinned_pages,
-        put_rejected=stats.put_rejected, version=stats.version, prefetch_used=stats.prefetch_used,
+        node_id=stats.node_id,
+        uptime_seconds=stats.uptime_seconds,
+        max_page_bytes=stats.max_page_bytes,
+        tiers=tiers,
+        namespaces=namespaces,
+        lookups=stats.lookups,
+        lookup_blocks=stats.lookup_blocks,
+        lookup_matched=stats.lookup_matched,
+        prefetch_issued=stats.prefetch_issued,
+        prefetch_completed=stats.prefetch_completed,
+        pinned_pages=stats.pinned_pages,
+        put_rejected=stats.put_rejected,
+        version=stats.version,
+        prefetch_used=stats.prefetch_used,
         prefetch_wasted=stats.prefetch_wasted,
-        index=None if stats.index is None else pb.IndexStats(**{f.name: getattr(stats.index, f.name)
-                                                                for f in fields(IndexStatus)
-                                                                if f.name != "url"}, url=redact_url(stats.index.url)),
+        index=None
+        if stats.index is None
+        else pb.IndexStats(
+            **{f.name: getattr(stats.index, f.name) for f in fields(IndexStatus) if f.name != "url"},
+            url=redact_url(stats.index.url),
+        ),
         planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
-        host_id=stats.host_id, tenants=[_tenant_to_pb(t) for t in stats.tenants],
-    )  # fmt: skip
+        host_id=stats.host_id,
+        tenants=[_tenant_to_pb(t) for t in stats.tenants],
+    )
 
 
 _TENANT_COUNTERS = ("lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
@@ -330,37 +364,59 @@ _TENANT_COUNTERS = ("lookups", "lookup_blocks", "lookup_matched", "get_pages", "
 
 def _tenant_to_pb(t: TenantStats) -> pb.TenantStats:
     kinds = sorted(set(t.pages) | set(t.quota_bytes))
-    return pb.TenantStats(tenant=t.tenant, **{n: getattr(t, n) for n in _TENANT_COUNTERS},
-                          tiers=[pb.TenantTier(tier=int(k), pages=t.pages.get(k, 0), quota_bytes=t.quota_bytes.get(k, 0))
-                                 for k in kinds])  # fmt: skip
+    return pb.TenantStats(
+        tenant=t.tenant,
+        **{n: getattr(t, n) for n in _TENANT_COUNTERS},
+        tiers=[pb.TenantTier(tier=int(k), pages=t.pages.get(k, 0), quota_bytes=t.quota_bytes.get(k, 0)) for k in kinds],
+    )
 
 
 def _tenant_from_pb(m: pb.TenantStats) -> TenantStats:
-    return TenantStats(m.tenant, {TierKind(x.tier): x.pages for x in m.tiers},
-                       {TierKind(x.tier): x.quota_bytes for x in m.tiers if x.quota_bytes},
-                       **{n: getattr(m, n) for n in _TENANT_COUNTERS})  # fmt: skip
+    return TenantStats(
+        m.tenant,
+        {TierKind(x.tier): x.pages for x in m.tiers},
+        {TierKind(x.tier): x.quota_bytes for x in m.tiers if x.quota_bytes},
+        **{n: getattr(m, n) for n in _TENANT_COUNTERS},
+    )
 
 
 def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
     tiers = [
         TierStats(
-            tier=TierKind(t.tier), available=t.available, detail=t.detail, capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes, slot_bytes=t.slot_bytes, slots_total=t.slots_total,
-            slots_used=t.slots_used, pages=t.pages,
+            tier=TierKind(t.tier),
+            available=t.available,
+            detail=t.detail,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            slot_bytes=t.slot_bytes,
+            slots_total=t.slots_total,
+            slots_used=t.slots_used,
+            pages=t.pages,
             counters=TierCounters(**{name: getattr(t, name) for name in _COUNTER_FIELDS}),
         )
         for t in msg.tiers
-    ]  # fmt: skip
+    ]
     namespaces = [(n.namespace, layout_from_pb(n.layout, "namespaces.layout"), n.pages) for n in msg.namespaces]
     return NodeStats(
-        node_id=msg.node_id, uptime_seconds=msg.uptime_seconds, max_page_bytes=msg.max_page_bytes, tiers=tiers,
-        namespaces=namespaces, lookups=msg.lookups, lookup_blocks=msg.lookup_blocks,
-        lookup_matched=msg.lookup_matched, prefetch_issued=msg.prefetch_issued,
-        prefetch_completed=msg.prefetch_completed, pinned_pages=msg.pinned_pages,
-        put_rejected=msg.put_rejected, version=msg.version, prefetch_used=msg.prefetch_used,
+        node_id=msg.node_id,
+        uptime_seconds=msg.uptime_seconds,
+        max_page_bytes=msg.max_page_bytes,
+        tiers=tiers,
+        namespaces=namespaces,
+        lookups=msg.lookups,
+        lookup_blocks=msg.lookup_blocks,
+        lookup_matched=msg.lookup_matched,
+        prefetch_issued=msg.prefetch_issued,
+        prefetch_completed=msg.prefetch_completed,
+        pinned_pages=msg.pinned_pages,
+        put_rejected=msg.put_rejected,
+        version=msg.version,
+        prefetch_used=msg.prefetch_used,
         prefetch_wasted=msg.prefetch_wasted,
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
-        if msg.HasField("index") else None,
-        planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes], host_id=msg.host_id,
+        if msg.HasField("index")
+        else None,
+        planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes],
+        host_id=msg.host_id,
         tenants=[_tenant_from_pb(t) for t in msg.tenants],
-    )  # fmt: skip
+    )

@@ -159,8 +159,15 @@ def parse_welcome(meta: bytes | memoryview) -> Welcome:
 
 def put(op: PutOpen, npages: int) -> bytes:
     ns = op.namespace.encode()
-    fixed = _PUT.pack(int(op.target) if op.target else 0, op.chain, op.parent is not None, npages,
-                      op.parent or bytes(HASH_BYTES), op.layout.pack(), len(ns))  # fmt: skip
+    fixed = _PUT.pack(
+        int(op.target) if op.target else 0,
+        op.chain,
+        op.parent is not None,
+        npages,
+        op.parent or bytes(HASH_BYTES),
+        op.layout.pack(),
+        len(ns),
+    )
     return frame(Kind.PUT, fixed + ns)
 
 
@@ -209,7 +216,11 @@ def parse_get(meta: bytes | memoryview) -> tuple[str, list[bytes], bool]:
     expect_len(meta, _GET.size + ns_len + n * HASH_BYTES, Kind.GET)
     namespace = _namespace(meta[_GET.size : _GET.size + ns_len], "get.namespace")
     base = _GET.size + ns_len
-    return namespace, [bytes(meta[base + i * HASH_BYTES : base + (i + 1) * HASH_BYTES]) for i in range(n)], bool(promote)
+    return (
+        namespace,
+        [bytes(meta[base + i * HASH_BYTES : base + (i + 1) * HASH_BYTES]) for i in range(n)],
+        bool(promote),
+    )
 
 
 def get_meta_limit(max_pages: int) -> int:

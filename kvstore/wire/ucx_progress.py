@@ -25,8 +25,13 @@ class UcxClosed(ConnectionError):
     """The endpoint an operation waited on was closed or failed."""
 
 
-def wait_blocking(worker: Any, requests: Sequence[Any], deadline: float, alive: Callable[[], bool] | None = None,
-                  what: str = "UCX transfer") -> None:  # fmt: skip
+def wait_blocking(
+    worker: Any,
+    requests: Sequence[Any],
+    deadline: float,
+    alive: Callable[[], bool] | None = None,
+    what: str = "UCX transfer",
+) -> None:
     """Progress `worker` on this thread until every request completed (then raise the first error),
     the monotonic `deadline` passed (UcxTimeout), or `alive()` turned False (UcxClosed)."""
     pending = list(requests)

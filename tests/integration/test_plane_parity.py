@@ -6,7 +6,6 @@ read-only caller. Nothing of any of them may be stored."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 

@@ -91,27 +91,45 @@ class DataPlane(abc.ABC):
 
     def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
         """Store pages, one atomic batch per call; (stored, already present)."""
-        return (yield from self._puts(op, hashes, batches(len(hashes), self.pages_per_call),
-                                      lambda o, a, b: self.put_batch(o, hashes[a:b], pages[a:b])))  # fmt: skip
+        return (
+            yield from self._puts(
+                op,
+                hashes,
+                batches(len(hashes), self.pages_per_call),
+                lambda o, a, b: self.put_batch(o, hashes[a:b], pages[a:b]),
+            )
+        )
 
     def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
         """`put` of pages that lie in the caller's buffers (checked by the client: one per hash, each a page)."""
-        return (yield from self._puts(op, hashes, self.runs(buffers, writable=False),
-                                      lambda o, a, b: self.put_from_batch(o, hashes[a:b], buffers[a:b], a)))  # fmt: skip
+        return (
+            yield from self._puts(
+                op,
+                hashes,
+                self.runs(buffers, writable=False),
+                lambda o, a, b: self.put_from_batch(o, hashes[a:b], buffers[a:b], a),
+            )
+        )
 
     def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         """Pages of the longest stored prefix of `hashes`, in order, verified."""
-        return (yield from self._prefix(batches(len(hashes), self.pages_per_call),
-                                        lambda a, b: self.get_batch(namespace, hashes[a:b], promote)))  # fmt: skip
+        return (
+            yield from self._prefix(
+                batches(len(hashes), self.pages_per_call), lambda a, b: self.get_batch(namespace, hashes[a:b], promote)
+            )
+        )
 
     def get_into(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
     ) -> Exchange[list[PageRef]]:
         """Pages of the longest stored prefix of `hashes` written into the caller's `buffers` (page i into
         buffers[i]; checked by the client: one per hash, writable, contiguous, not overlapping)."""
-        return (yield from self._prefix(self.runs(buffers, writable=True),
-                                        lambda a, b: self.get_into_batch(namespace, hashes[a:b], buffers[a:b],
-                                                                         promote, a)))  # fmt: skip
+        return (
+            yield from self._prefix(
+                self.runs(buffers, writable=True),
+                lambda a, b: self.get_into_batch(namespace, hashes[a:b], buffers[a:b], promote, a),
+            )
+        )
 
     @staticmethod
     def _puts(

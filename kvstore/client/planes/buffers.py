@@ -20,8 +20,9 @@ def buffer_span(obj: Any, field: str, writable: bool) -> tuple[int, int]:
     try:
         view = memoryview(obj)
     except TypeError:
-        raise ValueError(f"{field}: a {type(obj).__name__} is not a buffer (pass a memoryview, bytearray, "
-                         "mmap or numpy array)") from None  # fmt: skip
+        raise ValueError(
+            f"{field}: a {type(obj).__name__} is not a buffer (pass a memoryview, bytearray, mmap or numpy array)"
+        ) from None
     with view:
         if not view.c_contiguous:
             raise ValueError(f"{field}: the buffer is not C-contiguous")
@@ -39,8 +40,9 @@ def address_of(obj: Any) -> int:
     return addr
 
 
-def check_buffers(buffers: Sequence[Any], count: int, *, writable: bool,
-                  nbytes: int | None = None) -> list[tuple[int, int]]:  # fmt: skip
+def check_buffers(
+    buffers: Sequence[Any], count: int, *, writable: bool, nbytes: int | None = None
+) -> list[tuple[int, int]]:
     """Validate the buffers of a `get_into` (writable) or `put_from` (read, each exactly `nbytes`):
     one per hash, buffers, contiguous, and for writes not overlapping. Returns their (address, length)."""
     if isinstance(buffers, (bytes, bytearray, memoryview)):

@@ -21,8 +21,9 @@ SAME_HOST_ORDER = ("shm", "tcp")
 OTHER_HOST_ORDER = ("ucx", "tcp")
 
 
-def choose_planes(mode: str, *, same_host: bool, advertised: Mapping[str, PlaneInfo] | None,
-                  client_can: Collection[str]) -> list[str]:  # fmt: skip
+def choose_planes(
+    mode: str, *, same_host: bool, advertised: Mapping[str, PlaneInfo] | None, client_can: Collection[str]
+) -> list[str]:
     """The planes to try, most preferred first, ending with "grpc" in auto mode (see the module docstring).
 
     advertised: the node's planes by name; None when the node predates advertising (then: shm only).

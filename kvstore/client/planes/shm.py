@@ -63,9 +63,14 @@ def put_bytes(pages: Sequence[Buffer]) -> int:
 
 
 def get_request(seg: ClientSegment, namespace: str, hashes: Sequence[bytes], promote: bool) -> pb.GetShmRequest:
-    return pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote,
-                            region=pb.ShmRegion(name=seg.name, nonce=seg.nonce), offset=HEADER_BYTES,
-                            size=seg.data_bytes)  # fmt: skip
+    return pb.GetShmRequest(
+        namespace=namespace,
+        hashes=list(hashes),
+        no_promote=not promote,
+        region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
+        offset=HEADER_BYTES,
+        size=seg.data_bytes,
+    )
 
 
 def read_reply(seg: ClientSegment, hashes: Sequence[bytes], reply: pb.GetShmResponse) -> list[FetchedPage]:
@@ -94,9 +99,13 @@ def shared_region(buf: SharedBuffer) -> pb.ShmRegion:
 
 def into_request(namespace: str, hashes: Sequence[bytes], placed: Sequence[Placed], promote: bool) -> pb.GetShmRequest:
     """A GetShm that writes page i straight into placed[i] (all in one registered buffer)."""
-    return pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote,
-                            region=shared_region(placed[0].buffer),
-                            targets=[pb.ShmTarget(offset=p.offset, size=p.nbytes) for p in placed])  # fmt: skip
+    return pb.GetShmRequest(
+        namespace=namespace,
+        hashes=list(hashes),
+        no_promote=not promote,
+        region=shared_region(placed[0].buffer),
+        targets=[pb.ShmTarget(offset=p.offset, size=p.nbytes) for p in placed],
+    )
 
 
 def into_reply(hashes: Sequence[bytes], placed: Sequence[Placed], reply: pb.GetShmResponse) -> list[PageRef]:
@@ -197,9 +206,11 @@ class ShmPlane(DataPlane):
             field = f"buffers[{first + i}]"
             where = self.buffers.locate(*buffer_span(b, field, writable))
             if where is None:
-                raise ValueError(f"{field}: not inside a shared buffer of this client; on the shared-memory plane "
-                                 "pages move straight into registered memory: allocate it with "
-                                 "client.shared_buffer(nbytes) and pass views of it")  # fmt: skip
+                raise ValueError(
+                    f"{field}: not inside a shared buffer of this client; on the shared-memory plane "
+                    "pages move straight into registered memory: allocate it with "
+                    "client.shared_buffer(nbytes) and pass views of it"
+                )
             placed.append(where)
         return placed
 
@@ -234,9 +245,14 @@ class ShmPlane(DataPlane):
         if not self.node_maps_buffers:
             return (yield from self.put_batch(op, hashes, buffers))
         placed = self.place(buffers, False, first)
-        req = pb.PutShmRequest(open=put_open_to_pb(op), region=shared_region(placed[0].buffer),
-                               pages=[pb.ShmSlice(hash=h, offset=p.offset, payload_bytes=p.nbytes)
-                                      for h, p in zip(hashes, placed, strict=True)])  # fmt: skip
+        req = pb.PutShmRequest(
+            open=put_open_to_pb(op),
+            region=shared_region(placed[0].buffer),
+            pages=[
+                pb.ShmSlice(hash=h, offset=p.offset, payload_bytes=p.nbytes)
+                for h, p in zip(hashes, placed, strict=True)
+            ],
+        )
         try:
             reply = yield Unary("PutShm", req)
         except InvalidArgument as exc:

@@ -49,8 +49,9 @@ class Connection:
     """One open, authenticated connection to a node's TCP plane. Not thread-safe: one call at a time
     (the pool hands it to one caller). `replied` says whether the current request got any reply byte."""
 
-    def __init__(self, host: str, port: int, *, token: str | None, tls: ssl.SSLContext | None,
-                 server_name: str, timeout: float) -> None:  # fmt: skip
+    def __init__(
+        self, host: str, port: int, *, token: str | None, tls: ssl.SSLContext | None, server_name: str, timeout: float
+    ) -> None:
         sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
         try:
             sock.settimeout(timeout)
@@ -163,8 +164,14 @@ class Connection:
             raise StreamError(f"the node answered PUT with {head.kind.name}")
         return tcp.parse_done(meta)
 
-    def get(self, namespace: str, hashes: Sequence[bytes], promote: bool, verify: bool,
-            sink: Callable[[int, int], memoryview]) -> list[tuple[bytes, TierKind, memoryview]]:  # fmt: skip
+    def get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        promote: bool,
+        verify: bool,
+        sink: Callable[[int, int], memoryview],
+    ) -> list[tuple[bytes, TierKind, memoryview]]:
         """Send a GET and receive its pages in order: page i's `n` bytes land in `sink(i, n)`. Returns
         (hash, tier, filled view) per page, each checked against its checksum when `verify`."""
         self.replied = False
@@ -199,8 +206,17 @@ class TcpPlane(DataPlane):
 
     name = "tcp"
 
-    def __init__(self, *, address: str, tls: bool, target: str, pages_per_call: int, verify: bool,
-                 security: ClientSecurity, timeout: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        address: str,
+        tls: bool,
+        target: str,
+        pages_per_call: int,
+        verify: bool,
+        security: ClientSecurity,
+        timeout: float,
+    ) -> None:
         try:
             self.host, self.port = split_address(address, default_host=target_host(target))
         except ValueError as exc:
@@ -217,32 +233,57 @@ class TcpPlane(DataPlane):
         self._tls_ctx: ssl.SSLContext | None = None
 
     @classmethod
-    def from_info(cls, info: PlaneInfo | None, *, target: str, pages_per_call: int, verify: bool,
-                  security: ClientSecurity, timeout: float) -> TcpPlane:  # fmt: skip
+    def from_info(
+        cls,
+        info: PlaneInfo | None,
+        *,
+        target: str,
+        pages_per_call: int,
+        verify: bool,
+        security: ClientSecurity,
+        timeout: float,
+    ) -> TcpPlane:
         if info is None or not info.address:
             raise PlaneUnavailable("the node advertises no TCP plane address")
         try:  # the token goes to the advertised address: only where this client may send it (SECURITY.md)
             security.check_target(info.address)
         except InsecureChannel as exc:
             raise PlaneUnavailable(f"tcp: {exc}") from None
-        return cls(address=info.address, tls=info.tls, target=target, pages_per_call=pages_per_call,
-                   verify=verify, security=security, timeout=timeout)  # fmt: skip
+        return cls(
+            address=info.address,
+            tls=info.tls,
+            target=target,
+            pages_per_call=pages_per_call,
+            verify=verify,
+            security=security,
+            timeout=timeout,
+        )
 
     # -- connections
 
     def _open(self) -> Connection:
         if self.tls != self.security.tls:
             raise PlaneUnavailable(
-                "the node's TCP plane uses TLS but this client has no CA (KVSTORE_TLS_CA)" if self.tls else
-                "this client requires TLS but the node's TCP plane is not encrypted")  # fmt: skip
+                "the node's TCP plane uses TLS but this client has no CA (KVSTORE_TLS_CA)"
+                if self.tls
+                else "this client requires TLS but the node's TCP plane is not encrypted"
+            )
         if self.tls and self._tls_ctx is None:
             self._tls_ctx = client_tls_context(self.security)
         try:
-            return Connection(self.host, self.port, token=self.security.token, tls=self._tls_ctx,
-                              server_name=self.server_name, timeout=self.timeout)  # fmt: skip
+            return Connection(
+                self.host,
+                self.port,
+                token=self.security.token,
+                tls=self._tls_ctx,
+                server_name=self.server_name,
+                timeout=self.timeout,
+            )
         except ssl.SSLCertVerificationError as exc:
-            raise Unavailable(f"TCP plane at {self.host}:{self.port}: the node's TLS certificate failed "
-                              f"verification: {exc.verify_message or exc}") from None
+            raise Unavailable(
+                f"TCP plane at {self.host}:{self.port}: the node's TLS certificate failed "
+                f"verification: {exc.verify_message or exc}"
+            ) from None
         except (OSError, StreamError) as exc:  # StreamError: the handshake's reply made no sense
             raise PlaneUnavailable(f"cannot open the TCP plane at {self.host}:{self.port}: {exc}") from None
 

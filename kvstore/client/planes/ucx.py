@@ -70,7 +70,8 @@ class UcxConnection:
         by_address = os.environ.get("KVSTORE_UCX_CONNECT", "worker").lower() != "listener" and bool(addr.worker)
         if by_address:
             self.ep = ucx.UCXEndpoint.create_from_worker_address(
-                self.worker, ucx.UCXAddress.create_from_buffer(addr.worker), eh)  # fmt: skip
+                self.worker, ucx.UCXAddress.create_from_buffer(addr.worker), eh
+            )
             hello = Hello(self.cid, token, bytes(self.worker.address.tobytes()), eh)
         else:
             self.ep = ucx.UCXEndpoint.create(self.worker, addr.host, addr.port, True)
@@ -182,8 +183,9 @@ class UcxPlane(DataPlane):
 
     name = "ucx"
 
-    def __init__(self, pages_per_call: int, verify: bool, timeout: float, token: str | None, tls: bool,
-                 info: PlaneInfo | None) -> None:  # fmt: skip
+    def __init__(
+        self, pages_per_call: int, verify: bool, timeout: float, token: str | None, tls: bool, info: PlaneInfo | None
+    ) -> None:
         self.pages_per_call = min(pages_per_call, proto.MAX_PAGES_PER_CALL)
         self.verify = verify
         self.timeout = timeout
@@ -193,8 +195,10 @@ class UcxPlane(DataPlane):
         if info is None or not info.address:
             self._refuse = "the node advertises no UCX address"
         elif tls and not info.tls and not _env_flag("KVSTORE_UCX_ALLOW_PLAINTEXT", False):
-            self._refuse = ("this client uses TLS and the UCX plane is not encrypted "
-                            "(set KVSTORE_UCX_ALLOW_PLAINTEXT=1 on a trusted fabric)")  # fmt: skip
+            self._refuse = (
+                "this client uses TLS and the UCX plane is not encrypted "
+                "(set KVSTORE_UCX_ALLOW_PLAINTEXT=1 on a trusted fabric)"
+            )
         else:
             try:
                 self.addr = proto.parse_address(info.address)

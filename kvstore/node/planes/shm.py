@@ -36,8 +36,10 @@ def unusable(name: str) -> ShmNotAvailable:
     """The one reply for every segment this node will not use. NOTE: one status and one message
     whether the segment is missing, not a regular file, open to other users, too small or carrying
     another nonce, so a caller cannot probe which kvstore-* names exist (issue 16)."""
-    return ShmNotAvailable(f"region: segment {name!r} is not usable by this node (not visible here, not a "
-                           "private regular file, or another nonce); use Put/Get")  # fmt: skip
+    return ShmNotAvailable(
+        f"region: segment {name!r} is not usable by this node (not visible here, not a "
+        "private regular file, or another nonce); use Put/Get"
+    )
 
 
 def _private_regular(st: os.stat_result) -> bool:
@@ -74,8 +76,9 @@ class NodeSegment:
         for i, t in enumerate(targets):
             self.check(t.offset, t.size, f"targets[{i}]")
             if t.size < page_bytes:
-                raise InvalidArgument(f"targets[{i}]", f"{t.size} bytes cannot hold a page of this namespace "
-                                                       f"({page_bytes} bytes)")  # fmt: skip
+                raise InvalidArgument(
+                    f"targets[{i}]", f"{t.size} bytes cannot hold a page of this namespace ({page_bytes} bytes)"
+                )
         order = sorted(range(count), key=lambda i: targets[i].offset)
         for prev, cur in itertools.pairwise(order):
             if targets[prev].offset + page_bytes > targets[cur].offset:
@@ -224,8 +227,10 @@ class SegmentAttachments:
             ino = os.stat(path).st_ino
         except OSError:
             self._drop(key)
-            raise ShmNotAvailable(f"cannot open the caller's registered buffer {name!r} (descriptor {fd} of "
-                                  f"process {pid}) from this node: another pid namespace or user?") from None  # fmt: skip
+            raise ShmNotAvailable(
+                f"cannot open the caller's registered buffer {name!r} (descriptor {fd} of "
+                f"process {pid}) from this node: another pid namespace or user?"
+            ) from None
         att = self._open.get(key)
         if not isinstance(att, MappedSegment) or att.ino != ino:
             self._drop(key)
@@ -248,8 +253,9 @@ class SegmentAttachments:
             except OSError:
                 seals = 0  # not a memfd at all
             if not stat.S_ISREG(st.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
-                raise InvalidArgument("region.fd", f"{name!r} is not a memfd sealed against shrinking; the node "
-                                                   "maps only such buffers")  # fmt: skip
+                raise InvalidArgument(
+                    "region.fd", f"{name!r} is not a memfd sealed against shrinking; the node maps only such buffers"
+                )
             if st.st_size < HEADER_BYTES + 1:
                 raise InvalidArgument("region.fd", f"{name!r} is {st.st_size} bytes, smaller than its header")
             att = MappedSegment(name, fd, st.st_ino, st.st_size, path)
@@ -354,8 +360,9 @@ class ShmPlane:
                         break
                     if not windows:  # else the reader has copied it there already
                         seg.write(pos, lease.payload)
-                    out.pages.add(hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum,
-                                  tier=int(lease.tier))  # fmt: skip
+                    out.pages.add(
+                        hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum, tier=int(lease.tier)
+                    )
                     pos = align_up(pos + n)
             return out
         finally:

@@ -61,16 +61,20 @@ class TcpPlaneServer(PlaneServer):
     async def start(self, services: NodeServices) -> PlaneInfo:
         cfg = services.config
         self.services = services
-        self.tls = (server_tls_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-                    if cfg.tls_cert_file and cfg.tls_key_file else None)  # fmt: skip
+        self.tls = (
+            server_tls_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            if cfg.tls_cert_file and cfg.tls_key_file
+            else None
+        )
         self.meta_limit = tcp.get_meta_limit(cfg.max_pages_per_request)
         self._listener = listen_socket(cfg.host, cfg.tcp_port)
         port = self._listener.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
         host = services.advertise_host
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        log.info("TCP data plane on %s:%d (advertised %s, TLS %s)", cfg.host, port, address,
-                 "on" if self.tls else "off")  # fmt: skip
+        log.info(
+            "TCP data plane on %s:%d (advertised %s, TLS %s)", cfg.host, port, address, "on" if self.tls else "off"
+        )
         return PlaneInfo("tcp", address, self.tls is not None)
 
     @property
@@ -138,8 +142,10 @@ class _Connection:
                 else:
                     chan = PlainChannel(loop, self.sock)
                 if len(self.server._conns) > self.cfg.tcp_max_connections:
-                    raise Unavailable(f"this node serves at most {self.cfg.tcp_max_connections} TCP plane "
-                                      "connections; retry later or use gRPC")  # fmt: skip
+                    raise Unavailable(
+                        f"this node serves at most {self.cfg.tcp_max_connections} TCP plane "
+                        "connections; retry later or use gRPC"
+                    )
                 await self._hello(chan)
             while not self.server._closing:
                 head = await chan.read_header(meta_limit=self.server.meta_limit, body_limit=self.cfg.max_page_bytes)

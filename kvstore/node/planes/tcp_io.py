@@ -196,8 +196,9 @@ def tune(sock: socket.socket, buffer_bytes: int) -> None:
 
 def listen_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
     """A non-blocking listening socket on host:port (0: a free port), IPv4 or IPv6 as the host says."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]  # fmt: skip
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -219,4 +220,3 @@ def server_tls_context(cert_file: str, key_file: str, client_ca_file: str | None
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.load_verify_locations(client_ca_file)
     return ctx
-

@@ -113,9 +113,12 @@ class UcxPlaneServer(PlaneServer):
         self.cuda = bool(self.context.cuda_support)  # UCX here can send device memory (HBM pages)
         self._spawn(self._accept_worker_hellos())
         addr = UcxAddress(services.advertise_host, self._listener.port, bytes(self.worker.address.tobytes()))
-        log.info("UCX plane listening on port %d (UCX %s; CUDA memory can be sent: %s)",
-                 self._listener.port, ".".join(map(str, ucx.get_ucx_version())),
-                 "yes" if self.cuda else "no")  # fmt: skip
+        log.info(
+            "UCX plane listening on port %d (UCX %s; CUDA memory can be sent: %s)",
+            self._listener.port,
+            ".".join(map(str, ucx.get_ucx_version())),
+            "yes" if self.cuda else "no",
+        )
         return PlaneInfo(self.name, format_address(addr))
 
     async def stop(self) -> None:
@@ -134,10 +137,14 @@ class UcxPlaneServer(PlaneServer):
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _wait(self, reqs: list[Any], what: str, conn: Connection | None = None, timeout: float | None = None) -> None:
+    async def _wait(
+        self, reqs: list[Any], what: str, conn: Connection | None = None, timeout: float | None = None
+    ) -> None:
         """Wait for requests, failing early (UcxClosed) when the connection closes meanwhile."""
         assert self._progress is not None
-        waiting = asyncio.ensure_future(self._progress.wait(reqs, self.io_timeout if timeout is None else timeout, what))
+        waiting = asyncio.ensure_future(
+            self._progress.wait(reqs, self.io_timeout if timeout is None else timeout, what)
+        )
         if conn is None:
             await waiting
             return
@@ -166,8 +173,11 @@ class UcxPlaneServer(PlaneServer):
             await self._wait(pending, "cancelling transfers", timeout=SETTLE_SECONDS)
         if all(r.completed for r in pending):
             return True
-        log.error("UCX connection %#x: %d transfer(s) did not finish after close; their buffers stay out of use",
-                  conn.cid, sum(not r.completed for r in pending))  # fmt: skip
+        log.error(
+            "UCX connection %#x: %d transfer(s) did not finish after close; their buffers stay out of use",
+            conn.cid,
+            sum(not r.completed for r in pending),
+        )
         return False
 
     # ---------------------------------------------------------------- connections
@@ -203,8 +213,11 @@ class UcxPlaneServer(PlaneServer):
         buf = bytearray(MAX_HELLO_BYTES + FRAME.size)
         while True:
             try:
-                await self._wait([self.worker.tag_recv(self.ucx_array(buf), self.ucx.UCXXTag(HELLO_TAG))],
-                                 "HELLO", timeout=float("inf"))  # fmt: skip
+                await self._wait(
+                    [self.worker.tag_recv(self.ucx_array(buf), self.ucx.UCXXTag(HELLO_TAG))],
+                    "HELLO",
+                    timeout=float("inf"),
+                )
                 kind, _, _, body = unframe(buf)
                 if kind is not Kind.HELLO:
                     raise ProtocolError(f"expected a HELLO, got {kind.name}")
@@ -212,7 +225,8 @@ class UcxPlaneServer(PlaneServer):
                 if not hello.worker_address:
                     raise ProtocolError("a HELLO on the worker needs the client's worker address")
                 ep = self.ucx.UCXEndpoint.create_from_worker_address(
-                    self.worker, self.ucx.UCXAddress.create_from_buffer(hello.worker_address), hello.error_handling)
+                    self.worker, self.ucx.UCXAddress.create_from_buffer(hello.worker_address), hello.error_handling
+                )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bad HELLO from one client must not stop the others
@@ -333,8 +347,9 @@ class UcxPlaneServer(PlaneServer):
                     if not await self._settle([send], conn):
                         lease.keep()  # UCX may still read it: the page stays leased (pinned)
                     raise _lost(exc) from None
-                out.pages.add(hash=lease.hash, payload_bytes=len(lease.payload), checksum=lease.checksum,
-                              tier=int(lease.tier))  # fmt: skip
+                out.pages.add(
+                    hash=lease.hash, payload_bytes=len(lease.payload), checksum=lease.checksum, tier=int(lease.tier)
+                )
         return out.SerializeToString()
 
 
@@ -388,4 +403,3 @@ class _TaggedPages:
 def _lost(exc: Exception) -> KVStoreError:
     """A failed page transfer as the client sees it (if its endpoint still listens): DATA_LOSS."""
     return DataLoss(f"UCX page transfer failed ({type(exc).__name__}: {exc}); nothing was stored")
-
