@@ -3,8 +3,9 @@
 Methods here block (pread/pwrite/fdatasync); the manager calls them from its I/O thread pool, never on
 the event loop. `read_many` keeps up to `queue_depth` O_DIRECT reads in flight (a thread each: preadv
 releases the GIL, and a device only reaches its bandwidth with a deep queue). Durability rule: `write`
-returns only after the slot's header and payload are on stable storage (fdatasync), and the manager makes a page visible only after that, so whatever a
-restarted node finds with a valid header was durably and completely written. `write_many` writes every
+returns only after the slot's header and payload are on stable storage (fdatasync), and the manager
+makes a page visible only after that, so whatever a restarted node finds with a valid header was durably
+and completely written. `write_many` writes every
 slot first and then syncs each touched segment file once: same rule, one flush per file.
 """
 
