@@ -134,6 +134,8 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError("node.nvme.hostPath is empty but node.budgets.nvme > 0")
         if node["kind"] == "StatefulSet" and node["nvme"].get("size") and _bytes(v, "node.nvme.size") < nvme:
             raise ValueError(f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})")
+    check_fast_path_rules(v)
+    check_engine_rules(v)
     if v["rayCluster"]["enabled"]:
         for pool in ("prefill", "decode"):
             p = v["workers"][pool]
@@ -173,15 +175,97 @@ def check_rules(v: Mapping[str, Any]) -> None:
         raise ValueError("redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set")
 
 
+def _ports(v: Mapping[str, Any]) -> dict[str, int]:
+    node = v["node"]
+    return {"node.port": node["port"], "node.metricsPort": node["metricsPort"],
+            "node.dataPlanes.tcp.port": node["dataPlanes"]["tcp"]["port"]}  # fmt: skip
+
+
+def check_fast_path_rules(v: Mapping[str, Any]) -> None:
+    """UCX/RDMA (node.dataPlanes.ucx): templates/validate.yaml's rules, the same value names."""
+    node = v["node"]
+    ucx = node["dataPlanes"]["ucx"]
+    rdma, net = ucx.get("rdma") or {}, ucx.get("network") or {}
+    if not node.get("enabled", True):
+        return
+    if not ucx["enabled"]:
+        if rdma.get("enabled"):
+            raise ValueError("node.dataPlanes.ucx.rdma.enabled is true but node.dataPlanes.ucx.enabled is false: "
+                             "RDMA is used through the UCX plane; enable it")  # fmt: skip
+        if net.get("hostNetwork") or net.get("attachments"):
+            raise ValueError("node.dataPlanes.ucx.network is set but node.dataPlanes.ucx.enabled is false: the host "
+                             "or secondary network is for the UCX plane; enable it")  # fmt: skip
+        return
+    for name, port in _ports(v).items():
+        if int(port) == int(ucx["port"]):
+            raise ValueError(f"node.dataPlanes.ucx.port ({ucx['port']}) is also {name}: give the UCX listener a port of its own")
+    if ucx.get("tcpPortRange"):
+        lo, hi = (int(x) for x in ucx["tcpPortRange"].split("-"))
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} is not LO-HI with 1 <= LO <= HI <= 65535")
+        for name, port in {**_ports(v), "node.dataPlanes.ucx.port": ucx["port"]}.items():
+            if lo <= int(port) <= hi:
+                raise ValueError(f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} holds {name} ({port}): "
+                                 "UCX's lanes would collide with it")  # fmt: skip
+    if v["tls"]["enabled"] and not ucx.get("allowPlaintext"):
+        raise ValueError("node.dataPlanes.ucx.enabled with tls.enabled: UCX is not encrypted, so clients configured "
+                         "for TLS would skip it; set node.dataPlanes.ucx.allowPlaintext: true to declare the fabric "
+                         "trusted (tokens and pages cross it in clear), or turn UCX off")  # fmt: skip
+    if "UCX_TCP_PORT_RANGE" in (ucx.get("env") or {}):
+        raise ValueError("node.dataPlanes.ucx.env.UCX_TCP_PORT_RANGE: set node.dataPlanes.ucx.tcpPortRange instead "
+                         "(the NetworkPolicy opens that range)")  # fmt: skip
+    if rdma.get("enabled") and not rdma.get("resources") and not rdma.get("hostDevices"):
+        raise ValueError("node.dataPlanes.ucx.rdma.resources is empty and node.dataPlanes.ucx.rdma.hostDevices is "
+                         "false: the pods would see no RDMA device; name your RDMA device plugin's resource")  # fmt: skip
+
+
+_CHART_VLLM_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
+_CHART_LMCACHE_FLAGS = ("--l2-adapter", "--port", "--host")
+
+
+def check_engine_rules(v: Mapping[str, Any]) -> None:
+    """engines (vLLM + LMCache): templates/validate.yaml's rules, the same value names."""
+    e = v["engines"]
+    if not e["enabled"]:
+        return
+    lm = e["lmcache"]
+    if lm["target"] == "local" and not v["node"].get("enabled", True):
+        raise ValueError("engines.lmcache.target is local but node.enabled is false: there is no cache node on the "
+                         "engines' hosts; deploy nodes or use target: cluster")  # fmt: skip
+    redis = v["redis"]
+    if lm["target"] == "cluster" and ((redis["enabled"] and redis["auth"]["enabled"])
+                                      or (not redis["enabled"] and redis["external"]["existingSecret"])):  # fmt: skip
+        raise ValueError("engines.lmcache.target is cluster but the Redis URL needs a password, which would appear on "
+                         "lmcache's command line: use target: local, or an index without a password")  # fmt: skip
+    if int(e["gpu"]["count"]) > 0 and not e["gpu"]["resourceName"]:
+        raise ValueError("engines.gpu.resourceName is empty but engines.gpu.count > 0")
+    if int(lm["port"]) == int(e["vllm"]["port"]):
+        raise ValueError(f"engines.lmcache.port and engines.vllm.port are both {lm['port']}: the pod's two servers "
+                         "need two ports")  # fmt: skip
+    if lm.get("tenant"):
+        if not v["auth"]["enabled"]:
+            raise ValueError("engines.lmcache.tenant is set but auth.enabled is false: tenants are bound to tokens")
+        names = [t["name"] for t in v["auth"].get("tenants") or []]
+        if lm["tenant"] not in names:
+            raise ValueError(f"engines.lmcache.tenant {lm['tenant']!r} is not one of auth.tenants ({', '.join(names)})")
+    for field, args, owned in (("engines.vllm.args", e["vllm"].get("args") or [], _CHART_VLLM_FLAGS),
+                               ("engines.lmcache.args", lm.get("args") or [], _CHART_LMCACHE_FLAGS)):  # fmt: skip
+        for arg in args:
+            for flag in owned:
+                if arg == flag or arg.startswith(flag + "="):
+                    raise ValueError(f"{field} sets {flag}, which the chart sets")
+
+
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
     """The [node] table templates/node.yaml writes into node.toml."""
     node = v["node"]
-    # tcp_port stays 0 here (a free port): local nodes share one machine, and each advertises its own.
+    # tcp_port and ucx_port stay 0 here (free ports): local nodes share one machine, and each advertises its own.
     return {
         "policy": node["policy"], "grace_seconds": node["shutdown"]["drainSeconds"],
         "spill_seconds": node["shutdown"]["spillSeconds"], "spill_on_shutdown": True,
         "index_ttl_seconds": node["index"]["ttlSeconds"], "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
         "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
+        "ucx_enabled": node["dataPlanes"]["ucx"]["enabled"],
         "log_level": node["logLevel"], **node.get("config", {}),
     }  # fmt: skip
 
