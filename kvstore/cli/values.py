@@ -124,7 +124,9 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError(f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
                              f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})")  # fmt: skip
         if _bytes(v, "node.budgets.hbm") > 0 and int(node["gpu"]["count"]) == 0:
-            raise ValueError(f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU")
+            raise ValueError(
+                f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU"
+            )
         if int(node["gpu"]["count"]) > 0 and not node["gpu"]["resourceName"]:
             raise ValueError("node.gpu.resourceName is empty but node.gpu.count > 0")
         if _bytes(v, "node.budgets.maxPageBytes") <= 0:
@@ -133,7 +135,9 @@ def check_rules(v: Mapping[str, Any]) -> None:
         if node["kind"] == "DaemonSet" and nvme > 0 and not node["nvme"].get("hostPath"):
             raise ValueError("node.nvme.hostPath is empty but node.budgets.nvme > 0")
         if node["kind"] == "StatefulSet" and node["nvme"].get("size") and _bytes(v, "node.nvme.size") < nvme:
-            raise ValueError(f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})")
+            raise ValueError(
+                f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})"
+            )
     check_fast_path_rules(v)
     check_engine_rules(v)
     if v["rayCluster"]["enabled"]:
@@ -169,10 +173,14 @@ def check_rules(v: Mapping[str, Any]) -> None:
                              "subjects bind tenants only with mutual TLS")  # fmt: skip
     redis = v["redis"]
     ext = redis["external"]
-    if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
-        ext["url"] or ext["existingSecret"]
+    if (
+        not redis["enabled"]
+        and (node.get("enabled", True) or v["rayCluster"]["enabled"])
+        and not (ext["url"] or ext["existingSecret"])
     ):
-        raise ValueError("redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set")
+        raise ValueError(
+            "redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set"
+        )
 
 
 def _ports(v: Mapping[str, Any]) -> dict[str, int]:
@@ -198,11 +206,15 @@ def check_fast_path_rules(v: Mapping[str, Any]) -> None:
         return
     for name, port in _ports(v).items():
         if int(port) == int(ucx["port"]):
-            raise ValueError(f"node.dataPlanes.ucx.port ({ucx['port']}) is also {name}: give the UCX listener a port of its own")
+            raise ValueError(
+                f"node.dataPlanes.ucx.port ({ucx['port']}) is also {name}: give the UCX listener a port of its own"
+            )
     if ucx.get("tcpPortRange"):
         lo, hi = (int(x) for x in ucx["tcpPortRange"].split("-"))
         if not 1 <= lo <= hi <= 65535:
-            raise ValueError(f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} is not LO-HI with 1 <= LO <= HI <= 65535")
+            raise ValueError(
+                f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} is not LO-HI with 1 <= LO <= HI <= 65535"
+            )
         for name, port in {**_ports(v), "node.dataPlanes.ucx.port": ucx["port"]}.items():
             if lo <= int(port) <= hi:
                 raise ValueError(f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} holds {name} ({port}): "
@@ -248,12 +260,12 @@ def check_engine_rules(v: Mapping[str, Any]) -> None:
         names = [t["name"] for t in v["auth"].get("tenants") or []]
         if lm["tenant"] not in names:
             raise ValueError(f"engines.lmcache.tenant {lm['tenant']!r} is not one of auth.tenants ({', '.join(names)})")
-    for field, args, owned in (("engines.vllm.args", e["vllm"].get("args") or [], _CHART_VLLM_FLAGS),
+    for where, args, owned in (("engines.vllm.args", e["vllm"].get("args") or [], _CHART_VLLM_FLAGS),
                                ("engines.lmcache.args", lm.get("args") or [], _CHART_LMCACHE_FLAGS)):  # fmt: skip
         for arg in args:
             for flag in owned:
                 if arg == flag or arg.startswith(flag + "="):
-                    raise ValueError(f"{field} sets {flag}, which the chart sets")
+                    raise ValueError(f"{where} sets {flag}, which the chart sets")
 
 
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
