@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from kvstore.cli.engines import EnginesPlan, check_python, find_python, plan_engines
 from kvstore.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 
@@ -62,6 +63,8 @@ class LocalPlan:
     notes: list[str] = field(default_factory=list)  # what the local run leaves out, said out loud
     tenants: tuple[str, ...] = ()  # auth.tenants' names: a token (and index user) each
     tenants_toml: str | None = None  # the tenants file the chart renders (shares scaled like the budgets)
+    engines: EnginesPlan | None = None  # the chart's engines (vLLM + LMCache), where vLLM's CPU build is here
+    local_socket: bool = False  # node.localSocket: each node serves the same-host socket (where serve can)
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -347,9 +350,23 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         slots = {p: int(w[p]["replicas"]) * max(int(w[p]["gpusPerPod"]), 1) for p in ("prefill", "decode")}
         workers = WorkersPlan(str(local["modelPath"]), w["model"]["dtype"], int(w["blockSize"]), int(w["numBlocks"]),
                               slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]))  # fmt: skip
+    engines = None
+    if v["engines"]["enabled"]:
+        if not (local.get("engines") or {}).get("enabled", True):
+            notes.append("engines: not started locally (local.engines.enabled is false)")
+        else:
+            python = find_python(v)
+            engines = plan_engines(v, python, check_python(python) if python else None)
+            if engines is not None and n == 0:
+                raise ValueError(
+                    "engines.enabled: the local engine's L2 adapter needs a local cache node (node.enabled)"
+                )
+            notes += engines.notes if engines else []
     names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
+    local_socket = bool(v["node"]["enabled"] and v["node"]["localSocket"]["enabled"])
     return LocalPlan(n, node_plan, external, bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
-                     bool(v["auth"]["enabled"]), workers, notes, names, tenants_toml(v, scale))  # fmt: skip
+                     bool(v["auth"]["enabled"]), workers, notes, names, tenants_toml(v, scale), engines,
+                     local_socket)  # fmt: skip
 
 
 def _mem_available() -> int | None:
