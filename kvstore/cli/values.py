@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from kvstore.cli.engines import EnginesPlan, check_python, find_python, plan_engines
 from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 
@@ -62,6 +63,8 @@ class LocalPlan:
     notes: list[str] = field(default_factory=list)  # what the local run leaves out, said out loud
     tenants: tuple[str, ...] = ()  # auth.tenants' names: a token (and index user) each
     tenants_toml: str | None = None  # the tenants file the chart renders (shares scaled like the budgets)
+    engines: EnginesPlan | None = None  # the chart's engines (vLLM + LMCache), where vLLM's CPU build is here
+    local_socket: bool = False  # node.localSocket: each node serves the same-host socket (where serve can)
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -140,6 +143,8 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError(
                 f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})"
             )
+    check_fast_path_rules(v)
+    check_engine_rules(v)
     if v["rayCluster"]["enabled"]:
         for pool in ("prefill", "decode"):
             p = v["workers"][pool]
@@ -191,10 +196,119 @@ def check_rules(v: Mapping[str, Any]) -> None:
         )
 
 
+def _ports(v: Mapping[str, Any]) -> dict[str, int]:
+    node = v["node"]
+    return {
+        "node.port": node["port"],
+        "node.metricsPort": node["metricsPort"],
+        "node.dataPlanes.tcp.port": node["dataPlanes"]["tcp"]["port"],
+    }
+
+
+def check_fast_path_rules(v: Mapping[str, Any]) -> None:
+    """UCX/RDMA (node.dataPlanes.ucx): templates/validate.yaml's rules, the same value names."""
+    node = v["node"]
+    ucx = node["dataPlanes"]["ucx"]
+    rdma, net = ucx.get("rdma") or {}, ucx.get("network") or {}
+    if not node.get("enabled", True):
+        return
+    if not ucx["enabled"]:
+        if rdma.get("enabled"):
+            raise ValueError(
+                "node.dataPlanes.ucx.rdma.enabled is true but node.dataPlanes.ucx.enabled is false: "
+                "RDMA is used through the UCX plane; enable it"
+            )
+        if net.get("hostNetwork") or net.get("attachments"):
+            raise ValueError(
+                "node.dataPlanes.ucx.network is set but node.dataPlanes.ucx.enabled is false: the host "
+                "or secondary network is for the UCX plane; enable it"
+            )
+        return
+    for name, port in _ports(v).items():
+        if int(port) == int(ucx["port"]):
+            raise ValueError(
+                f"node.dataPlanes.ucx.port ({ucx['port']}) is also {name}: give the UCX listener a port of its own"
+            )
+    if ucx.get("tcpPortRange"):
+        lo, hi = (int(x) for x in ucx["tcpPortRange"].split("-"))
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(
+                f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} is not LO-HI with 1 <= LO <= HI <= 65535"
+            )
+        for name, port in {**_ports(v), "node.dataPlanes.ucx.port": ucx["port"]}.items():
+            if lo <= int(port) <= hi:
+                raise ValueError(
+                    f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} holds {name} ({port}): "
+                    "UCX's lanes would collide with it"
+                )
+    if v["tls"]["enabled"] and not ucx.get("allowPlaintext"):
+        raise ValueError(
+            "node.dataPlanes.ucx.enabled with tls.enabled: UCX is not encrypted, so clients configured "
+            "for TLS would skip it; set node.dataPlanes.ucx.allowPlaintext: true to declare the fabric "
+            "trusted (tokens and pages cross it in clear), or turn UCX off"
+        )
+    if "UCX_TCP_PORT_RANGE" in (ucx.get("env") or {}):
+        raise ValueError(
+            "node.dataPlanes.ucx.env.UCX_TCP_PORT_RANGE: set node.dataPlanes.ucx.tcpPortRange instead "
+            "(the NetworkPolicy opens that range)"
+        )
+    if rdma.get("enabled") and not rdma.get("resources") and not rdma.get("hostDevices"):
+        raise ValueError(
+            "node.dataPlanes.ucx.rdma.resources is empty and node.dataPlanes.ucx.rdma.hostDevices is "
+            "false: the pods would see no RDMA device; name your RDMA device plugin's resource"
+        )
+
+
+_CHART_VLLM_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
+_CHART_LMCACHE_FLAGS = ("--l2-adapter", "--port", "--host")
+
+
+def check_engine_rules(v: Mapping[str, Any]) -> None:
+    """engines (vLLM + LMCache): templates/validate.yaml's rules, the same value names."""
+    e = v["engines"]
+    if not e["enabled"]:
+        return
+    lm = e["lmcache"]
+    if lm["target"] == "local" and not v["node"].get("enabled", True):
+        raise ValueError(
+            "engines.lmcache.target is local but node.enabled is false: there is no cache node on the "
+            "engines' hosts; deploy nodes or use target: cluster"
+        )
+    redis = v["redis"]
+    if lm["target"] == "cluster" and (
+        (redis["enabled"] and redis["auth"]["enabled"])
+        or (not redis["enabled"] and redis["external"]["existingSecret"])
+    ):
+        raise ValueError(
+            "engines.lmcache.target is cluster but the Redis URL needs a password, which would appear on "
+            "lmcache's command line: use target: local, or an index without a password"
+        )
+    if int(e["gpu"]["count"]) > 0 and not e["gpu"]["resourceName"]:
+        raise ValueError("engines.gpu.resourceName is empty but engines.gpu.count > 0")
+    if int(lm["port"]) == int(e["vllm"]["port"]):
+        raise ValueError(
+            f"engines.lmcache.port and engines.vllm.port are both {lm['port']}: the pod's two servers need two ports"
+        )
+    if lm.get("tenant"):
+        if not v["auth"]["enabled"]:
+            raise ValueError("engines.lmcache.tenant is set but auth.enabled is false: tenants are bound to tokens")
+        names = [t["name"] for t in v["auth"].get("tenants") or []]
+        if lm["tenant"] not in names:
+            raise ValueError(f"engines.lmcache.tenant {lm['tenant']!r} is not one of auth.tenants ({', '.join(names)})")
+    for where, args, owned in (
+        ("engines.vllm.args", e["vllm"].get("args") or [], _CHART_VLLM_FLAGS),
+        ("engines.lmcache.args", lm.get("args") or [], _CHART_LMCACHE_FLAGS),
+    ):
+        for arg in args:
+            for flag in owned:
+                if arg == flag or arg.startswith(flag + "="):
+                    raise ValueError(f"{where} sets {flag}, which the chart sets")
+
+
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
     """The [node] table templates/node.yaml writes into node.toml."""
     node = v["node"]
-    # tcp_port stays 0 here (a free port): local nodes share one machine, and each advertises its own.
+    # tcp_port and ucx_port stay 0 here (free ports): local nodes share one machine, and each advertises its own.
     return {
         "policy": node["policy"],
         "grace_seconds": node["shutdown"]["drainSeconds"],
@@ -204,6 +318,7 @@ def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
         "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
         "shm_enabled": node["dataPlanes"]["shm"]["enabled"],
         "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
+        "ucx_enabled": node["dataPlanes"]["ucx"]["enabled"],
         "log_level": node["logLevel"],
         **node.get("config", {}),
     }
@@ -289,7 +404,20 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
             slots["decode"],
             int(v["rayCluster"]["router"]["maxInflight"]),
         )
+    engines = None
+    if v["engines"]["enabled"]:
+        if not (local.get("engines") or {}).get("enabled", True):
+            notes.append("engines: not started locally (local.engines.enabled is false)")
+        else:
+            python = find_python(v)
+            engines = plan_engines(v, python, check_python(python) if python else None)
+            if engines is not None and n == 0:
+                raise ValueError(
+                    "engines.enabled: the local engine's L2 adapter needs a local cache node (node.enabled)"
+                )
+            notes += engines.notes if engines else []
     names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
+    local_socket = bool(v["node"]["enabled"] and v["node"]["localSocket"]["enabled"])
     return LocalPlan(
         n,
         node_plan,
@@ -300,6 +428,8 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         notes,
         names,
         tenants_toml(v, scale),
+        engines,
+        local_socket,
     )
 
 
