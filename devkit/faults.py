@@ -32,6 +32,7 @@ from kvstore.errors import KVStoreError
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
+from kvstore.pageformat import MAGIC as PAGE_MAGIC
 from kvstore.tiers.nvme_meta import META_NAME, SEGMENT_RE, SlotState, classify
 
 LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB pages
@@ -654,3 +655,39 @@ def slow_consumers(workdir: Path, stalled: int = 8, silent: int = 8, seconds: fl
         for s in socks:
             s.close()
         node.close()
+
+
+def flip_in_slab(pid: int, payload: bytes, page_hash: bytes, at: int = 0) -> int:
+    """Flip one bit of a page held in a live node's host memory: byte `at` of its payload, in every slot image
+    of that page in the process's private writable anonymous mappings (the DRAM slab, and any bounce copy),
+    through /proc/<pid>/mem. Needs ptrace rights over `pid` (a parent over its child, or root).
+
+    A slot image is the page's header block (MAGIC first, the page's hash in it) followed by the payload
+    starting with `payload`'s bytes, so a stale copy of the bytes elsewhere (a freed receive buffer) is
+    never touched. Returns how many images were flipped; LookupError when none was found."""
+    needle = payload[:64]
+    flipped = 0
+    regions = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[1].startswith("rw"):  # no path: anonymous memory
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            regions.append((lo, hi))
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        for lo, hi in regions:
+            try:
+                mem.seek(lo)
+                data = mem.read(min(hi - lo, 1 << 30))  # bounded: test nodes are small
+            except OSError:
+                continue  # a guard page, or a mapping that went away
+            i = data.find(needle, HEADER_BYTES)
+            while i >= 0:
+                header = data[i - HEADER_BYTES : i]
+                if header.startswith(PAGE_MAGIC) and page_hash in header:
+                    mem.seek(lo + i + at)
+                    mem.write(bytes((data[i + at] ^ 0x01,)))
+                    flipped += 1
+                i = data.find(needle, i + 1)
+    if not flipped:
+        raise LookupError(f"no slot image of page {page_hash.hex()} in the anonymous memory of process {pid}")
+    return flipped

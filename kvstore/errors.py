@@ -94,6 +94,18 @@ class StreamError(KVStoreError):
     status_name = "DATA_LOSS"
 
 
+class PageCorrupt(StreamError):
+    """A received page failed its checksum (DESIGN.md §8: the party that receives the bytes verifies them).
+    Raised inside a client's data plane with the pages of the batch verified before it (`good`); the client
+    turns it into a miss from that page on and reports the page to the node (the Report RPC)."""
+
+    def __init__(self, index: int, page_hash: bytes, good: list[object]) -> None:
+        super().__init__(f"page {index}: checksum mismatch after transfer")
+        self.index = index
+        self.hash = page_hash
+        self.good = good
+
+
 class RemoteError(KVStoreError):
     """A status from the server that maps to no specific class (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED...)."""
 

@@ -158,6 +158,9 @@ class NodeStats:
     planes: list[PlaneInfo] = field(default_factory=list)  # bulk data planes besides Put/Get streams
     host_id: str = ""  # the node's host (kvstore.addresses.host_id)
     tenants: list[TenantStats] = field(default_factory=list)  # the caller's own (every one for the default tenant)
+    corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival (Report)
+    corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
+    scrubbed_bytes: int = 0  # DRAM payload bytes the background scrubber verified
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -199,6 +202,9 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "prefetch_wasted": stats.prefetch_wasted,
         "pinned_pages": stats.pinned_pages,
         "put_rejected": stats.put_rejected,
+        "corrupt_reports": stats.corrupt_reports,
+        "corrupt_confirmed": stats.corrupt_confirmed,
+        "scrubbed_bytes": stats.scrubbed_bytes,
         "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},
         "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],
         "host_id": stats.host_id,

@@ -59,6 +59,10 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
         f"pinned pages {stats.pinned_pages}, "
         f"rejected puts {stats.put_rejected}"
     )
+    console.print(
+        f"corruption: reported by clients {stats.corrupt_reports} (confirmed here and dropped "
+        f"{stats.corrupt_confirmed}), DRAM scrubbed {human_bytes(stats.scrubbed_bytes)}"
+    )
     if stats.index is not None:
         i = stats.index
         state = "[green]connected[/]" if i.connected else "[red]unreachable[/]"

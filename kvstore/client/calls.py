@@ -29,6 +29,7 @@ _UNARY = {
     "Stats": pb.StatsResponse,
     "PutShm": pb.PutResponse,
     "GetShm": pb.GetShmResponse,
+    "Report": pb.ReportResponse,
 }
 
 

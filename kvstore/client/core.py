@@ -248,5 +248,9 @@ class ClientCore:
         req = pb.PrefetchRequest(namespace=namespace, hashes=list(hashes), target_tier=int(target_tier))
         return (yield Unary("Prefetch", req))
 
+    def report_corrupt(self, namespace: str, hashes: Sequence[bytes]) -> Exchange[pb.ReportResponse]:
+        """Tell the node these pages arrived damaged (the planes do it by themselves on a checksum miss)."""
+        return (yield Unary("Report", pb.ReportRequest(namespace=namespace, hashes=list(hashes))))
+
     def stats(self) -> Exchange[NodeStats]:
         return stats_from_pb((yield Unary("Stats", pb.StatsRequest())))

@@ -36,6 +36,7 @@ from kvstore.manager.prefetch import Prefetcher
 from kvstore.manager.put import PutTxn, Staging, WriteThrough
 from kvstore.manager.quotas import TenantQuotas
 from kvstore.manager.reads import Reader, ReadLease
+from kvstore.manager.scrub import Scrubber
 from kvstore.manager.state import (
     ChangeListener,
     Entry,
@@ -114,6 +115,11 @@ class TierManager:
             config.read_ahead_pages,
             promote_to=staging.kind,
         )
+        self.scrubber = (
+            Scrubber(self.table, staging.kind, self.counters, config.scrub_bytes_per_second, self.reader.corrupt)
+            if config.scrub_bytes_per_second
+            else None
+        )
         # NOTE: half the I/O threads at most, so a large Prefetch cannot starve Gets of I/O threads.
         self.prefetcher = Prefetcher(self.table, self.mover, self.counters, self._spawn, config.io_threads // 2)
         durable_kind = self.durable.tier.kind if self.durable.tier is not None else None
@@ -156,6 +162,8 @@ class TierManager:
             self.durable.tier.counters.checksum_failures += medium.scan_failures
             self.recovered_pages = self.durable.recover(found, self.config.max_page_bytes)
         self._spawn(self._pin_sweeper())
+        if self.scrubber is not None:
+            self._spawn(self.scrubber.run())
 
     async def close(self) -> None:
         """Spill DRAM pages to free NVMe slots (bounded in time) so a restart is warm, then release."""
@@ -223,16 +231,40 @@ class TierManager:
         return self.table.layout_of(namespace)
 
     def get(
-        self, namespace: str, hashes: list[bytes], promote: bool = True, into: Sequence[memoryview] | None = None
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        promote: bool = True,
+        into: Sequence[memoryview] | None = None,
+        receiver_verifies: bool = False,
     ) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page (Reader.get).
         With `into` (one writable view per hash, each a page long), page i is copied into into[i] as it is
-        verified. Arguments are checked before the first page is read."""
+        verified. `receiver_verifies`: whoever receives the bytes checks them (a client across a network
+        plane), so DRAM pages are not re-hashed (DESIGN.md §8). Arguments are checked before the first
+        page is read."""
         self.layout_of(namespace)
         check_hashes(hashes, "hashes", self.config.max_pages_per_request)
         if into is not None and len(into) != len(hashes):
             raise InvalidArgument("into", f"{len(into)} destinations for {len(hashes)} hashes")
-        return self.reader.get([(namespace, h) for h in hashes], promote, into)
+        return self.reader.get([(namespace, h) for h in hashes], promote, into, receiver_verifies)
+
+    async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+        """Clients received these pages with bytes that failed their checksum: verify this node's copy of
+        each; a copy that fails is dropped and counted, one that passes stays (the damage was on the way).
+        Returns (dropped, intact); pages not stored count as neither."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        dropped = intact = 0
+        for h in hashes:
+            self.counters.corrupt_reports += 1
+            ok = await self.reader.verify((namespace, h))
+            if ok is False:
+                dropped += 1
+                self.counters.corrupt_confirmed += 1
+            elif ok:
+                intact += 1
+        return dropped, intact
 
     # ------------------------------------------------------------------ mutations
 
@@ -375,6 +407,9 @@ class TierManager:
             prefetch_wasted=c.prefetch_wasted,
             pinned_pages=sum(1 for e in table if e.pinned),
             put_rejected=c.put_rejected,
+            corrupt_reports=c.corrupt_reports,
+            corrupt_confirmed=c.corrupt_confirmed,
+            scrubbed_bytes=c.scrubbed_bytes,
             index=self.index_status() if self.index_status is not None else None,
             tenants=self.tenants.snapshot(self.config.slot_bytes),
         )

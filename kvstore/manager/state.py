@@ -74,6 +74,9 @@ class NodeCounters:
     prefetch_used: int = 0  # prefetched pages a Get then read
     prefetch_wasted: int = 0  # prefetched pages that left their tier (or the node) unread
     put_rejected: int = 0  # Put transactions aborted
+    corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival
+    corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
+    scrubbed_bytes: int = 0  # DRAM payload bytes the scrubber verified
 
     def prefetch_fate(self, entry: Entry, used: bool) -> None:
         """A prefetched page was read (used) or is leaving its tier unread (wasted); counted once."""

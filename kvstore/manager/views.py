@@ -71,11 +71,16 @@ class TenantView:
         return self.manager.begin_put(replace(op, namespace=self.ns(op.namespace)))
 
     def get(
-        self, namespace: str, hashes: list[bytes], promote: bool = True, into: Sequence[memoryview] | None = None
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        promote: bool = True,
+        into: Sequence[memoryview] | None = None,
+        receiver_verifies: bool = False,
     ) -> AsyncIterator[ReadLease]:
         """TierManager.get in this tenant's scope (arguments checked now, before the first page)."""
         try:
-            leases = self.manager.get(self.ns(namespace), hashes, promote, into)
+            leases = self.manager.get(self.ns(namespace), hashes, promote, into, receiver_verifies)
         except NamespaceNotFound:  # cold for this tenant: refused, and counted only if another tenant has it
             if hashes:
                 self._missed(namespace, hashes[0])
@@ -107,6 +112,9 @@ class TenantView:
             cross |= t != self.tenant and (scope(namespace, t), h) in table
         if cross:
             self.counters.cross_tenant_misses += 1
+
+    async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+        return await self.manager.report_corrupt(self.ns(namespace), hashes)
 
     async def delete(self, namespace: str, hashes: list[bytes]) -> tuple[int, int, int]:
         return await self.manager.delete(self.ns(namespace), hashes)

@@ -22,7 +22,14 @@ from kvstore.policy import POLICIES
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_SIZE_FIELDS = {"dram_bytes", "nvme_bytes", "hbm_bytes", "max_page_bytes", "nvme_segment_bytes"}
+_SIZE_FIELDS = {
+    "dram_bytes",
+    "nvme_bytes",
+    "hbm_bytes",
+    "max_page_bytes",
+    "nvme_segment_bytes",
+    "scrub_bytes_per_second",
+}
 
 
 def parse_size(value: str | int) -> int:
@@ -58,6 +65,9 @@ class NodeConfig:
     grace_seconds: float = 5.0
     read_ahead_pages: int = 4  # pages a Get reads (NVMe I/O, promotion) ahead of the one it streams
     alloc_wait_seconds: float = 5.0  # how long a write waits for space held by other in-flight streams
+    # The DRAM scrubber (kvstore/manager/scrub.py) re-verifies resident DRAM pages at this rate, since remote
+    # reads do not re-hash them (DESIGN.md §8). 64 MiB/s costs about 1% of a core; 0 turns it off.
+    scrub_bytes_per_second: int = 64 << 20
     spill_on_shutdown: bool = True
     spill_seconds: float = 30.0
     log_level: str = "INFO"

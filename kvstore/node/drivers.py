@@ -113,13 +113,17 @@ async def open_get(
     namespace: str,
     hashes: list[bytes],
     promote: bool,
+    *,
     into: Sequence[memoryview] | None = None,
+    receiver_verifies: bool,
 ) -> AsyncIterator[AsyncIterator[ReadLease]]:
     """The leases of one Get, in order, stopping at the first missing page; closed (every lease released)
     when the block ends, however it ends. Promotes only for a caller that may move pages; with `into`,
-    page i is copied into into[i] in the pass that verifies it (the same-host plane). The manager checks
-    the arguments (namespace, at most max_pages_per_request hashes) before the first page is read."""
-    leases = caller.view.get(namespace, hashes, promote=promote and caller.may_move, into=into)
+    page i is copied into into[i] in the pass that verifies it (the same-host plane). `receiver_verifies`:
+    the plane's receiver checks every page against its checksum (a client across a network plane), so the
+    node does not hash DRAM pages again (DESIGN.md §8); a plane whose receiver trusts the node says False.
+    The manager checks the arguments (namespace, at most max_pages_per_request hashes) first."""
+    leases = caller.view.get(namespace, hashes, promote and caller.may_move, into, receiver_verifies)
     try:
         yield leases
     finally:

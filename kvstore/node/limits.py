@@ -38,7 +38,10 @@ _HEAD = MAX_NAMESPACE_BYTES + 256  # namespace, flags, layout, a shm region, tar
 # before it is parsed; streams (Put) are framed and checked chunk by chunk in kvstore.wire.streams.PutParser.
 REQUEST_LIMITS: dict[str, int] = {
     "Stats": 1024,
-    **{m: _HEAD + MAX_HASHES * _HASH_FIELD for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "GetShm")},
+    **{
+        m: _HEAD + MAX_HASHES * _HASH_FIELD
+        for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "GetShm", "Report")
+    },
     "PutShm": _HEAD + MAX_HASHES * _SLICE_FIELD,
 }
 # The node's gRPC receive limit: the largest request any method accepts, a Put chunk included. gRPC

@@ -7,7 +7,8 @@
     kvstore_tier_hit_ratio                           hits / (hits + misses) since start (absent before any)
     kvstore_tier_{capacity,used}_bytes, kvstore_tier_{pages,slots_used,slots_total}
     kvstore_{lookups,lookup_blocks,lookup_matched_blocks,put_rejected}_total
-    kvstore_prefetch_{issued,completed,used,wasted}_total, kvstore_pinned_pages
+    kvstore_prefetch_{issued,completed,used,wasted}_total, kvstore_pinned_pages,
+    kvstore_corrupt_{reported,confirmed}_total, kvstore_scrub_bytes_total
     kvstore_index_{connected,queued,lag_seconds}, kvstore_index_{flushed,resyncs,overflows,errors}_total
     kvstore_rpc_duration_seconds{method,code}        histogram of every KVStore RPC, by gRPC status
     kvstore_tenant_{lookups,lookup_blocks,lookup_matched_blocks,get_pages,get_served_pages}_total{tenant}
@@ -112,6 +113,9 @@ class NodeMetrics:
             "kvstore.prefetch.completed": lambda s: s.prefetch_completed,
             "kvstore.prefetch.used": lambda s: s.prefetch_used,
             "kvstore.prefetch.wasted": lambda s: s.prefetch_wasted,
+            "kvstore.corrupt.reported": lambda s: s.corrupt_reports,
+            "kvstore.corrupt.confirmed": lambda s: s.corrupt_confirmed,
+            "kvstore.scrub.bytes": lambda s: s.scrubbed_bytes,
             "kvstore.index.flushed": lambda s: s.index and s.index.flushed,
             "kvstore.index.resyncs": lambda s: s.index and s.index.resyncs,
             "kvstore.index.overflows": lambda s: s.index and s.index.overflows,

@@ -56,7 +56,10 @@ class KVStoreServicer:
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Responses leave serialized (see `handlers`): each chunk is copied once, from its slot."""
         hashes = bounded(request.hashes, self.max_pages, "hashes")
-        async with open_get(current(), request.namespace, hashes, not request.no_promote) as leases:
+        caller = current()
+        async with open_get(
+            caller, request.namespace, hashes, not request.no_promote, receiver_verifies=True
+        ) as leases:
             async for lease in leases:
                 for msg in get_responses(lease.hash, lease.tier, lease.checksum, lease.payload):
                     yield msg
@@ -94,6 +97,11 @@ class KVStoreServicer:
         scheduled, resident, missing = current().view.prefetch(request.namespace, hashes, target)
         return pb.PrefetchResponse(scheduled=scheduled, already_resident=resident, missing=missing)
 
+    async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext) -> pb.ReportResponse:
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        dropped, intact = await current().view.report_corrupt(request.namespace, hashes)
+        return pb.ReportResponse(dropped=dropped, intact=intact)
+
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = current().view.stats()
         stats.planes = list(self.planes)
@@ -113,6 +121,7 @@ class KVStoreServicer:
             "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
             "PutShm": (self.PutShm, pb.PutShmRequest, pb.PutResponse),
             "GetShm": (self.GetShm, pb.GetShmRequest, pb.GetShmResponse),
+            "Report": (self.Report, pb.ReportRequest, pb.ReportResponse),
         }
         # NOTE: the deserializers are not run by gRPC: the interceptor takes each request as raw bytes and
         # parses it after the token check and the method's size limit (kvstore/node/limits.py), so

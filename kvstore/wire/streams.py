@@ -14,7 +14,7 @@ from typing import TypeVar
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import InvalidArgument, StreamError
+from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
 from kvstore.layout import DType, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
@@ -299,7 +299,7 @@ class GetAssembler:
         if self._fill != len(self._cur.data):
             raise StreamError(f"page {len(self.pages)} truncated: {self._fill}/{len(self._cur.data)} bytes")
         if self._verify and payload_checksum(self._cur.data) != self._checksum:
-            raise StreamError(f"page {len(self.pages)}: checksum mismatch after transfer")
+            raise PageCorrupt(len(self.pages), self._cur.hash, list(self.pages))
         self.pages.append(self._cur)
         self._cur = None
 
@@ -347,6 +347,9 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         version=stats.version,
         prefetch_used=stats.prefetch_used,
         prefetch_wasted=stats.prefetch_wasted,
+        corrupt_reports=stats.corrupt_reports,
+        corrupt_confirmed=stats.corrupt_confirmed,
+        scrubbed_bytes=stats.scrubbed_bytes,
         index=None
         if stats.index is None
         else pb.IndexStats(
@@ -413,6 +416,9 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         version=msg.version,
         prefetch_used=msg.prefetch_used,
         prefetch_wasted=msg.prefetch_wasted,
+        corrupt_reports=msg.corrupt_reports,
+        corrupt_confirmed=msg.corrupt_confirmed,
+        scrubbed_bytes=msg.scrubbed_bytes,
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index")
         else None,

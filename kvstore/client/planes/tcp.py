@@ -28,7 +28,7 @@ from kvstore.addresses import split_address, target_host
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import page_sink
-from kvstore.errors import KVStoreError, PlaneUnavailable, StreamError, Unavailable, from_status
+from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
@@ -193,7 +193,7 @@ class Connection:
             dst = sink(i, head.body_len)
             self.readinto(dst)
             if verify and payload_checksum(dst) != checksum:
-                raise StreamError(f"page {i}: checksum mismatch after transfer")
+                raise PageCorrupt(i, h, out)
             out.append((h, TierKind(tier), dst))
 
 
@@ -340,16 +340,30 @@ class TcpPlane(DataPlane):
         return (yield Blocking(lambda: self._call(lambda c: c.put(op, hashes, pages))))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes, promote, self.verify, _fresh)))
-        return [FetchedPage(h, tier, view.obj) for h, tier, view in got]  # type: ignore[arg-type]
+        return (yield from self._get(namespace, hashes, promote, _fresh, lambda h, t, v: FetchedPage(h, t, v.obj)))
 
     def get_into_batch(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
     ) -> Exchange[list[PageRef]]:
         """Pages received straight into the caller's buffers (one copy: kernel -> buffer), verified."""
         sink = page_sink(buffers, first)
-        got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes, promote, self.verify, sink)))
-        return [PageRef(h, tier, len(view)) for h, tier, view in got]
+        return (yield from self._get(namespace, hashes, promote, sink, lambda h, t, v: PageRef(h, t, len(v))))
+
+    def _get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        promote: bool,
+        sink: Callable[[int, int], memoryview],
+        result: Callable[[bytes, TierKind, memoryview], T],
+    ) -> Exchange[list[T]]:
+        """One GET on a pooled connection: page i lands in sink(i, n); `result` makes what the caller gets
+        of each page (a PageCorrupt carries the ones before the bad page, made alike)."""
+        try:
+            got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes, promote, self.verify, sink)))
+        except PageCorrupt as exc:
+            raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None
+        return [result(*g) for g in got]
 
 
 def _fresh(i: int, n: int) -> memoryview:

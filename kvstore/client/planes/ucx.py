@@ -28,7 +28,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import page_sink
-from kvstore.errors import PlaneUnavailable, StreamError, from_status
+from kvstore.errors import PageCorrupt, PlaneUnavailable, StreamError, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import PlaneInfo
@@ -265,7 +265,11 @@ class UcxPlane(DataPlane):
             bufs.append(bytearray(n))
             return memoryview(bufs[-1])
 
-        got = yield from self._get_batch(namespace, hashes, promote, sink)
+        try:
+            got = yield from self._get_batch(namespace, hashes, promote, sink)
+        except PageCorrupt as exc:
+            good = [FetchedPage(r.hash, r.tier, bufs[i]) for i, r in enumerate(exc.good)]  # type: ignore[attr-defined]
+            raise PageCorrupt(exc.index, exc.hash, good) from None
         return [FetchedPage(ref.hash, ref.tier, bufs[i]) for i, ref in enumerate(got)]
 
     def get_into_batch(
@@ -292,7 +296,7 @@ class UcxPlane(DataPlane):
             if p.payload_bytes != lengths[i]:
                 raise StreamError(f"page {i}: {lengths[i]} bytes arrived, {p.payload_bytes} announced (truncated)")
             if self.verify and payload_checksum(views[i]) != p.checksum:
-                raise StreamError(f"page {i}: checksum mismatch after transfer")
+                raise PageCorrupt(i, p.hash, out)
             out.append(PageRef(p.hash, TierKind(p.tier), lengths[i]))
         return out
 

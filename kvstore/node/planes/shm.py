@@ -350,7 +350,10 @@ class ShmPlane:
                 seg.check(request.offset, request.size, "size")
             out = pb.GetShmResponse()
             pos, end = request.offset, request.offset + request.size
-            async with open_get(caller, request.namespace, hashes, not request.no_promote, windows or None) as leases:
+            promote = not request.no_promote
+            async with open_get(
+                caller, request.namespace, hashes, promote, into=windows or None, receiver_verifies=False
+            ) as leases:
                 async for lease in leases:
                     n = len(lease.payload)
                     if places is not None:

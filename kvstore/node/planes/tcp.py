@@ -244,7 +244,7 @@ class _Connection:
         """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""
         namespace, hashes, promote = tcp.parse_get(meta)
         sent = 0
-        async with open_get(self._caller("Get"), namespace, hashes, promote) as leases:
+        async with open_get(self._caller("Get"), namespace, hashes, promote, receiver_verifies=True) as leases:
             async for lease in leases:
                 payload = lease.payload
                 async with asyncio.timeout(self.timeout):

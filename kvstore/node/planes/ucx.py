@@ -335,7 +335,9 @@ class UcxPlaneServer(PlaneServer):
         if len(req.hashes) > MAX_PAGES_PER_CALL:
             raise InvalidArgument("hashes", f"a GET asks for at most {MAX_PAGES_PER_CALL} pages")
         out = pb.GetShmResponse()
-        async with open_get(caller, req.namespace, list(req.hashes), not req.no_promote) as leases:
+        async with open_get(
+            caller, req.namespace, list(req.hashes), not req.no_promote, receiver_verifies=True
+        ) as leases:
             async for lease in leases:
                 i = len(out.pages)
                 t = self.ucx.UCXXTag(tag(conn.cid, TagKind.DATA_TO_CLIENT, seq, i))

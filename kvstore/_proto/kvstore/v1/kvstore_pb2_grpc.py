@@ -85,6 +85,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.FromString,
                 _registered_method=True)
+        self.Report = channel.unary_unary(
+                '/kvstore.v1.KVStore/Report',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -170,6 +175,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Report(self, request, context):
+        """A client received pages whose bytes failed their checksum (DESIGN.md §8: the party that receives the
+        bytes verifies them). The node verifies its own copy of each: one that fails is dropped and counted;
+        one that passes was damaged on the way and stays. Either way the client treated it as a miss.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -222,6 +236,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.GetShm,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.SerializeToString,
+            ),
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -495,6 +514,33 @@ class KVStore:
             '/kvstore.v1.KVStore/GetShm',
             kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Report',
+            kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,
