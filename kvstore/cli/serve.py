@@ -39,6 +39,17 @@ def serve(  # noqa: PLR0913
     shm: Annotated[
         bool | None, typer.Option("--shm/--no-shm", help="same-host shared-memory data plane (default on)")
     ] = None,
+    scrub_bytes_per_second: Annotated[
+        str | None,
+        typer.Option(help="rate the DRAM scrubber re-verifies resident pages at, e.g. 64MiB (default); 0: off"),
+    ] = None,
+    local_socket: Annotated[
+        str | None,
+        typer.Option(
+            help="the same-host plane's Unix socket (default: $XDG_RUNTIME_DIR or /tmp, kvstore-node-PORT.sock); "
+            "in Kubernetes a hostPath the workers' pods mount too"
+        ),
+    ] = None,
     tcp: Annotated[
         bool | None, typer.Option("--tcp/--no-tcp", help="bulk TCP data plane for remote clients (default on)")
     ] = None,
@@ -83,6 +94,8 @@ def serve(  # noqa: PLR0913
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         shm_enabled=shm,
+        local_socket=local_socket,
+        scrub_bytes_per_second=_size(scrub_bytes_per_second),
         tcp_enabled=tcp,
         tcp_port=tcp_port,
         ucx_enabled=ucx,

@@ -29,6 +29,7 @@ _SIZE_FIELDS = {
     "max_page_bytes",
     "nvme_segment_bytes",
     "scrub_bytes_per_second",
+    "shm_max_mapped_bytes",
 }
 
 
@@ -81,8 +82,13 @@ class NodeConfig:
     # Prometheus /metrics endpoint (kvstore/node/metrics.py): None = off, 0 = a free port (in the ready file).
     metrics_port: int | None = None
     metrics_host: str | None = None  # address to bind it to (default: host)
-    # Same-host shared-memory data plane (kvstore/wire/shm.py): PutShm/GetShm through client segments.
+    # Same-host plane (kvstore/wire/shm.py): pages cross through client memory (memfds passed over a Unix
+    # socket). local_socket: where the socket is (None: the runtime directory, one name per gRPC port; in
+    # Kubernetes a hostPath the workers' pods mount too). shm_max_mapped_bytes: client memory the node maps
+    # at most, all connections together (a registration past it is RESOURCE_EXHAUSTED).
     shm_enabled: bool = True
+    local_socket: str | None = None
+    shm_max_mapped_bytes: int = 1 << 40
     # Bulk TCP data plane (kvstore/wire/tcp): on by default on a free port, advertised in Stats and
     # the index record, so clients on other hosts move pages over it instead of gRPC streams.
     tcp_enabled: bool = True

@@ -7,7 +7,7 @@ here once, both directions: `put_requests` (client) and `PutParser` (node) for P
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import TypeVar
 
@@ -234,9 +234,12 @@ def get_responses(
 
 @dataclass(slots=True)
 class FetchedPage:
+    """A page a Get returned: its hash, the tier it came from, its payload (a writable buffer: a block of the
+    client's receive pool, yours for as long as anything refers to it; kvstore/client/planes/pool.py)."""
+
     hash: bytes
     tier: TierKind
-    data: bytearray
+    data: memoryview | bytearray
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,9 +258,12 @@ class GetAssembler:
     the stream ended in the middle of a page.
     """
 
-    def __init__(self, expected: Sequence[bytes], verify: bool = True) -> None:
+    def __init__(
+        self, expected: Sequence[bytes], verify: bool = True, alloc: Callable[[int], memoryview | bytearray] = bytearray
+    ) -> None:
         self._expected = list(expected)
         self._verify = verify
+        self._alloc = alloc  # where a page of n bytes is received (a pool block)
         self.pages: list[FetchedPage] = []
         self._cur: FetchedPage | None = None
         self._fill = 0
@@ -276,7 +282,7 @@ class GetAssembler:
             idx = len(self.pages)
             if idx >= len(self._expected) or msg.page.hash != self._expected[idx]:
                 raise StreamError(f"page {idx}: server sent an unexpected hash")
-            self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), bytearray(msg.page.payload_bytes))
+            self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), self._alloc(msg.page.payload_bytes))
             self._fill = 0
             self._checksum = msg.page.checksum
         elif kind == "chunk":

@@ -397,72 +397,54 @@ class IndexStats(_message.Message):
     resync_pending: bool
     def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., queued: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., flushed: _Optional[int] = ..., resyncs: _Optional[int] = ..., overflows: _Optional[int] = ..., errors: _Optional[int] = ..., resync_pending: _Optional[bool] = ...) -> None: ...
 
-class ShmRegion(_message.Message):
-    __slots__ = ("name", "nonce", "pid", "fd")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    NONCE_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
-    FD_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    nonce: bytes
-    pid: int
-    fd: int
-    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
-
 class ShmSlice(_message.Message):
-    __slots__ = ("hash", "offset", "payload_bytes", "checksum", "tier")
+    __slots__ = ("hash", "offset", "payload_bytes", "checksum", "tier", "buffer")
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     hash: bytes
     offset: int
     payload_bytes: int
     checksum: int
     tier: Tier
-    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    buffer: int
+    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., buffer: _Optional[int] = ...) -> None: ...
 
 class PutShmRequest(_message.Message):
-    __slots__ = ("open", "region", "pages")
+    __slots__ = ("open", "pages")
     OPEN_FIELD_NUMBER: _ClassVar[int]
-    REGION_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     open: PutOpen
-    region: ShmRegion
     pages: _containers.RepeatedCompositeFieldContainer[ShmSlice]
-    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
 
 class GetShmRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote", "region", "offset", "size", "targets")
+    __slots__ = ("namespace", "hashes", "no_promote", "targets")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
-    REGION_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
-    region: ShmRegion
-    offset: int
-    size: int
     targets: _containers.RepeatedCompositeFieldContainer[ShmTarget]
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
-    __slots__ = ("offset", "size")
+    __slots__ = ("offset", "size", "buffer")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     offset: int
     size: int
-    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    buffer: int
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., buffer: _Optional[int] = ...) -> None: ...
 
 class GetShmResponse(_message.Message):
-    __slots__ = ("pages", "next_page_bytes")
+    __slots__ = ("pages",)
     PAGES_FIELD_NUMBER: _ClassVar[int]
-    NEXT_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedCompositeFieldContainer[ShmSlice]
-    next_page_bytes: int
-    def __init__(self, pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ..., next_page_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
