@@ -34,6 +34,8 @@ from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, PermissionDenied, ShmNotAvailable
 from kvstore.index.publisher import IndexPublisher
 from kvstore.interceptor import SERVICE_NAME, ErrorInterceptor
+from kvstore.kv_events import KvEventPublisher
+from kvstore.kv_events import start_for_node as start_kv_events
 from kvstore.manager import TierManager
 from kvstore.manager.core import MAX_HASHES
 from kvstore.manager.tenants import TenantView
@@ -280,6 +282,7 @@ class Node:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.index: IndexPublisher | None = None
+        self.kv_events: KvEventPublisher | None = None  # the KV-event feed for routers, when configured
         self.planes: list[PlaneInfo] = [PlaneInfo("shm")] if self.shm is not None else []
         self.plane_servers: list[PlaneServer] = build_plane_servers(config)
         self._auth = auth
@@ -287,6 +290,8 @@ class Node:
 
     async def start(self) -> int:
         await self.manager.start()
+        if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
+            self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
         self.server.add_generic_rpc_handlers((KVStoreServicer(self.manager, self.shm, self.planes).handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.interceptor.auth is None:  # reflection has no auth hook: served only on an open node
@@ -319,7 +324,7 @@ class Node:
                 self._index_info, ttl_seconds=self.config.index_ttl_seconds,
                 max_pending=self.config.index_max_pending,
             )  # fmt: skip
-            self.manager.on_change = self.index.note
+            self.manager.listen(self.index.note)
             self.manager.index_status = self.index.status
             await self.index.start()
             wait = self.config.index_register_wait_seconds
@@ -347,8 +352,11 @@ class Node:
         for plane in self.plane_servers:
             await plane.stop()
         if self.index is not None:
-            self.manager.on_change = None
+            self.manager.unlisten(self.index.note)
             await self.index.close(deregister=True)
+        if self.kv_events is not None:
+            self.manager.unlisten(self.kv_events.note)
+            await asyncio.to_thread(self.kv_events.close)  # sends the final clears (bounded)
         await self.manager.close()
         if self.shm is not None:
             self.shm.close()

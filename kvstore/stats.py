@@ -71,6 +71,21 @@ class IndexStatus:
     resync_pending: bool = False
 
 
+@dataclass(slots=True)
+class KvEventsStatus:
+    """The node's KV-event feed for routers (kvstore/kv_events.py). `dropped_events` were refused by its
+    full queue (each schedules a snapshot); a subscriber's own losses in ZMQ show to it as sequence gaps."""
+
+    endpoint: str
+    queued: int = 0  # changes waiting for the sender thread
+    sent_events: int = 0  # block hashes (and clears) sent
+    sent_batches: int = 0  # messages sent (one sequence number each)
+    dropped_events: int = 0
+    snapshots: int = 0  # full states sent (start, a new subscriber, after drops)
+    subscribers: int = 0  # subscriptions seen and not withdrawn
+    send_errors: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PlaneInfo:
     """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS."""
@@ -150,6 +165,7 @@ class NodeStats:
     planes: list[PlaneInfo] = field(default_factory=list)  # bulk data planes besides Put/Get streams
     host_id: str = ""  # the node's host (kvstore.transport.planes.host_id)
     tenants: list[TenantStats] = field(default_factory=list)  # the caller's own (every one for the default tenant)
+    kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -189,4 +205,5 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],
         "host_id": stats.host_id,
         "tenants": [tenant_as_dict(t) for t in stats.tenants],
+        "kv_events": None if stats.kv_events is None else asdict(stats.kv_events),
     }

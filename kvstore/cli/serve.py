@@ -60,6 +60,16 @@ def serve(
     tenants_file: Annotated[
         Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")
     ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(help="publish KV events for routers (vLLM format, ZMQ PUB) here, e.g. tcp://0.0.0.0:5557"),
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None, typer.Option(help="topic prefix: PREFIX@NODE@NAMESPACE (default kv)")
+    ] = None,
+    kv_events_hash_format: Annotated[
+        str | None, typer.Option(help="block hashes as 'bytes' (32-byte keys, default) or 'u64' (their last 8 bytes)")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a \\[node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
@@ -77,7 +87,8 @@ def serve(
         auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
         tenants_file=_path(tenants_file), nvme_path=str(nvme_path) if nvme_path else None,
         dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
-        max_page_bytes=_size(max_page_bytes),
+        max_page_bytes=_size(max_page_bytes), kv_events_endpoint=kv_events_endpoint, kv_events_topic=kv_events_topic,
+        kv_events_hash_format=kv_events_hash_format,
     )  # fmt: skip
     setup_logging(cfg.log_level)
     asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))

@@ -48,7 +48,7 @@ from kvstore.manager.state import (
 from kvstore.manager.tenants import TenantLedger, TenantQuotas, TenantView
 from kvstore.names import Key, TierKind
 from kvstore.policy import make_policy
-from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierStats, copy_counters
+from kvstore.stats import IndexStatus, KvEventsStatus, LookupResult, NodeStats, TierStats, copy_counters
 from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
@@ -112,16 +112,17 @@ class TierManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.index_status: Callable[[], IndexStatus] | None = None  # IndexPublisher.status when publishing
+        self.kv_events_status: Callable[[], KvEventsStatus] | None = None  # the KV-event publisher's, when on
         self.recovered_pages = 0
 
-    @property
-    def on_change(self) -> ChangeListener | None:
-        """Called on every placement change: (namespace, hash, tier or None when the page left the node)."""
-        return self.table.on_change
+    def listen(self, listener: ChangeListener) -> None:
+        """Call `listener` on every placement change: (namespace, hash, tier now or None when the page left
+        the node, tier before or None when it is new here)."""
+        self.table.listeners.append(listener)
 
-    @on_change.setter
-    def on_change(self, listener: ChangeListener | None) -> None:
-        self.table.on_change = listener
+    def unlisten(self, listener: ChangeListener) -> None:
+        if listener in self.table.listeners:
+            self.table.listeners.remove(listener)
 
     def scoped(self, tenant: str) -> TenantView:
         """The manager as `tenant`'s callers reach it: the one door every plane passes a caller's
@@ -354,4 +355,5 @@ class TierManager:
             put_rejected=c.put_rejected,
             index=self.index_status() if self.index_status is not None else None,
             tenants=self.tenants.snapshot(self.config.slot_bytes),
+            kv_events=self.kv_events_status() if self.kv_events_status is not None else None,
         )
