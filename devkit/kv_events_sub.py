@@ -33,7 +33,9 @@ def _hash(h: Any) -> Any:
 
 
 def _plain(event: Any) -> dict[str, Any]:
-    """An event decoded as a msgpack array (no classes) -> dict."""
+    """An event decoded without classes -> dict: a map with "type" (vLLM 0.32), or a tagged array (older)."""
+    if isinstance(event, dict):
+        return dict(event)
     tag, values = event[0], list(event[1:])
     out: dict[str, Any] = {"type": tag}
     for name, value in zip(_FIELDS.get(tag, ()), values, strict=False):
@@ -60,13 +62,13 @@ def decoder(classes: str) -> Any:
             return batch.ts, [_from_vllm(e) for e in batch.events]
 
         return decode_vllm
-    plain = msgspec.msgpack.Decoder()
-
-    def decode_plain(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
-        batch = plain.decode(payload)
-        return batch[0], [_plain(e) for e in batch[1]]
-
     return decode_plain
+
+
+def decode_plain(payload: bytes) -> tuple[float, list[dict[str, Any]]]:
+    """A KVEventBatch payload as plain data (what a non-Python indexer sees)."""
+    batch = msgspec.msgpack.decode(payload)
+    return batch[0], [_plain(e) for e in batch[1]]
 
 
 def replay_state(messages: list[dict[str, Any]]) -> dict[str, dict[Any, set[str]]]:

@@ -7,19 +7,23 @@ from an engine. Off unless the node is started with `--kv-events-endpoint` (conf
 Wire (vLLM 0.32's `ZmqEventPublisher`): a ZMQ PUB socket (XPUB here, to see subscribers join) bound to
 the endpoint; every message is three frames: the topic, an 8-byte big-endian sequence number (+1 per
 message from 0, so a subscriber sees a gap when it lost messages), and a msgpack `KVEventBatch`
-`[ts, [event, ...]]`. Events are msgspec tagged array structs, field order as vLLM 0.32 defines them:
-`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name]`,
-`["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]` (trailing defaults omitted).
+`[ts, [event, ...]]`. Events are msgspec tagged structs as vLLM 0.32 defines them: maps with a "type"
+(`BlockStored`: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, later
+fields omitted at their defaults; `BlockRemoved`: block_hashes, medium; `AllBlocksCleared`), which
+`msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)` decodes (tests/engines). vLLM releases
+before the map form (array-like events) and indexers written for them read arrays: this is 0.32's form.
 
 What is published (one topic per namespace: `{prefix}@{node_id}@{namespace}`, `{prefix}@{node_id}/{tenant}@
 {namespace}` for a tenant's; llm-d reads `kv@<pod>@<model>`):
 - a page entering a tier (Put, promotion, demotion, recovery): `BlockStored` with `medium` the tier
-  (`MEDIUM`: GPU, CPU, DISK), its hash, its parent's when the writer declared the chain, the namespace's
+  (`MEDIUM`: vLLM's GPU, CPU, STORAGE for HBM, DRAM, NVMe), its hash, its parent's when the writer declared the chain, the namespace's
   block size and no token ids (a node stores pages by hash and never sees tokens);
 - a page leaving a tier (moved, evicted, deleted, dropped as corrupt): `BlockRemoved` with that tier;
 - a new subscriber, a start, or events lost here: `AllBlocksCleared`, then `BlockStored` for every page
   held (a snapshot), so every subscriber converges on the node's holdings;
 - a stop: `AllBlocksCleared` (best effort).
+Instead of vLLM's replay socket (the last N batches by sequence number) a node answers a join or a loss with
+a snapshot: its holdings can be far older than any replay buffer.
 Block hashes are the 32-byte keys (msgpack bin, as vLLM sends its own sha256 hashes), or with
 `kv_events_hash_format = "u64"` their last 8 bytes as a big-endian unsigned int (the same number llm-d
 derives from the bytes; for indexers that take only integers).
@@ -39,7 +43,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -55,7 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MEDIUM = {TierKind.HBM: "GPU", TierKind.DRAM: "CPU", TierKind.NVME: "DISK"}  # vLLM names GPU and CPU so
+MEDIUM = {TierKind.HBM: "GPU", TierKind.DRAM: "CPU", TierKind.NVME: "STORAGE"}  # vLLM's MEDIUM_* names
 MAX_EVENTS_PER_BATCH = 1024  # one message stays well under a subscriber's buffers
 FLUSH_SECONDS = 0.01  # how long a change may wait before it is sent (vLLM sends once per engine step)
 SEND_HWM = 100_000  # messages ZMQ buffers per subscriber before dropping for that subscriber (vLLM's value)
@@ -69,8 +73,8 @@ Describe = Callable[[str, bytes], tuple[bytes | None, int]]  # (parent hash or N
 # -- the wire types (vLLM 0.32, vllm/distributed/kv_events.py: same names, fields and order)
 
 
-class _Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """A KV cache event: encoded as an array whose first element is the class name."""
+class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """A KV cache event: a msgpack map whose "type" is the class name (vLLM 0.32 encodes events as maps)."""
 
 
 class BlockStored(_Event):
@@ -78,14 +82,24 @@ class BlockStored(_Event):
     parent_block_hash: bytes | int | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class BlockRemoved(_Event):
     block_hashes: list[bytes | int]
-    medium: str | None = None
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(_Event):
@@ -157,7 +171,7 @@ class Batcher:
                     tail.block_hashes.append(self.wire_hash(h))
                 else:
                     events.append(BlockStored([self.wire_hash(h)], None if parent is None else self.wire_hash(parent),
-                                              [], block_size, medium=medium))  # fmt: skip
+                                              [], block_size, None, medium, None))  # fmt: skip
                 last_hash[topic] = h
         return out
 

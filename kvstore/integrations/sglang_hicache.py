@@ -54,9 +54,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
-from kvstore.integrations.direct import DirectStore, byte_view
-from kvstore.integrations.lmcache_mapping import MappingError, PluginSettings, parse_settings
-from kvstore.layout import DType, PageLayout
+from kvstore.integrations.direct import DirectStore, byte_view, engine_settings, opaque_layout
+from kvstore.integrations.lmcache_mapping import PluginSettings
+from kvstore.layout import PageLayout
 
 try:  # Inside SGLang the loader requires a subclass of its ABC; without SGLang (tests) a plain base.
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage as _Base
@@ -69,24 +69,12 @@ SGLANG_RELEASE = "0.5.23"
 SEGMENT_TAG = b"kvstore-sglang/v1\x00"
 MAX_REGIONS_PER_CALL = 1024  # below the node's max_pages_per_request default (4096)
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}  # SGLang's own extra_config keys
-_PLUGIN = "kvstore"  # the settings are parsed as the LMCache plugin's (one validator, one set of names)
 _DIGEST_HEX = 16
-
-
-class ConfigError(ValueError):
-    """A bad `--hicache-storage-backend-extra-config` value; the message names the key."""
 
 
 def parse_extra_config(extra: dict[str, Any] | None) -> PluginSettings:
     """Settings from SGLang's extra_config (keys as the LMCache plugin's); ConfigError names the key."""
-    raw = {f"remote_storage_plugin.{_PLUGIN}.{k}": v for k, v in (extra or {}).items() if k not in _SGLANG_KEYS}
-    prefix = f"remote_storage_plugin.{_PLUGIN}."
-    if f"{prefix}namespace_prefix" not in raw:
-        raw[f"{prefix}namespace_prefix"] = "sglang"
-    try:
-        return parse_settings(raw, _PLUGIN, default_timeout=10.0)
-    except MappingError as exc:  # same rules, SGLang's names in the message
-        raise ConfigError(f"hicache extra_config {str(exc).replace(prefix, '')}") from None
+    return engine_settings(extra, where="hicache extra_config", ignore=_SGLANG_KEYS, namespace_prefix="sglang")
 
 
 def key_bytes(key: str) -> bytes:
@@ -143,13 +131,6 @@ def namespace_for(prefix: str, model: str | None, geom: PoolGeometry, rank: str,
         return ns
     digest = hashlib.sha256(ns.encode()).hexdigest()[:_DIGEST_HEX]
     return f"{prefix}/sgl1/{model_part[:48]}/{digest}/{mode}"[:MAX_NAMESPACE_BYTES]
-
-
-def opaque_layout(nbytes: int) -> PageLayout:
-    """A layout whose page is `nbytes` bytes (the real geometry lives in the namespace)."""
-    if nbytes <= 0 or nbytes % 2:
-        raise ConfigError(f"host pool pages of {nbytes} bytes cannot be stored (an even size is needed)")
-    return PageLayout(DType.UINT8, 1, 1, nbytes // 2, 1)
 
 
 class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]

@@ -14,11 +14,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import zmq
 
-from devkit.kv_events_sub import replay_state
+from devkit.kv_events_sub import decode_plain, replay_state
 from kvstore.client import KVStoreClient
 from kvstore.config import NodeConfig
 from kvstore.hashing import prefix_hashes
@@ -44,22 +43,14 @@ class Sub:
         self._thread.start()
 
     def _run(self) -> None:
-        dec = msgspec.msgpack.Decoder()
         while not self._stop.is_set():
             if not self.sock.poll(20):
                 continue
             topic, seq, payload = self.sock.recv_multipart()
-            ts, events = dec.decode(payload)[:2]
-            out = []
-            for e in events:
-                d: dict[str, Any] = {"type": e[0]}
-                if e[0] == "BlockStored":
-                    d.update(block_hashes=e[1], parent_block_hash=e[2], token_ids=e[3], block_size=e[4],
-                             medium=e[6] if len(e) > 6 else None)  # fmt: skip
-                elif e[0] == "BlockRemoved":
-                    d.update(block_hashes=e[1], medium=e[2] if len(e) > 2 else None)
-                out.append(d)
-            self.messages.append({"topic": topic.decode(), "seq": int.from_bytes(seq, "big"), "ts": ts, "events": out})
+            ts, events = decode_plain(payload)
+            self.messages.append(
+                {"topic": topic.decode(), "seq": int.from_bytes(seq, "big"), "ts": ts, "events": events}
+            )
 
     def wait(self, pred: Any, timeout: float = 15.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -106,7 +97,7 @@ def test_feed_follows_stores_moves_and_deletes(tmp_path: Path) -> None:
             assert sub.wait(lambda: replay_state(sub.messages).get(topic) == want), (
                 f"indexer state {replay_state(sub.messages).get(topic)} != node {want}"
             )
-            assert {m for media in want.values() for m in media} == {"CPU", "DISK"}  # both tiers exercised
+            assert {m for media in want.values() for m in media} == {"CPU", "STORAGE"}  # both tiers exercised
             seqs = [m["seq"] for m in sub.messages]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), "sequence numbers are contiguous"
             stored = [e for m in sub.messages if m["topic"] == topic for e in m["events"] if e["type"] == "BlockStored"]
@@ -203,7 +194,7 @@ def test_batcher_groups_chains_and_removals() -> None:
     events = b.batches(changes)[topic_of("kv", "n", NS)]
     kinds = [(type(e).__name__, len(e.block_hashes), e.medium) for e in events]
     assert kinds == [("BlockStored", 3, "CPU"), ("BlockStored", 1, "CPU"), ("BlockRemoved", 1, "CPU"),
-                     ("BlockStored", 1, "DISK"), ("BlockRemoved", 1, "CPU"), ("BlockStored", 1, "DISK"),
+                     ("BlockStored", 1, "STORAGE"), ("BlockRemoved", 1, "CPU"), ("BlockStored", 1, "STORAGE"),
                      ("BlockRemoved", 1, "CPU")]  # fmt: skip
     assert Batcher("kv", "n", "u64").wire_hash(b"\x00" * 24 + (7).to_bytes(8, "big")) == 7
     # A tenant's namespace is its own topic: kv@node/tenant@namespace.

@@ -31,7 +31,8 @@ import pytest
 import torch
 
 from kvstore.client import KVStoreClient
-from kvstore.integrations.sglang_hicache import ConfigError, KVStoreHiCacheStorage, region_hashes
+from kvstore.integrations.direct import ConfigError
+from kvstore.integrations.sglang_hicache import KVStoreHiCacheStorage, region_hashes
 from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity
