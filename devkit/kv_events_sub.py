@@ -1,8 +1,8 @@
 """A KV-event subscriber for tests and for looking at a node's feed by hand.
 
-    python -m devkit.kv_events_sub tcp://127.0.0.1:5557 [--classes vllm] [--seconds 10] [--until-quiet 1.0]
+    python -m devkit.kv_events_sub tcp://127.0.0.1:5557 [ENDPOINT ...] [--classes vllm] [--seconds 10] [--until-quiet 1.0]
 
-Connects a ZMQ SUB socket, decodes each message with vLLM's own classes (`--classes vllm`, in a venv that
+Connects a ZMQ SUB socket (to every endpoint given), decodes each message with vLLM's own classes (`--classes vllm`, in a venv that
 has vLLM: `vllm.distributed.kv_events.KVEventBatch`) or as plain msgpack, and prints one JSON line per
 message: {"topic", "seq", "ts", "events": [{"type", "block_hashes" (hex or int), "parent_block_hash",
 "block_size", "medium", "token_ids"}]}. Stops after `--seconds`, or once nothing arrived for
@@ -93,7 +93,7 @@ def replay_state(messages: list[dict[str, Any]]) -> dict[str, dict[Any, set[str]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("endpoint")
+    ap.add_argument("endpoints", nargs="+")
     ap.add_argument("--classes", choices=["vllm", "plain"], default="plain")
     ap.add_argument("--topic", default="")
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -104,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(args.endpoint)
+    for endpoint in args.endpoints:
+        sock.connect(endpoint)
     sock.setsockopt_string(zmq.SUBSCRIBE, args.topic)
     print(json.dumps({"ready": True}), flush=True)
     deadline = time.monotonic() + args.seconds
