@@ -1,6 +1,7 @@
 """Drive kvstore's vLLM secondary tier through vLLM 0.32's own offloading objects (run in the vLLM venv).
 
-    python tests/engines/vllm_offload_driver.py --url kvstore://127.0.0.1:PORT --down-url kvstore://127.0.0.1:9
+    python tests/engines/vllm_offload_driver.py --url kvstore://H:P --down-url kvstore://H:P2 --auth-url kvstore://H:P3 \
+        --bound-url kvstore://H:P4
 
 vLLM's CPU build refuses the offloading worker (GPU <-> CPU copies), so this script stands in for the
 worker alone: it writes each stored chunk's bytes into the CPU tier's row, as the worker's GPU->CPU copy
@@ -173,6 +174,33 @@ def down(url: str) -> dict[str, Any]:
     return {"lookup": looked, "store_jobs": [j.success for j in jobs], "seconds": time.monotonic() - t0}
 
 
+def refused(url: str, **tier: Any) -> dict[str, Any]:
+    """A store the node refuses (wrong token, or a namespace bound to another layout): a failed cascade job,
+    lookups miss, nothing is stored."""
+    mgr = make_spec(url, **tier).get_manager()
+    t = mgr.secondary_tiers[0]
+    keys = keys_for(3, b"refused")
+    req = ReqContext(req_id="R")
+    mgr.on_new_request(req)
+    jobs: list[Any] = []
+    orig = t.get_finished_jobs
+
+    def spy() -> Any:
+        got = list(orig())
+        jobs.extend(got)
+        return got
+
+    t.get_finished_jobs = spy  # type: ignore[method-assign]
+    store(mgr, keys, req, {k: bytes(t.row_bytes) for k in keys})
+    settle(mgr, lambda: not t.has_pending_work())
+    looked = lookup_all(mgr, keys_for(3, b"refused-2"), req)
+    mgr.on_request_finished(req)
+    ns = t.namespace
+    mgr.shutdown()
+    return {"store_jobs": [j.success for j in jobs], "lookup": looked, "namespace": ns,
+            "hashes": [bytes(k[:32]).hex() for k in keys]}  # fmt: skip
+
+
 def worker(url: str) -> dict[str, Any]:
     """What the engine's worker does at start on this platform: ask the spec for its GPU<->CPU worker."""
     from vllm.platforms import current_platform
@@ -188,8 +216,12 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--url", required=True, help="a live node")
     ap.add_argument("--down-url", required=True, help="where no node answers")
+    ap.add_argument("--auth-url", required=True, help="a node that wants a token (this one is wrong)")
+    ap.add_argument("--bound-url", required=True, help="a node whose namespace for this tier has another layout")
     args = ap.parse_args()  # one process for every scenario: importing vLLM is the slow part
-    res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url)}
+    res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
+           "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
+           "wrong_layout": refused(args.bound_url)}  # fmt: skip
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
