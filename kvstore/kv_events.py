@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 MEDIUM = {TierKind.HBM: "GPU", TierKind.DRAM: "CPU", TierKind.NVME: "STORAGE"}  # vLLM's MEDIUM_* names
 MAX_EVENTS_PER_BATCH = 1024  # one message stays well under a subscriber's buffers
 FLUSH_SECONDS = 0.01  # how long a change may wait before it is sent (vLLM sends once per engine step)
+SNAPSHOT_MIN_SECONDS = 1.0  # snapshots (O(pages held), on the node's loop) at most this often: joins share one
 SEND_HWM = 100_000  # messages ZMQ buffers per subscriber before dropping for that subscriber (vLLM's value)
 
 # (namespace, hash, tier now or None, tier before or None, parent hash or None, block size)
@@ -208,6 +209,7 @@ class KvEventPublisher:
         self._queue: deque[Change | _Snapshot] = deque()  # appended on the loop, drained by the thread
         self._known: set[str] = set()  # namespaces ever published (the thread's: what a clear covers)
         self._snapshot_due = False  # set on the loop when one is queued or being built
+        self._last_snapshot = -SNAPSHOT_MIN_SECONDS
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -274,9 +276,16 @@ class KvEventPublisher:
         if self._snapshot_due or self._loop is None:
             return
         self._snapshot_due = True
-        self._loop.call_soon(self._take_snapshot)  # always called on the loop (the thread goes through it)
+        # Always called on the loop (the thread goes through call_soon_threadsafe). Rate-limited: a burst of
+        # joins (or a client reconnecting in a loop) costs the node one walk of its page table per interval.
+        wait = self._last_snapshot + SNAPSHOT_MIN_SECONDS - time.monotonic()
+        if wait > 0:
+            self._loop.call_later(wait, self._take_snapshot)
+        else:
+            self._loop.call_soon(self._take_snapshot)
 
     def _take_snapshot(self) -> None:
+        self._last_snapshot = time.monotonic()
         changes: list[Change] = []
         namespaces: set[str] = set()
         for ns, h, tier in self._holdings():

@@ -107,6 +107,20 @@ def store(mgr: Any, keys: list[OffloadKey], req: ReqContext, data: dict[OffloadK
     mgr.complete_store(keys, req)
 
 
+def record_jobs(tier: Any) -> list[Any]:
+    """Every JobResult the tier hands vLLM from now on (vLLM consumes them; this keeps a copy)."""
+    jobs: list[Any] = []
+    orig = tier.get_finished_jobs
+
+    def spy() -> Any:
+        got = list(orig())
+        jobs.extend(got)
+        return got
+
+    tier.get_finished_jobs = spy
+    return jobs
+
+
 def round_trip(url: str) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     a_spec, b_spec = make_spec(url), make_spec(url)
@@ -159,15 +173,7 @@ def down(url: str) -> dict[str, Any]:
     t0 = time.monotonic()
     looked = lookup_all(mgr, keys, req)
     store(mgr, keys, req, data)
-    jobs: list[Any] = []
-    orig = tier.get_finished_jobs
-
-    def spy() -> Any:
-        got = list(orig())
-        jobs.extend(got)
-        return got
-
-    tier.get_finished_jobs = spy  # type: ignore[method-assign]
+    jobs = record_jobs(tier)
     settle(mgr, lambda: not tier.has_pending_work())
     mgr.on_request_finished(req)
     mgr.shutdown()
@@ -182,15 +188,7 @@ def refused(url: str, **tier: Any) -> dict[str, Any]:
     keys = keys_for(3, b"refused")
     req = ReqContext(req_id="R")
     mgr.on_new_request(req)
-    jobs: list[Any] = []
-    orig = t.get_finished_jobs
-
-    def spy() -> Any:
-        got = list(orig())
-        jobs.extend(got)
-        return got
-
-    t.get_finished_jobs = spy  # type: ignore[method-assign]
+    jobs = record_jobs(t)
     store(mgr, keys, req, {k: bytes(t.row_bytes) for k in keys})
     settle(mgr, lambda: not t.has_pending_work())
     looked = lookup_all(mgr, keys_for(3, b"refused-2"), req)
