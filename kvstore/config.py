@@ -100,6 +100,7 @@ class NodeConfig:
     kv_events_topic: str = "kv"  # topics are {kv_events_topic}@{node_id}@{namespace}
     kv_events_hash_format: str = "bytes"  # "bytes": the 32-byte keys; "u64": their last 8 bytes, big-endian
     kv_events_max_queue: int = 100_000  # changes waiting to be sent; beyond it they are dropped and counted
+    kv_events_encoding: str = "map"  # "map": vLLM 0.32's events; "array": the older array form (llm-d's decoder)
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -143,7 +144,7 @@ class NodeConfig:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.kv_events_endpoint is not None:
             check_events_config(self.kv_events_endpoint, self.kv_events_hash_format, self.kv_events_max_queue,
-                                self.kv_events_topic)  # fmt: skip
+                                self.kv_events_topic, self.kv_events_encoding)  # fmt: skip
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
             raise ValueError("nvme_segment_bytes must hold at least one slot")
 
@@ -175,7 +176,7 @@ class NodeConfig:
         return cls(**values)
 
 
-def check_events_config(endpoint: str, hash_format: str, max_queue: int, topic: str) -> None:
+def check_events_config(endpoint: str, hash_format: str, max_queue: int, topic: str, encoding: str = "map") -> None:
     """ValueError naming the kv_events_* field that is wrong."""
     if not endpoint.startswith(("tcp://", "ipc://", "inproc://")) or endpoint.endswith("://"):
         raise ValueError(f"kv_events_endpoint: {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
@@ -185,6 +186,8 @@ def check_events_config(endpoint: str, hash_format: str, max_queue: int, topic: 
         raise ValueError(f"kv_events_max_queue must be >= 1, got {max_queue}")
     if not topic or "@" in topic:
         raise ValueError(f"kv_events_topic must be non-empty and without '@', got {topic!r}")
+    if encoding not in ("map", "array"):
+        raise ValueError(f"kv_events_encoding must be 'map' or 'array', got {encoding!r}")
 
 
 def _coerce(cls: type[NodeConfig], name: str, raw: str) -> Any:

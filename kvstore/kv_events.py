@@ -10,8 +10,10 @@ message from 0, so a subscriber sees a gap when it lost messages), and a msgpack
 `[ts, [event, ...]]`. Events are msgspec tagged structs as vLLM 0.32 defines them: maps with a "type"
 (`BlockStored`: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, later
 fields omitted at their defaults; `BlockRemoved`: block_hashes, medium; `AllBlocksCleared`), which
-`msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)` decodes (tests/engines). vLLM releases
-before the map form (array-like events) and indexers written for them read arrays: this is 0.32's form.
+`msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)` decodes (tests/engines) and Dynamo's
+relay reads (serde `tag = "type"`). `kv_events_encoding = "array"` sends vLLM's older array form
+(`["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name]`), which
+llm-d-kv-cache's vLLM adapter decodes (`msgpack:",array"` structs).
 
 What is published (one topic per namespace: `{prefix}@{node_id}@{namespace}`, `{prefix}@{node_id}/{tenant}@
 {namespace}` for a tenant's; llm-d reads `kv@<pod>@<model>`):
@@ -107,9 +109,43 @@ class AllBlocksCleared(_Event):
     pass
 
 
+class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """The same events in vLLM's older array form (`[tag, field, ...]`, trailing defaults omitted), which
+    indexers written before vLLM's map form decode (llm-d-kv-cache's vLLM adapter); `kv_events_encoding`."""
+
+
+class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+
+
+class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+def as_array(event: BlockStored | BlockRemoved | AllBlocksCleared) -> _ArrayEvent:
+    """An event in the array form (the fields that form has)."""
+    if isinstance(event, BlockStored):
+        return _ArrayBlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                                 event.lora_id, event.medium, event.lora_name)  # fmt: skip
+    if isinstance(event, BlockRemoved):
+        return _ArrayBlockRemoved(event.block_hashes, event.medium)
+    return _ArrayAllBlocksCleared()
+
+
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    events: list[Any]  # BlockStored | BlockRemoved | AllBlocksCleared, or their array forms
     data_parallel_rank: int | None = None
 
 
@@ -195,9 +231,10 @@ class KvEventPublisher:
     """
 
     def __init__(self, endpoint: str, node_id: str, holdings: Callable[[], Iterable[Holding]], describe: Describe,
-                 *, topic_prefix: str = "kv", hash_format: str = "bytes", max_queue: int = 100_000,
+                 *, topic_prefix: str = "kv", hash_format: str = "bytes", max_queue: int = 100_000, encoding: str = "map",
                  flush_seconds: float = FLUSH_SECONDS, send_hwm: int = SEND_HWM) -> None:  # fmt: skip
-        check_events_config(endpoint, hash_format, max_queue, topic_prefix)
+        check_events_config(endpoint, hash_format, max_queue, topic_prefix, encoding)
+        self._arrays = encoding == "array"
         self.endpoint = endpoint
         self.batcher = Batcher(topic_prefix, node_id, hash_format)
         self.max_queue = max_queue
@@ -358,7 +395,8 @@ class KvEventPublisher:
         for topic, events in per_topic.items():
             for i in range(0, len(events), MAX_EVENTS_PER_BATCH):
                 chunk = events[i : i + MAX_EVENTS_PER_BATCH]
-                payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=chunk))
+                wire = [as_array(e) for e in chunk] if self._arrays else chunk
+                payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=wire))
                 try:
                     self._sock.send_multipart([topic.encode(), self._seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
                 except zmq.Again:
@@ -389,7 +427,7 @@ def start_for_node(manager: TierManager, config: NodeConfig, loop: asyncio.Abstr
 
     pub = KvEventPublisher(config.kv_events_endpoint, config.node_id, manager.holdings, describe,
                            topic_prefix=config.kv_events_topic, hash_format=config.kv_events_hash_format,
-                           max_queue=config.kv_events_max_queue)  # fmt: skip
+                           max_queue=config.kv_events_max_queue, encoding=config.kv_events_encoding)  # fmt: skip
     pub.start(loop)
     manager.listen(pub.note)
     manager.kv_events_status = pub.snapshot_status

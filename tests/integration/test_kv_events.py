@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 
@@ -38,6 +39,7 @@ class Sub:
         self.sock.connect(endpoint)
         self.sock.setsockopt_string(zmq.SUBSCRIBE, "kv@")
         self.messages: list[dict[str, Any]] = []
+        self.raw = False  # check that events arrive as arrays
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -47,6 +49,8 @@ class Sub:
             if not self.sock.poll(20):
                 continue
             topic, seq, payload = self.sock.recv_multipart()
+            form = list if self.raw else dict  # the array form [tag, fields...], or vLLM 0.32's maps
+            assert all(isinstance(e, form) for e in msgspec.msgpack.decode(payload)[1])
             ts, events = decode_plain(payload)
             self.messages.append(
                 {"topic": topic.decode(), "seq": int.from_bytes(seq, "big"), "ts": ts, "events": events}
@@ -77,15 +81,18 @@ def truth(kv: KVStoreClient, hashes: list[bytes]) -> dict[bytes, set[str]]:
     return out
 
 
-def test_feed_follows_stores_moves_and_deletes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["map", "array"])  # vLLM 0.32's events; the older form llm-d's adapter reads
+def test_feed_follows_stores_moves_and_deletes(tmp_path: Path, encoding: str) -> None:
     node = start_node(tmp_path, dram_pages=8, nvme_pages=64, extra_args=[
-        "--kv-events-endpoint", "tcp://127.0.0.1:0", "--metrics-port", "0", "--policy", "lru"])  # fmt: skip
+        "--kv-events-endpoint", "tcp://127.0.0.1:0", "--kv-events-encoding", encoding, "--metrics-port", "0",
+        "--policy", "lru"])  # fmt: skip
     sub = None
     try:
         with KVStoreClient(node.addr, timeout=30, transport="grpc") as kv:
             ev = kv.stats().kv_events
             assert ev is not None and ev.endpoint.startswith("tcp://127.0.0.1:")
             sub = Sub(ev.endpoint)
+            sub.raw = encoding == "array"
             # A new subscriber gets a snapshot: a node holding nothing says so on its node topic.
             assert sub.wait(lambda: any(e["type"] == "AllBlocksCleared" for m in sub.messages for e in m["events"]))
             hashes = prefix_hashes(list(range(16 * 12)), 16, NS)
@@ -204,7 +211,7 @@ def test_batcher_groups_chains_and_removals() -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [("kv_events_endpoint", "localhost:5557"), ("kv_events_hash_format", "hex"), ("kv_events_max_queue", 0),
-     ("kv_events_topic", "a@b")],
+     ("kv_events_topic", "a@b"), ("kv_events_encoding", "json")],
 )  # fmt: skip
 def test_bad_config_names_the_field(field: str, value: object) -> None:
     kw: dict[str, object] = {"kv_events_endpoint": "tcp://127.0.0.1:5557", field: value}
