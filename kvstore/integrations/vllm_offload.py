@@ -61,7 +61,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
-from kvstore.integrations.direct import DirectStore, engine_settings, opaque_layout
+from kvstore.integrations.direct import ConfigError, DirectStore, engine_settings, opaque_layout
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -136,6 +136,8 @@ class KVStoreSecondaryTier(SecondaryTierManager):
                          backpressure_detector=backpressure_detector)  # fmt: skip
         self.settings = engine_settings(settings, where="secondary_tiers[kvstore]", ignore=_VLLM_KEYS,
                                         namespace_prefix="vllm")  # fmt: skip
+        if not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"secondary_tiers[kvstore] threads: an int >= 1, got {threads!r}")
         self.locality = Locality(locality) if locality else (
             Locality.LOCAL if self.settings.target.addr and self.settings.target.addr.startswith(("127.", "localhost", "[::1]"))
             else Locality.REMOTE)  # fmt: skip
