@@ -101,6 +101,11 @@ def test_refused_store_is_a_failed_job_and_stores_nothing(results: tuple[dict[st
     assert said in results[0]["log"], results[0]["log"][-3000:]
 
 
+def test_bad_tier_settings_are_refused_naming_the_key(results: tuple[dict[str, Any], Nodes]) -> None:
+    for key, said in results[0]["bad_config"].items():
+        assert said.startswith("ConfigError") and key in said, (key, said)
+
+
 def test_vllm_cpu_build_refuses_the_offloading_worker(results: tuple[dict[str, Any], Nodes]) -> None:
     """Why no vLLM engine runs this tier here: on the CPU platform, vLLM 0.32's CPUOffloadingSpec.get_worker
     (inherited by TieringOffloadingSpec) raises before any transfer handler exists. Measured with the real

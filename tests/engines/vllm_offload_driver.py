@@ -199,6 +199,18 @@ def refused(url: str, **tier: Any) -> dict[str, Any]:
             "hashes": [bytes(k[:32]).hex() for k in keys]}  # fmt: skip
 
 
+def bad_config(url: str) -> dict[str, str]:
+    """A bad tier setting refuses the manager at start, naming the key."""
+    out = {}
+    for key, value in (("transport", "carrier-pigeon"), ("threads", 0), ("timeout", -1), ("url", "http://x:1")):
+        try:
+            make_spec(value if key == "url" else url, **({} if key == "url" else {key: value})).get_manager()
+            out[key] = "accepted"
+        except Exception as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
 def worker(url: str) -> dict[str, Any]:
     """What the engine's worker does at start on this platform: ask the spec for its GPU<->CPU worker."""
     from vllm.platforms import current_platform
@@ -219,7 +231,7 @@ def main() -> int:
     args = ap.parse_args()  # one process for every scenario: importing vLLM is the slow part
     res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
            "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
-           "wrong_layout": refused(args.bound_url)}  # fmt: skip
+           "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url)}  # fmt: skip
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
