@@ -163,20 +163,26 @@ def test_a_subscriber_that_never_reads_does_not_slow_the_node(tmp_path: Path) ->
 def test_full_queue_drops_counts_and_resyncs() -> None:
     """The queue is bounded: changes beyond it are dropped and counted, and a snapshot (clear + holdings)
     follows, so a subscriber still converges on the holdings."""
-    holdings = [(NS, bytes([i]) * 32, TierKind.DRAM) for i in range(50)]
+    held: list[tuple[str, bytes, TierKind]] = []  # the "node" holds nothing until the burst below
+    pages = [(NS, bytes([i]) * 32, TierKind.DRAM) for i in range(50)]
 
     async def run() -> tuple[Any, list[dict[str, Any]]]:
-        pub = KvEventPublisher("tcp://127.0.0.1:0", "unit", lambda: holdings, lambda ns, h: (None, 16), max_queue=10)
+        pub = KvEventPublisher("tcp://127.0.0.1:0", "unit", lambda: list(held), lambda ns, h: (None, 16), max_queue=10)
         pub.start(asyncio.get_running_loop())
         sub = Sub(pub.endpoint)
         try:
-            await asyncio.sleep(0.3)  # the subscription and its snapshot
-            for ns, h, tier in holdings:  # 50 changes in one loop turn: the thread cannot drain them
-                pub.note(ns, h, tier)
+            for _ in range(150):  # the start's snapshot and the join's (at most one a second) have gone out
+                if pub.snapshot_status().snapshots >= 1 and sub.messages:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(1.2)
+            for page in pages:  # 50 pages stored in one loop turn: the sender thread cannot keep up
+                held.append(page)
+                pub.note(*page)
             status = pub.snapshot_status()
             assert status.queued <= 10 and status.dropped_events >= 40
             topic = topic_of("kv", "unit", NS)
-            want = {h: {"CPU"} for _, h, _ in holdings}
+            want = {h: {"CPU"} for _, h, _ in pages}
             for _ in range(250):
                 if replay_state(sub.messages).get(topic) == want:
                     break
@@ -187,8 +193,8 @@ def test_full_queue_drops_counts_and_resyncs() -> None:
             await asyncio.to_thread(pub.close)
 
     status, messages = asyncio.run(run())
-    assert replay_state(messages).get(topic_of("kv", "unit", NS)) == {h: {"CPU"} for _, h, _ in holdings}
-    assert status.snapshots >= 2 and status.dropped_events >= 40
+    assert replay_state(messages).get(topic_of("kv", "unit", NS)) == {h: {"CPU"} for _, h, _ in pages}
+    assert status.snapshots >= 2 and status.dropped_events >= 40  # the one after the drops carried them
 
 
 def test_batcher_groups_chains_and_removals() -> None:
