@@ -8,6 +8,8 @@ A subscriber that never reads must not slow the node, and a full queue drops, co
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -113,6 +115,9 @@ def test_feed_follows_stores_moves_and_deletes(tmp_path: Path, encoding: str) ->
             assert first["parent_block_hash"] is None and first["block_hashes"][:2] == hashes[:2]  # one chain event
             ev = kv.stats().kv_events
             assert ev.sent_batches >= len(sub.messages) and ev.dropped_events == 0 and ev.subscribers >= 1
+            shown = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "stats", "--addr", node.addr],
+                                   check=True, capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+            assert f"kv events {ev.endpoint}" in " ".join(shown.split())
             text = urllib.request.urlopen(f"http://127.0.0.1:{node.metrics_port}/metrics", timeout=10).read().decode()
             assert "kvstore_kv_events_sent_batches_total" in text and "kvstore_kv_events_dropped_events_total" in text
         n_before = len(sub.messages)
