@@ -28,6 +28,8 @@ from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
 from kvstore.node.config import NodeConfig
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
+from kvstore.node.kv_events import KvEventPublisher
+from kvstore.node.kv_events import start_for_node as start_kv_events
 from kvstore.node.limits import MAX_RECEIVE_BYTES
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.planes.base import NodeServices, PlaneServer
@@ -68,6 +70,7 @@ class Node:
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.index: IndexPublisher | None = None
+        self.kv_events: KvEventPublisher | None = None  # the KV-event feed for routers, when configured
         self.planes: list[PlaneInfo] = []  # what Stats and the index advertise, filled as planes start
         self.plane_servers: list[PlaneServer] = build_plane_servers(config)
         self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
@@ -75,6 +78,8 @@ class Node:
 
     async def start(self) -> int:
         await self.manager.start()
+        if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
+            self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
         self.server.add_generic_rpc_handlers((self.servicer.handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.callers.auth is None:  # reflection has no auth hook: served only on an open node
@@ -111,7 +116,7 @@ class Node:
                 ttl_seconds=self.config.index_ttl_seconds,
                 max_pending=self.config.index_max_pending,
             )
-            self.manager.on_change = self.index.note
+            self.manager.listen(self.index.note)
             self.manager.index_status = self.index.status
             await self.index.start()
             wait = self.config.index_register_wait_seconds
@@ -146,8 +151,11 @@ class Node:
         for plane in self.plane_servers:
             await plane.stop()
         if self.index is not None:
-            self.manager.on_change = None
+            self.manager.unlisten(self.index.note)
             await self.index.close(deregister=True)
+        if self.kv_events is not None:
+            self.manager.unlisten(self.kv_events.note)
+            await asyncio.to_thread(self.kv_events.close)  # sends the final clears (bounded)
         await self.manager.close()
         if self.metrics is not None:
             # The scrape thread asks this loop for snapshots: stop it from a worker thread.

@@ -8,7 +8,7 @@ here once, both directions: `put_requests` (client) and `PutParser` (node) for P
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -19,7 +19,7 @@ from kvstore.layout import DType, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.security import redact_url
-from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
+from kvstore.stats import IndexStatus, KvEventsStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
 from kvstore.wire import CHUNK_BYTES, PutOpen
 
 M = TypeVar("M", bound=Message)
@@ -365,6 +365,7 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
         host_id=stats.host_id,
         tenants=[_tenant_to_pb(t) for t in stats.tenants],
+        kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
     )
 
 
@@ -431,4 +432,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes],
         host_id=msg.host_id,
         tenants=[_tenant_from_pb(t) for t in msg.tenants],
+        kv_events=KvEventsStatus(**{f.name: getattr(msg.kv_events, f.name) for f in fields(KvEventsStatus)})
+        if msg.HasField("kv_events")
+        else None,
     )

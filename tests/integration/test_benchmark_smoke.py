@@ -91,3 +91,14 @@ def test_tenancy_bench_quick_run(tmp_path: Path) -> None:
     assert [r["mode"] for r in doc["rows"]] == ["no-tenancy", "tenant", "tenant+share"] == list(doc["micro"])
     assert min(r[f"{p}_{op}_gbs"] for r in doc["rows"] for p in ("grpc", "shm") for op in ("put", "get")) > 0
     assert all(f["lookup_miss_us"] > 0 and f["put_evict_us"] > 0 for f in doc["micro"].values())
+
+
+def test_doors_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "doors_bench.py"), "--runs", "1", "--iters", "2", "--batch", "4",
+         "--sgl-batch", "2", "--page-tokens", "4", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "doors_bench.json").read_text())
+    assert set(data["events"]["rates"]) == {"off", "on", "stuck"} and set(data["sglang"]) >= {"tcp", "shm"}

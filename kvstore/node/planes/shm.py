@@ -400,8 +400,14 @@ class _Connection:
                 ) as ls:
                     async for lease in ls:
                         t = req.targets[len(out.pages)]
-                        out.pages.add(hash=lease.hash, offset=t.offset, payload_bytes=len(lease.payload),
-                                      checksum=lease.checksum, tier=int(lease.tier), buffer=t.buffer)  # fmt: skip
+                        out.pages.add(
+                            hash=lease.hash,
+                            offset=t.offset,
+                            payload_bytes=len(lease.payload),
+                            checksum=lease.checksum,
+                            tier=int(lease.tier),
+                            buffer=t.buffer,
+                        )
             finally:
                 for w in windows:
                     w.release()

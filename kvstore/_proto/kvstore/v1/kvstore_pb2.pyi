@@ -270,7 +270,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes")
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +293,7 @@ class StatsResponse(_message.Message):
     CORRUPT_REPORTS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     SCRUBBED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     max_page_bytes: int
@@ -315,7 +316,8 @@ class StatsResponse(_message.Message):
     corrupt_reports: int
     corrupt_confirmed: int
     scrubbed_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ...) -> None: ...
+    kv_events: KvEventsStats
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("namespace", "hashes")
@@ -332,6 +334,26 @@ class ReportResponse(_message.Message):
     dropped: int
     intact: int
     def __init__(self, dropped: _Optional[int] = ..., intact: _Optional[int] = ...) -> None: ...
+
+class KvEventsStats(_message.Message):
+    __slots__ = ("endpoint", "queued", "sent_events", "sent_batches", "dropped_events", "snapshots", "subscribers", "send_errors")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    SENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SENT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    SEND_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    queued: int
+    sent_events: int
+    sent_batches: int
+    dropped_events: int
+    snapshots: int
+    subscribers: int
+    send_errors: int
+    def __init__(self, endpoint: _Optional[str] = ..., queued: _Optional[int] = ..., sent_events: _Optional[int] = ..., sent_batches: _Optional[int] = ..., dropped_events: _Optional[int] = ..., snapshots: _Optional[int] = ..., subscribers: _Optional[int] = ..., send_errors: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "tiers", "lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
