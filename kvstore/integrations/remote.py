@@ -25,9 +25,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 import redis
 
 from kvstore.client import KVStoreClient
@@ -154,6 +155,49 @@ class RemoteStore:
                 "put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1], None
             )
         return None if res is None else res.stored
+
+    def get_into(self, ns: str, hashes: Sequence[bytes], views: Sequence[Any]) -> int:
+        """Write the pages of the longest stored prefix of `hashes` into `views` (page i into views[i], the
+        engine's own memory); returns how many landed (0 on any failure: a logged miss). One node: received
+        straight into the views on a network plane, copied there by the node on the same-host plane (one copy
+        more where the views are not the client's registered memory); a cluster: fetched, then copied once."""
+        if not hashes:
+            return 0
+        if self._data is not None:
+            data = self._data
+            return self._guard("get", ns, lambda: len(data.get_into(ns, hashes, views)), 0)
+        return self._guard("get", ns, lambda: _copy_in(self._cluster().get_pages(ns, hashes), views), 0)
+
+    def put_from(
+        self,
+        ns: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        views: Sequence[Any],
+        parent_chain: Sequence[bytes] = (),
+        *,
+        chain: bool = True,
+    ) -> int | None:
+        """`put` of pages lying in the engine's memory (each exactly layout.page_bytes): sent straight from it
+        (or copied out of it by the node on the same-host plane); None when nothing was stored. `chain` False:
+        the pages are independent blocks (no parent hints)."""
+        if not hashes:
+            return 0
+        if self._data is not None:
+            data, parent = self._data, (parent_chain[-1] if parent_chain else None)
+            res = self._guard(
+                "put", ns, lambda: data.put_from(ns, layout, hashes, views, parent=parent, chain=chain), None
+            )
+        else:
+            res = self._guard(
+                "put", ns, lambda: self._cluster().put(ns, layout, hashes, views, parent_chain=parent_chain)[1], None
+            )
+        return None if res is None else res.stored
+
+    @property
+    def plane(self) -> str | None:
+        """The data plane of the node client (None for a cluster, or before the first transfer)."""
+        return self._data.plane if self._data is not None else None
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
         """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
@@ -290,3 +334,14 @@ class RemoteStore:
             fmt += " (%d more like this since the last report)"
             args = (*args, held)
         self.log.log(level, fmt, *args)
+
+
+def _copy_in(pages: Sequence[FetchedPage], views: Sequence[Any]) -> int:
+    """Copy fetched pages into the views, in order; how many (a page that does not fit its view is refused)."""
+    for page, view in zip(pages, views, strict=False):
+        src = np.frombuffer(page.data, dtype=np.uint8)
+        dst = np.frombuffer(view, dtype=np.uint8)
+        if src.nbytes != dst.nbytes:
+            raise ValueError(f"page of {src.nbytes} bytes into a view of {dst.nbytes} bytes")
+        dst[...] = src  # numpy copies without the GIL
+    return len(pages)

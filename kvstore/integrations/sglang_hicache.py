@@ -15,13 +15,14 @@ Launch (kvstore node on this host at 127.0.0.1:50051):
             "module_path": "kvstore.integrations.sglang_hicache", "class_name": "KVStoreHiCacheStorage",
             "interface_v1": 1, "url": "kvstore://127.0.0.1:50051"}'
 
-`interface_v1: 1` makes SGLang call the zero-copy `batch_get_v1` / `batch_set_v1` (pages move between
-the node and SGLang's host memory pool with no staging on planes that cross a socket; see
-kvstore/integrations/direct.py for the same-host plane). Without it SGLang calls the older `batch_get` /
-`batch_set` with one flat tensor per page (one copy more, in SGLang). Other keys (all optional, as for
-the LMCache plugin): `url` (required: `kvstore://host:port`, or `kvstore+redis://host:port/db` for a
-cluster), `namespace_prefix` (default `sglang`), `timeout`, `lookup_timeout`, `transport`, `token`,
-`token_file`, `tls_ca`, `tls_cert`, `tls_key`, `tls_server_name`, `local_node`, `down_backoff`.
+`interface_v1: 1` makes SGLang call the zero-copy `batch_get_v1` / `batch_set_v1` (pages move between the node
+and SGLang's host memory pool with no staging on planes that cross a socket, and with one copy more on the
+same-host plane, whose node can write only the client's registered memory: RemoteStore.get_into). Without it
+SGLang calls the older `batch_get` / `batch_set` with one flat tensor per page (one copy more, in SGLang).
+Other keys (all optional, as for the LMCache plugin): `url` (required: `kvstore://host:port`, or
+`kvstore+redis://host:port/db` for a cluster), `namespace_prefix` (default `sglang`), `timeout`,
+`lookup_timeout`, `transport`, `token`, `token_file`, `tls_ca`, `tls_cert`, `tls_key`, `tls_server_name`,
+`local_node`, `down_backoff`.
 
 Mapping (v1):
 - namespace: `{prefix}/sgl1/{model}/{pool class}/{layout}/{dtype}/{geometry}/p{page}/{rank}/{mode}` where
@@ -54,8 +55,9 @@ from typing import Any
 import numpy as np
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
-from kvstore.integrations.direct import DirectStore, byte_view, engine_settings, opaque_layout
+from kvstore.integrations.direct import byte_view, engine_settings, opaque_layout
 from kvstore.integrations.lmcache_mapping import PluginSettings
+from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
 
 try:  # Inside SGLang the loader requires a subclass of its ABC; without SGLang (tests) a plain base.
@@ -161,7 +163,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.settings = parse_extra_config(extra)
         self.v1 = bool(int(extra.get("interface_v1", 0) or 0))  # SGLang's switch to the zero-copy calls
         self.config = storage_config
-        self.store = DirectStore(self.settings, log, setting_prefix="extra_config ")
+        self.store = RemoteStore(self.settings, log, setting_prefix="extra_config ")
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
         self.rank = self._rank_part(storage_config)
         self.writer = bool(
@@ -271,7 +273,8 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         parent = self._parent(extra_info, per)
         ok = True
         for a, b in self._calls(len(keys), per):
-            res = self.store.put_from(ns, layout, hashes[a:b], views[a:b], parent=parent if a == 0 else hashes[a - 1])
+            first_parent = parent if a == 0 else hashes[a - 1]
+            res = self.store.put_from(ns, layout, hashes[a:b], views[a:b], [first_parent] if first_parent else ())
             if res is None:
                 ok = False
                 break

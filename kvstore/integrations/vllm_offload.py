@@ -24,11 +24,11 @@ the bytes are parallelism-agnostic), shortened with a digest past the node's lim
 block hash itself when it is 32 bytes (sha256 prefix caching) and the group is 0, so the node and its KV
 events (kvstore/node/kv_events.py) name blocks as vLLM does; else SHA-256(b"kvstore-vllm/v1\\x00" || key).
 
-Non-blocking: lookups go through vLLM's own `AsyncLookupManager` (one batched kvstore Lookup per engine
-step, RETRY meanwhile); stores and loads run on this tier's threads, straight between the CPU tier's rows
-and the node (kvstore/integrations/direct.py), and finish through `get_finished_jobs`. A failed load marks
-its keys missing (no promotion livelock); a failed store is reported as such. Every remote failure is a
-logged miss, never an exception into the scheduler.
+Non-blocking: lookups go through vLLM's own `AsyncLookupManager` (one batched kvstore Lookup per engine step,
+RETRY meanwhile); stores and loads run on this tier's threads, straight between the CPU tier's rows and the
+node (RemoteStore.get_into / put_from, kvstore/integrations/remote.py), and finish through
+`get_finished_jobs`. A failed load marks its keys missing (no promotion livelock); a failed store is reported
+as such. Every remote failure is a logged miss, never an exception into the scheduler.
 
 Why not the engine test here: vLLM 0.32's CPU build refuses the offloading worker
 (`CPUOffloadingSpec.get_worker`: "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"),
@@ -61,7 +61,8 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
-from kvstore.integrations.direct import ConfigError, DirectStore, engine_settings, opaque_layout
+from kvstore.integrations.direct import ConfigError, engine_settings, opaque_layout
+from kvstore.integrations.remote import RemoteStore
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -163,7 +164,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self.row_bytes = int(self.rows.shape[1]) if self.rows.ndim == 2 else self.block_size_bytes
         self.layout = opaque_layout(self.row_bytes)
         self.namespace = namespace_for(self.settings.namespace_prefix, offloading_spec, self.row_bytes)
-        self.store = DirectStore(self.settings, log, setting_prefix="secondary_tiers[kvstore].")
+        self.store = RemoteStore(self.settings, log, setting_prefix="secondary_tiers[kvstore].")
         self.lookups = _Lookups(self)
         self._pool = ThreadPoolExecutor(max_workers=int(threads), thread_name_prefix="kvstore-tier")
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()

@@ -56,6 +56,7 @@ class Connection:
         self.seq = 0
         self.registered: set[int] = set()
         self.usable = True
+        self.replied = False  # whether any request on it got a reply (a reused connection that got none is stale)
         try:
             body = self.call(Kind.HELLO, (token or "").encode(), want=Kind.WELCOME)
             self.max_page_bytes, self.max_pages, _ = shm.WELCOME.unpack(body)
@@ -83,6 +84,7 @@ class Connection:
         if not reply:
             self.usable = False
             raise ConnectionError("the node closed the same-host plane connection")
+        self.replied = True
         got, seq, payload = shm.unframe(reply)
         if got is Kind.ERROR:
             raise from_status(*shm.parse_error(payload))
@@ -136,23 +138,32 @@ class ShmPlane(DataPlane):
             raise PlaneUnavailable(f"cannot open the same-host plane at {self.path}: {exc}") from None
 
     def _call(self, fn: Callable[[Connection], T]) -> T:
-        with self._lock:
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._open()
-        try:
-            result = fn(conn)
-        except KVStoreError:
+        """Run one request on a pooled connection; once more on a fresh one when a reused connection turns
+        out dead before any reply (the node restarted: requests are idempotent, a dead node's PUT aborted)."""
+        for attempt in range(2):
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = self._open()
+            replied_before = conn.replied
+            conn.replied = False
+            try:
+                result = fn(conn)
+            except KVStoreError:
+                self._release(conn)
+                raise
+            except OSError as exc:
+                conn.close()
+                if reused and replied_before and not conn.replied and attempt == 0:
+                    continue
+                raise Unavailable(f"same-host plane connection to {self.path} failed: {exc}") from None
+            except BaseException:
+                conn.close()
+                raise
             self._release(conn)
-            raise
-        except OSError as exc:
-            conn.close()
-            raise Unavailable(f"same-host plane connection to {self.path} failed: {exc}") from None
-        except BaseException:
-            conn.close()
-            raise
-        self._release(conn)
-        return result
+            return result
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
     def _release(self, conn: Connection) -> None:
         with self._lock:
