@@ -88,7 +88,9 @@ def planes_to_json(planes: list[PlaneInfo]) -> str:
 def planes_from_json(text: str) -> list[PlaneInfo]:
     """Advertised planes from an index record; [] when absent or unreadable (a stale or foreign record)."""
     try:
-        return [PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)]
+        return [
+            PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)
+        ]
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
 
@@ -165,15 +167,27 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "max_page_bytes": stats.max_page_bytes,
         "tiers": {
             t.tier.label: {
-                "available": t.available, "detail": t.detail, "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes, "slot_bytes": t.slot_bytes, "slots_total": t.slots_total,
-                "slots_used": t.slots_used, "pages": t.pages, "hit_rate": t.hit_rate,
+                "available": t.available,
+                "detail": t.detail,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "slot_bytes": t.slot_bytes,
+                "slots_total": t.slots_total,
+                "slots_used": t.slots_used,
+                "pages": t.pages,
+                "hit_rate": t.hit_rate,
                 **{f.name: getattr(t.counters, f.name) for f in fields(t.counters)},
             }
             for t in stats.tiers
         },
         "namespaces": [
-            {"namespace": ns, "layout": layout.describe(), "page_bytes": layout.page_bytes, "pages": pages}
+            {
+                "namespace": ns,
+                "layout": layout.describe(),
+                "encoding": layout.encoding.label,
+                "page_bytes": layout.page_bytes,
+                "pages": pages,
+            }
             for ns, layout, pages in stats.namespaces
         ],
         "lookups": stats.lookups,

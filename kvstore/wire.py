@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument
-from kvstore.layout import DType, PageLayout
+from kvstore.layout import DType, PageEncoding, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.security import redact_url
@@ -88,7 +88,7 @@ def parse_put_request(msg: bytes) -> tuple[str, object]:
 def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
     return pb.PageLayout(
         dtype=int(layout.dtype), num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim, block_size=layout.block_size,
+        head_dim=layout.head_dim, block_size=layout.block_size, encoding=int(layout.encoding),
     )  # fmt: skip
 
 
@@ -96,7 +96,11 @@ def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidArgument(f"{field}.dtype", "must be set")
     try:
-        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size)
+        encoding = PageEncoding(msg.encoding)
+    except ValueError:
+        raise InvalidArgument(f"{field}.encoding", f"unknown page encoding {msg.encoding}") from None
+    try:
+        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, encoding)
     except ValueError as exc:
         raise InvalidArgument(field, str(exc)) from None
 
@@ -203,7 +207,9 @@ class PutParser:
         if not self.opened:
             raise InvalidArgument("open", "empty Put stream")
         if self._fill != self._need:
-            raise InvalidArgument("chunk", f"stream truncated: page {self._page} got {self._fill} of {self._need} bytes")
+            raise InvalidArgument(
+                "chunk", f"stream truncated: page {self._page} got {self._fill} of {self._need} bytes"
+            )
 
 
 def get_responses(h: bytes, tier: TierKind, checksum: int, payload: memoryview,

@@ -68,7 +68,7 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
             f"overflows {i.overflows}, errors {i.errors}"
         )
     for ns, layout, pages in stats.namespaces:
-        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
+        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, encoding {layout.encoding.label}, {layout.describe()}")
     render_tenants(stats, console)
 
 
