@@ -31,6 +31,7 @@ from typing import Annotated, Any
 import typer
 
 from kvstore.cli.common import friendly_errors, setup_logging
+from workers.cli import KV_ENCODING_HELP, KVEncodingFlag
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +178,7 @@ def pd_serve(
     check_every: Annotated[float, typer.Option(min=0.5, help="seconds between checks of the actors")] = 10.0,
     ready_file: Annotated[Path | None, typer.Option(help="write {router, prefill, decode} JSON once serving")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
+    kv_encoding: Annotated[KVEncodingFlag, typer.Option(help=KV_ENCODING_HELP)] = KVEncodingFlag.RAW,
 ) -> None:
     """Place prefill/decode workers on the slots of a running Ray cluster and start the named router."""
     import json
@@ -202,21 +204,26 @@ def pd_serve(
                                    f"and {min_decode} (Ray resources {Role.PREFILL.resource}, {Role.DECODE.resource})")  # fmt: skip
             stop.wait(2.0)
             slots = plan_slots(ray.nodes())
-        cfg = WorkerConfig(model_dir=str(model), redis_url=redis_url, namespace=namespace_for(model, dtype),
-                           num_blocks=num_blocks, block_size=block_size, dtype=dtype)  # fmt: skip
+        cfg = WorkerConfig(model_dir=str(model), redis_url=redis_url,
+                           namespace=namespace_for(model, dtype, encoding=kv_encoding.value), num_blocks=num_blocks,
+                           block_size=block_size, dtype=dtype, kv_encoding=kv_encoding.value)  # fmt: skip
         serving = start_serving(slots, cfg, max_inflight)
-        log.info("serving: %d prefill, %d decode workers; router %r in Ray namespace %r; cache namespace %s",
-                 count(slots, Role.PREFILL), count(slots, Role.DECODE), ROUTER_NAME, RAY_NAMESPACE, cfg.namespace)  # fmt: skip
+        log.info("serving: %d prefill, %d decode workers; router %r in Ray namespace %r; cache namespace %s "
+                 "(pages %s)", count(slots, Role.PREFILL), count(slots, Role.DECODE), ROUTER_NAME, RAY_NAMESPACE,
+                 cfg.namespace, kv_encoding.value)  # fmt: skip
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
             tmp.write_text(json.dumps({"router": ROUTER_NAME, "ray_namespace": RAY_NAMESPACE, "namespace": cfg.namespace,
+                                       "kv_encoding": kv_encoding.value,
                                        "prefill": count(slots, Role.PREFILL), "decode": count(slots, Role.DECODE),
                                        "pid": os.getpid()}))  # fmt: skip
             os.replace(tmp, ready_file)
         while not stop.wait(check_every):
             now = plan_slots(ray.nodes())
             if now != serving.slots:
-                raise RuntimeError(f"the worker slots changed ({len(serving.slots)} -> {len(now)}): restarting to re-place")
+                raise RuntimeError(
+                    f"the worker slots changed ({len(serving.slots)} -> {len(now)}): restarting to re-place"
+                )
             if not _alive(serving, timeout=max(30.0, check_every)):
                 raise RuntimeError("a worker or the router died: restarting to re-place")
     finally:

@@ -76,7 +76,9 @@ def up(
             tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
             tmp_ready.write_text(json.dumps(stack.describe()))
             os.replace(tmp_ready, ready_file)
-        console.print("[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)")
+        console.print(
+            "[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)"
+        )
         while not stop.wait(1.0):
             dead = stack.dead()
             if dead:
@@ -108,7 +110,9 @@ class Stack:
                      metrics: bool) -> None:  # fmt: skip
         self._start_redis(redis_url, [f"node-{i}" for i in range(n)])
         for i in range(n):
-            self._start_node(i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])])
+            self._start_node(
+                i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])]
+            )
 
     def start_from_plan(self, plan: object, values: dict) -> None:
         from kvstore.cli.values import LocalPlan
@@ -180,8 +184,10 @@ class Stack:
             admin = self.root / "redis-admin.url"
             admin.touch(mode=0o600)
             admin.write_text(proc.url + "\n")
-        console.print(f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
-                      "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}"))
+        console.print(
+            f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
+            "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}")
+        )
 
     def _start_node(self, i: int, dram: int | str, nvme: int | str, page: int | str, extra: list[str]) -> None:
         from kvstore.launch import NodeProcess
@@ -223,7 +229,8 @@ class Stack:
         cmd = [sys.executable, "-m", "kvstore.cli.main", "pd-serve", f"--ray-address={self.ray_address}",
                f"--model={w.model_path}", f"--dtype={w.dtype}", f"--block-size={w.block_size}",
                f"--num-blocks={w.num_blocks}", f"--max-inflight={w.max_inflight}", f"--min-prefill={w.prefill_slots}",
-               f"--min-decode={w.decode_slots}", "--worker-wait=120", f"--ready-file={ready}"]  # fmt: skip
+               f"--min-decode={w.decode_slots}", "--worker-wait=120", f"--ready-file={ready}",
+               f"--kv-encoding={w.kv_encoding}"]  # fmt: skip
         log = open(self.root / "pd-serve.log", "ab")  # noqa: SIM115
         self.driver = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()

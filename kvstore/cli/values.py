@@ -49,6 +49,7 @@ class WorkersPlan:
     prefill_slots: int
     decode_slots: int
     max_inflight: int
+    kv_encoding: str = "raw"  # workers.kvEncoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,9 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError(f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
                              f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})")  # fmt: skip
         if _bytes(v, "node.budgets.hbm") > 0 and int(node["gpu"]["count"]) == 0:
-            raise ValueError(f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU")
+            raise ValueError(
+                f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU"
+            )
         if int(node["gpu"]["count"]) > 0 and not node["gpu"]["resourceName"]:
             raise ValueError("node.gpu.resourceName is empty but node.gpu.count > 0")
         if _bytes(v, "node.budgets.maxPageBytes") <= 0:
@@ -133,7 +136,9 @@ def check_rules(v: Mapping[str, Any]) -> None:
         if node["kind"] == "DaemonSet" and nvme > 0 and not node["nvme"].get("hostPath"):
             raise ValueError("node.nvme.hostPath is empty but node.budgets.nvme > 0")
         if node["kind"] == "StatefulSet" and node["nvme"].get("size") and _bytes(v, "node.nvme.size") < nvme:
-            raise ValueError(f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})")
+            raise ValueError(
+                f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})"
+            )
     if v["rayCluster"]["enabled"]:
         for pool in ("prefill", "decode"):
             p = v["workers"][pool]
@@ -167,10 +172,14 @@ def check_rules(v: Mapping[str, Any]) -> None:
                              "subjects bind tenants only with mutual TLS")  # fmt: skip
     redis = v["redis"]
     ext = redis["external"]
-    if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
-        ext["url"] or ext["existingSecret"]
+    if (
+        not redis["enabled"]
+        and (node.get("enabled", True) or v["rayCluster"]["enabled"])
+        and not (ext["url"] or ext["existingSecret"])
     ):
-        raise ValueError("redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set")
+        raise ValueError(
+            "redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set"
+        )
 
 
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
@@ -250,7 +259,8 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         w = v["workers"]
         slots = {p: int(w[p]["replicas"]) * max(int(w[p]["gpusPerPod"]), 1) for p in ("prefill", "decode")}
         workers = WorkersPlan(str(local["modelPath"]), w["model"]["dtype"], int(w["blockSize"]), int(w["numBlocks"]),
-                              slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]))  # fmt: skip
+                              slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]),
+                              str(w["kvEncoding"]))  # fmt: skip
     names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
     return LocalPlan(n, node_plan, external, bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
                      bool(v["auth"]["enabled"]), workers, notes, names, tenants_toml(v, scale))  # fmt: skip
