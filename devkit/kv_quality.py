@@ -12,7 +12,8 @@ Figures per prompt (N generated tokens):
   tokens, is the uncompressed path's token (top-1 agreement), and the first step at which a free-running
   greedy decode over the encoded pages leaves the uncompressed tokens (N when it never does);
 - |logit delta|: max and mean over the N steps and the vocabulary of |logits_encoded - logits_raw|,
-  teacher-forced, with the uncompressed logits' own max |logit| for scale.
+  teacher-forced, with the uncompressed logits' own max |logit| and median top-2 margin for scale (a
+  greedy call flips only where the delta reaches the margin).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Quality:
     max_abs_logit_delta: float
     mean_abs_logit_delta: float
     max_abs_logit: float  # of the uncompressed path, for scale
+    median_top2_margin: float  # of the uncompressed path: how close its greedy calls are
     raw_tokens: tuple[int, ...]
     encoded_tokens_generated: tuple[int, ...]
 
@@ -92,10 +94,12 @@ def measure(model: PagedLlama, codec: PageCodec, prompt: Sequence[int], steps: i
     free = model.greedy_generate(list(prompt), steps, prefix_pages=encoded).tokens
     diverge = next((i for i, (a, b) in enumerate(zip(raw.tokens, free, strict=True)) if a != b), len(raw.tokens))
     delta = (forced - raw_logits).abs()
+    top2 = torch.topk(raw_logits, 2, dim=-1).values
     agree = (forced.argmax(-1) == torch.tensor(raw.tokens, device=forced.device)).float().mean()
     return Quality(
         prompt_tokens=len(prompt), encoded_tokens=pages.shape[0] * model.block_size, steps=len(raw.tokens),
         top1_agreement=float(agree), first_divergence=diverge, max_abs_logit_delta=float(delta.max()),
         mean_abs_logit_delta=float(delta.mean()), max_abs_logit=float(raw_logits.abs().max()),
+        median_top2_margin=float(top2[:, 0].sub(top2[:, 1]).median()),
         raw_tokens=tuple(raw.tokens), encoded_tokens_generated=tuple(free),
     )  # fmt: skip
