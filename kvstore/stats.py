@@ -206,7 +206,13 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
             for t in stats.tiers
         },
         "namespaces": [
-            {"namespace": ns, "layout": layout.describe(), "page_bytes": layout.page_bytes, "pages": pages}
+            {
+                "namespace": ns,
+                "layout": layout.describe(),
+                "encoding": layout.encoding.label,
+                "page_bytes": layout.page_bytes,
+                "pages": pages,
+            }
             for ns, layout, pages in stats.namespaces
         ],
         "lookups": stats.lookups,

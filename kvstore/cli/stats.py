@@ -78,7 +78,7 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
             f"messages, queued {e.queued}, dropped {e.dropped_events}, snapshots {e.snapshots}"
         )
     for ns, layout, pages in stats.namespaces:
-        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
+        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, encoding {layout.encoding.label}, {layout.describe()}")
     render_tenants(stats, console)
 
 

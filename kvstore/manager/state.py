@@ -152,7 +152,7 @@ class PageTable:
     - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
       and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
     - `ns_pages[ns]` is the number of entries of namespace ns (a tier's `tenant_pages[t]`, of tenant t's
-      entries in it); a namespace's layout is bound by its first
+      entries in it); a namespace's layout, its encoding included, is bound by its first
       page and never changes while the node runs;
     - every listener in `listeners` hears of every placement change (the index and KV-event publishers),
       in order, and listeners never change the table.
@@ -242,7 +242,15 @@ class PageTable:
     # -- namespaces
 
     def check_layout(self, namespace: str, layout: PageLayout) -> None:
+        """A Put's layout against its namespace's: another encoding is InvalidArgument naming both (a
+        namespace holds one encoding), any other difference LayoutMismatch."""
         bound = self.layouts.get(namespace)
+        if bound is not None and bound.encoding != layout.encoding:
+            raise InvalidArgument(
+                "open.layout.encoding",
+                f"namespace {unscope(namespace)!r} holds {bound.encoding.label} pages; this Put sends "
+                f"{layout.encoding.label} pages (a namespace holds one encoding)",
+            )
         if bound is not None and bound != layout:
             raise LayoutMismatch(
                 f"open.layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
-from kvstore.layout import DType, PageLayout
+from kvstore.layout import DType, PageEncoding, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.security import redact_url
@@ -91,6 +91,7 @@ def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         block_size=layout.block_size,
+        encoding=int(layout.encoding),
     )
 
 
@@ -98,7 +99,11 @@ def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidArgument(f"{field}.dtype", "must be set")
     try:
-        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size)
+        encoding = PageEncoding(msg.encoding)
+    except ValueError:
+        raise InvalidArgument(f"{field}.encoding", f"unknown page encoding {msg.encoding}") from None
+    try:
+        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, encoding)
     except ValueError as exc:
         raise InvalidArgument(field, str(exc)) from None
 

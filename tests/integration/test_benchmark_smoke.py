@@ -102,3 +102,21 @@ def test_doors_bench_quick_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "doors_bench.json").read_text())
     assert set(data["events"]["rates"]) == {"off", "on", "stuck"} and set(data["sglang"]) >= {"tcp", "shm"}
+def test_fp8_quality_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_quality.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "fp8_quality.json").read_text())["rows"]
+    assert rows and all(r["encoded_tokens"] > 0 and r["max_abs_logit_delta"] > 0 for r in rows)
+
+
+def test_fp8_economics_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_economics.py"), "--quick", "--parts",
+                          "bytes,hits", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240,
+                         check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "fp8_economics.json").read_text())
+    assert all(r["fp8_page"] < r["raw_page"] for r in data["bytes"])
+    fp8 = [r for r in data["hits"] if r["encoding"] == "fp8-e4m3"]
+    raw = [r for r in data["hits"] if r["encoding"] == "raw"]
+    assert all(f["dram_pages"] >= 2 * r["dram_pages"] - 1 for f, r in zip(fp8, raw, strict=True))  # equal bytes

@@ -16,6 +16,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT8_E4M3: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
 
+class PageEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_ENCODING_RAW: _ClassVar[PageEncoding]
+    PAGE_ENCODING_FP8_E4M3: _ClassVar[PageEncoding]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
@@ -28,24 +33,28 @@ DTYPE_BFLOAT16: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT8_E4M3: DType
 DTYPE_UINT8: DType
+PAGE_ENCODING_RAW: PageEncoding
+PAGE_ENCODING_FP8_E4M3: PageEncoding
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_NVME: Tier
 
 class PageLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    encoding: PageEncoding
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., encoding: _Optional[_Union[PageEncoding, str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "prefetch")
