@@ -50,7 +50,7 @@ QUEUE_DEPTH = 16  # reads kept in flight by read_many: what NVMe devices need to
 # read_many reads adjacent slots of a batch with one preadv, up to this many bytes (and slots) per call:
 # fewer syscalls and thread handoffs per page, and large requests the device serves at full speed, while
 # a batch of large pages still keeps several requests in flight.
-RUN_BYTES = 4 << 20
+RUN_BYTES = 8 << 20
 RUN_SLOTS = 64  # each slot adds up to 4 buffers to the preadv: far below IOV_MAX (1024)
 
 

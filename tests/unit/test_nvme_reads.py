@@ -130,7 +130,7 @@ def test_adjacent_slots_are_read_with_one_request_and_land_where_asked(tmp_path:
         probe.requests.clear()
         bufs = [mmap.mmap(-1, slot) for _ in range(64)]
         tier.read_many([(i, memoryview(bufs[i])) for i in range(64)])
-        per_request = nvme.RUN_BYTES // slot  # 64
+        per_request = nvme.RUN_BYTES // slot
         assert probe.requests == [min(per_request, nvme.RUN_SLOTS, 64 - k) for k in range(0, 64, per_request)]
         assert all(bufs[i][:] == bytes([i]) * slot for i in range(64))
         probe.fail_slots = {12}  # a failed request fails each of its ops; the others complete
