@@ -109,11 +109,11 @@ class Disk:
 
 
 def runs_of(slots: list[int], slot_bytes: int) -> list[tuple[int, int]]:
-    """(first slot, count) of each run of adjacent slots, in order, each within RUN_BYTES (as the node
-    groups a batch's reads)."""
+    """(first slot, count) of each run of adjacent slots, in order, each within RUN_BYTES not counting
+    header blocks (as the node groups a batch's reads of whole slots)."""
     runs: list[tuple[int, int]] = []
     for s in slots:
-        if runs and s == sum(runs[-1]) and (runs[-1][1] + 1) * slot_bytes <= RUN_BYTES:
+        if runs and s == sum(runs[-1]) and (runs[-1][1] + 1) * (slot_bytes - HEADER_BYTES) <= RUN_BYTES:
             runs[-1] = (runs[-1][0], runs[-1][1] + 1)
         else:
             runs.append((s, 1))

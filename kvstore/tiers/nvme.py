@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 
 _MAX_IO_RETRIES = 64  # a short read/write is retried; this bounds the loop on a misbehaving device
 QUEUE_DEPTH = 16  # reads kept in flight by read_many: what NVMe devices need to approach their bandwidth
-# read_many reads adjacent slots of a batch with one preadv, up to this many bytes (and slots) per call:
+# read_many reads adjacent slots of a batch with one preadv, up to this many bytes (not counting the
+# slots' header blocks, so two 4 MiB pages make one request) and slots per call:
 # fewer syscalls and thread handoffs per page, and large requests the device serves at full speed, while
 # a batch of large pages still keeps several requests in flight.
 RUN_BYTES = 8 << 20
@@ -303,7 +304,7 @@ class NvmeTier(Medium):
     def _runs(self, ops: Sequence[SlotRead]) -> list[list[int]]:
         """The batch's ops grouped into requests: an op joins the previous one's when it reads the next
         slot of the same segment file, the previous op leaves at most 1/8 of its slot unread (read into
-        `_gap`) and the request stays within RUN_BYTES and RUN_SLOTS."""
+        `_gap`) and the request stays within RUN_BYTES (plus its header blocks) and RUN_SLOTS."""
         runs: list[list[int]] = []
         size = last_slot = last_len = 0
         for i, (slot, into) in enumerate(ops):
@@ -314,7 +315,7 @@ class NvmeTier(Medium):
                 and slot == last_slot + 1
                 and slot % self.slots_per_segment  # the same segment file
                 and gap * 8 <= self.slot_bytes
-                and size + gap + n <= RUN_BYTES
+                and size + gap + n <= RUN_BYTES + (len(runs[-1]) + 1) * HEADER_BYTES  # header blocks extra
                 and len(runs[-1]) < RUN_SLOTS
             ):
                 runs[-1].append(i)
