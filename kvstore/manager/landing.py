@@ -6,6 +6,9 @@ and the destination is O_DIRECT aligned: the header block and the payload's last
 the bounce buffer, the rest of the payload in the destination. That saves a copy of every byte. Without
 a destination, or where it cannot take the read, the slot lands in the bounce buffer as before.
 
+A mismatch found in the destination is checked again with a read into the bounce buffer (the caller
+may have written its own buffer meanwhile), so a caller cannot make the node drop a sound page.
+
 Either way the payload's checksum is computed in the I/O thread that did the read, right after it
 (`IoPool.read`'s `then`): XXH3 releases the GIL, so pages are hashed beside the reads still in flight
 and the event loop only compares numbers. The caller (the reader, `reads.py`) still owns the rule: it
@@ -32,7 +35,8 @@ async def read_payload(
 ) -> tuple[memoryview, int]:
     """Read `entry`'s slot; return (payload, its XXH3-64 as read). `view` is a bounce buffer of
     `entry.used_len` bytes that holds the header block afterwards (check it with `header_matches`).
-    The payload is a view of `dest` when given (its bytes are there), else of `view`.
+    The payload is a view of `dest` where the read landed there and verified, else of `view` (and
+    copied into `dest`, when given, in the verifying pass).
     `copy_verify(payload, dest)` is the reader's one-pass copy-and-hash, used when the read cannot land
     in `dest` directly."""
     n = entry.payload_len
@@ -44,7 +48,12 @@ async def read_payload(
             parts.append(view[HEADER_BYTES : HEADER_BYTES + tail])
         payload = dest[:n]
         checksum = await io.read(medium, entry.slot, parts, partial(_finish, view, dest, body, n))
-        return payload, checksum
+        if checksum == entry.checksum:
+            return payload, checksum
+        # NOTE: dest is the caller's memory, which the caller (another of its calls into the same buffer)
+        # may write meanwhile: a mismatch there is confirmed by a read into the bounce buffer, which only
+        # the node touches, before the page may be called corrupt (and dropped with its durable copy).
+        payload.release()
     payload = view[HEADER_BYTES : HEADER_BYTES + n]
     checksum = await io.read(medium, entry.slot, view, partial(copy_verify, payload, dest))
     return payload, checksum

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.manager import TierManager
+from kvstore.manager import TierManager, landing
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
 from kvstore.tiers import nvme
@@ -178,6 +178,33 @@ def test_a_batched_get_reads_nvme_pages_in_batches(tmp_path: Path) -> None:
         assert probe.most_pages > 4  # deeper than the pool's 4 threads could go one read each
         nvme = mgr.stats().tiers[2]
         assert nvme.counters.hits == len(on_nvme)  # counted once per page returned, in order
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
+
+
+def test_a_caller_writing_its_buffer_during_a_read_cannot_get_a_page_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's buffer is its own memory: bytes changed there between the read and the hash are a
+    mismatch the node confirms with a read into its own bounce buffer, so the page stays stored,
+    counts no checksum failure, and the caller still receives the right bytes."""
+    real_finish = landing._finish
+
+    def scribbled(view: memoryview, dest: memoryview, body: int, n: int) -> int:
+        dest[:16] = b"caller was here!"  # as another call of the caller into the same buffer would
+        return real_finish(view, dest, body, n)
+
+    monkeypatch.setattr(landing, "_finish", scribbled)
+
+    async def body(mgr: TierManager) -> None:
+        on_nvme = await put_to_nvme(mgr, 8)
+        dest = mmap.mmap(-1, len(on_nvme) * SLOT)
+        into = [memoryview(dest)[i * SLOT : i * SLOT + PAGE] for i in range(len(on_nvme))]
+        got = [lease.tier async for lease in mgr.get(NS, [key(i) for i in on_nvme], promote=False, into=into)]
+        assert got == [TierKind.NVME] * len(on_nvme)
+        assert all(into[i] == payload(key(k)) for i, k in enumerate(on_nvme))
+        assert mgr.stats().tiers[2].counters.checksum_failures == 0
+        assert tiers_of(mgr, on_nvme) == [TierKind.NVME] * len(on_nvme)
 
     run(body, config(tmp_path, dram_pages=4, nvme_pages=40))
 
