@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvstore.manager.landing import read_payload
 from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
@@ -207,9 +208,9 @@ class Reader:
             else:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
-                await self.io.read(tier.medium, entry.slot, view)
-                payload = view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-                ok = header_matches(entry, view) and checksum_into(payload, dest) == entry.checksum
+                # Lands in dest directly where it can, hashed in the I/O thread (landing.py).
+                payload, checksum = await read_payload(self.io, tier.medium, entry, view, dest, checksum_into)
+                ok = header_matches(entry, view) and checksum == entry.checksum
         except BaseException:
             entry.readers -= 1
             raise
