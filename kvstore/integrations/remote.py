@@ -4,6 +4,7 @@ policy an engine needs: every failure is a logged miss (or a dropped store), nev
     store = RemoteStore(settings, log)          # settings: lmcache_mapping.PluginSettings
     n = store.lookup(ns, hashes)                # leading blocks held; 0 when the remote fails
     pages = store.get(ns, hashes[:n])           # checksum-verified pages of the longest prefix
+    sizes = store.get_into(ns, hashes[:n], bufs)  # the same, received straight into the caller's buffers
     store.put(ns, layout, hashes, pages)        # stored count, or None when the remote refused
 
 Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds):
@@ -18,6 +19,13 @@ Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL 
 Thread-safety: every method may be called from any thread. One node: a data client (transport per
 settings) and a control client (gRPC, short deadline) shared by all threads (KVStoreClient is
 thread-safe). A cluster: one ClusterClient per thread, since ClusterClient keeps unlocked caches.
+
+`get_into` and the same-host plane: shm moves pages only into memory registered with the client
+(`shared_buffer`), and a caller's buffers (an engine's own KV memory) are not. So with transport "auto",
+once the data client has settled on shm, `get_into` goes through a second client that receives into any
+memory (the TCP plane, else gRPC streams): still one copy, verified on arrival. With transport "shm"
+insisted on, pages are fetched and then copied into the buffers (a second copy; say so in the docs).
+A cluster's `get_into` uses node clients on the TCP plane for the same reason unless a transport is set.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.integrations.lmcache_mapping import PluginSettings
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity, read_token_file
+from kvstore.stats import NodeStats
 from kvstore.wire import Buffer, FetchedPage, StreamError
 
 T = TypeVar("T")
@@ -95,6 +104,7 @@ class RemoteStore:
         self._closed = False
         self._data: KVStoreClient | None = None
         self._ctl: KVStoreClient | None = None
+        self._into: KVStoreClient | None = None  # get_into's client when the data client is on shm
         if settings.target.addr is not None:
             self._data = KVStoreClient(settings.target.addr, timeout=settings.timeout, security=self.security,
                                        transport=settings.transport)  # fmt: skip
@@ -120,6 +130,80 @@ class RemoteStore:
             data = self._data
             return self._guard("get", ns, lambda: data.get_pages(ns, hashes), [])
         return self._guard("get", ns, lambda: self._cluster().get_pages(ns, hashes), [])
+
+    def get_into(self, ns: str, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
+        """Sizes of the pages of the longest prefix of `hashes` the remote served, each received into
+        buffers[i] and verified on the way ([] on failure; buffers past the prefix hold undefined bytes)."""
+        if not hashes:
+            return []
+        if self._data is not None:
+            return self._guard("get", ns, lambda: self._node_get_into(ns, hashes, buffers), [])
+        return self._guard("get", ns, lambda: [r.nbytes for r in self._cluster(into=True).get_into(ns, hashes, buffers)],
+                           [])  # fmt: skip
+
+    def _node_get_into(self, ns: str, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
+        data = self._data
+        assert data is not None
+        if self.settings.transport == "shm":
+            pages = data.get_pages(ns, hashes)
+            for page, buf in zip(pages, buffers, strict=False):
+                dst = memoryview(buf).cast("B")
+                if dst.nbytes < len(page.data):
+                    raise ValueError(f"a {len(page.data)}-byte page does not fit a {dst.nbytes}-byte buffer")
+                dst[: len(page.data)] = page.data
+            return [len(p.data) for p in pages]
+        client = self._into or data
+        try:
+            return [r.nbytes for r in client.get_into(ns, hashes, buffers)]
+        except ValueError:
+            if client is not data or data.plane != "shm":
+                raise
+        return [r.nbytes for r in self._foreign_client().get_into(ns, hashes, buffers)]
+
+    def _foreign_client(self) -> KVStoreClient:
+        """A client of the node that receives into any memory: its TCP plane, else gRPC streams."""
+        with self._lock:
+            if self._into is None:
+                s, addr = self.settings, self.settings.target.addr
+                assert addr is not None
+                probe = KVStoreClient(addr, timeout=s.lookup_timeout, security=self.security, transport="grpc")
+                try:
+                    tcp = any(p.name == "tcp" for p in probe.stats().planes)
+                finally:
+                    probe.close()
+                self._into = KVStoreClient(addr, timeout=s.timeout, security=self.security,
+                                           transport="tcp" if tcp else "grpc")  # fmt: skip
+                self.log.info("%s: pages go straight into the caller's memory over the %s plane (the same-host "
+                              "plane writes only into kvstore's own segments)", self.where, "TCP" if tcp else "gRPC")  # fmt: skip
+            return self._into
+
+    def unpin(self, ns: str, hashes: Sequence[bytes]) -> int:
+        """Release one pin of each page (pins also expire with their lease); returns how many were released."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("unpin", ns, lambda: ctl.unpin(ns, hashes).done, 0)
+        return self._guard("unpin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.unpin(ns, hs).done), 0)  # fmt: skip
+
+    def stats(self) -> list[NodeStats]:
+        """Every node's Stats as this caller may see them ([] on failure; a cluster's dead nodes are skipped)."""
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("stats", "", lambda: [ctl.stats()], [])
+
+        def each() -> list[NodeStats]:
+            cc = self._cluster()
+            out = []
+            for n in cc.nodes():
+                if n.alive:
+                    try:
+                        out.append(cc.call_node(n.node_id, lambda c: c.stats()))
+                    except _FAILURES:
+                        continue  # a node that does not answer adds nothing to the usage
+            return out
+
+        return self._guard("stats", "", each, [])
 
     def put(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
             parent_chain: Sequence[bytes] = ()) -> int | None:  # fmt: skip
@@ -162,7 +246,7 @@ class RemoteStore:
 
     def close(self) -> None:
         self._closed = True
-        for c in (self._data, self._ctl):
+        for c in (self._data, self._ctl, self._into):
             if c is not None:
                 c.close()
         with self._lock:
@@ -172,13 +256,19 @@ class RemoteStore:
 
     # -- helpers
 
-    def _cluster(self) -> ClusterClient:
-        cc = getattr(self._local, "cluster", None)
+    def _cluster(self, *, into: bool = False) -> ClusterClient:
+        """This thread's cluster client; `into`: the one whose node clients receive into any memory."""
+        attr = "cluster_into" if into else "cluster"
+        cc = getattr(self._local, attr, None)
         if cc is None:
             s = self.settings
             assert s.target.redis_url is not None
-            cc = ClusterClient(s.target.redis_url, local_node=s.local_node, timeout=s.timeout, security=self.security)
-            self._local.cluster = cc
+            transport = s.transport
+            if into and transport in (None, "auto", "shm"):
+                transport = "tcp"  # see the module docstring: shm writes only into kvstore's own segments
+            cc = ClusterClient(s.target.redis_url, local_node=s.local_node, timeout=s.timeout, security=self.security,
+                               transport=transport)  # fmt: skip
+            setattr(self._local, attr, cc)
             with self._lock:
                 self._clusters.append(cc)
         return cc
