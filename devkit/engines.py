@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +99,12 @@ class GroupProcess:
         if not self._out.closed:
             self._out.close()
         return code
+
+    def __enter__(self) -> GroupProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def tail(self, n: int = 60) -> str:
         try:
@@ -176,43 +183,73 @@ class EngineRun:
     log: str = ""
 
 
+class Engine(GroupProcess):
+    """One fresh vLLM engine serving `requests` in order (devkit/vllm_driver.py). A request given
+    `pause=True` waits for `go(name)`, so the caller can change things between two requests."""
+
+    def __init__(self, python: Path, model: Path, requests: Sequence[dict], log: Path, *,
+                 connector_port: int | None = None, hold_s: float = 0.0) -> None:  # fmt: skip
+        self.dir = Path(tempfile.mkdtemp(prefix="engine-", dir=log.parent))
+        reqs = []
+        for req in requests:
+            r = dict(req)
+            if r.pop("pause", False):
+                r["wait_file"] = str(self.dir / f"go-{r['name']}")
+            reqs.append(r)
+        cfg = {"model": str(model), "requests": reqs, "hold_s": hold_s,
+               "connector": {"host": "127.0.0.1", "port": connector_port} if connector_port else None}  # fmt: skip
+        (self.dir / "config.json").write_text(json.dumps(cfg))
+        super().__init__([str(python), str(DRIVER), str(self.dir / "config.json")], log, engine_env())
+
+    def run(self) -> EngineRun:
+        """What the engine has reported so far."""
+        run = EngineRun(log=self.log.read_text(errors="replace"))
+        for line in run.log.splitlines():
+            if line.startswith("ENGINE_UP "):
+                run.up_s = float(line.split()[1])
+            elif line.startswith("RESULT "):
+                res = json.loads(line[len("RESULT ") :])
+                run.results[res["name"]] = res
+        return run
+
+    def result(self, name: str, timeout: float = 600) -> dict:
+        """The result of request `name`, waiting for it (bounded); RuntimeError if the engine dies first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = self.run().results.get(name)
+            if got is not None:
+                return got
+            if not self.alive():
+                raise RuntimeError(f"engine exited with {self.proc.returncode} before request {name}:\n{self.tail()}")
+            time.sleep(0.2)
+        raise TimeoutError(f"engine gave no result for {name} in {timeout:g}s:\n{self.tail()}")
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        code = super().stop(grace)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return code
+
+    def go(self, name: str) -> None:
+        (self.dir / f"go-{name}").touch()
+
+    def finish(self, timeout: float = 600) -> EngineRun:
+        """Wait for the engine to exit (bounded); RuntimeError with the log tail if it failed."""
+        code = self.wait(timeout)
+        if code is None:
+            raise TimeoutError(f"engine did not finish in {timeout:g}s:\n{self.tail()}")
+        if code != 0:
+            raise RuntimeError(f"engine exited with {code}:\n{self.tail()}")
+        return self.run()
+
+
 def run_engine(python: Path, model: Path, requests: Sequence[dict], log: Path, *, connector_port: int | None = None,
                timeout: float = 600, hold_s: float = 0.0) -> EngineRun:  # fmt: skip
-    """One fresh engine serving `requests` in order (see devkit/vllm_driver.py), then stopped with its
-    whole process group; RuntimeError with the log tail if it fails or overruns."""
-    cfg = {"model": str(model), "requests": list(requests), "hold_s": hold_s,
-           "connector": {"host": "127.0.0.1", "port": connector_port} if connector_port else None}  # fmt: skip
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, dir=log.parent) as f:
-        json.dump(cfg, f)
-    proc = GroupProcess([str(python), str(DRIVER), f.name], log, engine_env())
+    """One fresh engine serving `requests` in order, then stopped with its whole process group."""
+    engine = Engine(python, model, requests, log, connector_port=connector_port, hold_s=hold_s)
     try:
-        code = proc.wait(timeout)
-        if code is None:
-            raise TimeoutError(f"engine did not finish in {timeout:g}s:\n{proc.tail()}")
-        if code != 0:
-            raise RuntimeError(f"engine exited with {code}:\n{proc.tail()}")
+        return engine.finish(timeout)
     finally:
-        proc.stop()
-        os.unlink(f.name)
-    run = EngineRun(log=log.read_text(errors="replace"))
-    for line in run.log.splitlines():
-        if line.startswith("ENGINE_UP "):
-            run.up_s = float(line.split()[1])
-        elif line.startswith("RESULT "):
-            res = json.loads(line[len("RESULT ") :])
-            run.results[res["name"]] = res
-    return run
-
-
-@contextlib.contextmanager
-def lmcache_server(
-    python: Path, log: Path, l2: Sequence[dict[str, object]] = (), **kw: object
-) -> Iterator[LMCacheServer]:
-    server = LMCacheServer(python, log, l2, **kw)  # type: ignore[arg-type]
-    try:
-        yield server
-    finally:
-        server.stop()
+        engine.stop()
 
 
 def prompt(n: int, salt: int = 7919) -> list[int]:

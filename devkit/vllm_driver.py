@@ -3,7 +3,9 @@
     python devkit/vllm_driver.py CONFIG.json
 
 CONFIG: {"model": DIR, "connector": null | {"host": "127.0.0.1", "port": P}, "max_model_len": 4096,
-"requests": [{"name": "B", "tokens": [...], "max_tokens": 4, "logprobs": 5}, ...]}. With a connector the
+"requests": [{"name": "B", "tokens": [...], "max_tokens": 4, "logprobs": 5, "wait_file": PATH}, ...]}.
+A request with `wait_file` starts only once that file exists (the orchestrator's "go": it damages a
+page, clears LMCache's memory, ... between two requests of one engine). With a connector the
 engine uses LMCache's multiprocess connector (LMCacheMPConnector) against an `lmcache server` on that
 port. Prompts are token ids (the test models have no tokenizer). Prints `ENGINE_UP <seconds>` once the
 engine is built, then one `RESULT <json>` line per request: its wall time (ms), time to first token (ms,
@@ -44,6 +46,13 @@ def main() -> None:
     llm = LLM(**kw)
     print(f"ENGINE_UP {time.monotonic() - t0:.2f}", flush=True)
     for req in cfg["requests"]:
+        if req.get("wait_file"):  # the orchestrator changes something between two requests, then says go
+            print(f"WAITING {req['name']}", flush=True)
+            deadline = time.monotonic() + float(req.get("wait_s", 600))
+            while not os.path.exists(req["wait_file"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"nobody created {req['wait_file']} in time")
+                time.sleep(0.05)
         sp = SamplingParams(max_tokens=int(req.get("max_tokens", 4)), temperature=0.0, detokenize=False,
                             logprobs=int(req.get("logprobs", 5)) or None)  # fmt: skip
         t = time.monotonic()

@@ -51,8 +51,10 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --no-deps "$LMCACHE_PIN"
 "${pip[@]}" -e '.[lmcache]'
 # Fail here, not in a test, when the three do not import together.
-PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false "$VENV/bin/python" -c \
-  "import vllm, lmcache, kvstore.integrations.lmcache_l2" >/dev/null
+if ! out=$(PYTHONHASHSEED=0 LMCACHE_TRACK_USAGE=false "$VENV/bin/python" -c \
+    "import vllm, lmcache, kvstore.integrations.lmcache_l2" 2>&1); then
+  echo "$out" >&2; echo "vllm_venv: vLLM, LMCache and kvstore do not import together in $VENV" >&2; exit 1
+fi
 echo "$want" >"$stamp"
 log "engine venv ready in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)"
 echo "$VENV/bin/python"
