@@ -15,6 +15,10 @@ lookup latency p50/p99 per task (all hits). Loads are checked byte for byte.
                     writes come from RAM, as they do for a user with defaults)
     mooncake_store  LMCache's native Mooncake adapter: needs LMCache's `lmcache_mooncake` extension,
                     which the PyPI wheel of 0.5.6 does not ship (reported as such when it fails)
+    mooncake_py     so Mooncake Store still has a row: what that adapter does, written in Python for this
+                    benchmark (l2_driver.MooncakePyAdapter: zero-copy batch_put_from / batch_get_into on
+                    registered memory, batch_is_exist) against mooncake_master + a mooncake_client
+                    storage process over Mooncake's TCP transport (its "remote" setup, as peer_bench runs it)
 
 LMCache's own adapters run in the peers' venv (benchmarks/.peers-venv, made on first use by
 peer_bench.ensure_peers_venv, never the project's); ours in this interpreter's venv (LMCache 0.5.6 too).
@@ -47,27 +51,31 @@ from peer_bench import ensure_peers_venv
 from devkit.engines import (
     CHUNK,
     Engine,
+    GroupProcess,
     LMCacheServer,
     engine_env,
     ensure_engine_venv,
     kvstore_l2,
     make_model,
     prompt,
+    wait_port,
 )
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess, RedisProcess
+from kvstore.launch import NodeProcess, RedisProcess, free_port
 from kvstore.pageformat import slot_bytes_for
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-BACKENDS = ("kvstore", "resp", "fs", "mooncake_store")
+BACKENDS = ("kvstore", "resp", "fs", "mooncake_store", "mooncake_py")
 LABELS = {"kvstore": "kvstore (our L2 adapter)", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
-          "mooncake_store": "LMCache mooncake_store", "none": "no L2: B recomputed",
+          "mooncake_store": "LMCache mooncake_store", "mooncake_py": "Mooncake Store (Python adapter, see notes)",
+          "none": "no L2: B recomputed",
           "l1": "LMCache's own memory (L1 hit)"}  # fmt: skip
 
 
 @contextlib.contextmanager
-def backend(name: str, work: Path, max_page: int, batch: int) -> Iterator[tuple[dict, Callable[[], int]]]:
+def backend(name: str, work: Path, max_page: int, batch: int,
+            peers_py: Path | None = None) -> Iterator[tuple[dict, Callable[[], int]]]:  # fmt: skip
     """(the adapter's --l2-adapter spec, how many objects it holds now) with its server started."""
     if name == "kvstore":
         slot = slot_bytes_for(max_page)
@@ -100,6 +108,26 @@ def backend(name: str, work: Path, max_page: int, batch: int) -> Iterator[tuple[
         yield {"type": "mooncake_store", "local_hostname": "127.0.0.1", "protocol": "tcp",
                "metadata_server": "P2PHANDSHAKE", "master_server_address": "127.0.0.1:50051",
                "global_segment_size": str(512 * MiB), "local_buffer_size": str(512 * MiB)}, lambda: 0  # fmt: skip
+    elif name == "mooncake_py":
+        assert peers_py is not None
+        pkg = subprocess.run([str(peers_py), "-c", "import mooncake, os; print(os.path.dirname(mooncake.__file__))"],
+                             check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+        mport, hport, cport = free_port(), free_port(), free_port()
+        env = {**engine_env(), "MC_TCP_BIND_ADDRESS": "127.0.0.1", "GLOG_minloglevel": "1"}
+        with contextlib.ExitStack() as stack:
+            master = stack.enter_context(GroupProcess([f"{pkg}/mooncake_master", "--rpc_address=127.0.0.1",
+                f"--rpc_port={mport}", "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={hport}", "--rpc_thread_num=2"], work / "mooncake-master.log", env))  # fmt: skip
+            wait_port(mport, master, 30, "mooncake_master")
+            wait_port(hport, master, 30, "mooncake_master's metadata server")
+            meta = f"http://127.0.0.1:{hport}/metadata"
+            seg_gb = max(4, 3 * batch * max_page >> 30)
+            client = stack.enter_context(GroupProcess([f"{pkg}/mooncake_client", "--host=127.0.0.1",
+                f"--global_segment_size={seg_gb} GB", f"--master_server_address=127.0.0.1:{mport}",
+                f"--metadata_server={meta}", f"--port={cport}", "--protocol=tcp"], work / "mooncake-client.log", env))  # fmt: skip
+            wait_port(cport, client, 30, "mooncake_client")
+            time.sleep(1.0)  # it mounts its segment with the master after listening
+            yield {"type": "mooncake_py", "metadata_server": meta, "master": f"127.0.0.1:{mport}"}, lambda: 0
     else:
         raise ValueError(f"unknown backend {name!r}")
 
@@ -111,11 +139,18 @@ def adapters(args: argparse.Namespace, peers_py: Path | None, work: Path) -> dic
         if py is None:
             out[name] = {"error": "the peers' venv could not be made (see the log)"}
             continue
-        with backend(name, work, max(args.sizes), args.batch) as (spec, _):
+        with backend(name, work, max(args.sizes), args.batch, peers_py) as (spec, _):
             t0 = time.monotonic()
             cmd = [str(py), str(HERE / "l2_driver.py"), "--spec", json.dumps(spec), "--sizes", *map(str, args.sizes),
                    "--batch", str(args.batch), "--rounds", str(args.rounds)]  # fmt: skip
-            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800, env=engine_env())
+            proc = subprocess.run(
+                cmd,
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+                env=engine_env(MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1"),
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("L2RESULT ")]
             res = json.loads(lines[-1][len("L2RESULT ") :]) if lines else {"error": proc.stderr[-2000:]}
             (work / f"driver-{name}.log").write_text(proc.stdout + proc.stderr)
@@ -139,7 +174,7 @@ def ttft(args: argparse.Namespace, peers_py: Path | None, work: Path) -> dict[st
     prefix = prompt(args.prefix_tokens)
     chunks = args.prefix_tokens // CHUNK
     out: dict[str, dict] = {}
-    for name in ["none", *[b for b in args.backends if b != "mooncake_store"]]:
+    for name in ["none", *[b for b in args.backends if not b.startswith("mooncake")]]:
         py = vllm_py if name in ("none", "kvstore") else peers_py
         if py is None:
             continue
@@ -213,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv")
     ap.add_argument("--out", type=Path, default=HERE / "out")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 MiB, 2 rounds, kvstore and fs, no TTFT")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 MiB, 2 rounds, kvstore only (no peers venv), no TTFT")
     args = ap.parse_args(argv)
     if args.quick:
-        args.sizes, args.rounds, args.backends, args.ttft = [MiB], 2, ["kvstore", "fs"], False
+        args.sizes, args.rounds, args.backends, args.ttft = [MiB], 2, ["kvstore"], False
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="l2-bench-", dir=args.out))
     peers_py = None

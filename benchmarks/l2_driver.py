@@ -54,9 +54,13 @@ def run(args: argparse.Namespace) -> dict:
     from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
     from lmcache.v1.platform import consume_fd
 
-    parser = add_l2_adapters_args(argparse.ArgumentParser())
-    cfg = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", args.spec]))
-    adapter = create_l2_adapter(cfg.adapters[0])
+    spec = json.loads(args.spec)
+    if spec.get("type") == "mooncake_py":
+        adapter = MooncakePyAdapter(spec)
+    else:
+        parser = add_l2_adapters_args(argparse.ArgumentParser())
+        cfg = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", args.spec]))
+        adapter = create_l2_adapter(cfg.adapters[0])
 
     def wait(fd: int, deadline: float) -> None:
         poller = select.poll()
@@ -67,6 +71,8 @@ def run(args: argparse.Namespace) -> dict:
 
     def objects(size: int, seed: int | None) -> list:
         buf = torch.empty(args.batch * size, dtype=torch.uint8)
+        if isinstance(adapter, MooncakePyAdapter):
+            adapter.register(buf)
         if seed is not None:
             buf.copy_(
                 torch.randint(0, 256, buf.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
@@ -155,6 +161,110 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         adapter.close()
     return {"results": results}
+
+
+class MooncakePyAdapter:
+    """Mooncake Store behind LMCache's L2 task interface, in Python, for this benchmark only: LMCache's own
+    mooncake_store adapter needs its `lmcache_mooncake` extension, which LMCache 0.5.6's wheel does not
+    ship. It does what that adapter does with Mooncake's client: zero-copy batch_put_from / batch_get_into
+    on registered L1 memory, batch_is_exist for lookups (no lock: Mooncake has no pins), on 4 threads."""
+
+    def __init__(self, spec: dict) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from lmcache.v1.platform import create_event_notifier
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", spec["metadata_server"], 0, 256 << 20, "tcp", "", spec["master"])
+        if rc != 0:
+            raise RuntimeError(f"MooncakeDistributedStore.setup returned {rc}")
+        self.pool = ThreadPoolExecutor(4)
+        self.fds = {k: create_event_notifier() for k in ("store", "lookup", "load")}
+        self.done: dict[str, dict] = {k: {} for k in self.fds}
+        self.next_id = 0
+        self.registered: list = []
+
+    def register(self, buf: object) -> None:
+        if self.store.register_buffer(buf.data_ptr(), buf.nbytes) != 0:  # type: ignore[attr-defined]
+            raise RuntimeError("Mooncake register_buffer failed")
+        self.registered.append(buf)
+
+    @staticmethod
+    def _key(k: object) -> str:
+        return f"{k.model_name}@{k.kv_rank:08x}@{k.object_group_id:x}@{k.chunk_hash.hex()}"  # type: ignore[attr-defined]
+
+    def _submit(self, kind: str, fn: object, *args: object) -> int:
+        task, self.next_id = self.next_id, self.next_id + 1
+
+        def run() -> None:
+            self.done[kind][task] = fn(*args)  # type: ignore[operator]
+            self.fds[kind].notify()
+
+        self.pool.submit(run)
+        return task
+
+    def _store(self, keys: list, objs: list) -> object:
+        from lmcache.v1.distributed.internal_api import L2StoreResult
+
+        rcs = self.store.batch_put_from([self._key(k) for k in keys], [o.data_ptr for o in objs],
+                                        [o.get_size() for o in objs])  # fmt: skip
+        return L2StoreResult(all(r == 0 for r in rcs), sum(o.get_size() for o in objs))
+
+    def _bits(self, flags: list) -> object:
+        from lmcache.lmcache_native import Bitmap
+
+        bm = Bitmap(len(flags))
+        for i, ok in enumerate(flags):
+            if ok:
+                bm.set(i)
+        return bm
+
+    def submit_store_task(self, keys: list, objs: list) -> int:
+        return self._submit("store", self._store, keys, objs)
+
+    def pop_completed_store_tasks(self) -> dict:
+        done, self.done["store"] = self.done["store"], {}
+        return done
+
+    def submit_lookup_and_lock_task(self, keys: list, descs: object) -> int:
+        return self._submit(
+            "lookup", lambda: self._bits([r == 1 for r in self.store.batch_is_exist([self._key(k) for k in keys])])
+        )
+
+    def query_lookup_and_lock_result(self, task: int) -> object:
+        return self.done["lookup"].pop(task, None)
+
+    def submit_unlock(self, keys: list) -> None:
+        pass
+
+    def submit_load_task(self, keys: list, objs: list) -> int:
+        def load() -> object:
+            got = self.store.batch_get_into([self._key(k) for k in keys], [o.data_ptr for o in objs],
+                                            [o.get_size() for o in objs])  # fmt: skip
+            return self._bits([n == o.get_size() for n, o in zip(got, objs, strict=True)])
+
+        return self._submit("load", load)
+
+    def query_load_result(self, task: int) -> object:
+        return self.done["load"].pop(task, None)
+
+    def get_store_event_fd(self) -> int:
+        return self.fds["store"].fileno()
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self.fds["lookup"].fileno()
+
+    def get_load_event_fd(self) -> int:
+        return self.fds["load"].fileno()
+
+    def delete(self, keys: list) -> None:
+        for k in keys:
+            self.store.remove(self._key(k))
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.store.close()
 
 
 if __name__ == "__main__":
