@@ -10,6 +10,8 @@ lookup latency p50/p99 per task (all hits). Loads are checked byte for byte.
     kvstore         our adapter -> a real `kvstore serve` node on loopback (DRAM; adapter defaults: stores
                     on the same-host plane, loads straight into LMCache's objects over the TCP plane;
                     lookups pin what they find until unlock)
+    kvstore-shm     (info) the same with transport "shm": loads arrive in kvstore's own segment and are
+                    copied into LMCache's objects (two copies; not a default, shows the same-host plane)
     resp            LMCache's C++ RESP connector -> a real redis-server on loopback (persistence off)
     fs              LMCache's Python fs adapter -> files in a temp directory (the page cache: reads after
                     writes come from RAM, as they do for a user with defaults)
@@ -66,8 +68,8 @@ from kvstore.pageformat import slot_bytes_for
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-BACKENDS = ("kvstore", "resp", "fs", "mooncake_store", "mooncake_py")
-LABELS = {"kvstore": "kvstore (our L2 adapter)", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
+BACKENDS = ("kvstore", "kvstore-shm", "resp", "fs", "mooncake_store", "mooncake_py")
+LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore, transport shm: loads copy twice", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
           "mooncake_store": "LMCache mooncake_store", "mooncake_py": "Mooncake Store (Python adapter, see notes)",
           "none": "no L2: B recomputed",
           "l1": "LMCache's own memory (L1 hit)"}  # fmt: skip
@@ -77,7 +79,7 @@ LABELS = {"kvstore": "kvstore (our L2 adapter)", "resp": "LMCache resp (Redis)",
 def backend(name: str, work: Path, max_page: int, batch: int,
             peers_py: Path | None = None) -> Iterator[tuple[dict, Callable[[], int]]]:  # fmt: skip
     """(the adapter's --l2-adapter spec, how many objects it holds now) with its server started."""
-    if name == "kvstore":
+    if name in ("kvstore", "kvstore-shm"):
         slot = slot_bytes_for(max_page)
         with NodeProcess(dram_bytes=(2 * batch + 4) * slot, max_page_bytes=max_page, node_id="l2-bench",
                          log_path=work / "node.log") as node:  # fmt: skip
@@ -86,7 +88,7 @@ def backend(name: str, work: Path, max_page: int, batch: int,
                 with KVStoreClient(node.addr, timeout=10, transport="grpc") as kv:
                     return sum(n for ns, _, n in kv.stats().namespaces)
 
-            yield kvstore_l2(node.addr), held
+            yield kvstore_l2(node.addr, **({"transport": "shm"} if name == "kvstore-shm" else {})), held
     elif name == "resp":
         r = RedisProcess().start()
         try:
@@ -135,7 +137,7 @@ def backend(name: str, work: Path, max_page: int, batch: int,
 def adapters(args: argparse.Namespace, peers_py: Path | None, work: Path) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for name in args.backends:
-        py = Path(sys.executable) if name == "kvstore" else peers_py
+        py = Path(sys.executable) if name.startswith("kvstore") else peers_py
         if py is None:
             out[name] = {"error": "the peers' venv could not be made (see the log)"}
             continue
@@ -174,7 +176,7 @@ def ttft(args: argparse.Namespace, peers_py: Path | None, work: Path) -> dict[st
     prefix = prompt(args.prefix_tokens)
     chunks = args.prefix_tokens // CHUNK
     out: dict[str, dict] = {}
-    for name in ["none", *[b for b in args.backends if not b.startswith("mooncake")]]:
+    for name in ["none", *[b for b in args.backends if not b.startswith("mooncake") and b != "kvstore-shm"]]:
         py = vllm_py if name in ("none", "kvstore") else peers_py
         if py is None:
             continue
@@ -248,14 +250,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv")
     ap.add_argument("--out", type=Path, default=HERE / "out")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 MiB, 2 rounds, kvstore only (no peers venv), no TTFT")
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 MiB, 2 rounds, kvstore only (no peers venv), no TTFT"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.rounds, args.backends, args.ttft = [MiB], 2, ["kvstore"], False
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="l2-bench-", dir=args.out))
     peers_py = None
-    if any(b != "kvstore" for b in args.backends):
+    if any(not b.startswith("kvstore") for b in args.backends):
         try:
             peers_py = ensure_peers_venv(args.peers_venv, work / "peers-venv.log")
         except (OSError, subprocess.CalledProcessError) as exc:

@@ -28,7 +28,8 @@ Invariants:
   whole, verified and exactly the object's size;
 - a lookup reports a prefix of each (model, rank, group, salt) row: what the node holds from the row's
   first chunk on; with `lock` (default) those pages are pinned with a lease until LMCache unlocks them
-  (or the lease ends: an unlock lost in a crash never leaks a pin);
+  (or the lease ends: an unlock lost in a crash never leaks a pin), in one round trip for a row found
+  whole or not at all (see _find);
 - usage (`get_usage`) is what the node says this adapter's namespaces hold, per cache salt too, read
   from the node's Stats at most every `usage_interval_s` off the caller's thread; where the token is
   bound to a tenant, the node lists only that tenant's namespaces and the capacity reported is the
@@ -323,8 +324,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             if ns is None:
                 continue
             hashes = [self._hash(keys[i]) for i in idx]
-            n = self.store.lookup(ns, hashes, prefetch=self.settings.remote.prefetch)
-            if n and self.settings.lock and self.store.pin(ns, hashes[:n], self.settings.remote.pin_lease) > 0:
+            n = self._find(ns, hashes)
+            if n and self.settings.lock:
                 self._hold(keys, idx[:n], ns, hashes[:n], now + self.settings.remote.pin_lease)
             for i in idx[:n]:
                 bitmap.set(i)
@@ -366,6 +367,25 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self.counters["load_hits"] += len(loaded)
             self.counters["bytes_loaded"] += nbytes
         return bitmap
+
+    def _find(self, ns: str, hashes: list[bytes]) -> int:
+        """Leading pages of the row the node holds, pinned when `lock` (0 on any failure).
+
+        One node, locking: Pin first. It pins every page present and says how many, so the common rows
+        (all present, none present) cost one round trip; only a partial row also asks Lookup for its
+        prefix, and releases the pins taken beyond it. A cluster (or no lock): Lookup, then Pin."""
+        s = self.settings
+        if not s.lock:
+            return self.store.lookup(ns, hashes, prefetch=s.remote.prefetch)
+        if s.remote.target.addr is None:
+            n = self.store.lookup(ns, hashes, prefetch=s.remote.prefetch)
+            return n if n and self.store.pin(ns, hashes[:n], s.remote.pin_lease) > 0 else 0
+        pinned = self.store.pin(ns, hashes, s.remote.pin_lease)
+        if pinned in (0, len(hashes)):
+            return pinned
+        n = self.store.lookup(ns, hashes, prefetch=s.remote.prefetch)
+        self.store.unpin(ns, hashes[n:])  # pages present past the first gap: pinned above, not reported
+        return n
 
     def _unpin(self, release: dict[str, list[bytes]]) -> None:
         for ns, hashes in release.items():

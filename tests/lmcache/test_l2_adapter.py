@@ -178,6 +178,17 @@ def test_store_lookup_lock_load_round_trip_bit_exact(node: NodeProcess, adapters
     assert dram.counters.hits >= 6 and dram.counters.bytes_out >= 6 * CHUNK_BYTES
 
 
+def test_a_row_with_a_gap_reports_and_keeps_pinned_only_its_prefix(node: NodeProcess,
+                                                                     adapters: Callable[..., Any]) -> None:  # fmt: skip
+    a = adapters(target=node.addr)
+    assert store(a, keys(4), objects(4, seed=15)).is_successful()
+    assert store(a, keys(1, 6), objects(1, seed=16)).is_successful()  # chunk 6 held, 4 and 5 not
+    assert lookup(a, keys(8)) == [0, 1, 2, 3]
+    assert node_stats(node).pinned_pages == 4  # chunk 6 was pinned by the first probe, then released
+    a.submit_unlock(keys(8))
+    wait_for(lambda: node_stats(node).pinned_pages == 0, what="the unlock to release the pins")
+
+
 def test_a_second_server_process_finds_what_the_first_stored(node: NodeProcess, adapters: Callable[..., Any]) -> None:
     """Keys name the same pages in every process: the point of a shared L2 (no state kept per adapter)."""
     ks, src = keys(4), objects(4, seed=2)
