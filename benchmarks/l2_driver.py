@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -103,21 +105,22 @@ def run(args: argparse.Namespace) -> dict:
             raise RuntimeError("a store task failed")
         return dt
 
-    def lookup(ks: list, desc: dict) -> tuple[float, int]:
+    def finished(submit: Callable[[], int], query: Callable[[int], Any], fd: int) -> tuple[float, int]:
+        """Seconds from submit to the task's bitmap, and how many keys it has set."""
         t0 = time.perf_counter()
-        task = adapter.submit_lookup_and_lock_task(ks, desc)
+        task = submit()
         deadline = time.monotonic() + args.timeout
-        while (bm := adapter.query_lookup_and_lock_result(task)) is None:
-            wait(adapter.get_lookup_and_lock_event_fd(), deadline)
+        while (bm := query(task)) is None:
+            wait(fd, deadline)
         return time.perf_counter() - t0, bm.popcount()
 
+    def lookup(ks: list, desc: dict) -> tuple[float, int]:
+        return finished(lambda: adapter.submit_lookup_and_lock_task(ks, desc), adapter.query_lookup_and_lock_result,
+                        adapter.get_lookup_and_lock_event_fd())  # fmt: skip
+
     def load(ks: list, objs: list) -> tuple[float, int]:
-        t0 = time.perf_counter()
-        task = adapter.submit_load_task(ks, objs)
-        deadline = time.monotonic() + args.timeout
-        while (bm := adapter.query_load_result(task)) is None:
-            wait(adapter.get_load_event_fd(), deadline)
-        return time.perf_counter() - t0, bm.popcount()
+        return finished(lambda: adapter.submit_load_task(ks, objs), adapter.query_load_result,
+                        adapter.get_load_event_fd())  # fmt: skip
 
     results = []
     try:

@@ -179,12 +179,7 @@ class RemoteStore:
 
     def unpin(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Release one pin of each page (pins also expire with their lease); returns how many were released."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("unpin", ns, lambda: ctl.unpin(ns, hashes).done, 0)
-        return self._guard("unpin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.unpin(ns, hs).done), 0)  # fmt: skip
+        return self._control("unpin", ns, hashes, lambda c, hs: c.unpin(ns, hs).done)
 
     def stats(self) -> list[NodeStats]:
         """Every node's Stats as this caller may see them ([] on failure; a cluster's dead nodes are skipped)."""
@@ -221,21 +216,11 @@ class RemoteStore:
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
         """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("pin", ns, lambda: ctl.pin(ns, hashes, ttl_seconds=lease).done, 0)
-        return self._guard("pin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done), 0)  # fmt: skip
+        return self._control("pin", ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done)
 
     def delete(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Delete the pages wherever they are held; returns how many were deleted."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("delete", ns, lambda: ctl.delete(ns, hashes).deleted, 0)
-        return self._guard("delete", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.delete(ns, hs).deleted), 0)  # fmt: skip
+        return self._control("delete", ns, hashes, lambda c, hs: c.delete(ns, hs).deleted)
 
     def ping(self) -> bool:
         """True when the remote answers (a node's Stats; a cluster's index lists a live node)."""
@@ -272,6 +257,18 @@ class RemoteStore:
             with self._lock:
                 self._clusters.append(cc)
         return cc
+
+    def _control(
+        self, op: str, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]
+    ) -> int:
+        """fn(client, hashes) on the node (its control client), or on every node of a cluster holding a
+        prefix of them; a count, 0 on failure."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard(op, ns, lambda: fn(ctl, list(hashes)), 0)
+        return self._guard(op, ns, lambda: self._on_holders(ns, hashes, fn), 0)
 
     def _on_holders(self, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]) -> int:
         """fn(node client, the hashes it holds) on every node the index lists for a prefix of `hashes`."""

@@ -35,6 +35,7 @@ from kvstore.pageformat import HEADER_BYTES, slot_bytes_for
 from kvstore.stats import NodeStats
 from kvstore.tiers.nvme_meta import SEGMENT_RE, SlotState, classify
 from tests.engines.conftest import kv_bytes_per_token
+from tests.security.conftest import wait_for
 
 PREFIX = prompt(4 * CHUNK)  # four full LMCache chunks
 REQ_A = [*PREFIX, 11, 12, 13]
@@ -96,16 +97,6 @@ def clear_lmcache_memory(server: LMCacheServer) -> None:
         assert json.loads(resp.read())["status"] == "ok"
 
 
-def wait_until(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def flow(vllm_python: Path, engine_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Flow]:
     d = tmp_path_factory.mktemp("vllm-l2")
@@ -126,9 +117,7 @@ def flow(vllm_python: Path, engine_model: Path, tmp_path_factory: pytest.TempPat
                          connector_port=servers[-1].port)  # fmt: skip
         f.store = run.results
         # LMCache stores to L2 behind the engine: wait for the four chunks to reach the node.
-        f.pages_after_store = wait_until(
-            lambda: (n := l2_pages(node_stats(node))) >= 4 and n, 120, "4 pages on the node"
-        )
+        f.pages_after_store = wait_for(lambda: (n := l2_pages(node_stats(node))) >= 4 and n, 120, "4 pages on the node")
         servers.pop().stop()
         f.seconds["store: server + engine"] = time.monotonic() - t
 

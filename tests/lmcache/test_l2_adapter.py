@@ -28,7 +28,7 @@ from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import NodeStats
-from tests.lmcache.conftest import CHUNK_BYTES, SLOT, Records, start_node
+from tests.lmcache.conftest import CHUNK_BYTES, SLOT, Records, captured, start_node
 from tests.security.conftest import wait_for
 
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test installs it")
@@ -106,16 +106,8 @@ def adapters() -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture
 def log() -> Iterator[Records]:
-    rec = Records()
-    lg = logging.getLogger(lmcache_l2.__name__)
-    level = lg.level
-    lg.setLevel(logging.INFO)
-    lg.addHandler(rec)
-    try:
+    with captured(lmcache_l2.__name__) as rec:
         yield rec
-    finally:
-        lg.removeHandler(rec)
-        lg.setLevel(level)
 
 
 def _wait(fd: int, timeout: float) -> None:
