@@ -162,9 +162,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._usage_at = -float("inf")
         self._usage_busy = False
         self.tenant: str | None = None  # the node's tenant for this token, once Stats were read
-        self.counters = {k: 0 for k in ("stores", "stored_pages", "store_failures", "bytes_stored", "lookups",
-                                        "lookup_keys", "lookup_hits", "loads", "load_keys", "load_hits",
-                                        "bytes_loaded")}  # fmt: skip
+        self.counters: dict[str, float] = {k: 0 for k in (
+            "stores", "stored_pages", "store_failures", "bytes_stored", "store_seconds", "lookups", "lookup_keys",
+            "lookup_hits", "lookup_seconds", "loads", "load_keys", "load_hits", "bytes_loaded", "load_seconds")}  # fmt: skip
         where = s.namespace or f"{s.namespace_prefix}/{L2_MAPPING_VERSION}/<model>/r<rank>/g<group>/<layout>[/s=<salt>]"
         logger.info("kvstore L2 adapter: %s, namespace %s, transport %s, timeouts %gs (data) / %gs (lookup)%s",
                     self.store.where, where, s.remote.transport, s.remote.timeout, s.remote.lookup_timeout,
@@ -266,13 +266,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
             task_id = self._next_id
             self._next_id += 1
 
+        kind = fn.__name__.strip("_")  # store, lookup, load
+
         def run() -> None:
+            t0 = time.monotonic()
             try:
                 result = fn(*args)
             except Exception as exc:  # a bug here must not leave LMCache waiting on the task forever
                 self.store.say(_BUG_KIND, logging.ERROR, "kvstore L2 adapter: %s failed: %s", fn.__name__,
                                "".join(traceback.format_exception(exc)))  # fmt: skip
                 result = failed
+            with self._lock:
+                self.counters[f"{kind}_seconds"] += time.monotonic() - t0  # task time, queueing excluded
             done.finish(task_id, result)
 
         try:
