@@ -39,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -436,8 +437,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return None
         if key.cache_salt:
             self._salts.setdefault(l2_salt_part(key.cache_salt), key.cache_salt)
-        return l2_namespace(self.settings.namespace_prefix, key.model_name, key.kv_rank, key.object_group_id,
-                            key.cache_salt, tag)  # fmt: skip
+        return _namespace_of(self.settings.namespace_prefix, key.model_name, key.kv_rank, key.object_group_id,
+                             key.cache_salt, tag)  # fmt: skip
 
     def _desc_tag(self, key: ObjectKey, descs: Mapping[int, MemoryLayoutDesc]) -> str | None:
         desc = descs.get(key.object_group_id) if descs else None
@@ -509,6 +510,10 @@ class KVStoreL2Adapter(L2AdapterInterface):
         cap = capacity if bound and capacity > 0 else s.max_capacity_bytes
         return AdapterUsage(total_bytes_used=total, total_capacity_bytes=cap,
                             bytes_by_cache_salt=MappingProxyType(per_salt))  # fmt: skip
+
+
+# Every key of a row maps to the same namespace: validating it once per row, not once per key (bounded).
+_namespace_of = functools.lru_cache(maxsize=4096)(l2_namespace)
 
 
 def _object_tag(obj: MemoryObj) -> str:
