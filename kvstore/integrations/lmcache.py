@@ -346,7 +346,7 @@ class KVStoreConnector(RemoteConnector):
         got = 0
         try:
             views = [obj.byte_array.cast("B")[: shape.layout.page_bytes] for obj in objs]
-            got = self.store.get_into(ns, hashes[: len(objs)], views)
+            got = len(self.store.get_into(ns, hashes[: len(objs)], views))
         finally:
             for obj in objs[got:]:
                 obj.ref_count_down()  # ours until returned: give it back to LMCache's allocator

@@ -252,7 +252,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         hashes = [h for k in keys for h in region_hashes(k, per)]
         landed = 0
         for a, b in self._calls(len(keys), per):
-            got = self.store.get_into(ns, hashes[a:b], views[a:b])
+            got = len(self.store.get_into(ns, hashes[a:b], views[a:b]))
             landed += got
             if got < b - a:
                 break
@@ -294,7 +294,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             return []
         ns, _layout = self._flat()
         targets = list(target_locations) if target_locations is not None else [self._dummy() for _ in keys]
-        got = self.store.get_into(ns, [key_bytes(k) for k in keys], [byte_view(t) for t in targets])
+        got = len(self.store.get_into(ns, [key_bytes(k) for k in keys], [byte_view(t) for t in targets]))
         return [targets[i] if i < got else None for i in range(len(keys))]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:

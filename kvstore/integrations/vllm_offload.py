@@ -261,7 +261,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
     def _load(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)
         views = [self.rows[int(c)] for c in job.chunk_ids]
-        got = self.store.get_into(self.namespace, [page_hash(k) for k in keys], views)
+        got = len(self.store.get_into(self.namespace, [page_hash(k) for k in keys], views))
         return JobResult(
             job_id=job.job_id,
             success=got == len(keys),

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from devkit.engines import REPO as ROOT
+from devkit.engines import engine_env
 from devkit.kv_events_sub import replay_state
 from kvstore.client import KVStoreClient
 from kvstore.hashing import prefix_hashes
 from kvstore.node.kv_events import MEDIUM, topic_of
-from tests.engines.conftest import ROOT, engine_env
 from tests.integration.conftest import LAYOUT, NS, page, start_node
 
 SUB = ROOT / "devkit" / "kv_events_sub.py"

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
+from devkit.engines import REPO as ROOT
+from devkit.engines import engine_env
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity
-from tests.engines.conftest import ROOT, engine_env
 
 DRIVER = ROOT / "tests" / "engines" / "vllm_offload_driver.py"
 # What the tier computes for the driver's engine (tiny-llama, bf16, 16-token blocks, 32 KiB chunk rows).

@@ -55,7 +55,9 @@ class ReceivePool:
         self.registry = SharedBuffers() if registry is None else registry
         self.keep_bytes = keep_bytes
         self._arenas: dict[int, list[_Arena]] = defaultdict(list)
-        self._lock = threading.Lock()
+        # NOTE: reentrant: a block's finalizer (`_give`) runs wherever the garbage collector frees its array,
+        # which may be inside `take` on this very thread (an allocation there can start a collection).
+        self._lock = threading.RLock()
         self._free_bytes = 0
 
     def take(self, nbytes: int) -> memoryview:
