@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 from machine import machine_line, save_results
 
-from kvstore.launch import NodeProcess
+from kvstore.cli.launch import NodeProcess
 
 NS = b"bench/auth-memory"
 READ = "ro-bench-" + "r" * 24

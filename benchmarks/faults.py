@@ -23,7 +23,7 @@ from machine import machine_line, save_results
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from devkit import faults
 from devkit.fuzz import run_fuzz, setup_target
-from kvstore.launch import NodeProcess
+from kvstore.cli.launch import NodeProcess
 
 SIZES = {  # option: (full, --quick, what)
     "kill_rounds": (100, 20, "kill -9 restarts"),

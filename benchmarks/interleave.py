@@ -11,7 +11,7 @@ from pathlib import Path
 from machine import save_results
 
 from kvstore.memtune import tune_malloc_for_bulk_io
-from kvstore.transport.shm import shm_available
+from kvstore.wire.shm import shm_available
 
 
 def add_run_options(ap: argparse.ArgumentParser, *, iters: int, warmup: int, quick: str) -> None:

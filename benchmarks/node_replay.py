@@ -21,9 +21,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import ResourceExhausted
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import slot_bytes_for
 

@@ -51,14 +51,14 @@ from machine import machine_line, save_results
 from store_bench import TcpClient, TcpServer, source_digest
 
 from devkit.pki import make_dev_pki
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.client import core as client_core
-from kvstore.config import parse_size
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
+from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
-from kvstore.transport.ucx import ucxx_installed
+from kvstore.wire.ucx import ucxx_installed
 
 HERE = Path(__file__).resolve().parent
 ZERO_COPY = "kvstore zero-copy (same host, put_from/get_into)"

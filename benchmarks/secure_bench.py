@@ -26,8 +26,8 @@ from pathlib import Path
 from machine import machine_line, save_results
 
 from devkit.pki import make_dev_pki
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.pageformat import slot_bytes_for

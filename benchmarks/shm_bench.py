@@ -28,8 +28,8 @@ from collections.abc import Callable
 from interleave import Column, add_run_options, round_robin, save_table, start
 from machine import machine_line
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import slot_bytes_for
 

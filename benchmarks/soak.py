@@ -29,8 +29,8 @@ from pathlib import Path
 
 from machine import machine_line, save_results
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import slot_bytes_for
 

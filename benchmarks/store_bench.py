@@ -2,7 +2,7 @@
 
 What is measured
     For each page size (default 256 KiB, 1 MiB, 4 MiB) a real `kvstore serve` child process is started
-    (kvstore.launch.NodeProcess, one node per page size with max_page_bytes = page size) and driven by
+    (kvstore.cli.launch.NodeProcess, one node per page size with max_page_bytes = page size) and driven by
     the blocking `KVStoreClient` from this process:
 
     - put          fresh hashes on every call (a put of a stored hash is a no-op); after each timed call
@@ -79,16 +79,16 @@ from pathlib import Path
 import grpc
 from machine import cpu_model
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.config import parse_size
 from kvstore.errors import KVStoreError
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
+from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
-from kvstore.transport.shm import shm_available
+from kvstore.wire.shm import shm_available
 
 NAMESPACE = "bench"
 MIN_CALLS = 8  # calls per run never go below this (unless --iters is smaller)

@@ -26,7 +26,7 @@ import xxhash
 from machine import machine_line, save_results
 
 from kvstore.memtune import tune_malloc_for_bulk_io
-from kvstore.transport.tcp.node_io import PlainChannel, listen_socket, tune
+from kvstore.node.planes.tcp_io import PlainChannel, listen_socket, tune
 
 HEADER = 57  # a PAGE frame's header and metadata
 BUFFER = 4 << 20

@@ -27,16 +27,17 @@ from pathlib import Path
 
 from machine import machine_line, save_results
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.config import NodeConfig
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
-from kvstore.manager.tenants import TenantView
+from kvstore.manager.views import TenantView
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
+from kvstore.node.config import NodeConfig
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
+from kvstore.wire import PutOpen
 
 NS = "bench/tenancy"
 TOKEN = "bench-token-" + "0" * 24
@@ -81,7 +82,7 @@ async def _micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict
     page = bytes(layout.page_bytes)
 
     async def put(v: TierManager | TenantView, hs: list[bytes]) -> None:
-        txn = v.begin_put(NS, layout)
+        txn = v.begin_put(PutOpen(NS, layout))
         for h in hs:
             dst = await txn.add_page(h, layout.page_bytes, 0)
             if dst is not None:
@@ -103,10 +104,10 @@ async def _micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict
                                          io_threads=2), shares=shares)  # fmt: skip
         await mgrs[m].start()
         # The reference calls the manager as every plane did before tenancy; the others go through the view.
-        views[m] = mgrs[m] if m == "no-tenancy" else mgrs[m].scoped("t0")
+        views[m] = mgrs[m] if m == "no-tenancy" else TenantView(mgrs[m], "t0")
         if m != "no-tenancy":
             for i in range(1, 8):  # seven more tenants on the node: every miss checks 8 scopes
-                await put(mgrs[m].scoped(f"t{i}"), hashes(f"other-{i}", 1))
+                await put(TenantView(mgrs[m], f"t{i}"), hashes(f"other-{i}", 1))
     chain, cold = hashes("chain", 64), hashes("cold", 64)
     for m in MODES:
         await put(views[m], chain)

@@ -1,7 +1,7 @@
 """The UCX plane against gRPC streams and memcpy, in one run, on loopback (UCX_NET_DEVICES=lo by default).
 
 Method: one real node (DRAM only) per page size; clients of it with transport="grpc" and with
-transport="ucx" in three ways of connecting (kvstore/transport/ucx/client.py):
+transport="ucx" in three ways of connecting (kvstore/client/planes/ucx.py):
 - ucx-listener: through the node's UCX listener (a sockaddr connection: TCP here);
 - ucx-address: by the node's advertised worker address, peer-failure detection on (the default; UCX
   picks the lanes both workers have that can report a dead peer: TCP here, RDMA on an IB/RoCE host);
@@ -26,13 +26,13 @@ from pathlib import Path
 
 from machine import machine_line, memcpy_gbs, save_results
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.pageformat import slot_bytes_for
-from kvstore.transport.ucx import ucxx_installed
+from kvstore.wire.ucx import ucxx_installed
 
 NS = "bench/ucx"
 # name -> (transport, client environment while its connections open)

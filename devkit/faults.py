@@ -26,12 +26,13 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import KVStoreError
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
+from kvstore.pageformat import MAGIC as PAGE_MAGIC
 from kvstore.tiers.nvme_meta import META_NAME, SEGMENT_RE, SlotState, classify
 
 LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB pages
@@ -283,6 +284,24 @@ def live_slots(nvme: Path) -> list[tuple[Path, int]]:
     return out
 
 
+def damage_page(nvme: Path, page_hash: bytes, at: int = 100) -> Path:
+    """Flip one bit `at` bytes into the payload of the NVMe slot holding `page_hash` (bit rot under a live
+    or stopped node); returns the segment file. Slots start on 4 KiB boundaries whatever their size, so
+    every boundary is checked for a page header naming the hash. KeyError if no slot holds it."""
+    for seg in sorted(p for p in nvme.iterdir() if SEGMENT_RE.fullmatch(p.name)):
+        with open(seg, "r+b") as f:
+            for off in range(0, seg.stat().st_size - HEADER_BYTES + 1, 4096):
+                f.seek(off)
+                state, header, _ = classify(f.read(HEADER_BYTES))
+                if state is SlotState.PAGE and header is not None and header.hash == page_hash:
+                    f.seek(off + HEADER_BYTES + at)
+                    byte = f.read(1)
+                    f.seek(off + HEADER_BYTES + at)
+                    f.write(bytes([byte[0] ^ 0x40]))
+                    return seg
+    raise KeyError(f"no NVMe slot under {nvme} holds page {page_hash.hex()[:16]}")
+
+
 def flip_bits(rng: random.Random, targets: list[tuple[Path, int]], flips: int) -> None:
     """Flip `flips` random bits inside the given slots (header block or payload)."""
     for _ in range(flips):
@@ -491,9 +510,9 @@ def disk_full(workdir: Path, seconds: float = 4.0, seed: int = 0) -> FaultResult
 def redis_outage(workdir: Path, outages: int = 1, chains: int = 16, down_seconds: float = 2.0) -> FaultResult:
     """Redis killed (SIGKILL) under load and restarted empty on the same port: local reads keep being
     served while it is down; seconds until the index finds every chain again are the recovery time."""
-    from kvstore.cluster import ClusterClient
+    from kvstore.cli.launch import RedisProcess
+    from kvstore.client.cluster import ClusterClient
     from kvstore.index import IndexUnavailable
-    from kvstore.launch import RedisProcess
 
     res = FaultResult("Redis killed and restarted empty under load")
     all_keys = [[key(c * CHAIN + j, "redis") for j in range(CHAIN)] for c in range(chains)]
@@ -514,7 +533,9 @@ def redis_outage(workdir: Path, outages: int = 1, chains: int = 16, down_seconds
                         keys = all_keys[res.requests % chains]
                         try:
                             pages = kv.get_pages(NS, keys, promote=True)
-                            if len(pages) != CHAIN or any(bytes(p.data) != content(h) for h, p in zip(keys, pages, strict=True)):
+                            if len(pages) != CHAIN or any(
+                                bytes(p.data) != content(h) for h, p in zip(keys, pages, strict=True)
+                            ):
                                 res.errors += 1
                         except KVStoreError:
                             res.errors += 1
@@ -654,3 +675,39 @@ def slow_consumers(workdir: Path, stalled: int = 8, silent: int = 8, seconds: fl
         for s in socks:
             s.close()
         node.close()
+
+
+def flip_in_slab(pid: int, payload: bytes, page_hash: bytes, at: int = 0) -> int:
+    """Flip one bit of a page held in a live node's host memory: byte `at` of its payload, in every slot image
+    of that page in the process's private writable anonymous mappings (the DRAM slab, and any bounce copy),
+    through /proc/<pid>/mem. Needs ptrace rights over `pid` (a parent over its child, or root).
+
+    A slot image is the page's header block (MAGIC first, the page's hash in it) followed by the payload
+    starting with `payload`'s bytes, so a stale copy of the bytes elsewhere (a freed receive buffer) is
+    never touched. Returns how many images were flipped; LookupError when none was found."""
+    needle = payload[:64]
+    flipped = 0
+    regions = []
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 5 and parts[1].startswith("rw"):  # no path: anonymous memory
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            regions.append((lo, hi))
+    with open(f"/proc/{pid}/mem", "r+b", buffering=0) as mem:
+        for lo, hi in regions:
+            try:
+                mem.seek(lo)
+                data = mem.read(min(hi - lo, 1 << 30))  # bounded: test nodes are small
+            except OSError:
+                continue  # a guard page, or a mapping that went away
+            i = data.find(needle, HEADER_BYTES)
+            while i >= 0:
+                header = data[i - HEADER_BYTES : i]
+                if header.startswith(PAGE_MAGIC) and page_hash in header:
+                    mem.seek(lo + i + at)
+                    mem.write(bytes((data[i + at] ^ 0x01,)))
+                    flipped += 1
+                i = data.find(needle, i + 1)
+    if not flipped:
+        raise LookupError(f"no slot image of page {page_hash.hex()} in the anonymous memory of process {pid}")
+    return flipped

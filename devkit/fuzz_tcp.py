@@ -1,4 +1,4 @@
-"""Fuzz cases for the TCP data plane (kvstore/transport/tcp): its own frames, valid ones with at most one
+"""Fuzz cases for the TCP data plane (kvstore/wire/tcp): its own frames, valid ones with at most one
 field broken, byte flips and raw bytes, each on a fresh connection to the node's TCP plane listener.
 
 A case's code is the status of the node's answer: "OK" for DONE, the ERROR frame's status name, or
@@ -29,9 +29,9 @@ from devkit.fuzz import (
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import payload_checksum
-from kvstore.transport import tcp
-from kvstore.transport.tcp import Kind
-from kvstore.wire import stats_from_pb
+from kvstore.wire import PutOpen, tcp
+from kvstore.wire.streams import stats_from_pb
+from kvstore.wire.tcp import Kind
 
 CLOSED = "CLOSED"
 READ_TIMEOUT_S = 30.0
@@ -131,7 +131,7 @@ class TcpPlane:
         if mut == "other layout":
             layout = PageLayout(DType.FLOAT16, 2, 1, 32, 16)  # not the layout t.ns was stored with
             data = content(h, layout.page_bytes)
-        head = tcp.put(tcp.PutOpen(ns, layout, None, None, False, npages))
+        head = tcp.put(PutOpen(ns, layout), npages)
         if mut == "bad layout":
             at = tcp.HEADER_BYTES + struct.calcsize(f"<BBBI{32}s")
             head = head[:at] + b"\xff" * tcp.LAYOUT_BYTES + head[at + tcp.LAYOUT_BYTES :]

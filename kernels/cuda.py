@@ -214,7 +214,8 @@ def _i32(value: int) -> np.int32:
     return np.int32(value)
 
 
-def paged_attention_decode(
+# a launcher takes the kernel's tensors and sizes as they are (STYLE.md 7)
+def paged_attention_decode(  # noqa: PLR0913
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -258,16 +259,33 @@ def paged_attention_decode(
         (num_heads // tile, num_seqs, plan.num_partitions),
         (DECODE_THREADS, 1, 1),
         (
-            out, partial_out, partial_max, partial_sum, query, key_cache, value_cache, block_tables, seq_lens,
-            _i32(num_heads), _i32(num_heads // num_kv_heads), _i32(key_cache.shape[1]), _i32(plan.partition_size),
+            out,
+            partial_out,
+            partial_max,
+            partial_sum,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            _i32(num_heads),
+            _i32(num_heads // num_kv_heads),
+            _i32(key_cache.shape[1]),
+            _i32(plan.partition_size),
             np.float32(scale * LOG2E),
-            _i32(query.stride(0)), _i32(query.stride(1)),
-            _i32(key_cache.stride(0)), _i32(key_cache.stride(1)), _i32(key_cache.stride(2)),
-            _i32(value_cache.stride(0)), _i32(value_cache.stride(1)), _i32(value_cache.stride(2)),
+            _i32(query.stride(0)),
+            _i32(query.stride(1)),
+            _i32(key_cache.stride(0)),
+            _i32(key_cache.stride(1)),
+            _i32(key_cache.stride(2)),
+            _i32(value_cache.stride(0)),
+            _i32(value_cache.stride(1)),
+            _i32(value_cache.stride(2)),
             _i32(block_tables.stride(0)),
-            _i32(out.stride(0)), _i32(out.stride(1)),
+            _i32(out.stride(0)),
+            _i32(out.stride(1)),
         ),
-    )  # fmt: skip
+    )
     if plan.split:
         launch(
             "paged_attention.cu",
@@ -275,12 +293,20 @@ def paged_attention_decode(
             (num_heads, num_seqs, 1),
             (REDUCE_THREADS, 1, 1),
             (
-                out, partial_out, partial_max, partial_sum, seq_lens,
-                _i32(num_heads), _i32(head_dim), _i32(plan.num_partitions), _i32(plan.partition_size),
-                _i32(out.stride(0)), _i32(out.stride(1)),
+                out,
+                partial_out,
+                partial_max,
+                partial_sum,
+                seq_lens,
+                _i32(num_heads),
+                _i32(head_dim),
+                _i32(plan.num_partitions),
+                _i32(plan.partition_size),
+                _i32(out.stride(0)),
+                _i32(out.stride(1)),
             ),
             shared_mem=4 * plan.num_partitions,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -313,13 +339,22 @@ def reshape_and_cache(
         (num_tokens, 1, 1),
         (COPY_THREADS, 1, 1),
         (
-            key, value, key_cache, value_cache, slot_mapping,
-            _i32(row // unit), units(key.stride(0)), units(value.stride(0)),
-            units(key_cache.stride(0)), units(key_cache.stride(1)),
-            units(value_cache.stride(0)), units(value_cache.stride(1)),
-            _i32(block_size), np.int64(num_blocks * block_size),
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            _i32(row // unit),
+            units(key.stride(0)),
+            units(value.stride(0)),
+            units(key_cache.stride(0)),
+            units(key_cache.stride(1)),
+            units(value_cache.stride(0)),
+            units(value_cache.stride(1)),
+            _i32(block_size),
+            np.int64(num_blocks * block_size),
         ),
-    )  # fmt: skip
+    )
 
 
 def _page_copy(
@@ -354,10 +389,15 @@ def _page_copy(
         (num_pages * planes, 1, 1),
         (COPY_THREADS, 1, 1),
         (
-            pages, pointers, block_ids, _i32(planes), _i32(plane_bytes // unit),
-            np.int64(first.stride(0) * item // unit), np.int64(first.shape[0]),
+            pages,
+            pointers,
+            block_ids,
+            _i32(planes),
+            _i32(plane_bytes // unit),
+            np.int64(first.stride(0) * item // unit),
+            np.int64(first.shape[0]),
         ),
-    )  # fmt: skip
+    )
 
 
 def gather_pages(
@@ -375,14 +415,13 @@ def scatter_pages(
     _page_copy(scatter_kernel_name, pages, kv_caches, block_ids)
 
 
-def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch quantize_fp8_kernel: one block per (plane, kv head). See kernels.ops."""
+def quantize_fp8(pages: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """Launch quantize_fp8_kernel into q and scales (pages at any stride; see kernels.ops): one block per
+    (plane, kv head)."""
     num_pages, num_layers, two, block_size, num_kv_heads, head_dim = pages.shape
-    q = torch.empty(pages.shape, dtype=torch.float8_e4m3fn, device=pages.device)
-    scales = torch.empty((num_pages, num_layers, two, num_kv_heads), dtype=torch.float32, device=pages.device)
     blocks = num_pages * num_layers * two * num_kv_heads
     if blocks == 0:
-        return q, scales
+        return
     if blocks > MAX_GRID_X:
         raise ValueError(f"{blocks} (plane, head) slabs exceed one launch's grid")
     _Launcher(pages.device)(
@@ -390,14 +429,24 @@ def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         quantize_kernel_name(pages.dtype),
         (blocks, 1, 1),
         (QUANT_THREADS, 1, 1),
-        (q, scales, pages, _i32(block_size), _i32(num_kv_heads), _i32(head_dim)),
+        (
+            q,
+            scales,
+            pages,
+            np.int64(q.stride(0)),
+            np.int64(scales.stride(0)),
+            _i32(num_layers * two),
+            _i32(block_size),
+            _i32(num_kv_heads),
+            _i32(head_dim),
+        ),
     )
-    return q, scales
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Launch dequantize_fp8_kernel, grid-stride over groups of 8 values. See kernels.ops."""
-    _, _, _, block_size, num_kv_heads, head_dim = q.shape
+    """Launch dequantize_fp8_kernel (q and scales pages at any stride; see kernels.ops), grid-stride over
+    groups of 8 values."""
+    _, num_layers, two, block_size, num_kv_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     groups = q.numel() // FP8_GROUP
     if groups == 0:
@@ -408,6 +457,17 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
         dequantize_kernel_name(dtype),
         (grid, 1, 1),
         (DEQUANT_THREADS, 1, 1),
-        (out, q, scales, np.int64(groups), _i32(block_size), _i32(num_kv_heads), _i32(head_dim)),
+        (
+            out,
+            q,
+            scales,
+            np.int64(groups),
+            np.int64(q.stride(0)),
+            np.int64(scales.stride(0)),
+            _i32(num_layers * two),
+            _i32(block_size),
+            _i32(num_kv_heads),
+            _i32(head_dim),
+        ),
     )
     return out

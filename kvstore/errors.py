@@ -1,11 +1,14 @@
-"""Exceptions the service raises; server.py maps each to one gRPC status code (and nothing else does).
+"""Every exception kvstore raises to a caller, in one tree under `KVStoreError`: catch that one base.
 
-Every message names the offending field, so a caller can fix the request without reading server logs.
+Each class carries the status it travels as: the node's gRPC interceptor (kvstore/node/interceptor.py)
+turns it into that gRPC status code, the TCP and UCX planes into an ERROR frame naming it, and a client
+turns either back into the same class (`from_status`). Every message names the offending field, so a
+caller can fix the request without reading server logs.
 """
 
 from __future__ import annotations
 
-from kvstore.tenants import unscope
+from kvstore.scoping import unscope
 
 
 class KVStoreError(Exception):
@@ -30,7 +33,7 @@ class NamespaceNotFound(KVStoreError):
     status_name = "NOT_FOUND"
 
     def __init__(self, namespace: str) -> None:
-        # A tenant's namespace is named as its clients name it (kvstore/tenants.py): a cold miss either way.
+        # A tenant's namespace is named as its clients name it (kvstore/scoping.py): a cold miss either way.
         super().__init__(f"namespace: {unscope(namespace)!r} is not known to this node (no page was ever put under it)")
         self.namespace = namespace
 
@@ -78,9 +81,24 @@ class PlaneUnavailable(KVStoreError):
     status_name = "UNIMPLEMENTED"
 
 
-class ShmNotAvailable(PlaneUnavailable):
-    """The shared-memory data plane cannot be used for this call: the node runs without it, or the
-    caller's segment is not visible to the node (another host or another /dev/shm). Use Put/Get."""
+class StreamError(KVStoreError):
+    """A transfer broke on its way to this client: framing out of order, a page truncated, or a page whose
+    bytes do not match their checksum after crossing the wire. Raised by the client, never sent by a node;
+    the data of the call is not handed out."""
+
+    status_name = "DATA_LOSS"
+
+
+class PageCorrupt(StreamError):
+    """A received page failed its checksum (DESIGN.md §8: the party that receives the bytes verifies them).
+    Raised inside a client's data plane with the pages of the batch verified before it (`good`); the client
+    turns it into a miss from that page on and reports the page to the node (the Report RPC)."""
+
+    def __init__(self, index: int, page_hash: bytes, good: list[object]) -> None:
+        super().__init__(f"page {index}: checksum mismatch after transfer")
+        self.index = index
+        self.hash = page_hash
+        self.good = good
 
 
 class RemoteError(KVStoreError):
@@ -93,8 +111,16 @@ class RemoteError(KVStoreError):
 
 _BY_STATUS: dict[str, type[KVStoreError]] = {
     cls.status_name: cls
-    for cls in (InvalidArgument, NamespaceNotFound, LayoutMismatch, ResourceExhausted, DataLoss, Unavailable,
-                Unauthenticated, PermissionDenied, ShmNotAvailable)
+    for cls in (
+        InvalidArgument,
+        NamespaceNotFound,
+        LayoutMismatch,
+        ResourceExhausted,
+        DataLoss,
+        Unavailable,
+        Unauthenticated,
+        PermissionDenied,
+    )
 }
 
 

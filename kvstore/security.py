@@ -3,9 +3,9 @@
 Server side (`NodeConfig`): `tls_cert_file` + `tls_key_file` turn on TLS; `tls_client_ca_file`
 also requires every client to present a certificate signed by that CA (mTLS). `auth_tokens_file`
 holds the tokens that may do everything; `auth_read_tokens_file` the tokens that may only read
-(Lookup, Get, GetShm, Stats) and never change where pages live: their Gets are served without
+(Lookup, Get, Report, Stats) and never change where pages live: their Gets are served without
 promotion, and Prefetch or Lookup with prefetch need a read-write token. A token file has one
-token per line, optionally followed by the name of the tenant it belongs to (kvstore/tenants.py; blank
+token per line, optionally followed by the name of the tenant it belongs to (kvstore/scoping.py; blank
 lines and `#` comments ignored), so a rotation is: add the new token, roll
 clients, remove the old one; files are re-read when they change (checked at most once a second), with
 no restart.
@@ -17,7 +17,7 @@ flags. The token travels as `authorization: Bearer <token>` metadata on every ca
 
 Status codes (DESIGN.md §8): no token or an unknown one -> UNAUTHENTICATED; a read token on a write
 method -> PERMISSION_DENIED; nothing is changed in either case, and the request is not even read
-(kvstore/admission.py). The grpc health service stays open (load balancers and kubelets probe it
+(kvstore/node/limits.py). The grpc health service stays open (load balancers and kubelets probe it
 without credentials); reflection is only served when no tokens are configured. Tokens compare in
 constant time.
 
@@ -50,15 +50,15 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import grpc
 
+from kvstore.addresses import is_loopback
 from kvstore.errors import PermissionDenied, Unauthenticated
-from kvstore.tenants import DEFAULT_TENANT, check_tenant
-from kvstore.transport.planes import is_loopback
+from kvstore.scoping import DEFAULT_TENANT, check_tenant
 
 log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
 # Change what a node holds or where (Prefetch promotes, which on a full node drops the coldest page).
-WRITE_METHODS = frozenset({"Put", "PutShm", "Delete", "Pin", "Unpin", "Prefetch"})
+WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin", "Prefetch"})
 RELOAD_EVERY_S = 1.0
 
 
@@ -77,7 +77,7 @@ class Principal:
 
     role: Role
     subject: str
-    # The tenant the server binds this caller to (kvstore/tenants.py): from its token's line in the token
+    # The tenant the server binds this caller to (kvstore/scoping.py): from its token's line in the token
     # file or from its mTLS subject in the tenants file; None: unbound, i.e. the default tenant.
     tenant: str | None = None
 
@@ -106,8 +106,9 @@ def redact_url(url: str) -> str:
     query = parts.query
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs],
-                          safe="*/:")  # fmt: skip
+        query = urlencode(
+            [(k, "***" if any(s in k.lower() for s in _SECRET_QUERY_KEYS) else v) for k, v in pairs], safe="*/:"
+        )
     return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
@@ -117,8 +118,10 @@ def check_private(path: str | os.PathLike[str], st: os.stat_result) -> None:
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o007 or (mode & 0o070 and st.st_gid != os.getegid()):
         who = "every user" if mode & 0o007 else f"group {st.st_gid}"
-        raise ValueError(f"{path}: accessible to {who} (mode {mode:04o}); a token file must be private "
-                         f"to the user that reads it: chmod 600 {path}")  # fmt: skip
+        raise ValueError(
+            f"{path}: accessible to {who} (mode {mode:04o}); a token file must be private "
+            f"to the user that reads it: chmod 600 {path}"
+        )
 
 
 def read_token_entries(path: str | os.PathLike[str]) -> list[tuple[str, str | None]]:
@@ -135,8 +138,10 @@ def read_token_entries(path: str | os.PathLike[str]) -> list[tuple[str, str | No
         if not fields or fields[0].startswith("#"):
             continue
         if len(fields) > 2 or len(fields[0]) < 16:
-            raise ValueError(f"{path}:{n}: a line is a token (>= 16 characters without spaces), optionally "
-                             "followed by its tenant's name")  # fmt: skip
+            raise ValueError(
+                f"{path}:{n}: a line is a token (>= 16 characters without spaces), optionally "
+                "followed by its tenant's name"
+            )
         tenant = check_tenant(fields[1], f"{path}:{n}: tenant") if len(fields) == 2 else None
         entries.append((fields[0], tenant))
     if not entries:
@@ -180,8 +185,12 @@ class TokenAuthenticator:
                 if force:
                     raise ValueError(f"auth token file for {role.name.lower()} access: {exc}") from exc
                 if self._seen.get(role) is not None:
-                    log.error("auth token file %s: %s; every %s token is revoked until the file is fixed",
-                              path, exc, role.name.lower())  # fmt: skip
+                    log.error(
+                        "auth token file %s: %s; every %s token is revoked until the file is fixed",
+                        path,
+                        exc,
+                        role.name.lower(),
+                    )
                 self._tokens[role], self._seen[role] = [], None
                 self.last_error = str(exc)
                 continue
@@ -197,8 +206,10 @@ class TokenAuthenticator:
                     self._reload()
         presented = _bearer(metadata)
         if presented is None:
-            raise Unauthenticated("this node requires a token (set KVSTORE_TOKEN or KVSTORE_TOKEN_FILE; "
-                                  "on the wire: 'authorization: Bearer <token>')")
+            raise Unauthenticated(
+                "this node requires a token (set KVSTORE_TOKEN or KVSTORE_TOKEN_FILE; "
+                "on the wire: 'authorization: Bearer <token>')"
+            )
         # Check every token (no early exit), so timing says nothing about which one nearly matched.
         found: tuple[Role, str | None] | None = None
         for r in (Role.WRITE, Role.READ):
@@ -266,10 +277,14 @@ class ClientSecurity:
         if token is None and env.get("KVSTORE_TOKEN_FILE"):
             token = read_token_file(env["KVSTORE_TOKEN_FILE"])[0]
         plaintext = env.get("KVSTORE_ALLOW_PLAINTEXT_TOKEN", "").strip().lower() in {"1", "true", "yes", "on"}
-        return cls(token=token, ca_file=env.get("KVSTORE_TLS_CA") or None,
-                   cert_file=env.get("KVSTORE_TLS_CERT") or None, key_file=env.get("KVSTORE_TLS_KEY") or None,
-                   server_name=env.get("KVSTORE_TLS_SERVER_NAME") or None,
-                   allow_plaintext_token=plaintext)  # fmt: skip
+        return cls(
+            token=token,
+            ca_file=env.get("KVSTORE_TLS_CA") or None,
+            cert_file=env.get("KVSTORE_TLS_CERT") or None,
+            key_file=env.get("KVSTORE_TLS_KEY") or None,
+            server_name=env.get("KVSTORE_TLS_SERVER_NAME") or None,
+            allow_plaintext_token=plaintext,
+        )
 
     @property
     def tls(self) -> bool:

@@ -71,6 +71,21 @@ class IndexStatus:
     resync_pending: bool = False
 
 
+@dataclass(slots=True)
+class KvEventsStatus:
+    """The node's KV-event feed for routers (kvstore/node/kv_events.py). `dropped_events` were refused by its
+    full queue (each schedules a snapshot); a subscriber's own losses in ZMQ show to it as sequence gaps."""
+
+    endpoint: str
+    queued: int = 0  # changes waiting for the sender thread
+    sent_events: int = 0  # block hashes (and clears) sent
+    sent_batches: int = 0  # messages sent (one sequence number each)
+    dropped_events: int = 0
+    snapshots: int = 0  # full states sent (start, a new subscriber, after drops)
+    subscribers: int = 0  # subscriptions seen and not withdrawn
+    send_errors: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PlaneInfo:
     """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS."""
@@ -88,7 +103,9 @@ def planes_to_json(planes: list[PlaneInfo]) -> str:
 def planes_from_json(text: str) -> list[PlaneInfo]:
     """Advertised planes from an index record; [] when absent or unreadable (a stale or foreign record)."""
     try:
-        return [PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)]
+        return [
+            PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)
+        ]
     except (ValueError, TypeError, KeyError, AttributeError):
         return []
 
@@ -121,12 +138,18 @@ class TenantStats:
 
 def tenant_as_dict(t: TenantStats) -> dict[str, object]:
     return {
-        "tenant": t.tenant, "pages": {k.label: n for k, n in t.pages.items()},
-        "quota_bytes": {k.label: n for k, n in t.quota_bytes.items()}, "lookups": t.lookups,
-        "lookup_blocks": t.lookup_blocks, "lookup_matched": t.lookup_matched, "hit_rate": t.hit_rate,
-        "get_pages": t.get_pages, "get_served": t.get_served, "get_hit_rate": t.get_hit_rate,
+        "tenant": t.tenant,
+        "pages": {k.label: n for k, n in t.pages.items()},
+        "quota_bytes": {k.label: n for k, n in t.quota_bytes.items()},
+        "lookups": t.lookups,
+        "lookup_blocks": t.lookup_blocks,
+        "lookup_matched": t.lookup_matched,
+        "hit_rate": t.hit_rate,
+        "get_pages": t.get_pages,
+        "get_served": t.get_served,
+        "get_hit_rate": t.get_hit_rate,
         "cross_tenant_misses": t.cross_tenant_misses,
-    }  # fmt: skip
+    }
 
 
 @dataclass(slots=True)
@@ -148,8 +171,12 @@ class NodeStats:
     prefetch_wasted: int = 0  # prefetched pages evicted or dropped unread
     index: IndexStatus | None = None
     planes: list[PlaneInfo] = field(default_factory=list)  # bulk data planes besides Put/Get streams
-    host_id: str = ""  # the node's host (kvstore.transport.planes.host_id)
+    host_id: str = ""  # the node's host (kvstore.addresses.host_id)
     tenants: list[TenantStats] = field(default_factory=list)  # the caller's own (every one for the default tenant)
+    corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival (Report)
+    corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
+    scrubbed_bytes: int = 0  # DRAM payload bytes the background scrubber verified
+    kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -165,15 +192,27 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "max_page_bytes": stats.max_page_bytes,
         "tiers": {
             t.tier.label: {
-                "available": t.available, "detail": t.detail, "capacity_bytes": t.capacity_bytes,
-                "used_bytes": t.used_bytes, "slot_bytes": t.slot_bytes, "slots_total": t.slots_total,
-                "slots_used": t.slots_used, "pages": t.pages, "hit_rate": t.hit_rate,
+                "available": t.available,
+                "detail": t.detail,
+                "capacity_bytes": t.capacity_bytes,
+                "used_bytes": t.used_bytes,
+                "slot_bytes": t.slot_bytes,
+                "slots_total": t.slots_total,
+                "slots_used": t.slots_used,
+                "pages": t.pages,
+                "hit_rate": t.hit_rate,
                 **{f.name: getattr(t.counters, f.name) for f in fields(t.counters)},
             }
             for t in stats.tiers
         },
         "namespaces": [
-            {"namespace": ns, "layout": layout.describe(), "page_bytes": layout.page_bytes, "pages": pages}
+            {
+                "namespace": ns,
+                "layout": layout.describe(),
+                "encoding": layout.encoding.label,
+                "page_bytes": layout.page_bytes,
+                "pages": pages,
+            }
             for ns, layout, pages in stats.namespaces
         ],
         "lookups": stats.lookups,
@@ -185,8 +224,12 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "prefetch_wasted": stats.prefetch_wasted,
         "pinned_pages": stats.pinned_pages,
         "put_rejected": stats.put_rejected,
+        "corrupt_reports": stats.corrupt_reports,
+        "corrupt_confirmed": stats.corrupt_confirmed,
+        "scrubbed_bytes": stats.scrubbed_bytes,
         "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},
         "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],
         "host_id": stats.host_id,
         "tenants": [tenant_as_dict(t) for t in stats.tenants],
+        "kv_events": None if stats.kv_events is None else asdict(stats.kv_events),
     }

@@ -46,7 +46,9 @@ class DecodeWorker:
         self.engine = DecodeEngine(cfg)
         self._stats: dict[str, DecodeStats] = {}
 
-    def generate(self, request_id: str, prompt: list[int], prefill: PrefillResult, max_new_tokens: int) -> Iterator[int]:
+    def generate(
+        self, request_id: str, prompt: list[int], prefill: PrefillResult, max_new_tokens: int
+    ) -> Iterator[int]:
         """Streams tokens (call with .options(num_returns="streaming"))."""
         stats: list[DecodeStats] = []
         for token in self.engine.generate(request_id, prompt, prefill, max_new_tokens, stats):
@@ -79,9 +81,17 @@ class RequestResult:
 class Router:
     """Cache-aware routing over prefill and decode workers with bounded per-worker queues."""
 
-    def __init__(self, prefill: Sequence[ray.actor.ActorHandle], decode: Sequence[ray.actor.ActorHandle],
-                 redis_url: str, namespace: str, block_size: int, local_nodes: Sequence[str | None],
-                 max_inflight: int = 4, queue_timeout_s: float = 300.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prefill: Sequence[ray.actor.ActorHandle],
+        decode: Sequence[ray.actor.ActorHandle],
+        redis_url: str,
+        namespace: str,
+        block_size: int,
+        local_nodes: Sequence[str | None],
+        max_inflight: int = 4,
+        queue_timeout_s: float = 300.0,
+    ) -> None:
         self.prefill = list(prefill)
         self.decode = list(decode)
         self.index = IndexReader(redis_url)
@@ -127,8 +137,8 @@ class Router:
         self._d_busy[d] += 1
         tokens: list[int] = []
         try:
-            stream = self.decode[d].generate.options(num_returns="streaming").remote(
-                request_id, prompt, pre, max_new_tokens
+            stream = (
+                self.decode[d].generate.options(num_returns="streaming").remote(request_id, prompt, pre, max_new_tokens)
             )
             async for ref in stream:
                 tokens.append(await ref)
@@ -137,9 +147,17 @@ class Router:
             self._d_busy[d] -= 1
             self._d_slots[d].release()
         return RequestResult(
-            request_id=request_id, prompt_len=len(prompt), tokens=tokens, cached_blocks=pre.cached_blocks,
+            request_id=request_id,
+            prompt_len=len(prompt),
+            tokens=tokens,
+            cached_blocks=pre.cached_blocks,
             cached_tiers=pre.cached_tiers,
-            decode_fetched_blocks=stats.fetched_blocks if stats else 0, prefill_worker=p, decode_worker=d,
-            ttft_s=ttft, total_s=time.perf_counter() - t0, prefill=pre.timings,
-            decode=stats.timings if stats else Timings(), queued_s=queued,
-        )  # fmt: skip
+            decode_fetched_blocks=stats.fetched_blocks if stats else 0,
+            prefill_worker=p,
+            decode_worker=d,
+            ttft_s=ttft,
+            total_s=time.perf_counter() - t0,
+            prefill=pre.timings,
+            decode=stats.timings if stats else Timings(),
+            queued_s=queued,
+        )

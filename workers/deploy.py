@@ -31,6 +31,7 @@ from typing import Annotated, Any
 import typer
 
 from kvstore.cli.common import friendly_errors, setup_logging
+from workers.cli import KV_ENCODING_HELP, KVEncodingFlag
 
 log = logging.getLogger(__name__)
 
@@ -119,18 +120,28 @@ def start_serving(slots: Sequence[Slot], cfg: Any, max_inflight: int) -> Serving
     actors = []
     for s in slots:
         cls = PrefillWorker if s.role is Role.PREFILL else DecodeWorker
-        actors.append(cls.options(
-            name=f"{s.role.value}-{s.ray_node[:8]}-{s.index}", num_cpus=0, num_gpus=s.gpus,
-            resources={s.role.resource: 1}, scheduling_strategy=NodeAffinitySchedulingStrategy(s.ray_node, soft=False),
-        ).remote(dataclasses.replace(cfg, local_node=local[s.ray_node])))  # fmt: skip
+        actors.append(
+            cls.options(
+                name=f"{s.role.value}-{s.ray_node[:8]}-{s.index}",
+                num_cpus=0,
+                num_gpus=s.gpus,
+                resources={s.role.resource: 1},
+                scheduling_strategy=NodeAffinitySchedulingStrategy(s.ray_node, soft=False),
+            ).remote(dataclasses.replace(cfg, local_node=local[s.ray_node]))
+        )
     prefill = [(a, local[s.ray_node]) for a, s in zip(actors, slots, strict=True) if s.role is Role.PREFILL]
     decode = [a for a, s in zip(actors, slots, strict=True) if s.role is Role.DECODE]
     ray.get([a.info.remote() for a, _ in prefill], timeout=600)  # fail fast if a worker cannot load the model
     _wait_name_free(ROUTER_NAME, ROUTER_NAME_WAIT_S)
     router = Router.options(name=ROUTER_NAME, num_cpus=0).remote(
-        [a for a, _ in prefill], decode, cfg.redis_url, cfg.namespace, cfg.block_size, [n for _, n in prefill],
+        [a for a, _ in prefill],
+        decode,
+        cfg.redis_url,
+        cfg.namespace,
+        cfg.block_size,
+        [n for _, n in prefill],
         max_inflight=max_inflight,
-    )  # fmt: skip
+    )
     return ServingSet(list(slots), actors, router, cfg.namespace)
 
 
@@ -163,7 +174,8 @@ def _alive(serving: ServingSet, timeout: float) -> bool:
 
 
 @friendly_errors
-def pd_serve(
+# one parameter per CLI option (typer)
+def pd_serve(  # noqa: PLR0913
     ray_address: Annotated[str, typer.Option(help="Ray GCS address host:port of the running cluster")],
     model: Annotated[Path, typer.Option(help="checkpoint directory (config.json + safetensors) on every worker")],
     redis_url: Annotated[str, typer.Option(envvar="KVSTORE_REDIS_URL", help="Redis index URL")],
@@ -177,6 +189,7 @@ def pd_serve(
     check_every: Annotated[float, typer.Option(min=0.5, help="seconds between checks of the actors")] = 10.0,
     ready_file: Annotated[Path | None, typer.Option(help="write {router, prefill, decode} JSON once serving")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
+    kv_encoding: Annotated[KVEncodingFlag, typer.Option(help=KV_ENCODING_HELP)] = KVEncodingFlag.RAW,
 ) -> None:
     """Place prefill/decode workers on the slots of a running Ray cluster and start the named router."""
     import json
@@ -197,26 +210,54 @@ def pd_serve(
         slots = plan_slots(ray.nodes())
         while count(slots, Role.PREFILL) < min_prefill or count(slots, Role.DECODE) < min_decode:
             if time.monotonic() > deadline or stop.is_set():
-                raise RuntimeError(f"after {worker_wait:.0f}s the cluster offers {count(slots, Role.PREFILL)} "
-                                   f"prefill and {count(slots, Role.DECODE)} decode slots; need {min_prefill} "
-                                   f"and {min_decode} (Ray resources {Role.PREFILL.resource}, {Role.DECODE.resource})")  # fmt: skip
+                raise RuntimeError(
+                    f"after {worker_wait:.0f}s the cluster offers {count(slots, Role.PREFILL)} "
+                    f"prefill and {count(slots, Role.DECODE)} decode slots; need {min_prefill} "
+                    f"and {min_decode} (Ray resources {Role.PREFILL.resource}, {Role.DECODE.resource})"
+                )
             stop.wait(2.0)
             slots = plan_slots(ray.nodes())
-        cfg = WorkerConfig(model_dir=str(model), redis_url=redis_url, namespace=namespace_for(model, dtype),
-                           num_blocks=num_blocks, block_size=block_size, dtype=dtype)  # fmt: skip
+        cfg = WorkerConfig(
+            model_dir=str(model),
+            redis_url=redis_url,
+            namespace=namespace_for(model, dtype, encoding=kv_encoding.value),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=dtype,
+            kv_encoding=kv_encoding.value,
+        )
         serving = start_serving(slots, cfg, max_inflight)
-        log.info("serving: %d prefill, %d decode workers; router %r in Ray namespace %r; cache namespace %s",
-                 count(slots, Role.PREFILL), count(slots, Role.DECODE), ROUTER_NAME, RAY_NAMESPACE, cfg.namespace)  # fmt: skip
+        log.info(
+            "serving: %d prefill, %d decode workers; router %r in Ray namespace %r; cache namespace %s (pages %s)",
+            count(slots, Role.PREFILL),
+            count(slots, Role.DECODE),
+            ROUTER_NAME,
+            RAY_NAMESPACE,
+            cfg.namespace,
+            kv_encoding.value,
+        )
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"router": ROUTER_NAME, "ray_namespace": RAY_NAMESPACE, "namespace": cfg.namespace,
-                                       "prefill": count(slots, Role.PREFILL), "decode": count(slots, Role.DECODE),
-                                       "pid": os.getpid()}))  # fmt: skip
+            tmp.write_text(
+                json.dumps(
+                    {
+                        "router": ROUTER_NAME,
+                        "ray_namespace": RAY_NAMESPACE,
+                        "namespace": cfg.namespace,
+                        "kv_encoding": kv_encoding.value,
+                        "prefill": count(slots, Role.PREFILL),
+                        "decode": count(slots, Role.DECODE),
+                        "pid": os.getpid(),
+                    }
+                )
+            )
             os.replace(tmp, ready_file)
         while not stop.wait(check_every):
             now = plan_slots(ray.nodes())
             if now != serving.slots:
-                raise RuntimeError(f"the worker slots changed ({len(serving.slots)} -> {len(now)}): restarting to re-place")
+                raise RuntimeError(
+                    f"the worker slots changed ({len(serving.slots)} -> {len(now)}): restarting to re-place"
+                )
             if not _alive(serving, timeout=max(30.0, check_every)):
                 raise RuntimeError("a worker or the router died: restarting to re-place")
     finally:

@@ -248,7 +248,8 @@ def load_weights(
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
                     raise CheckpointError(
-                        f"tensor {name!r} in {path.name} has shape {list(shape)}; the config expects {list(expected[name])}"
+                        f"tensor {name!r} in {path.name} has shape {list(shape)}; "
+                        f"the config expects {list(expected[name])}"
                     )
     tensors: dict[str, torch.Tensor] = {}
     for path, names in by_file.items():

@@ -327,7 +327,8 @@ class PagedKVCache:
         return torch.tensor([self.manager.get(s).num_tokens for s in seq_ids], dtype=torch.int32, device=self.device)
 
     def gather_kv(self, layer: int, seq_id: SeqId, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense copies of tokens `0 .. length - 1` of one layer: (keys, values), each [length, num_kv_heads, head_dim]."""
+        """Dense copies of tokens `0 .. length - 1` of one layer: (keys, values), each
+        [length, num_kv_heads, head_dim]."""
         seq = self.manager.get(seq_id)
         if not 0 <= length <= seq.num_tokens:
             raise ValueError(f"sequence {seq_id!r} holds {seq.num_tokens} tokens; cannot read {length}")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import ray
 
+from kvstore.cli.launch import NodeProcess, RedisProcess
 from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
-from kvstore.launch import NodeProcess, RedisProcess
 from workers.actors import DecodeWorker, PrefillWorker, RequestResult, Router
 from workers.serving import WorkerConfig, namespace_for
 
@@ -37,6 +37,7 @@ class StackConfig:
     torch_threads: int | None = None
     max_inflight: int = 4
     run_dir: str | None = None
+    kv_encoding: str = "raw"  # page encoding of the workers' Puts: raw, or fp8 (workers/page_codec.py)
 
 
 @dataclass(slots=True)
@@ -66,18 +67,26 @@ class LocalStack:
         return self
 
     def _start(self, cfg: StackConfig, run: Path) -> None:
-        self.namespace = namespace_for(cfg.model_dir, cfg.dtype)
+        self.namespace = namespace_for(cfg.model_dir, cfg.dtype, encoding=cfg.kv_encoding)
         # Redis with a password and ACL users, as `kvstore up` runs it: only node-0 writes its records,
         # the workers and the router only read (kvstore/index/acl.py), so no local user can redirect them.
-        users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES), node_user("node-0"): (secrets.token_hex(20),
-                                                                                          node_rules("node-0"))}
+        users = {
+            CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES),
+            node_user("node-0"): (secrets.token_hex(20), node_rules("node-0")),
+        }
         self.redis = RedisProcess(password=secrets.token_hex(20), users=users).start()
         index_url = self.redis.url_for(CLIENT_USER)
         page_bytes = self.page_bytes(cfg)
-        self.node = NodeProcess(dram_bytes=cfg.dram_bytes, nvme_path=run / "nvme", nvme_bytes=cfg.nvme_bytes,
-                                max_page_bytes=cfg.max_page_bytes or page_bytes, node_id="node-0",
-                                redis_url=self.redis.url_for(node_user("node-0")), log_path=run / "node.log",
-                                extra_args=["--index-ttl", "5"]).start()  # fmt: skip
+        self.node = NodeProcess(
+            dram_bytes=cfg.dram_bytes,
+            nvme_path=run / "nvme",
+            nvme_bytes=cfg.nvme_bytes,
+            max_page_bytes=cfg.max_page_bytes or page_bytes,
+            node_id="node-0",
+            redis_url=self.redis.url_for(node_user("node-0")),
+            log_path=run / "node.log",
+            extra_args=["--index-ttl", "5"],
+        ).start()
         token_path = run / "ray_auth_token"
         token_path.write_text(secrets.token_hex(32))
         token_path.chmod(0o600)
@@ -85,32 +94,57 @@ class LocalStack:
             self._env_before[k] = os.environ.get(k)
             os.environ[k] = v
         _refresh_ray_auth()
-        ray.init(num_cpus=cfg.num_cpus or max(2, os.cpu_count() or 2), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False)  # fmt: skip
+        ray.init(
+            num_cpus=cfg.num_cpus or max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
         self._ray_started = True
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= cfg.num_prefill + cfg.num_decode else 0
-        wcfg = WorkerConfig(model_dir=cfg.model_dir, redis_url=index_url, namespace=self.namespace,
-                            num_blocks=cfg.num_blocks, block_size=cfg.block_size, dtype=cfg.dtype,
-                            local_node="node-0", torch_threads=cfg.torch_threads)  # fmt: skip
+        wcfg = WorkerConfig(
+            model_dir=cfg.model_dir,
+            redis_url=index_url,
+            namespace=self.namespace,
+            num_blocks=cfg.num_blocks,
+            block_size=cfg.block_size,
+            dtype=cfg.dtype,
+            local_node="node-0",
+            torch_threads=cfg.torch_threads,
+            kv_encoding=cfg.kv_encoding,
+        )
         # Actors take no CPU reservation: on a 2-core host prefill, decode and the router must coexist.
         prefill = [PrefillWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_prefill)]
         decode = [DecodeWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_decode)]
         ray.get([w.info.remote() for w in prefill])  # fail fast if a worker cannot load the model
-        self.router = Router.remote(prefill, decode, index_url, self.namespace, cfg.block_size,
-                                    ["node-0"] * cfg.num_prefill, max_inflight=cfg.max_inflight)  # fmt: skip
+        self.router = Router.remote(
+            prefill,
+            decode,
+            index_url,
+            self.namespace,
+            cfg.block_size,
+            ["node-0"] * cfg.num_prefill,
+            max_inflight=cfg.max_inflight,
+        )
 
     @staticmethod
     def page_bytes(cfg: StackConfig) -> int:
-        """Bytes of one KV page of the stack's model at its block size and dtype."""
+        """Bytes of one stored KV page of the stack's model at its block size, dtype and encoding."""
         import torch
 
-        from kvstore.layout import PageLayout
+        from kvstore.layout import PageEncoding, PageLayout
         from workers.loader import read_config
         from workers.paged_cache import kv_dtype
 
         mc = read_config(cfg.model_dir)
-        layout = PageLayout(kv_dtype(getattr(torch, cfg.dtype)), mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                            cfg.block_size)  # fmt: skip
+        layout = PageLayout(
+            kv_dtype(getattr(torch, cfg.dtype)),
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            cfg.block_size,
+            PageEncoding.parse(cfg.kv_encoding),
+        )
         return layout.page_bytes
 
     def generate(self, request_id: str, prompt: list[int], max_new_tokens: int) -> RequestResult:

@@ -23,8 +23,12 @@ def nodes(redis_url: RedisOpt, json_out: Annotated[bool, typer.Option("--json", 
     with IndexReader(redis_url) as index:
         infos = index.nodes()
     if json_out:
-        typer.echo(json.dumps([{"node_id": n.node_id, "alive": n.alive, "addr": n.addr, "epoch": n.epoch,
-                                **n.info} for n in infos], indent=2))  # fmt: skip
+        typer.echo(
+            json.dumps(
+                [{"node_id": n.node_id, "alive": n.alive, "addr": n.addr, "epoch": n.epoch, **n.info} for n in infos],
+                indent=2,
+            )
+        )
         return
     from kvstore.security import redact_url
 
@@ -33,9 +37,18 @@ def nodes(redis_url: RedisOpt, json_out: Annotated[bool, typer.Option("--json", 
         table.add_column(col, justify="right" if col not in ("node", "addr") else "left")
     for n in infos:
         i = n.info
-        table.add_row(n.node_id, "[green]yes[/]" if n.alive else "[red]no[/]", n.addr, str(n.epoch or "-"),
-                      i.get("pages_hbm", "-"), i.get("pages_dram", "-"), i.get("pages_nvme", "-"),
-                      i.get("queued", "-"), i.get("lag_ms", "-"), i.get("resyncs", "-"))  # fmt: skip
+        table.add_row(
+            n.node_id,
+            "[green]yes[/]" if n.alive else "[red]no[/]",
+            n.addr,
+            str(n.epoch or "-"),
+            i.get("pages_hbm", "-"),
+            i.get("pages_dram", "-"),
+            i.get("pages_nvme", "-"),
+            i.get("queued", "-"),
+            i.get("lag_ms", "-"),
+            i.get("resyncs", "-"),
+        )
     Console().print(table)
 
 
@@ -61,8 +74,11 @@ def lookup(
         for n in found.nodes.values()
     }
     if json_out:
-        typer.echo(json.dumps({"blocks": len(hashes), "matched": found.matched, "nodes": per_node,
-                               "plan": found.plan()}, indent=2))  # fmt: skip
+        typer.echo(
+            json.dumps(
+                {"blocks": len(hashes), "matched": found.matched, "nodes": per_node, "plan": found.plan()}, indent=2
+            )
+        )
         return
     console = Console()
     console.print(f"{len(tokens)} tokens -> {len(hashes)} full blocks; longest cached prefix: {found.matched} blocks")

@@ -27,10 +27,10 @@ def demo(
     prompts: Annotated[int, typer.Option(help="number of prompts")] = 12,
 ) -> None:
     """Run the single-node demo: put, lookup, demote to NVMe, read back, restart, stats."""
+    from kvstore.cli.launch import NodeProcess
     from kvstore.cli.stats import render_stats
     from kvstore.client import KVStoreClient
     from kvstore.hashing import prefix_hashes
-    from kvstore.launch import NodeProcess
     from kvstore.layout import DType, PageLayout
     from kvstore.pageformat import slot_bytes_for
 
@@ -51,8 +51,13 @@ def demo(
     with tempfile.TemporaryDirectory(prefix="kvstore-demo-") as nvme:
         # DRAM holds 24 pages, NVMe 400: the workload (~250 distinct blocks) must spill to NVMe.
         slot = slot_bytes_for(layout.page_bytes)
-        node = NodeProcess(dram_bytes=24 * slot, nvme_path=nvme, nvme_bytes=400 * slot,
-                           max_page_bytes=layout.page_bytes, node_id="demo")  # fmt: skip
+        node = NodeProcess(
+            dram_bytes=24 * slot,
+            nvme_path=nvme,
+            nvme_bytes=400 * slot,
+            max_page_bytes=layout.page_bytes,
+            node_id="demo",
+        )
         console.rule("[bold]kvstore demo")
         console.print(f"layout: {layout.describe()}; namespace {ns!r}")
         node.start()
@@ -70,7 +75,9 @@ def demo(
                     total_new += r.stored
                     total_hit += hit
                     if i < 6 or i == len(convs) - 1:
-                        console.print(f"request {i:2d}: {len(hashes):2d} blocks, cached prefix {hit:2d}, stored {r.stored}")
+                        console.print(
+                            f"request {i:2d}: {len(hashes):2d} blocks, cached prefix {hit:2d}, stored {r.stored}"
+                        )
                 dt = time.perf_counter() - t0
                 console.print(f"{len(convs)} requests in {dt:.2f}s: {total_hit} blocks reused, {total_new} stored")
                 console.rule("read everything back (forces promotions from NVMe)")
@@ -90,8 +97,9 @@ def demo(
                 hit = kv.lookup(ns, hashes)
                 pages = kv.get_pages(ns, hashes[:hit])
                 ok = all(bytes(p.data) == page_for(p.hash) for p in pages)
-                console.print(f"after restart: last conversation matches {hit}/{len(hashes)} blocks, "
-                              f"content verified: {ok}")  # fmt: skip
+                console.print(
+                    f"after restart: last conversation matches {hit}/{len(hashes)} blocks, content verified: {ok}"
+                )
                 render_stats(kv.stats(), console)
         finally:
             node.close()

@@ -28,9 +28,13 @@ def health(
     security = ClientSecurity.from_env()
     creds = security.channel_credentials()
     options = security.channel_options()
-    channel = grpc.secure_channel(addr, creds, options=options) if creds else grpc.insecure_channel(addr, options=options)
+    channel = (
+        grpc.secure_channel(addr, creds, options=options) if creds else grpc.insecure_channel(addr, options=options)
+    )
     try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout
+        )
     except grpc.RpcError as exc:
         err_console.print(f"[bold red]not healthy:[/] {addr}: {exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
         raise SystemExit(1) from None

@@ -17,12 +17,13 @@ from typing import Annotated
 import typer
 
 from kvstore.cli.common import friendly_errors
-from kvstore.config import NodeConfig, parse_size
+from kvstore.node.config import NodeConfig, parse_size
 from kvstore.pageformat import HEADER_BYTES, slot_bytes_for
 from kvstore.tiers import nvme_meta as nm
 
-app = typer.Typer(no_args_is_help=True, add_completion=False,
-                  help="Check or repair an NVMe tier directory (stop its node first).")  # fmt: skip
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="Check or repair an NVMe tier directory (stop its node first)."
+)
 
 _DEFAULT_SEGMENT_BYTES: int = next(f.default for f in dataclasses.fields(NodeConfig) if f.name == "nvme_segment_bytes")  # type: ignore[assignment]
 PathOpt = Annotated[Path, typer.Option(help="the node's --nvme-path directory")]
@@ -49,11 +50,21 @@ def _read_meta(path: Path) -> tuple[nm.Geometry | None, str]:
 
 def _report(path: Path, meta_state: str, geom: nm.Geometry, segs: list[nm.SegmentSurvey]) -> dict[str, object]:
     return {
-        "path": str(path), "metadata": meta_state, "slot_bytes": geom.slot_bytes,
+        "path": str(path),
+        "metadata": meta_state,
+        "slot_bytes": geom.slot_bytes,
         "slots_per_segment": geom.slots_per_segment,
-        "segments": [{"file": s.name, "bytes": s.size, "cut_mid_slot": s.cut, "foreign_file": s.foreign,
-                      "slots": {st.value: n for st, n in s.counts.items()}} for s in segs],
-    }  # fmt: skip
+        "segments": [
+            {
+                "file": s.name,
+                "bytes": s.size,
+                "cut_mid_slot": s.cut,
+                "foreign_file": s.foreign,
+                "slots": {st.value: n for st, n in s.counts.items()},
+            }
+            for s in segs
+        ],
+    }
 
 
 @app.command("check")
@@ -70,8 +81,10 @@ def check(
     have, state = _read_meta(nvme_path)
     geom = have or _geometry(max_page_bytes, nvme_segment_bytes)
     if geom is None:
-        raise ValueError(f"{nvme_path / nm.META_NAME} is {state}: pass --max-page-bytes (and --nvme-segment-bytes if "
-                         "not the default) to check the segments under the node's geometry")  # fmt: skip
+        raise ValueError(
+            f"{nvme_path / nm.META_NAME} is {state}: pass --max-page-bytes (and --nvme-segment-bytes if "
+            "not the default) to check the segments under the node's geometry"
+        )
     segs = nm.survey(nvme_path, geom)
     report = _report(nvme_path, state, geom, segs)
     if json_out:
@@ -103,8 +116,10 @@ def repair(
     assert geom is not None
     have, state = _read_meta(nvme_path)
     if have is not None and have != geom:
-        raise nm.NvmeFormatError(f"{nvme_path} is formatted with {have.as_dict()} (intact), not {geom.as_dict()}: "
-                              "pass the node's --max-page-bytes, or use an empty directory")  # fmt: skip
+        raise nm.NvmeFormatError(
+            f"{nvme_path} is formatted with {have.as_dict()} (intact), not {geom.as_dict()}: "
+            "pass the node's --max-page-bytes, or use an empty directory"
+        )
     segs = nm.survey(nvme_path, geom)
     foreign = [s for s in segs if s.foreign]
     if foreign and not discard_foreign:
@@ -114,8 +129,10 @@ def repair(
         erased += _erase_bad_headers(nvme_path / s.name, geom, everything=s.foreign)
     nm.write_meta(nvme_path, geom)
     pages = sum(s.counts[nm.SlotState.PAGE] for s in segs if not s.foreign)
-    typer.echo(f"{nvme_path}: metadata was {state}, rewritten; {len(segs)} segment file(s), {pages} page header(s) "
-               f"kept, {erased} slot header(s) erased" + (f", {len(foreign)} foreign file(s) reformatted" if foreign else ""))  # fmt: skip
+    typer.echo(
+        f"{nvme_path}: metadata was {state}, rewritten; {len(segs)} segment file(s), {pages} page header(s) "
+        f"kept, {erased} slot header(s) erased" + (f", {len(foreign)} foreign file(s) reformatted" if foreign else "")
+    )
 
 
 def _erase_bad_headers(file: Path, geom: nm.Geometry, everything: bool) -> int:

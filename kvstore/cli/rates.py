@@ -149,17 +149,22 @@ def parse_rpc_histograms(metrics_text: str) -> dict[str, RpcHistogram]:
                 counts[method] = counts.get(method, 0.0) + s.value
             elif s.name.endswith("_sum"):
                 sums[method] = sums.get(method, 0.0) + s.value
-    return {
-        m: RpcHistogram(tuple(sorted(b.items())), counts.get(m, 0.0), sums.get(m, 0.0)) for m, b in buckets.items()
-    }
+    return {m: RpcHistogram(tuple(sorted(b.items())), counts.get(m, 0.0), sums.get(m, 0.0)) for m, b in buckets.items()}
 
 
 def rpc_rates(prev: dict[str, RpcHistogram], cur: dict[str, RpcHistogram], interval: float) -> list[RpcRates]:
     out = []
     for method, hist in sorted(cur.items()):
         d = histogram_delta(prev.get(method), hist)
-        out.append(RpcRates(method, _per_s(d.count, interval), _ratio(d.sum, d.count),
-                            histogram_quantile(0.5, d.buckets), histogram_quantile(0.99, d.buckets)))  # fmt: skip
+        out.append(
+            RpcRates(
+                method,
+                _per_s(d.count, interval),
+                _ratio(d.sum, d.count),
+                histogram_quantile(0.5, d.buckets),
+                histogram_quantile(0.99, d.buckets),
+            )
+        )
     return out
 
 
@@ -182,23 +187,41 @@ def node_rates(prev: NodeSample, cur: NodeSample) -> NodeRates:
             return float(now) if o is None or restarted else counter_delta(getattr(o.counters, name), now)
 
         hits, misses = d("hits"), d("misses")
-        tiers.append(TierRates(
-            t.tier.label, _per_s(hits, interval), _per_s(misses, interval), _ratio(hits, hits + misses),
-            _per_s(d("bytes_in"), interval), _per_s(d("bytes_out"), interval), _per_s(d("evictions"), interval),
-            _per_s(d("promotions"), interval), _per_s(d("demotions"), interval), t.used_bytes, t.capacity_bytes,
-        ))  # fmt: skip
+        tiers.append(
+            TierRates(
+                t.tier.label,
+                _per_s(hits, interval),
+                _per_s(misses, interval),
+                _ratio(hits, hits + misses),
+                _per_s(d("bytes_in"), interval),
+                _per_s(d("bytes_out"), interval),
+                _per_s(d("evictions"), interval),
+                _per_s(d("promotions"), interval),
+                _per_s(d("demotions"), interval),
+                t.used_bytes,
+                t.capacity_bytes,
+            )
+        )
     hits = sum(t.hits_per_s for t in tiers)
     misses = sum(t.misses_per_s for t in tiers)
     lookups = float(c.lookups) if restarted else counter_delta(p.lookups, c.lookups)
     idx = c.index
     return NodeRates(
-        node_id=c.node_id, addr=cur.addr, interval_s=interval, tiers=tiers, hit_ratio=_ratio(hits, hits + misses),
-        bytes_in_per_s=sum(t.bytes_in_per_s for t in tiers), bytes_out_per_s=sum(t.bytes_out_per_s for t in tiers),
-        evictions_per_s=sum(t.evictions_per_s for t in tiers), lookups_per_s=_per_s(lookups, interval),
-        index_lag_s=idx.lag_seconds if idx else None, index_queued=idx.queued if idx else None,
+        node_id=c.node_id,
+        addr=cur.addr,
+        interval_s=interval,
+        tiers=tiers,
+        hit_ratio=_ratio(hits, hits + misses),
+        bytes_in_per_s=sum(t.bytes_in_per_s for t in tiers),
+        bytes_out_per_s=sum(t.bytes_out_per_s for t in tiers),
+        evictions_per_s=sum(t.evictions_per_s for t in tiers),
+        lookups_per_s=_per_s(lookups, interval),
+        index_lag_s=idx.lag_seconds if idx else None,
+        index_queued=idx.queued if idx else None,
         index_connected=idx.connected if idx else None,
-        rpcs=rpc_rates({} if restarted else prev.rpcs, cur.rpcs, interval), restarted=restarted,
-    )  # fmt: skip
+        rpcs=rpc_rates({} if restarted else prev.rpcs, cur.rpcs, interval),
+        restarted=restarted,
+    )
 
 
 def slowest_rpcs(nodes: Iterable[NodeRates], limit: int = 5) -> list[tuple[str, RpcRates]]:

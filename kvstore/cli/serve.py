@@ -9,13 +9,14 @@ from typing import Annotated
 import typer
 
 from kvstore.cli.common import friendly_errors, setup_logging
-from kvstore.config import NodeConfig, parse_size
+from kvstore.node.config import NodeConfig, parse_size
 
 SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 64MiB, 2G", show_default=False)]
 
 
 @friendly_errors
-def serve(
+# one parameter per CLI option (typer)
+def serve(  # noqa: PLR0913
     host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port to bind; 0 picks a free one (default 50051)")] = None,
     dram_bytes: SizeOpt = None,
@@ -38,6 +39,17 @@ def serve(
     shm: Annotated[
         bool | None, typer.Option("--shm/--no-shm", help="same-host shared-memory data plane (default on)")
     ] = None,
+    scrub_bytes_per_second: Annotated[
+        str | None,
+        typer.Option(help="rate the DRAM scrubber re-verifies resident pages at, e.g. 64MiB (default); 0: off"),
+    ] = None,
+    local_socket: Annotated[
+        str | None,
+        typer.Option(
+            help="the same-host plane's Unix socket (default: $XDG_RUNTIME_DIR or /tmp, kvstore-node-PORT.sock); "
+            "in Kubernetes a hostPath the workers' pods mount too"
+        ),
+    ] = None,
     tcp: Annotated[
         bool | None, typer.Option("--tcp/--no-tcp", help="bulk TCP data plane for remote clients (default on)")
     ] = None,
@@ -45,7 +57,8 @@ def serve(
         int | None, typer.Option(help="TCP data plane port; 0 picks a free one, advertised to clients (default 0)")
     ] = None,
     ucx: Annotated[
-        bool | None, typer.Option("--ucx/--no-ucx", help="UCX data plane (default off; for hosts with RDMA; needs ucxx)")
+        bool | None,
+        typer.Option("--ucx/--no-ucx", help="UCX data plane (default off; for hosts with RDMA; needs ucxx)"),
     ] = None,
     ucx_port: Annotated[int | None, typer.Option(help="UCX listener port (default 0: a free one)")] = None,
     tls_cert: Annotated[Path | None, typer.Option(help="PEM certificate: serve over TLS (with --tls-key)")] = None,
@@ -60,25 +73,62 @@ def serve(
     tenants_file: Annotated[
         Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")
     ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(help="publish KV events for routers (vLLM format, ZMQ PUB) here, e.g. tcp://0.0.0.0:5557"),
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None, typer.Option(help="topic prefix: PREFIX@NODE@NAMESPACE (default kv)")
+    ] = None,
+    kv_events_hash_format: Annotated[
+        str | None, typer.Option(help="block hashes as 'bytes' (32-byte keys, default) or 'u64' (their last 8 bytes)")
+    ] = None,
+    kv_events_encoding: Annotated[
+        str | None, typer.Option(help="events as vLLM 0.32's maps ('map', default) or the older arrays ('array')")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a \\[node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
 ) -> None:
     """Run a cache node: tiers in DRAM, NVMe (and HBM on CUDA hosts), gRPC on HOST:PORT."""
-    from kvstore.server import serve as run_server
+    from kvstore.node.server import serve as run_server
 
     cfg = NodeConfig.load(
         config,
-        host=host, port=port, node_id=node_id, policy=policy, log_level=log_level, redis_url=redis_url,
-        advertise_addr=advertise_addr, index_ttl_seconds=index_ttl, index_register_wait_seconds=index_register_wait,
-        metrics_port=metrics_port, metrics_host=metrics_host, shm_enabled=shm, tcp_enabled=tcp, tcp_port=tcp_port,
-        ucx_enabled=ucx, ucx_port=ucx_port,
-        tls_cert_file=_path(tls_cert), tls_key_file=_path(tls_key), tls_client_ca_file=_path(tls_client_ca),
-        auth_tokens_file=_path(auth_tokens_file), auth_read_tokens_file=_path(auth_read_tokens_file),
-        tenants_file=_path(tenants_file), nvme_path=str(nvme_path) if nvme_path else None,
-        dram_bytes=_size(dram_bytes), nvme_bytes=_size(nvme_bytes), hbm_bytes=_size(hbm_bytes),
+        host=host,
+        port=port,
+        node_id=node_id,
+        policy=policy,
+        log_level=log_level,
+        redis_url=redis_url,
+        advertise_addr=advertise_addr,
+        index_ttl_seconds=index_ttl,
+        index_register_wait_seconds=index_register_wait,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
+        shm_enabled=shm,
+        local_socket=local_socket,
+        scrub_bytes_per_second=_size(scrub_bytes_per_second),
+        tcp_enabled=tcp,
+        tcp_port=tcp_port,
+        ucx_enabled=ucx,
+        ucx_port=ucx_port,
+        tls_cert_file=_path(tls_cert),
+        tls_key_file=_path(tls_key),
+        tls_client_ca_file=_path(tls_client_ca),
+        auth_tokens_file=_path(auth_tokens_file),
+        auth_read_tokens_file=_path(auth_read_tokens_file),
+        tenants_file=_path(tenants_file),
+        nvme_path=str(nvme_path) if nvme_path else None,
+        dram_bytes=_size(dram_bytes),
+        nvme_bytes=_size(nvme_bytes),
+        hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),
-    )  # fmt: skip
+        kv_events_endpoint=kv_events_endpoint,
+        kv_events_topic=kv_events_topic,
+        kv_events_hash_format=kv_events_hash_format,
+        kv_events_encoding=kv_events_encoding,
+    )
     setup_logging(cfg.log_level)
     asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))
 

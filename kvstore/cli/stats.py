@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvstore.cli.common import friendly_errors
+from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats, stats_as_dict
-from kvstore.tenants import DEFAULT_TENANT
 
 
 def human_bytes(n: float) -> str:
@@ -59,6 +59,10 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
         f"pinned pages {stats.pinned_pages}, "
         f"rejected puts {stats.put_rejected}"
     )
+    console.print(
+        f"corruption: reported by clients {stats.corrupt_reports} (confirmed here and dropped "
+        f"{stats.corrupt_confirmed}), DRAM scrubbed {human_bytes(stats.scrubbed_bytes)}"
+    )
     if stats.index is not None:
         i = stats.index
         state = "[green]connected[/]" if i.connected else "[red]unreachable[/]"
@@ -67,8 +71,14 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
             f"flushed {i.flushed}, resyncs {i.resyncs}{' (one pending)' if i.resync_pending else ''}, "
             f"overflows {i.overflows}, errors {i.errors}"
         )
+    if stats.kv_events is not None:
+        e = stats.kv_events
+        console.print(
+            f"kv events {e.endpoint}: {e.subscribers} subscriber(s), sent {e.sent_events} in {e.sent_batches} "
+            f"messages, queued {e.queued}, dropped {e.dropped_events}, snapshots {e.snapshots}"
+        )
     for ns, layout, pages in stats.namespaces:
-        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
+        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, encoding {layout.encoding.label}, {layout.describe()}")
     render_tenants(stats, console)
 
 
@@ -78,12 +88,20 @@ def render_tenants(stats: NodeStats, console: Console) -> None:
     if not stats.tenants or [t.tenant for t in stats.tenants] == [DEFAULT_TENANT]:
         return
     table = Table(title="tenants")
-    for col in ("tenant", *[f"{t.tier.label.upper()} pages/share" for t in stats.tiers if t.available],
-                "lookup hit rate", "get hit rate", "cross-tenant misses"):  # fmt: skip
+    for col in (
+        "tenant",
+        *[f"{t.tier.label.upper()} pages/share" for t in stats.tiers if t.available],
+        "lookup hit rate",
+        "get hit rate",
+        "cross-tenant misses",
+    ):
         table.add_column(col, justify="left" if col == "tenant" else "right")
     for t in stats.tenants:
-        per_tier = [f"{t.pages.get(k.tier, 0)}/" + (human_bytes(t.quota_bytes[k.tier]) if k.tier in t.quota_bytes else "-")
-                    for k in stats.tiers if k.available]  # fmt: skip
+        per_tier = [
+            f"{t.pages.get(k.tier, 0)}/" + (human_bytes(t.quota_bytes[k.tier]) if k.tier in t.quota_bytes else "-")
+            for k in stats.tiers
+            if k.available
+        ]
         rate = [("-" if r is None else f"{r:.1%}") for r in (t.hit_rate, t.get_hit_rate)]
         table.add_row(t.tenant, *per_tier, *rate, str(t.cross_tenant_misses))
     console.print(table)

@@ -34,8 +34,9 @@ class Sampler:
 
     Keeps one client per address across rounds; `close()` closes them."""
 
-    def __init__(self, redis_url: str | None, addrs: list[str], metrics_port: int | None,
-                 metrics: list[str], timeout: float) -> None:  # fmt: skip
+    def __init__(
+        self, redis_url: str | None, addrs: list[str], metrics_port: int | None, metrics: list[str], timeout: float
+    ) -> None:
         if not redis_url and not addrs:
             raise ValueError("give --redis-url (nodes from the index) or --addr (one or more nodes)")
         self.redis_url = redis_url
@@ -84,7 +85,8 @@ class Sampler:
                 # An address from the index is dialled as that node: it must prove it (kvstore/security.py).
                 security = ClientSecurity.from_env()
                 client = self._clients[(addr, node)] = KVStoreClient(
-                    addr, timeout=self.timeout, security=security if node is None else security.for_node(node))
+                    addr, timeout=self.timeout, security=security if node is None else security.for_node(node)
+                )
             stats = client.stats()  # type: ignore[attr-defined]
         except Exception as exc:  # an unreachable node is a row saying so, not the end of the view
             return NodeSample(addr, taken, None, error=f"{type(exc).__name__}: {exc}")
@@ -153,18 +155,34 @@ def render(rates: list[NodeRates], failed: list[NodeSample], source: str, have_m
     interval = max((r.interval_s for r in rates), default=0.0)
     nodes = Table(title=f"kvstore top: {len(rates)} node(s) from {source}, last {interval:.1f}s", expand=False)
     tiers = sorted({t.tier for r in rates for t in r.tiers}, key=lambda label: TierKind[label.upper()])
-    for col in ("node", "hit", *[f"{t} hit" for t in tiers], "in/s", "out/s", "evict/s", "lookups/s",
-                "index lag", "queued"):  # fmt: skip
+    for col in (
+        "node",
+        "hit",
+        *[f"{t} hit" for t in tiers],
+        "in/s",
+        "out/s",
+        "evict/s",
+        "lookups/s",
+        "index lag",
+        "queued",
+    ):
         nodes.add_column(col, justify="left" if col == "node" else "right")
     for r in rates:
         per = {t.tier: t for t in r.tiers}
         lag = "-" if r.index_lag_s is None else f"{r.index_lag_s * 1000:.0f} ms"
         if r.index_connected is False:
             lag = f"[red]down[/] {lag}"
-        nodes.add_row(r.node_id + (" [yellow](restarted)[/]" if r.restarted else ""), _pct(r.hit_ratio),
-                      *[_pct(per[t].hit_ratio) if t in per else "-" for t in tiers],
-                      human_bytes(r.bytes_in_per_s), human_bytes(r.bytes_out_per_s), f"{r.evictions_per_s:.1f}",
-                      f"{r.lookups_per_s:.1f}", lag, "-" if r.index_queued is None else str(r.index_queued))  # fmt: skip
+        nodes.add_row(
+            r.node_id + (" [yellow](restarted)[/]" if r.restarted else ""),
+            _pct(r.hit_ratio),
+            *[_pct(per[t].hit_ratio) if t in per else "-" for t in tiers],
+            human_bytes(r.bytes_in_per_s),
+            human_bytes(r.bytes_out_per_s),
+            f"{r.evictions_per_s:.1f}",
+            f"{r.lookups_per_s:.1f}",
+            lag,
+            "-" if r.index_queued is None else str(r.index_queued),
+        )
     for s in failed:
         nodes.add_row(f"[red]{s.addr}[/]", f"[red]{s.error}[/]")
     slow = Table(title="slowest RPCs (p99 over the interval)")
@@ -174,14 +192,19 @@ def render(rates: list[NodeRates], failed: list[NodeSample], source: str, have_m
         slow.add_row(node, r.method, f"{r.calls_per_s:.1f}", _ms(r.mean_s), _ms(r.p50_s), _ms(r.p99_s))
     parts: list[object] = [nodes, slow]
     if not have_metrics:
-        parts.append("[dim]RPC latencies need the nodes' /metrics: run nodes with --metrics-port, or pass --metrics-port (or --metrics host:port)[/]")
+        parts.append(
+            "[dim]RPC latencies need the nodes' /metrics: run nodes with --metrics-port, "
+            "or pass --metrics-port (or --metrics host:port)[/]"
+        )
     return Group(*parts)  # type: ignore[arg-type]
 
 
 @friendly_errors
-def top(
+# one parameter per CLI option (typer)
+def top(  # noqa: PLR0913
     redis_url: Annotated[
-        str | None, typer.Option("--redis-url", envvar="KVSTORE_REDIS_URL", help="Redis index URL: watch every live node")
+        str | None,
+        typer.Option("--redis-url", envvar="KVSTORE_REDIS_URL", help="Redis index URL: watch every live node"),
     ] = None,
     addr: Annotated[list[str] | None, typer.Option("--addr", help="node host:port (repeat for several)")] = None,
     metrics_port: Annotated[int | None, typer.Option(help="scrape /metrics on this port of each node's host")] = None,

@@ -10,11 +10,18 @@ URLs reach the nodes through their environment, as in the chart, never a command
 Redis (as above), `local.nodes` cache nodes with the chart's node.toml and budgets times `local.scale`, read-write
 and read-only token files when auth.enabled, and with `local.workers` a local Ray head offering the
 chart's prefill/decode slots plus `kvstore pd-serve`, the same driver the chart runs beside its Ray head.
+With node.localSocket each node serves its same-host socket (in a short directory under /tmp; where this
+`kvstore serve` has --local-socket), named node-i as KVSTORE_NODE_NAME, and clients get node-0's as
+KVSTORE_LOCAL_NODE / KVSTORE_LOCAL_SOCKET. With engines.enabled, where vLLM's CPU build is installed
+(kvstore/cli/engines.py), `lmcache server` with kvstore's L2 adapter aimed at node-0 and vLLM's OpenAI
+server with LMCacheMPConnector, each in its own process group; elsewhere the run is refused, naming
+local.engines.python.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import secrets
@@ -39,7 +46,8 @@ _POLL_S = 0.2
 
 
 @friendly_errors
-def up(
+# one parameter per CLI option (typer)
+def up(  # noqa: PLR0913
     nodes: Annotated[int, typer.Option(help="cache nodes to start (without --values)", min=1, max=64)] = 1,
     dram_bytes: Annotated[str, typer.Option(help="DRAM per node")] = "256MiB",
     nvme_bytes: Annotated[str, typer.Option(help="NVMe per node (0: none)")] = "1GiB",
@@ -76,7 +84,9 @@ def up(
             tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
             tmp_ready.write_text(json.dumps(stack.describe()))
             os.replace(tmp_ready, ready_file)
-        console.print("[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)")
+        console.print(
+            "[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)"
+        )
         while not stop.wait(1.0):
             dead = stack.dead()
             if dead:
@@ -103,12 +113,19 @@ class Stack:
     driver_ready: dict = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # what every client of this stack needs (tokens)
     ray_tmp: tempfile.TemporaryDirectory[str] | None = None
+    socket_dir: tempfile.TemporaryDirectory[str] | None = None  # the nodes' same-host sockets
+    lmcache: subprocess.Popen[bytes] | None = None
+    vllm: subprocess.Popen[bytes] | None = None
+    engine_urls: dict[str, str] = field(default_factory=dict)
 
-    def start_simple(self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float,
-                     metrics: bool) -> None:  # fmt: skip
+    def start_simple(
+        self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float, metrics: bool
+    ) -> None:
         self._start_redis(redis_url, [f"node-{i}" for i in range(n)])
         for i in range(n):
-            self._start_node(i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])])
+            self._start_node(
+                i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])]
+            )
 
     def start_from_plan(self, plan: object, values: dict) -> None:
         from kvstore.cli.values import LocalPlan
@@ -143,14 +160,52 @@ class Stack:
         if plan.node is not None:
             conf = self.root / "node.toml"
             conf.write_text(_toml_table("node", plan.node.config))
+            sockets = self._socket_paths(plan)
             for i in range(plan.nodes):
-                self._start_node(i, plan.node.dram_bytes, plan.node.nvme_bytes, plan.node.max_page_bytes,
-                                 ["--config", str(conf), "--hbm-bytes", str(plan.node.hbm_bytes), "--metrics-port", "0",
-                                  *extra])  # fmt: skip
+                own = ["--local-socket", sockets[i]] if sockets else []
+                self._start_node(
+                    i,
+                    plan.node.dram_bytes,
+                    plan.node.nvme_bytes,
+                    plan.node.max_page_bytes,
+                    [
+                        "--config",
+                        str(conf),
+                        "--hbm-bytes",
+                        str(plan.node.hbm_bytes),
+                        "--metrics-port",
+                        "0",
+                        *own,
+                        *extra,
+                    ],
+                )
+            if sockets:  # clients of this stack sit on node-0's "host"
+                self.env |= {"KVSTORE_LOCAL_NODE": "node-0", "KVSTORE_LOCAL_SOCKET": sockets[0]}
         if plan.workers is not None:
             self._start_workers(plan.workers)
+        if plan.engines is not None:
+            self._start_engines(plan.engines)
+
+    def _socket_paths(self, plan: object) -> list[str]:
+        """Each node's same-host socket, or [] where node.localSocket is off or this `kvstore serve` cannot
+        serve one yet (said out loud). Sockets live under /tmp: a Unix socket path must fit 107 bytes."""
+        from kvstore.cli.serve import serve
+        from kvstore.cli.values import LocalPlan
+
+        assert isinstance(plan, LocalPlan)
+        if not plan.local_socket:
+            return []
+        if "local_socket" not in inspect.signature(serve).parameters:
+            console.print(
+                "[yellow]note[/]: node.localSocket: this `kvstore serve` has no --local-socket yet; "
+                "clients on this machine use the other planes"
+            )
+            return []
+        self.socket_dir = tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp")
+        return [str(Path(self.socket_dir.name) / f"node-{i}.sock") for i in range(plan.nodes)]
 
     def _start_redis(self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = ()) -> None:
+        from kvstore.cli.launch import RedisProcess
         from kvstore.index.acl import (
             CLIENT_RULES,
             CLIENT_USER,
@@ -159,7 +214,6 @@ class Stack:
             tenant_client_rules,
             tenant_client_user,
         )
-        from kvstore.launch import RedisProcess
         from kvstore.security import redact_url
 
         if external:  # the operator's Redis, with the operator's users
@@ -180,50 +234,92 @@ class Stack:
             admin = self.root / "redis-admin.url"
             admin.touch(mode=0o600)
             admin.write_text(proc.url + "\n")
-        console.print(f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
-                      "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}"))
+        console.print(
+            f"redis index: {redact_url(self.redis_url)} (read-only; full URL in KVSTORE_REDIS_URL of "
+            "--ready-file)" + ("" if external else f", administrator's in {self.root / 'redis-admin.url'}")
+        )
 
     def _start_node(self, i: int, dram: int | str, nvme: int | str, page: int | str, extra: list[str]) -> None:
-        from kvstore.launch import NodeProcess
+        from kvstore.cli.launch import NodeProcess
 
         # The Redis URL (with its password) reaches the node through its environment, as in the chart.
-        node = NodeProcess(dram_bytes=dram, nvme_path=self.root / f"node-{i}", nvme_bytes=nvme, max_page_bytes=page,
-                           node_id=f"node-{i}", extra_args=extra, log_path=self.root / f"node-{i}.log",
-                           env={"KVSTORE_REDIS_URL": self.node_urls[f"node-{i}"]})  # fmt: skip
+        # KVSTORE_NODE_NAME: the "host" this node advertises; a client whose KVSTORE_LOCAL_NODE matches is local.
+        node = NodeProcess(
+            dram_bytes=dram,
+            nvme_path=self.root / f"node-{i}",
+            nvme_bytes=nvme,
+            max_page_bytes=page,
+            node_id=f"node-{i}",
+            extra_args=extra,
+            log_path=self.root / f"node-{i}.log",
+            env={"KVSTORE_REDIS_URL": self.node_urls[f"node-{i}"], "KVSTORE_NODE_NAME": f"node-{i}"},
+        )
         self.nodes.append(node.start())
         scrape = f"  metrics http://{node.host}:{node.metrics_port}/metrics" if node.metrics_port else ""
         console.print(f"node-{i}: {node.addr}{scrape}  (log {node.log_path})")
 
     def _start_workers(self, w: object) -> None:
         """A local Ray head with the chart's slots, then `kvstore pd-serve` against it (as in the chart)."""
+        from kvstore.cli.launch import free_port
         from kvstore.cli.values import WorkersPlan
-        from kvstore.launch import free_port
 
         assert isinstance(w, WorkersPlan)
         token = self.root / "ray_auth_token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        env = {**os.environ, **self.env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-               "KVSTORE_REDIS_URL": self.redis_url, "KVSTORE_LOCAL_NODE": "node-0"}  # fmt: skip
+        env = {
+            **os.environ,
+            **self.env,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "KVSTORE_REDIS_URL": self.redis_url,
+            "KVSTORE_LOCAL_NODE": "node-0",
+        }
         port = free_port()
         # NOTE: Ray's unix socket paths must stay under 107 bytes: its temp dir is short, not under root.
         self.ray_tmp = tempfile.TemporaryDirectory(prefix="kvray-", dir="/tmp")
         resources = json.dumps({"kvstore_prefill": w.prefill_slots, "kvstore_decode": w.decode_slots})
-        args = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}",
-                f"--num-cpus={max(2, os.cpu_count() or 2)}", "--num-gpus=0", f"--resources={resources}",
-                "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.ray_tmp.name}",
-                f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
-                f"--object-store-memory={256 << 20}"]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--num-cpus={max(2, os.cpu_count() or 2)}",
+            "--num-gpus=0",
+            f"--resources={resources}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={self.ray_tmp.name}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--ray-client-server-port={free_port()}",
+            f"--object-store-memory={256 << 20}",
+        ]
         log = open(self.root / "ray-head.log", "ab")  # noqa: SIM115 - closed right after the child has it
         self.ray_head = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
         self.ray_address = f"127.0.0.1:{port}"
         _wait_port("127.0.0.1", port, 60.0, self.ray_head, self.root / "ray-head.log")
         ready = self.root / "pd-serve.json"
-        cmd = [sys.executable, "-m", "kvstore.cli.main", "pd-serve", f"--ray-address={self.ray_address}",
-               f"--model={w.model_path}", f"--dtype={w.dtype}", f"--block-size={w.block_size}",
-               f"--num-blocks={w.num_blocks}", f"--max-inflight={w.max_inflight}", f"--min-prefill={w.prefill_slots}",
-               f"--min-decode={w.decode_slots}", "--worker-wait=120", f"--ready-file={ready}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvstore.cli.main",
+            "pd-serve",
+            f"--ray-address={self.ray_address}",
+            f"--model={w.model_path}",
+            f"--dtype={w.dtype}",
+            f"--block-size={w.block_size}",
+            f"--num-blocks={w.num_blocks}",
+            f"--max-inflight={w.max_inflight}",
+            f"--min-prefill={w.prefill_slots}",
+            f"--min-decode={w.decode_slots}",
+            "--worker-wait=120",
+            f"--ready-file={ready}",
+            f"--kv-encoding={w.kv_encoding}",
+        ]
         log = open(self.root / "pd-serve.log", "ab")  # noqa: SIM115
         self.driver = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         log.close()
@@ -233,33 +329,81 @@ class Stack:
                 raise RuntimeError(f"kvstore pd-serve did not come up:\n{_tail(self.root / 'pd-serve.log')}")
             time.sleep(_POLL_S)
         self.driver_ready = json.loads(ready.read_text())
-        console.print(f"ray: {self.ray_address} (token {token}); {w.prefill_slots} prefill + {w.decode_slots} decode "
-                      f"workers; router {self.driver_ready['router']!r} in Ray namespace "
-                      f"{self.driver_ready['ray_namespace']!r}  (log {self.root / 'pd-serve.log'})")  # fmt: skip
+        console.print(
+            f"ray: {self.ray_address} (token {token}); {w.prefill_slots} prefill + {w.decode_slots} decode "
+            f"workers; router {self.driver_ready['router']!r} in Ray namespace "
+            f"{self.driver_ready['ray_namespace']!r}  (log {self.root / 'pd-serve.log'})"
+        )
+
+    def _start_engines(self, e: object) -> None:
+        """`lmcache server` (kvstore's L2 adapter aimed at node-0), then vLLM's OpenAI server with
+        LMCacheMPConnector, as the chart's engine pod runs them; each waited for, bounded in time."""
+        from kvstore.cli.engines import CPU_ENGINE_ENV, EnginesPlan
+        from kvstore.cli.launch import free_port
+
+        assert isinstance(e, EnginesPlan)
+        env = {**os.environ, **self.env, **CPU_ENGINE_ENV}
+        token_file = self.env.get("KVSTORE_TOKEN_FILE")
+        if token_file and e.tenant:  # as the chart: the engine presents its tenant's token only
+            token_file = env["KVSTORE_TOKEN_FILE"] = str(self.root / f"tenant-{e.tenant}.token")
+        lm_port, port = free_port(), e.vllm_port or free_port()
+        log = open(self.root / "lmcache.log", "ab")  # noqa: SIM115 - closed right after the child has it
+        argv = e.lmcache_argv(lm_port, self.nodes[0].addr, token_file, f"kvstore-up-{os.getpid()}")
+        self.lmcache = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        _wait_port("127.0.0.1", lm_port, 120.0, self.lmcache, self.root / "lmcache.log", "lmcache server")
+        log = open(self.root / "vllm.log", "ab")  # noqa: SIM115
+        self.vllm = subprocess.Popen(
+            e.vllm_argv(port, lm_port), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        log.close()
+        _wait_http(f"http://127.0.0.1:{port}/health", 900.0, self.vllm, self.root / "vllm.log")
+        self.engine_urls = {"openai": f"http://127.0.0.1:{port}/v1", "lmcache": f"127.0.0.1:{lm_port}"}
+        console.print(
+            f"engine: vLLM {self.engine_urls['openai']} (log {self.root / 'vllm.log'}), LMCache "
+            f"{self.engine_urls['lmcache']} -> kvstore node-0 (log {self.root / 'lmcache.log'})"
+        )
 
     def describe(self) -> dict[str, object]:
         out: dict[str, object] = {
-            "redis_url": self.redis_url, "pid": os.getpid(),
+            "redis_url": self.redis_url,
+            "pid": os.getpid(),
             "nodes": {f"node-{i}": p.addr for i, p in enumerate(self.nodes)},
             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
             "env": self.env,
-        }  # fmt: skip
+        }
+        if self.engine_urls:
+            out["engines"] = dict(self.engine_urls)
         if self.driver is not None:
-            out["ray"] = {"address": self.ray_address, "auth_token_path": str(self.root / "ray_auth_token"),
-                          **self.driver_ready}  # fmt: skip
+            out["ray"] = {
+                "address": self.ray_address,
+                "auth_token_path": str(self.root / "ray_auth_token"),
+                **self.driver_ready,
+            }
         return out
 
     def dead(self) -> str | None:
         for i, p in enumerate(self.nodes):
             if p.proc is not None and p.proc.poll() is not None:
                 return f"node-{i} exited with {p.proc.returncode}; see {p.log_path}"
-        for name, proc in (("ray head", self.ray_head), ("pd-serve", self.driver)):
+        for name, proc in (
+            ("ray head", self.ray_head),
+            ("pd-serve", self.driver),
+            ("lmcache server", self.lmcache),
+            ("vllm", self.vllm),
+        ):
             if proc is not None and proc.poll() is not None:
                 return f"{name} exited with {proc.returncode}; see {self.root}"
         return None
 
     def close(self) -> None:
-        # Workers first (they write to nodes), then nodes (their shutdown spill needs no Redis), then Redis.
+        # Engines and workers first (they write to nodes), then nodes (their shutdown spill needs no Redis),
+        # then Redis. An engine's process group goes whole: vLLM's workers outlive a killed parent.
+        for proc in (self.vllm, self.lmcache):
+            if proc is not None:
+                terminate(proc, 30.0)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         for proc in (self.driver, self.ray_head):
             if proc is not None:
                 terminate(proc, 60.0)
@@ -272,6 +416,8 @@ class Stack:
             self.ray_tmp.cleanup()
         for p in self.nodes:
             p.close()
+        if self.socket_dir is not None:
+            self.socket_dir.cleanup()
         if self.redis is not None:
             self.redis.close()  # type: ignore[attr-defined]
 
@@ -295,17 +441,38 @@ def _toml_table(name: str, table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+def _wait_port(
+    host: str, port: int, timeout: float, proc: subprocess.Popen[bytes], log: Path, what: str = "ray start"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"ray start exited with {proc.returncode}:\n{_tail(log)}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log)}")
         try:
             socket.create_connection((host, port), timeout=0.5).close()
             return
         except OSError:
             time.sleep(_POLL_S)
-    raise TimeoutError(f"Ray head not listening on {host}:{port} after {timeout}s:\n{_tail(log)}")
+    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout}s:\n{_tail(log)}")
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until `url` answers 200 (vLLM's /health once the model is loaded), the process dies, or timeout."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm exited with {proc.returncode}:\n{_tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as r:  # our own loopback server
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"vllm not healthy at {url} after {timeout}s:\n{_tail(log)}")
 
 
 def _tail(path: Path, n: int = 30) -> str:

@@ -21,7 +21,8 @@ from typing import Any
 
 import yaml
 
-from kvstore.config import parse_size
+from kvstore.cli.engines import EnginesPlan, check_python, find_python, plan_engines
+from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 
 # Where the chart lives in a source checkout (kvstore/cli/values.py -> repo root / helm / kvstore).
@@ -49,6 +50,7 @@ class WorkersPlan:
     prefill_slots: int
     decode_slots: int
     max_inflight: int
+    kv_encoding: str = "raw"  # workers.kvEncoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,8 @@ class LocalPlan:
     notes: list[str] = field(default_factory=list)  # what the local run leaves out, said out loud
     tenants: tuple[str, ...] = ()  # auth.tenants' names: a token (and index user) each
     tenants_toml: str | None = None  # the tenants file the chart renders (shares scaled like the budgets)
+    engines: EnginesPlan | None = None  # the chart's engines (vLLM + LMCache), where vLLM's CPU build is here
+    local_socket: bool = False  # node.localSocket: each node serves the same-host socket (where serve can)
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -121,10 +125,14 @@ def check_rules(v: Mapping[str, Any]) -> None:
         need = _bytes(v, "node.budgets.dram") + _bytes(v, "node.memoryOverhead")
         limit = (node.get("resources") or {}).get("limits", {}).get("memory")
         if limit and need > _bytes(v, "node.resources.limits.memory"):
-            raise ValueError(f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
-                             f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})")  # fmt: skip
+            raise ValueError(
+                f"node.budgets.dram ({node['budgets']['dram']}) + node.memoryOverhead "
+                f"({node['memoryOverhead']}) = {need} bytes exceeds node.resources.limits.memory ({limit})"
+            )
         if _bytes(v, "node.budgets.hbm") > 0 and int(node["gpu"]["count"]) == 0:
-            raise ValueError(f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU")
+            raise ValueError(
+                f"node.budgets.hbm is {node['budgets']['hbm']} but node.gpu.count is 0: an HBM tier needs a GPU"
+            )
         if int(node["gpu"]["count"]) > 0 and not node["gpu"]["resourceName"]:
             raise ValueError("node.gpu.resourceName is empty but node.gpu.count > 0")
         if _bytes(v, "node.budgets.maxPageBytes") <= 0:
@@ -133,15 +141,21 @@ def check_rules(v: Mapping[str, Any]) -> None:
         if node["kind"] == "DaemonSet" and nvme > 0 and not node["nvme"].get("hostPath"):
             raise ValueError("node.nvme.hostPath is empty but node.budgets.nvme > 0")
         if node["kind"] == "StatefulSet" and node["nvme"].get("size") and _bytes(v, "node.nvme.size") < nvme:
-            raise ValueError(f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})")
+            raise ValueError(
+                f"node.nvme.size ({node['nvme']['size']}) is smaller than node.budgets.nvme ({node['budgets']['nvme']})"
+            )
+    check_fast_path_rules(v)
+    check_engine_rules(v)
     if v["rayCluster"]["enabled"]:
         for pool in ("prefill", "decode"):
             p = v["workers"][pool]
             if int(p["gpusPerPod"]) > 0 and not v["workers"]["gpu"]["resourceName"]:
                 raise ValueError(f"workers.gpu.resourceName is empty but workers.{pool}.gpusPerPod > 0")
             if not p["minReplicas"] <= p["replicas"] <= p["maxReplicas"]:
-                raise ValueError(f"workers.{pool}.replicas ({p['replicas']}) must lie within workers.{pool}.minReplicas "
-                                 f"({p['minReplicas']}) and workers.{pool}.maxReplicas ({p['maxReplicas']})")  # fmt: skip
+                raise ValueError(
+                    f"workers.{pool}.replicas ({p['replicas']}) must lie within workers.{pool}.minReplicas "
+                    f"({p['minReplicas']}) and workers.{pool}.maxReplicas ({p['maxReplicas']})"
+                )
     tls = v["tls"]
     if tls["enabled"]:
         if not tls["secretName"] and not tls["certManager"]["enabled"]:
@@ -150,40 +164,165 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError("tls.certManager.issuerRef.name is empty")
         rtls = v["redis"]["tls"]
         if v["redis"]["enabled"] and rtls["enabled"] and not tls["certManager"]["enabled"] and not rtls["secretName"]:
-            raise ValueError("redis.tls.secretName is empty: with tls.secretName, give Redis a Secret for its "
-                             "Service name, or set redis.tls.enabled: false")  # fmt: skip
+            raise ValueError(
+                "redis.tls.secretName is empty: with tls.secretName, give Redis a Secret for its "
+                "Service name, or set redis.tls.enabled: false"
+            )
     elif tls["mutual"]:
         raise ValueError("tls.mutual is true but tls.enabled is false: mutual TLS runs over TLS")
     elif v["auth"]["enabled"] and not v["auth"].get("allowPlaintextTokens"):
-        raise ValueError("auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
-                         "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
-                         "for a trusted pod network")  # fmt: skip
+        raise ValueError(
+            "auth.enabled is true but tls.enabled is false: tokens would cross the network in clear "
+            "to nodes clients cannot verify; enable TLS, or set auth.allowPlaintextTokens: true "
+            "for a trusted pod network"
+        )
     tenants = v["auth"].get("tenants") or []
     if tenants and not v["auth"]["enabled"]:
         raise ValueError("auth.tenants is set but auth.enabled is false: tenants are bound to tokens; enable auth")
     for t in tenants:
         if t.get("mtlsSubjects") and not tls["mutual"]:
-            raise ValueError(f"auth.tenants[{t['name']}].mtlsSubjects is set but tls.mutual is false: certificate "
-                             "subjects bind tenants only with mutual TLS")  # fmt: skip
+            raise ValueError(
+                f"auth.tenants[{t['name']}].mtlsSubjects is set but tls.mutual is false: certificate "
+                "subjects bind tenants only with mutual TLS"
+            )
     redis = v["redis"]
     ext = redis["external"]
-    if not redis["enabled"] and (node.get("enabled", True) or v["rayCluster"]["enabled"]) and not (
-        ext["url"] or ext["existingSecret"]
+    if (
+        not redis["enabled"]
+        and (node.get("enabled", True) or v["rayCluster"]["enabled"])
+        and not (ext["url"] or ext["existingSecret"])
     ):
-        raise ValueError("redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set")
+        raise ValueError(
+            "redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set"
+        )
+
+
+def _ports(v: Mapping[str, Any]) -> dict[str, int]:
+    node = v["node"]
+    return {
+        "node.port": node["port"],
+        "node.metricsPort": node["metricsPort"],
+        "node.dataPlanes.tcp.port": node["dataPlanes"]["tcp"]["port"],
+    }
+
+
+def check_fast_path_rules(v: Mapping[str, Any]) -> None:
+    """UCX/RDMA (node.dataPlanes.ucx): templates/validate.yaml's rules, the same value names."""
+    node = v["node"]
+    ucx = node["dataPlanes"]["ucx"]
+    rdma, net = ucx.get("rdma") or {}, ucx.get("network") or {}
+    if not node.get("enabled", True):
+        return
+    if not ucx["enabled"]:
+        if rdma.get("enabled"):
+            raise ValueError(
+                "node.dataPlanes.ucx.rdma.enabled is true but node.dataPlanes.ucx.enabled is false: "
+                "RDMA is used through the UCX plane; enable it"
+            )
+        if net.get("hostNetwork") or net.get("attachments"):
+            raise ValueError(
+                "node.dataPlanes.ucx.network is set but node.dataPlanes.ucx.enabled is false: the host "
+                "or secondary network is for the UCX plane; enable it"
+            )
+        return
+    for name, port in _ports(v).items():
+        if int(port) == int(ucx["port"]):
+            raise ValueError(
+                f"node.dataPlanes.ucx.port ({ucx['port']}) is also {name}: give the UCX listener a port of its own"
+            )
+    if ucx.get("tcpPortRange"):
+        lo, hi = (int(x) for x in ucx["tcpPortRange"].split("-"))
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(
+                f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} is not LO-HI with 1 <= LO <= HI <= 65535"
+            )
+        for name, port in {**_ports(v), "node.dataPlanes.ucx.port": ucx["port"]}.items():
+            if lo <= int(port) <= hi:
+                raise ValueError(
+                    f"node.dataPlanes.ucx.tcpPortRange {ucx['tcpPortRange']!r} holds {name} ({port}): "
+                    "UCX's lanes would collide with it"
+                )
+    if v["tls"]["enabled"] and not ucx.get("allowPlaintext"):
+        raise ValueError(
+            "node.dataPlanes.ucx.enabled with tls.enabled: UCX is not encrypted, so clients configured "
+            "for TLS would skip it; set node.dataPlanes.ucx.allowPlaintext: true to declare the fabric "
+            "trusted (tokens and pages cross it in clear), or turn UCX off"
+        )
+    if "UCX_TCP_PORT_RANGE" in (ucx.get("env") or {}):
+        raise ValueError(
+            "node.dataPlanes.ucx.env.UCX_TCP_PORT_RANGE: set node.dataPlanes.ucx.tcpPortRange instead "
+            "(the NetworkPolicy opens that range)"
+        )
+    if rdma.get("enabled") and not rdma.get("resources") and not rdma.get("hostDevices"):
+        raise ValueError(
+            "node.dataPlanes.ucx.rdma.resources is empty and node.dataPlanes.ucx.rdma.hostDevices is "
+            "false: the pods would see no RDMA device; name your RDMA device plugin's resource"
+        )
+
+
+_CHART_VLLM_FLAGS = ("--kv-transfer-config", "--port", "--host", "--model")
+_CHART_LMCACHE_FLAGS = ("--l2-adapter", "--port", "--host")
+
+
+def check_engine_rules(v: Mapping[str, Any]) -> None:
+    """engines (vLLM + LMCache): templates/validate.yaml's rules, the same value names."""
+    e = v["engines"]
+    if not e["enabled"]:
+        return
+    lm = e["lmcache"]
+    if lm["target"] == "local" and not v["node"].get("enabled", True):
+        raise ValueError(
+            "engines.lmcache.target is local but node.enabled is false: there is no cache node on the "
+            "engines' hosts; deploy nodes or use target: cluster"
+        )
+    redis = v["redis"]
+    if lm["target"] == "cluster" and (
+        (redis["enabled"] and redis["auth"]["enabled"])
+        or (not redis["enabled"] and redis["external"]["existingSecret"])
+    ):
+        raise ValueError(
+            "engines.lmcache.target is cluster but the Redis URL needs a password, which would appear on "
+            "lmcache's command line: use target: local, or an index without a password"
+        )
+    if int(e["gpu"]["count"]) > 0 and not e["gpu"]["resourceName"]:
+        raise ValueError("engines.gpu.resourceName is empty but engines.gpu.count > 0")
+    if int(lm["port"]) == int(e["vllm"]["port"]):
+        raise ValueError(
+            f"engines.lmcache.port and engines.vllm.port are both {lm['port']}: the pod's two servers need two ports"
+        )
+    if lm.get("tenant"):
+        if not v["auth"]["enabled"]:
+            raise ValueError("engines.lmcache.tenant is set but auth.enabled is false: tenants are bound to tokens")
+        names = [t["name"] for t in v["auth"].get("tenants") or []]
+        if lm["tenant"] not in names:
+            raise ValueError(f"engines.lmcache.tenant {lm['tenant']!r} is not one of auth.tenants ({', '.join(names)})")
+    for where, args, owned in (
+        ("engines.vllm.args", e["vllm"].get("args") or [], _CHART_VLLM_FLAGS),
+        ("engines.lmcache.args", lm.get("args") or [], _CHART_LMCACHE_FLAGS),
+    ):
+        for arg in args:
+            for flag in owned:
+                if arg == flag or arg.startswith(flag + "="):
+                    raise ValueError(f"{where} sets {flag}, which the chart sets")
 
 
 def node_toml_table(v: Mapping[str, Any]) -> dict[str, Any]:
     """The [node] table templates/node.yaml writes into node.toml."""
     node = v["node"]
-    # tcp_port stays 0 here (a free port): local nodes share one machine, and each advertises its own.
+    # tcp_port and ucx_port stay 0 here (free ports): local nodes share one machine, and each advertises its own.
     return {
-        "policy": node["policy"], "grace_seconds": node["shutdown"]["drainSeconds"],
-        "spill_seconds": node["shutdown"]["spillSeconds"], "spill_on_shutdown": True,
-        "index_ttl_seconds": node["index"]["ttlSeconds"], "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
-        "shm_enabled": node["dataPlanes"]["shm"]["enabled"], "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
-        "log_level": node["logLevel"], **node.get("config", {}),
-    }  # fmt: skip
+        "policy": node["policy"],
+        "grace_seconds": node["shutdown"]["drainSeconds"],
+        "spill_seconds": node["shutdown"]["spillSeconds"],
+        "spill_on_shutdown": True,
+        "index_ttl_seconds": node["index"]["ttlSeconds"],
+        "index_register_wait_seconds": node["index"]["registerWaitSeconds"],
+        "shm_enabled": node["dataPlanes"]["shm"]["enabled"],
+        "tcp_enabled": node["dataPlanes"]["tcp"]["enabled"],
+        "ucx_enabled": node["dataPlanes"]["ucx"]["enabled"],
+        "log_level": node["logLevel"],
+        **node.get("config", {}),
+    }
 
 
 def tenants_toml(v: Mapping[str, Any], scale: float = 1.0) -> str | None:
@@ -218,18 +357,24 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         nvme = int(_bytes(v, "node.budgets.nvme") * scale)
         slot = slot_bytes_for(page)
         if dram < slot:
-            raise ValueError(f"local.scale {scale} leaves node.budgets.dram at {dram} bytes, less than one page slot "
-                             f"({slot} bytes for node.budgets.maxPageBytes {node['budgets']['maxPageBytes']}): raise local.scale")  # fmt: skip
+            raise ValueError(
+                f"local.scale {scale} leaves node.budgets.dram at {dram} bytes, less than one page slot "
+                f"({slot} bytes for node.budgets.maxPageBytes {node['budgets']['maxPageBytes']}): raise local.scale"
+            )
         need = n * int((_bytes(v, "node.budgets.dram") + _bytes(v, "node.memoryOverhead")) * scale)
         avail = mem_available if mem_available is not None else _mem_available()
         if avail and need > MEMORY_HEADROOM * avail:
-            raise ValueError(f"{n} node(s) x (node.budgets.dram + node.memoryOverhead) x local.scale {scale} = {need} "
-                             f"bytes, more than {MEMORY_HEADROOM:.0%} of this machine's available memory ({avail}): "
-                             f"lower local.scale")  # fmt: skip
+            raise ValueError(
+                f"{n} node(s) x (node.budgets.dram + node.memoryOverhead) x local.scale {scale} = {need} "
+                f"bytes, more than {MEMORY_HEADROOM:.0%} of this machine's available memory ({avail}): "
+                f"lower local.scale"
+            )
         free_disk = shutil.disk_usage(root if root.exists() else root.parent).free
         if n * nvme > free_disk:
-            raise ValueError(f"{n} node(s) x node.budgets.nvme x local.scale {scale} = {n * nvme} bytes, more than "
-                             f"the free disk under {root} ({free_disk}): lower local.scale")  # fmt: skip
+            raise ValueError(
+                f"{n} node(s) x node.budgets.nvme x local.scale {scale} = {n * nvme} bytes, more than "
+                f"the free disk under {root} ({free_disk}): lower local.scale"
+            )
         hbm = int(_bytes(v, "node.budgets.hbm") * scale)
         node_plan = NodePlan(dram, nvme, hbm, page, node_toml_table(v))
     if v["tls"]["enabled"]:
@@ -245,15 +390,49 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         if not v["rayCluster"]["enabled"]:
             raise ValueError("local.workers is true but rayCluster.enabled is false: nothing to start")
         if not local["modelPath"] or not (Path(local["modelPath"]) / "config.json").is_file():
-            raise ValueError(f"local.modelPath {local['modelPath']!r}: give a checkpoint directory with config.json "
-                             f"(workers.model.path is the in-cluster path)")  # fmt: skip
+            raise ValueError(
+                f"local.modelPath {local['modelPath']!r}: give a checkpoint directory with config.json "
+                f"(workers.model.path is the in-cluster path)"
+            )
         w = v["workers"]
         slots = {p: int(w[p]["replicas"]) * max(int(w[p]["gpusPerPod"]), 1) for p in ("prefill", "decode")}
-        workers = WorkersPlan(str(local["modelPath"]), w["model"]["dtype"], int(w["blockSize"]), int(w["numBlocks"]),
-                              slots["prefill"], slots["decode"], int(v["rayCluster"]["router"]["maxInflight"]))  # fmt: skip
+        workers = WorkersPlan(
+            str(local["modelPath"]),
+            w["model"]["dtype"],
+            int(w["blockSize"]),
+            int(w["numBlocks"]),
+            slots["prefill"],
+            slots["decode"],
+            int(v["rayCluster"]["router"]["maxInflight"]),
+            str(w["kvEncoding"]),
+        )
+    engines = None
+    if v["engines"]["enabled"]:
+        if not (local.get("engines") or {}).get("enabled", True):
+            notes.append("engines: not started locally (local.engines.enabled is false)")
+        else:
+            python = find_python(v)
+            engines = plan_engines(v, python, check_python(python) if python else None)
+            if engines is not None and n == 0:
+                raise ValueError(
+                    "engines.enabled: the local engine's L2 adapter needs a local cache node (node.enabled)"
+                )
+            notes += engines.notes if engines else []
     names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
-    return LocalPlan(n, node_plan, external, bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
-                     bool(v["auth"]["enabled"]), workers, notes, names, tenants_toml(v, scale))  # fmt: skip
+    local_socket = bool(v["node"]["enabled"] and v["node"]["localSocket"]["enabled"])
+    return LocalPlan(
+        n,
+        node_plan,
+        external,
+        bool(v["redis"]["enabled"] and v["redis"]["auth"]["enabled"]),
+        bool(v["auth"]["enabled"]),
+        workers,
+        notes,
+        names,
+        tenants_toml(v, scale),
+        engines,
+        local_socket,
+    )
 
 
 def _mem_available() -> int | None:

@@ -11,9 +11,17 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
 
 from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult
-from kvstore.transport.planes import TRANSPORTS
-from kvstore.transport.shm.segments import SharedBuffer
-from kvstore.wire import PageRef
+from kvstore.client.planes.choice import TRANSPORTS
+from kvstore.client.planes.segments import SharedBuffer
+from kvstore.wire.streams import PageRef
 
-__all__ = ["DEFAULT_PAGES_PER_STREAM", "TRANSPORTS", "AsyncKVStoreClient", "KVStoreClient", "PageRef", "PinResult",
-           "PutResult", "SharedBuffer"]
+__all__ = [
+    "DEFAULT_PAGES_PER_STREAM",
+    "TRANSPORTS",
+    "AsyncKVStoreClient",
+    "KVStoreClient",
+    "PageRef",
+    "PinResult",
+    "PutResult",
+    "SharedBuffer",
+]

@@ -19,12 +19,18 @@ SERVICE = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
 
 # name -> (request serializer, response deserializer). None leaves bytes as they are: Put requests are
 # sent already serialized and Get responses received serialized, so page bytes skip protobuf's extra copy
-# (kvstore.wire.put_requests / GetAssembler); the wire format is the proto's all the same.
+# (kvstore.wire.streams.put_requests / GetAssembler); the wire format is the proto's all the same.
 _UNARY = {
-    "Lookup": pb.LookupResponse, "Delete": pb.DeleteResponse, "Pin": pb.PinResponse, "Unpin": pb.UnpinResponse,
-    "Prefetch": pb.PrefetchResponse, "Stats": pb.StatsResponse, "PutShm": pb.PutResponse,
+    "Lookup": pb.LookupResponse,
+    "Delete": pb.DeleteResponse,
+    "Pin": pb.PinResponse,
+    "Unpin": pb.UnpinResponse,
+    "Prefetch": pb.PrefetchResponse,
+    "Stats": pb.StatsResponse,
+    "PutShm": pb.PutResponse,
     "GetShm": pb.GetShmResponse,
-}  # fmt: skip
+    "Report": pb.ReportResponse,
+}
 
 
 def _serialize(message: Any) -> bytes:
@@ -33,6 +39,7 @@ def _serialize(message: Any) -> bytes:
 
 def bind_methods(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
     """Callables for every KVStore method on a channel (blocking or asyncio alike)."""
+
     def path(name: str) -> str:
         return f"/{SERVICE}/{name}"
 
@@ -40,10 +47,12 @@ def bind_methods(channel: grpc.Channel | grpc.aio.Channel) -> dict[str, Any]:
         name: channel.unary_unary(path(name), request_serializer=_serialize, response_deserializer=resp.FromString)
         for name, resp in _UNARY.items()
     }
-    methods["Put"] = channel.stream_unary(path("Put"), request_serializer=None,
-                                          response_deserializer=pb.PutResponse.FromString)  # fmt: skip
-    methods["Get"] = channel.unary_stream(path("Get"), request_serializer=pb.GetRequest.SerializeToString,
-                                          response_deserializer=None)  # fmt: skip
+    methods["Put"] = channel.stream_unary(
+        path("Put"), request_serializer=None, response_deserializer=pb.PutResponse.FromString
+    )
+    methods["Get"] = channel.unary_stream(
+        path("Get"), request_serializer=pb.GetRequest.SerializeToString, response_deserializer=None
+    )
     return methods
 
 

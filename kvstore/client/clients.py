@@ -16,13 +16,15 @@ import grpc
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, ClientSettings, PinResult, PutResult
+from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
+from kvstore.client.planes.segments import SharedBuffer
+from kvstore.errors import Unavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats
-from kvstore.transport.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
-from kvstore.transport.shm.segments import SharedBuffer
-from kvstore.wire import FetchedPage, PageRef
+from kvstore.wire import PutOpen
+from kvstore.wire.streams import FetchedPage, PageRef
 
 T = TypeVar("T")
 
@@ -30,8 +32,17 @@ T = TypeVar("T")
 class _Client:
     """What both clients hold: the target, credentials, a channel, its method table and the core."""
 
-    def __init__(self, target: str, *, aio: bool, timeout: float, pages_per_stream: int, verify: bool,
-                 security: ClientSecurity | None, transport: str | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        *,
+        aio: bool,
+        timeout: float,
+        pages_per_stream: int,
+        verify: bool,
+        security: ClientSecurity | None,
+        transport: str | None,
+    ) -> None:
         self.target = target
         self.timeout = timeout
         self.security = ClientSecurity.from_env() if security is None else security
@@ -76,11 +87,25 @@ class KVStoreClient(_Client):
     server's exception classes (kvstore/errors.py).
     """
 
-    def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
-                 verify: bool = True, security: ClientSecurity | None = None,
-                 transport: str | None = None) -> None:  # fmt: skip
-        super().__init__(target, aio=False, timeout=timeout, pages_per_stream=pages_per_stream, verify=verify,
-                         security=security, transport=transport)  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 60.0,
+        pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+        verify: bool = True,
+        security: ClientSecurity | None = None,
+        transport: str | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            aio=False,
+            timeout=timeout,
+            pages_per_stream=pages_per_stream,
+            verify=verify,
+            security=security,
+            transport=transport,
+        )
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -120,15 +145,24 @@ class KVStoreClient(_Client):
         except Exception as exc:
             return _failed(exc)
 
-    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
-            target_tier: TierKind | None = None, parent: bytes | None = None, chain: bool = True) -> PutResult:  # fmt: skip
+    def put(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Buffer],
+        *,
+        target_tier: TierKind | None = None,
+        parent: bytes | None = None,
+        chain: bool = True,
+    ) -> PutResult:
         """Store pages under their hashes. Each call of up to pages_per_stream pages is atomic.
 
         chain: the hashes are consecutive blocks of one chain (as prefix_hashes gives them), `parent`
         the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated
         pages. Only eviction quality depends on it.
         """
-        return self._run(self._core.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+        return self._run(self._core.put(PutOpen(namespace, layout, target_tier, parent, chain), hashes, pages))
 
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return self._run(self._core.lookup_detail(namespace, hashes, prefetch))
@@ -145,8 +179,9 @@ class KVStoreClient(_Client):
         """Payloads of the longest stored prefix of `hashes`, in order (checksum-verified)."""
         return [memoryview(p.data) for p in self.get_pages(namespace, hashes, promote=promote)]
 
-    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *,
-                 promote: bool = True) -> list[PageRef]:  # fmt: skip
+    def get_into(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *, promote: bool = True
+    ) -> list[PageRef]:
         """Write the pages of the longest stored prefix of `hashes` into `buffers` (page i into buffers[i]);
         returns what landed, in order (buffers past it are untouched or undefined).
 
@@ -158,12 +193,21 @@ class KVStoreClient(_Client):
         """
         return self._run(self._core.get_into(namespace, hashes, buffers, promote))
 
-    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer], *,
-                 target_tier: TierKind | None = None, parent: bytes | None = None, chain: bool = True) -> PutResult:  # fmt: skip
+    def put_from(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        target_tier: TierKind | None = None,
+        parent: bytes | None = None,
+        chain: bool = True,
+    ) -> PutResult:
         """`put` of pages lying in `buffers` (one per hash, each exactly layout.page_bytes). On the node's host
         they must lie in a `shared_buffer` of this client: the node copies each page once, into its slot,
         and checksums it there; the client touches no byte. Elsewhere it is `put`."""
-        return self._run(self._core.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        return self._run(self._core.put_from(PutOpen(namespace, layout, target_tier, parent, chain), hashes, buffers))
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return self._run(self._core.delete(namespace, hashes))
@@ -174,8 +218,9 @@ class KVStoreClient(_Client):
     def unpin(self, namespace: str, hashes: Sequence[bytes]) -> PinResult:
         return self._run(self._core.unpin(namespace, hashes))
 
-    def prefetch(self, namespace: str, hashes: Sequence[bytes], *,
-                 target_tier: TierKind = TierKind.DRAM) -> pb.PrefetchResponse:  # fmt: skip
+    def prefetch(
+        self, namespace: str, hashes: Sequence[bytes], *, target_tier: TierKind = TierKind.DRAM
+    ) -> pb.PrefetchResponse:
         return self._run(self._core.prefetch(namespace, hashes, target_tier))
 
     def stats(self) -> NodeStats:
@@ -185,11 +230,25 @@ class KVStoreClient(_Client):
 class AsyncKVStoreClient(_Client):
     """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
 
-    def __init__(self, target: str, *, timeout: float = 60.0, pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
-                 verify: bool = True, security: ClientSecurity | None = None,
-                 transport: str | None = None) -> None:  # fmt: skip
-        super().__init__(target, aio=True, timeout=timeout, pages_per_stream=pages_per_stream, verify=verify,
-                         security=security, transport=transport)  # fmt: skip
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = 60.0,
+        pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+        verify: bool = True,
+        security: ClientSecurity | None = None,
+        transport: str | None = None,
+    ) -> None:
+        super().__init__(
+            target,
+            aio=True,
+            timeout=timeout,
+            pages_per_stream=pages_per_stream,
+            verify=verify,
+            security=security,
+            transport=transport,
+        )
 
     async def __aenter__(self) -> AsyncKVStoreClient:
         return self
@@ -225,10 +284,18 @@ class AsyncKVStoreClient(_Client):
         except Exception as exc:
             return _failed(exc)
 
-    async def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer], *,
-                  target_tier: TierKind | None = None, parent: bytes | None = None,
-                  chain: bool = True) -> PutResult:  # fmt: skip
-        return await self._run(self._core.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+    async def put(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Buffer],
+        *,
+        target_tier: TierKind | None = None,
+        parent: bytes | None = None,
+        chain: bool = True,
+    ) -> PutResult:
+        return await self._run(self._core.put(PutOpen(namespace, layout, target_tier, parent, chain), hashes, pages))
 
     async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return await self._run(self._core.lookup_detail(namespace, hashes, prefetch))
@@ -242,16 +309,26 @@ class AsyncKVStoreClient(_Client):
     async def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
         return [memoryview(p.data) for p in await self.get_pages(namespace, hashes, promote=promote)]
 
-    async def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *,
-                       promote: bool = True) -> list[PageRef]:  # fmt: skip
+    async def get_into(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *, promote: bool = True
+    ) -> list[PageRef]:
         """See KVStoreClient.get_into."""
         return await self._run(self._core.get_into(namespace, hashes, buffers, promote))
 
-    async def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
-                       *, target_tier: TierKind | None = None, parent: bytes | None = None,
-                       chain: bool = True) -> PutResult:  # fmt: skip
+    async def put_from(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        target_tier: TierKind | None = None,
+        parent: bytes | None = None,
+        chain: bool = True,
+    ) -> PutResult:
         """See KVStoreClient.put_from."""
-        return await self._run(self._core.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        return await self._run(self._core.put_from(op, hashes, buffers))
 
     async def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return await self._run(self._core.delete(namespace, hashes))
@@ -262,8 +339,9 @@ class AsyncKVStoreClient(_Client):
     async def unpin(self, namespace: str, hashes: Sequence[bytes]) -> PinResult:
         return await self._run(self._core.unpin(namespace, hashes))
 
-    async def prefetch(self, namespace: str, hashes: Sequence[bytes], *,
-                       target_tier: TierKind = TierKind.DRAM) -> pb.PrefetchResponse:  # fmt: skip
+    async def prefetch(
+        self, namespace: str, hashes: Sequence[bytes], *, target_tier: TierKind = TierKind.DRAM
+    ) -> pb.PrefetchResponse:
         return await self._run(self._core.prefetch(namespace, hashes, target_tier))
 
     async def stats(self) -> NodeStats:
@@ -271,5 +349,10 @@ class AsyncKVStoreClient(_Client):
 
 
 def _failed(exc: Exception) -> Outcome:
-    """An operation's error as the exchange sees it: a failed RPC becomes the server's exception class."""
-    return None, rpc_error(exc) if isinstance(exc, grpc.RpcError) else exc
+    """An operation's error as the exchange sees it, under KVStoreError (kvstore/errors.py): a failed RPC
+    becomes the server's exception class, a failed socket or file operation Unavailable."""
+    if isinstance(exc, grpc.RpcError):
+        return None, rpc_error(exc)
+    if isinstance(exc, OSError):
+        return None, Unavailable(f"{type(exc).__name__}: {exc}")
+    return None, exc

@@ -1,11 +1,11 @@
-"""What both clients do, written once as exchanges (kvstore/transport/exchange.py).
+"""What both clients do, written once as exchanges (kvstore/client/exchange.py).
 
 `ClientCore` builds requests, picks the data plane, falls back when a plane cannot serve, and turns
 replies into results. `KVStoreClient` and `AsyncKVStoreClient` only drive its exchanges: one performs
 each operation on the caller's thread, the other awaits it.
 
 Data planes (`transport`, or KVSTORE_TRANSPORT when not given): "auto" (default) negotiates the fastest
-plane both ends have (kvstore/transport/planes.py) and drops a plane for good after its first
+plane both ends have (kvstore/client/planes/choice.py) and drops a plane for good after its first
 PlaneUnavailable, down to gRPC streams; "shm", "tcp", "ucx", "grpc" use that plane only (errors surface).
 A new plane is one entry in PLANES.
 """
@@ -18,23 +18,26 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.addresses import host_id, is_loopback
+from kvstore.client.exchange import Exchange, Unary
+from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.buffers import check_buffers
+from kvstore.client.planes.choice import TRANSPORTS, choose_planes
+from kvstore.client.planes.pool import ReceivePool
+from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
+from kvstore.client.planes.shm import ShmPlane, plane_path
+from kvstore.client.planes.streams import GrpcStreams
+from kvstore.client.planes.tcp import TcpPlane
+from kvstore.client.planes.ucx import UcxPlane
 from kvstore.errors import PlaneUnavailable
-from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
-from kvstore.transport.buffers import check_buffers
-from kvstore.transport.exchange import DataPlane, Exchange, Unary
-from kvstore.transport.grpc_streams import GrpcStreams
-from kvstore.transport.planes import TRANSPORTS, choose_planes, host_id, is_loopback
-from kvstore.transport.shm import shm_available
-from kvstore.transport.shm.client import ShmPlane
-from kvstore.transport.shm.segments import SharedBuffer, SharedBuffers
-from kvstore.transport.tcp.client import TcpPlane
-from kvstore.transport.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
-from kvstore.transport.ucx import ucxx_installed
-from kvstore.transport.ucx.client import UcxPlane
-from kvstore.wire import FetchedPage, PageRef, stats_from_pb
+from kvstore.wire import PutOpen
+from kvstore.wire.shm import shm_available
+from kvstore.wire.streams import FetchedPage, PageRef, stats_from_pb
+from kvstore.wire.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
+from kvstore.wire.ucx import ucxx_installed
 
 T = TypeVar("T")
 
@@ -63,12 +66,16 @@ class ClientSettings:
     security: ClientSecurity
     timeout: float
     buffers: SharedBuffers = field(default_factory=SharedBuffers)  # this client's registered staging memory
+    received: ReceivePool = field(init=False)  # where a plain get's pages land: pooled blocks of `buffers`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "received", ReceivePool(self.buffers))
 
 
 @dataclass(frozen=True, slots=True)
 class PlaneSpec:
     """A data plane a client can speak: how to open it (given what the node advertised), and whether
-    this process can at all (a library or /dev/shm may be missing)."""
+    this process can at all (a library or an OS feature may be missing)."""
 
     make: Callable[[ClientSettings, PlaneInfo | None], DataPlane]
     usable: Callable[[], bool] = lambda: True
@@ -85,10 +92,29 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
 
 
 PLANES: dict[str, PlaneSpec] = {
-    "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
-    "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.buffers), usable=shm_available),
-    "tcp": PlaneSpec(lambda s, info: TcpPlane.from_info(info, target=s.target, pages_per_call=s.pages_per_call,
-                                                        verify=s.verify, security=s.security, timeout=s.timeout)),
+    "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify, s.received)),
+    "shm": PlaneSpec(
+        lambda s, info: ShmPlane(
+            plane_path(info.address if info is not None else ""),
+            s.pages_per_call,
+            s.buffers,
+            s.received,
+            s.security.token,
+            s.timeout,
+        ),
+        usable=shm_available,
+    ),
+    "tcp": PlaneSpec(
+        lambda s, info: TcpPlane.from_info(
+            info,
+            target=s.target,
+            pages_per_call=s.pages_per_call,
+            verify=s.verify,
+            security=s.security,
+            timeout=s.timeout,
+            received=s.received,
+        )
+    ),
     "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
 }
 
@@ -110,7 +136,7 @@ class ClientCore:
     """Every client operation as an exchange. Thread-safe: the only shared state is the plane list,
     which is set once (negotiated) and then only replaced, never mutated, when a plane is given up.
 
-    Negotiation: with transport "grpc" or "shm" nothing needs asking; otherwise the first bulk call
+    Negotiation: with transport "grpc" nothing needs asking; otherwise the first bulk call
     reads the node's Stats once (its advertised planes and host id) and picks by `choose_planes`.
     """
 
@@ -118,9 +144,9 @@ class ClientCore:
         self.settings = settings
         self.mode = transport_mode(transport)
         self._planes: tuple[DataPlane, ...] | None = None
-        if self.mode in ("grpc", "shm"):
-            if self.mode == "shm" and not shm_available():
-                raise ValueError("transport='shm' needs a writable /dev/shm on this host")
+        if self.mode == "shm" and not shm_available():
+            raise ValueError("transport='shm' needs memfd_create and Unix sockets (Linux)")
+        if self.mode == "grpc":
             self._planes = (PLANES[self.mode].make(settings, None),)
 
     @property
@@ -136,6 +162,7 @@ class ClientCore:
         for p in self._planes or ():
             p.close()
         self.settings.buffers.close()
+        self.settings.received.close()
 
     def shared_buffer(self, nbytes: int) -> SharedBuffer:
         """Registered staging memory for zero-copy get_into/put_from (see SharedBuffer)."""
@@ -187,12 +214,10 @@ class ClientCore:
 
     # -- bulk
 
-    def put(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
-            target_tier: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[PutResult]:  # fmt: skip
+    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
-        stored, present = yield from self._bulk(
-            lambda p: p.put(namespace, layout, hashes, pages, target_tier, parent, chain))
+        stored, present = yield from self._bulk(lambda p: p.put(op, hashes, pages))
         return PutResult(stored, present)
 
     def get_pages(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
@@ -200,24 +225,24 @@ class ClientCore:
             return []
         return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote)))
 
-    def get_into(self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer],
-                 promote: bool) -> Exchange[list[PageRef]]:  # fmt: skip
+    def get_into(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
+    ) -> Exchange[list[PageRef]]:
         """Pages of the longest stored prefix written into `buffers` (one per hash, writable, contiguous,
-        not overlapping: checked before anything is sent). On the shm plane they must lie in this
-        client's shared buffers and the node writes into them directly; other planes copy once."""
+        not overlapping: checked before anything is sent). On the same-host plane the node writes straight
+        into buffers that lie in this client's shared buffers (`shared_buffer`); other memory, and every
+        other plane, costs one copy more at most."""
         check_buffers(buffers, len(hashes), writable=True)
         if not hashes:
             return []
         return (yield from self._bulk(lambda p: p.get_into(namespace, hashes, buffers, promote)))
 
-    def put_from(self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], buffers: Sequence[Buffer],
-                 target_tier: TierKind | None, parent: bytes | None, chain: bool) -> Exchange[PutResult]:  # fmt: skip
-        """Put pages that lie in `buffers` (one per hash, each exactly layout.page_bytes: checked first)."""
-        check_buffers(buffers, len(hashes), writable=False, nbytes=layout.page_bytes)
+    def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[PutResult]:
+        """Put pages that lie in `buffers` (one per hash, each exactly a page of op.layout: checked first)."""
+        check_buffers(buffers, len(hashes), writable=False, nbytes=op.layout.page_bytes)
         if not hashes:
             return PutResult(0, 0)
-        stored, present = yield from self._bulk(
-            lambda p: p.put_from(namespace, layout, hashes, buffers, target_tier, parent, chain))
+        stored, present = yield from self._bulk(lambda p: p.put_from(op, hashes, buffers))
         return PutResult(stored, present)
 
     # -- control
@@ -240,6 +265,10 @@ class ClientCore:
     def prefetch(self, namespace: str, hashes: Sequence[bytes], target_tier: TierKind) -> Exchange[pb.PrefetchResponse]:
         req = pb.PrefetchRequest(namespace=namespace, hashes=list(hashes), target_tier=int(target_tier))
         return (yield Unary("Prefetch", req))
+
+    def report_corrupt(self, namespace: str, hashes: Sequence[bytes]) -> Exchange[pb.ReportResponse]:
+        """Tell the node these pages arrived damaged (the planes do it by themselves on a checksum miss)."""
+        return (yield Unary("Report", pb.ReportRequest(namespace=namespace, hashes=list(hashes))))
 
     def stats(self) -> Exchange[NodeStats]:
         return stats_from_pb((yield Unary("Stats", pb.StatsRequest())))

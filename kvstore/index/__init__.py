@@ -37,7 +37,7 @@ node holds, returning the live holders of each matched block. It reads keys it i
     acl.py        the Redis ACL users: nodes write only their own records, clients only read (pure)
 
 Trust: the index is not trusted with identities. A client dials each address as the node id the index
-names and checks the node's TLS certificate (kvstore/cluster.py); only nodes can write (acl.py). The
+names and checks the node's TLS certificate (kvstore/client/cluster.py); only nodes can write (acl.py). The
 lookup script is loaded by the nodes when they publish; read-only clients may only run it (EVALSHA).
 """
 
@@ -46,6 +46,18 @@ from kvstore.index.lookup import ClusterLookup, NodeShare, summarize
 from kvstore.index.reader import IndexReader, IndexUnavailable, NodeInfo
 
 __all__ = [
-    "ALIVE_PREFIX", "NODES_KEY", "PREFIX", "ClusterLookup", "IndexReader", "IndexUnavailable", "NodeInfo", "NodeShare", "alive_key",
-    "block_key", "epoch_key", "node_key", "ns_tag", "summarize",
-]  # fmt: skip
+    "ALIVE_PREFIX",
+    "NODES_KEY",
+    "PREFIX",
+    "ClusterLookup",
+    "IndexReader",
+    "IndexUnavailable",
+    "NodeInfo",
+    "NodeShare",
+    "alive_key",
+    "block_key",
+    "epoch_key",
+    "node_key",
+    "ns_tag",
+    "summarize",
+]

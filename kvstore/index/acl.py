@@ -23,7 +23,7 @@ import hashlib
 import re
 
 from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, epoch_key, node_key, tenant_prefix
-from kvstore.tenants import check_tenant
+from kvstore.scoping import check_tenant
 
 NODE_USER_PREFIX = "kvnode-"
 SHARED_NODE_USER = "kvnode"
@@ -61,9 +61,11 @@ def node_rules(node_id: str) -> str:
     if node_id != "*" and not _NODE_ID_RE.match(node_id):
         raise ValueError(f"node id {node_id!r}: a per-node Redis user needs [A-Za-z0-9._-] only")
     own = f"~{ALIVE_PREFIX}{node_id} ~{epoch_key(node_id)} ~{node_key(node_id)}"
-    return (f"{_RESET} {_CONNECT} %R~{PREFIX}* {own} +get +set +incr +incrby +del +expire +hset +hgetall +hdel "
-            f"+smembers +scan +evalsha +script|load "
-            f"(~{PREFIX}b:* +hset +hdel +hgetall) (~{PREFIX}t:* +hset +hdel +hgetall) (~{NODES_KEY} +sadd)")  # fmt: skip
+    return (
+        f"{_RESET} {_CONNECT} %R~{PREFIX}* {own} +get +set +incr +incrby +del +expire +hset +hgetall +hdel "
+        f"+smembers +scan +evalsha +script|load "
+        f"(~{PREFIX}b:* +hset +hdel +hgetall) (~{PREFIX}t:* +hset +hdel +hgetall) (~{NODES_KEY} +sadd)"
+    )
 
 
 def node_user(node_id: str) -> str:
@@ -79,14 +81,19 @@ def admin_line(password: str) -> str:
     return acl_line("default", password, "~* &* +@all")
 
 
-def index_acl(admin_password: str, client_password: str, node_passwords: dict[str, str],
-              tenant_passwords: dict[str, str] | None = None) -> list[str]:  # fmt: skip
+def index_acl(
+    admin_password: str,
+    client_password: str,
+    node_passwords: dict[str, str],
+    tenant_passwords: dict[str, str] | None = None,
+) -> list[str]:
     """Every `user` line of a secured index: the administrator, the read-only client user (default
     tenant), one user per node id (each may write only its own records) and one read-only client user
     per tenant (each may read only its tenant's entries)."""
     lines = [admin_line(admin_password), acl_line(CLIENT_USER, client_password, CLIENT_RULES)]
     lines += [acl_line(node_user(n), pw, node_rules(n)) for n, pw in sorted(node_passwords.items())]
-    lines += [acl_line(tenant_client_user(t), pw, tenant_client_rules(t))
-              for t, pw in sorted((tenant_passwords or {}).items())]  # fmt: skip
+    lines += [
+        acl_line(tenant_client_user(t), pw, tenant_client_rules(t))
+        for t, pw in sorted((tenant_passwords or {}).items())
+    ]
     return lines
-

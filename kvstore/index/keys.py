@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
-from kvstore.tenants import DEFAULT_TENANT, tenant_of
+from kvstore.scoping import DEFAULT_TENANT, tenant_of
 
 PREFIX = "kvs:v1:"
 NODES_KEY = PREFIX + "nodes"
@@ -45,7 +45,7 @@ def ns_tag(namespace: str) -> str:
 
 
 def block_key(namespace: str, h: bytes) -> str:
-    """The entry of a page. A tenant's pages (a scoped namespace, kvstore/tenants.py) live under the
+    """The entry of a page. A tenant's pages (a scoped namespace, kvstore/scoping.py) live under the
     tenant's own prefix, so a Redis user can be let read one tenant's entries only (index/acl.py); the
     default tenant's keys are those of a node without tenancy."""
     tenant = tenant_of(namespace)

@@ -22,7 +22,7 @@ from kvstore.index.keys import (
     block_key,
     epoch_key,
     node_key,
-)  # fmt: skip
+)
 from kvstore.names import TierKind
 from kvstore.security import redact_url
 from kvstore.stats import IndexStatus
@@ -41,7 +41,8 @@ class IndexPublisher:
     always its latest state (tier, or None for removal), so coalescing never reorders a key's history.
     """
 
-    def __init__(
+    # keyword-only tuning settings, each with a default
+    def __init__(  # noqa: PLR0913
         self,
         url: str,
         node_id: str,
@@ -79,8 +80,8 @@ class IndexPublisher:
 
     # -- called by the manager (sync, cheap)
 
-    def note(self, namespace: str, h: bytes, tier: TierKind | None) -> None:
-        """Record a page's new placement (None: gone from this node)."""
+    def note(self, namespace: str, h: bytes, tier: TierKind | None, previous: TierKind | None = None) -> None:
+        """Record a page's new placement (None: gone from this node; `previous` is not needed here)."""
         if self._need_resync:
             return  # a resync republishes everything from the manager's state anyway
         if len(self._pending) >= self.max_pending and (namespace, h) not in self._pending:
@@ -100,8 +101,11 @@ class IndexPublisher:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._flush_loop()), loop.create_task(self._heartbeat_loop()),
-                       loop.create_task(self._gc_loop())]  # fmt: skip
+        self._tasks = [
+            loop.create_task(self._flush_loop()),
+            loop.create_task(self._heartbeat_loop()),
+            loop.create_task(self._gc_loop()),
+        ]
 
     async def wait_registered(self, timeout: float) -> bool:
         """Wait (bounded) until this node's holdings and address are published; False on timeout.
@@ -204,11 +208,16 @@ class IndexPublisher:
     async def _write_node_info(self) -> None:
         self.status()
         info: dict[str, int | str] = {
-            "addr": self.addr, "epoch": self.stats.epoch, "version": __version__,
-            "queued": self.stats.queued, "lag_ms": int(self.stats.lag_seconds * 1000),
-            "resyncs": self.stats.resyncs, "overflows": self.stats.overflows, "heartbeat": int(time.time()),
+            "addr": self.addr,
+            "epoch": self.stats.epoch,
+            "version": __version__,
+            "queued": self.stats.queued,
+            "lag_ms": int(self.stats.lag_seconds * 1000),
+            "resyncs": self.stats.resyncs,
+            "overflows": self.stats.overflows,
+            "heartbeat": int(time.time()),
             **self._node_info(),
-        }  # fmt: skip
+        }
         pipe = self._redis.pipeline(transaction=False)
         pipe.sadd(NODES_KEY, self.node_id)
         pipe.hset(node_key(self.node_id), mapping=info)

@@ -13,8 +13,8 @@ import redis
 from kvstore.errors import Unavailable
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
+from kvstore.scoping import DEFAULT_TENANT, check_tenant, scope
 from kvstore.stats import PlaneInfo, planes_from_json
-from kvstore.tenants import DEFAULT_TENANT, check_tenant, scope
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -66,15 +66,17 @@ class NodeInfo:
 class IndexReader:
     """Blocking reads of the index: longest-prefix lookup (one round trip) and node listing."""
 
-    def __init__(self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None,
-                 tenant: str | None = None) -> None:  # fmt: skip
-        """`tenant`: whose entries lookups read (kvstore/tenants.py); by default KVSTORE_TENANT, else the
+    def __init__(
+        self, url: str, *, socket_timeout: float = 5.0, client: redis.Redis | None = None, tenant: str | None = None
+    ) -> None:
+        """`tenant`: whose entries lookups read (kvstore/scoping.py); by default KVSTORE_TENANT, else the
         default tenant. It must be the tenant the nodes bind this client's token to, or lookups find
         nothing; Redis ACL users (index/acl.py) keep a tenant's client from reading any other's."""
         self.url = url
         self.tenant = check_tenant(tenant or os.environ.get("KVSTORE_TENANT") or DEFAULT_TENANT, "KVSTORE_TENANT")
-        self._redis = client or redis.Redis.from_url(url, socket_timeout=socket_timeout,
-                                                     socket_connect_timeout=socket_timeout)  # fmt: skip
+        self._redis = client or redis.Redis.from_url(
+            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
+        )
         self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
 
     def close(self) -> None:
@@ -116,8 +118,15 @@ class IndexReader:
         for k, node in enumerate(ids):
             epoch_raw, info_raw = res[2 * k], res[2 * k + 1]
             info = {a.decode(): b.decode() for a, b in info_raw.items()}
-            out.append(NodeInfo(node, epoch_raw is not None, info.get("addr", ""),
-                                int(epoch_raw) if epoch_raw is not None else None, info))  # fmt: skip
+            out.append(
+                NodeInfo(
+                    node,
+                    epoch_raw is not None,
+                    info.get("addr", ""),
+                    int(epoch_raw) if epoch_raw is not None else None,
+                    info,
+                )
+            )
         return out
 
     def node_addrs(self) -> dict[str, str]:

@@ -49,8 +49,10 @@ class Outage:
             if self.down_since is not None:
                 return None
             self.down_since, self.skipped = now, 0
-        return (f"does not answer ({cause}); serving misses and dropping stores without waiting, retrying every "
-                f"{self.backoff:g} s")  # fmt: skip
+        return (
+            f"does not answer ({cause}); serving misses and dropping stores without waiting, retrying every "
+            f"{self.backoff:g} s"
+        )
 
     def succeeded(self) -> str | None:
         with self._lock:

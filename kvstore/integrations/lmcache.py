@@ -82,7 +82,7 @@ from kvstore.integrations.lmcache_mapping import (
 from kvstore.integrations.remote import RemoteStore, call_slices
 from kvstore.layout import PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
-from kvstore.wire import Buffer, FetchedPage
+from kvstore.wire.streams import Buffer, FetchedPage
 
 logger = init_logger(__name__)
 PLUGIN_TYPE = "kvstore"
@@ -113,14 +113,28 @@ def engine_geometry(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> t
     if config.use_layerwise:
         fmt = "KV_MLA_FMT" if metadata.use_mla else ("KV_2TD" if config.enable_blending else "KV_T2D")
         dtype = metadata.kv_dtype
-        geo = layerwise_geometry(fmt, kv, metadata.kv_shape[3] * metadata.kv_shape[4], TORCH_DTYPE_TO_STR_DTYPE[dtype],
-                                 dtype.itemsize, config.chunk_size, heads, head_dim)  # fmt: skip
+        geo = layerwise_geometry(
+            fmt,
+            kv,
+            metadata.kv_shape[3] * metadata.kv_shape[4],
+            TORCH_DTYPE_TO_STR_DTYPE[dtype],
+            dtype.itemsize,
+            config.chunk_size,
+            heads,
+            head_dim,
+        )
         return geo, [dtype]
     fmt = "KV_MLA_FMT" if metadata.use_mla else "KV_2LTD"
     dtypes = metadata.get_dtypes()
-    geo = chunked_geometry(fmt, [tuple(s) for s in metadata.get_shapes(config.chunk_size)],
-                           [TORCH_DTYPE_TO_STR_DTYPE[d] for d in dtypes], [d.itemsize for d in dtypes],
-                           config.chunk_size, heads, head_dim)  # fmt: skip
+    geo = chunked_geometry(
+        fmt,
+        [tuple(s) for s in metadata.get_shapes(config.chunk_size)],
+        [TORCH_DTYPE_TO_STR_DTYPE[d] for d in dtypes],
+        [d.itemsize for d in dtypes],
+        config.chunk_size,
+        heads,
+        head_dim,
+    )
     return geo, list(dtypes)
 
 
@@ -140,8 +154,9 @@ class EngineShape:
     @classmethod
     def derive(cls, config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> EngineShape:
         geometry, dtypes = engine_geometry(config, metadata)
-        return cls(geometry, geometry.page_layout(), dtypes, MemoryFormat[geometry.fmt],
-                   metadata.kv_layer_groups_manager, {})  # fmt: skip
+        return cls(
+            geometry, geometry.page_layout(), dtypes, MemoryFormat[geometry.fmt], metadata.kv_layer_groups_manager, {}
+        )
 
 
 Runs = list[tuple[tuple[str, str], list[bytes]]]  # (namespace, tail namespace), kvstore hashes
@@ -152,8 +167,14 @@ class KVStoreConnector(RemoteConnector):
     long and checksummed by the client; every MemoryObj it returns came from LMCache's local CPU
     allocator and holds exactly the bytes that were stored (verified on the way); a failure is a miss."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: LocalCPUBackend,
-                 config: LMCacheEngineConfig, metadata: LMCacheMetadata | None, plugin_name: str = PLUGIN_TYPE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        local_cpu_backend: LocalCPUBackend,
+        config: LMCacheEngineConfig,
+        metadata: LMCacheMetadata | None,
+        plugin_name: str = PLUGIN_TYPE,
+    ) -> None:
         metadata = metadata if metadata is not None else getattr(local_cpu_backend, "metadata", None)
         if metadata is None:
             raise IrrecoverableException(f"kvstore plugin {plugin_name!r}: LMCache gave no engine metadata")
@@ -167,11 +188,17 @@ class KVStoreConnector(RemoteConnector):
         self.partial = bool(config.save_unfull_chunk)
         self._shape_lock = threading.Lock()
         try:
-            self.settings: PluginSettings = parse_settings(config.extra_config, plugin_name,
-                                                           float(config.blocking_timeout_secs))  # fmt: skip
+            self.settings: PluginSettings = parse_settings(
+                config.extra_config, plugin_name, float(config.blocking_timeout_secs)
+            )
             self._shape = self._checked(EngineShape.derive(config, metadata))
-            probe = self._namespace_pair(self._shape, metadata.model_name, metadata.world_size, metadata.worker_id,
-                                         TORCH_DTYPE_TO_STR_DTYPE[metadata.kv_dtype])  # fmt: skip
+            probe = self._namespace_pair(
+                self._shape,
+                metadata.model_name,
+                metadata.world_size,
+                metadata.worker_id,
+                TORCH_DTYPE_TO_STR_DTYPE[metadata.kv_dtype],
+            )
             self.store = RemoteStore(self.settings, logger, setting_prefix=self.hint)  # reads token / TLS files
         except (MappingError, ValueError, KeyError, OSError) as exc:
             raise IrrecoverableException(f"kvstore plugin {plugin_name!r}: {exc}") from None
@@ -182,19 +209,30 @@ class KVStoreConnector(RemoteConnector):
             tune_malloc_for_bulk_io()
         self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"kvstore-{plugin_name}")
         self._closed = False
-        logger.info("kvstore plugin %r: %s, namespace %r, pages of %s, partial chunks %s", plugin_name,
-                    self.store.where, probe[0], self._shape.layout.describe(), "on (/tail)" if self.partial else "off")  # fmt: skip
+        logger.info(
+            "kvstore plugin %r: %s, namespace %r, pages of %s, partial chunks %s",
+            plugin_name,
+            self.store.where,
+            probe[0],
+            self._shape.layout.describe(),
+            "on (/tail)" if self.partial else "off",
+        )
         if config.pre_caching_hash_algorithm == "builtin" and os.environ.get("PYTHONHASHSEED") is None:
-            logger.warning("kvstore plugin %r: LMCache hashes chunks with Python's builtin hash and PYTHONHASHSEED is "
-                           "not set, so every engine process computes different keys and finds nothing another one "
-                           "stored. Start every engine with PYTHONHASHSEED=0.", plugin_name)  # fmt: skip
+            logger.warning(
+                "kvstore plugin %r: LMCache hashes chunks with Python's builtin hash and PYTHONHASHSEED is "
+                "not set, so every engine process computes different keys and finds nothing another one "
+                "stored. Start every engine with PYTHONHASHSEED=0.",
+                plugin_name,
+            )
 
     # -- the mapping
 
     def _checked(self, shape: EngineShape) -> EngineShape:
         if self.partial and shape.geometry.token_bytes < TAIL_TRAILER.size:
-            raise MappingError(f"save_unfull_chunk needs >= {TAIL_TRAILER.size} bytes per token for the tail "
-                               f"trailer; this model has {shape.geometry.token_bytes}")  # fmt: skip
+            raise MappingError(
+                f"save_unfull_chunk needs >= {TAIL_TRAILER.size} bytes per token for the tail "
+                f"trailer; this model has {shape.geometry.token_bytes}"
+            )
         return shape
 
     def _current(self) -> EngineShape:
@@ -207,16 +245,27 @@ class KVStoreConnector(RemoteConnector):
                 try:
                     new = self._checked(EngineShape.derive(self.config, self.metadata))
                 except (MappingError, ValueError, KeyError) as exc:
-                    self.store.say("geometry", logging.ERROR, "kvstore plugin %r: the engine's KV layer groups cannot "
-                                   "be mapped (%s); keeping %s", self.name, exc, self._shape.geometry.shape_tag())  # fmt: skip
+                    self.store.say(
+                        "geometry",
+                        logging.ERROR,
+                        "kvstore plugin %r: the engine's KV layer groups cannot be mapped (%s); keeping %s",
+                        self.name,
+                        exc,
+                        self._shape.geometry.shape_tag(),
+                    )
                     new = dataclasses.replace(self._shape, groups_from=self.metadata.kv_layer_groups_manager)
                 if new.geometry != self._shape.geometry:
-                    logger.info("kvstore plugin %r: the engine registered its KV layer groups: chunks are now %s",
-                                self.name, new.geometry.shape_tag())  # fmt: skip
+                    logger.info(
+                        "kvstore plugin %r: the engine registered its KV layer groups: chunks are now %s",
+                        self.name,
+                        new.geometry.shape_tag(),
+                    )
                 self._shape = new
             return self._shape
 
-    def _namespace_pair(self, shape: EngineShape, model: str, world_size: int, worker_id: int, dtype: str) -> tuple[str, str]:
+    def _namespace_pair(
+        self, shape: EngineShape, model: str, world_size: int, worker_id: int, dtype: str
+    ) -> tuple[str, str]:
         k = (model, world_size, worker_id, dtype)
         pair = shape.namespaces.get(k)
         if pair is None:
@@ -229,8 +278,9 @@ class KVStoreConnector(RemoteConnector):
         """Consecutive keys of one namespace pair, with their kvstore hashes (order kept)."""
         runs: Runs = []
         for key in keys:
-            pair = self._namespace_pair(shape, key.model_name, key.world_size, key.worker_id,
-                                        TORCH_DTYPE_TO_STR_DTYPE[key.dtype])  # fmt: skip
+            pair = self._namespace_pair(
+                shape, key.model_name, key.world_size, key.worker_id, TORCH_DTYPE_TO_STR_DTYPE[key.dtype]
+            )
             if not runs or runs[-1][0] != pair:
                 runs.append((pair, []))
             runs[-1][1].append(page_key(key.to_string()))
@@ -267,11 +317,40 @@ class KVStoreConnector(RemoteConnector):
         """The longest prefix of one namespace's chain, fetched and placed slice by slice (memory bound)."""
         out: list[MemoryObj] = []
         for a, b in call_slices(len(hashes), shape.layout.page_bytes):
-            got = self._objs(shape, ns, self.store.get(ns, hashes[a:b]), tail=tail)
+            if tail:  # a partial chunk's size is in its bytes: fetched, then copied into a MemoryObj of that size
+                got = self._objs(shape, ns, self.store.get(ns, hashes[a:b]), tail=True)
+            else:
+                got = self._fetch_into(shape, ns, hashes[a:b])
             out += got
             if len(got) < b - a:
                 break
         return out
+
+    def _fetch_into(self, shape: EngineShape, ns: str, hashes: list[bytes]) -> list[MemoryObj]:
+        """Full chunks received straight into MemoryObjs from LMCache's CPU allocator (issue 20: one copy, by the
+        network or the node, and one verification); the objects past the stored prefix go back at once."""
+        geo = shape.geometry
+        objs: list[MemoryObj] = []
+        for _ in hashes:
+            obj = self.local_cpu_backend.allocate(
+                [torch.Size(s) for s in geo.shapes(geo.chunk_size)],
+                shape.dtypes,
+                shape.fmt,
+                eviction=True,
+                busy_loop=False,
+            )
+            if obj is None:
+                logger.debug("kvstore plugin %r: LMCache's CPU buffer is full; the rest is a miss", self.name)
+                break
+            objs.append(obj)
+        got = 0
+        try:
+            views = [obj.byte_array.cast("B")[: shape.layout.page_bytes] for obj in objs]
+            got = len(self.store.get_into(ns, hashes[: len(objs)], views))
+        finally:
+            for obj in objs[got:]:
+                obj.ref_count_down()  # ours until returned: give it back to LMCache's allocator
+        return objs[:got]
 
     def _objs(self, shape: EngineShape, ns: str, pages: list[FetchedPage], *, tail: bool) -> list[MemoryObj]:
         """Copy fetched pages into MemoryObjs from LMCache's CPU allocator; stops at the first page that
@@ -280,14 +359,24 @@ class KVStoreConnector(RemoteConnector):
         for page in pages:
             try:
                 if len(page.data) != shape.layout.page_bytes:
-                    raise MappingError(f"page of {len(page.data)} B, the namespace's layout has {shape.layout.page_bytes} B")
+                    raise MappingError(
+                        f"page of {len(page.data)} B, the namespace's layout has {shape.layout.page_bytes} B"
+                    )
                 tokens = tail_tokens(page.data, geo.chunk_size) if tail else geo.chunk_size
             except MappingError as exc:
-                self.store.say("malformed", logging.ERROR, "kvstore plugin %r: %s in namespace %r: %s; treated as a miss",
-                               self.name, self.store.where, ns, exc)  # fmt: skip
+                self.store.say(
+                    "malformed",
+                    logging.ERROR,
+                    "kvstore plugin %r: %s in namespace %r: %s; treated as a miss",
+                    self.name,
+                    self.store.where,
+                    ns,
+                    exc,
+                )
                 break
-            obj = self.local_cpu_backend.allocate([torch.Size(s) for s in geo.shapes(tokens)], shape.dtypes, shape.fmt,
-                                                  eviction=True, busy_loop=False)  # fmt: skip
+            obj = self.local_cpu_backend.allocate(
+                [torch.Size(s) for s in geo.shapes(tokens)], shape.dtypes, shape.fmt, eviction=True, busy_loop=False
+            )
             if obj is None:
                 logger.debug("kvstore plugin %r: LMCache's CPU buffer is full; the rest is a miss", self.name)
                 break
@@ -309,14 +398,23 @@ class KVStoreConnector(RemoteConnector):
         for (ns, tail), hashes in self._runs(shape, keys):
             for h, obj in zip(hashes, objs[start : start + len(hashes)], strict=True):
                 try:
-                    tokens = geo.tokens_of(obj.get_shapes(), [TORCH_DTYPE_TO_STR_DTYPE[d] for d in obj.get_dtypes()],
-                                           obj.get_memory_format().name)  # fmt: skip
+                    tokens = geo.tokens_of(
+                        obj.get_shapes(),
+                        [TORCH_DTYPE_TO_STR_DTYPE[d] for d in obj.get_dtypes()],
+                        obj.get_memory_format().name,
+                    )
                     data = obj.byte_array
                     if len(data) != tokens * geo.token_bytes:
                         raise MappingError(f"{len(data)} B for {tokens} tokens, expected {tokens * geo.token_bytes}")
                 except (MappingError, KeyError) as exc:
-                    self.store.say("bad-chunk", logging.ERROR, "kvstore plugin %r: chunk not stored, it is not this engine's "
-                                   "geometry (%s): %s", self.name, geo.shape_tag(), exc)  # fmt: skip
+                    self.store.say(
+                        "bad-chunk",
+                        logging.ERROR,
+                        "kvstore plugin %r: chunk not stored, it is not this engine's geometry (%s): %s",
+                        self.name,
+                        geo.shape_tag(),
+                        exc,
+                    )
                     continue
                 if tokens == geo.chunk_size:
                     batch = batches.setdefault(ns, ([], []))
@@ -327,8 +425,13 @@ class KVStoreConnector(RemoteConnector):
                     batch[0].append(h)
                     batch[1].append(pack_tail(data, tokens, shape.layout.page_bytes))
                 else:
-                    self.store.say("partial-off", logging.WARNING, "kvstore plugin %r: a partial chunk (%d tokens) "
-                                   "was not stored: save_unfull_chunk is off", self.name, tokens)  # fmt: skip
+                    self.store.say(
+                        "partial-off",
+                        logging.WARNING,
+                        "kvstore plugin %r: a partial chunk (%d tokens) was not stored: save_unfull_chunk is off",
+                        self.name,
+                        tokens,
+                    )
             start += len(hashes)
         for ns, (hashes, pages) in batches.items():
             for a, b in call_slices(len(hashes), shape.layout.page_bytes):
@@ -352,8 +455,14 @@ class KVStoreConnector(RemoteConnector):
         except Exception as exc:
             if self._closed:
                 return miss
-            self.store.say("bug", logging.ERROR, "kvstore plugin %r: %s failed: %s", self.name, fn.__name__,
-                           "".join(traceback.format_exception(exc)))  # fmt: skip
+            self.store.say(
+                "bug",
+                logging.ERROR,
+                "kvstore plugin %r: %s failed: %s",
+                self.name,
+                fn.__name__,
+                "".join(traceback.format_exception(exc)),
+            )
             return miss
 
     # -- RemoteConnector
@@ -419,7 +528,7 @@ class KVStoreConnector(RemoteConnector):
         return [o for o in objs if o is not None]  # _fetch returns a prefix, then Nones
 
     def remove_sync(self, key: CacheEngineKey) -> bool:
-        ((ns, tail), hashes), = self._runs(self._current(), [key])
+        (((ns, tail), hashes),) = self._runs(self._current(), [key])
         removed = self.store.delete(ns, hashes)
         if self.partial:
             removed += self.store.delete(tail, hashes)
@@ -427,4 +536,3 @@ class KVStoreConnector(RemoteConnector):
 
     def __repr__(self) -> str:
         return f"<KVStoreConnector {self.name} {self.store.where}>"
-

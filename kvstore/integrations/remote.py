@@ -4,6 +4,7 @@ policy an engine needs: every failure is a logged miss (or a dropped store), nev
     store = RemoteStore(settings, log)          # settings: lmcache_mapping.PluginSettings
     n = store.lookup(ns, hashes)                # leading blocks held; 0 when the remote fails
     pages = store.get(ns, hashes[:n])           # checksum-verified pages of the longest prefix
+    sizes = store.get_into(ns, hashes[:n], bufs)  # the same, received straight into the caller's buffers
     store.put(ns, layout, hashes, pages)        # stored count, or None when the remote refused
 
 Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds):
@@ -18,6 +19,13 @@ Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL 
 Thread-safety: every method may be called from any thread. One node: a data client (transport per
 settings) and a control client (gRPC, short deadline) shared by all threads (KVStoreClient is
 thread-safe). A cluster: one ClusterClient per thread, since ClusterClient keeps unlocked caches.
+
+`get_into` and the same-host plane: shm moves pages only into memory registered with the client
+(`shared_buffer`), and a caller's buffers (an engine's own KV memory) are not. So with transport "auto",
+once the data client has settled on shm, `get_into` goes through a second client that receives into any
+memory (the TCP plane, else gRPC streams): still one copy, verified on arrival. With transport "shm"
+insisted on, pages are fetched and then copied into the buffers (a second copy; say so in the docs).
+A cluster's `get_into` uses node clients on the TCP plane for the same reason unless a transport is set.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import grpc
 import redis
 
 from kvstore.client import KVStoreClient
-from kvstore.cluster import ClusterClient, NoLiveNode
+from kvstore.client.cluster import ClusterClient, NoLiveNode
 from kvstore.errors import (
     DataLoss,
     InvalidArgument,
@@ -41,6 +49,7 @@ from kvstore.errors import (
     PermissionDenied,
     RemoteError,
     ResourceExhausted,
+    StreamError,
     Unauthenticated,
     Unavailable,
 )
@@ -48,7 +57,8 @@ from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.integrations.lmcache_mapping import PluginSettings
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity, read_token_file
-from kvstore.wire import Buffer, FetchedPage, StreamError
+from kvstore.stats import NodeStats
+from kvstore.wire.streams import Buffer, FetchedPage
 
 T = TypeVar("T")
 LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
@@ -56,10 +66,16 @@ LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
 # segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
 # 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
 CALL_BYTES = 64 << 20
-_UNREACHABLE = (Unavailable, NoLiveNode, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                grpc.FutureTimeoutError, grpc.RpcError, ConnectionError, TimeoutError)  # fmt: skip
+_UNREACHABLE = (
+    Unavailable,
+    NoLiveNode,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    grpc.FutureTimeoutError,
+)
 _SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
-_FAILURES = (KVStoreError, StreamError, redis.exceptions.RedisError, *_UNREACHABLE, OSError, ValueError)
+# Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it); the index's are Redis's.
+_FAILURES = (KVStoreError, redis.exceptions.RedisError, grpc.FutureTimeoutError, ValueError)
 
 
 def call_slices(n: int, page_bytes: int) -> list[tuple[int, int]]:
@@ -73,9 +89,13 @@ def client_security(s: PluginSettings) -> ClientSecurity:
     env = ClientSecurity.from_env()
     token = s.token or (read_token_file(s.token_file)[0] if s.token_file else env.token)
     tls = s.tls_ca is not None
-    return ClientSecurity(token=token, ca_file=s.tls_ca if tls else env.ca_file,
-                          cert_file=s.tls_cert if tls else env.cert_file, key_file=s.tls_key if tls else env.key_file,
-                          server_name=s.tls_server_name or env.server_name)  # fmt: skip
+    return ClientSecurity(
+        token=token,
+        ca_file=s.tls_ca if tls else env.ca_file,
+        cert_file=s.tls_cert if tls else env.cert_file,
+        key_file=s.tls_key if tls else env.key_file,
+        server_name=s.tls_server_name or env.server_name,
+    )
 
 
 class RemoteStore:
@@ -96,10 +116,12 @@ class RemoteStore:
         self._data: KVStoreClient | None = None
         self._ctl: KVStoreClient | None = None
         if settings.target.addr is not None:
-            self._data = KVStoreClient(settings.target.addr, timeout=settings.timeout, security=self.security,
-                                       transport=settings.transport)  # fmt: skip
-            self._ctl = KVStoreClient(settings.target.addr, timeout=settings.lookup_timeout, security=self.security,
-                                      transport="grpc")  # fmt: skip
+            self._data = KVStoreClient(
+                settings.target.addr, timeout=settings.timeout, security=self.security, transport=settings.transport
+            )
+            self._ctl = KVStoreClient(
+                settings.target.addr, timeout=settings.lookup_timeout, security=self.security, transport="grpc"
+            )
 
     # -- operations (never raise for a remote failure)
 
@@ -121,8 +143,80 @@ class RemoteStore:
             return self._guard("get", ns, lambda: data.get_pages(ns, hashes), [])
         return self._guard("get", ns, lambda: self._cluster().get_pages(ns, hashes), [])
 
-    def put(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Buffer],
-            parent_chain: Sequence[bytes] = ()) -> int | None:  # fmt: skip
+    def get_into(self, ns: str, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
+        """Sizes of the pages of the longest prefix of `hashes` the remote served, each written into buffers[i]
+        (the engine's own memory) and verified once ([] on failure; buffers past the prefix hold undefined
+        bytes). One node: received straight into the buffers on a network plane, copied there by the node on
+        the same-host plane (one copy more where they are not the client's registered memory)."""
+        if not hashes:
+            return []
+        if self._data is not None:
+            data = self._data
+            return self._guard("get", ns, lambda: [r.nbytes for r in data.get_into(ns, hashes, buffers)], [])
+        return self._guard("get", ns, lambda: [r.nbytes for r in self._cluster().get_into(ns, hashes, buffers)], [])
+
+    def put_from(
+        self,
+        ns: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        views: Sequence[Buffer],
+        parent_chain: Sequence[bytes] = (),
+        *,
+        chain: bool = True,
+    ) -> int | None:
+        """`put` of pages lying in the engine's memory (each exactly layout.page_bytes): sent straight from it
+        (or copied out of it by the node on the same-host plane); None when nothing was stored. `chain` False:
+        the pages are independent blocks (no parent hints)."""
+        if not hashes:
+            return 0
+        if self._data is not None:
+            data, parent = self._data, (parent_chain[-1] if parent_chain else None)
+            res = self._guard(
+                "put", ns, lambda: data.put_from(ns, layout, hashes, views, parent=parent, chain=chain), None
+            )
+        else:
+            res = self._guard(
+                "put", ns, lambda: self._cluster().put(ns, layout, hashes, views, parent_chain=parent_chain)[1], None
+            )
+        return None if res is None else res.stored
+
+    @property
+    def plane(self) -> str | None:
+        """The data plane of the node client (None for a cluster, or before the first transfer)."""
+        return self._data.plane if self._data is not None else None
+
+    def unpin(self, ns: str, hashes: Sequence[bytes]) -> int:
+        """Release one pin of each page (pins also expire with their lease); returns how many were released."""
+        return self._control("unpin", ns, hashes, lambda c, hs: c.unpin(ns, hs).done)
+
+    def stats(self) -> list[NodeStats]:
+        """Every node's Stats as this caller may see them ([] on failure; a cluster's dead nodes are skipped)."""
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("stats", "", lambda: [ctl.stats()], [])
+
+        def each() -> list[NodeStats]:
+            cc = self._cluster()
+            out = []
+            for n in cc.nodes():
+                if n.alive:
+                    try:
+                        out.append(cc.call_node(n.node_id, lambda c: c.stats()))
+                    except _FAILURES:
+                        continue  # a node that does not answer adds nothing to the usage
+            return out
+
+        return self._guard("stats", "", each, [])
+
+    def put(
+        self,
+        ns: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Buffer],
+        parent_chain: Sequence[bytes] = (),
+    ) -> int | None:
         """Store pages as one chain continuing `parent_chain`; returns how many were new, None when
         nothing was stored. A cluster places it next to its parent (ClusterClient's prefix affinity)."""
         if not hashes:
@@ -131,27 +225,18 @@ class RemoteStore:
             data, parent = self._data, (parent_chain[-1] if parent_chain else None)
             res = self._guard("put", ns, lambda: data.put(ns, layout, hashes, pages, parent=parent), None)
         else:
-            res = self._guard("put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1],
-                              None)  # fmt: skip
+            res = self._guard(
+                "put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1], None
+            )
         return None if res is None else res.stored
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
         """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("pin", ns, lambda: ctl.pin(ns, hashes, ttl_seconds=lease).done, 0)
-        return self._guard("pin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done), 0)  # fmt: skip
+        return self._control("pin", ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done)
 
     def delete(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Delete the pages wherever they are held; returns how many were deleted."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("delete", ns, lambda: ctl.delete(ns, hashes).deleted, 0)
-        return self._guard("delete", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.delete(ns, hs).deleted), 0)  # fmt: skip
+        return self._control("delete", ns, hashes, lambda c, hs: c.delete(ns, hs).deleted)
 
     def ping(self) -> bool:
         """True when the remote answers (a node's Stats; a cluster's index lists a live node)."""
@@ -173,15 +258,34 @@ class RemoteStore:
     # -- helpers
 
     def _cluster(self) -> ClusterClient:
+        """This thread's cluster client."""
         cc = getattr(self._local, "cluster", None)
         if cc is None:
             s = self.settings
             assert s.target.redis_url is not None
-            cc = ClusterClient(s.target.redis_url, local_node=s.local_node, timeout=s.timeout, security=self.security)
+            cc = ClusterClient(
+                s.target.redis_url,
+                local_node=s.local_node,
+                timeout=s.timeout,
+                security=self.security,
+                transport=s.transport,
+            )
             self._local.cluster = cc
             with self._lock:
                 self._clusters.append(cc)
         return cc
+
+    def _control(
+        self, op: str, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]
+    ) -> int:
+        """fn(client, hashes) on the node (its control client), or on every node of a cluster holding a
+        prefix of them; a count, 0 on failure."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard(op, ns, lambda: fn(ctl, list(hashes)), 0)
+        return self._guard(op, ns, lambda: self._on_holders(ns, hashes, fn), 0)
 
     def _on_holders(self, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]) -> int:
         """fn(node client, the hashes it holds) on every node the index lists for a prefix of `hashes`."""
@@ -217,16 +321,38 @@ class RemoteStore:
         elif isinstance(exc, (*_UNREACHABLE, RemoteError)):
             self._down(op, exc)
         elif isinstance(exc, (Unauthenticated, PermissionDenied)):
-            self.say("auth", logging.ERROR, "%s refused %s: %s. Check %stoken / %stoken_file (or KVSTORE_TOKEN): "
-                     "it must be a read-write token of that node", self.where, op, exc, self._hint, self._hint)  # fmt: skip
+            self.say(
+                "auth",
+                logging.ERROR,
+                "%s refused %s: %s. Check %stoken / %stoken_file (or KVSTORE_TOKEN): "
+                "it must be a read-write token of that node",
+                self.where,
+                op,
+                exc,
+                self._hint,
+                self._hint,
+            )
         elif isinstance(exc, (InvalidArgument, LayoutMismatch)):
-            self.say("rejected:" + op, logging.ERROR, "%s rejected %s in namespace %r: %s. Nothing was stored; "
-                     "the engine recomputes these chunks", self.where, op, ns, exc)  # fmt: skip
+            self.say(
+                "rejected:" + op,
+                logging.ERROR,
+                "%s rejected %s in namespace %r: %s. Nothing was stored; the engine recomputes these chunks",
+                self.where,
+                op,
+                ns,
+                exc,
+            )
         elif isinstance(exc, ResourceExhausted):
             self.say("full", logging.WARNING, "%s is full, %s dropped: %s", self.where, op, exc)
         elif isinstance(exc, (DataLoss, StreamError)):
-            self.say("corrupt", logging.ERROR, "%s sent a page that failed verification in namespace %r (%s); "
-                     "it is a miss, from that page on", self.where, ns, exc)  # fmt: skip
+            self.say(
+                "corrupt",
+                logging.ERROR,
+                "%s sent a page that failed verification in namespace %r (%s); it is a miss, from that page on",
+                self.where,
+                ns,
+                exc,
+            )
         else:
             self.say("other:" + op, logging.ERROR, "%s: %s failed: %s: %s", self.where, op, type(exc).__name__, exc)
 

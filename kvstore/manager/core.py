@@ -25,16 +25,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
-from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.layout import PageLayout
 from kvstore.manager.durable import DurableCopies
 from kvstore.manager.io import IoPool
+from kvstore.manager.ledger import TenantLedger
 from kvstore.manager.moves import Mover
 from kvstore.manager.placement import Placement
 from kvstore.manager.prefetch import Prefetcher
 from kvstore.manager.put import PutTxn, Staging, WriteThrough
+from kvstore.manager.quotas import TenantQuotas
 from kvstore.manager.reads import Reader, ReadLease
+from kvstore.manager.scrub import Scrubber
 from kvstore.manager.state import (
     ChangeListener,
     Entry,
@@ -45,19 +47,19 @@ from kvstore.manager.state import (
     check_hashes,
     check_namespace,
 )
-from kvstore.manager.tenants import TenantLedger, TenantQuotas, TenantView
 from kvstore.names import Key, TierKind
+from kvstore.node.config import NodeConfig
 from kvstore.policy import make_policy
-from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierStats, copy_counters
+from kvstore.stats import IndexStatus, KvEventsStatus, LookupResult, NodeStats, TierStats, copy_counters
 from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
 from kvstore.tiers.nvme import NvmeTier
+from kvstore.wire import MAX_HASHES, PutOpen
 
 log = logging.getLogger(__name__)
 
 _PIN_SWEEP_SECONDS = 1.0
-MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch
 
 
 def build_media(config: NodeConfig) -> list[Medium]:
@@ -77,9 +79,13 @@ def build_media(config: NodeConfig) -> list[Medium]:
 class TierManager:
     """Owns every page on the node: placement, demotion, promotion, pins and in-flight reads."""
 
-    def __init__(self, config: NodeConfig, media: list[Medium] | None = None,
-                 shares: dict[str, dict[TierKind, int]] | None = None) -> None:  # fmt: skip
-        """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/tenants.py)."""
+    def __init__(
+        self,
+        config: NodeConfig,
+        media: list[Medium] | None = None,
+        shares: dict[str, dict[TierKind, int]] | None = None,
+    ) -> None:
+        """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/quotas.py)."""
         self.config = config
         self._started = time.monotonic()
         self.io = IoPool(config.io_threads)
@@ -97,36 +103,51 @@ class TierManager:
         if quotas is not None:
             quotas.attach(self.table.tiers.values(), lambda: make_policy(config.policy))
         self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds, quotas)
-        self.tenants = TenantLedger(self, quotas)
+        self.tenants = TenantLedger(self.table, quotas)
         self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
         self.placement.evict = self.mover.evict
-        self.reader = Reader(self.table, self.mover, self.placement, self._bounce, self.counters,
-                             config.read_ahead_pages, promote_to=staging.kind)  # fmt: skip
+        self.reader = Reader(
+            self.table,
+            self.mover,
+            self.placement,
+            self._bounce,
+            self.counters,
+            config.read_ahead_pages,
+            promote_to=staging.kind,
+        )
+        self.scrubber = (
+            Scrubber(self.table, staging.kind, self.counters, config.scrub_bytes_per_second, self.reader.corrupt)
+            if config.scrub_bytes_per_second
+            else None
+        )
         # NOTE: half the I/O threads at most, so a large Prefetch cannot starve Gets of I/O threads.
         self.prefetcher = Prefetcher(self.table, self.mover, self.counters, self._spawn, config.io_threads // 2)
         durable_kind = self.durable.tier.kind if self.durable.tier is not None else None
         through = WriteThrough(self.table, self.placement, self.io, self._bounce, durable_kind)
-        self.staging = Staging(self.table, self.placement, self.counters, staging.kind, config.max_pages_per_request,
-                               after_commit=self._after_commit, through=through)  # fmt: skip
+        self.staging = Staging(
+            self.table,
+            self.placement,
+            self.counters,
+            staging.kind,
+            config.max_pages_per_request,
+            after_commit=self._after_commit,
+            through=through,
+        )
         self._ttl_pins: list[tuple[float, Key]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.index_status: Callable[[], IndexStatus] | None = None  # IndexPublisher.status when publishing
+        self.kv_events_status: Callable[[], KvEventsStatus] | None = None  # the KV-event publisher's, when on
         self.recovered_pages = 0
 
-    @property
-    def on_change(self) -> ChangeListener | None:
-        """Called on every placement change: (namespace, hash, tier or None when the page left the node)."""
-        return self.table.on_change
+    def listen(self, listener: ChangeListener) -> None:
+        """Call `listener` on every placement change: (namespace, hash, tier now or None when the page left
+        the node, tier before or None when it is new here)."""
+        self.table.listeners.append(listener)
 
-    @on_change.setter
-    def on_change(self, listener: ChangeListener | None) -> None:
-        self.table.on_change = listener
-
-    def scoped(self, tenant: str) -> TenantView:
-        """The manager as `tenant`'s callers reach it: the one door every plane passes a caller's
-        namespace through (kvstore/manager/tenants.py)."""
-        return self.tenants.view(tenant)
+    def unlisten(self, listener: ChangeListener) -> None:
+        if listener in self.table.listeners:
+            self.table.listeners.remove(listener)
 
     def medium(self, kind: TierKind) -> Medium:
         """The medium of a tier (for tools and fault-injection tests)."""
@@ -142,6 +163,8 @@ class TierManager:
             self.durable.tier.counters.checksum_failures += medium.scan_failures
             self.recovered_pages = self.durable.recover(found, self.config.max_page_bytes)
         self._spawn(self._pin_sweeper())
+        if self.scrubber is not None:
+            self._spawn(self.scrubber.run())
 
     async def close(self) -> None:
         """Spill DRAM pages to free NVMe slots (bounded in time) so a restart is warm, then release."""
@@ -180,24 +203,25 @@ class TierManager:
             self.prefetcher.prefetch([(namespace, h) for h in hashes[: len(tiers)]], self.staging.tier.kind)
         return LookupResult(len(tiers), tiers, namespace in self.table.layouts)
 
-    def begin_put(self, namespace: str, layout: PageLayout, target: TierKind = TierKind.DRAM,
-                  parent: bytes | None = None, chain: bool = False) -> PutTxn:  # fmt: skip
-        """Open a Put transaction. With `chain`, page i's chain parent is page i-1 and the first page's
-        is `parent` (policy hints: prefix-aware policies evict a chain's tail before its head)."""
+    def begin_put(self, op: PutOpen) -> PutTxn:
+        """Open a Put transaction in `op.namespace` (the stored, tenant-scoped one). With `op.chain`, page
+        i's chain parent is page i-1 and the first page's is `op.parent` (policy hints: prefix-aware
+        policies evict a chain's tail before its head); `op.target` None: the staging tier (DRAM)."""
         if self._closing:
             raise Unavailable("node is shutting down")
-        check_namespace(namespace)
+        check_namespace(op.namespace)
+        layout = op.layout
         if layout.page_bytes > self.config.max_page_bytes:
             raise InvalidArgument(
                 "open.layout",
                 f"page size {layout.page_bytes} B exceeds this node's max_page_bytes {self.config.max_page_bytes} B",
             )
-        self.table.check_layout(namespace, layout)
-        if parent is not None:
-            check_hash(parent, "open.parent_hash")
+        self.table.check_layout(op.namespace, layout)
+        if op.parent is not None:
+            check_hash(op.parent, "open.parent_hash")
         if self.staging.tier.alloc.num_slots == 0:
             raise ResourceExhausted("this node has no DRAM slots (dram_bytes smaller than one slot)")
-        return PutTxn(self.staging, namespace, layout, target, parent, chain)
+        return PutTxn(self.staging, op)
 
     def _after_commit(self, keys: list[Key], target: TierKind) -> None:
         """A writer that asked for a tier faster than staging (HBM) gets its pages promoted there."""
@@ -207,16 +231,41 @@ class TierManager:
     def layout_of(self, namespace: str) -> PageLayout:
         return self.table.layout_of(namespace)
 
-    def get(self, namespace: str, hashes: list[bytes], promote: bool = True,
-            into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
+    def get(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        promote: bool = True,
+        into: Sequence[memoryview] | None = None,
+        receiver_verifies: bool = False,
+    ) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page (Reader.get).
         With `into` (one writable view per hash, each a page long), page i is copied into into[i] as it is
-        verified. Arguments are checked before the first page is read."""
+        verified. `receiver_verifies`: whoever receives the bytes checks them (a client across a network
+        plane), so DRAM pages are not re-hashed (DESIGN.md §8). Arguments are checked before the first
+        page is read."""
         self.layout_of(namespace)
         check_hashes(hashes, "hashes", self.config.max_pages_per_request)
         if into is not None and len(into) != len(hashes):
             raise InvalidArgument("into", f"{len(into)} destinations for {len(hashes)} hashes")
-        return self.reader.get([(namespace, h) for h in hashes], promote, into)
+        return self.reader.get([(namespace, h) for h in hashes], promote, into, receiver_verifies)
+
+    async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+        """Clients received these pages with bytes that failed their checksum: verify this node's copy of
+        each; a copy that fails is dropped and counted, one that passes stays (the damage was on the way).
+        Returns (dropped, intact); pages not stored count as neither."""
+        self.layout_of(namespace)
+        check_hashes(hashes, "hashes", MAX_HASHES)
+        dropped = intact = 0
+        for h in hashes:
+            self.counters.corrupt_reports += 1
+            ok = await self.reader.verify((namespace, h))
+            if ok is False:
+                dropped += 1
+                self.counters.corrupt_confirmed += 1
+            elif ok:
+                intact += 1
+        return dropped, intact
 
     # ------------------------------------------------------------------ mutations
 
@@ -318,22 +367,29 @@ class TierManager:
         return self.table.get((namespace, h))
 
     def nvme_slot_location(self, slot: int) -> tuple[str, int]:
-        medium = self.table.tiers[TierKind.NVME].medium
-        if not isinstance(medium, NvmeTier):
+        """(file, offset) of an NVMe slot, for tools and fault tests (Medium.slot_location)."""
+        where = self.table.tiers[TierKind.NVME].medium.slot_location(slot)
+        if where is None:
             raise RuntimeError("no NVMe tier")
-        path, off = medium.slot_location(slot)
-        return str(path), off
+        return where
 
     def stats(self) -> NodeStats:
         tiers = []
         for kind, t in self.table.tiers.items():
-            tiers.append(TierStats(
-                tier=kind, available=t.available, detail=t.medium.detail,
-                capacity_bytes=t.alloc.num_slots * t.medium.slot_bytes if t.available else 0,
-                used_bytes=t.used_bytes, slot_bytes=t.medium.slot_bytes,
-                slots_total=t.alloc.num_slots if t.available else 0, slots_used=t.alloc.used_count,
-                pages=t.pages, counters=copy_counters(t.counters),
-            ))  # fmt: skip
+            tiers.append(
+                TierStats(
+                    tier=kind,
+                    available=t.available,
+                    detail=t.medium.detail,
+                    capacity_bytes=t.alloc.num_slots * t.medium.slot_bytes if t.available else 0,
+                    used_bytes=t.used_bytes,
+                    slot_bytes=t.medium.slot_bytes,
+                    slots_total=t.alloc.num_slots if t.available else 0,
+                    slots_used=t.alloc.used_count,
+                    pages=t.pages,
+                    counters=copy_counters(t.counters),
+                )
+            )
         table = self.table
         namespaces = [(ns, layout, table.ns_pages.get(ns, 0)) for ns, layout in sorted(table.layouts.items())]
         c = self.counters
@@ -352,6 +408,10 @@ class TierManager:
             prefetch_wasted=c.prefetch_wasted,
             pinned_pages=sum(1 for e in table if e.pinned),
             put_rejected=c.put_rejected,
+            corrupt_reports=c.corrupt_reports,
+            corrupt_confirmed=c.corrupt_confirmed,
+            scrubbed_bytes=c.scrubbed_bytes,
             index=self.index_status() if self.index_status is not None else None,
             tenants=self.tenants.snapshot(self.config.slot_bytes),
+            kv_events=self.kv_events_status() if self.kv_events_status is not None else None,
         )

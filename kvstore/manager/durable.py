@@ -84,8 +84,12 @@ class DurableCopies:
                 log.warning("NVMe slot %d: page of %d B exceeds max_page_bytes; ignored", slot, hdr.payload_len)
                 continue
             if hdr.payload_len != hdr.layout.page_bytes:  # a Put could never have stored it: never serve it
-                log.warning("NVMe slot %d: payload of %d B does not fit its layout's %d B pages; ignored", slot,
-                            hdr.payload_len, hdr.layout.page_bytes)  # fmt: skip
+                log.warning(
+                    "NVMe slot %d: payload of %d B does not fit its layout's %d B pages; ignored",
+                    slot,
+                    hdr.payload_len,
+                    hdr.layout.page_bytes,
+                )
                 continue
             k = (hdr.namespace, hdr.hash)
             if k not in best or hdr.generation > best[k][1].generation:
@@ -103,8 +107,9 @@ class DurableCopies:
             if slot not in kept_slots and hdr.namespace in table.layouts:
                 self.note(slot, (hdr.namespace, hdr.hash))
         for slot, hdr in kept:
-            entry = Entry(hdr.namespace, hdr.hash, tier.kind, slot, hdr.payload_len, hdr.checksum,
-                          hdr.generation, hdr.layout)  # fmt: skip
+            entry = Entry(
+                hdr.namespace, hdr.hash, tier.kind, slot, hdr.payload_len, hdr.checksum, hdr.generation, hdr.layout
+            )
             table.publish(entry, tier.kind)
             table.saw_generation(hdr.generation)
         if kept:

@@ -26,7 +26,7 @@ from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, Tier
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, payload_checksum
-from kvstore.tenants import tenant_of
+from kvstore.scoping import tenant_of
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,15 @@ _WRITE_FAILURE_PAUSE = 1.0
 class Mover:
     """Demotes, promotes, evicts and drops pages; runs on the event loop, its I/O in the pool."""
 
-    def __init__(self, table: PageTable, placement: Placement, durable: DurableCopies, io: IoPool,
-                 bounce: BouncePool, counters: NodeCounters) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: PageTable,
+        placement: Placement,
+        durable: DurableCopies,
+        io: IoPool,
+        bounce: BouncePool,
+        counters: NodeCounters,
+    ) -> None:
         self.table = table
         self.placement = placement
         self.durable = durable
@@ -80,8 +87,14 @@ class Mover:
                 # ENOSPC, EIO: the medium erased the slot it could not finish (never a half-written page),
                 # and this tier keeps serving: the victim is dropped, and demotions there pause a moment.
                 self._write_failed[lower.kind] = time.monotonic()
-                log.error("demoting %s to %s failed (%s): page dropped; demotions to %s pause %.0fs",
-                          entry.hash.hex(), lower.kind.label, exc, lower.kind.label, _WRITE_FAILURE_PAUSE)  # fmt: skip
+                log.error(
+                    "demoting %s to %s failed (%s): page dropped; demotions to %s pause %.0fs",
+                    entry.hash.hex(),
+                    lower.kind.label,
+                    exc,
+                    lower.kind.label,
+                    _WRITE_FAILURE_PAUSE,
+                )
         src.counters.dropped += 1
         await self.drop(entry, erase=False)
 
@@ -121,8 +134,9 @@ class Mover:
                 dst_slot = entry.shadow
                 self.durable.adopt(dst_slot)
             else:
-                dst_slot = await self.placement.allocate(dst_kind, wait=demotion, victim=victim,
-                                                         tenant=tenant_of(entry.namespace))  # its share
+                dst_slot = await self.placement.allocate(
+                    dst_kind, wait=demotion, victim=victim, tenant=tenant_of(entry.namespace)
+                )  # its share
                 await self.copy(entry, src, src_slot, dst, dst_slot)
                 verify = dst.medium.host_memory and not src.medium.host_memory
                 if verify and not verify_copy(entry, dst.medium.view(dst_slot)[: entry.used_len]):
@@ -140,7 +154,7 @@ class Mover:
                 entry.shadow = src_slot
             entry.tier, entry.slot = dst_kind, dst_slot
             dst_slot = None
-            self.table.publish(entry, dst_kind)
+            self.table.publish(entry, dst_kind, previous=src.kind)
             src.counters.bytes_out += entry.payload_len
             dst.counters.bytes_in += entry.payload_len
             if demotion:

@@ -23,10 +23,10 @@ from kvstore.manager.durable import DurableCopies
 from kvstore.manager.state import Entry, PageTable
 from kvstore.names import Key, TierKind
 from kvstore.policy import first_usable, should_admit
-from kvstore.tenants import tenant_of
+from kvstore.scoping import tenant_of
 
 if TYPE_CHECKING:
-    from kvstore.manager.tenants import TenantQuotas
+    from kvstore.manager.quotas import TenantQuotas
 
 _MAX_SPACE_WAITS = 10_000  # bounds the allocation loop; waits are also bounded by alloc_wait_seconds
 
@@ -36,12 +36,13 @@ Evict = Callable[[Entry], Awaitable[None]]
 class Placement:
     """Allocation of slots with eviction. Runs on the event loop only (no locks)."""
 
-    def __init__(self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float,
-                 quotas: TenantQuotas | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, table: PageTable, durable: DurableCopies, alloc_wait_seconds: float, quotas: TenantQuotas | None = None
+    ) -> None:
         self.table = table
         self.durable = durable
         self.alloc_wait_seconds = alloc_wait_seconds
-        self.quotas = quotas  # tenants' shares per tier (kvstore/manager/tenants.py); None: one shared pool
+        self.quotas = quotas  # tenants' shares per tier (kvstore/manager/quotas.py); None: one shared pool
         self.evict: Evict = _unwired  # Mover.evict: eviction is a move (the manager wires it)
         self._waiters: list[asyncio.Future[None]] = []
 
@@ -58,7 +59,9 @@ class Placement:
 
     def _at_share(self, kind: TierKind, tenant: str | None, reserve: int) -> bool:
         """Whether a page of `tenant` may only take the place of one of its own (it is at its share)."""
-        return self.quotas is not None and tenant is not None and self.quotas.full(tenant, self.table.tiers[kind], reserve)
+        return (
+            self.quotas is not None and tenant is not None and self.quotas.full(tenant, self.table.tiers[kind], reserve)
+        )
 
     def admit(self, kind: TierKind, key: Key, parent: Key | None) -> tuple[bool, Entry | None]:
         """May `key` (not in tier `kind`) enter it now? (True, None) when the tier has a free slot; else
@@ -79,8 +82,14 @@ class Placement:
             return False, None
         return True, victim
 
-    async def allocate(self, kind: TierKind, reserve: int = 0, wait: bool = True,
-                       victim: Entry | None = None, tenant: str | None = None) -> int:  # fmt: skip
+    async def allocate(
+        self,
+        kind: TierKind,
+        reserve: int = 0,
+        wait: bool = True,
+        victim: Entry | None = None,
+        tenant: str | None = None,
+    ) -> int:
         """A free slot in `kind`, evicting (demoting or dropping) victims as needed.
 
         Raises ResourceExhausted when nothing in the tier can be evicted. `reserve` is the number of slots
@@ -124,8 +133,10 @@ class Placement:
                     await self.wait_for_space(deadline - loop.time())
                     continue
             if own_only:
-                raise ResourceExhausted(f"tenant {tenant}'s {kind.label} share is full ({reserve} of its slots held "
-                                        "by this request) and every other page of it is pinned, being read or moved")
+                raise ResourceExhausted(
+                    f"tenant {tenant}'s {kind.label} share is full ({reserve} of its slots held "
+                    "by this request) and every other page of it is pinned, being read or moved"
+                )
             raise ResourceExhausted(
                 f"{kind.label} tier is full ({tier.alloc.num_slots} slots, {reserve} held by this request, "
                 f"{tier.in_transit - reserve} in transit for others) and every page in it is pinned, "

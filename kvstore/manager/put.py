@@ -24,8 +24,9 @@ from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, check_hash
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, PageHeader, payload_checksum
-from kvstore.tenants import tenant_of
+from kvstore.scoping import tenant_of
 from kvstore.tiers.dram import BouncePool
+from kvstore.wire import PutOpen
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,9 @@ class WriteThrough:
     payload) was written there; a failed or superfluous write leaves nothing visible and frees its slot.
     """
 
-    def __init__(self, table: PageTable, placement: Placement, io: IoPool, bounce: BouncePool,
-                 kind: TierKind | None) -> None:  # fmt: skip
+    def __init__(
+        self, table: PageTable, placement: Placement, io: IoPool, bounce: BouncePool, kind: TierKind | None
+    ) -> None:
         self.table = table
         self.placement = placement
         self.io = io
@@ -54,8 +56,9 @@ class WriteThrough:
     def give(self, buf: mmap.mmap) -> None:
         self.bounce.give(buf)
 
-    async def store(self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int,
-                    parent: Key | None) -> bool:  # fmt: skip
+    async def store(
+        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int, parent: Key | None
+    ) -> bool:
         """Write a verified page from `buf` into the persistent tier and publish it there; False (nothing
         visible) when there is no such tier, it is stored already, there is no room or the write failed."""
         tier = self.tier
@@ -108,8 +111,16 @@ class Staging:
     page becomes visible.
     """
 
-    def __init__(self, table: PageTable, placement: Placement, counters: NodeCounters, kind: TierKind,
-                 max_pages: int, after_commit: AfterCommit, through: WriteThrough) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: PageTable,
+        placement: Placement,
+        counters: NodeCounters,
+        kind: TierKind,
+        max_pages: int,
+        after_commit: AfterCommit,
+        through: WriteThrough,
+    ) -> None:
         self.table = table
         self.placement = placement
         self.counters = counters
@@ -139,8 +150,9 @@ class Staging:
     def release(self, slot: int) -> None:
         self.tier.alloc.free(slot)
 
-    def publish(self, namespace: str, h: bytes, layout: PageLayout, slot: int, checksum: int,
-                parent: Key | None) -> bool:  # fmt: skip
+    def publish(
+        self, namespace: str, h: bytes, layout: PageLayout, slot: int, checksum: int, parent: Key | None
+    ) -> bool:
         """Make a staged page visible; False (and the slot released) when the key is stored already."""
         if (namespace, h) in self.table:
             self.release(slot)
@@ -158,6 +170,31 @@ class Staging:
     def rejected(self) -> None:
         self.counters.put_rejected += 1
 
+    def check_layout(self, namespace: str, layout: PageLayout) -> None:
+        """Raise unless `namespace` may hold pages of `layout` (its first Put bound it)."""
+        self.table.check_layout(namespace, layout)
+
+    def space_changed(self) -> None:
+        """Slots were freed or published: wake allocations waiting for room."""
+        self.placement.space_changed()
+
+    # -- pages refused by admission, written through to the persistent tier (WriteThrough)
+
+    @property
+    def can_write_through(self) -> bool:
+        return self.through.tier is not None
+
+    def take_bounce(self) -> mmap.mmap:
+        return self.through.take()
+
+    def give_bounce(self, buf: mmap.mmap) -> None:
+        self.through.give(buf)
+
+    async def store_through(
+        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int, parent: Key | None
+    ) -> bool:
+        return await self.through.store(namespace, h, layout, buf, checksum, parent)
+
 
 class PutTxn:
     """One Put stream. Pages are staged in host-memory slots the caller fills through `add_page`'s view;
@@ -170,15 +207,15 @@ class PutTxn:
     staged in a bounce buffer and written through at publish (see the module docstring).
     """
 
-    def __init__(self, staging: Staging, namespace: str, layout: PageLayout, target: TierKind,
-                 parent: bytes | None = None, chain: bool = False) -> None:  # fmt: skip
+    def __init__(self, staging: Staging, op: PutOpen) -> None:
+        """`op.namespace` is the stored (tenant-scoped) namespace; `op.target` None means staging's tier."""
         self._staging = staging
-        self.namespace = namespace
-        self._tenant = tenant_of(namespace)  # whose share its slots count against
-        self.layout = layout
-        self.target = target
-        self._chain = chain
-        self._prev: bytes | None = parent  # the chain's block before the next page
+        self.namespace = op.namespace
+        self._tenant = tenant_of(op.namespace)  # whose share its slots count against
+        self.layout = op.layout
+        self.target = op.target if op.target is not None else staging.tier.kind
+        self._chain = op.chain
+        self._prev: bytes | None = op.parent  # the chain's block before the next page
         self._staged: list[_Staged] = []
         self._sums: list[int] = []  # checksums of the staged pages verified so far: a prefix of _staged
         self._seen: set[bytes] = set()
@@ -213,15 +250,17 @@ class PutTxn:
         key_parent = (self.namespace, parent) if parent is not None else None
         admitted, victim = st.admit((self.namespace, h), key_parent)
         if not admitted:
-            if st.through.tier is None:
+            if not st.can_write_through:
                 self.not_admitted += 1
                 return None
-            buf = st.through.take()
+            buf = st.take_bounce()
             self._seen.add(h)
             self._staged.append(_Staged(h, -1, checksum, parent, buf))
             return memoryview(buf)[HEADER_BYTES : HEADER_BYTES + payload_len]
         try:
-            slot = await st.reserve(held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant)
+            slot = await st.reserve(
+                held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant
+            )
         except ResourceExhausted:
             if not self._slots_held:
                 raise
@@ -264,7 +303,7 @@ class PutTxn:
         host-memory slots at once, then the written-through ones as their writes finish."""
         st = self._staging
         try:
-            st.table.check_layout(self.namespace, self.layout)
+            st.check_layout(self.namespace, self.layout)
         except BaseException:
             self.abort()
             raise
@@ -284,20 +323,20 @@ class PutTxn:
             for p, csum in through:
                 key_parent = (self.namespace, p.parent) if p.parent is not None else None
                 assert p.through is not None
-                if await st.through.store(self.namespace, p.hash, self.layout, p.through, csum, key_parent):
+                if await st.store_through(self.namespace, p.hash, self.layout, p.through, csum, key_parent):
                     self.stored += 1
                 elif st.has((self.namespace, p.hash)):
                     self.already_present += 1
                 else:
                     self.not_admitted += 1
-                st.through.give(p.through)
+                st.give_bounce(p.through)
                 p.through = None
         finally:  # cancelled mid-way: the buffers not written yet go back
             for p, _ in through:
                 if p.through is not None:
-                    st.through.give(p.through)
+                    st.give_bounce(p.through)
                     p.through = None
-        st.placement.space_changed()
+        st.space_changed()
 
     def abort(self) -> None:
         """Free every staged slot and buffer; idempotent."""
@@ -309,9 +348,9 @@ class PutTxn:
             if p.through is None:
                 st.release(p.slot)
             else:
-                st.through.give(p.through)
+                st.give_bounce(p.through)
         self._staged.clear()
         self._sums.clear()
         self._slots_held = 0
         st.rejected()
-        st.placement.space_changed()
+        st.space_changed()

@@ -3,9 +3,13 @@
 Invariants:
 - a leased page's payload stays valid and unchanged until the lease is released: its entry counts a
   reader, so it is never chosen as a victim, moved, or freed meanwhile;
-- every read verifies the payload checksum (and, for a copy out of a medium that is not host memory,
-  the header too); a mismatch is counted on the tier, the page is dropped with its durable copies, and
-  the read is a miss;
+- a page is verified once per read, by the party that receives its bytes (DESIGN.md §8): the reader
+  verifies every copy out of a medium that is not host memory (NVMe, HBM: payload checksum and header),
+  every copy into a caller's memory on this host (`into`, in the pass that copies) and every read whose
+  receiver does not verify; a DRAM page read for a receiver that verifies (a client across a network
+  plane) is not re-hashed here: it was verified when put, and the scrubber re-verifies it at a bounded
+  rate (kvstore/manager/scrub.py). A mismatch is counted on the tier, the page is dropped with its
+  durable copies, and the read is a miss;
 - hits and misses are counted per tier in request order, for pages actually returned: a page read
   ahead but never handed to the caller counts nothing;
 - reads of a medium that is not host memory (NVMe) go through `IoPool.read`, which hands the ones
@@ -16,14 +20,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import mmap
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
+from kvstore.manager.landing import read_payload
 from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
@@ -34,10 +41,24 @@ from kvstore.tiers.dram import BouncePool
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class DeviceBytes:
+    """Where a leased page's payload lies in accelerator memory: a device address and a length."""
+
+    pointer: int
+    nbytes: int
+
+
 @dataclass(slots=True)
 class ReadLease:
-    """A page being read: `payload` stays valid and unchanged until release() is called. `tier` is
-    where the page was found (an NVMe hit stays an NVMe hit even when the read promoted it)."""
+    """A page being read: `payload` (host memory) stays valid and unchanged until release() is called.
+    `tier` is where the page was found (an NVMe hit stays an NVMe hit even when the read promoted it).
+
+    Where its bytes are: `payload` always (a host view of a DRAM slot, or the verified host copy of a
+    read from any other medium); `device` too when the page is held in device memory (HBM), supplied by
+    its medium, valid for the lease's life (a leased page is never moved), so a plane that can send
+    device memory sends it from there.
+    """
 
     hash: bytes
     tier: TierKind
@@ -46,18 +67,32 @@ class ReadLease:
     _release: Callable[[], None] | None = None
     key: Key = ("", b"")
     held_in: TierKind = TierKind.DRAM  # where the payload is read from now (after any promotion)
+    device: DeviceBytes | None = None
 
     def release(self) -> None:
         if self._release is not None:
             self._release()
             self._release = None
 
+    def keep(self) -> None:
+        """Never release this lease: the page stays leased (unevictable, its slot never reused). For a
+        plane whose transfer from the payload may still be running after it gave up waiting for it."""
+        self._release = None
+
 
 class Reader:
     """Serves Gets: one lease per page, in order, reading up to `read_ahead` pages ahead."""
 
-    def __init__(self, table: PageTable, mover: Mover, placement: Placement, bounce: BouncePool,
-                 counters: NodeCounters, read_ahead: int, promote_to: TierKind) -> None:  # fmt: skip
+    def __init__(
+        self,
+        table: PageTable,
+        mover: Mover,
+        placement: Placement,
+        bounce: BouncePool,
+        counters: NodeCounters,
+        read_ahead: int,
+        promote_to: TierKind,
+    ) -> None:
         self.table = table
         self.mover = mover
         self.placement = placement
@@ -67,8 +102,13 @@ class Reader:
         self.read_ahead = read_ahead
         self.promote_to = promote_to  # a hit below this tier is promoted into it (when asked to)
 
-    async def get(self, keys: list[Key], promote: bool,
-                  into: Sequence[memoryview] | None = None) -> AsyncIterator[ReadLease]:  # fmt: skip
+    async def get(
+        self,
+        keys: list[Key],
+        promote: bool,
+        into: Sequence[memoryview] | None = None,
+        receiver_verifies: bool = False,
+    ) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page.
 
         Each lease is released when the generator advances past it or is closed. Up to `read_ahead`
@@ -76,7 +116,9 @@ class Reader:
         ahead stops at the first page not stored. With `into`, page i is also copied into into[i] in
         the pass that verifies it (`checksum_into`), so the caller's copy costs no extra pass over the
         page; a page that fails verification may have left bytes in its destination, but is never
-        yielded (destinations past the last page yielded hold undefined bytes).
+        yielded (destinations past the last page yielded hold undefined bytes). `receiver_verifies`: the
+        party that receives the bytes checks them against the lease's checksum, so DRAM pages are not
+        re-hashed here (see the module docstring).
         """
         loop = asyncio.get_running_loop()
         pending: deque[asyncio.Task[ReadLease | None]] = deque()
@@ -93,7 +135,7 @@ class Reader:
                 if not started and depth > self.read_ahead + 1 and len(pending) > depth // 2:
                     break  # a deep queue is refilled half at a time: one read_many call each, not one per page
                 dest = into[nxt] if into is not None else None
-                pending.append(loop.create_task(self.read_one(key, promote, dest)))
+                pending.append(loop.create_task(self.read_one(key, promote, dest, receiver_verifies)))
                 started += 1
                 nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
 
@@ -133,7 +175,9 @@ class Reader:
         medium = self.table.tiers[entry.tier].medium
         return shallow if medium.host_memory else max(shallow, medium.queue_depth)
 
-    async def read_one(self, key: Key, promote: bool, dest: memoryview | None = None) -> ReadLease | None:
+    async def read_one(
+        self, key: Key, promote: bool, dest: memoryview | None = None, receiver_verifies: bool = False
+    ) -> ReadLease | None:
         """Lease one page, promoting it first when asked; None when missing or corrupt. With `dest`, the
         payload is copied there in the pass that verifies it. Counts bytes and checksum failures; hits
         and misses are counted by the caller, in request order."""
@@ -153,22 +197,27 @@ class Reader:
         try:
             if tier.medium.host_memory:
                 payload = tier.medium.view(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-                ok = checksum_into(payload, dest) == entry.checksum
+                # NOTE: one pass per byte. A receiver that verifies covers this slot end to end; the copy
+                # into a caller's memory verifies as it copies; anything else is verified here.
+                if dest is not None:  # a copy into a caller's memory: on a pool thread, pages side by side
+                    ok = await self.io.run(checksum_into, payload, dest) == entry.checksum
+                elif not receiver_verifies:
+                    ok = checksum_into(payload, None) == entry.checksum
+                else:
+                    ok = True
             else:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
-                await self.io.read(tier.medium, entry.slot, view)
-                payload = view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-                ok = header_matches(entry, view) and checksum_into(payload, dest) == entry.checksum
+                # Lands in dest directly where it can, hashed in the I/O thread (landing.py).
+                payload, checksum = await read_payload(self.io, tier.medium, entry, view, dest, checksum_into)
+                ok = header_matches(entry, view) and checksum == entry.checksum
         except BaseException:
             entry.readers -= 1
             raise
         if not ok:
             entry.readers -= 1
             self._close(payload, view, bounce)
-            tier.counters.checksum_failures += 1
-            log.error("checksum mismatch: page %s in %s slot %d dropped", entry.hash.hex(), tier.kind.label, entry.slot)
-            await self.mover.drop(entry, erase=True)
+            await self.corrupt(entry, "read")
             return None
         tier.counters.bytes_out += entry.payload_len
 
@@ -178,7 +227,35 @@ class Reader:
                 self.placement.space_changed()
             self._close(payload, view, bounce)
 
-        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier)
+        ptr = tier.medium.device_pointer(entry.slot)
+        device = None if ptr is None else DeviceBytes(ptr + HEADER_BYTES, entry.payload_len)
+        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier, device)
+
+    async def corrupt(self, entry: Entry, found_by: str) -> None:
+        """A page's bytes failed their checksum: count it on its tier, drop it with its durable copies."""
+        tier = self.table.tiers[entry.tier]
+        tier.counters.checksum_failures += 1
+        log.error(
+            "checksum mismatch (%s): page %s in %s slot %d dropped",
+            found_by,
+            entry.hash.hex(),
+            tier.kind.label,
+            entry.slot,
+        )
+        await self.mover.drop(entry, erase=True)
+
+    async def verify(self, key: Key) -> bool | None:
+        """Verify one page where it is, without leasing it to anyone (no hit, no bytes out, no promotion):
+        True when intact, False when it failed (and was dropped), None when it is not stored."""
+        entry = await self.mover.settled(key)
+        if entry is None:
+            return None
+        lease = await self.read_one(key, promote=False)
+        if lease is None:
+            return False
+        lease.release()
+        self.table.tiers[entry.tier].counters.bytes_out -= entry.payload_len  # a check, not a read
+        return True
 
     def _close(self, payload: memoryview, view: memoryview | None, bounce: mmap.mmap | None) -> None:
         """Release a read's views, then return its bounce buffer (it must have no views left)."""
@@ -214,9 +291,20 @@ def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
     n = len(payload)
     if len(dest) < n:
         raise ValueError(f"destination of {len(dest)} bytes cannot hold a {n}-byte page")
+    # NOTE: memmove through ctypes releases the GIL (a memoryview slice assignment holds it), as XXH3 does,
+    # so copies of several pages run in parallel on the I/O pool's threads.
+    src, dst = _address(payload), _address(dest)
     h = xxhash.xxh3_64()
     for off in range(0, n, COPY_CHUNK):
-        chunk = payload[off : off + COPY_CHUNK]
-        dest[off : off + len(chunk)] = chunk
-        h.update(chunk)
+        k = min(COPY_CHUNK, n - off)
+        ctypes.memmove(dst + off, src + off, k)
+        h.update(payload[off : off + k])
     return h.intdigest()
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable, contiguous buffer's first byte (the export is dropped at once)."""
+    arr = np.frombuffer(view, dtype=np.uint8)
+    addr = int(arr.ctypes.data)
+    del arr
+    return addr

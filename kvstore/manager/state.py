@@ -15,12 +15,13 @@ from kvstore.layout import PageLayout
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, align_up
 from kvstore.policy import EvictionPolicy
+from kvstore.scoping import tenant_of, unscope
 from kvstore.stats import TierCounters
-from kvstore.tenants import tenant_of, unscope
 from kvstore.tiers.base import Medium
 from kvstore.tiers.slots import SlotAllocator
 
-ChangeListener = Callable[[str, bytes, TierKind | None], None]  # (namespace, hash, tier or None: gone)
+# (namespace, hash, tier now or None: gone from the node, tier before or None: new on the node)
+ChangeListener = Callable[[str, bytes, TierKind | None, TierKind | None], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +75,9 @@ class NodeCounters:
     prefetch_used: int = 0  # prefetched pages a Get then read
     prefetch_wasted: int = 0  # prefetched pages that left their tier (or the node) unread
     put_rejected: int = 0  # Put transactions aborted
+    corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival
+    corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
+    scrubbed_bytes: int = 0  # DRAM payload bytes the scrubber verified
 
     def prefetch_fate(self, entry: Entry, used: bool) -> None:
         """A prefetched page was read (used) or is leaving its tier unread (wasted); counted once."""
@@ -102,11 +106,16 @@ class Tier:
         self.pages = 0
         self.used_bytes = 0
         self.tenant_pages: dict[str, int] = {}  # visible pages per tenant (quotas, Stats)
-        # With tenant shares in this tier (TenantQuotas.attach): one more policy per share group (a tenant
+        # With tenant shares in this tier (use_groups): one more policy per share group (a tenant
         # with a share, or POOL for the rest), fed the same events, so a group's victim is found directly.
         self.groups: dict[str, EvictionPolicy] | None = None
         self.group_of: Callable[[str], str] = _same
         self.new_policy: Callable[[], EvictionPolicy] | None = None
+
+    def use_groups(self, group_of: Callable[[str], str], new_policy: Callable[[], EvictionPolicy]) -> None:
+        """Keep one more policy per share group (`group_of(tenant)`), made by `new_policy` on first use.
+        Called before any page is published (kvstore/manager/quotas.py)."""
+        self.groups, self.group_of, self.new_policy = {}, group_of, new_policy
 
     def group_policy(self, namespace: str) -> EvictionPolicy | None:
         """The share group's policy of a page of `namespace` (None: no shares in this tier)."""
@@ -143,9 +152,10 @@ class PageTable:
     - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
       and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
     - `ns_pages[ns]` is the number of entries of namespace ns (a tier's `tenant_pages[t]`, of tenant t's
-      entries in it); a namespace's layout is bound by its first
+      entries in it); a namespace's layout, its encoding included, is bound by its first
       page and never changes while the node runs;
-    - `on_change` hears of every placement change (the index publisher), in order.
+    - every listener in `listeners` hears of every placement change (the index and KV-event publishers),
+      in order, and listeners never change the table.
     Tiers are ordered fastest first (`TierKind` order); `below`/`above` skip unavailable tiers.
     """
 
@@ -154,7 +164,7 @@ class PageTable:
         self.entries: dict[Key, Entry] = {}
         self.layouts: dict[str, PageLayout] = {}
         self.ns_pages: dict[str, int] = {}
-        self.on_change: ChangeListener | None = None
+        self.listeners: list[ChangeListener] = []
         self._generation = 1
 
     # -- tiers
@@ -183,9 +193,9 @@ class PageTable:
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries.values())
 
-    def publish(self, entry: Entry, kind: TierKind) -> None:
+    def publish(self, entry: Entry, kind: TierKind, previous: TierKind | None = None) -> None:
         """Make entry visible in tier `kind` (adding it to the table if new). The caller has already set
-        entry.tier/slot to a slot of that tier holding the complete page."""
+        entry.tier/slot to a slot of that tier holding the complete page; `previous`: the tier it moved from."""
         tier = self.tiers[kind]
         if entry.key not in self.entries:
             self.entries[entry.key] = entry
@@ -198,8 +208,8 @@ class PageTable:
         tier.used_bytes += entry.payload_len
         t = tenant_of(entry.namespace)
         tier.tenant_pages[t] = tier.tenant_pages.get(t, 0) + 1
-        if self.on_change is not None:
-            self.on_change(entry.namespace, entry.hash, kind)
+        for listener in self.listeners:
+            listener(entry.namespace, entry.hash, kind, previous)
 
     def unpublish(self, entry: Entry) -> None:
         """Take entry out of its tier's accounting (it stays in the table: a move publishes it again)."""
@@ -217,8 +227,8 @@ class PageTable:
         self.unpublish(entry)
         del self.entries[entry.key]
         self.ns_pages[entry.namespace] -= 1
-        if self.on_change is not None:
-            self.on_change(entry.namespace, entry.hash, None)
+        for listener in self.listeners:
+            listener(entry.namespace, entry.hash, None, entry.tier)
 
     def next_generation(self) -> int:
         gen = self._generation
@@ -232,7 +242,15 @@ class PageTable:
     # -- namespaces
 
     def check_layout(self, namespace: str, layout: PageLayout) -> None:
+        """A Put's layout against its namespace's: another encoding is InvalidArgument naming both (a
+        namespace holds one encoding), any other difference LayoutMismatch."""
         bound = self.layouts.get(namespace)
+        if bound is not None and bound.encoding != layout.encoding:
+            raise InvalidArgument(
+                "open.layout.encoding",
+                f"namespace {unscope(namespace)!r} holds {bound.encoding.label} pages; this Put sends "
+                f"{layout.encoding.label} pages (a namespace holds one encoding)",
+            )
         if bound is not None and bound != layout:
             raise LayoutMismatch(
                 f"open.layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "
@@ -264,7 +282,7 @@ class PageTable:
 
 def check_namespace(namespace: str) -> None:
     """InvalidArgument unless `namespace` is a valid client namespace, or one scoped to a tenant
-    (kvstore/tenants.py) whose client part is."""
+    (kvstore/scoping.py) whose client part is."""
     try:
         validate_namespace(unscope(namespace))
     except HashContractError as exc:

@@ -54,7 +54,7 @@ class HbmTier(Medium):
         self._stream = cupy.cuda.Stream(non_blocking=True)
         self.detail = f"CUDA device {cupy.cuda.Device().id}, one {self.num_slots * slot_bytes} B allocation"
 
-    def device_ptr(self, slot: int) -> int:
+    def device_pointer(self, slot: int) -> int:
         """Device address of a slot's first byte (for transports that send from device memory)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"HBM slot {slot} out of range")
@@ -71,7 +71,7 @@ class HbmTier(Medium):
 
         rt = cupy.cuda.runtime
         for slot, buf in ops:
-            dev, host = self.device_ptr(slot), self._host_ptr(buf)
+            dev, host = self.device_pointer(slot), self._host_ptr(buf)
             if to_device:
                 rt.memcpyAsync(dev, host, len(buf), rt.memcpyHostToDevice, self._stream.ptr)
             else:

@@ -50,8 +50,8 @@ def test_tenants_render_lint_and_validate(files: list[Path], monkeypatch: pytest
 
 def test_token_secret_binds_each_tenant_and_the_tenants_file_says_its_shares(files: list[Path], tmp_path: Path) -> None:
     from kvstore.cli.values import tenants_toml
+    from kvstore.node.tenancy import load_tenants_file
     from kvstore.security import read_token_entries
-    from kvstore.tenancy import load_tenants_file
 
     docs = render(files)
     (secret,) = [s for s in by_kind(docs, "Secret") if s["metadata"]["name"].endswith("-tokens")]

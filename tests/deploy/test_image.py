@@ -49,3 +49,23 @@ def test_dockerfile_has_both_bases_and_runs_as_the_charts_user() -> None:
     ignore = (ROOT / "deploy" / "Dockerfile.dockerignore").read_text()
     copied = re.findall(r"^COPY (?!--from)(\S+)", text, flags=re.M)
     assert all(f"!{c.rstrip('/')}" in ignore or f"!{c}/" in ignore for c in copied), copied
+
+
+def test_engine_dockerfile_passes_hadolint_and_matches_the_chart_and_dev() -> None:
+    """deploy/Dockerfile.engine (the chart's engines.image): lint-clean, the LMCache version ./dev tests
+    against, the chart's user, and only what it copies in its build context."""
+    engine = ROOT / "deploy" / "Dockerfile.engine"
+    r = hadolint(engine)
+    assert r.returncode == 0, r.stdout + r.stderr
+    text = engine.read_text()
+    dev = (ROOT / "dev").read_text()
+    (ours,) = re.findall(r"^ARG LMCACHE_VERSION=(\S+)$", text, flags=re.M)
+    (devs,) = re.findall(r"^LMCACHE_VERSION=(\S+)", dev, flags=re.M)
+    assert ours == devs
+    assert re.findall(r"^USER\s+(\S+)", text, flags=re.M)[-1].split(":")[0] == "10001"
+    ignore = (ROOT / "deploy" / "Dockerfile.engine.dockerignore").read_text()
+    copied = re.findall(r"^COPY (?!--from)(\S+)", text, flags=re.M)
+    assert all(f"!{c.rstrip('/')}" in ignore or f"!{c}/" in ignore for c in copied), copied
+    docs = render(sets=["engines.enabled=true"])
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == 10001

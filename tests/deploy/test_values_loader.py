@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvstore.cli.values import load_values, merge, plan
-from kvstore.config import parse_size
+from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 from tests.deploy.cases import BAD_VALUES, names_value
 from tests.deploy.conftest import CHART, PROFILES
@@ -74,3 +74,47 @@ def test_local_workers_need_a_checkpoint(tmp_path: Path) -> None:
     v = load_values([write(tmp_path, {"local": {"scale": 0.001, "workers": True, "modelPath": str(tmp_path)}})], CHART)
     with pytest.raises(ValueError, match=r"local\.modelPath"):
         plan(v, tmp_path, mem_available=64 * GiB)
+
+
+def test_engines_run_locally_only_with_vllm_and_the_refusal_names_the_field(tmp_path: Path) -> None:
+    import sys
+
+    from kvstore.cli.engines import DEFAULT_ENGINE_PYTHON, plan_engines
+
+    bogus = {"engines": {"enabled": True}, "local": {"scale": 0.001, "engines": {"python": str(tmp_path / "nope")}}}
+    v = load_values([write(tmp_path, bogus)], CHART)
+    with pytest.raises(ValueError, match=r"local\.engines\.python .*cannot import"):
+        plan(v, tmp_path, mem_available=64 * GiB)
+    no_vllm = {"engines": {"enabled": True}, "local": {"scale": 0.001, "engines": {"python": sys.executable}}}
+    with pytest.raises(ValueError, match=r"local\.engines\.python .*cannot import vllm"):
+        plan(load_values([write(tmp_path, no_vllm)], CHART), tmp_path, mem_available=64 * GiB)
+    if not DEFAULT_ENGINE_PYTHON.exists():
+        unset = load_values([write(tmp_path, {"engines": {"enabled": True}, "local": {"scale": 0.001}})], CHART)
+        with pytest.raises(ValueError, match=r"set local\.engines\.python"):
+            plan(unset, tmp_path, mem_available=64 * GiB)
+    with pytest.raises(ValueError, match=r"local\.engines\.modelPath"):
+        plan_engines(v, Path(sys.executable), missing=[])
+    off = {"engines": {"enabled": True}, "local": {"scale": 0.001, "engines": {"enabled": False}}}
+    p = plan(load_values([write(tmp_path, off)], CHART), tmp_path, mem_available=64 * GiB)
+    assert p.engines is None and any("local.engines.enabled is false" in n for n in p.notes)
+
+
+def test_local_plan_serves_the_socket_and_ucx_as_the_chart_says(tmp_path: Path) -> None:
+    v = load_values([write(tmp_path, {"local": {"scale": 0.001}, "node": {"dataPlanes": {"ucx": {"enabled": True}}}})],
+                    CHART)  # fmt: skip
+    p = plan(v, tmp_path, mem_available=64 * GiB)
+    assert p.local_socket and p.node is not None and p.node.config["ucx_enabled"] is True
+    assert "ucx_port" not in p.node.config  # a free port locally: nodes share one machine
+    off = load_values(
+        [write(tmp_path, {"local": {"scale": 0.001}, "node": {"localSocket": {"enabled": False}}})], CHART
+    )
+    assert not plan(off, tmp_path, mem_available=64 * GiB).local_socket
+
+
+def test_local_workers_take_the_kv_encoding(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for values, expect in (({}, "raw"), ({"workers": {"kvEncoding": "fp8"}}, "fp8")):
+        local = {"local": {"scale": 0.001, "workers": True, "modelPath": str(tmp_path)}, **values}
+        v = load_values([write(tmp_path, local)], CHART)
+        workers = plan(v, tmp_path, mem_available=64 * GiB).workers
+        assert workers is not None and workers.kv_encoding == expect

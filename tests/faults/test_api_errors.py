@@ -16,13 +16,13 @@ from typer.testing import CliRunner
 from devkit.faults import LAYOUT, NS, key, put_chain
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.cli.kvctl import app as kvctl_app
+from kvstore.cli.launch import NodeProcess, RedisProcess
 from kvstore.cli.main import app as kvstore_app
 from kvstore.client import KVStoreClient
-from kvstore.cluster import ClusterClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index import IndexUnavailable
-from kvstore.launch import NodeProcess, RedisProcess
-from kvstore.wire import layout_to_pb
+from kvstore.wire.streams import layout_to_pb
 
 SERVICE = "/kvstore.v1.KVStore/"
 
@@ -58,7 +58,7 @@ def test_unknown_target_tier_is_invalid_argument(node: NodeProcess) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "open.target_tier" in info.value.details()
 
 
-@pytest.mark.parametrize("method", ["Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Stats", "PutShm", "GetShm"])
+@pytest.mark.parametrize("method", ["Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Stats", "Report"])
 def test_undecodable_unary_request_is_invalid_argument(node: NodeProcess, method: str) -> None:
     err = _raw(node, method, b"\x0f garbage")
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from devkit.faults import CHAIN, PAGE, SLOT, check_pages, key, put_chain
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.nvme_meta import META_NAME, Geometry, MetaDamaged, decode_meta, encode_meta
 

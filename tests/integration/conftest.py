@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import HEADER_BYTES
-from kvstore.transport.ucx import ucxx_installed
+from kvstore.wire.ucx import ucxx_installed
 
 LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)  # 16 KiB
 PAGE = LAYOUT.page_bytes

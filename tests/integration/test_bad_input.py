@@ -14,12 +14,12 @@ import pytest
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import LayoutMismatch, NamespaceNotFound, ResourceExhausted
-from kvstore.launch import NodeProcess
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import payload_checksum
-from kvstore.wire import layout_to_pb
+from kvstore.wire.streams import layout_to_pb
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
 MiB = 1 << 20

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvstore.addresses import host_id
+from kvstore.cli.launch import NodeProcess, RedisProcess
 from kvstore.client import KVStoreClient
-from kvstore.cluster import ClusterClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.index import IndexReader, block_key
-from kvstore.launch import NodeProcess, RedisProcess
 from kvstore.names import TierKind
-from kvstore.transport.planes import host_id
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
 
 TTL = 1.5  # index heartbeat TTL for these tests: nodes heartbeat every 0.5 s

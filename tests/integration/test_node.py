@@ -14,9 +14,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.hashing import prefix_hashes
-from kvstore.launch import NodeProcess
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.pageformat import payload_checksum
 from kvstore.security import ClientSecurity
-from kvstore.transport import tcp
-from kvstore.transport.tcp import Kind
+from kvstore.wire import PutOpen, tcp
+from kvstore.wire.tcp import Kind
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 
 WRITE = "w-" + "f" * 30
@@ -96,7 +96,7 @@ class Raw:
 
 
 def put_open(n: int, ns: str = NS) -> bytes:
-    return tcp.put(tcp.PutOpen(ns, LAYOUT, None, None, False, n))
+    return tcp.put(PutOpen(ns, LAYOUT), n)
 
 
 def page_frame(h: bytes, data: bytes | None = None, checksum: int | None = None) -> bytes:

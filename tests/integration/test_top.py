@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from devkit.pki import make_dev_pki
+from kvstore.cli.launch import NodeProcess, RedisProcess, free_port
 from kvstore.cli.top import Sampler, compute
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess, RedisProcess, free_port
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 
 

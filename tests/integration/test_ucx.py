@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
+from kvstore.client.planes.ucx import UcxConnection
 from kvstore.errors import DataLoss, InvalidArgument, PermissionDenied, Unauthenticated
-from kvstore.launch import NodeProcess
 from kvstore.pageformat import payload_checksum
 from kvstore.security import ClientSecurity
-from kvstore.transport.ucx import Kind, TagKind, load_ucxx, parse_address, tag, ucxx_installed
-from kvstore.transport.ucx.client import UcxConnection
-from kvstore.transport.ucx.progress import wait_blocking
-from kvstore.wire import layout_to_pb
+from kvstore.wire.streams import layout_to_pb
+from kvstore.wire.ucx import Kind, TagKind, load_ucxx, parse_address, tag, ucxx_installed
+from kvstore.wire.ucx_progress import wait_blocking
 
 from .conftest import LAYOUT, NS, PAGE, key, page, start_node
 

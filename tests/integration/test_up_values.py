@@ -103,10 +103,13 @@ def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: P
     assert all(gone(p) for p in [ready["pid"]])
 
 
-def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path) -> None:
-    model = make_tiny_llama(tmp_path / "tiny", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3))
+@pytest.mark.parametrize("encoding", ["raw", "fp8"])
+def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path, encoding: str) -> None:
+    model = make_tiny_llama(
+        tmp_path / "tiny", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3)
+    )
     local = {"local": {"nodes": 1, "scale": 0.0002, "workers": True, "modelPath": str(model)},
-             "workers": {"model": {"dtype": "float32"}, "blockSize": 8, "numBlocks": 256,
+             "workers": {"model": {"dtype": "float32"}, "blockSize": 8, "numBlocks": 256, "kvEncoding": encoding,
                          "prefill": {"gpusPerPod": 0}, "decode": {"gpusPerPod": 0}},
              "node": {"budgets": {"maxPageBytes": "64Ki"}}}  # fmt: skip
     up = Up(tmp_path, [PROFILES / "single-node.yaml", override(tmp_path, local)])
@@ -117,7 +120,7 @@ def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path) 
         # An engine: another Ray driver that finds the router by name and sends the same prompt twice.
         client = f"""
 import json, ray
-ray.init(address={ray_info['address']!r}, namespace="kvstore", log_to_driver=False)
+ray.init(address={ray_info["address"]!r}, namespace="kvstore", log_to_driver=False)
 router = ray.get_actor("router", namespace="kvstore")
 prompt = list(range(3, 40))
 a = ray.get(router.generate.remote("r1", prompt, 3), timeout=120)
@@ -132,6 +135,13 @@ ray.shutdown()
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["a"] == out["b"] and len(out["a"]) == 3
         assert out["cached"] == (37 - 1) // 8  # the second prefill fetched every usable block from the cache
+        # The workers stored their pages in the chosen encoding: kvctl shows it per namespace.
+        r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "stats", "--json", "--addr",
+                            ready["nodes"]["node-0"]], capture_output=True, text=True,
+                           env={**os.environ, **ready["env"]}, timeout=60, check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        spaces = {n["namespace"]: n["encoding"] for n in json.loads(r.stdout)["namespaces"]}
+        assert spaces == {ray_info["namespace"]: {"raw": "raw", "fp8": "fp8-e4m3"}[encoding]}
         driver_pid = ray_info["pid"]
     finally:
         code = up.stop()
@@ -145,3 +155,40 @@ def test_up_values_refuses_bad_values_and_starts_nothing(tmp_path: Path) -> None
                        text=True, timeout=60, check=False)  # fmt: skip
     assert r.returncode == 1
     assert "node.resources.limits.memory" in r.stderr and "redis index" not in r.stdout
+
+
+def test_up_values_refuses_engines_without_vllm_and_starts_nothing(tmp_path: Path) -> None:
+    f = override(tmp_path, {"engines": {"enabled": True},
+                            "local": {"scale": 0.0005, "engines": {"python": str(tmp_path / "no-python")}}})  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "up", "--values", str(f)], capture_output=True,
+                       text=True, timeout=120, check=False)  # fmt: skip
+    assert r.returncode == 1
+    assert "local.engines.python" in r.stderr and "redis index" not in r.stdout
+
+
+def test_up_values_production_serves_ucx_and_says_what_it_leaves_out(tmp_path: Path) -> None:
+    """production.yaml locally: its nodes serve the UCX plane (node.dataPlanes.ucx), the engines and TLS
+    are left out out loud, and the clients' environment names node-0 as their local node where this
+    `kvstore serve` can serve the same-host socket."""
+    import inspect
+
+    from kvstore.cli.serve import serve
+
+    up = Up(tmp_path, [PROFILES / "production.yaml"])
+    try:
+        ready = up.wait_ready(180)
+        token = Path(ready["env"]["KVSTORE_TOKEN_FILE"]).read_text().split()[0]
+        for addr in ready["nodes"].values():
+            with KVStoreClient(addr, transport="grpc", security=ClientSecurity(token=token)) as kv:
+                assert {"ucx", "tcp"} <= {p.name for p in kv.stats().planes}
+        if "local_socket" in inspect.signature(serve).parameters:
+            assert (
+                ready["env"]["KVSTORE_LOCAL_NODE"] == "node-0" and Path(ready["env"]["KVSTORE_LOCAL_SOCKET"]).exists()
+            )
+        else:
+            assert "KVSTORE_LOCAL_SOCKET" not in ready["env"]
+    finally:
+        code = up.stop()
+    log = up.log.read_text()
+    assert code == 0, log
+    assert "engines: not started locally" in log and "tls.enabled: not reproduced locally" in log

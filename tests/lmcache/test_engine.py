@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from tests.integration.test_cluster import wait_for  # the suite's bounded poll
 from tests.lmcache.conftest import CHUNK, HEAD_DIM, HEADS, LAYERS, metadata, plugin_config
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from kvstore.cli.launch import NodeProcess, RedisProcess, free_port
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess, RedisProcess, free_port
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity
 from kvstore.tiers.base import TierKind

@@ -15,7 +15,7 @@ import pytest
 
 from devkit.pki import DevPki, make_dev_pki
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.launch import NodeProcess
+from kvstore.cli.launch import NodeProcess
 from tests.integration.conftest import start_node
 
 WRITE = "w-" + "a" * 30

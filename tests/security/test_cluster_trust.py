@@ -15,11 +15,11 @@ import pytest
 import redis
 
 from devkit.pki import DevPki
+from kvstore.cli.launch import NodeProcess, RedisProcess
 from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
-from kvstore.cluster import ClusterClient
+from kvstore.client.cluster import ClusterClient
 from kvstore.index import NODES_KEY, alive_key, block_key, node_key
-from kvstore.launch import NodeProcess, RedisProcess
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 from tests.security.conftest import READ, WRITE, FakeNode, token_args, wait_for

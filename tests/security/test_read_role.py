@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.cli.launch import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import PermissionDenied
-from kvstore.launch import RedisProcess
 from kvstore.names import TierKind
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node

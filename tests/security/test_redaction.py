@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kvstore.cli.launch import RedisProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import RedisProcess
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 from tests.security.conftest import READ, WRITE, token_args, wait_for

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from kvstore.cli.launch import NodeProcess
 from kvstore.cli.stats import render_stats
 from kvstore.client import KVStoreClient
 from kvstore.errors import InvalidArgument, KVStoreError, NamespaceNotFound, PermissionDenied
-from kvstore.launch import NodeProcess
 from kvstore.names import TierKind
+from kvstore.scoping import SEP
 from kvstore.security import ClientSecurity
-from kvstore.tenants import SEP
-from kvstore.transport.ucx import ucxx_installed
+from kvstore.wire.ucx import ucxx_installed
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page, start_node
 from tests.security.conftest import private_file
 
@@ -225,12 +225,12 @@ def test_bad_tenancy_files_refuse_the_start_naming_the_file(tmp_path: Path, wher
 def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path: Path, clients: list[Clients]) -> None:
     import redis
 
-    from kvstore.cluster import ClusterClient
+    from kvstore.cli.launch import RedisProcess
+    from kvstore.client.cluster import ClusterClient
     from kvstore.index import acl
     from kvstore.index.keys import block_key
     from kvstore.index.reader import IndexReader
-    from kvstore.launch import RedisProcess
-    from kvstore.tenants import scope
+    from kvstore.scoping import scope
     from tests.security.conftest import wait_for
 
     users = {acl.CLIENT_USER: ("c" * 24, acl.CLIENT_RULES), acl.node_user("n0"): ("n" * 24, acl.node_rules("n0")),

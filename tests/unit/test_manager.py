@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.config import NodeConfig
 from kvstore.errors import DataLoss, InvalidArgument, LayoutMismatch, NamespaceNotFound, ResourceExhausted
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.names import TierKind
+from kvstore.node.config import NodeConfig
 from kvstore.pageformat import HEADER_BYTES
 from kvstore.tiers.nvme import NvmeFormatError
+from kvstore.wire import PutOpen
 
 LAYOUT = PageLayout(DType.UINT8, 1, 1, 2048, 1)  # 4096-byte pages
 PAGE = LAYOUT.page_bytes
@@ -52,7 +53,7 @@ def config(tmp_path: Path, dram_pages: int = 4, nvme_pages: int = 16, **kw: obje
 
 
 async def put(mgr: TierManager, ids: list[int], ns: str = NS, layout: PageLayout = LAYOUT) -> tuple[int, int]:
-    txn = mgr.begin_put(ns, layout)
+    txn = mgr.begin_put(PutOpen(ns, layout))
     try:
         for i in ids:
             view = await txn.add_page(key(i), layout.page_bytes, 0)
@@ -159,7 +160,7 @@ def test_pin_lease_expires(tmp_path: Path) -> None:
 
 def test_put_transaction_is_atomic(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
-        txn = mgr.begin_put(NS, LAYOUT)
+        txn = mgr.begin_put(PutOpen(NS, LAYOUT))
         v = await txn.add_page(key(0), PAGE, 0)
         v[:] = payload(key(0))  # type: ignore[index]
         v2 = await txn.add_page(key(1), PAGE, 12345)  # wrong declared checksum
@@ -175,18 +176,18 @@ def test_put_transaction_is_atomic(tmp_path: Path) -> None:
 def test_bad_input_changes_nothing(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
         await put(mgr, [0])
-        txn = mgr.begin_put(NS, LAYOUT)
+        txn = mgr.begin_put(PutOpen(NS, LAYOUT))
         with pytest.raises(InvalidArgument, match=r"page\.payload_bytes"):
             await txn.add_page(key(1), PAGE - 1, 0)
         with pytest.raises(InvalidArgument, match="32 bytes"):
             await txn.add_page(b"short", PAGE, 0)
         txn.abort()
         with pytest.raises(LayoutMismatch):
-            mgr.begin_put(NS, PageLayout(DType.UINT8, 1, 1, 1024, 1))
+            mgr.begin_put(PutOpen(NS, PageLayout(DType.UINT8, 1, 1, 1024, 1)))
         with pytest.raises(InvalidArgument, match="namespace"):
-            mgr.begin_put("", LAYOUT)
+            mgr.begin_put(PutOpen("", LAYOUT))
         with pytest.raises(InvalidArgument, match="max_page_bytes"):
-            mgr.begin_put("big", PageLayout(DType.FLOAT32, 1, 1, 4096, 1))
+            mgr.begin_put(PutOpen("big", PageLayout(DType.FLOAT32, 1, 1, 4096, 1)))
         with pytest.raises(NamespaceNotFound):
             await read_ns(mgr, "unknown")
         with pytest.raises(InvalidArgument, match=r"hashes\[1\]"):
@@ -358,17 +359,18 @@ def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Pat
     async def body(mgr: TierManager) -> None:
         await put(mgr, list(range(12)))  # 0..7 on NVMe
         nvme = mgr.medium(TierKind.NVME)
-        real_read = nvme.read
-        active = [0, 0]  # in flight now, most at once
+        real_preadv = nvme._preadv_all  # type: ignore[attr-defined]
+        active = [0, 0]  # pages in flight now, most at once (a request may read adjacent slots)
 
-        def slow_read(slot: int, into: memoryview) -> None:
-            active[0] += 1
+        def slow_preadv(fd: int, parts: list[memoryview], off: int, what: str) -> None:
+            pages = -(-sum(p.nbytes for p in parts) // nvme.slot_bytes)
+            active[0] += pages
             active[1] = max(active[1], active[0])
             time.sleep(0.05)
-            real_read(slot, into)
-            active[0] -= 1
+            real_preadv(fd, parts, off, what)
+            active[0] -= pages
 
-        nvme.read = slow_read  # type: ignore[method-assign]
+        nvme._preadv_all = slow_preadv  # type: ignore[attr-defined]
         gen = mgr.get(NS, [key(i) for i in range(8)], promote=False)
         first = await gen.__anext__()
         assert bytes(first.payload) == payload(key(0))
@@ -465,7 +467,7 @@ def test_chain_hints_reach_the_policy_tails_go_first(tmp_path: Path, chain: bool
     oldest block, the head, goes first."""
 
     async def body(mgr: TierManager) -> None:
-        txn = mgr.begin_put(NS, LAYOUT, chain=chain)
+        txn = mgr.begin_put(PutOpen(NS, LAYOUT, chain=chain))
         try:
             for i in range(6):  # DRAM holds 4: the stream outgrows it and two blocks are demoted
                 view = await txn.add_page(key(i), PAGE, 0)
@@ -486,6 +488,6 @@ def test_chain_hints_reach_the_policy_tails_go_first(tmp_path: Path, chain: bool
 def test_bad_parent_hash_is_rejected(tmp_path: Path) -> None:
     async def body(mgr: TierManager) -> None:
         with pytest.raises(InvalidArgument, match="parent_hash"):
-            mgr.begin_put(NS, LAYOUT, parent=b"short", chain=True)
+            mgr.begin_put(PutOpen(NS, LAYOUT, parent=b"short", chain=True))
 
     run(body, config(tmp_path))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore.manager.reads import DeviceBytes, ReadLease
 from kvstore.names import TierKind
-from kvstore.transport.ucx import (
+from kvstore.node.planes.ucx_device import send_from_device
+from kvstore.wire.ucx import (
     HELLO_CID,
     HELLO_TAG,
     Hello,
@@ -19,7 +21,6 @@ from kvstore.transport.ucx import (
     tag,
     unframe,
 )
-from kvstore.transport.ucx.device import send_from_device
 
 
 def test_tags_separate_connections_kinds_requests_and_pages() -> None:
@@ -66,11 +67,10 @@ def test_address_round_trip_and_errors() -> None:
             parse_address(bad)
 
 
-def test_only_leased_hbm_pages_go_from_device_memory() -> None:
-    hbm, dram = TierKind.HBM, TierKind.DRAM
-    assert send_from_device(True, hbm, hbm, 1)
-    assert not send_from_device(False, hbm, hbm, 1)  # no CUDA-capable UCX or no HBM tier
-    assert not send_from_device(True, dram, dram, 1)
-    assert not send_from_device(True, hbm, dram, 1)  # moved since the lease was taken
-    assert not send_from_device(True, hbm, hbm, 0)  # not leased: the slot could change under the send
-    assert not send_from_device(True, hbm, None, 1)
+def test_only_pages_held_in_device_memory_go_from_it() -> None:
+    """The lease says where its bytes are (its medium supplied it); UCX sends from there only if it can."""
+    on_device = ReadLease(b"h" * 32, TierKind.HBM, 1, memoryview(b""), device=DeviceBytes(0x7000, 4096))
+    in_host = ReadLease(b"h" * 32, TierKind.DRAM, 1, memoryview(b""))
+    assert send_from_device(True, on_device)
+    assert not send_from_device(False, on_device)  # no CUDA-capable UCX
+    assert not send_from_device(True, in_host)

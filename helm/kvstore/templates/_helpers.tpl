@@ -59,7 +59,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{/*
 Bytes of a Kubernetes quantity (Ki Mi Gi Ti k M G T or none), as a float64 string. The same units as
-kvstore.config.parse_size, so the chart and the node agree on every budget. A number given unquoted in
+kvstore.node.config.parse_size, so the chart and the node agree on every budget. A number given unquoted in
 YAML arrives as a float64 and is taken as bytes.
 */}}
 {{- define "kvstore.bytes" -}}
@@ -209,8 +209,8 @@ router, kvctl: the read-only user); `kvstore.redisNodeEnv` for cache nodes (the 
 {{- end -}}
 
 {{/*
-Client-side security for pods that call cache nodes: (dict "ctx" $ "role" "rw"|"ro" ["tokenDir" DIR]).
-Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
+Client-side security for pods that call cache nodes: (dict "ctx" $ "role" "rw"|"ro" ["tokenDir" DIR]
+["tokenFile" FILE]). Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
 */}}
 {{- define "kvstore.clientEnv" -}}
 {{- $v := .ctx.Values -}}
@@ -228,7 +228,7 @@ Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
 {{- end }}
 {{- if $v.auth.enabled }}
 - name: KVSTORE_TOKEN_FILE
-  value: {{ .tokenDir | default "/etc/kvstore/token" }}/{{ .role }}.tokens
+  value: {{ .tokenFile | default (printf "%s/%s.tokens" (.tokenDir | default "/etc/kvstore/token") .role) }}
 {{- if and (not $v.tls.enabled) $v.auth.allowPlaintextTokens }}
 # auth.allowPlaintextTokens: the operator declared this network trusted (validate.yaml requires it).
 - name: KVSTORE_ALLOW_PLAINTEXT_TOKEN
@@ -251,7 +251,7 @@ Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
 {{- end }}
 {{- end -}}
 
-{{/* A client gets only the token file of its role. */}}
+{{/* A client gets only the token file of its role (or "tokenKey" of the Secret, as "tokenPath"). */}}
 {{- define "kvstore.clientVolumes" -}}
 {{- $v := .ctx.Values -}}
 {{- if $v.tls.enabled }}
@@ -277,7 +277,7 @@ Mounts: see kvstore.clientVolumeMounts / kvstore.clientVolumes.
     secretName: {{ include "kvstore.tokenSecret" .ctx }}
     defaultMode: 0440  # owner and the pod's fsGroup (= runAsGroup): token files others can read are refused
     items:
-      - {key: {{ .role }}.tokens, path: {{ .role }}.tokens}
+      - {key: {{ .tokenKey | default (printf "%s.tokens" .role) }}, path: {{ .tokenPath | default (printf "%s.tokens" .role) }}}
 {{- end }}
 {{- end -}}
 
@@ -317,6 +317,11 @@ client pods, and pods labelled networkPolicy.clientLabel in this namespace. */}}
     matchLabels:
       ray.io/cluster: {{ include "kvstore.rayClusterName" . }}
 {{- end }}
+{{- if .Values.engines.enabled }}
+- podSelector:
+    matchLabels:
+      {{- include "kvstore.componentSelector" (dict "ctx" . "component" "engine") | nindent 6 }}
+{{- end }}
 - podSelector:
     matchLabels:
       {{- toYaml .Values.networkPolicy.clientLabel | nindent 6 }}
@@ -325,4 +330,224 @@ client pods, and pods labelled networkPolicy.clientLabel in this namespace. */}}
 {{/* A size value as a flag: a quantity string as given, a number as whole bytes (never 1e+09). */}}
 {{- define "kvstore.qty" -}}
 {{- if kindIs "string" . -}}{{ . }}{{- else -}}{{ printf "%.0f" (float64 .) }}{{- end -}}
+{{- end -}}
+
+{{/*
+The same-host plane (node.localSocket): one host directory per release, mounted at hostDir in the node
+pod (read-write: the node creates the socket) and in every client pod (read-only: connecting to a socket
+needs write access to the socket file, not to the mount).
+*/}}
+{{- define "kvstore.localSocketOn" -}}
+{{- if and .Values.node.enabled .Values.node.localSocket.enabled -}}true{{- end -}}
+{{- end -}}
+{{- define "kvstore.localSocketDir" -}}{{ trimSuffix "/" .Values.node.localSocket.hostDir }}{{- end -}}
+{{- define "kvstore.localSocketPath" -}}{{ include "kvstore.localSocketDir" . }}/node.sock{{- end -}}
+
+{{/* A client's view of its host: the node there (KVSTORE_LOCAL_NODE) and that node's socket. */}}
+{{- define "kvstore.localNodeEnv" -}}
+# The cache node on this host is named after the host (see the node workload).
+- name: KVSTORE_LOCAL_NODE
+  valueFrom:
+    fieldRef:
+      fieldPath: spec.nodeName
+{{- if include "kvstore.localSocketOn" . }}
+- name: KVSTORE_LOCAL_SOCKET
+  value: {{ include "kvstore.localSocketPath" . }}
+{{- end }}
+{{- end -}}
+
+{{/* (dict "ctx" $ "readOnly" bool) */}}
+{{- define "kvstore.localSocketMount" -}}
+{{- if include "kvstore.localSocketOn" .ctx }}
+- name: kvstore-local-socket
+  mountPath: {{ include "kvstore.localSocketDir" .ctx }}
+  {{- if .readOnly }}
+  readOnly: true
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvstore.localSocketVolume" -}}
+{{- if include "kvstore.localSocketOn" . }}
+- name: kvstore-local-socket
+  hostPath:
+    path: {{ printf "%s/%s" (include "kvstore.localSocketDir" .) (include "kvstore.fullname" .) }}
+    type: DirectoryOrCreate
+{{- end }}
+{{- end -}}
+
+{{/* Client pods join the socket directory's group, whatever user their image runs as. */}}
+{{- define "kvstore.clientPodSecurity" -}}
+{{ include "kvstore.podSecurity" . }}
+{{- if include "kvstore.localSocketOn" . }}
+supplementalGroups: [{{ .Values.node.localSocket.group }}]
+{{- end }}
+{{- end -}}
+
+{{/*
+UCX and RDMA (node.dataPlanes.ucx). "client" pods (workers, engines) get the UCX environment always, and
+the RDMA devices, capabilities and networks where rdma.clients is true.
+*/}}
+{{- define "kvstore.ucxOn" -}}
+{{- if and .Values.node.enabled .Values.node.dataPlanes.ucx.enabled -}}true{{- end -}}
+{{- end -}}
+{{- define "kvstore.rdmaOn" -}}
+{{- $u := .Values.node.dataPlanes.ucx -}}
+{{- if and (include "kvstore.ucxOn" .) (dig "rdma" "enabled" false $u) -}}true{{- end -}}
+{{- end -}}
+{{/* (dict "ctx" $ "client" bool): "true" when this pod gets the RDMA devices, capabilities and network. */}}
+{{- define "kvstore.rdmaHere" -}}
+{{- $u := .ctx.Values.node.dataPlanes.ucx -}}
+{{- if and (include "kvstore.rdmaOn" .ctx) (or (not .client) (dig "rdma" "clients" true $u)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* (dict "ctx" $ "client" bool) */}}
+{{- define "kvstore.ucxEnv" -}}
+{{- $u := .ctx.Values.node.dataPlanes.ucx -}}
+{{- if include "kvstore.ucxOn" .ctx }}
+{{- range $k, $val := ($u.env | default dict) }}
+- name: {{ $k }}
+  value: {{ toString $val | quote }}
+{{- end }}
+{{- if and (not .client) $u.tcpPortRange }}
+# UCX's TCP lanes listen here, inside what the NetworkPolicy opens.
+- name: UCX_TCP_PORT_RANGE
+  value: {{ $u.tcpPortRange | quote }}
+{{- end }}
+{{- if and .client .ctx.Values.tls.enabled $u.allowPlaintext }}
+# node.dataPlanes.ucx.allowPlaintext: the operator declared the fabric trusted (UCX is not encrypted).
+- name: KVSTORE_UCX_ALLOW_PLAINTEXT
+  value: "1"
+{{- end }}
+{{- if include "kvstore.rdmaHere" . }}
+# ucxx loads the image's system UCX (built with verbs): the PyPI UCX wheel has no InfiniBand/RoCE.
+- name: RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY
+  value: "true"
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* RDMA device-plugin resources as "name: count" lines: (dict "ctx" $ "client" bool) */}}
+{{- define "kvstore.rdmaResources" -}}
+{{- if include "kvstore.rdmaHere" . }}
+{{- $r := .ctx.Values.node.dataPlanes.ucx.rdma -}}
+{{- $res := $r.resources | default dict -}}
+{{- if and .client $r.clientResources }}{{ $res = $r.clientResources }}{{ end -}}
+{{- range $k, $val := $res }}
+{{ $k }}: {{ $val | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* securityContext of a container that moves pages (node, worker, LMCache): (dict "ctx" $ "client" bool) */}}
+{{- define "kvstore.dataContainerSecurity" -}}
+{{- $r := .ctx.Values.node.dataPlanes.ucx.rdma | default dict -}}
+{{- if and (include "kvstore.rdmaHere" .) $r.hostDevices }}
+# rdma.hostDevices: the host's /dev/infiniband is usable only by a privileged container.
+privileged: true
+{{- else }}
+allowPrivilegeEscalation: false
+capabilities:
+  drop: [ALL]
+  {{- if and (include "kvstore.rdmaHere" .) $r.ipcLock }}
+  add: [IPC_LOCK]  # pin (register) RDMA memory beyond RLIMIT_MEMLOCK
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "kvstore.rdmaVolumeMounts" -}}
+{{- if and (include "kvstore.rdmaHere" .) .ctx.Values.node.dataPlanes.ucx.rdma.hostDevices }}
+- name: dev-infiniband
+  mountPath: /dev/infiniband
+{{- end }}
+{{- end -}}
+{{- define "kvstore.rdmaVolumes" -}}
+{{- if and (include "kvstore.rdmaHere" .) .ctx.Values.node.dataPlanes.ucx.rdma.hostDevices }}
+- name: dev-infiniband
+  hostPath:
+    path: /dev/infiniband
+    type: Directory
+{{- end }}
+{{- end -}}
+
+{{/* Pod annotations attaching the RDMA secondary network (Multus): (dict "ctx" $ "client" bool) */}}
+{{- define "kvstore.networkAnnotations" -}}
+{{- $n := .ctx.Values.node.dataPlanes.ucx.network | default dict -}}
+{{- if and (include "kvstore.ucxOn" .ctx) $n.attachments (or (not .client) (include "kvstore.rdmaHere" .) (not (include "kvstore.rdmaOn" .ctx))) }}
+k8s.v1.cni.cncf.io/networks: {{ $n.attachments | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+An init container that fails the pod, naming the fix, when RDMA memory could not be pinned: neither is
+CAP_IPC_LOCK effective (bit 14 of CapEff) nor is RLIMIT_MEMLOCK unlimited. It runs as the main
+container's user with its securityContext, so it sees what the main container will.
+(dict "ctx" $ "client" bool "image" IMAGE)
+*/}}
+{{- define "kvstore.memlockCheck" -}}
+{{- $r := .ctx.Values.node.dataPlanes.ucx.rdma | default dict -}}
+{{- if and (include "kvstore.rdmaHere" .) $r.memlockCheck }}
+- name: memlock-check
+  image: {{ .image }}
+  imagePullPolicy: {{ .ctx.Values.image.pullPolicy }}
+  command:
+    - sh
+    - -c
+    - |
+      lim=$(ulimit -l); cap=$(sed -n 's/^CapEff:[[:space:]]*//p' /proc/self/status)
+      if [ "$lim" = unlimited ] || [ $(( 0x$cap >> 14 & 1 )) -eq 1 ]; then
+        echo "RDMA memory pinning: RLIMIT_MEMLOCK=$lim, CapEff=$cap: ok"; exit 0
+      fi
+      echo "RDMA needs pinned memory, but RLIMIT_MEMLOCK is $lim KiB and CAP_IPC_LOCK is not effective for uid $(id -u)." >&2
+      echo "Fix: raise the container runtime's memlock limit (containerd: LimitMEMLOCK=infinity in its systemd unit; CRI-O: default_ulimits = [\"memlock=-1:-1\"]), or set node.dataPlanes.ucx.rdma.memlockCheck: false to start anyway." >&2
+      exit 1
+  securityContext:
+    {{- include "kvstore.dataContainerSecurity" (dict "ctx" .ctx "client" .client) | nindent 4 }}
+  resources:
+    requests: {cpu: 10m, memory: 16Mi}
+    limits: {memory: 32Mi}
+{{- end }}
+{{- end -}}
+
+{{- define "kvstore.engineImage" -}}
+{{- printf "%s:%s" .Values.engines.image.repository (default .Chart.AppVersion .Values.engines.image.tag) -}}
+{{- end -}}
+{{- define "kvstore.nodeLocalService" -}}{{ include "kvstore.fullname" . }}-node-local{{- end -}}
+
+{{/*
+The Redis index URL without credentials, for a command line (engines.lmcache.target: cluster). validate.yaml
+refuses that target where the URL would need a password (the chart's Redis with auth, an external Secret).
+*/}}
+{{- define "kvstore.redisPlainUrl" -}}
+{{- $v := .Values -}}
+{{- if $v.redis.enabled -}}
+{{- $tls := eq (include "kvstore.redisTls" .) "true" -}}
+{{- printf "%s://%s:%d/0%s" (ternary "rediss" "redis" $tls) (include "kvstore.redisService" .) (int $v.redis.port) (ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls) -}}
+{{- else -}}
+{{- $v.redis.external.url -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The engine pair's wiring, one place for the chart and for `kvstore up --values` (kvstore/cli/engines.py
+builds the same JSON; tests/deploy compares them): kvstore's L2 adapter spec for `lmcache server
+--l2-adapter`, and vLLM's kv_transfer_config pointing LMCacheMPConnector at that server.
+*/}}
+{{- define "kvstore.l2AdapterSpec" -}}
+{{- $l := .Values.engines.lmcache -}}
+{{- $params := dict -}}
+{{- if eq $l.target "local" -}}
+{{- $_ := set $params "target" (printf "%s:%d" (include "kvstore.nodeLocalService" .) (int .Values.node.port)) -}}
+{{- else -}}
+{{- $_ := set $params "redis_url" (include "kvstore.redisPlainUrl" .) -}}
+{{- end -}}
+{{- with $l.namespace }}{{ $_ := set $params "namespace" . }}{{ end -}}
+{{- with $l.transport }}{{ $_ := set $params "transport" . }}{{ end -}}
+{{- if gt (float64 $l.timeoutS) 0.0 }}{{ $_ := set $params "timeout_s" (float64 $l.timeoutS) }}{{ end -}}
+{{- if .Values.auth.enabled }}{{ $_ := set $params "token_file" "/etc/kvstore/token/engine.token" }}{{ end -}}
+{{- toJson (dict "type" "plugin" "module_path" "kvstore.integrations.lmcache_l2" "class_name" "KVStoreL2Adapter" "adapter_params" $params) -}}
+{{- end -}}
+{{- define "kvstore.kvTransferConfig" -}}
+{{- $extra := dict "lmcache.mp.host" "tcp://127.0.0.1" "lmcache.mp.port" (int .Values.engines.lmcache.port) -}}
+{{- toJson (dict "kv_connector" "LMCacheMPConnector" "kv_role" "kv_both" "kv_connector_extra_config" $extra) -}}
 {{- end -}}

@@ -75,15 +75,10 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.PutShm = channel.unary_unary(
-                '/kvstore.v1.KVStore/PutShm',
-                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutShmRequest.SerializeToString,
-                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
-                _registered_method=True)
-        self.GetShm = channel.unary_unary(
-                '/kvstore.v1.KVStore/GetShm',
-                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.SerializeToString,
-                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.FromString,
+        self.Report = channel.unary_unary(
+                '/kvstore.v1.KVStore/Report',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
                 _registered_method=True)
 
 
@@ -156,15 +151,11 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PutShm(self, request, context):
-        """Put through a same-host shared-memory segment (see ShmRegion). Atomic like Put.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetShm(self, request, context):
-        """Get into a same-host shared-memory segment (see ShmRegion).
+    def Report(self, request, context):
+        """(PutShm and GetShm moved to the same-host plane's Unix socket, kvstore/wire/shm.py.)
+        A client received pages whose bytes failed their checksum (DESIGN.md §8: the party that receives the
+        bytes verifies them). The node verifies its own copy of each: one that fails is dropped and counted;
+        one that passes was damaged on the way and stays. Either way the client treated it as a miss.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -213,15 +204,10 @@ def add_KVStoreServicer_to_server(servicer, server):
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
             ),
-            'PutShm': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutShm,
-                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutShmRequest.FromString,
-                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
-            ),
-            'GetShm': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetShm,
-                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.FromString,
-                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.SerializeToString,
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -452,7 +438,7 @@ class KVStore:
             _registered_method=True)
 
     @staticmethod
-    def PutShm(request,
+    def Report(request,
             target,
             options=(),
             channel_credentials=None,
@@ -465,36 +451,9 @@ class KVStore:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kvstore.v1.KVStore/PutShm',
-            kvstore_dot_v1_dot_kvstore__pb2.PutShmRequest.SerializeToString,
-            kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetShm(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvstore.v1.KVStore/GetShm',
-            kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.SerializeToString,
-            kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.FromString,
+            '/kvstore.v1.KVStore/Report',
+            kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
             options,
             channel_credentials,
             insecure,

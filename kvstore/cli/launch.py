@@ -1,0 +1,276 @@
+"""Start and stop real `kvstore serve` processes (demo, tests, benchmarks, later `kvstore up`).
+
+Every wait is bounded in time; `stop()` sends SIGTERM, waits for the graceful shutdown, then SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+_POLL_SECONDS = 0.05
+
+
+class NodeProcess:
+    """One cache node in a child process, bound to loopback on a free port."""
+
+    # keyword-only settings, each with a default
+    def __init__(  # noqa: PLR0913
+        self,
+        *,
+        dram_bytes: int | str = "64MiB",
+        nvme_path: str | Path | None = None,
+        nvme_bytes: int | str = 0,
+        max_page_bytes: int | str | None = None,
+        node_id: str = "node-0",
+        host: str = "127.0.0.1",
+        redis_url: str | None = None,
+        extra_args: list[str] | None = None,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.host = host
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-node-")
+        self.ready_file = Path(self._tmp.name) / "ready.json"
+        self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "node.log"
+        args = [
+            sys.executable,
+            "-m",
+            "kvstore.cli.main",
+            "serve",
+            "--host",
+            host,
+            "--port",
+            "0",
+            "--dram-bytes",
+            str(dram_bytes),
+            "--node-id",
+            node_id,
+            "--ready-file",
+            str(self.ready_file),
+        ]
+        if nvme_path is not None and nvme_bytes:
+            args += ["--nvme-path", str(nvme_path), "--nvme-bytes", str(nvme_bytes)]
+        if max_page_bytes is not None:
+            args += ["--max-page-bytes", str(max_page_bytes)]
+        self.args = args + (extra_args or [])
+        self.env = {**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})}
+        if redis_url is not None:
+            # The environment, not the command line: any local user can read a process's argv.
+            self.env["KVSTORE_REDIS_URL"] = redis_url
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self.metrics_port: int | None = None  # set when started with --metrics-port
+
+    @property
+    def addr(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> NodeProcess:
+        self.ready_file.unlink(missing_ok=True)
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.ready_file.exists():
+                ready = json.loads(self.ready_file.read_text())
+                self.port, self.metrics_port = ready["port"], ready.get("metrics_port")
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"node exited with {self.proc.returncode} before serving:\n{self.log_tail()}")
+            time.sleep(_POLL_SECONDS)
+        self.kill()
+        raise TimeoutError(f"node not serving after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, wait for the graceful shutdown (bounded), SIGKILL if it overruns; returns exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                # Say so loudly: a killed node skipped its shutdown spill, which tests then see as lost pages.
+                print(
+                    f"kvstore node {self.addr} did not stop within {timeout}s of SIGTERM; killing it. "
+                    f"Log tail:\n{self.log_tail()}",
+                    file=sys.stderr,
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGABRT)  # faulthandler writes every thread's stack to the log
+                try:
+                    self.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+                print(f"node log after SIGABRT:\n{self.log_tail(80)}", file=sys.stderr)
+        code = self.proc.returncode
+        self.proc = None
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, no graceful shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc is not None:
+            self.proc = None
+            self._log.close()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> NodeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RedisProcess:
+    """A private redis-server on loopback: no persistence, a free port, stopped by stop()/close().
+    Protected mode is always on. With `password` the default (administrator) user needs it; `users`
+    adds ACL users, `{name: (password, rules)}` (kvstore/index/acl.py). Both live in a 0600 config
+    file, never on a command line.
+
+    `restart()` keeps the port (so clients and nodes reconnect to the same URL) and, like a real
+    Redis restart without persistence, comes back empty.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        binary: str = "redis-server",
+        password: str | None = None,
+        users: dict[str, tuple[str, str]] | None = None,
+    ) -> None:
+        path = shutil.which(binary)
+        if path is None:
+            raise RuntimeError(f"{binary} not found: install Debian's redis-server (./dev setup does)")
+        self.binary = path
+        self.host = host
+        self.port = free_port(host)
+        self.password = password  # the default user's, given in a config file (never on the command line)
+        self.users = dict(users or {})
+        if self.users and not password:
+            raise ValueError("ACL users need an administrator password too (the default user would be open)")
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """The administrator's URL (the default user)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def url_for(self, user: str) -> str:
+        """The URL of one of the ACL users."""
+        return f"redis://{user}:{self.users[user][0]}@{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> RedisProcess:
+        conf = Path(self._tmp.name) / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(self._auth_conf())
+        args = [
+            self.binary,
+            str(conf),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._tmp.name,
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
+        log = open(Path(self._tmp.name) / "redis.log", "ab")  # noqa: SIM115 - owned by the process lifetime
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    if self.password:
+                        s.sendall(f"AUTH {self.password}\r\n".encode())
+                        if not s.recv(16).startswith(b"+OK"):
+                            raise RuntimeError(f"redis-server on port {self.port} refused its own password")
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(_POLL_SECONDS)
+        self.stop()
+        raise TimeoutError(f"redis-server not answering on {self.host}:{self.port} after {timeout}s")
+
+    def _auth_conf(self) -> str:
+        from kvstore.index.acl import acl_line, admin_line
+
+        if not self.password:
+            return ""
+        lines = [admin_line(self.password)] + [acl_line(u, pw, rules) for u, (pw, rules) in self.users.items()]
+        return "\n".join(lines) + "\n"
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+    def restart(self) -> RedisProcess:
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> RedisProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

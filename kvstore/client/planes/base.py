@@ -1,0 +1,176 @@
+"""The client side of a bulk data plane: Put and Get of page bytes, as exchanges (kvstore/client/exchange.py).
+
+`DataPlane` owns what every plane shares: cutting a call into batches of at most `pages_per_call` pages,
+chaining each batch's first page to the page before it (`PutOpen.batch`), stopping a Get at the first
+batch that came back short (there the stored prefix ended), and what happens when a received page fails
+its checksum (`PageCorrupt` from a batch): the pages before it are returned, the call is a miss from that
+page on, and the page is reported to the node (Report), which verifies its own copy and drops a bad one.
+A plane implements one batch of each kind.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.exchange import Exchange, Unary
+from kvstore.errors import KVStoreError, PageCorrupt
+from kvstore.names import Buffer
+from kvstore.wire import PutOpen
+from kvstore.wire.streams import FetchedPage, PageRef
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+def batches(n: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of at most `size` covering range(n)."""
+    return [(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class DataPlane(abc.ABC):
+    """One bulk data plane, as a client speaks it.
+
+    A plane that cannot serve a call (the node lacks it, or cannot reach the client's memory) raises
+    `PlaneUnavailable` before anything was stored or returned; the client then falls back to the next
+    plane for good. Checksums follow DESIGN.md §8: every page is verified once per read, by the party
+    that receives its bytes.
+
+    Each batch of a Put is atomic on the node (a page is always atomic); a Get returns the pages of the
+    longest stored prefix of its hashes, in order, verified.
+    """
+
+    name: str
+    pages_per_call: int
+
+    # -- one batch: what a plane implements
+
+    @abc.abstractmethod
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+        """Store one batch (`op` already chained to it); (stored, already present)."""
+
+    @abc.abstractmethod
+    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+        """The pages of the longest stored prefix of one batch of hashes."""
+
+    def get_into_batch(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+    ) -> Exchange[list[PageRef]]:
+        """`get_batch`, page i written into buffers[i] (`first`: buffers[0]'s index in the caller's call, to
+        name it in errors). This default copies each page once, after checking that every page fits, so a
+        buffer too small is a ValueError before anything is written; a plane that can receive straight into
+        caller memory overrides it."""
+        corrupt: PageCorrupt | None = None
+        try:
+            pages = yield from self.get_batch(namespace, hashes, promote)
+        except PageCorrupt as exc:
+            corrupt, pages = exc, exc.good  # type: ignore[assignment]
+        for i, page in enumerate(pages):
+            if memoryview(buffers[i]).nbytes < len(page.data):
+                raise ValueError(
+                    f"buffers[{first + i}]: {memoryview(buffers[i]).nbytes} bytes cannot hold a "
+                    f"{len(page.data)}-byte page"
+                )
+        out: list[PageRef] = []
+        for i, page in enumerate(pages):
+            n = len(page.data)
+            with memoryview(buffers[i]) as dst, dst.cast("B") as raw:
+                raw[:n] = page.data
+            out.append(PageRef(page.hash, page.tier, n))
+        if corrupt is not None:
+            raise PageCorrupt(corrupt.index, corrupt.hash, out)
+        return out
+
+    def put_from_batch(
+        self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
+    ) -> Exchange[tuple[int, int]]:
+        """`put_batch` of pages lying in the caller's buffers; a plane that reads caller memory in place
+        (the same-host plane) overrides it."""
+        return (yield from self.put_batch(op, hashes, buffers))
+
+    def runs(self, buffers: Sequence[Buffer], writable: bool) -> list[tuple[int, int]]:
+        """The batches of a get_into / put_from over `buffers` (already checked by the client); a plane
+        whose batches must not cross some boundary of caller memory overrides it."""
+        return batches(len(buffers), self.pages_per_call)
+
+    def close(self) -> None:
+        """Release what the plane holds (segments, connections)."""
+        return None
+
+    # -- whole calls: the template every plane shares
+
+    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+        """Store pages, one atomic batch per call; (stored, already present)."""
+        ranges = batches(len(hashes), self.pages_per_call)
+        return (yield from self._puts(op, hashes, ranges, lambda o, a, b: self.put_batch(o, hashes[a:b], pages[a:b])))
+
+    def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+        """`put` of pages that lie in the caller's buffers (checked by the client: one per hash, each a page)."""
+
+        def one(o: PutOpen, a: int, b: int) -> Exchange[tuple[int, int]]:
+            return self.put_from_batch(o, hashes[a:b], buffers[a:b], a)
+
+        return (yield from self._puts(op, hashes, self.runs(buffers, writable=False), one))
+
+    def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+        """Pages of the longest stored prefix of `hashes`, in order, verified."""
+        ranges = batches(len(hashes), self.pages_per_call)
+        return (
+            yield from self._prefix(namespace, ranges, lambda a, b: self.get_batch(namespace, hashes[a:b], promote))
+        )
+
+    def get_into(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
+    ) -> Exchange[list[PageRef]]:
+        """Pages of the longest stored prefix of `hashes` written into the caller's `buffers` (page i into
+        buffers[i]; checked by the client: one per hash, writable, contiguous, not overlapping)."""
+
+        def one(a: int, b: int) -> Exchange[list[PageRef]]:
+            return self.get_into_batch(namespace, hashes[a:b], buffers[a:b], promote, a)
+
+        return (yield from self._prefix(namespace, self.runs(buffers, writable=True), one))
+
+    @staticmethod
+    def _puts(
+        op: PutOpen,
+        hashes: Sequence[bytes],
+        ranges: list[tuple[int, int]],
+        put: Callable[[PutOpen, int, int], Exchange[tuple[int, int]]],
+    ) -> Exchange[tuple[int, int]]:
+        stored = present = 0
+        for a, b in ranges:
+            s, p = yield from put(op.batch(hashes, a), a, b)
+            stored += s
+            present += p
+        return stored, present
+
+    @staticmethod
+    def _prefix(
+        namespace: str, ranges: list[tuple[int, int]], fetch: Callable[[int, int], Exchange[list[Any]]]
+    ) -> Exchange[list[Any]]:
+        """What `fetch(a, b)` returns for each range, in order, stopping after the first range that came
+        back short (there the longest stored prefix ended) or held a corrupt page (reported, a miss)."""
+        out: list[Any] = []
+        for a, b in ranges:
+            try:
+                got = yield from fetch(a, b)
+            except PageCorrupt as exc:
+                out.extend(exc.good)
+                yield from report_corrupt(namespace, [exc.hash])
+                break
+            out.extend(got)
+            if len(got) < b - a:
+                break
+        return out
+
+
+def report_corrupt(namespace: str, hashes: list[bytes]) -> Exchange[None]:
+    """Tell the node these pages arrived damaged (it verifies its copies and drops bad ones). Best effort: the
+    caller already treats them as misses, so a node that cannot take the report changes nothing here."""
+    try:
+        yield Unary("Report", pb.ReportRequest(namespace=namespace, hashes=hashes))
+    except KVStoreError as exc:
+        log.warning("could not report %d corrupt page(s) in %r to the node: %s", len(hashes), namespace, exc)

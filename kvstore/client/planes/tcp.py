@@ -1,0 +1,382 @@
+"""The client's side of the TCP plane: persistent connections, Put/Get/get_into as exchanges.
+
+Socket work runs in `Blocking` operations (the caller's thread in KVStoreClient, a worker thread in
+AsyncKVStoreClient). Each call takes a connection from the plane's pool (opening one when none is
+idle: TCP_NODELAY, large buffers, TLS as the node advertises, HELLO with the client's token), sends its
+whole request (every page in flight back to back, no per-page round trip) and reads the reply; pages
+are received with `recv_into` straight into their destination: a fresh buffer for `get`, the caller's
+buffer for `get_into`.
+
+Errors: a node that cannot be reached, or a TLS setup the two ends do not share, is PlaneUnavailable
+before anything was sent (auto mode then falls back to gRPC streams); an ERROR frame raises the
+node's exception class, as gRPC would; a connection lost mid-request is Unavailable (nothing of an
+unfinished PUT is stored: it is atomic); a received page that fails its checksum raises StreamError,
+as on the other planes, and its connection is dropped. A call that finds its pooled connection closed by the node
+before any reply byte is retried once on a fresh connection (Put and Get are idempotent).
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from kvstore.addresses import split_address, target_host
+from kvstore.client.exchange import Blocking, Exchange
+from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.buffers import page_sink
+from kvstore.client.planes.pool import ReceivePool
+from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
+from kvstore.names import Buffer, TierKind
+from kvstore.pageformat import payload_checksum
+from kvstore.security import ClientSecurity, InsecureChannel
+from kvstore.stats import PlaneInfo
+from kvstore.wire import PutOpen, tcp
+from kvstore.wire.streams import FetchedPage, PageRef
+from kvstore.wire.tcp import Header, Kind
+
+T = TypeVar("T")
+
+SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffers per connection: a few MiB-pages in flight
+KEEP_IDLE = 4  # idle connections a plane keeps open for the next calls
+CONNECT_TIMEOUT_S = 5.0  # a firewalled plane port (dropped SYNs) falls back to gRPC after this, not the call timeout
+REPLY_META_LIMIT = 1 << 20  # what a client accepts as one reply's metadata (ERROR messages are the largest)
+
+
+class Connection:
+    """One open, authenticated connection to a node's TCP plane. Not thread-safe: one call at a time
+    (the pool hands it to one caller). `replied` says whether the current request got any reply byte."""
+
+    def __init__(
+        self, host: str, port: int, *, token: str | None, tls: ssl.SSLContext | None, server_name: str, timeout: float
+    ) -> None:
+        sock = socket.create_connection((host, port), timeout=min(timeout, CONNECT_TIMEOUT_S))
+        try:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                if SOCKET_BUFFER_BYTES:  # 0: leave the kernel's autotuning alone
+                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=server_name)
+            else:
+                # NOTE: a blocking socket with kernel timeouts, not Python's timeout mode: that one makes
+                # the descriptor non-blocking, and MSG_WAITALL then returns after every segment.
+                sock.settimeout(None)
+                tv = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.plain = tls is None  # MSG_WAITALL and sendmsg work on plain sockets only
+        self.replied = False
+        self.usable = True  # False once a send or receive failed: the byte stream is out of step
+        self.max_page_bytes = 0
+        try:
+            self.send(tcp.hello(token))
+            head, meta = self.read_frame()
+            if head.kind is not Kind.WELCOME:
+                raise StreamError(f"the node answered HELLO with {head.kind.name}")
+            self.max_page_bytes = tcp.parse_welcome(meta).max_page_bytes
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.usable = False
+        self.sock.close()
+
+    # -- bytes
+
+    def send(self, *parts: Buffer) -> None:
+        try:
+            self._send(parts)
+        except OSError:
+            self.usable = False
+            self._pending_error()
+            raise
+
+    def _pending_error(self) -> None:
+        """After a failed send: raise the node's ERROR if it explained itself before closing."""
+        try:
+            self.sock.settimeout(1.0)
+            self.read_frame()
+        except KVStoreError:
+            raise
+        except Exception:  # nothing to add to the send's own error
+            pass
+
+    def _send(self, parts: Sequence[Buffer]) -> None:
+        if self.plain and len(parts) > 1:
+            views = [memoryview(p).cast("B") for p in parts]
+            sent = self.sock.sendmsg(views)  # one system call for a header and its page, mostly
+            for v in views:
+                if sent >= len(v):
+                    sent -= len(v)
+                    continue
+                self.sock.sendall(v[sent:])
+                sent = 0
+            return
+        for p in parts:
+            self.sock.sendall(p)
+
+    def readinto(self, dst: memoryview) -> None:
+        n, got = len(dst), 0
+        flags = socket.MSG_WAITALL if self.plain else 0
+        try:
+            while got < n:
+                k = self.sock.recv_into(dst[got:], n - got, flags)
+                if not k:
+                    raise ConnectionError(f"the node closed the connection {n - got} bytes short of a frame")
+                got += k
+                self.replied = True
+        except OSError:
+            self.usable = False
+            raise
+
+    def read_frame(self) -> tuple[Header, bytearray]:
+        """The next frame's header and metadata (its body, if any, is still to be read); ERROR raises
+        the node's exception."""
+        raw = bytearray(tcp.HEADER_BYTES)
+        self.readinto(memoryview(raw))
+        head = tcp.unpack_header(raw, meta_limit=REPLY_META_LIMIT, body_limit=self.max_page_bytes or 0)
+        meta = bytearray(head.meta_len)
+        if head.meta_len:
+            self.readinto(memoryview(meta))
+        if head.kind is Kind.ERROR:
+            raise from_status(*tcp.parse_error(meta))
+        return head, meta
+
+    # -- requests
+
+    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> tuple[int, int]:
+        self.replied = False
+        self.send(tcp.put(op, len(hashes)))
+        for h, page in zip(hashes, pages, strict=True):
+            view = memoryview(page).cast("B")
+            self.send(tcp.page_header(h, payload_checksum(view), len(view)), view)
+        head, meta = self.read_frame()
+        if head.kind is not Kind.DONE:
+            raise StreamError(f"the node answered PUT with {head.kind.name}")
+        return tcp.parse_done(meta)
+
+    def get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        promote: bool,
+        verify: bool,
+        sink: Callable[[int, int], memoryview],
+    ) -> list[tuple[bytes, TierKind, memoryview]]:
+        """Send a GET and receive its pages in order: page i's `n` bytes land in `sink(i, n)`. Returns
+        (hash, tier, filled view) per page, each checked against its checksum when `verify`."""
+        self.replied = False
+        self.send(tcp.get(namespace, list(hashes), promote))
+        out: list[tuple[bytes, TierKind, memoryview]] = []
+        while True:
+            head, meta = self.read_frame()
+            if head.kind is Kind.DONE:
+                sent, _ = tcp.parse_done(meta)
+                if sent != len(out):
+                    raise StreamError(f"the node announced {sent} pages and sent {len(out)}")
+                return out
+            if head.kind is not Kind.PAGE:
+                raise StreamError(f"unexpected {head.kind.name} frame in a GET reply")
+            i = len(out)
+            h, checksum, tier = tcp.parse_page(meta)
+            if i >= len(hashes) or h != hashes[i]:
+                raise StreamError(f"page {i}: the node sent an unexpected hash")
+            dst = sink(i, head.body_len)
+            self.readinto(dst)
+            if verify and payload_checksum(dst) != checksum:
+                raise PageCorrupt(i, h, out)
+            out.append((h, TierKind(tier), dst))
+
+
+class TcpPlane(DataPlane):
+    """Pages travel over this client's pooled connections to the node's advertised TCP plane.
+
+    Thread-safe: concurrent calls use different connections. Each PUT of at most `pages_per_call`
+    pages is atomic, like a Put stream.
+    """
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        tls: bool,
+        target: str,
+        pages_per_call: int,
+        verify: bool,
+        security: ClientSecurity,
+        timeout: float,
+        received: ReceivePool | None = None,
+    ) -> None:
+        try:
+            self.host, self.port = split_address(address, default_host=target_host(target))
+        except ValueError as exc:
+            raise PlaneUnavailable(f"the node advertises a TCP plane address that is unusable: {exc}") from None
+        self.pages_per_call = pages_per_call
+        self.verify = verify
+        self.security = security
+        self.timeout = timeout
+        self.tls = tls
+        self.received = ReceivePool() if received is None else received  # where a plain get's pages land
+        self.server_name = security.server_name or target_host(target)
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._tls_ctx: ssl.SSLContext | None = None
+
+    @classmethod
+    def from_info(
+        cls,
+        info: PlaneInfo | None,
+        *,
+        target: str,
+        pages_per_call: int,
+        verify: bool,
+        security: ClientSecurity,
+        timeout: float,
+        received: ReceivePool | None = None,
+    ) -> TcpPlane:
+        if info is None or not info.address:
+            raise PlaneUnavailable("the node advertises no TCP plane address")
+        try:  # the token goes to the advertised address: only where this client may send it (SECURITY.md)
+            security.check_target(info.address)
+        except InsecureChannel as exc:
+            raise PlaneUnavailable(f"tcp: {exc}") from None
+        return cls(
+            address=info.address,
+            tls=info.tls,
+            target=target,
+            pages_per_call=pages_per_call,
+            verify=verify,
+            security=security,
+            timeout=timeout,
+            received=received,
+        )
+
+    # -- connections
+
+    def _open(self) -> Connection:
+        if self.tls != self.security.tls:
+            raise PlaneUnavailable(
+                "the node's TCP plane uses TLS but this client has no CA (KVSTORE_TLS_CA)"
+                if self.tls
+                else "this client requires TLS but the node's TCP plane is not encrypted"
+            )
+        if self.tls and self._tls_ctx is None:
+            self._tls_ctx = client_tls_context(self.security)
+        try:
+            return Connection(
+                self.host,
+                self.port,
+                token=self.security.token,
+                tls=self._tls_ctx,
+                server_name=self.server_name,
+                timeout=self.timeout,
+            )
+        except ssl.SSLCertVerificationError as exc:
+            raise Unavailable(
+                f"TCP plane at {self.host}:{self.port}: the node's TLS certificate failed "
+                f"verification: {exc.verify_message or exc}"
+            ) from None
+        except (OSError, StreamError) as exc:  # StreamError: the handshake's reply made no sense
+            raise PlaneUnavailable(f"cannot open the TCP plane at {self.host}:{self.port}: {exc}") from None
+
+    def _call(self, fn: Callable[[Connection], T]) -> T:
+        """Run one request on a pooled connection; retry once on a fresh one when a reused connection
+        turns out closed before any reply byte arrived."""
+        for attempt in range(2):
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = self._open()
+            try:
+                result = fn(conn)
+            except StreamError:  # the reply broke off mid-stream: the connection is out of step
+                conn.close()
+                raise
+            except KVStoreError:  # an ERROR frame: the node consumed the request; the connection is in step
+                self._release(conn)
+                raise
+            except OSError as exc:
+                conn.close()
+                if reused and not conn.replied and attempt == 0:
+                    continue
+                raise Unavailable(f"TCP plane connection to {self.host}:{self.port} failed: {exc}") from None
+            except BaseException:
+                conn.close()
+                raise
+            self._release(conn)
+            return result
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _release(self, conn: Connection) -> None:
+        """Keep a connection that is in step for the next call (up to KEEP_IDLE), else close it."""
+        keep = conn.usable
+        with self._lock:
+            keep = keep and not self._closed and len(self._idle) < KEEP_IDLE
+            if keep:
+                self._idle.append(conn)
+        if not keep:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle = list(self._idle)
+            self._idle.clear()
+        for conn in idle:
+            conn.close()
+
+    # -- the DataPlane
+
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+        return (yield Blocking(lambda: self._call(lambda c: c.put(op, hashes, pages))))
+
+    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+        take = self.received.take
+        return (yield from self._get(namespace, hashes, promote, lambda i, n: take(n), FetchedPage))
+
+    def get_into_batch(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+    ) -> Exchange[list[PageRef]]:
+        """Pages received straight into the caller's buffers (one copy: kernel -> buffer), verified."""
+        sink = page_sink(buffers, first)
+        return (yield from self._get(namespace, hashes, promote, sink, lambda h, t, v: PageRef(h, t, len(v))))
+
+    def _get(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        promote: bool,
+        sink: Callable[[int, int], memoryview],
+        result: Callable[[bytes, TierKind, memoryview], T],
+    ) -> Exchange[list[T]]:
+        """One GET on a pooled connection: page i lands in sink(i, n); `result` makes what the caller gets
+        of each page (a PageCorrupt carries the ones before the bad page, made alike)."""
+        try:
+            got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes, promote, self.verify, sink)))
+        except PageCorrupt as exc:
+            raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None
+        return [result(*g) for g in got]
+
+
+def client_tls_context(security: ClientSecurity) -> ssl.SSLContext:
+    """Verify the node like the gRPC channel does: the same CA, the same name; mTLS when a client
+    certificate is configured."""
+    ctx = ssl.create_default_context(cafile=security.ca_file)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if security.cert_file and security.key_file:
+        ctx.load_cert_chain(security.cert_file, security.key_file)
+    return ctx

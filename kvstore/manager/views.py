@@ -1,0 +1,150 @@
+"""The manager as one tenant's callers reach it (DESIGN.md §10): the one door every plane goes through.
+
+`TenantView` validates a caller's namespace as a client's (no control characters, so no client can name a
+scope) and scopes it to the caller's tenant (kvstore/scoping.py) before the manager sees it. Below it the
+manager knows tenants only as part of the namespace string, which is also what NVMe page headers and
+index keys carry, so recovery and the index keep tenancy without anything extra.
+
+A cross-tenant miss (the page exists, but only in another tenant's scope) is answered exactly as the cold
+miss it is for the caller and counted for the caller; the check runs on every miss, found or not, so it
+costs the same either way.
+
+Above the manager (it takes a TierManager); the node builds one view per tenant (kvstore/node/callers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+
+from kvstore.errors import InvalidArgument, NamespaceNotFound
+from kvstore.hashing import HashContractError, validate_namespace
+from kvstore.layout import PageLayout
+from kvstore.manager.core import TierManager
+from kvstore.manager.ledger import TenantCounters
+from kvstore.manager.put import PutTxn
+from kvstore.manager.reads import ReadLease
+from kvstore.names import TierKind
+from kvstore.scoping import DEFAULT_TENANT, scope, split
+from kvstore.stats import LookupResult, NodeStats
+from kvstore.wire import PutOpen
+
+_MAX_REMEMBERED = 1024  # client namespaces a view remembers as valid (beyond, each call validates again)
+
+
+class TenantView:
+    """The manager as the callers of one tenant reach it: the same calls, with client namespaces."""
+
+    __slots__ = ("_scoped", "counters", "manager", "tenant")
+
+    def __init__(self, manager: TierManager, tenant: str) -> None:
+        self.manager = manager
+        self.tenant = tenant
+        self.counters: TenantCounters = manager.tenants.counters_of(tenant)
+        self._scoped: dict[str, str] = {}  # valid client namespaces seen -> stored ones (bounded)
+
+    def ns(self, namespace: str) -> str:
+        """The stored namespace of a client's `namespace`; InvalidArgument unless it is a valid one."""
+        scoped = self._scoped.get(namespace)
+        if scoped is not None:
+            return scoped
+        try:
+            validate_namespace(namespace)
+        except HashContractError as exc:
+            raise InvalidArgument("namespace", str(exc)) from None
+        scoped = scope(namespace, self.tenant)
+        if len(self._scoped) < _MAX_REMEMBERED:
+            self._scoped[namespace] = scoped
+        return scoped
+
+    def lookup(self, namespace: str, hashes: list[bytes], prefetch: bool = False) -> LookupResult:
+        res = self.manager.lookup(self.ns(namespace), hashes, prefetch)
+        c = self.counters
+        c.lookups += 1
+        c.lookup_blocks += len(hashes)
+        c.lookup_matched += res.matched
+        if res.matched < len(hashes):
+            self._missed(namespace, hashes[res.matched])
+        return res
+
+    def begin_put(self, op: PutOpen) -> PutTxn:
+        return self.manager.begin_put(replace(op, namespace=self.ns(op.namespace)))
+
+    def get(
+        self,
+        namespace: str,
+        hashes: list[bytes],
+        promote: bool = True,
+        into: Sequence[memoryview] | None = None,
+        receiver_verifies: bool = False,
+    ) -> AsyncIterator[ReadLease]:
+        """TierManager.get in this tenant's scope (arguments checked now, before the first page)."""
+        try:
+            leases = self.manager.get(self.ns(namespace), hashes, promote, into, receiver_verifies)
+        except NamespaceNotFound:  # cold for this tenant: refused, and counted only if another tenant has it
+            if hashes:
+                self._missed(namespace, hashes[0])
+            raise
+        return self._counted(leases, namespace, hashes)
+
+    async def _counted(
+        self, leases: AsyncIterator[ReadLease], namespace: str, hashes: list[bytes]
+    ) -> AsyncIterator[ReadLease]:
+        served = 0
+        try:
+            async for lease in leases:
+                served += 1
+                yield lease
+        finally:
+            await leases.aclose()  # type: ignore[attr-defined]
+        # Only a Get that ran to its end counts (a caller may stop early, e.g. a full shm window).
+        self.counters.get_pages += len(hashes)
+        self.counters.get_served += served
+        if served < len(hashes):
+            self._missed(namespace, hashes[served])
+
+    def _missed(self, namespace: str, h: bytes) -> None:
+        """Count a miss on a page that another tenant holds. Every tenant known to the node is checked
+        whatever the result, so a cross-tenant miss takes as long as a cold one."""
+        table = self.manager.table
+        cross = False
+        for t in self.manager.tenants.known():
+            cross |= t != self.tenant and (scope(namespace, t), h) in table
+        if cross:
+            self.counters.cross_tenant_misses += 1
+
+    async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+        return await self.manager.report_corrupt(self.ns(namespace), hashes)
+
+    async def delete(self, namespace: str, hashes: list[bytes]) -> tuple[int, int, int]:
+        return await self.manager.delete(self.ns(namespace), hashes)
+
+    def pin(self, namespace: str, hashes: list[bytes], ttl_seconds: float = 0.0) -> tuple[int, int]:
+        return self.manager.pin(self.ns(namespace), hashes, ttl_seconds)
+
+    def unpin(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+        return self.manager.unpin(self.ns(namespace), hashes)
+
+    def prefetch(self, namespace: str, hashes: list[bytes], target: TierKind = TierKind.DRAM) -> tuple[int, int, int]:
+        return self.manager.prefetch(self.ns(namespace), hashes, target)
+
+    def layout_of(self, namespace: str, first: bytes | None = None) -> PageLayout:
+        """The namespace's layout. `first`: the hash a Get that asks this will start at, so a namespace cold
+        for this tenant is answered, and counted, exactly as that Get's refusal would be."""
+        try:
+            return self.manager.layout_of(self.ns(namespace))
+        except NamespaceNotFound:
+            if first is not None:
+                self._missed(namespace, first)
+            raise
+
+    def stats(self) -> NodeStats:
+        """The node's Stats as this tenant may see them: its own namespaces (as it names them) and its
+        own tenant row; the default tenant (the operator's) sees every tenant's row."""
+        stats = self.manager.stats()
+        stats.namespaces = [
+            (name, layout, n) for ns, layout, n in stats.namespaces for t, name in [split(ns)] if t == self.tenant
+        ]
+        if self.tenant != DEFAULT_TENANT:
+            stats.tenants = [t for t in stats.tenants if t.tenant == self.tenant]
+        return stats

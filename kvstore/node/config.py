@@ -1,0 +1,230 @@
+"""One typed node config, loaded from a TOML file, the environment and flags, in that order of
+precedence (flags win). Validated in __post_init__ so a bad value fails at start, naming the field.
+
+File (`--config FILE`): a `[node]` table with the field names below. Environment: `KVSTORE_<FIELD>`
+(upper case), e.g. `KVSTORE_DRAM_BYTES=8GiB`. Sizes accept plain bytes or suffixes K/M/G/T (powers of
+1000) and KiB/MiB/GiB/TiB (powers of 1024).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstore.pageformat import slot_bytes_for
+from kvstore.policy import POLICIES
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_SIZE_FIELDS = {
+    "dram_bytes",
+    "nvme_bytes",
+    "hbm_bytes",
+    "max_page_bytes",
+    "nvme_segment_bytes",
+    "scrub_bytes_per_second",
+    "shm_max_mapped_bytes",
+}
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from an int or a string like "64MiB", "2G", "4096"."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(value)
+    if not m:
+        raise ValueError(f"not a size: {value!r} (examples: 4096, 64MiB, 2G)")
+    num, unit = m.group(1), (m.group(2) or "").lower()
+    base = unit[0] if unit and unit != "b" else ""
+    mult = 1024 ** ("kmgt".index(base) + 1) if "i" in unit else _UNITS[base]
+    return int(float(num) * mult)
+
+
+@dataclass(slots=True)
+class NodeConfig:
+    """Everything a cache node needs to start. Invariants after construction: sizes are >= 0,
+    max_page_bytes > 0, an NVMe budget implies an NVMe path, and the policy name is known."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    node_id: str = field(default_factory=socket.gethostname)
+    dram_bytes: int = 1 << 30
+    nvme_path: str | None = None
+    nvme_bytes: int = 0
+    nvme_segment_bytes: int = 1 << 30
+    hbm_bytes: int = 0
+    max_page_bytes: int = 2 << 20
+    policy: str = "adaptive"  # see kvstore/policy/adaptive.py and benchmarks/RESULTS.md (trace_replay, issue 22)
+    io_threads: int = 4
+    max_pages_per_request: int = 4096
+    grace_seconds: float = 5.0
+    read_ahead_pages: int = 4  # pages a Get reads (NVMe I/O, promotion) ahead of the one it streams
+    alloc_wait_seconds: float = 5.0  # how long a write waits for space held by other in-flight streams
+    # The DRAM scrubber (kvstore/manager/scrub.py) re-verifies resident DRAM pages at this rate, since remote
+    # reads do not re-hash them (DESIGN.md §8). 64 MiB/s costs about 1% of a core; 0 turns it off.
+    scrub_bytes_per_second: int = 64 << 20
+    spill_on_shutdown: bool = True
+    spill_seconds: float = 30.0
+    log_level: str = "INFO"
+    redis_url: str | None = None  # cluster index; None runs the node standalone
+    advertise_addr: str | None = None  # host:port clients use to reach this node (default host:port)
+    index_ttl_seconds: float = 10.0  # heartbeat TTL: a node silent this long stops matching lookups
+    index_max_pending: int = 100_000  # queued index updates before a full resync
+    # Startup waits this long for the first index publish before reporting SERVING (and writing the
+    # ready file); past it the node serves anyway (Redis down must not keep local pages unreachable).
+    index_register_wait_seconds: float = 5.0
+    # Prometheus /metrics endpoint (kvstore/node/metrics.py): None = off, 0 = a free port (in the ready file).
+    metrics_port: int | None = None
+    metrics_host: str | None = None  # address to bind it to (default: host)
+    # Same-host plane (kvstore/wire/shm.py): pages cross through client memory (memfds passed over a Unix
+    # socket). local_socket: where the socket is (None: the runtime directory, one name per gRPC port; in
+    # Kubernetes a hostPath the workers' pods mount too). shm_max_mapped_bytes: client memory the node maps
+    # at most, all connections together (a registration past it is RESOURCE_EXHAUSTED).
+    shm_enabled: bool = True
+    local_socket: str | None = None
+    shm_max_mapped_bytes: int = 1 << 40
+    # Bulk TCP data plane (kvstore/wire/tcp): on by default on a free port, advertised in Stats and
+    # the index record, so clients on other hosts move pages over it instead of gRPC streams.
+    tcp_enabled: bool = True
+    tcp_port: int = 0  # 0: a free port (clients learn it by negotiation); set one for a firewall rule
+    tcp_timeout_seconds: float = 10.0  # a TCP plane connection stalled this long mid-handshake/frame is closed
+    tcp_max_connections: int = 1024
+    # UCX data plane (kvstore/wire/ucx): off by default. Turn it on where hosts have RDMA (InfiniBand,
+    # RoCE): over plain TCP, UCX is no faster than the TCP plane (benchmarks/RESULTS.md), and loading it
+    # costs ~1.3 s of node start. On: ucxx must be installed, or the node refuses to start.
+    ucx_enabled: bool = False
+    ucx_port: int = 0  # the UCX listener's port; 0 picks a free one (advertised in Stats and the index)
+    ucx_io_timeout_seconds: float = 30.0  # a UCX HELLO or transfer slower than this closes its connection
+    # The secured cache plane (kvstore/security.py): TLS, mutual TLS, bearer tokens (write / read-only).
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None  # set: clients must present a certificate this CA signed
+    auth_tokens_file: str | None = None  # tokens allowed every RPC, one per line
+    auth_read_tokens_file: str | None = None  # tokens allowed Lookup, Get, Prefetch, Stats only
+    # Tenants (kvstore/node/tenancy.py): TOML with a [tenants.NAME] table per tenant: its shares per tier
+    # (dram_bytes, nvme_bytes, hbm_bytes) and the mTLS subjects bound to it. Tokens name their tenant
+    # in the token files; without either, every caller is the default tenant (no change).
+    tenants_file: str | None = None
+    # KV events for routers (kvstore/node/kv_events.py): vLLM's KV-event format over ZMQ PUB; None = off.
+    kv_events_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5557 (a subscriber connects here)
+    kv_events_topic: str = "kv"  # topics are {kv_events_topic}@{node_id}@{namespace}
+    kv_events_hash_format: str = "bytes"  # "bytes": the 32-byte keys; "u64": their last 8 bytes, big-endian
+    kv_events_max_queue: int = 100_000  # changes waiting to be sent; beyond it they are dropped and counted
+    kv_events_encoding: str = "map"  # "map": vLLM 0.32's events; "array": the older array form (llm-d's decoder)
+
+    def __post_init__(self) -> None:
+        for name in _SIZE_FIELDS:
+            setattr(self, name, parse_size(getattr(self, name)))
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.max_page_bytes <= 0:
+            raise ValueError("max_page_bytes must be > 0")
+        if not 0 <= int(self.port) <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        self.port = int(self.port)
+        if self.nvme_bytes and not self.nvme_path:
+            raise ValueError("nvme_bytes > 0 needs nvme_path")
+        if self.policy.lower() not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.io_threads < 1 or self.max_pages_per_request < 1:
+            raise ValueError("io_threads and max_pages_per_request must be >= 1")
+        if self.index_ttl_seconds <= 0 or self.index_max_pending < 1 or self.index_register_wait_seconds < 0:
+            raise ValueError("index_ttl_seconds must be > 0, index_max_pending >= 1, index_register_wait_seconds >= 0")
+        if not 0 <= int(self.tcp_port) <= 65535:
+            raise ValueError(f"tcp_port must be in [0, 65535], got {self.tcp_port}")
+        if self.tcp_timeout_seconds <= 0 or self.tcp_max_connections < 1:
+            raise ValueError("tcp_timeout_seconds must be > 0 and tcp_max_connections >= 1")
+        if self.metrics_port is not None and not 0 <= int(self.metrics_port) <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        for name in (
+            "tls_cert_file",
+            "tls_key_file",
+            "tls_client_ca_file",
+            "auth_tokens_file",
+            "auth_read_tokens_file",
+            "tenants_file",
+        ):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file {path!r}")
+        if not 0 <= int(self.ucx_port) <= 65535:
+            raise ValueError(f"ucx_port must be in [0, 65535], got {self.ucx_port}")
+        if self.ucx_io_timeout_seconds <= 0:
+            raise ValueError("ucx_io_timeout_seconds must be > 0")
+        if self.read_ahead_pages < 0:
+            raise ValueError("read_ahead_pages must be >= 0")
+        if self.kv_events_endpoint is not None:
+            check_events_config(
+                self.kv_events_endpoint,
+                self.kv_events_hash_format,
+                self.kv_events_max_queue,
+                self.kv_events_topic,
+                self.kv_events_encoding,
+            )
+        if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
+            raise ValueError("nvme_segment_bytes must hold at least one slot")
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes per slot in every tier: a 4 KiB header block plus max_page_bytes, 4 KiB aligned."""
+        return slot_bytes_for(self.max_page_bytes)
+
+    @classmethod
+    def load(
+        cls, file: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None, **overrides: Any
+    ) -> NodeConfig:
+        """Merge file < environment < overrides (None overrides are ignored) into one config."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values: dict[str, Any] = {}
+        if file is not None:
+            data = tomllib.loads(Path(file).read_text())
+            table = data.get("node", data)
+            unknown = set(table) - names
+            if unknown:
+                raise ValueError(f"{file}: unknown config keys {sorted(unknown)}")
+            values.update(table)
+        env = os.environ if env is None else env
+        for name in names:
+            raw = env.get(f"KVSTORE_{name.upper()}")
+            if raw is not None:
+                values[name] = _coerce(cls, name, raw)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def check_events_config(endpoint: str, hash_format: str, max_queue: int, topic: str, encoding: str = "map") -> None:
+    """ValueError naming the kv_events_* field that is wrong."""
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")) or endpoint.endswith("://"):
+        raise ValueError(f"kv_events_endpoint: {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+    if hash_format not in ("bytes", "u64"):
+        raise ValueError(f"kv_events_hash_format must be 'bytes' or 'u64', got {hash_format!r}")
+    if int(max_queue) < 1:
+        raise ValueError(f"kv_events_max_queue must be >= 1, got {max_queue}")
+    if not topic or "@" in topic:
+        raise ValueError(f"kv_events_topic must be non-empty and without '@', got {topic!r}")
+    if encoding not in ("map", "array"):
+        raise ValueError(f"kv_events_encoding must be 'map' or 'array', got {encoding!r}")
+
+
+def _coerce(cls: type[NodeConfig], name: str, raw: str) -> Any:
+    """Turn an environment string into the field's type."""
+    if name in _SIZE_FIELDS:
+        return parse_size(raw)
+    kind = str({f.name: f.type for f in dataclasses.fields(cls)}[name]).removesuffix(" | None")
+    if kind == "bool":
+        return raw.strip().lower() in {"1", "true", "yes", "on"}
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    return raw

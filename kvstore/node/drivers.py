@@ -1,0 +1,130 @@
+"""The node side of Put and Get, written once for every data plane (gRPC streams, shm, TCP, UCX).
+
+A plane only moves bytes. For a Put it announces each page (`PageHead`: hash, size, declared checksum)
+and supplies `PagePlane.read_into` ("receive this page's bytes into this view") and `discard` ("receive
+and drop them"); for a Get it iterates the leases `open_get` hands it and sends each (header + payload).
+Everything else lives here: the transaction (begin_put -> add_page -> fill -> commit, or abort), who
+may promote, how many pages one call may ask for, and that nothing leaks when a call fails.
+
+Put invariants (every plane alike):
+- the transaction is opened by `begin()` (the plane resolves its caller and parses its opening there),
+  so a refused caller, a bad opening and a bad page fail in the same place with the same status;
+- a page's view is completely filled before the next page is added (PutTxn's contract), and released
+  before the transaction commits or aborts;
+- on failure the transaction is aborted (nothing of the call becomes visible); with `drain` (a plane
+  whose connection must stay in step, TCP) the rest of the request is consumed first and the failure is
+  raised after it, else it is raised at once;
+- `TransferStuck` from a plane (a receive that may still write after the plane gave up on it) leaks the
+  transaction instead of aborting it, so the slot the late bytes could land in is never reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
+from kvstore.manager.put import PutTxn
+from kvstore.manager.reads import ReadLease
+from kvstore.node.callers import Caller
+
+
+@dataclass(frozen=True, slots=True)
+class PageHead:
+    """A page a Put announces: its hash, its payload size and the checksum its sender declared (0: none)."""
+
+    hash: bytes
+    nbytes: int
+    checksum: int
+
+
+class TransferStuck(DataLoss):
+    """A plane could not make sure a receive into a page view has finished: the view must never be reused."""
+
+
+class PagePlane(Protocol):
+    """What a plane supplies to `drive_put`: the bytes of the page announced last."""
+
+    async def read_into(self, index: int, view: memoryview) -> None:
+        """Receive page `index`'s payload into `view` (exactly len(view) bytes)."""
+
+    async def discard(self, index: int, nbytes: int) -> None:
+        """Receive page `index`'s `nbytes` payload bytes and drop them (stored already, or refused)."""
+
+
+async def drive_put(
+    begin: Callable[[], PutTxn], pages: AsyncIterable[PageHead], plane: PagePlane, *, drain: bool
+) -> tuple[int, int]:
+    """Run one Put: (stored, already present). See the module docstring for the invariants."""
+    failure: KVStoreError | None = None
+    txn: PutTxn | None = None
+    stuck = False
+    try:
+        try:
+            txn = begin()
+        except KVStoreError as exc:
+            if not drain:
+                raise
+            failure = exc
+        index = 0
+        async for head in pages:
+            view = None
+            if failure is None and txn is not None:
+                try:
+                    view = await txn.add_page(head.hash, head.nbytes, head.checksum)
+                except KVStoreError as exc:
+                    if not drain:
+                        raise
+                    failure = exc
+                    txn.abort()
+            if view is None:  # stored already, not admitted anywhere, or refused: its bytes are dropped
+                await plane.discard(index, head.nbytes)
+            else:
+                try:
+                    await plane.read_into(index, view)
+                except TransferStuck:
+                    stuck = True
+                    raise
+                finally:
+                    if not stuck:
+                        view.release()
+            index += 1
+        if failure is None and txn is not None:
+            if index == 0:
+                raise InvalidArgument("pages", "a Put with no pages")
+            try:
+                return await txn.commit()
+            except KVStoreError as exc:
+                if not drain:
+                    raise
+                failure = exc
+        assert failure is not None
+        raise failure
+    finally:
+        if txn is not None and not txn.done and not stuck:
+            txn.abort()
+
+
+@contextlib.asynccontextmanager
+async def open_get(
+    caller: Caller,
+    namespace: str,
+    hashes: list[bytes],
+    promote: bool,
+    *,
+    into: Sequence[memoryview] | None = None,
+    receiver_verifies: bool,
+) -> AsyncIterator[AsyncIterator[ReadLease]]:
+    """The leases of one Get, in order, stopping at the first missing page; closed (every lease released)
+    when the block ends, however it ends. Promotes only for a caller that may move pages; with `into`,
+    page i is copied into into[i] in the pass that verifies it (the same-host plane). `receiver_verifies`:
+    the plane's receiver checks every page against its checksum (a client across a network plane), so the
+    node does not hash DRAM pages again (DESIGN.md §8); a plane whose receiver trusts the node says False.
+    The manager checks the arguments (namespace, at most max_pages_per_request hashes) first."""
+    leases = caller.view.get(namespace, hashes, promote and caller.may_move, into, receiver_verifies)
+    try:
+        yield leases
+    finally:
+        await leases.aclose()  # type: ignore[attr-defined]

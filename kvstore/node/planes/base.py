@@ -1,0 +1,40 @@
+"""The node side of a bulk data plane: a server the node starts beside gRPC and advertises.
+
+A plane server moves page bytes only: it resolves its caller with the node's one resolver
+(kvstore/node/callers.py: same tokens, roles and tenants as gRPC) before touching anything, and runs the
+node's put and get drivers (kvstore/node/drivers.py), so atomicity, verification, tiers and stats are
+those of every plane.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+from kvstore.node.callers import Callers
+from kvstore.node.config import NodeConfig
+from kvstore.stats import PlaneInfo
+
+
+@dataclass(slots=True)
+class NodeServices:
+    """What a plane server may use of its node: its caller resolver (which reaches the manager only in a
+    caller's tenant scope), its config, and the host part other machines reach it at."""
+
+    callers: Callers
+    config: NodeConfig
+    advertise_host: str
+    port: int  # the node's bound gRPC port
+
+
+class PlaneServer(abc.ABC):
+    """One data plane's listener. `start` binds and serves, returning what the node advertises;
+    `stop` closes the listener and every connection (bounded in time)."""
+
+    name: str
+
+    @abc.abstractmethod
+    async def start(self, services: NodeServices) -> PlaneInfo: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...

@@ -1,0 +1,284 @@
+"""The node's side of the TCP plane: a listener on the node's loop, one task per connection.
+
+Every PUT and GET runs the node's put and get drivers (kvstore/node/drivers.py): page bytes land in
+slot views (one copy, socket -> slot) and leave from leases (slot -> socket, no copy in between), so
+atomicity, verification, tiers and stats are those of every plane. Credentials are the node's bearer
+tokens, roles and tenants (kvstore/node/callers.py): the HELLO's token is checked before anything else,
+and again on every request, so a token removed from its file stops working on open connections too.
+
+Invariants: a connection never blocks the loop (every wait is a socket readiness wait); a connection
+that stalls mid-handshake or mid-frame for `tcp_timeout_seconds` is closed and what its request
+staged is freed; at most `tcp_max_connections` connections are served at once; per-connection
+memory is bounded (node_io.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import AsyncIterator
+
+from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
+from kvstore.manager.put import PutTxn
+from kvstore.node.callers import Caller
+from kvstore.node.drivers import PageHead, drive_put, open_get
+from kvstore.node.planes.base import NodeServices, PlaneServer
+from kvstore.node.planes.tcp_io import (
+    Channel,
+    ConnectionClosed,
+    PlainChannel,
+    TlsChannel,
+    listen_socket,
+    server_tls_context,
+    tune,
+)
+from kvstore.security import AUTH_HEADER, Role
+from kvstore.stats import PlaneInfo
+from kvstore.wire import tcp
+from kvstore.wire.tcp import FrameError, Header, Kind
+
+log = logging.getLogger(__name__)
+
+SOCKET_BUFFER_BYTES = 4 << 20  # kernel send/receive buffers per connection: a few MiB-pages in flight
+
+
+class TcpPlaneServer(PlaneServer):
+    """The TCP plane's listener. `start` binds `config.host:config.tcp_port` (0: a free port) and returns
+    the PlaneInfo the node advertises; `stop` lets in-flight requests finish for up to the node's
+    grace period, then closes every connection (their staged pages are freed)."""
+
+    name = "tcp"
+
+    def __init__(self) -> None:
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: dict[asyncio.Task[None], _Connection] = {}
+        self._closing = False
+
+    async def start(self, services: NodeServices) -> PlaneInfo:
+        cfg = services.config
+        self.services = services
+        self.tls = (
+            server_tls_context(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            if cfg.tls_cert_file and cfg.tls_key_file
+            else None
+        )
+        self.meta_limit = tcp.get_meta_limit(cfg.max_pages_per_request)
+        self._listener = listen_socket(cfg.host, cfg.tcp_port)
+        port = self._listener.getsockname()[1]
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        host = services.advertise_host
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info(
+            "TCP data plane on %s:%d (advertised %s, TLS %s)", cfg.host, port, address, "on" if self.tls else "off"
+        )
+        return PlaneInfo("tcp", address, self.tls is not None)
+
+    @property
+    def port(self) -> int:
+        return self._listener.getsockname()[1] if self._listener is not None else 0
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._listener is not None:
+            self._listener.close()
+        for task, conn in list(self._conns.items()):
+            if not conn.busy:
+                task.cancel()
+        if self._conns:
+            await asyncio.wait(list(self._conns), timeout=self.services.config.grace_seconds)
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.wait(list(self._conns), timeout=5.0)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and the like: keep serving the connections we have
+                log.warning("TCP plane: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            tune(sock, SOCKET_BUFFER_BYTES)
+            conn = _Connection(self, sock)
+            task = loop.create_task(conn.serve())
+            self._conns[task] = conn
+            task.add_done_callback(self._conns.pop)
+
+
+class _Connection:
+    """One client connection: handshake, then requests one at a time until EOF, an error or stop."""
+
+    def __init__(self, server: TcpPlaneServer, sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        self.cfg = server.services.config
+        self.timeout = self.cfg.tcp_timeout_seconds
+        self.token = ""
+        self.cert_names: list[str] = []  # of the client's certificate (mutual TLS), for tenant binding
+        self.busy = False
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        chan: Channel | None = None
+        try:
+            async with asyncio.timeout(self.timeout):
+                if self.server.tls is not None:
+                    tls = TlsChannel(loop, self.sock, self.server.tls)
+                    chan = tls
+                    await tls.handshake()
+                    self.cert_names = tls.cert_names()
+                else:
+                    chan = PlainChannel(loop, self.sock)
+                if len(self.server._conns) > self.cfg.tcp_max_connections:
+                    raise Unavailable(
+                        f"this node serves at most {self.cfg.tcp_max_connections} TCP plane "
+                        "connections; retry later or use gRPC"
+                    )
+                await self._hello(chan)
+            while not self.server._closing:
+                head = await chan.read_header(meta_limit=self.server.meta_limit, body_limit=self.cfg.max_page_bytes)
+                if head is None:
+                    return
+                self.busy = True
+                try:
+                    await self._request(chan, head)
+                finally:
+                    self.busy = False
+        except FrameError as exc:
+            await self._last_word(chan, exc)
+        except (Unauthenticated, Unavailable) as exc:
+            await self._last_word(chan, exc)
+        except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
+            log.debug("TCP plane connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:
+            log.exception("TCP plane connection failed unexpectedly")
+            await self._last_word(chan, exc)
+        finally:
+            if chan is not None:
+                chan.close()
+            else:
+                self.sock.close()
+
+    async def _last_word(self, chan: Channel | None, exc: BaseException) -> None:
+        """Best effort: tell the client why before closing (bounded; it may not be reading)."""
+        if chan is None:
+            return
+        status = exc.status_name if isinstance(exc, KVStoreError) else "INTERNAL"
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(1.0):
+                await chan.send(tcp.error(status, str(exc)))
+
+    async def _hello(self, chan: Channel) -> None:
+        head = await chan.read_header(meta_limit=tcp.MAX_TOKEN_BYTES, body_limit=0)
+        if head is None:
+            raise ConnectionClosed("closed before HELLO")
+        if head.kind is not Kind.HELLO:
+            raise FrameError("frame.kind", f"a connection starts with HELLO, got {head.kind.name}")
+        meta = await chan.read(head.meta_len)
+        try:
+            self.token = meta.decode()
+        except UnicodeDecodeError:
+            raise Unauthenticated("the token is not valid UTF-8") from None
+        auth = self.server.services.callers.auth
+        role = Role.WRITE if auth is None else auth.role_of(self._metadata())
+        await chan.send(tcp.welcome(int(role), self.cfg.max_page_bytes, self.cfg.max_pages_per_request))
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
+
+    def _caller(self, method: str) -> Caller:
+        """The caller of this request (its token is checked again on every request, so a token removed
+        from its file stops working on open connections too), bound to its certificate's tenant."""
+        return self.server.services.callers.authenticate(method, self._metadata(), self.cert_names)
+
+    async def _request(self, chan: Channel, head: Header) -> None:
+        async with asyncio.timeout(self.timeout):
+            meta = await chan.read(head.meta_len)
+        if head.kind is Kind.PUT:
+            await self._put(chan, meta)
+        elif head.kind is Kind.GET:
+            try:
+                await self._get(chan, meta)
+            except (FrameError, ConnectionError, TimeoutError):
+                raise
+            except KVStoreError as exc:
+                await chan.send(tcp.error(exc.status_name, str(exc)))
+        else:
+            raise FrameError("frame.kind", f"a request starts with PUT or GET, got {head.kind.name}")
+
+    async def _put(self, chan: Channel, meta: bytearray) -> None:
+        """The put driver over this connection. A refused request is consumed whole (its page count is
+        read first, then every PAGE frame, bounded by that count and the page size) and answered ERROR,
+        so the connection stays in step."""
+        npages = tcp.put_npages(meta, self.cfg.max_pages_per_request)
+        pages = _FramePages(self, chan, npages)
+
+        def begin() -> PutTxn:
+            caller = self._caller("Put")
+            return caller.view.begin_put(tcp.parse_put(meta))
+
+        try:
+            stored, present = await drive_put(begin, pages.heads(), pages, drain=True)
+        except (FrameError, ConnectionError, TimeoutError):
+            raise
+        except KVStoreError as exc:
+            await chan.send(tcp.error(exc.status_name, str(exc)))
+            return
+        await chan.send(tcp.done(stored, present))
+
+    async def _get(self, chan: Channel, meta: bytearray) -> None:
+        """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""
+        namespace, hashes, promote = tcp.parse_get(meta)
+        sent = 0
+        async with open_get(self._caller("Get"), namespace, hashes, promote, receiver_verifies=True) as leases:
+            async for lease in leases:
+                payload = lease.payload
+                async with asyncio.timeout(self.timeout):
+                    await chan.send(tcp.page_header(lease.hash, lease.checksum, len(payload), lease.tier), payload)
+                sent += 1
+        await chan.send(tcp.done(sent, 0))
+
+
+class _FramePages:
+    """A PUT's PAGE frames, as the put driver reads them: each frame's header (with its page's hash and
+    declared checksum), then its body into a slot view or dropped. Every wait is bounded by the node's
+    `tcp_timeout_seconds`."""
+
+    def __init__(self, conn: _Connection, chan: Channel, npages: int) -> None:
+        self.conn = conn
+        self.chan = chan
+        self.npages = npages
+
+    async def heads(self) -> AsyncIterator[PageHead]:
+        conn, chan = self.conn, self.chan
+        for _ in range(self.npages):
+            async with asyncio.timeout(conn.timeout):
+                head = await chan.read_header(meta_limit=conn.server.meta_limit, body_limit=conn.cfg.max_page_bytes)
+                if head is None:
+                    raise ConnectionClosed("connection closed before the PUT's last page")
+                if head.kind is not Kind.PAGE:
+                    raise FrameError("frame.kind", f"expected the PUT's next PAGE, got {head.kind.name}")
+                h, checksum, _ = tcp.parse_page(await chan.read(head.meta_len))
+            yield PageHead(h, head.body_len, checksum)
+
+    async def read_into(self, index: int, view: memoryview) -> None:
+        async with asyncio.timeout(self.conn.timeout):
+            await self.chan.readinto(view)
+
+    async def discard(self, index: int, nbytes: int) -> None:
+        async with asyncio.timeout(self.conn.timeout):
+            await self.chan.discard(nbytes)

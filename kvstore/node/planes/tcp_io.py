@@ -1,0 +1,222 @@
+"""The node's end of one TCP plane connection on its asyncio loop: exact reads into caller views, sends
+of caller buffers, plain or TLS. Never blocks the loop: every wait is a readiness wait on the socket.
+
+NOTE (why asyncio on raw non-blocking sockets, not asyncio streams nor a thread per connection):
+`benchmarks/tcp_server_models.py` serves the same Get work both ways; on the 2-core dev VM the two
+models moved pages at the same rate within run-to-run noise (benchmarks/RESULTS.md, "TCP plane").
+So the simpler invariants decide: the TierManager stays single-threaded (a thread per connection
+would hop to the loop for every lease and every PutTxn page), and a stalled client costs a socket,
+not a thread. asyncio's StreamReader would copy every byte into its buffer and again into bytes,
+and its transports copy what a send leaves over; `loop.sock_recv_into` and `sendmsg` move page bytes
+between the kernel and a slot with no copy in between, with the GIL released in the system call.
+
+Memory per connection is bounded: a STAGING_BYTES buffer for headers and small metadata, the
+metadata of one frame (bounded by the node's limits), and, under TLS, the encrypted bytes of at most
+one page in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+
+from kvstore.names import Buffer
+from kvstore.wire.tcp import HEADER_BYTES, Header, unpack_header
+
+STAGING_BYTES = 64 << 10  # headers and small reads go through this; larger reads land in place
+TLS_RECORD_READ = 256 << 10  # encrypted bytes read per system call under TLS
+
+
+class ConnectionClosed(ConnectionError):
+    """The peer closed the connection (EOF) before the bytes a frame announced arrived."""
+
+
+class Channel:
+    """Buffered exact reads and whole sends over one connection. Subclasses move raw bytes."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+        self.loop = loop
+        self.sock = sock
+        self._buf = bytearray(STAGING_BYTES)
+        self._view = memoryview(self._buf)
+        self._lo = self._hi = 0  # buffered bytes are _buf[_lo:_hi]
+
+    async def _recv_into(self, view: memoryview) -> int:
+        """Receive at least one byte into `view` (0 at EOF)."""
+        raise NotImplementedError
+
+    async def send(self, *parts: Buffer) -> None:
+        """Send every byte of `parts`, in order; returns once the kernel has them all."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._view.release()
+        self.sock.close()
+
+    def cert_names(self) -> list[str]:
+        """Names of the peer's verified certificate (common name, DNS names); none without mutual TLS."""
+        return []
+
+    async def readinto(self, dst: memoryview) -> None:
+        """Fill `dst` exactly: buffered bytes first, then large remainders straight from the socket."""
+        n = len(dst)
+        got = min(n, self._hi - self._lo)
+        if got:
+            dst[:got] = self._view[self._lo : self._lo + got]
+            self._lo += got
+        while got < n:
+            if n - got >= STAGING_BYTES:
+                k = await self._recv_into(dst[got:])
+                if not k:
+                    raise ConnectionClosed(f"connection closed {n - got} bytes short of a frame")
+                got += k
+                continue
+            await self._fill()
+            take = min(n - got, self._hi - self._lo)
+            dst[got : got + take] = self._view[self._lo : self._lo + take]
+            self._lo += take
+            got += take
+
+    async def read(self, n: int) -> bytearray:
+        out = bytearray(n)
+        if n:
+            await self.readinto(memoryview(out))
+        return out
+
+    async def read_header(self, *, meta_limit: int, body_limit: int) -> Header | None:
+        """The next frame's header, checked against the limits; None on a clean EOF between frames."""
+        if self._hi == self._lo and not await self._fill(eof_ok=True):
+            return None
+        raw = await self.read(HEADER_BYTES)
+        return unpack_header(raw, meta_limit=meta_limit, body_limit=body_limit)
+
+    async def discard(self, n: int) -> None:
+        """Read and drop `n` bytes (the rest of a refused request), through the staging buffer."""
+        while n:
+            if self._hi == self._lo:
+                await self._fill()
+            take = min(n, self._hi - self._lo)
+            self._lo += take
+            n -= take
+
+    async def _fill(self, eof_ok: bool = False) -> bool:
+        """Receive into the empty staging buffer; False at EOF when eof_ok, else ConnectionClosed."""
+        if self._lo == self._hi:
+            self._lo = self._hi = 0
+        k = await self._recv_into(self._view[self._hi :])
+        if not k:
+            if eof_ok:
+                return False
+            raise ConnectionClosed("connection closed in the middle of a frame")
+        self._hi += k
+        return True
+
+
+class PlainChannel(Channel):
+    async def _recv_into(self, view: memoryview) -> int:
+        return await self.loop.sock_recv_into(self.sock, view)
+
+    async def send(self, *parts: Buffer) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        try:  # one system call for a header and its payload in the common case
+            sent = self.sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        for v in views:
+            if sent >= len(v):
+                sent -= len(v)
+                continue
+            await self.loop.sock_sendall(self.sock, v[sent:])
+            sent = 0
+
+
+class TlsChannel(Channel):
+    """TLS over the same non-blocking socket through an SSLObject and memory BIOs: decrypted bytes go
+    straight into the caller's view; encrypted bytes cross the socket in TLS_RECORD_READ pieces."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sock: socket.socket, ctx: ssl.SSLContext) -> None:
+        super().__init__(loop, sock)
+        self._in = ssl.MemoryBIO()
+        self._out = ssl.MemoryBIO()
+        self._tls = ctx.wrap_bio(self._in, self._out, server_side=True)
+
+    def cert_names(self) -> list[str]:
+        cert = self._tls.getpeercert() or {}
+        names = [v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"]
+        return names + [v for k, v in cert.get("subjectAltName", ()) if k == "DNS"]
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self._tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush()
+                if not await self._feed():
+                    raise ConnectionClosed("connection closed during the TLS handshake") from None
+        await self._flush()
+
+    async def _feed(self) -> bool:
+        data = await self.loop.sock_recv(self.sock, TLS_RECORD_READ)
+        if not data:
+            return False
+        self._in.write(data)
+        return True
+
+    async def _flush(self) -> None:
+        data = self._out.read()
+        if data:
+            await self.loop.sock_sendall(self.sock, data)
+
+    async def _recv_into(self, view: memoryview) -> int:
+        while True:
+            try:
+                return self._tls.read(len(view), view)
+            except ssl.SSLWantReadError:
+                if not await self._feed():
+                    return 0
+            except ssl.SSLZeroReturnError:
+                return 0
+
+    async def send(self, *parts: Buffer) -> None:
+        for p in parts:
+            self._tls.write(p)
+            await self._flush()
+
+
+def tune(sock: socket.socket, buffer_bytes: int) -> None:
+    """TCP_NODELAY (a frame is sent whole, never held back for the next one) and, when asked, larger
+    kernel buffers than the autotuned start (several pages in flight)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if buffer_bytes:
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+
+
+def listen_socket(host: str, port: int, backlog: int = 128) -> socket.socket:
+    """A non-blocking listening socket on host:port (0: a free port), IPv4 or IPv6 as the host says."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def server_tls_context(cert_file: str, key_file: str, client_ca_file: str | None) -> ssl.SSLContext:
+    """The node's TLS context: its certificate; with a client CA, clients must present one it signed."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    if client_ca_file:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(client_ca_file)
+    return ctx

@@ -1,0 +1,222 @@
+"""The cache node: its manager, its gRPC server and data planes, its index link, and its lifecycle.
+
+`Node.start()` recovers the persistent tier, serves kvstore.v1.KVStore (kvstore/node/servicer.py) beside
+grpc health and reflection, starts the data planes its config turns on (kvstore/node/planes/) and joins
+the Redis index. SIGTERM/SIGINT (`serve`): health goes NOT_SERVING, in-flight RPCs get `grace_seconds`,
+then the manager spills DRAM pages to NVMe (bounded) and closes, so a restart on the same --nvme-path is
+warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvstore.addresses import host_id
+from kvstore.index.publisher import IndexPublisher
+from kvstore.manager import TierManager
+from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.node.callers import Callers
+from kvstore.node.config import NodeConfig
+from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
+from kvstore.node.kv_events import KvEventPublisher
+from kvstore.node.kv_events import start_for_node as start_kv_events
+from kvstore.node.limits import MAX_RECEIVE_BYTES
+from kvstore.node.metrics import NodeMetrics
+from kvstore.node.planes.base import NodeServices, PlaneServer
+from kvstore.node.planes.shm import ShmPlaneServer
+from kvstore.node.planes.tcp import TcpPlaneServer
+from kvstore.node.servicer import KVStoreServicer
+from kvstore.node.tenancy import TenantBinder, load_tenants_file, share_slots
+from kvstore.security import TokenAuthenticator, redact_url, server_credentials
+from kvstore.stats import PlaneInfo, planes_to_json
+from kvstore.wire import MAX_MESSAGE_BYTES
+from kvstore.wire.shm import shm_available
+from kvstore.wire.ucx import ucxx_installed
+
+log = logging.getLogger(__name__)
+
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the largest request a method accepts
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class Node:
+    """A running cache node: manager + gRPC server. `start()`, then `wait()` or `stop()`."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        tenants = load_tenants_file(config.tenants_file) if config.tenants_file else {}
+        self.manager = TierManager(config, shares=share_slots(tenants, config.slot_bytes))
+        auth = None
+        if config.auth_tokens_file or config.auth_read_tokens_file:
+            auth = TokenAuthenticator(config.auth_tokens_file, config.auth_read_tokens_file)
+        binder = TenantBinder(tenants) if any(t.mtls_subjects for t in tenants.values()) else None
+        self.callers = Callers(self.manager, auth, binder)
+        self.interceptor = ErrorInterceptor(self.callers)
+        self.server = grpc.aio.server(interceptors=[self.interceptor], options=GRPC_OPTIONS)
+        self.metrics: NodeMetrics | None = None
+        self.metrics_port: int | None = None  # bound /metrics port once started
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self.index: IndexPublisher | None = None
+        self.kv_events: KvEventPublisher | None = None  # the KV-event feed for routers, when configured
+        self.planes: list[PlaneInfo] = []  # what Stats and the index advertise, filled as planes start
+        self.plane_servers: list[PlaneServer] = build_plane_servers(config)
+        self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
+        self._stopped = asyncio.Event()
+
+    async def start(self) -> int:
+        await self.manager.start()
+        if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
+            self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
+        self.server.add_generic_rpc_handlers((self.servicer.handlers(),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if self.callers.auth is None:  # reflection has no auth hook: served only on an open node
+            reflection.enable_server_reflection(
+                [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+                self.server,
+            )
+        bind = f"{self.config.host}:{self.config.port}"
+        cfg = self.config
+        if cfg.tls_cert_file and cfg.tls_key_file:
+            creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+            self.port = self.server.add_secure_port(bind, creds)
+        else:
+            self.port = self.server.add_insecure_port(bind)
+        if self.port == 0:
+            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
+        if self.config.metrics_port is not None:
+            self.metrics = NodeMetrics(self.config.node_id, self.manager.stats, asyncio.get_running_loop())
+            self.metrics_port = self.metrics.start(
+                self.config.metrics_host or self.config.host, self.config.metrics_port
+            )
+            self.interceptor.observe = self.metrics.observe_rpc
+        await self.server.start()
+        services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0], self.port)
+        for plane in self.plane_servers:
+            self.planes.append(await plane.start(services))
+        if self.config.redis_url:
+            self.index = IndexPublisher(
+                self.config.redis_url,
+                self.config.node_id,
+                self.advertise_addr,
+                self.manager.holdings,
+                self._index_info,
+                ttl_seconds=self.config.index_ttl_seconds,
+                max_pending=self.config.index_max_pending,
+            )
+            self.manager.listen(self.index.note)
+            self.manager.index_status = self.index.status
+            await self.index.start()
+            wait = self.config.index_register_wait_seconds
+            if not await self.index.wait_registered(wait):
+                log.warning(
+                    "index at %s not reachable within %.1fs: serving local pages only until it is",
+                    redact_url(self.config.redis_url),
+                    wait,
+                )
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "kvstore node %s serving on %s:%d (recovered %d NVMe page(s)); metrics: %s",
+            self.config.node_id,
+            self.config.host,
+            self.port,
+            self.manager.recovered_pages,
+            f"http://{self.config.metrics_host or self.config.host}:{self.metrics_port}/metrics"
+            if self.metrics_port is not None
+            else "off",
+        )
+        return self.port
+
+    async def stop(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        log.info("shutting down: draining for up to %.1fs", self.config.grace_seconds)
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self.config.grace_seconds)
+        for plane in self.plane_servers:
+            await plane.stop()
+        if self.index is not None:
+            self.manager.unlisten(self.index.note)
+            await self.index.close(deregister=True)
+        if self.kv_events is not None:
+            self.manager.unlisten(self.kv_events.note)
+            await asyncio.to_thread(self.kv_events.close)  # sends the final clears (bounded)
+        await self.manager.close()
+        if self.metrics is not None:
+            # The scrape thread asks this loop for snapshots: stop it from a worker thread.
+            await asyncio.to_thread(self.metrics.close)
+        log.info("stopped")
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+    def _index_info(self) -> dict[str, int | str]:
+        """The node's record in the index: occupancy, and the planes it serves (as Stats has them)."""
+        info: dict[str, int | str] = {
+            **self.manager.occupancy(),
+            "host_id": host_id(),
+            "planes": planes_to_json(self.planes),
+        }
+        if self.metrics_port is not None:  # where kvctl top finds this node's /metrics
+            info["metrics_addr"] = f"{self.advertise_addr.rsplit(':', 1)[0]}:{self.metrics_port}"
+        return info
+
+    @property
+    def advertise_addr(self) -> str:
+        """host:port other machines use to reach this node."""
+        if self.config.advertise_addr:
+            return self.config.advertise_addr
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return f"{host}:{self.port}"
+
+
+async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
+    """Run a node until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
+    tune_malloc_for_bulk_io()
+    node = Node(config)
+    await node.start()
+    loop = asyncio.get_running_loop()
+    stop_task: list[asyncio.Task[None]] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: stop_task.append(loop.create_task(node.stop())))
+    if ready_file:
+        tmp = Path(f"{ready_file}.tmp")
+        tmp.write_text(
+            json.dumps({"port": node.port, "pid": os.getpid(), "host": config.host, "metrics_port": node.metrics_port})
+        )
+        os.replace(tmp, ready_file)
+    await node.wait()
+    await asyncio.gather(*stop_task)
+
+
+def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:
+    """The plane servers this node's config turns on (gRPC streams are always served, by the servicer)."""
+    servers: list[PlaneServer] = []
+    if config.shm_enabled and shm_available():
+        servers.append(ShmPlaneServer(config.local_socket))
+    if config.tcp_enabled:
+        servers.append(TcpPlaneServer())
+    if config.ucx_enabled:
+        if not ucxx_installed():
+            raise ValueError("ucx_enabled: the UCX data plane needs ucxx (pip install 'kvstore[ucx]')")
+        from kvstore.node.planes.ucx import UcxPlaneServer  # imports ucxx lazily, in start()
+
+        servers.append(UcxPlaneServer(config.ucx_port, config.ucx_io_timeout_seconds))
+    return servers

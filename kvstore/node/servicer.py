@@ -1,0 +1,120 @@
+"""The node's gRPC API (kvstore.v1.KVStore): each method turns its request into a call on the caller's
+tenant view, and its result into a response.
+
+Handlers just raise: the interceptor (kvstore/node/interceptor.py) authenticates every call before its
+request is read, hands the handler its caller (kvstore/node/callers.py) and maps every exception to its
+status code. Values are validated by the manager; Put and Get run the node's one put and get drivers
+(kvstore/node/drivers.py), like every other data plane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.addresses import host_id
+from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.names import TierKind
+from kvstore.node.callers import current
+from kvstore.node.drivers import drive_put, open_get
+from kvstore.node.interceptor import SERVICE_NAME
+from kvstore.node.limits import bounded
+from kvstore.node.planes.streams import PutStream
+from kvstore.stats import PlaneInfo
+from kvstore.wire import MAX_HASHES
+from kvstore.wire.streams import get_responses, stats_to_pb, tier_from_pb
+
+
+class KVStoreServicer:
+    """kvstore.v1.KVStore on one node. `planes` is what Stats advertises (filled as planes start)."""
+
+    def __init__(self, max_pages: int, planes: list[PlaneInfo]) -> None:
+        self.max_pages = max_pages  # pages one Get may ask for
+        self.planes = planes
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        caller = current()
+        if request.prefetch and not caller.may_move:
+            raise PermissionDenied("Lookup with prefetch moves pages between tiers: it needs a read-write token")
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        res = caller.view.lookup(request.namespace, hashes, prefetch=request.prefetch)
+        tiers = [int(t) for t in res.tiers]
+        return pb.LookupResponse(matched_blocks=res.matched, tiers=tiers, namespace_known=res.namespace_known)
+
+    async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
+        """Requests arrive serialized (see `handlers`): chunks are copied once, into their slot."""
+        caller = current()
+        stream = PutStream(request_iterator)
+        op = await stream.open()
+        stored, present = await drive_put(lambda: caller.view.begin_put(op), stream.heads(), stream, drain=False)
+        return pb.PutResponse(stored=stored, already_present=present)
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Responses leave serialized (see `handlers`): each chunk is copied once, from its slot."""
+        hashes = bounded(request.hashes, self.max_pages, "hashes")
+        caller = current()
+        async with open_get(
+            caller, request.namespace, hashes, not request.no_promote, receiver_verifies=True
+        ) as leases:
+            async for lease in leases:
+                for msg in get_responses(lease.hash, lease.tier, lease.checksum, lease.payload):
+                    yield msg
+
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        deleted, not_found, busy = await current().view.delete(request.namespace, hashes)
+        return pb.DeleteResponse(deleted=deleted, not_found=not_found, busy=busy)
+
+    async def Pin(self, request: pb.PinRequest, context: grpc.aio.ServicerContext) -> pb.PinResponse:
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        pinned, not_found = current().view.pin(request.namespace, hashes, request.ttl_seconds)
+        return pb.PinResponse(pinned=pinned, not_found=not_found)
+
+    async def Unpin(self, request: pb.UnpinRequest, context: grpc.aio.ServicerContext) -> pb.UnpinResponse:
+        unpinned, not_pinned = current().view.unpin(request.namespace, bounded(request.hashes, MAX_HASHES, "hashes"))
+        return pb.UnpinResponse(unpinned=unpinned, not_pinned=not_pinned)
+
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+        target = tier_from_pb(request.target_tier)
+        if target is TierKind.NVME:
+            raise InvalidArgument("target_tier", "prefetch promotes toward DRAM or HBM, not NVMe")
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        scheduled, resident, missing = current().view.prefetch(request.namespace, hashes, target)
+        return pb.PrefetchResponse(scheduled=scheduled, already_resident=resident, missing=missing)
+
+    async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext) -> pb.ReportResponse:
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        dropped, intact = await current().view.report_corrupt(request.namespace, hashes)
+        return pb.ReportResponse(dropped=dropped, intact=intact)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        stats = current().view.stats()
+        stats.planes = list(self.planes)
+        stats.host_id = host_id()
+        return stats_to_pb(stats)
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        """The service's method handlers. Same wire format as the generated ones, except that Put
+        requests reach the servicer still serialized and Get responses leave already serialized, so
+        bulk bytes skip protobuf's extra copy (kvstore.wire.streams.frame_chunk / parse_put_request)."""
+        unary = {
+            "Lookup": (self.Lookup, pb.LookupRequest, pb.LookupResponse),
+            "Delete": (self.Delete, pb.DeleteRequest, pb.DeleteResponse),
+            "Pin": (self.Pin, pb.PinRequest, pb.PinResponse),
+            "Unpin": (self.Unpin, pb.UnpinRequest, pb.UnpinResponse),
+            "Prefetch": (self.Prefetch, pb.PrefetchRequest, pb.PrefetchResponse),
+            "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
+            "Report": (self.Report, pb.ReportRequest, pb.ReportResponse),
+        }
+        # NOTE: the deserializers are not run by gRPC: the interceptor takes each request as raw bytes and
+        # parses it after the token check and the method's size limit (kvstore/node/limits.py), so
+        # undecodable bytes are INVALID_ARGUMENT naming the request (gRPC itself would answer UNKNOWN).
+        methods = {
+            name: grpc.unary_unary_rpc_method_handler(fn, req.FromString, resp.SerializeToString)
+            for name, (fn, req, resp) in unary.items()
+        }
+        methods["Put"] = grpc.stream_unary_rpc_method_handler(self.Put, None, pb.PutResponse.SerializeToString)
+        methods["Get"] = grpc.unary_stream_rpc_method_handler(self.Get, pb.GetRequest.FromString, None)
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, methods)

@@ -1,0 +1,46 @@
+"""What both sides of the wire agree on: limits, the typed Put opening, and each plane's protocol.
+
+    streams.py       gRPC: proto <-> kvstore types, Put and Get stream framing (both directions)
+    tcp.py           the bulk TCP plane's frame format (v1)
+    ucx.py           the UCX plane's control messages, tags and addresses
+    ucx_progress.py  waiting on UCX requests, blocking (client) or on the node's event loop
+    shm.py           the same-host shared-memory plane: segment header, names, nonce
+
+Pure (no sockets, no files) except where a module says so. The client side of each plane lives in
+kvstore/client/planes/, the node side in kvstore/node/planes/; both import from here, never each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvstore.layout import PageLayout
+from kvstore.names import TierKind
+
+MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch call
+CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
+MAX_MESSAGE_BYTES = 8 << 20  # a gRPC chunk + framing, with room to spare; channels and the server set this
+
+
+@dataclass(frozen=True, slots=True)
+class PutOpen:
+    """What opens a Put on every plane (the typed form of the proto's PutOpen).
+
+    `target`: the tier new pages should land in (None: the node's default). With `chain`, page i's chain
+    parent is page i-1 and the first page's is `parent` (prefix-aware policies evict a chain's tail before
+    its head); without it pages carry no parent and `parent` is ignored.
+    """
+
+    namespace: str
+    layout: PageLayout
+    target: TierKind | None = None
+    parent: bytes | None = None
+    chain: bool = False
+
+    def batch(self, hashes: Sequence[bytes], start: int) -> PutOpen:
+        """The opening of the batch of `hashes` that starts at index `start`: its first page's parent is
+        the page before it in the chain (for `start` 0, this opening's own parent)."""
+        if not self.chain:
+            return self if self.parent is None else replace(self, parent=None)
+        return self if start == 0 else replace(self, parent=hashes[start - 1])

@@ -1,0 +1,443 @@
+"""Conversions between the proto messages and kvstore's own types, shared by server and clients.
+
+Pure: builds and parses messages, never touches a channel. The streaming framing of Put and Get lives
+here once, both directions: `put_requests` (client) and `PutParser` (node) for Put streams,
+`get_responses` (node) and `GetAssembler` (client) for Get streams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
+
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
+from kvstore.layout import DType, PageEncoding, PageLayout
+from kvstore.names import Buffer, TierKind
+from kvstore.pageformat import payload_checksum
+from kvstore.security import redact_url
+from kvstore.stats import IndexStatus, KvEventsStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
+from kvstore.wire import CHUNK_BYTES, PutOpen
+
+M = TypeVar("M", bound=Message)
+
+# Bulk chunks skip protobuf objects on both ends. A message holding only the `chunk` field is, on the
+# wire, one tag byte, a varint length, then the bytes; building it with one join copies the payload
+# once (straight from a slot), and parsing it yields a zero-copy view of the received message.
+# Anything else (headers, malformed or merged messages) goes through protobuf as usual, so the wire
+# format is exactly the proto's and any gRPC client interoperates.
+PUT_CHUNK_TAG = 0x1A  # PutRequest.chunk: field 3, wire type 2
+GET_CHUNK_TAG = 0x12  # GetResponse.chunk: field 2, wire type 2
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def frame_chunk(tag: int, data: Buffer) -> bytes:
+    """The serialized message whose only field is a chunk: one copy of data."""
+    return b"".join((bytes((tag,)), _varint(len(data)), data))
+
+
+def chunk_view(tag: int, msg: bytes) -> memoryview | None:
+    """A view of the chunk if msg is exactly one chunk field with this tag, else None."""
+    if not msg or msg[0] != tag:
+        return None
+    n = shift = 0
+    pos = 1
+    for pos in range(1, min(len(msg), 11)):  # a varint has at most 10 bytes
+        b = msg[pos]
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            break
+    else:
+        return None
+    start = pos + 1
+    if start + n != len(msg):
+        return None
+    return memoryview(msg)[start:]
+
+
+def parse_put_request(msg: bytes) -> tuple[str, object]:
+    """(kind, value) of a serialized PutRequest: ("chunk", memoryview) on the fast path, else the
+    oneof name and its protobuf value ("open"/"page"/"chunk"/None)."""
+    view = chunk_view(PUT_CHUNK_TAG, msg)
+    if view is not None:
+        return "chunk", view
+    try:
+        req = pb.PutRequest.FromString(msg)
+    except DecodeError:
+        raise InvalidArgument("msg", "PutRequest does not parse as kvstore.v1.PutRequest") from None
+    kind = req.WhichOneof("msg")
+    return kind or "", getattr(req, kind) if kind else None
+
+
+def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
+    return pb.PageLayout(
+        dtype=int(layout.dtype),
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+        encoding=int(layout.encoding),
+    )
+
+
+def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout:
+    if msg.dtype == pb.DTYPE_UNSPECIFIED:
+        raise InvalidArgument(f"{field}.dtype", "must be set")
+    try:
+        encoding = PageEncoding(msg.encoding)
+    except ValueError:
+        raise InvalidArgument(f"{field}.encoding", f"unknown page encoding {msg.encoding}") from None
+    try:
+        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, encoding)
+    except ValueError as exc:
+        raise InvalidArgument(field, str(exc)) from None
+
+
+def tier_from_pb(value: int, default: TierKind = TierKind.DRAM, field: str = "target_tier") -> TierKind:
+    """The tier a message names; an unknown value is InvalidArgument naming `field`."""
+    if value == pb.TIER_UNSPECIFIED:
+        return default
+    try:
+        return TierKind(value)
+    except ValueError:
+        known = ", ".join(f"{int(k)} ({k.label})" for k in TierKind)
+        raise InvalidArgument(field, f"{value} is not a tier; known: {known}") from None
+
+
+def put_open_to_pb(op: PutOpen) -> pb.PutOpen:
+    return pb.PutOpen(
+        namespace=op.namespace,
+        layout=layout_to_pb(op.layout),
+        target_tier=int(op.target or 0),
+        parent_hash=op.parent or b"",
+        chain=op.chain,
+    )
+
+
+def put_open_from_pb(msg: pb.PutOpen, field: str = "open") -> PutOpen:
+    """The typed opening of a Put; InvalidArgument naming `field`.layout / .target_tier when they are bad."""
+    target = (
+        None if msg.target_tier == pb.TIER_UNSPECIFIED else tier_from_pb(msg.target_tier, field=f"{field}.target_tier")
+    )
+    return PutOpen(
+        msg.namespace, layout_from_pb(msg.layout, f"{field}.layout"), target, msg.parent_hash or None, msg.chain
+    )
+
+
+def put_requests(
+    op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
+    """The serialized messages of one Put stream: open, then per page its header and chunks."""
+    if len(hashes) != len(pages):
+        raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+    yield pb.PutRequest(open=put_open_to_pb(op)).SerializeToString()
+    for h, page in zip(hashes, pages, strict=True):
+        view = memoryview(page).cast("B")
+        header = pb.PutPage(hash=h, payload_bytes=len(view), checksum=payload_checksum(view))
+        yield pb.PutRequest(page=header).SerializeToString()
+        for off in range(0, len(view), chunk_bytes):
+            yield frame_chunk(PUT_CHUNK_TAG, view[off : off + chunk_bytes])
+
+
+@dataclass(frozen=True, slots=True)
+class PutPageHeader:
+    """A page announced in a Put stream; its chunks follow."""
+
+    index: int
+    hash: bytes
+    payload_bytes: int
+    checksum: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutChunk:
+    """Bytes of the current page, to go at `offset` of its payload."""
+
+    offset: int
+    data: memoryview
+
+
+class PutParser:
+    """The node's side of Put stream framing: `feed` each serialized request, act on what it returns.
+
+    Order: one `open` (returned as the PutOpen message), then per page a header (PutPageHeader) and its
+    chunks (PutChunk, <= CHUNK_BYTES each, never past the announced size), then `finish()`. Any breach
+    raises InvalidArgument naming the field, before the offending bytes are handed out.
+    """
+
+    def __init__(self) -> None:
+        self.opened = False
+        self._page = -1
+        self._need = self._fill = 0
+
+    def feed(self, raw: bytes) -> pb.PutOpen | PutPageHeader | PutChunk:
+        kind, value = parse_put_request(raw)
+        if not self.opened:
+            if kind != "open":
+                raise InvalidArgument("open", "the first message of a Put stream must be `open`")
+            self.opened = True
+            return value  # type: ignore[return-value]
+        if kind == "page":
+            if self._fill != self._need:
+                raise InvalidArgument(
+                    "page", f"page {self._page} got {self._fill} of {self._need} bytes before the next page header"
+                )
+            self._page += 1
+            self._need, self._fill = value.payload_bytes, 0  # type: ignore[attr-defined]
+            return PutPageHeader(self._page, value.hash, value.payload_bytes, value.checksum)  # type: ignore[attr-defined]
+        if kind == "chunk":
+            data = memoryview(value)  # type: ignore[arg-type]
+            n = len(data)
+            if self._page < 0:
+                raise InvalidArgument("chunk", "data chunk before any page header")
+            if n > CHUNK_BYTES:
+                raise InvalidArgument("chunk", f"{n} bytes; chunks are at most {CHUNK_BYTES} bytes")
+            if self._fill + n > self._need:
+                raise InvalidArgument("chunk", f"page {self._page} receives more than its {self._need} bytes")
+            chunk = PutChunk(self._fill, data)
+            self._fill += n
+            return chunk
+        if kind == "open":
+            raise InvalidArgument("open", "sent twice in one Put stream")
+        raise InvalidArgument("msg", "empty PutRequest (no open, page or chunk)")
+
+    def finish(self) -> None:
+        """The stream ended: it must have been opened and its last page be complete."""
+        if not self.opened:
+            raise InvalidArgument("open", "empty Put stream")
+        if self._fill != self._need:
+            raise InvalidArgument(
+                "chunk", f"stream truncated: page {self._page} got {self._fill} of {self._need} bytes"
+            )
+
+
+def get_responses(
+    h: bytes, tier: TierKind, checksum: int, payload: memoryview, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
+    """The serialized messages of one page in a Get stream: its header, then its chunks (one copy each)."""
+    n = len(payload)
+    page = pb.GetPage(hash=h, payload_bytes=n, checksum=checksum, tier=int(tier))
+    yield pb.GetResponse(page=page).SerializeToString()
+    for off in range(0, n, chunk_bytes):
+        yield frame_chunk(GET_CHUNK_TAG, payload[off : off + chunk_bytes])
+
+
+@dataclass(slots=True)
+class FetchedPage:
+    """A page a Get returned: its hash, the tier it came from, its payload (a writable buffer: a block of the
+    client's receive pool, yours for as long as anything refers to it; kvstore/client/planes/pool.py)."""
+
+    hash: bytes
+    tier: TierKind
+    data: memoryview | bytearray
+
+
+@dataclass(frozen=True, slots=True)
+class PageRef:
+    """A page a `get_into` wrote into the caller's buffer: its hash, the tier it came from, its size."""
+
+    hash: bytes
+    tier: TierKind
+    nbytes: int
+
+
+class GetAssembler:
+    """Reassembles pages from a Get response stream and verifies each page's checksum.
+
+    Feed every response to `feed`; `pages` holds the complete pages in order. `finish` raises when
+    the stream ended in the middle of a page.
+    """
+
+    def __init__(
+        self, expected: Sequence[bytes], verify: bool = True, alloc: Callable[[int], memoryview | bytearray] = bytearray
+    ) -> None:
+        self._expected = list(expected)
+        self._verify = verify
+        self._alloc = alloc  # where a page of n bytes is received (a pool block)
+        self.pages: list[FetchedPage] = []
+        self._cur: FetchedPage | None = None
+        self._fill = 0
+        self._checksum = 0
+
+    def feed(self, raw: bytes) -> None:
+        """Take one serialized GetResponse."""
+        chunk = chunk_view(GET_CHUNK_TAG, raw)
+        if chunk is not None:
+            self._add_chunk(chunk)
+            return
+        msg = pb.GetResponse.FromString(raw)
+        kind = msg.WhichOneof("msg")
+        if kind == "page":
+            self._close_page()
+            idx = len(self.pages)
+            if idx >= len(self._expected) or msg.page.hash != self._expected[idx]:
+                raise StreamError(f"page {idx}: server sent an unexpected hash")
+            self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), self._alloc(msg.page.payload_bytes))
+            self._fill = 0
+            self._checksum = msg.page.checksum
+        elif kind == "chunk":
+            self._add_chunk(memoryview(msg.chunk))
+        else:
+            raise StreamError("empty message in Get stream")
+
+    def _add_chunk(self, chunk: memoryview) -> None:
+        if self._cur is None:
+            raise StreamError("data chunk before any page header")
+        end = self._fill + len(chunk)
+        if end > len(self._cur.data):
+            raise StreamError("page longer than its header announced")
+        self._cur.data[self._fill : end] = chunk
+        self._fill = end
+
+    def _close_page(self) -> None:
+        if self._cur is None:
+            return
+        if self._fill != len(self._cur.data):
+            raise StreamError(f"page {len(self.pages)} truncated: {self._fill}/{len(self._cur.data)} bytes")
+        if self._verify and payload_checksum(self._cur.data) != self._checksum:
+            raise PageCorrupt(len(self.pages), self._cur.hash, list(self.pages))
+        self.pages.append(self._cur)
+        self._cur = None
+
+    def finish(self) -> list[FetchedPage]:
+        self._close_page()
+        return self.pages
+
+
+_COUNTER_FIELDS = [f.name for f in fields(TierCounters)]
+
+
+def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
+    tiers = [
+        pb.TierStats(
+            tier=int(t.tier),
+            available=t.available,
+            detail=t.detail,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            slot_bytes=t.slot_bytes,
+            slots_total=t.slots_total,
+            slots_used=t.slots_used,
+            pages=t.pages,
+            **{name: getattr(t.counters, name) for name in _COUNTER_FIELDS},
+        )
+        for t in stats.tiers
+    ]
+    namespaces = [
+        pb.NamespaceStats(namespace=ns, layout=layout_to_pb(layout), pages=pages, page_bytes=layout.page_bytes)
+        for ns, layout, pages in stats.namespaces
+    ]
+    return pb.StatsResponse(
+        node_id=stats.node_id,
+        uptime_seconds=stats.uptime_seconds,
+        max_page_bytes=stats.max_page_bytes,
+        tiers=tiers,
+        namespaces=namespaces,
+        lookups=stats.lookups,
+        lookup_blocks=stats.lookup_blocks,
+        lookup_matched=stats.lookup_matched,
+        prefetch_issued=stats.prefetch_issued,
+        prefetch_completed=stats.prefetch_completed,
+        pinned_pages=stats.pinned_pages,
+        put_rejected=stats.put_rejected,
+        version=stats.version,
+        prefetch_used=stats.prefetch_used,
+        prefetch_wasted=stats.prefetch_wasted,
+        corrupt_reports=stats.corrupt_reports,
+        corrupt_confirmed=stats.corrupt_confirmed,
+        scrubbed_bytes=stats.scrubbed_bytes,
+        index=None
+        if stats.index is None
+        else pb.IndexStats(
+            **{f.name: getattr(stats.index, f.name) for f in fields(IndexStatus) if f.name != "url"},
+            url=redact_url(stats.index.url),
+        ),
+        planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
+        host_id=stats.host_id,
+        tenants=[_tenant_to_pb(t) for t in stats.tenants],
+        kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
+    )
+
+
+_TENANT_COUNTERS = ("lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
+
+
+def _tenant_to_pb(t: TenantStats) -> pb.TenantStats:
+    kinds = sorted(set(t.pages) | set(t.quota_bytes))
+    return pb.TenantStats(
+        tenant=t.tenant,
+        **{n: getattr(t, n) for n in _TENANT_COUNTERS},
+        tiers=[pb.TenantTier(tier=int(k), pages=t.pages.get(k, 0), quota_bytes=t.quota_bytes.get(k, 0)) for k in kinds],
+    )
+
+
+def _tenant_from_pb(m: pb.TenantStats) -> TenantStats:
+    return TenantStats(
+        m.tenant,
+        {TierKind(x.tier): x.pages for x in m.tiers},
+        {TierKind(x.tier): x.quota_bytes for x in m.tiers if x.quota_bytes},
+        **{n: getattr(m, n) for n in _TENANT_COUNTERS},
+    )
+
+
+def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
+    tiers = [
+        TierStats(
+            tier=TierKind(t.tier),
+            available=t.available,
+            detail=t.detail,
+            capacity_bytes=t.capacity_bytes,
+            used_bytes=t.used_bytes,
+            slot_bytes=t.slot_bytes,
+            slots_total=t.slots_total,
+            slots_used=t.slots_used,
+            pages=t.pages,
+            counters=TierCounters(**{name: getattr(t, name) for name in _COUNTER_FIELDS}),
+        )
+        for t in msg.tiers
+    ]
+    namespaces = [(n.namespace, layout_from_pb(n.layout, "namespaces.layout"), n.pages) for n in msg.namespaces]
+    return NodeStats(
+        node_id=msg.node_id,
+        uptime_seconds=msg.uptime_seconds,
+        max_page_bytes=msg.max_page_bytes,
+        tiers=tiers,
+        namespaces=namespaces,
+        lookups=msg.lookups,
+        lookup_blocks=msg.lookup_blocks,
+        lookup_matched=msg.lookup_matched,
+        prefetch_issued=msg.prefetch_issued,
+        prefetch_completed=msg.prefetch_completed,
+        pinned_pages=msg.pinned_pages,
+        put_rejected=msg.put_rejected,
+        version=msg.version,
+        prefetch_used=msg.prefetch_used,
+        prefetch_wasted=msg.prefetch_wasted,
+        corrupt_reports=msg.corrupt_reports,
+        corrupt_confirmed=msg.corrupt_confirmed,
+        scrubbed_bytes=msg.scrubbed_bytes,
+        index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
+        if msg.HasField("index")
+        else None,
+        planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes],
+        host_id=msg.host_id,
+        tenants=[_tenant_from_pb(t) for t in msg.tenants],
+        kv_events=KvEventsStatus(**{f.name: getattr(msg.kv_events, f.name) for f in fields(KvEventsStatus)})
+        if msg.HasField("kv_events")
+        else None,
+    )

@@ -1,0 +1,274 @@
+"""The bulk TCP data plane: what both ends agree on (frame format v1, pure: no I/O).
+
+A client on another host moves page bytes over one or more persistent TCP connections to the node's
+TCP plane listener (advertised in Stats and the index record as DataPlaneInfo{name="tcp", address,
+tls}); control RPCs (Lookup, Delete, Pin, Stats...) stay on gRPC. `client.py` is the client side (an
+exchange DataPlane driven by both clients), `node.py` the node side (a PlaneServer on the node's loop).
+
+Frame (every message, both directions; integers little endian):
+
+    magic "KT" (2 B) | version u8 | kind u8 | meta_len u32 | body_len u64     -- the 16-byte header
+    meta  (meta_len bytes, fixed per kind below; bounded by the node's limits)
+    body  (body_len bytes: a page payload, only in PAGE frames; empty otherwise)
+
+Kinds and their meta:
+
+    HELLO   c->n  token (UTF-8, empty when none); the first frame of a connection (after TLS if on)
+    WELCOME n->c  role u8 (1 read, 2 read-write) | max_page_bytes u64 | max_pages u32
+    PUT     c->n  target_tier u8 | chain u8 | has_parent u8 | npages u32 | parent 32 B | layout 20 B |
+                  namespace_len u16 | namespace (UTF-8); then exactly `npages` PAGE frames follow
+    GET     c->n  promote u8 | nhashes u32 | namespace_len u16 | namespace | hashes (32 B each)
+    PAGE    both  hash 32 B | checksum u64 (XXH3-64 of the body) | tier u8 (n->c; 0 from a client);
+                  body = the page payload
+    DONE    n->c  a u32 | b u32: after a PUT (stored, already present); after a GET's PAGE frames
+                  (pages sent, 0)
+    ERROR   n->c  status_len u8 | status name (a kvstore.errors status, e.g. INVALID_ARGUMENT) | message
+
+Conversation: HELLO, then WELCOME or ERROR (an unknown token, a version this node does not speak: the
+node closes). Then any number of requests, one at a time per connection: PUT + its PAGE frames ->
+DONE or ERROR; GET -> PAGE frames in order (the longest stored prefix) then DONE, or ERROR (after
+any pages already sent). A request-level error (bad namespace, a read token on a PUT, no space, a
+checksum mismatch) is answered with ERROR after the node consumed the rest of the request, and the
+connection stays usable; a framing error (bad magic or version, an unexpected kind, a length over
+the limits) is answered with ERROR when possible and the connection is closed, because the byte
+stream cannot be resynchronised. A connection that stalls in a handshake or in the middle of a
+frame for longer than the node's `tcp_timeout_seconds` is closed; whatever its request staged is
+freed (a PUT is atomic like a Put stream: nothing of it becomes visible).
+
+Checksums: every PAGE carries its XXH3-64, computed by the sender; the node verifies a PUT's pages
+in its PutTxn (as for every Put), and the client verifies every received page unless it was built
+with verify=False. With the tier read's own verification that keeps the DESIGN rule: a page is
+verified when read from a tier and whenever it crossed a network. Where it is computed keeps it off
+the copy's critical path: all pages of a request are in flight back to back, so while one side
+hashes page i the other is already moving page i+1 through the socket buffers (the PutTxn verifies
+page i when page i+1 is added, not all pages at commit), and the two hashes of a transfer run in
+two processes, on two cores.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+from kvstore.errors import InvalidArgument
+from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
+from kvstore.layout import PageLayout
+from kvstore.names import TierKind
+from kvstore.wire import PutOpen
+
+MAGIC = b"KT"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIQ")  # magic, version, kind, meta_len, body_len
+HEADER_BYTES = HEADER.size  # 16
+LAYOUT_BYTES = 20
+_PUT = struct.Struct(f"<BBBI{HASH_BYTES}s{LAYOUT_BYTES}sH")
+_GET = struct.Struct("<BIH")
+_PAGE = struct.Struct(f"<{HASH_BYTES}sQB")
+_DONE = struct.Struct("<II")
+_WELCOME = struct.Struct("<BQI")
+MAX_TOKEN_BYTES = 4096
+PAGE_META_BYTES = _PAGE.size  # 41
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    PUT = 3
+    GET = 4
+    PAGE = 5
+    DONE = 6
+    ERROR = 7
+
+
+class FrameError(InvalidArgument):
+    """The byte stream broke the frame format (bad magic, version, kind or length). Unlike a request
+    error, the connection cannot go on: the node answers ERROR when it can, then closes it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: Kind
+    meta_len: int
+    body_len: int
+
+
+def pack_header(kind: Kind, meta_len: int, body_len: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, kind, meta_len, body_len)
+
+
+def frame(kind: Kind, meta: bytes = b"") -> bytes:
+    """A whole frame without a body: header and meta, one buffer."""
+    return pack_header(kind, len(meta)) + meta
+
+
+def unpack_header(raw: bytes | bytearray | memoryview, *, meta_limit: int, body_limit: int) -> Header:
+    """Parse a 16-byte header and check it against the receiver's limits; raises FrameError naming the
+    field. Only PAGE frames may have a body."""
+    magic, version, kind, meta_len, body_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError("frame.magic", f"expected {MAGIC!r}, got {bytes(magic)!r} (not a kvstore TCP plane peer)")
+    if version != VERSION:
+        raise FrameError("frame.version", f"version {version} is not spoken here (this build speaks {VERSION})")
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise FrameError("frame.kind", f"unknown frame kind {kind}") from None
+    if meta_len > meta_limit:
+        raise FrameError("frame.meta_len", f"{meta_len} bytes of {k.name} metadata; the limit is {meta_limit}")
+    if body_len and k is not Kind.PAGE:
+        raise FrameError("frame.body_len", f"a {k.name} frame carries no body, got {body_len} bytes")
+    if body_len > body_limit:
+        raise FrameError("frame.body_len", f"a {body_len}-byte page; this side takes pages up to {body_limit} bytes")
+    return Header(k, meta_len, body_len)
+
+
+def expect_len(meta: bytes | memoryview, size: int, kind: Kind) -> None:
+    if len(meta) != size:
+        raise FrameError("frame.meta_len", f"{kind.name} metadata is {size} bytes, got {len(meta)}")
+
+
+# -- HELLO / WELCOME ---------------------------------------------------------------------------------
+
+
+def hello(token: str | None) -> bytes:
+    raw = (token or "").encode()
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise ValueError(f"token longer than {MAX_TOKEN_BYTES} bytes")
+    return frame(Kind.HELLO, raw)
+
+
+def welcome(role: int, max_page_bytes: int, max_pages: int) -> bytes:
+    return frame(Kind.WELCOME, _WELCOME.pack(role, max_page_bytes, max_pages))
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    role: int
+    max_page_bytes: int
+    max_pages: int
+
+
+def parse_welcome(meta: bytes | memoryview) -> Welcome:
+    expect_len(meta, _WELCOME.size, Kind.WELCOME)
+    return Welcome(*_WELCOME.unpack(meta))
+
+
+# -- PUT ---------------------------------------------------------------------------------------------
+
+
+def put(op: PutOpen, npages: int) -> bytes:
+    ns = op.namespace.encode()
+    fixed = _PUT.pack(
+        int(op.target) if op.target else 0,
+        op.chain,
+        op.parent is not None,
+        npages,
+        op.parent or bytes(HASH_BYTES),
+        op.layout.pack(),
+        len(ns),
+    )
+    return frame(Kind.PUT, fixed + ns)
+
+
+def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
+    """How many PAGE frames follow a PUT: checked first, so that a PUT refused for any other reason can
+    still be consumed whole. FrameError when the frame is malformed or the count is out of range."""
+    if len(meta) < _PUT.size:
+        raise FrameError("frame.meta_len", f"PUT metadata is at least {_PUT.size} bytes, got {len(meta)}")
+    *_, npages, _, _, ns_len = _PUT.unpack_from(meta)
+    expect_len(meta, _PUT.size + ns_len, Kind.PUT)
+    if not 1 <= npages <= max_pages:
+        raise FrameError("put.npages", f"{npages} pages in one PUT; this node takes 1 to {max_pages}")
+    return int(npages)
+
+
+def parse_put(meta: bytes | memoryview) -> PutOpen:
+    """A PUT's metadata (its size already checked by put_npages); InvalidArgument names a bad field."""
+    target, chain, has_parent, _, parent, layout_raw, _ = _PUT.unpack_from(meta)
+    namespace = _namespace(meta[_PUT.size :], "put.namespace")
+    try:
+        layout = PageLayout.unpack(bytes(layout_raw))
+    except ValueError as exc:
+        raise InvalidArgument("put.layout", str(exc)) from None
+    try:
+        tier = TierKind(target) if target else None
+    except ValueError:
+        raise InvalidArgument("put.target_tier", f"unknown tier {target}") from None
+    return PutOpen(namespace, layout, tier, bytes(parent) if has_parent else None, bool(chain))
+
+
+# -- GET ---------------------------------------------------------------------------------------------
+
+
+def get(namespace: str, hashes: list[bytes], promote: bool) -> bytes:
+    ns = namespace.encode()
+    if any(len(h) != HASH_BYTES for h in hashes):
+        raise ValueError(f"a block hash is {HASH_BYTES} bytes")
+    return frame(Kind.GET, _GET.pack(promote, len(hashes), len(ns)) + ns + b"".join(hashes))
+
+
+def parse_get(meta: bytes | memoryview) -> tuple[str, list[bytes], bool]:
+    """(namespace, hashes, promote) of a GET; FrameError when the sizes do not add up."""
+    if len(meta) < _GET.size:
+        raise FrameError("frame.meta_len", f"GET metadata is at least {_GET.size} bytes, got {len(meta)}")
+    promote, n, ns_len = _GET.unpack_from(meta)
+    expect_len(meta, _GET.size + ns_len + n * HASH_BYTES, Kind.GET)
+    namespace = _namespace(meta[_GET.size : _GET.size + ns_len], "get.namespace")
+    base = _GET.size + ns_len
+    return (
+        namespace,
+        [bytes(meta[base + i * HASH_BYTES : base + (i + 1) * HASH_BYTES]) for i in range(n)],
+        bool(promote),
+    )
+
+
+def get_meta_limit(max_pages: int) -> int:
+    """The largest metadata a node accepts: a GET of `max_pages` hashes (every other kind is smaller)."""
+    return _GET.size + MAX_NAMESPACE_BYTES + max_pages * HASH_BYTES + MAX_TOKEN_BYTES
+
+
+# -- PAGE / DONE / ERROR -----------------------------------------------------------------------------
+
+
+def page_header(h: bytes, checksum: int, nbytes: int, tier: TierKind | None = None) -> bytes:
+    """Header and meta of a PAGE frame; the `nbytes` payload bytes follow."""
+    return pack_header(Kind.PAGE, PAGE_META_BYTES, nbytes) + _PAGE.pack(h, checksum, int(tier) if tier else 0)
+
+
+def parse_page(meta: bytes | memoryview) -> tuple[bytes, int, int]:
+    """(hash, checksum, tier value) of a PAGE frame."""
+    expect_len(meta, PAGE_META_BYTES, Kind.PAGE)
+    h, checksum, tier = _PAGE.unpack(meta)
+    return h, checksum, tier
+
+
+def done(a: int, b: int) -> bytes:
+    return frame(Kind.DONE, _DONE.pack(a, b))
+
+
+def parse_done(meta: bytes | memoryview) -> tuple[int, int]:
+    expect_len(meta, _DONE.size, Kind.DONE)
+    a, b = _DONE.unpack(meta)
+    return a, b
+
+
+def error(status_name: str, message: str) -> bytes:
+    status = status_name.encode()[:255]
+    return frame(Kind.ERROR, bytes((len(status),)) + status + message.encode()[:65536])
+
+
+def parse_error(meta: bytes | memoryview) -> tuple[str, str]:
+    """(status name, message) of an ERROR frame (lenient: it is already an error)."""
+    raw = bytes(meta)
+    n = raw[0] if raw else 0
+    return raw[1 : 1 + n].decode(errors="replace") or "UNKNOWN", raw[1 + n :].decode(errors="replace")
+
+
+def _namespace(raw: bytes | memoryview, field: str) -> str:
+    if len(raw) > MAX_NAMESPACE_BYTES:
+        raise InvalidArgument(field, f"{len(raw)} bytes; the limit is {MAX_NAMESPACE_BYTES}")
+    try:
+        return bytes(raw).decode()
+    except UnicodeDecodeError:
+        raise InvalidArgument(field, "not valid UTF-8") from None

@@ -1,0 +1,133 @@
+"""Driving a UCX worker in blocking-progress mode: on an asyncio loop (node) or on the caller's thread (client).
+
+Blocking mode (the worker's epoll fd wakes us; no progress thread) costs no CPU while idle and, measured
+on a 2-core host, moves bytes faster than ucxx's progress thread, which competes with the peer process
+for the same cores. Every wait here is bounded: UCX operations can hang when a peer vanishes without
+its transport noticing, so each carries a deadline and fails with `UcxTimeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EVENT_POLL_MS = 100  # longest single epoll wait of a blocking waiter (it re-checks its deadline after)
+TICK_SECONDS = 0.05  # the loop driver also progresses this often while requests are pending
+
+
+class UcxTimeout(TimeoutError):
+    """A UCX operation did not complete within its deadline."""
+
+
+class UcxClosed(ConnectionError):
+    """The endpoint an operation waited on was closed or failed."""
+
+
+def wait_blocking(
+    worker: Any,
+    requests: Sequence[Any],
+    deadline: float,
+    alive: Callable[[], bool] | None = None,
+    what: str = "UCX transfer",
+) -> None:
+    """Progress `worker` on this thread until every request completed (then raise the first error),
+    the monotonic `deadline` passed (UcxTimeout), or `alive()` turned False (UcxClosed)."""
+    pending = list(requests)
+    while True:
+        pending = [r for r in pending if not r.completed]
+        if not pending:
+            break
+        if alive is not None and not alive():
+            raise UcxClosed(f"{what}: the endpoint closed")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise UcxTimeout(f"{what}: no completion within the deadline")
+        worker.progress_worker_event(max(1, min(EVENT_POLL_MS, int(left * 1000))))
+    for r in requests:
+        r.check_error()
+
+
+class LoopProgress:
+    """Progresses one worker on an asyncio loop: a reader on its epoll fd, plus a short tick while any
+    request is awaited (a safety net against a missed wake-up). Single-threaded: call it from the loop.
+
+    Invariant: after every call into the worker the worker is re-armed (`arm()` returned True), so the
+    next UCX event wakes the loop.
+    """
+
+    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = worker
+        self.loop = loop
+        worker.init_blocking_progress_mode()
+        self.fd = worker.epoll_file_descriptor
+        self._waiters: list[tuple[Any, asyncio.Future[None]]] = []
+        self._tick: asyncio.TimerHandle | None = None
+        self._closed = False
+        loop.add_reader(self.fd, self.progress)
+
+    def progress(self) -> None:
+        """Run UCX callbacks and completions until the worker is armed again; settle finished waits."""
+        if self._closed:
+            return
+        for _ in range(1000):  # arm() fails while events are pending: progress again (bounded)
+            self.worker.progress()
+            self._settle()
+            if self.worker.arm():
+                break
+        self._schedule_tick()
+
+    def _settle(self) -> None:
+        still = []
+        for req, fut in self._waiters:
+            if fut.done():
+                continue
+            if req.completed:
+                try:
+                    req.check_error()
+                    fut.set_result(None)
+                except Exception as exc:
+                    fut.set_exception(exc)
+            else:
+                still.append((req, fut))
+        self._waiters = still
+
+    def _schedule_tick(self) -> None:
+        if self._waiters and self._tick is None and not self._closed:
+            self._tick = self.loop.call_later(TICK_SECONDS, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self.progress()
+
+    async def wait(self, requests: Sequence[Any], timeout: float, what: str = "UCX transfer") -> None:
+        """Until every request completed (raising the first error), or UcxTimeout after `timeout` s."""
+        futs = []
+        for req in requests:
+            fut = self.loop.create_future()
+            self._waiters.append((req, fut))
+            futs.append(fut)
+        self.progress()
+        try:
+            async with asyncio.timeout(timeout):
+                for fut in futs:
+                    await fut
+        except TimeoutError:
+            raise UcxTimeout(f"{what}: no completion within {timeout:.1f}s") from None
+        finally:
+            for fut in futs:
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # retrieved: a later failure of a sibling must not be logged as lost
+
+    def close(self) -> None:
+        self._closed = True
+        if self._tick is not None:
+            self._tick.cancel()
+        self.loop.remove_reader(self.fd)
+        for _, fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(UcxClosed("the UCX plane is shutting down"))
+        self._waiters = []

@@ -1,0 +1,83 @@
+"""Every data plane answers the same bad Put with the same status: they all run the node's one put driver
+(kvstore/node/drivers.py). Four planes (gRPC streams, shm, TCP, UCX), one real node with tokens, and four
+bad Puts: an unknown target tier, a page of the wrong size, a page whose declared checksum is wrong, and a
+read-only caller. Nothing of any of them may be stored."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from kvstore.cli.launch import NodeProcess
+from kvstore.client import KVStoreClient
+from kvstore.client.planes import shm as shm_plane
+from kvstore.errors import DataLoss, InvalidArgument, KVStoreError, PermissionDenied
+from kvstore.names import TierKind
+from kvstore.security import ClientSecurity
+from kvstore.wire import PutOpen
+from kvstore.wire.ucx import ucxx_installed
+from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
+from tests.security.conftest import READ, WRITE, token_args
+
+PLANES = ["grpc", "shm", "tcp", *(["ucx"] if ucxx_installed() else [])]
+WRONG_CHECKSUM = 0x1234_5678
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
+    tmp = tmp_path_factory.mktemp("parity")
+    n = start_node(tmp, dram_pages=16, extra_args=[*token_args(tmp), *(["--ucx"] if "ucx" in PLANES else [])],
+                   env={"UCX_NET_DEVICES": "lo"})  # fmt: skip
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def put(kv: KVStoreClient, op: PutOpen, hashes: list[bytes], pages: list[bytes]) -> object:
+    return kv._run(kv._core.put(op, hashes, pages))
+
+
+def lying_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sending client declares a wrong checksum for every page, on every plane (the node is real)."""
+    for module in ("kvstore.wire.streams", "kvstore.client.planes.tcp", "kvstore.client.planes.ucx"):
+        monkeypatch.setattr(f"{module}.payload_checksum", lambda _view: WRONG_CHECKSUM)
+    honest = shm_plane.put_request
+
+    def declared(*args: object, **kw: object) -> object:  # shm declares none by default: make it declare one
+        req = honest(*args, **kw)  # type: ignore[arg-type]
+        for p in req.pages:
+            p.checksum = WRONG_CHECKSUM
+        return req
+
+    monkeypatch.setattr(shm_plane, "put_request", declared)
+
+
+Case = Callable[[KVStoreClient, list[bytes]], object]
+CASES: dict[str, tuple[str, type[KVStoreError], Case]] = {
+    "target tier": (WRITE, InvalidArgument, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT, 7), hs, [page(h) for h in hs])),  # type: ignore[arg-type]
+    "size": (WRITE, InvalidArgument, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT), hs, [page(h, PAGE // 2) for h in hs])),
+    "checksum": (WRITE, DataLoss, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT), hs, [page(h) for h in hs])),
+    "read-only": (READ, PermissionDenied, lambda kv, hs: kv.put(NS, LAYOUT, hs, [page(h) for h in hs])),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("plane", PLANES)
+def test_every_plane_answers_a_bad_put_alike_and_stores_nothing(
+    node: NodeProcess, plane: str, case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    token, expected, run = CASES[case]
+    if case == "checksum":
+        lying_checksums(monkeypatch)
+    hashes = [key(i, f"parity-{plane}-{case}") for i in range(3)]
+    with KVStoreClient(node.addr, timeout=20, transport=plane, security=ClientSecurity(token=token)) as kv:
+        with pytest.raises(expected) as err:
+            run(kv, hashes)
+        assert type(err.value) is expected  # the class itself, not a relative: one status per bad Put
+    monkeypatch.undo()
+    with KVStoreClient(node.addr, timeout=20, transport="grpc", security=ClientSecurity(token=WRITE)) as kv:
+        assert kv.lookup(NS, hashes) == 0  # nothing of the refused Put is stored
+        kv.put(NS, LAYOUT, hashes[:1], [page(hashes[0])], target_tier=TierKind.DRAM)  # and the node still serves
+        assert [bytes(p) for p in kv.get(NS, hashes[:1])] == [page(hashes[0])]
