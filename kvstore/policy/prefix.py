@@ -55,10 +55,6 @@ class PrefixTreePolicy:
     COMPACT_SLACK = 64  # stale heap entries tolerated beyond 2x the live keys before a rebuild
 
     def __init__(self) -> None:
-        # `merged`: take victims by prio alone, across the classes (with prio the time of the last
-        # touch, as in both subclasses, that is prefix-LRU's order); the classes are kept up to date
-        # either way, so the flag can be flipped at any time and the other order is ready.
-        self.merged = False
         self._nodes: dict[Key, _Node] = {}
         self._kids: dict[Key, set[Key]] = {}  # parent key -> its resident children (parent may be absent)
         self._heaps: list[list[tuple[float, int, Key]]] = [[] for _ in range(self.SEGMENTS)]
@@ -167,19 +163,10 @@ class PrefixTreePolicy:
         return found
 
     def first_candidate(self, usable: Callable[[Key], bool]) -> Key | None:
-        if self.merged:
-            best: Key | None = None
-            for seg in range(self.SEGMENTS):
-                found = self._first_leaf(seg, usable)
-                if found is not None and (best is None or self._nodes[found].prio < self._nodes[best].prio):
-                    best = found
-            if best is not None:
-                return best
-        else:
-            for seg in self._segment_order():
-                found = self._first_leaf(seg, usable)
-                if found is not None:
-                    return found
+        for seg in self._segment_order():
+            found = self._first_leaf(seg, usable)
+            if found is not None:
+                return found
         # NOTE: every leaf is pinned or busy; an internal key is better than failing the caller.
         return self._first_internal(usable)
 
@@ -191,12 +178,9 @@ class PrefixTreePolicy:
 
     def candidates(self) -> Iterator[Key]:
         order: list[Key] = []
-        if self.merged:
-            order.extend(k for _, _, k in sorted((n.prio, n.seq, k) for k, n in self._nodes.items() if not n.kids))
-        else:
-            for seg in self._segment_order():
-                leaves = sorted((n.prio, n.seq, k) for k, n in self._nodes.items() if not n.kids and n.seg == seg)
-                order.extend(k for _, _, k in leaves)
+        for seg in self._segment_order():
+            leaves = sorted((n.prio, n.seq, k) for k, n in self._nodes.items() if not n.kids and n.seg == seg)
+            order.extend(k for _, _, k in leaves)
         order.extend(self._internal_order())
         return iter(order)
 
