@@ -85,7 +85,8 @@ def test_conversation_has_the_published_shape() -> None:
     """Mooncake's conversation trace (FAST'25) and LMSYS-Chat-1M, as devkit/workloads.py cites them:
     input lengths in 512-token blocks (mean about 23.5, median about 13.5, a long tail), a block
     shared by nearly every request (the system prompt's first), most blocks seen once, about 40% of
-    block references reusable with an unbounded cache, turns that resend the whole history."""
+    block references reusable with an unbounded cache, turns that resend the whole history (about half
+    the requests)."""
     reqs = generate("conversation")
     lens = sorted(map(len, reqs))
     assert 20 <= sum(lens) / len(lens) <= 27 and 11 <= lens[len(lens) // 2] <= 16 and lens[-1] > 100
@@ -94,7 +95,9 @@ def test_conversation_has_the_published_shape() -> None:
     assert sum(1 for c in counts.values() if c == 1) > 0.6 * len(counts)  # most blocks seen once
     ceiling = 1 - len(counts) / sum(counts.values())
     assert 0.35 <= ceiling <= 0.5
-    assert 0.1 < _extends(reqs) < 0.5  # follow-up turns: a minority of the requests, most of the reuse
+    # follow-up turns resend the history: LMSYS-Chat-1M's 2.0 turns per conversation make about half the
+    # requests follow-ups; a first turn on a popular document may extend another user's request too
+    assert 0.4 < _extends(reqs) < 0.8
 
 
 def test_tenants_change_halfway() -> None:
