@@ -1,4 +1,4 @@
-"""The adaptive default: prefix-arc's victims behind an admission threshold that moves online between
+"""The adaptive default: prefix-LRU's victims behind an admission threshold that moves online between
 "admit all", "admit on second sight" and "admit only if more frequent than the victim" (TinyLFU),
 chosen by three miniature simulations of the tier, one per threshold, on a sample of the keys.
 
@@ -12,36 +12,43 @@ stream of one-off suffixes (agent loops, batch few-shot jobs) a page should ente
 referenced more often than the page it would replace. No fixed threshold is within 30% of the best
 on all three; the threshold follows the traffic.
 
-The ladder. Every threshold reads one reference history (kvstore/policy/history.py: exact counts of
+The ladder. The thresholds read one reference history (kvstore/policy/history.py: exact counts of
 the keys referenced recently, at most HISTORY_FACTOR x capacity of them, halved every
-WINDOW_FACTOR x capacity references):
+WINDOW_FACTOR x capacity references) and one ghost list (admission.SecondSight: the keys refused
+lately, GHOST_FACTOR x capacity of them, kept as a second-sight tier would keep it whatever the
+threshold, so a move to SECOND starts warm):
     ALL        admit.
-    SECOND     admit a key the history remembers (seen before, in the tier or not: a ghost list of
-               keys, no data), and only if its chain parent is in the tier.
+    SECOND     admit a key the ghost remembers (refused before), and only if its chain parent is in
+               the tier.
     FREQUENT   admit a key whose count (this reference included) exceeds the victim's, and only if
                its chain parent is in the tier (TinyLFU's test, Einziger et al. 2017).
 The chain-parent rule: a block whose parent is missing cannot be matched by a longest-prefix
-lookup; admitting it would push out a useful page for nothing.
+lookup; admitting it would push out a useful page for nothing. The victims are prefix-LRU's at every
+threshold (behind a filter, ARC's protected class only holds stale keys longer: measured, issue 22).
 
-How it moves. Three shadow caches replay a stable-hash sample of the tier's keys (miniature
-simulation, Waldspurger et al., ATC'17: the references to a sample of rate 2**-k of the keys, in a
-cache 2**k times smaller, behave like the full cache), each at one threshold, with prefix-arc's
-victims; a sampled key's parent there is the last sampled key of its chain, so sampled chains stay
-chains. Each shadow counts its prefix hits (a hit after a miss in the same request saves nothing).
-A reference all three shadows hit, or all three miss, says nothing about the thresholds and is
-skipped (a very hot key, such as a system prompt's first block in a sample, would otherwise drown
-the differences); on the others each shadow's score is decayed by 1 - 1/(MEMORY x shadow capacity)
-and raised by its hit (the recent hits, like LeCaR's expert weights or ARC's ghost hits, but
-counted against the shadows' full counterfactual instead of guessed from a ghost list). The tier
-moves to the threshold with the best score once that beats the current one's by SWITCH (5%) and
-MIN_LEAD hits: near ties never move it (a move costs a transition, a near tie gains nothing), and
-the decay bounds how much old evidence a changed workload has to outweigh. Only admit() changes
-with the threshold: the victim order is prefix-arc's all along, so a move costs no page.
+How it moves (ghost-driven, as ARC and LeCaR move theirs, but against a full counterfactual).
+Three shadow caches replay a stable-hash sample of the tier's keys (miniature simulation,
+Waldspurger et al., ATC'17: the references to a sample of rate 2**-k of the keys, in a cache 2**k
+times smaller, behave like the full cache), one per threshold, each with its own ghost; a sampled
+key's parent there is the last sampled key of its chain, so sampled chains stay chains. Each shadow
+counts its prefix hits (a hit after a miss in the same request saves nothing). A reference all
+three shadows hit, or all three miss, says nothing about the thresholds and is skipped; on the
+others each score is decayed by 1 - 1/(MEMORY x shadow capacity) and raised by its shadow's hit.
+The tier moves to the best score only when the lead over the current threshold is significant:
+more than SWITCH (5%) and MIN_LEAD hits, and more than Z standard deviations of the difference of
+two counts (Z x sqrt(a + b)); and among the thresholds within Z deviations of the best it takes the
+first of PREFER (the least strict), so noise never pushes it to a stricter one. A move costs no page:
+only admit() changes.
 
-Cost is bounded. A shadow holds between SHADOW_MIN and 2 x SHADOW_MIN keys (the whole tier below
-that, seeing every reference), so the shadows cost 3 x 2 x SHADOW_MIN keys and, per reference,
-3 x 2**-k shadow updates; the history is one dict update per reference. For the parent rule a
-shadow asks its own keys (the sampled parent).
+While the tier first fills, its high-water mark doubles and the sample thins (k grows, each sample
+a subset of the last): the shadows keep the keys of the new sample and the scores their evidence,
+so the threshold the full tier starts with is judged on the whole fill.
+
+Cost is bounded. A shadow is an LRU list (one OrderedDict operation per reference) of between
+SHADOW_MIN and 2 x SHADOW_MIN keys (the whole tier below that, seeing every reference), so the
+shadows cost 3 x 2 x SHADOW_MIN keys and, per reference, 3 x 2**-k list updates; the history is one
+dict update per reference. An LRU list stands in for prefix-LRU's leaf order in the shadows: they
+rank thresholds, and the two orders differ by under 2% on every workload of the suite.
 
 Everything is pure and deterministic (stable hashing, no clocks): a simulation and a node that see
 the same keys make the same decisions.
@@ -49,22 +56,19 @@ the same keys make the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
 
 import xxhash
 
 from kvstore.policy.admission import Admitted, SecondSight
-from kvstore.policy.base import Key, first_usable
+from kvstore.policy.base import Key
 from kvstore.policy.history import History
-from kvstore.policy.prefix import PrefixARCPolicy
+from kvstore.policy.prefix import PrefixLRUPolicy
 from kvstore.policy.sketch import stable_hash
 
 ALL, SECOND, FREQUENT = 0, 1, 2
 LEVELS = ("all", "second-sight", "frequency")  # names of the thresholds, for reports
-ORDERS = ("arc", "lru")  # prefix-arc's victims, or the same policy's by recency alone (prefix-LRU's)
-# NOTE: (threshold, merged) pairs the shadows compare. Second sight and frequency are only tried with
-# recency victims: behind a filter ARC's protected class only holds stale keys longer (measured).
-ARMS = ((ALL, False), (ALL, True), (SECOND, True), (FREQUENT, True))
+GHOST_FACTOR = 4.0  # the second-sight ghost remembers this many refused keys per key of capacity
 
 
 def sample_hash(key: Key) -> int:
@@ -104,24 +108,18 @@ class ThresholdRule:
         pass
 
 
-GHOST_FACTOR = 4.0  # the second-sight ghost remembers this many refused keys per key of capacity
-
-
 class ShadowCache:
-    """A miniature simulation of the tier at one threshold and victim order, on the references it is
-    fed. Invariants: at most `capacity` resident keys; `policy` holds exactly them; `ghost` holds only
-    keys this shadow refused (at most GHOST_FACTOR x capacity); `hits` counts the fed references
-    found resident, `prefix_hits` those of them with no miss before them in their request.
-    """
+    """A miniature LRU simulation of the tier at one threshold, on the references it is fed.
+    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` holds only keys this shadow
+    refused (at most GHOST_FACTOR x capacity); `hits` counts the fed references found resident,
+    `prefix_hits` those of them with no miss before them in their request."""
 
-    def __init__(self, capacity: int, level: int, merged: bool) -> None:
+    def __init__(self, capacity: int, level: int) -> None:
         self.capacity = capacity
         self.level = level
-        self.policy = PrefixARCPolicy()
-        self.policy.merged = merged
+        self.lru: OrderedDict[Key, None] = OrderedDict()
         self.ghost = SecondSight(GHOST_FACTOR)
         self.ghost.ensure_capacity(capacity)
-        self.resident: set[Key] = set()
         self.hits = 0
         self.prefix_hits = 0
         self._missed = False
@@ -130,34 +128,46 @@ class ShadowCache:
         self.capacity = capacity
         self.ghost.ensure_capacity(capacity)
 
-    def reference(self, key: Key, parent: Key | None, usable: Callable[[Key], bool], before: int,
-                  history: History) -> bool:  # fmt: skip
+    def resample(self, mask: int, capacity: int) -> None:
+        """Keep only the keys of a sparser sample (those whose sample_hash has the `mask` bits at 0, a
+        subset of the current sample) at the new `capacity`: what this shadow would hold had it been
+        fed that sample all along, near enough; its evidence survives the tier's growth."""
+        self.lru = OrderedDict((k, None) for k in self.lru if not sample_hash(k) & mask)
+        while len(self.lru) > capacity:
+            self.lru.popitem(last=False)
+        ghost = SecondSight(GHOST_FACTOR)
+        ghost.ensure_capacity(capacity)
+        for key in self.ghost.ghost:
+            if not sample_hash(key) & mask:
+                ghost.refused(key)
+        self.ghost, self.capacity = ghost, capacity
+
+    def reference(self, key: Key, parent: Key | None, run: set[Key], before: int, history: History) -> bool:
         """Key is referenced after `parent` in its chain (None: the chain's first key here), while the
-        keys usable() rejects are held; `before` is its history count without this reference. True
-        for a prefix hit (the key is here and so was every key of its chain before it)."""
+        keys of `run` are held; `before` is its history count without this reference. True for a
+        prefix hit (the key is here and so was every key of its chain before it)."""
         if parent is None:
             self._missed = False
-        if key in self.resident:
+        lru = self.lru
+        if key in lru:
+            lru.move_to_end(key)
             self.hits += 1
-            self.policy.on_access(key)
             if self._missed:
                 return False
             self.prefix_hits += 1
             return True
         self._missed = True
-        if len(self.resident) < self.capacity or self._make_room(key, parent, usable, before, history):
-            self.resident.add(key)
-            self.policy.on_insert(key, parent=parent)
+        if len(lru) < self.capacity or self._make_room(key, parent, run, before, history):
+            lru[key] = None
         return False
 
-    def _make_room(self, key: Key, parent: Key | None, usable: Callable[[Key], bool], before: int,
-                   history: History) -> bool:  # fmt: skip
+    def _make_room(self, key: Key, parent: Key | None, run: set[Key], before: int, history: History) -> bool:
         """In the full shadow: whether key is admitted (its victim then evicted)."""
         level = self.level
         if level != ALL:
             # NOTE: the admission test before the victim search where it needs no victim: most
             # references a filter sees are refused.
-            missing = parent is not None and parent not in self.resident
+            missing = parent is not None and parent not in self.lru
             if level == SECOND:
                 if missing or key not in self.ghost.ghost:
                     self.ghost.refused(key)
@@ -165,41 +175,39 @@ class ShadowCache:
                 self.ghost.admitted(key)
             elif missing:
                 return False
-        victim = first_usable(self.policy, usable)
+        victim = next((k for k in self.lru if k not in run), None)
         if victim is None or (level == FREQUENT and before + 1 <= history.count(victim)):
             return False
-        self.policy.on_remove(victim)
-        self.resident.discard(victim)
+        del self.lru[victim]
         return True
 
 
 class AdaptivePolicy(Admitted):
-    """prefix-arc behind the threshold and victim order the shadows choose (see the module
-    docstring). Config name "adaptive", the node's default.
+    """prefix-LRU behind the threshold the shadows choose (see the module docstring). Config name
+    "adaptive", the node's default.
 
-    Invariants: as Admitted (every event forwarded to one PrefixARCPolicy, whose `merged` flag is
-    the victim order); the six shadows have the same capacity, `high / 2**k` rounded, and see the
-    same sampled references; the arm is re-decided after every contested sampled reference;
-    `scores[i]` is in [0, MEMORY x shadow capacity]; the ghost is kept as a second-sight tier would
-    keep it whatever the threshold, so SECOND starts warm.
+    Invariants: as Admitted (every event forwarded to one PrefixLRUPolicy: the victim order never
+    depends on the threshold); the three shadows have the same capacity, `high / 2**k` rounded, and
+    see the same sampled references; the threshold is re-decided after every contested sampled
+    reference; `scores[i]` is in [0, MEMORY x shadow capacity].
     """
 
     SHADOW_MIN = 128  # keys per shadow before sampling starts (a shadow holds SHADOW_MIN..2x that)
     MEMORY = 64  # the scores' memory: MEMORY x shadow capacity contested references (decay 1 - 1/that)
-    SWITCH = 0.05  # hysteresis: another arm moves in when its score beats the current one's by 5%
-    MIN_LEAD = 8.0  # ... and by this many hits (no move on the first few references)
-    START = 0  # the arm a new tier starts in
+    SWITCH = 0.05  # a move needs a lead of 5% of the current threshold's score ...
+    MIN_LEAD = 8.0  # ... and this many hits (no move on the first few references) ...
+    Z = 3.0  # ... and this many standard deviations of the difference (noise never moves it)
+    PREFER = (ALL, SECOND, FREQUENT)  # among thresholds within Z deviations of the best, the first
+    START = ALL  # the threshold a new tier starts with (measured: the best start on the suite, issue 22)
 
     def __init__(self) -> None:
         self.rule = ThresholdRule()
-        self.arcs = PrefixARCPolicy()
-        super().__init__(self.arcs, self.rule)
+        super().__init__(PrefixLRUPolicy(), self.rule)
         self.name = "adaptive"
-        self.arm = self.START
-        self.rule.level, self.arcs.merged = ARMS[self.arm]
-        self.switches = 0  # times the arm changed (for reports and tests)
-        self.moves = [0] * len(ARMS)  # sampled references spent in each arm
-        self.scores = [0.0] * len(ARMS)  # decayed prefix hits of each arm's shadow, contested references
+        self.rule.level = self.START
+        self.switches = 0  # times the threshold changed (for reports and tests)
+        self.moves = [0] * len(LEVELS)  # sampled references spent at each threshold
+        self.scores = [0.0] * len(LEVELS)  # decayed prefix hits of each shadow, contested references
         self._k = -1  # sampling: a key is sampled iff its sample_hash has its k low bits at 0
         self._mask = 0
         self._decay = 0.0
@@ -207,15 +215,10 @@ class AdaptivePolicy(Admitted):
         self._chain_prev: Key | None = None  # the key of the last reference
         self._chain_sampled: Key | None = None  # the last sampled key of the chain being referenced
         self._run: set[Key] = set()  # the sampled keys of that chain (held while it runs)
-        self._usable: Callable[[Key], bool] = lambda k: True
 
     @property
     def level(self) -> int:
         return self.rule.level
-
-    @property
-    def merged(self) -> bool:
-        return self.arcs.merged
 
     def _admits(self, key: Key, victim: Key | None, parent: Key | None) -> bool:
         rule = self.rule
@@ -244,12 +247,15 @@ class AdaptivePolicy(Admitted):
         while high >> (k + 1) >= self.SHADOW_MIN:
             k += 1
         cap = max(1, round(high / (1 << k)))
-        if k != self._k:
-            # NOTE: a new sampling rate starts the shadows over; that happens only while the tier
-            # first fills (its high-water mark doubles), when nothing is refused anyway.
+        if not self._shadows:
             self._k, self._mask = k, (1 << k) - 1
-            self.scores = [0.0] * len(ARMS)
-            self._shadows = [ShadowCache(cap, level, merged) for level, merged in ARMS]
+            self._shadows = [ShadowCache(cap, level) for level in range(len(LEVELS))]
+        elif k != self._k:
+            # NOTE: the tier's high-water mark doubled (it is still filling): the shadows keep the
+            # sparser sample's keys and the scores their evidence (see the module docstring).
+            self._k, self._mask = k, (1 << k) - 1
+            for s in self._shadows:
+                s.resample(self._mask, cap)
         else:
             for s in self._shadows:
                 s.resize(cap)
@@ -267,21 +273,36 @@ class AdaptivePolicy(Admitted):
         # the sampled keys of a chain form a chain there too and the prefix rules apply.
         sparent, self._chain_sampled = self._chain_sampled, key
         if sparent is None:
-            run = self._run = {key}
-            self._usable = lambda k: k not in run
+            self._run = {key}
         else:
             self._run.add(key)
-        usable = self._usable
-        hits = [s.reference(key, sparent, usable, before, history) for s in self._shadows]
-        arm = self.arm
-        self.moves[arm] += 1
-        if all(hits) or not any(hits):
-            return  # NOTE: a reference every shadow hits (or misses) says nothing about the arms
+        run = self._run
+        level = self.rule.level
+        self.moves[level] += 1
+        s0, s1, s2 = self._shadows  # NOTE: unrolled over the three thresholds: this is the hot path
+        h0 = s0.reference(key, sparent, run, before, history)
+        h1 = s1.reference(key, sparent, run, before, history)
+        h2 = s2.reference(key, sparent, run, before, history)
+        if h0 == h1 == h2:
+            return  # NOTE: a reference every shadow hits (or misses) says nothing about the thresholds
         decay, score = self._decay, self.scores
-        for i, hit in enumerate(hits):
-            score[i] = score[i] * decay + hit
-        best = max(range(len(ARMS)), key=score.__getitem__)
-        if best != arm and score[best] > score[arm] * (1 + self.SWITCH) + self.MIN_LEAD:
-            self.arm = best
-            self.rule.level, self.arcs.merged = ARMS[best]
+        score[0] = score[0] * decay + h0
+        score[1] = score[1] * decay + h1
+        score[2] = score[2] * decay + h2
+        self._decide(level)
+
+    def _decide(self, level: int) -> None:
+        """Move to the best-scoring threshold if its lead over `level` (the current one) is significant."""
+        score, z2 = self.scores, self.Z * self.Z
+        top = max(score)
+        if score[level] == top:
+            return
+        best = next(j for j in self.PREFER if (top - score[j]) ** 2 <= z2 * (top + score[j]))
+        lead = score[best] - score[level]
+        if (
+            best != level
+            and lead > score[level] * self.SWITCH + self.MIN_LEAD
+            and lead * lead > z2 * (score[best] + score[level])
+        ):
+            self.rule.level = best
             self.switches += 1
