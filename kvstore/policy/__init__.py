@@ -46,7 +46,7 @@ thresholds), registry (config names, make_policy).
 Policies (config names): "lru", "prefix-lru", "arc", "s3fifo", "prefix-arc", "tinylfu" (prefix-arc
 behind TinyLFU admission, always on), "second-sight" (LRU admitting a key on its second sight: a
 ghost list of 4x the tier remembers the refused keys), "duel" (prefix-arc with TinyLFU switched on
-and off by two dueling shadow caches: issue 14's default) and "adaptive" (prefix-arc behind an
+and off by two dueling shadow caches: issue 14's default) and "adaptive" (prefix-LRU behind an
 admission threshold that moves between admit-all, second sight and TinyLFU's test as three sampled
 shadow caches show which one hits most: the node's default). The manager asks admit() for its
 host-memory tier only (kvstore/manager/placement.py: Put and promotion on read; never for an

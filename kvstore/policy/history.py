@@ -1,9 +1,9 @@
 """Reference history: how often each recently referenced key was referenced, in bounded memory.
 
-The admission rules of the adaptive policy read it (kvstore/policy/adaptive.py): "seen before" is
-a key in the history (admission on second sight: the history is the ghost list of keys referenced
-and not necessarily cached), "referenced more often than the victim" compares two counts (TinyLFU's
-test, Einziger et al. 2017, with exact counts instead of a sketch).
+The adaptive policy's FREQUENT threshold reads it (kvstore/policy/adaptive.py): "referenced more
+often than the victim" compares two counts (TinyLFU's test, Einziger et al. 2017, with exact counts
+instead of a sketch). "Seen before" (second sight) is the ghost list of refused keys instead
+(admission.SecondSight), which remembers only what the tier turned away.
 
 Bounded by recency, aged by halving. The history keeps the `limit` keys referenced most recently
 (a key's reference moves it to the young end; the oldest is forgotten when a new one comes in), so
