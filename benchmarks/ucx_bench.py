@@ -38,6 +38,7 @@ NS = "bench/ucx"
 # name -> (transport, client environment while its connections open)
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "grpc": ("grpc", {}),
+    "tcp": ("tcp", {}),
     "ucx-listener": ("ucx", {"KVSTORE_UCX_CONNECT": "listener"}),
     "ucx-address": ("ucx", {"KVSTORE_UCX_CONNECT": "worker", "KVSTORE_UCX_ERROR_HANDLING": "1"}),
     "ucx-address-noeh": ("ucx", {"KVSTORE_UCX_CONNECT": "worker", "KVSTORE_UCX_ERROR_HANDLING": "0"}),
@@ -106,7 +107,8 @@ def bench_size(kib: int, args: argparse.Namespace, names: list[str]) -> list[dic
     times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in ("put", "get")}
     with contextlib.ExitStack() as stack:  # closes the clients, then stops the node, whatever happens
         node = stack.enter_context(NodeProcess(dram_bytes=(3 * args.batch + 8) * slot_bytes_for(layout.page_bytes),
-                                               max_page_bytes=layout.page_bytes, node_id=f"bench-ucx-{kib}"))  # fmt: skip
+                                               max_page_bytes=layout.page_bytes, node_id=f"bench-ucx-{kib}",
+                                               extra_args=["--ucx"]))  # fmt: skip
         clients = {n: stack.enter_context(open_client(node.addr, n, args.batch)) for n in names}
         for run in range(args.runs):  # variants alternate, so drift in the machine's load hits all alike
             for name in names if run % 2 == 0 else names[::-1]:

@@ -15,6 +15,7 @@ from typing import Any
 
 EVENT_POLL_MS = 100  # longest single epoll wait of a blocking waiter (it re-checks its deadline after)
 TICK_SECONDS = 0.05  # the loop driver also progresses this often while requests are pending
+PROGRESS_ROUNDS = 64  # worker progress rounds per loop callback before yielding to the loop
 
 
 class UcxTimeout(TimeoutError):
@@ -54,12 +55,16 @@ class LoopProgress:
     request is awaited (a safety net against a missed wake-up). Single-threaded: call it from the loop.
 
     Invariant: after every call into the worker the worker is re-armed (`arm()` returned True), so the
-    next UCX event wakes the loop.
+    next UCX event wakes the loop (or another progress is already scheduled). `after_progress` (if
+    given) runs after every worker progress, before completions are settled.
     """
 
-    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, worker: Any, loop: asyncio.AbstractEventLoop, after_progress: Callable[[], object] | None = None
+    ) -> None:
         self.worker = worker
         self.loop = loop
+        self.after_progress = after_progress
         worker.init_blocking_progress_mode()
         self.fd = worker.epoll_file_descriptor
         self._waiters: list[tuple[Any, asyncio.Future[None]]] = []
@@ -68,14 +73,24 @@ class LoopProgress:
         loop.add_reader(self.fd, self.progress)
 
     def progress(self) -> None:
-        """Run UCX callbacks and completions until the worker is armed again; settle finished waits."""
+        """Run UCX callbacks and completions until the worker is armed again; settle finished waits.
+
+        One `progress_once` per round (ucxx's `progress` loops for as long as anything moves, so a peer
+        that keeps sending would keep it there), then `after_progress`: what UCX takes in between two
+        of those calls is bounded by what one round reads off its transports. Bounded: after
+        PROGRESS_ROUNDS rounds without arming (a peer keeps the worker busy), the rest is left to a
+        callback of its own, so the loop's other work gets its turn in between."""
         if self._closed:
             return
-        for _ in range(1000):  # arm() fails while events are pending: progress again (bounded)
-            self.worker.progress()
+        for _ in range(PROGRESS_ROUNDS):
+            moved = self.worker.progress_once()
+            if self.after_progress is not None:
+                self.after_progress()
             self._settle()
-            if self.worker.arm():
+            if not moved and self.worker.arm():  # arm() fails while events are pending: progress again
                 break
+        else:
+            self.loop.call_soon(self.progress)
         self._schedule_tick()
 
     def _settle(self) -> None:
