@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 EVENT_POLL_MS = 100  # longest single epoll wait of a blocking waiter (it re-checks its deadline after)
+SPIN = int(__import__("os").environ.get("KV_SPIN", "0"))
 TICK_SECONDS = 0.05  # the loop driver also progresses this often while requests are pending
 PROGRESS_ROUNDS = 64  # worker progress rounds per loop callback before yielding to the loop
 
@@ -45,9 +47,22 @@ def wait_blocking(
         left = deadline - time.monotonic()
         if left <= 0:
             raise UcxTimeout(f"{what}: no completion within the deadline")
+        if SPIN and worker.progress_once():
+            continue
         worker.progress_worker_event(max(1, min(EVENT_POLL_MS, int(left * 1000))))
     for r in requests:
         r.check_error()
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """A group of requests one task waits for: done at the first error, when all completed, or when
+    `closed` (an endpoint's close event) is set."""
+
+    pending: list[Any]
+    fut: asyncio.Future[None]
+    closed: asyncio.Event | None
+    what: str
 
 
 class LoopProgress:
@@ -67,7 +82,7 @@ class LoopProgress:
         self.after_progress = after_progress
         worker.init_blocking_progress_mode()
         self.fd = worker.epoll_file_descriptor
-        self._waiters: list[tuple[Any, asyncio.Future[None]]] = []
+        self._waiters: list[_Waiter] = []
         self._tick: asyncio.TimerHandle | None = None
         self._closed = False
         loop.add_reader(self.fd, self.progress)
@@ -94,18 +109,26 @@ class LoopProgress:
         self._schedule_tick()
 
     def _settle(self) -> None:
+        if not self._waiters:
+            return
         still = []
-        for req, fut in self._waiters:
-            if fut.done():
+        for w in self._waiters:
+            if w.fut.done():
                 continue
-            if req.completed:
-                try:
-                    req.check_error()
-                    fut.set_result(None)
-                except Exception as exc:
-                    fut.set_exception(exc)
+            try:
+                for req in w.pending:
+                    if req.completed:
+                        req.check_error()
+                w.pending = [r for r in w.pending if not r.completed]
+            except Exception as exc:
+                w.fut.set_exception(exc)
+                continue
+            if not w.pending:
+                w.fut.set_result(None)
+            elif w.closed is not None and w.closed.is_set():
+                w.fut.set_exception(UcxClosed(f"{w.what}: the endpoint closed"))
             else:
-                still.append((req, fut))
+                still.append(w)
         self._waiters = still
 
     def _schedule_tick(self) -> None:
@@ -116,33 +139,40 @@ class LoopProgress:
         self._tick = None
         self.progress()
 
-    async def wait(self, requests: Sequence[Any], timeout: float, what: str = "UCX transfer") -> None:
-        """Until every request completed (raising the first error), or UcxTimeout after `timeout` s."""
-        futs = []
-        for req in requests:
-            fut = self.loop.create_future()
-            self._waiters.append((req, fut))
-            futs.append(fut)
+    async def wait(
+        self,
+        requests: Sequence[Any],
+        timeout: float,
+        what: str = "UCX transfer",
+        closed: asyncio.Event | None = None,
+    ) -> None:
+        """Until every request completed (raising the first error seen), UcxClosed once `closed` is set
+        (checked at every progress, and at least every TICK_SECONDS), or UcxTimeout after `timeout` s."""
+        w = _Waiter(list(requests), self.loop.create_future(), closed, what)
+        self._waiters.append(w)
         self.progress()
-        try:
-            async with asyncio.timeout(timeout):
-                for fut in futs:
-                    await fut
-        except TimeoutError:
-            raise UcxTimeout(f"{what}: no completion within {timeout:.1f}s") from None
-        finally:
-            for fut in futs:
-                if not fut.done():
-                    fut.cancel()
-                elif not fut.cancelled():
-                    fut.exception()  # retrieved: a later failure of a sibling must not be logged as lost
+        if not w.fut.done():
+            timer = None
+            if timeout != float("inf"):
+                timer = self.loop.call_later(timeout, _expire, w, timeout)
+            try:
+                await w.fut
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        w.fut.result()
 
     def close(self) -> None:
         self._closed = True
         if self._tick is not None:
             self._tick.cancel()
         self.loop.remove_reader(self.fd)
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(UcxClosed("the UCX plane is shutting down"))
+        for w in self._waiters:
+            if not w.fut.done():
+                w.fut.set_exception(UcxClosed("the UCX plane is shutting down"))
         self._waiters = []
+
+
+def _expire(w: _Waiter, timeout: float) -> None:
+    if not w.fut.done():
+        w.fut.set_exception(UcxTimeout(f"{w.what}: no completion within {timeout:.1f}s"))

@@ -49,7 +49,7 @@ MAX_PAGE_BYTES = 1 << 30  # a page the node announces above this is a protocol e
 MAX_HINTS = 64  # namespaces whose page size a plane remembers
 FIRST_ROUND_BYTES = 16 << 20  # receives a get posts before it knows its namespace's page size
 
-Sink = Callable[[int, int], memoryview]  # (page index, length) -> where that page's bytes go
+Check = Callable[[int, pb.ShmSlice], None]  # (page index, what the reply says of it): raises if it is wrong
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -149,11 +149,16 @@ class UcxConnection:
             if not all(s.completed for s in sends):  # an error reply before the node took every page
                 self.close_broken(sends)
 
-    def get(self, req: pb.GetShmRequest, sink: Callable[[int], memoryview], deadline: float) -> pb.GetShmResponse:
+    def get(
+        self, req: pb.GetShmRequest, sink: Callable[[int], memoryview], check: Check, deadline: float
+    ) -> pb.GetShmResponse:
         """One GET: page i lands in sink(i) (a buffer of the capacity `req` announced); returns the reply.
         The request leaves first, then each page's receive is posted as its buffer is made: a page that
         arrives before its receive waits in UCX as a rendezvous request (a few bytes), so making the
-        buffers overlaps the node's work. The node answers every receive (page or empty) before replying."""
+        buffers overlaps the node's work. The node answers every receive (page or empty) and replies
+        (the reply, small, usually overtakes the pages' bytes); `check(i, slice)` runs on each page the
+        reply lists as soon as its bytes are in, while they are still in cache. Its first error is
+        raised once every receive finished."""
         seq, reply, keep = self._request(Kind.GET, req.SerializeToString())
         base = self.tags.tag(Lane.GET_PAGES, seq)
         recvs = []
@@ -170,7 +175,18 @@ class UcxConnection:
                     self._wait(recvs, min(deadline, time.monotonic() + ERROR_GRACE_SECONDS), "UCX GET")
                 raise
             out = pb.GetShmResponse.FromString(bytes(body))  # parsed before the next request reuses ctrl
-            self._wait(recvs, deadline, "UCX GET pages")
+            if len(out.pages) > len(recvs):
+                raise ProtocolError(f"the reply lists {len(out.pages)} pages for {len(recvs)} hashes")
+            failure: KVStoreError | None = None
+            for i, recv in enumerate(recvs):
+                self._wait([recv], deadline, "UCX GET pages")
+                if failure is None and i < len(out.pages):
+                    try:
+                        check(i, out.pages[i])
+                    except KVStoreError as exc:
+                        failure = exc
+            if failure is not None:
+                raise failure
             return out
         finally:
             if len(recvs) < len(req.hashes) or not all(r.completed for r in recvs):
@@ -289,12 +305,13 @@ class UcxPlane(DataPlane):
                     rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
                 fresh = _Fresh(size or conn.max_page_bytes)
                 req = pb.GetShmRequest(namespace=namespace, hashes=rest, no_promote=not promote, size=fresh.size)
-                reply = conn.get(req, fresh, deadline)
+                checked = _Checked(rest, fresh.views.__getitem__, self.verify)
                 try:
-                    refs = self._check(rest, reply, fresh.views)
+                    reply = conn.get(req, fresh, checked, deadline)
                 except PageCorrupt as exc:
                     good = fresh.pages(exc.good)  # type: ignore[arg-type]
                     raise PageCorrupt(len(out) + exc.index, exc.hash, out + good) from None
+                refs = checked.refs
                 out += fresh.pages(refs)
                 if refs and not size:
                     size = max(r.nbytes for r in refs)
@@ -320,30 +337,15 @@ class UcxPlane(DataPlane):
         req.targets.extend(pb.ShmTarget(size=len(d)) for d in dests)
 
         def fetch(conn: UcxConnection, deadline: float) -> tuple[list[PageRef], int]:
-            reply = conn.get(req, dests.__getitem__, deadline)
-            return self._check(hashes, reply, dests), reply.next_page_bytes
+            checked = _Checked(hashes, dests.__getitem__, self.verify)
+            reply = conn.get(req, dests.__getitem__, checked, deadline)
+            return checked.refs, reply.next_page_bytes
 
         refs, bigger = yield Blocking(lambda: self._call(fetch))
         if bigger:
             k = len(refs)
             raise ValueError(f"buffers[{first + k}]: {len(dests[k])} bytes cannot hold a {bigger}-byte page")
         return refs
-
-    def _check(self, hashes: Sequence[bytes], reply: pb.GetShmResponse, dests: Sequence[memoryview]) -> list[PageRef]:
-        """The pages a GET reply lists, checked against what was asked and verified in their buffers;
-        PageCorrupt (with the pages before it) at the first that fails its checksum."""
-        if len(reply.pages) > len(hashes):
-            raise StreamError(f"UCX GET: the reply lists {len(reply.pages)} pages for {len(hashes)} hashes")
-        out: list[PageRef] = []
-        for i, p in enumerate(reply.pages):
-            if p.hash != hashes[i]:
-                raise StreamError(f"page {i}: server sent an unexpected hash")
-            if p.payload_bytes > len(dests[i]):
-                raise StreamError(f"page {i}: {p.payload_bytes} bytes announced, the receive held {len(dests[i])}")
-            if self.verify and payload_checksum(dests[i][: p.payload_bytes]) != p.checksum:
-                raise PageCorrupt(i, p.hash, out)
-            out.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
-        return out
 
     def _remember(self, namespace: str, size: int) -> None:
         if namespace not in self._hints and len(self._hints) >= MAX_HINTS:
@@ -357,6 +359,28 @@ class UcxPlane(DataPlane):
             self._free.clear()
         while idle:
             idle.pop().close()
+
+
+class _Checked:
+    """Checks each page a GET reply lists, in order, as its bytes arrive: the hash asked for, a size its
+    receive held, and (with `verify`) its checksum; `refs` are the pages that passed. PageCorrupt at the
+    first that fails its checksum carries the ones before it."""
+
+    def __init__(self, hashes: Sequence[bytes], dest: Callable[[int], memoryview], verify: bool) -> None:
+        self.hashes = hashes
+        self.dest = dest
+        self.verify = verify
+        self.refs: list[PageRef] = []
+
+    def __call__(self, i: int, p: pb.ShmSlice) -> None:
+        if p.hash != self.hashes[i]:
+            raise StreamError(f"page {i}: server sent an unexpected hash")
+        dest = self.dest(i)
+        if p.payload_bytes > len(dest):
+            raise StreamError(f"page {i}: {p.payload_bytes} bytes announced, the receive held {len(dest)}")
+        if self.verify and payload_checksum(dest[: p.payload_bytes]) != p.checksum:
+            raise PageCorrupt(i, p.hash, list(self.refs))
+        self.refs.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
 
 
 class _Fresh:

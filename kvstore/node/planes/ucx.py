@@ -185,26 +185,9 @@ class UcxPlaneServer(PlaneServer):
     async def _wait(
         self, reqs: list[Any], what: str, closed: asyncio.Event | None, timeout: float | None = None
     ) -> None:
-        """Wait for requests, failing early (UcxClosed) when `closed` is set meanwhile."""
+        """Wait for requests (io_timeout unless told), failing early (UcxClosed) once `closed` is set."""
         assert self._progress is not None
-        waiting = asyncio.ensure_future(
-            self._progress.wait(reqs, self.io_timeout if timeout is None else timeout, what)
-        )
-        if closed is None:
-            await waiting
-            return
-        ended = asyncio.ensure_future(closed.wait())
-        try:
-            done, _ = await asyncio.wait({waiting, ended}, return_when=asyncio.FIRST_COMPLETED)
-            if waiting in done:
-                waiting.result()
-                return
-            raise UcxClosed(f"{what}: client endpoint closed")
-        finally:
-            for f in (waiting, ended):
-                if not f.done():
-                    f.cancel()
-            await asyncio.gather(waiting, ended, return_exceptions=True)
+        await self._progress.wait(reqs, self.io_timeout if timeout is None else timeout, what, closed)
 
     async def _settle(self, reqs: list[Any], conn: Connection) -> bool:
         """After a failure: make every request finish (close the endpoints, which cancels what is posted
