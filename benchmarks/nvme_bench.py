@@ -9,10 +9,14 @@ call by call (a rotating order), so load from elsewhere on a shared machine hits
 - disk: `--batch` O_DIRECT reads of whole slots (header + payload, what the node reads) of the node's
   own segment file, the very slots holding the pages the gets read (found by their headers), from this
   process: one at a time from one thread ("1-deep"), and all in flight from `--depth` threads
-  ("16-deep", the node's NVMe queue depth).
+  ("16-deep", the node's NVMe queue depth: the target's reference); and, for comparison, the same
+  slots read the way the node reads them now: adjacent slots as one request of up to RUN_BYTES, all
+  requests in flight ("runs"). The preamble says how many runs of adjacent slots the batch forms.
 GB/s (10^9 B/s) counts payload bytes; the figure is the median of `--runs` runs of `--iters` calls.
 Every kvstore call is checked: all pages returned, all from NVMe, and the bytes of one page compared.
-Each kvstore figure is given as a ratio to the 16-deep disk rate of the same run.
+Each kvstore figure is given as a ratio to the 16-deep disk rate of the same run. GB per CPU-second:
+payload bytes over the CPU time of the processes doing the work (for kvstore this process and the
+node, for the disk this process; warm-up calls included), a figure that a loaded machine skews less.
 
 Limits: "NVMe" is whatever backs the temporary directory (printed); a hypervisor cache may sit under
 O_DIRECT, and it serves the kvstore reads and the disk reads alike. Writes benchmarks/out/nvme_bench.*.
@@ -36,13 +40,14 @@ from pathlib import Path
 
 from interleave import Column, add_run_options, round_robin, save_table, start
 from machine import machine_line
+from peer_bench import cpu_seconds
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, slot_bytes_for
-from kvstore.tiers.nvme import QUEUE_DEPTH, SEGMENT_FMT
+from kvstore.tiers.nvme import QUEUE_DEPTH, RUN_BYTES, SEGMENT_FMT
 
 NS = "bench/nvme"
 DRAM_SLOTS = 4
@@ -72,6 +77,8 @@ class Disk:
             self.direct = False
         self.bufs = [mmap.mmap(-1, slot_bytes) for _ in slots]  # page aligned, as O_DIRECT needs
         self.pool = ThreadPoolExecutor(depth)
+        self.runs = runs_of(slots, slot_bytes)
+        self.run_bufs = [mmap.mmap(-1, n * slot_bytes) for _, n in self.runs]
 
     def read(self, i: int) -> None:
         if os.preadv(self.fd, [self.bufs[i]], self.slots[i] * self.slot) != self.slot:
@@ -85,11 +92,32 @@ class Disk:
         for f in [self.pool.submit(self.read, i) for i in range(len(self.slots))]:
             f.result()
 
+    def coalesced(self) -> None:
+        def one(i: int) -> None:
+            first, n = self.runs[i]
+            if os.preadv(self.fd, [self.run_bufs[i]], first * self.slot) != n * self.slot:
+                raise OSError(f"short read of slots {first}-{first + n - 1}")
+
+        for f in [self.pool.submit(one, i) for i in range(len(self.runs))]:
+            f.result()
+
     def close(self) -> None:
         self.pool.shutdown()
         os.close(self.fd)
-        for b in self.bufs:
+        for b in self.bufs + self.run_bufs:
             b.close()
+
+
+def runs_of(slots: list[int], slot_bytes: int) -> list[tuple[int, int]]:
+    """(first slot, count) of each run of adjacent slots, in order, each within RUN_BYTES not counting
+    header blocks (as the node groups a batch's reads of whole slots)."""
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and s == sum(runs[-1]) and (runs[-1][1] + 1) * (slot_bytes - HEADER_BYTES) <= RUN_BYTES:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((s, 1))
+    return runs
 
 
 def slots_holding(segment: Path, slot_bytes: int, wanted: list[bytes]) -> list[int]:
@@ -129,7 +157,8 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
     node = NodeProcess(dram_bytes=DRAM_SLOTS * slot, nvme_path=root / f"nvme-{kib}",
                        nvme_bytes=(args.batch + 4 * DRAM_SLOTS + 4) * slot, max_page_bytes=size,
                        node_id=f"bench-nvme-{kib}").start()  # fmt: skip
-    res: dict[str, list[float]] = {k: [] for k in (*PLANES, "disk_1", "disk_deep")}
+    res: dict[str, list[float]] = {k: [] for k in (*PLANES, "disk_1", "disk_deep", "disk_runs")}
+    cpu: dict[str, list[float]] = {}  # cell -> [CPU seconds of its processes, calls]
     disk: Disk | None = None
     try:
         fast = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="shm")
@@ -158,7 +187,11 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
                 check([p.tier for p in got], bytes(got[0].data))
 
             cells: dict[str, Callable[[], None]] = {"get_into": get_into, "shm_get": shm_get, "grpc_get": grpc_get,
-                                                    "disk_1": disk.one_deep, "disk_deep": disk.deep}  # fmt: skip
+                                                    "disk_1": disk.one_deep, "disk_deep": disk.deep,
+                                                    "disk_runs": disk.coalesced}  # fmt: skip
+            assert node.proc is not None
+            pids = {k: [os.getpid()] + ([node.proc.pid] if k in PLANES else []) for k in cells}
+            cells = {k: metered(fn, pids[k], cpu.setdefault(k, [0.0, 0])) for k, fn in cells.items()}
             for _ in range(args.runs):
                 for name, gbs in round_robin(cells, args.iters, args.warmup, nbytes).items():
                     res[name].append(gbs)
@@ -174,7 +207,20 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
     deep = med["disk_deep"]
     return [{"page_kib": kib, "batch": args.batch, **{f"{k}_gbs": v for k, v in med.items()},
              **{f"{k}_vs_disk_deep": med[k] / deep for k in PLANES}, "o_direct": disk is not None and disk.direct,
-             "runs": res}]  # fmt: skip
+             "slot_runs": len(disk.runs) if disk is not None else 0, "runs": res,
+             **{f"{k}_gb_per_cpu_s": n * nbytes / c / 1e9 for k, (c, n) in cpu.items() if c > 0}}]  # fmt: skip
+
+
+def metered(fn: Callable[[], None], pids: list[int], acc: list[float]) -> Callable[[], None]:
+    """`fn`, adding the CPU seconds the processes `pids` spent during each call, and the call, to acc."""
+
+    def cell() -> None:
+        c0 = cpu_seconds(pids)
+        fn()
+        acc[0] += cpu_seconds(pids) - c0
+        acc[1] += 1
+
+    return cell
 
 
 def mount_of(path: Path) -> str:
@@ -208,13 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         f"(1 min) at the end {os.getloadavg()[0]:.1f}",
         f"- Workload: {args.batch} pages per get, promote=False (pages stay on NVMe), {args.iters} calls x "
         f"{args.runs} runs (median); wall {wall:.0f} s",
+        "- Runs of adjacent slots in a batch (disk runs: that many requests): "
+        + ", ".join(f"{r['page_kib']} KiB: {r['slot_runs']}" for r in rows),
     ]
     columns: list[Column] = [("page", lambda r: f"{r['page_kib']} KiB")]
     columns += [(f"{label} GB/s", lambda r, k=k: f"{r[f'{k}_gbs']:.2f}")
                 for k, label in (("get_into", "get_into"), ("shm_get", "shm get"), ("grpc_get", "gRPC get"),
-                                 ("disk_1", "disk 1-deep"), ("disk_deep", f"disk {deep}"))]  # fmt: skip
-    columns += [(f"{label} vs {deep}", lambda r, k=k: f"{r[f'{k}_vs_disk_deep']:.2f}")
-                for k, label in (("get_into", "get_into"), ("shm_get", "shm get"), ("grpc_get", "gRPC"))]
+                                 ("disk_1", "disk 1-deep"), ("disk_deep", f"disk {deep}"),
+                                 ("disk_runs", "disk runs"))]  # fmt: skip
+    columns += [
+        (f"{label} vs {deep}", lambda r, k=k: f"{r[f'{k}_vs_disk_deep']:.2f}")
+        for k, label in (("get_into", "get_into"), ("shm_get", "shm get"), ("grpc_get", "gRPC"))
+    ]
+    columns += [
+        (f"{label} GB/CPU-s", lambda r, k=k: f"{r.get(f'{k}_gb_per_cpu_s', 0.0):.2f}")
+        for k, label in (("get_into", "get_into"), ("shm_get", "shm get"), ("disk_deep", f"disk {deep}"))
+    ]
     save_table(args, "nvme_bench", preamble, columns, rows, wall)
     return 0
 

@@ -284,6 +284,24 @@ def live_slots(nvme: Path) -> list[tuple[Path, int]]:
     return out
 
 
+def damage_page(nvme: Path, page_hash: bytes, at: int = 100) -> Path:
+    """Flip one bit `at` bytes into the payload of the NVMe slot holding `page_hash` (bit rot under a live
+    or stopped node); returns the segment file. Slots start on 4 KiB boundaries whatever their size, so
+    every boundary is checked for a page header naming the hash. KeyError if no slot holds it."""
+    for seg in sorted(p for p in nvme.iterdir() if SEGMENT_RE.fullmatch(p.name)):
+        with open(seg, "r+b") as f:
+            for off in range(0, seg.stat().st_size - HEADER_BYTES + 1, 4096):
+                f.seek(off)
+                state, header, _ = classify(f.read(HEADER_BYTES))
+                if state is SlotState.PAGE and header is not None and header.hash == page_hash:
+                    f.seek(off + HEADER_BYTES + at)
+                    byte = f.read(1)
+                    f.seek(off + HEADER_BYTES + at)
+                    f.write(bytes([byte[0] ^ 0x40]))
+                    return seg
+    raise KeyError(f"no NVMe slot under {nvme} holds page {page_hash.hex()[:16]}")
+
+
 def flip_bits(rng: random.Random, targets: list[tuple[Path, int]], flips: int) -> None:
     """Flip `flips` random bits inside the given slots (header block or payload)."""
     for _ in range(flips):
@@ -515,7 +533,9 @@ def redis_outage(workdir: Path, outages: int = 1, chains: int = 16, down_seconds
                         keys = all_keys[res.requests % chains]
                         try:
                             pages = kv.get_pages(NS, keys, promote=True)
-                            if len(pages) != CHAIN or any(bytes(p.data) != content(h) for h, p in zip(keys, pages, strict=True)):
+                            if len(pages) != CHAIN or any(
+                                bytes(p.data) != content(h) for h, p in zip(keys, pages, strict=True)
+                            ):
                                 res.errors += 1
                         except KVStoreError:
                             res.errors += 1

@@ -11,8 +11,9 @@ invariants the runner checks after every case: the node answers, the code is one
 The node under test has no background work to change Stats between two reads: DRAM only, large
 enough never to evict, and no lease outlives its case (see GrpcUnaryPlane._pin_unpin).
 
-Planes plug in: `default_planes()` gives gRPC unary, gRPC Put streams, raw frames and shared memory; a
-data plane adds a FuzzPlane whose cases speak its own frames (the TCP plane's: devkit/fuzz_tcp.py).
+Planes plug in: `default_planes()` gives gRPC unary, gRPC Put streams and raw frames; a data plane adds a
+FuzzPlane whose cases speak its own frames (the TCP plane's: devkit/fuzz_tcp.py, the same-host plane's:
+devkit/fuzz_shm.py).
 """
 
 from __future__ import annotations
@@ -29,12 +30,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.client.planes.shm import ClientSegment
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import stats_as_dict
-from kvstore.wire.shm import HEADER_BYTES as SHM_HEADER
 from kvstore.wire.streams import CHUNK_BYTES, PUT_CHUNK_TAG, frame_chunk, layout_to_pb, stats_from_pb
 
 SERVICE = "/kvstore.v1.KVStore/"
@@ -75,16 +74,13 @@ class FuzzTarget:
     layout: PageLayout
     stored: list[bytes]
     channel: grpc.Channel = field(init=False)
-    segment: ClientSegment = field(init=False)
     sent: int = 0
 
     def __post_init__(self) -> None:
         self.channel = grpc.insecure_channel(self.addr, options=[("grpc.max_receive_message_length", 64 << 20)])
-        self.segment = ClientSegment(SHM_HEADER + 16 * self.layout.page_bytes)
 
     def close(self) -> None:
         self.channel.close()
-        self.segment.close()
 
     def unary(self, method: str, raw: bytes) -> str:
         self.sent += 1
@@ -120,7 +116,7 @@ class FuzzTarget:
             b"", timeout=30
         )
         d = stats_as_dict(stats_from_pb(pb.StatsResponse.FromString(raw)))
-        for k in ("uptime_seconds", "put_rejected"):
+        for k in ("uptime_seconds", "put_rejected", "scrubbed_bytes"):  # the scrubber runs on its own clock
             d.pop(k)
         return d
 
@@ -280,7 +276,7 @@ class GrpcPutPlane:
 _MESSAGES: dict[str, type[Message]] = {
     "Lookup": pb.LookupRequest, "Get": pb.GetRequest, "Delete": pb.DeleteRequest, "Pin": pb.PinRequest,
     "Unpin": pb.UnpinRequest, "Prefetch": pb.PrefetchRequest, "Stats": pb.StatsRequest,
-    "PutShm": pb.PutShmRequest, "GetShm": pb.GetShmRequest, "Put": pb.PutRequest,
+    "Report": pb.ReportRequest, "Put": pb.PutRequest,
 }  # fmt: skip
 
 
@@ -324,51 +320,9 @@ class RawFramePlane:
         return Case(self.name, f"{method}: raw", lambda tg: tg.unary(method, raw), expect, expect is ANY_HANDLED)
 
 
-SHM_MUTATIONS = ("none", "no open", "no pages", "bad name", "absent segment", "bad nonce", "short nonce",
-                 "slice in header", "slice past end", "get: valid", "get: window past end", "get: unknown namespace")  # fmt: skip
-
-
-class ShmPlane:
-    """PutShm / GetShm against a real client segment, with at most one region or slice error."""
-
-    name = "shm"
-
-    def cases(self, t: FuzzTarget) -> st.SearchStrategy[Case]:
-        return st.builds(self._case, st.just(t), st.sampled_from(SHM_MUTATIONS), random_hashes, fresh_namespaces)
-
-    def _case(self, t: FuzzTarget, mut: str, h: bytes, fresh: str) -> Case:
-        seg = t.segment
-        n = t.layout.page_bytes
-        name = {"bad name": "../etc/passwd", "absent segment": "kvstore-fuzz-absent-0000"}.get(mut, seg.name)
-        nonce = {"bad nonce": bytes(16), "short nonce": b"\x01"}.get(mut, seg.nonce)
-        region = pb.ShmRegion(name=name, nonce=nonce)
-        if mut.startswith("get"):
-            size = seg.size if mut == "get: window past end" else seg.data_bytes
-            req = pb.GetShmRequest(namespace=fresh if mut == "get: unknown namespace" else t.ns,
-                                   hashes=t.stored[:4], no_promote=True, region=region, offset=SHM_HEADER, size=size)  # fmt: skip
-            expect = {"get: valid": OK, "get: unknown namespace": NOT_FOUND}.get(mut, INVALID)
-            raw = req.SerializeToString()
-            return Case(self.name, f"GetShm: {mut}", lambda tg: tg.unary("GetShm", raw), frozenset({expect}), expect == OK)
-        offset = {"slice in header": 8, "slice past end": seg.size - n // 2}.get(mut, SHM_HEADER)
-        req = pb.PutShmRequest(region=region)
-        if mut != "no open":
-            req.open.CopyFrom(pb.PutOpen(namespace=t.ns, layout=layout_to_pb(t.layout)))
-        if mut != "no pages":
-            req.pages.add(hash=h, offset=offset, payload_bytes=n, checksum=0)
-
-        def send(tg: FuzzTarget) -> str:
-            seg.view[SHM_HEADER : SHM_HEADER + n] = content(h, n)
-            return tg.unary("PutShm", req.SerializeToString())
-
-        # A well-formed nonce that is not the segment's gets the same answer as an absent segment (one
-        # reply for every segment the node will not use, so names cannot be probed; issue 16).
-        expect = {"none": OK, "absent segment": "UNIMPLEMENTED", "bad nonce": "UNIMPLEMENTED"}.get(mut, INVALID)
-        return Case(self.name, f"PutShm: {mut}", send, frozenset({expect}), expect == OK)
-
-
 def default_planes() -> list[FuzzPlane]:
-    """The planes every node serves today; other data planes append theirs."""
-    return [GrpcUnaryPlane(), GrpcPutPlane(), RawFramePlane(), ShmPlane()]
+    """The gRPC planes every node serves; the data planes append theirs (devkit/fuzz_tcp.py, fuzz_shm.py)."""
+    return [GrpcUnaryPlane(), GrpcPutPlane(), RawFramePlane()]
 
 
 def setup_target(addr: str, ns: str = "fuzz/base", pages: int = 8) -> FuzzTarget:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,17 @@ from workers.tiny import TinyLlamaSpec, randomize
 if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
-__all__ = ["CheckpointWriter", "TinyLlamaSpec", "hf_reference_logits", "load_hf_oracle", "make_tiny_llama", "top2_margin"]
+__all__ = [
+    "LLAMA3_SCALING",
+    "ORACLE_CASES",
+    "CheckpointWriter",
+    "OracleCase",
+    "TinyLlamaSpec",
+    "hf_reference_logits",
+    "load_hf_oracle",
+    "make_tiny_llama",
+    "top2_margin",
+]
 
 
 class CheckpointWriter(enum.Enum):
@@ -66,6 +77,63 @@ def _build_hf_llama(spec: TinyLlamaSpec) -> LlamaForCausalLM:
         params = dict(model.named_parameters())
         randomize(params, spec.init_std, torch.Generator().manual_seed(spec.seed + 1))
     return model
+
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    # Small on purpose: with a 64-token pretraining context, head_dim 32's wavelengths (6.3 .. 5600
+    # positions) fall in all three bands: kept (< 16), smoothed (16 .. 64), divided by factor (> 64).
+    "original_max_position_embeddings": 64,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class OracleCase:
+    """A checkpoint shape of the transformers oracle tests (tests/workers/test_model_oracle.py), also the
+    shapes benchmarks/fp8_quality.py measures on."""
+
+    name: str
+    spec: TinyLlamaSpec
+    block_size: int
+    prompt_len: int
+    shard_bytes: int | None = None
+
+
+ORACLE_CASES = [
+    OracleCase("gqa-untied-b4", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=1), 4, 13),
+    OracleCase(
+        "mha-tied-theta5e5-b8",
+        TinyLlamaSpec(hidden=128, layers=3, heads=4, kv_heads=4, vocab=1000, tie=True, rope_theta=500000.0, seed=2),
+        8,
+        21,
+    ),
+    OracleCase(
+        "gqa4-attnbias-sharded-b16",
+        TinyLlamaSpec(hidden=128, layers=2, heads=8, kv_heads=2, vocab=256, attention_bias=True, seed=3),
+        16,
+        37,
+        shard_bytes=48_000,
+    ),
+    OracleCase(
+        "mqa-llama3-headdim32-mlpbias-b8",
+        TinyLlamaSpec(
+            hidden=64,
+            layers=2,
+            heads=4,
+            kv_heads=1,
+            head_dim=32,
+            vocab=300,
+            mlp_bias=True,
+            rope_scaling=LLAMA3_SCALING,
+            seed=4,
+        ),
+        8,
+        30,
+    ),
+]
 
 
 def load_hf_oracle(directory: str | Path) -> LlamaForCausalLM:

@@ -415,14 +415,13 @@ def scatter_pages(
     _page_copy(scatter_kernel_name, pages, kv_caches, block_ids)
 
 
-def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch quantize_fp8_kernel: one block per (plane, kv head). See kernels.ops."""
+def quantize_fp8(pages: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
+    """Launch quantize_fp8_kernel into q and scales (pages at any stride; see kernels.ops): one block per
+    (plane, kv head)."""
     num_pages, num_layers, two, block_size, num_kv_heads, head_dim = pages.shape
-    q = torch.empty(pages.shape, dtype=torch.float8_e4m3fn, device=pages.device)
-    scales = torch.empty((num_pages, num_layers, two, num_kv_heads), dtype=torch.float32, device=pages.device)
     blocks = num_pages * num_layers * two * num_kv_heads
     if blocks == 0:
-        return q, scales
+        return
     if blocks > MAX_GRID_X:
         raise ValueError(f"{blocks} (plane, head) slabs exceed one launch's grid")
     _Launcher(pages.device)(
@@ -430,14 +429,24 @@ def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         quantize_kernel_name(pages.dtype),
         (blocks, 1, 1),
         (QUANT_THREADS, 1, 1),
-        (q, scales, pages, _i32(block_size), _i32(num_kv_heads), _i32(head_dim)),
+        (
+            q,
+            scales,
+            pages,
+            np.int64(q.stride(0)),
+            np.int64(scales.stride(0)),
+            _i32(num_layers * two),
+            _i32(block_size),
+            _i32(num_kv_heads),
+            _i32(head_dim),
+        ),
     )
-    return q, scales
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Launch dequantize_fp8_kernel, grid-stride over groups of 8 values. See kernels.ops."""
-    _, _, _, block_size, num_kv_heads, head_dim = q.shape
+    """Launch dequantize_fp8_kernel (q and scales pages at any stride; see kernels.ops), grid-stride over
+    groups of 8 values."""
+    _, num_layers, two, block_size, num_kv_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     groups = q.numel() // FP8_GROUP
     if groups == 0:
@@ -448,6 +457,17 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
         dequantize_kernel_name(dtype),
         (grid, 1, 1),
         (DEQUANT_THREADS, 1, 1),
-        (out, q, scales, np.int64(groups), _i32(block_size), _i32(num_kv_heads), _i32(head_dim)),
+        (
+            out,
+            q,
+            scales,
+            np.int64(groups),
+            np.int64(q.stride(0)),
+            np.int64(scales.stride(0)),
+            _i32(num_layers * two),
+            _i32(block_size),
+            _i32(num_kv_heads),
+            _i32(head_dim),
+        ),
     )
     return out

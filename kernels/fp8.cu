@@ -1,11 +1,16 @@
 // FP8 (e4m3, "fn": finite, max 448) page quantization with one fp32 scale per (plane, kv head).
 //
 // Pages are viewed as planes: [num_planes, block_size, num_kv_heads, head_dim] with
-// num_planes = num_pages * num_layers * 2 (a page is [num_layers, 2, block_size, num_kv_heads, head_dim],
-// DESIGN.md section 4). Each (plane, head) slab, block_size x head_dim values, gets
+// num_planes = num_pages * planes_per_page and planes_per_page = num_layers * 2 (a page is
+// [num_layers, 2, block_size, num_kv_heads, head_dim], DESIGN.md section 4). Each (plane, head) slab,
+// block_size x head_dim values, gets
 //   scale = absmax / 448,   q = e4m3(x * (448 / absmax)) rounded to nearest even, saturating,
 // and dequantizes as x' = float(q) * scale. An all-zero slab gets scale 0 and q 0.
-// Scales are [num_planes, num_kv_heads] = [num_pages, num_layers, 2, num_kv_heads] (kernels/ops.py).
+//
+// The e4m3 values and the scales are addressed per page through a page stride, so they can live in
+// separate contiguous tensors (q [num_pages, ...], scales [num_pages, num_layers, 2, num_kv_heads]) or
+// inside packed encoded pages (kvstore's fp8-e4m3 page: scales, then values, in one buffer per page;
+// kvstore/layout.py). Within a page both are contiguous. The floating-point pages are contiguous.
 //
 // Compiled by nvcc in CI (explicit instantiations at the end) and by NVRTC at run time (CuPy,
 // name_expressions; __CUDACC_RTC__ is defined there and the instantiation list is skipped).
@@ -20,15 +25,22 @@ constexpr int kDequantThreads = 256;
 constexpr float kFp8E4m3Max = 448.0f;
 constexpr int kFp8Group = 8;  // fp8 values per dequant step: one 8-byte load, kFp8Group outputs
 
-// Grid:  x = num_planes * num_kv_heads; block x handles plane x / num_kv_heads, head x % num_kv_heads.
+// Grid:  x = num_planes * num_kv_heads; block x handles plane x / num_kv_heads, head x % num_kv_heads;
+//        plane = page * planes_per_page + (layer * 2 + K/V).
 // Block: kQuantThreads threads stride over the slab's block_size * head_dim / kVec 16-byte vectors:
 //        a first pass finds the absmax, a second re-reads (from L1/L2) and quantizes.
-// Contract: head_dim % kVec == 0 (a vector never straddles two heads); 16-byte aligned pages.
+// Contract: head_dim % kVec == 0 (a vector never straddles two heads); 16-byte aligned pages, out and
+//           out_page_stride.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kQuantThreads) quantize_fp8_kernel(
-    unsigned char* __restrict__ out,         // [num_planes, block_size, num_kv_heads, head_dim] e4m3 bits
-    float* __restrict__ scales,              // [num_planes, num_kv_heads]
+    unsigned char* __restrict__ out,         // page n at out + n * out_page_stride:
+                                             //   [planes_per_page, block_size, num_kv_heads, head_dim] e4m3 bits
+    float* __restrict__ scales,              // page n at scales + n * scales_page_stride:
+                                             //   [planes_per_page, num_kv_heads]
     const scalar_t* __restrict__ pages,      // [num_planes, block_size, num_kv_heads, head_dim]
+    const long long out_page_stride,         // bytes from one page of out to the next
+    const long long scales_page_stride,      // floats from one page of scales to the next
+    const int planes_per_page,               // num_layers * 2
     const int block_size, const int num_kv_heads, const int head_dim) {
   using Traits = VecTraits<scalar_t>;
   constexpr int kVec = Traits::kVec;
@@ -36,10 +48,15 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_fp8_kernel(
 
   const long long plane = blockIdx.x / num_kv_heads;
   const int head = blockIdx.x % num_kv_heads;
+  const long long page = plane / planes_per_page;
+  const int plane_in_page = static_cast<int>(plane - page * planes_per_page);
   const int vecs_per_row = head_dim / kVec;
   const int num_vecs = block_size * vecs_per_row;
   const long long row_stride = static_cast<long long>(num_kv_heads) * head_dim;  // elements between tokens
-  const long long base = plane * block_size * row_stride + static_cast<long long>(head) * head_dim;
+  const long long plane_elems = block_size * row_stride;
+  const long long base = plane * plane_elems + static_cast<long long>(head) * head_dim;
+  const long long out_base =
+      page * out_page_stride + plane_in_page * plane_elems + static_cast<long long>(head) * head_dim;
 
   float amax = 0.0f;
   for (int i = threadIdx.x; i < num_vecs; i += kQuantThreads) {
@@ -54,50 +71,64 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_fp8_kernel(
   // IEEE division (not the reciprocal approximation): the torch reference computes the same quotient,
   // so the CUDA and reference bits agree exactly.
   const float inv = amax > 0.0f ? kFp8E4m3Max / amax : 0.0f;
-  if (threadIdx.x == 0) scales[blockIdx.x] = amax / kFp8E4m3Max;
+  if (threadIdx.x == 0) {
+    scales[page * scales_page_stride + static_cast<long long>(plane_in_page) * num_kv_heads + head] =
+        amax / kFp8E4m3Max;
+  }
 
   for (int i = threadIdx.x; i < num_vecs; i += kQuantThreads) {
     const int token = i / vecs_per_row;
     const int col = (i - token * vecs_per_row) * kVec;
-    const long long at = base + token * row_stride + col;
+    const long long offset = token * row_stride + col;
     float f[kVec];
-    Traits::unpack(__ldg(reinterpret_cast<const uint4*>(pages + at)), f);
+    Traits::unpack(__ldg(reinterpret_cast<const uint4*>(pages + base + offset)), f);
     unsigned char q[kVec];
 #pragma unroll
     for (int e = 0; e < kVec; ++e) q[e] = __nv_cvt_float_to_fp8(f[e] * inv, __NV_SATFINITE, __NV_E4M3);
-    // kVec bytes, kVec-aligned (head_dim and the offset are multiples of kVec): one store.
+    // kVec bytes, kVec-aligned (head_dim, the offsets and out_page_stride are multiples of kVec): one store.
+    unsigned char* at = out + out_base + offset;
     if constexpr (kVec == 8) {
       uint2 packed;
       packed.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
       packed.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<unsigned>(q[7]) << 24);
-      *reinterpret_cast<uint2*>(out + at) = packed;
+      *reinterpret_cast<uint2*>(at) = packed;
     } else {
       static_assert(kVec == 4, "16-byte vectors hold 4 or 8 elements");
-      *reinterpret_cast<unsigned int*>(out + at) =
+      *reinterpret_cast<unsigned int*>(at) =
           q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
     }
   }
 }
 
 // Grid:  1-D, grid-stride over the num_planes * block_size * num_kv_heads * head_dim / kFp8Group groups
-//        of kFp8Group consecutive values (one 8-byte load each).  Block: kDequantThreads threads.
-// Contract: head_dim % kFp8Group == 0 (a group never straddles two heads); 16-byte aligned output.
+//        of kFp8Group consecutive values (one 8-byte load each), numbered in the order of `out`.
+// Block: kDequantThreads threads.
+// Contract: head_dim % kFp8Group == 0 (a group never straddles two heads); 16-byte aligned output;
+//           q and q_page_stride 8-byte aligned.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kDequantThreads) dequantize_fp8_kernel(
     scalar_t* __restrict__ out,              // [num_planes, block_size, num_kv_heads, head_dim]
-    const unsigned char* __restrict__ q,     // [num_planes, block_size, num_kv_heads, head_dim] e4m3 bits
-    const float* __restrict__ scales,        // [num_planes, num_kv_heads]
+    const unsigned char* __restrict__ q,     // page n at q + n * q_page_stride:
+                                             //   [planes_per_page, block_size, num_kv_heads, head_dim] e4m3 bits
+    const float* __restrict__ scales,        // page n at scales + n * scales_page_stride:
+                                             //   [planes_per_page, num_kv_heads]
     const long long num_groups,              // total values / kFp8Group
+    const long long q_page_stride,           // bytes from one page of q to the next
+    const long long scales_page_stride,      // floats from one page of scales to the next
+    const int planes_per_page,               // num_layers * 2
     const int block_size, const int num_kv_heads, const int head_dim) {
   using Traits = VecTraits<scalar_t>;
   const long long plane_elems = static_cast<long long>(block_size) * num_kv_heads * head_dim;
+  const long long page_elems = plane_elems * planes_per_page;
   for (long long g = static_cast<long long>(blockIdx.x) * kDequantThreads + threadIdx.x; g < num_groups;
        g += static_cast<long long>(gridDim.x) * kDequantThreads) {
     const long long at = g * kFp8Group;
-    const long long plane = at / plane_elems;
+    const long long page = at / page_elems;
+    const long long within = at - page * page_elems;
+    const long long plane_in_page = within / plane_elems;
     const int head = static_cast<int>((at / head_dim) % num_kv_heads);
-    const float scale = __ldg(scales + plane * num_kv_heads + head);
-    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(q + at));
+    const float scale = __ldg(scales + page * scales_page_stride + plane_in_page * num_kv_heads + head);
+    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(q + page * q_page_stride + within));
     const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&raw);
     __align__(16) scalar_t v[kFp8Group];  // stored as whole 16-byte vectors below
 #pragma unroll
@@ -119,8 +150,10 @@ __global__ void __launch_bounds__(kDequantThreads) dequantize_fp8_kernel(
 #ifndef __CUDACC_RTC__
 // Every configuration the launcher can request (kernels/cuda.py), instantiated for the nvcc check in CI.
 #define KV_INSTANTIATE_FP8(T)                                                                                 \
-  template __global__ void kvstore::quantize_fp8_kernel<T>(unsigned char*, float*, const T*, int, int, int); \
-  template __global__ void kvstore::dequantize_fp8_kernel<T>(T*, const unsigned char*, const float*, long long, int, int, int);
+  template __global__ void kvstore::quantize_fp8_kernel<T>(unsigned char*, float*, const T*, long long, long long, \
+                                                           int, int, int, int);                                 \
+  template __global__ void kvstore::dequantize_fp8_kernel<T>(T*, const unsigned char*, const float*, long long,   \
+                                                             long long, long long, int, int, int, int);
 
 KV_INSTANTIATE_FP8(float)
 KV_INSTANTIATE_FP8(__half)

@@ -18,6 +18,8 @@ Layouts (all contiguous; DESIGN.md section 4):
     pages         [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim]
     fp8 q         like pages, float8_e4m3fn (uint8 accepted on input)
     fp8 scales    [num_pages, num_layers, 2, num_kv_heads] fp32: one per (page, layer, K/V, kv head)
+fp8 q and scales may be "paged": each page's part contiguous, pages at any stride (views into packed
+encoded pages, where one buffer per page holds its scales and its values; see quantize_fp8).
 """
 
 from __future__ import annotations
@@ -81,6 +83,25 @@ def _same_dtype(name: str, value: torch.Tensor, like: torch.Tensor, like_name: s
 def _same_shape(name: str, value: torch.Tensor, like: torch.Tensor, like_name: str) -> None:
     if value.shape != like.shape:
         raise ValueError(f"{name} has shape {tuple(value.shape)} but {like_name} has {tuple(like.shape)}")
+
+
+def _paged(name: str, value: object, ndim: int, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+    """A tensor whose dim 0 counts pages: each page's part contiguous, pages at any stride that does not
+    overlap (a contiguous tensor is one such)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(value.dtype).removeprefix('torch.')}")
+    if value.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(value.shape)}")
+    inner = math.prod(value.shape[1:])
+    if value.shape[0] and inner and (not value[0].is_contiguous() or (value.shape[0] > 1 and value.stride(0) < inner)):
+        raise ValueError(
+            f"{name} must hold each page contiguously, pages at a stride >= the page (shape {tuple(value.shape)}, "
+            f"strides {value.stride()})"
+        )
+    return value
 
 
 def _device_of(named: Sequence[tuple[str, torch.Tensor]]) -> torch.device:
@@ -384,7 +405,9 @@ def scatter_pages(pages: torch.Tensor, kv_caches: KVCaches, block_ids: torch.Ten
 # ---------------------------------------------------------------------------------------- fp8
 
 
-def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(
+    pages: torch.Tensor, *, out: torch.Tensor | None = None, out_scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize pages to e4m3 with one scale per (page, layer, K/V, kv head).
 
     pages: [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim], fp16 / bf16 / fp32.
@@ -392,32 +415,61 @@ def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales fp32 [num_pages, num_layers, 2, num_kv_heads] with scale = absmax / 448 over the slab's
     block_size x head_dim values (0 for an all-zero slab). Round-trip error: see FP8_REL_ERROR.
     Inputs must be finite.
+
+    out, out_scales (both or neither): where to write q (float8_e4m3fn or uint8) and the scales, on the
+    pages' device; each page's part contiguous, pages at any stride, e.g. views into packed encoded
+    pages. On CUDA, out and its page stride must be 16-byte aligned (scales: 4-byte).
     """
     pages = _tensor("pages", pages, 6, FLOAT_DTYPES)
     if pages.shape[2] != 2:
         raise ValueError(
             f"pages must be [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim], got {tuple(pages.shape)}"
         )
-    device = _device_of([("pages", pages)])
+    if (out is None) != (out_scales is None):
+        raise ValueError("give both out and out_scales, or neither")
+    scales_shape = (*pages.shape[:3], pages.shape[4])
+    if out is None or out_scales is None:
+        out = torch.empty(pages.shape, dtype=torch.float8_e4m3fn, device=pages.device)
+        out_scales = torch.empty(scales_shape, dtype=torch.float32, device=pages.device)
+    else:
+        out = _paged("out", out, 6, FP8_DTYPES)
+        out_scales = _paged("out_scales", out_scales, 4, (torch.float32,))
+        if out.shape != pages.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)} but pages has {tuple(pages.shape)}")
+        if tuple(out_scales.shape) != scales_shape:
+            raise ValueError(f"out_scales has shape {tuple(out_scales.shape)}; expected {scales_shape} for pages")
+    device = _device_of([("pages", pages), ("out", out), ("out_scales", out_scales)])
+    q = out.view(torch.float8_e4m3fn)
     if device.type == "cpu":
-        return reference.quantize_fp8(pages)
+        reference.quantize_fp8(pages, q, out_scales)
+        return q, out_scales
     vec = 16 // pages.element_size()
     if pages.shape[-1] % vec:
         raise ValueError(f"pages head_dim {pages.shape[-1]} must be a multiple of {vec} on CUDA")
-    _aligned([("pages", pages)])
+    _aligned([("pages", pages), ("out", q)])
+    _page_stride_aligned("out", q, CUDA_ALIGN)
+    _page_stride_aligned("out_scales", out_scales, out_scales.element_size())
     from kernels import cuda
 
-    return cuda.quantize_fp8(pages)
+    cuda.quantize_fp8(pages, q, out_scales)
+    return q, out_scales
+
+
+def _page_stride_aligned(name: str, t: torch.Tensor, align: int) -> None:
+    if t.shape[0] > 1 and (t.stride(0) * t.element_size()) % align:
+        raise ValueError(f"{name}'s page stride ({t.stride(0) * t.element_size()} B) must be a multiple of {align} B")
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Inverse of quantize_fp8: pages = float(q) * scale, rounded once to `dtype` (fp16 / bf16 / fp32).
 
     q: [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim], float8_e4m3fn or its uint8 bytes;
-    scales: fp32 [num_pages, num_layers, 2, num_kv_heads] on the same device.
+    scales: fp32 [num_pages, num_layers, 2, num_kv_heads] on the same device. Each page's part of q and
+    of scales contiguous, pages at any stride (views into packed encoded pages work). Returns a new
+    contiguous tensor. On CUDA, q and its page stride must be 8-byte aligned.
     """
-    q = _tensor("q", q, 6, FP8_DTYPES)
-    scales = _tensor("scales", scales, 4, (torch.float32,))
+    q = _paged("q", q, 6, FP8_DTYPES)
+    scales = _paged("scales", scales, 4, (torch.float32,))
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
     if dtype not in FLOAT_DTYPES:
@@ -438,5 +490,8 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
 
     if head_dim % cuda.FP8_GROUP:
         raise ValueError(f"q head_dim {head_dim} must be a multiple of {cuda.FP8_GROUP} on CUDA")
-    _aligned([("q", q)])
+    if q.data_ptr() % cuda.FP8_GROUP:
+        raise ValueError(f"q must start on a {cuda.FP8_GROUP}-byte boundary for the CUDA kernels")
+    _page_stride_aligned("q", q, cuda.FP8_GROUP)
+    _page_stride_aligned("scales", scales, scales.element_size())
     return cuda.dequantize_fp8(q.view(torch.float8_e4m3fn), scales, dtype)

@@ -125,10 +125,13 @@ def scatter_pages(pages: torch.Tensor, kv_caches: KVCaches, block_ids: torch.Ten
         v[ids] = pages[:, layer, 1]
 
 
-def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(
+    pages: torch.Tensor, q: torch.Tensor | None = None, scales: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 pages with one scale per (page, layer, K/V, kv head): scale = absmax / 448.
 
-    Returns (q float8_e4m3fn, same shape as pages; scales fp32 [num_pages, num_layers, 2, num_kv_heads]).
+    Returns (q float8_e4m3fn, same shape as pages; scales fp32 [num_pages, num_layers, 2, num_kv_heads]),
+    written into `q` and `scales` when given (views at any page stride work).
     """
     num_pages, num_layers, two, block_size, num_kv_heads, head_dim = pages.shape
     planes = pages.reshape(-1, block_size, num_kv_heads, head_dim).float()
@@ -138,10 +141,14 @@ def quantize_fp8(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # division the CUDA kernel does. Equal shapes keep the two bit-identical.
     fp8_max = torch.full_like(amax, FP8_E4M3_MAX)
     inv = torch.where(amax > 0, fp8_max / amax, torch.zeros_like(amax))
-    scales = amax / fp8_max
     scaled = (planes * inv[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
-    q = scaled.to(torch.float8_e4m3fn).reshape(pages.shape)
-    return q, scales.reshape(num_pages, num_layers, two, num_kv_heads)
+    q_new = scaled.to(torch.float8_e4m3fn).reshape(pages.shape)
+    scales_new = (amax / fp8_max).reshape(num_pages, num_layers, two, num_kv_heads)
+    if q is None or scales is None:
+        return q_new, scales_new
+    q.copy_(q_new)
+    scales.copy_(scales_new)
+    return q, scales
 
 
 def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -81,11 +81,6 @@ class PlaneUnavailable(KVStoreError):
     status_name = "UNIMPLEMENTED"
 
 
-class ShmNotAvailable(PlaneUnavailable):
-    """The shared-memory data plane cannot be used for this call: the node runs without it, or the
-    caller's segment is not visible to the node (another host or another /dev/shm). Use Put/Get."""
-
-
 class StreamError(KVStoreError):
     """A transfer broke on its way to this client: framing out of order, a page truncated, or a page whose
     bytes do not match their checksum after crossing the wire. Raised by the client, never sent by a node;
@@ -125,7 +120,6 @@ _BY_STATUS: dict[str, type[KVStoreError]] = {
         Unavailable,
         Unauthenticated,
         PermissionDenied,
-        ShmNotAvailable,
     )
 }
 

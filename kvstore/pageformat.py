@@ -7,7 +7,15 @@ Slot layout, identical in every tier so a demotion is one copy of the used bytes
 
 Header block (little endian):
     magic "KVPG" | format u16 | flags u16 | generation u64 | payload_len u64 | checksum u64 |
-    layout (5 x u32) | hash (32 B) | namespace_len u16 | namespace (UTF-8) | header_checksum u64
+    layout (20 B, PageLayout.pack) | hash (32 B) | namespace_len u16 | namespace (UTF-8) | header_checksum u64
+
+Format versions (a reader takes every version up to FORMAT_VERSION; a writer writes the lowest version
+that can express the page, so pages that need nothing new stay readable by older builds):
+    1  layout = dtype u32 | layers | kv heads | head dim | block size (5 x u32): raw pages only.
+    2  the layout's first word is dtype u16 | encoding u16 (PageEncoding): pages of any encoding.
+       A raw page's bytes are identical in both versions; it is written as version 1.
+An NVMe file written before encodings existed therefore recovers unchanged after an upgrade, and an
+older build meets an encoded page as "page format 2 is not supported", never as a misread layout.
 
 `checksum` is XXH3-64 of the payload; `header_checksum` is XXH3-64 of every header byte before it,
 so a torn or stale header is recognised on NVMe recovery. `generation` grows monotonically per node;
@@ -22,11 +30,12 @@ from dataclasses import dataclass
 import xxhash
 
 from kvstore.hashing import HASH_BYTES
-from kvstore.layout import PageLayout
+from kvstore.layout import PageEncoding, PageLayout
 from kvstore.scoping import MAX_SCOPED_NAMESPACE_BYTES  # a tenant's scoped namespace
 
 MAGIC = b"KVPG"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this build reads and writes (module docstring)
+_FORMAT_RAW_ONLY = 1  # the version before encodings: its layouts are raw
 HEADER_BYTES = 4096
 ALIGN = 4096  # O_DIRECT needs offsets, lengths and buffers aligned to the logical block size
 _FIXED = struct.Struct("<4sHHQQQ20s32sH")
@@ -39,6 +48,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
 def slot_bytes_for(max_page_bytes: int) -> int:
     """Slot size that holds a header and a payload of up to max_page_bytes, O_DIRECT aligned."""
     return HEADER_BYTES + align_up(max_page_bytes)
+
+
+def format_version_for(layout: PageLayout) -> int:
+    """The lowest header format that expresses pages of `layout` (module docstring)."""
+    return _FORMAT_RAW_ONLY if layout.encoding is PageEncoding.RAW else FORMAT_VERSION
 
 
 def payload_checksum(payload: memoryview | bytes) -> int:
@@ -67,7 +81,7 @@ class PageHeader:
         body = (
             _FIXED.pack(
                 MAGIC,
-                FORMAT_VERSION,
+                format_version_for(self.layout),
                 0,
                 self.generation,
                 self.payload_len,
@@ -89,8 +103,10 @@ class PageHeader:
         magic, version, _flags, gen, plen, csum, layout_raw, h, ns_len = _FIXED.unpack_from(block)
         if magic != MAGIC:
             raise HeaderError("no page header (blank or foreign slot)")
-        if version != FORMAT_VERSION:
-            raise HeaderError(f"page format {version} is not supported (this build reads {FORMAT_VERSION})")
+        if not _FORMAT_RAW_ONLY <= version <= FORMAT_VERSION:
+            raise HeaderError(
+                f"page format {version} is not supported (this build reads {_FORMAT_RAW_ONLY} to {FORMAT_VERSION})"
+            )
         if ns_len > MAX_SCOPED_NAMESPACE_BYTES:
             raise HeaderError("namespace length out of range")
         end = _FIXED.size + ns_len
@@ -102,4 +118,7 @@ class PageHeader:
             namespace = bytes(block[_FIXED.size : end]).decode()
         except (ValueError, UnicodeDecodeError) as exc:
             raise HeaderError(f"header fields invalid: {exc}") from None
+        if version == _FORMAT_RAW_ONLY and layout.encoding is not PageEncoding.RAW:
+            # In version 1 the whole first word was the dtype: a non-zero upper half is no encoding.
+            raise HeaderError(f"header fields invalid: a format {version} page has no encoding")
         return cls(namespace, h, layout, plen, csum, gen)

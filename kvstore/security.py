@@ -3,7 +3,7 @@
 Server side (`NodeConfig`): `tls_cert_file` + `tls_key_file` turn on TLS; `tls_client_ca_file`
 also requires every client to present a certificate signed by that CA (mTLS). `auth_tokens_file`
 holds the tokens that may do everything; `auth_read_tokens_file` the tokens that may only read
-(Lookup, Get, GetShm, Stats) and never change where pages live: their Gets are served without
+(Lookup, Get, Report, Stats) and never change where pages live: their Gets are served without
 promotion, and Prefetch or Lookup with prefetch need a read-write token. A token file has one
 token per line, optionally followed by the name of the tenant it belongs to (kvstore/scoping.py; blank
 lines and `#` comments ignored), so a rotation is: add the new token, roll
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
 # Change what a node holds or where (Prefetch promotes, which on a full node drops the coldest page).
-WRITE_METHODS = frozenset({"Put", "PutShm", "Delete", "Pin", "Unpin", "Prefetch"})
+WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin", "Prefetch"})
 RELOAD_EVERY_S = 1.0
 
 

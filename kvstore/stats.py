@@ -71,6 +71,21 @@ class IndexStatus:
     resync_pending: bool = False
 
 
+@dataclass(slots=True)
+class KvEventsStatus:
+    """The node's KV-event feed for routers (kvstore/node/kv_events.py). `dropped_events` were refused by its
+    full queue (each schedules a snapshot); a subscriber's own losses in ZMQ show to it as sequence gaps."""
+
+    endpoint: str
+    queued: int = 0  # changes waiting for the sender thread
+    sent_events: int = 0  # block hashes (and clears) sent
+    sent_batches: int = 0  # messages sent (one sequence number each)
+    dropped_events: int = 0
+    snapshots: int = 0  # full states sent (start, a new subscriber, after drops)
+    subscribers: int = 0  # subscriptions seen and not withdrawn
+    send_errors: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PlaneInfo:
     """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS."""
@@ -161,6 +176,7 @@ class NodeStats:
     corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival (Report)
     corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
     scrubbed_bytes: int = 0  # DRAM payload bytes the background scrubber verified
+    kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -190,7 +206,13 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
             for t in stats.tiers
         },
         "namespaces": [
-            {"namespace": ns, "layout": layout.describe(), "page_bytes": layout.page_bytes, "pages": pages}
+            {
+                "namespace": ns,
+                "layout": layout.describe(),
+                "encoding": layout.encoding.label,
+                "page_bytes": layout.page_bytes,
+                "pages": pages,
+            }
             for ns, layout, pages in stats.namespaces
         ],
         "lookups": stats.lookups,
@@ -209,4 +231,5 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],
         "host_id": stats.host_id,
         "tenants": [tenant_as_dict(t) for t in stats.tenants],
+        "kv_events": None if stats.kv_events is None else asdict(stats.kv_events),
     }

@@ -11,6 +11,9 @@ Model side (no Ray, no cache service; runs on CPU or CUDA):
     tokenizer.py    tokenizer.json -> TextTokenizer (None when absent: callers use token ids)
     testing.py      tiny random checkpoints and the transformers oracle, for tests and demos
 
+    page_codec.py   PageCodec: the model's pages <-> stored page bytes in the deployment's encoding
+                    (raw: a byte view; fp8-e4m3: kernels.quantize_fp8 / dequantize_fp8 in place)
+
 The Ray layer (serving engines, actors, router, runtime) builds on that API. Imports point downward:
 the model side imports `kernels` and `kvstore.layout` only, never the Ray layer.
 """

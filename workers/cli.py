@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import random
 import tempfile
@@ -41,6 +42,17 @@ USER_TURNS = [
 ]
 
 
+KV_ENCODING_HELP = "how the workers store KV pages: raw, or fp8 (e4m3 with per-head scales: half the bytes)"
+
+
+class KVEncodingFlag(enum.StrEnum):
+    """Values of `--kv-encoding` (kvstore generate, pd-demo, pd-serve) and of the chart's
+    `workers.kvEncoding`: how a deployment's workers store pages (workers/page_codec.py)."""
+
+    RAW = "raw"  # the model's KV bytes as they are (default)
+    FP8 = "fp8"  # fp8-e4m3 with per-(layer, K/V, head) scales: half the bytes, within the fp8 bound
+
+
 def _model_dir(model: Path | None, workdir: Path) -> Path:
     if model is not None:
         return model
@@ -59,6 +71,7 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate")] = 16,
     block_size: Annotated[int, typer.Option(min=1, help="tokens per KV block / cache page")] = 16,
     json_out: Annotated[bool, typer.Option("--json", help="print JSON: tokens and per-phase timings")] = False,
+    kv_encoding: Annotated[KVEncodingFlag, typer.Option(help=KV_ENCODING_HELP)] = KVEncodingFlag.RAW,
 ) -> None:
     """Run one request through disaggregated prefill/decode on a local cluster (Redis, a cache node, Ray)."""
     from workers.runtime import LocalStack, StackConfig
@@ -73,7 +86,7 @@ def generate(
         if tok is None:
             raise ValueError(f"{model} has no tokenizer.json: use --prompt-ids")
         ids = tok.encode(prompt or "")
-    with LocalStack(StackConfig(model_dir=str(model), block_size=block_size)) as stack:
+    with LocalStack(StackConfig(model_dir=str(model), block_size=block_size, kv_encoding=kv_encoding.value)) as stack:
         r = stack.generate("cli-0", ids, max_new_tokens)
     timings = {
         "lookup_s": r.prefill.lookup_s,
@@ -109,6 +122,7 @@ def pd_demo(
     model: Annotated[Path | None, typer.Option(help="checkpoint dir (default: a small model made locally)")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1)] = 8,
     seed: Annotated[int, typer.Option()] = 0,
+    kv_encoding: Annotated[KVEncodingFlag, typer.Option(help=KV_ENCODING_HELP)] = KVEncodingFlag.RAW,
 ) -> None:
     """The main job: Redis, a cache node and a local Ray cluster with a prefill and a decode worker serve a
     multi-turn chat workload whose conversations share system prompts; prints TTFT per request with the
@@ -128,7 +142,9 @@ def pd_demo(
             raise ValueError(f"{mdir} has no tokenizer.json")
         # DRAM for 24 pages and NVMe for 512: earlier conversations' pages are demoted to NVMe while
         # later ones run, so later turns hit both tiers.
-        cfg = StackConfig(model_dir=str(mdir), block_size=16, num_blocks=2048, torch_threads=1)
+        cfg = StackConfig(
+            model_dir=str(mdir), block_size=16, num_blocks=2048, torch_threads=1, kv_encoding=kv_encoding.value
+        )
         slot = slot_bytes_for(LocalStack.page_bytes(cfg))
         cfg.dram_bytes, cfg.nvme_bytes = 24 * slot, 512 * slot
         console.rule("[bold]kvstore: disaggregated prefill/decode through the cache")

@@ -31,6 +31,7 @@ from typing import Annotated, Any
 import typer
 
 from kvstore.cli.common import friendly_errors, setup_logging
+from workers.cli import KV_ENCODING_HELP, KVEncodingFlag
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +189,7 @@ def pd_serve(  # noqa: PLR0913
     check_every: Annotated[float, typer.Option(min=0.5, help="seconds between checks of the actors")] = 10.0,
     ready_file: Annotated[Path | None, typer.Option(help="write {router, prefill, decode} JSON once serving")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING")] = "INFO",
+    kv_encoding: Annotated[KVEncodingFlag, typer.Option(help=KV_ENCODING_HELP)] = KVEncodingFlag.RAW,
 ) -> None:
     """Place prefill/decode workers on the slots of a running Ray cluster and start the named router."""
     import json
@@ -218,19 +220,21 @@ def pd_serve(  # noqa: PLR0913
         cfg = WorkerConfig(
             model_dir=str(model),
             redis_url=redis_url,
-            namespace=namespace_for(model, dtype),
+            namespace=namespace_for(model, dtype, encoding=kv_encoding.value),
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=dtype,
+            kv_encoding=kv_encoding.value,
         )
         serving = start_serving(slots, cfg, max_inflight)
         log.info(
-            "serving: %d prefill, %d decode workers; router %r in Ray namespace %r; cache namespace %s",
+            "serving: %d prefill, %d decode workers; router %r in Ray namespace %r; cache namespace %s (pages %s)",
             count(slots, Role.PREFILL),
             count(slots, Role.DECODE),
             ROUTER_NAME,
             RAY_NAMESPACE,
             cfg.namespace,
+            kv_encoding.value,
         )
         if ready_file is not None:
             tmp = ready_file.with_suffix(".tmp")
@@ -240,6 +244,7 @@ def pd_serve(  # noqa: PLR0913
                         "router": ROUTER_NAME,
                         "ray_namespace": RAY_NAMESPACE,
                         "namespace": cfg.namespace,
+                        "kv_encoding": kv_encoding.value,
                         "prefill": count(slots, Role.PREFILL),
                         "decode": count(slots, Role.DECODE),
                         "pid": os.getpid(),

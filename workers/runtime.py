@@ -37,6 +37,7 @@ class StackConfig:
     torch_threads: int | None = None
     max_inflight: int = 4
     run_dir: str | None = None
+    kv_encoding: str = "raw"  # page encoding of the workers' Puts: raw, or fp8 (workers/page_codec.py)
 
 
 @dataclass(slots=True)
@@ -66,7 +67,7 @@ class LocalStack:
         return self
 
     def _start(self, cfg: StackConfig, run: Path) -> None:
-        self.namespace = namespace_for(cfg.model_dir, cfg.dtype)
+        self.namespace = namespace_for(cfg.model_dir, cfg.dtype, encoding=cfg.kv_encoding)
         # Redis with a password and ACL users, as `kvstore up` runs it: only node-0 writes its records,
         # the workers and the router only read (kvstore/index/acl.py), so no local user can redirect them.
         users = {
@@ -110,6 +111,7 @@ class LocalStack:
             dtype=cfg.dtype,
             local_node="node-0",
             torch_threads=cfg.torch_threads,
+            kv_encoding=cfg.kv_encoding,
         )
         # Actors take no CPU reservation: on a 2-core host prefill, decode and the router must coexist.
         prefill = [PrefillWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_prefill)]
@@ -127,16 +129,21 @@ class LocalStack:
 
     @staticmethod
     def page_bytes(cfg: StackConfig) -> int:
-        """Bytes of one KV page of the stack's model at its block size and dtype."""
+        """Bytes of one stored KV page of the stack's model at its block size, dtype and encoding."""
         import torch
 
-        from kvstore.layout import PageLayout
+        from kvstore.layout import PageEncoding, PageLayout
         from workers.loader import read_config
         from workers.paged_cache import kv_dtype
 
         mc = read_config(cfg.model_dir)
         layout = PageLayout(
-            kv_dtype(getattr(torch, cfg.dtype)), mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size
+            kv_dtype(getattr(torch, cfg.dtype)),
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            cfg.block_size,
+            PageEncoding.parse(cfg.kv_encoding),
         )
         return layout.page_bytes
 

@@ -12,8 +12,11 @@ wherever the index says), recompute whatever did not come back (the trailing par
 and any block evicted meanwhile), then decode token by token. A page that vanished between prefill and
 decode costs recompute, never a wrong token.
 
-Pages travel as raw bytes: `[num_layers, 2, block_size, num_kv_heads, head_dim]` in the model's KV dtype
-(DESIGN.md §4), which is what `PagedLlama.export_pages` produces per block.
+Pages travel in the deployment's encoding (`WorkerConfig.kv_encoding`, workers/page_codec.py): `raw`, the
+bytes of `[num_layers, 2, block_size, num_kv_heads, head_dim]` in the model's KV dtype (DESIGN.md §4), as
+`PagedLlama.export_pages` produces them per block; or `fp8-e4m3`, quantized on the worker's device before
+the Put and dequantized there after the fetch: half the bytes stored and moved, within the fp8 bound.
+The namespace names the encoding (`namespace_for`), since a namespace holds one encoding.
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ from kvstore.client.cluster import ClusterClient
 from kvstore.errors import KVStoreError
 from kvstore.hashing import prefix_hashes
 from kvstore.index import ClusterLookup
+from kvstore.layout import PageEncoding
 from workers.loader import load_checkpoint
 from workers.model import CacheConfig, PagedLlama
-from workers.paged_cache import torch_dtype
+from workers.page_codec import PageCodec
 
 
 @dataclass(slots=True)
@@ -48,6 +52,7 @@ class WorkerConfig:
     dtype: str = "float32"
     local_node: str | None = None  # the cache node on this worker's host: puts go there first
     torch_threads: int | None = None
+    kv_encoding: str = "raw"  # how pages are stored: raw, or fp8 (fp8-e4m3, quantized by the workers)
 
 
 @dataclass(slots=True)
@@ -83,14 +88,21 @@ class DecodeStats:
     timings: Timings
 
 
-def namespace_for(model_dir: str | Path, dtype: str, tp: str = "tp1") -> str:
+def namespace_for(model_dir: str | Path, dtype: str, tp: str = "tp1", encoding: str | PageEncoding = "raw") -> str:
     """A namespace naming everything that makes pages incompatible (DESIGN.md §3): the checkpoint
-    (name and a digest of its config and weight file names and sizes), the KV dtype and the TP shard."""
+    (name and a digest of its config and weight file names and sizes), the KV dtype, the TP shard and,
+    for an encoded deployment, the page encoding.
+
+    NOTE: raw namespaces are what they were before encodings (pages cached by earlier builds still hit);
+    an encoding gets its own namespace because a namespace holds one encoding, so raw and fp8 workers of
+    one model can share a node (during a rollout, say) instead of having every Put of one refused."""
     d = Path(model_dir)
     h = hashlib.sha256((d / "config.json").read_bytes())
     for f in sorted(d.glob("*.safetensors")):
         h.update(f.name.encode() + str(f.stat().st_size).encode())
-    return f"{d.name}@{h.hexdigest()[:12]}/{dtype}/{tp}"
+    enc = PageEncoding.parse(encoding)
+    suffix = "" if enc is PageEncoding.RAW else f"/{enc.label}"
+    return f"{d.name}@{h.hexdigest()[:12]}/{dtype}/{tp}{suffix}"
 
 
 class _Engine:
@@ -105,11 +117,10 @@ class _Engine:
         )
         self.model: PagedLlama = ckpt.model
         self.tokenizer = ckpt.tokenizer
-        self.layout = self.model.page_layout()
+        self.codec = PageCodec(self.model.page_layout(), cfg.kv_encoding)
+        self.layout = self.codec.stored  # what the cache stores: the model's pages in the deployment's encoding
         self.cache = ClusterClient(cfg.redis_url, local_node=cfg.local_node)
         self._seq = itertools.count()
-        self._page_shape = self.layout.page_shape
-        self._kv_dtype = torch_dtype(self.layout.dtype)
 
     def close(self) -> None:
         self.cache.close()
@@ -134,8 +145,7 @@ class _Engine:
         if tiers is not None:
             for p in got:
                 tiers[p.tier.label] = tiers.get(p.tier.label, 0) + 1
-        flat = [torch.frombuffer(p.data, dtype=self._kv_dtype) for p in got]  # views of the received bytes
-        return torch.stack(flat).reshape(len(got), *self._page_shape)
+        return self.codec.decode([p.data for p in got], device=self.model.device)
 
     def _local_match(self, hashes: Sequence[bytes], index_matched: int) -> int:
         """The local node's own longest match when the index shows less than the whole chain.
@@ -196,7 +206,7 @@ class PrefillEngine(_Engine):
             stored = 0
             if new:
                 out = self.model.export_pages(seq, list(new))
-                blobs = [out[i].contiguous().view(torch.uint8).numpy() for i in range(out.shape[0])]
+                blobs = self.codec.encode_buffers(out)
                 stored_on, res = self.cache.put(
                     self.cfg.namespace, self.layout, hashes[cached:], blobs, parent_chain=hashes[:cached]
                 )

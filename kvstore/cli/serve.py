@@ -39,6 +39,17 @@ def serve(  # noqa: PLR0913
     shm: Annotated[
         bool | None, typer.Option("--shm/--no-shm", help="same-host shared-memory data plane (default on)")
     ] = None,
+    scrub_bytes_per_second: Annotated[
+        str | None,
+        typer.Option(help="rate the DRAM scrubber re-verifies resident pages at, e.g. 64MiB (default); 0: off"),
+    ] = None,
+    local_socket: Annotated[
+        str | None,
+        typer.Option(
+            help="the same-host plane's Unix socket (default: $XDG_RUNTIME_DIR or /tmp, kvstore-node-PORT.sock); "
+            "in Kubernetes a hostPath the workers' pods mount too"
+        ),
+    ] = None,
     tcp: Annotated[
         bool | None, typer.Option("--tcp/--no-tcp", help="bulk TCP data plane for remote clients (default on)")
     ] = None,
@@ -62,6 +73,19 @@ def serve(  # noqa: PLR0913
     tenants_file: Annotated[
         Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")
     ] = None,
+    kv_events_endpoint: Annotated[
+        str | None,
+        typer.Option(help="publish KV events for routers (vLLM format, ZMQ PUB) here, e.g. tcp://0.0.0.0:5557"),
+    ] = None,
+    kv_events_topic: Annotated[
+        str | None, typer.Option(help="topic prefix: PREFIX@NODE@NAMESPACE (default kv)")
+    ] = None,
+    kv_events_hash_format: Annotated[
+        str | None, typer.Option(help="block hashes as 'bytes' (32-byte keys, default) or 'u64' (their last 8 bytes)")
+    ] = None,
+    kv_events_encoding: Annotated[
+        str | None, typer.Option(help="events as vLLM 0.32's maps ('map', default) or the older arrays ('array')")
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a \\[node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
     log_level: Annotated[str | None, typer.Option(help="DEBUG, INFO, WARNING")] = None,
@@ -83,6 +107,8 @@ def serve(  # noqa: PLR0913
         metrics_port=metrics_port,
         metrics_host=metrics_host,
         shm_enabled=shm,
+        local_socket=local_socket,
+        scrub_bytes_per_second=_size(scrub_bytes_per_second),
         tcp_enabled=tcp,
         tcp_port=tcp_port,
         ucx_enabled=ucx,
@@ -98,6 +124,10 @@ def serve(  # noqa: PLR0913
         nvme_bytes=_size(nvme_bytes),
         hbm_bytes=_size(hbm_bytes),
         max_page_bytes=_size(max_page_bytes),
+        kv_events_endpoint=kv_events_endpoint,
+        kv_events_topic=kv_events_topic,
+        kv_events_hash_format=kv_events_hash_format,
+        kv_events_encoding=kv_events_encoding,
     )
     setup_logging(cfg.log_level)
     asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))

@@ -71,8 +71,14 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
             f"flushed {i.flushed}, resyncs {i.resyncs}{' (one pending)' if i.resync_pending else ''}, "
             f"overflows {i.overflows}, errors {i.errors}"
         )
+    if stats.kv_events is not None:
+        e = stats.kv_events
+        console.print(
+            f"kv events {e.endpoint}: {e.subscribers} subscriber(s), sent {e.sent_events} in {e.sent_batches} "
+            f"messages, queued {e.queued}, dropped {e.dropped_events}, snapshots {e.snapshots}"
+        )
     for ns, layout, pages in stats.namespaces:
-        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, {layout.describe()}")
+        console.print(f"namespace [cyan]{ns}[/]: {pages} pages, encoding {layout.encoding.label}, {layout.describe()}")
     render_tenants(stats, console)
 
 

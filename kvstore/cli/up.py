@@ -318,6 +318,7 @@ class Stack:
             f"--min-decode={w.decode_slots}",
             "--worker-wait=120",
             f"--ready-file={ready}",
+            f"--kv-encoding={w.kv_encoding}",
         ]
         log = open(self.root / "pd-serve.log", "ab")  # noqa: SIM115
         self.driver = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -50,6 +50,7 @@ class WorkersPlan:
     prefill_slots: int
     decode_slots: int
     max_inflight: int
+    kv_encoding: str = "raw"  # workers.kvEncoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,6 +404,7 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
             slots["prefill"],
             slots["decode"],
             int(v["rayCluster"]["router"]["maxInflight"]),
+            str(w["kvEncoding"]),
         )
     engines = None
     if v["engines"]["enabled"]:

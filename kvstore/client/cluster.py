@@ -40,7 +40,7 @@ from kvstore.index import ClusterLookup, IndexReader, NodeInfo
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer
 from kvstore.security import ClientSecurity
-from kvstore.wire.streams import FetchedPage
+from kvstore.wire.streams import FetchedPage, PageRef
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ _NODE_ERRORS = (Unavailable, NamespaceNotFound)
 # read: each is a miss for that node's segment.
 _MISS_ERRORS = (KVStoreError, ValueError)
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 class NoLiveNode(KVStoreError):
@@ -70,6 +71,7 @@ class ClusterClient:
         probe_tail: bool = True,
         security: ClientSecurity | None = None,
         tenant: str | None = None,
+        transport: str | None = None,
     ) -> None:
         self.security = ClientSecurity.from_env() if security is None else security  # for every node
         self.security.check_target(None)  # addresses come from the index: no token in clear to them
@@ -78,6 +80,7 @@ class ClusterClient:
         self.timeout = timeout
         self.verify = verify
         self.probe_tail = probe_tail
+        self.transport = transport  # every node client's data plane (None: KVSTORE_TRANSPORT, else auto)
         self._clients: dict[tuple[str, str], KVStoreClient] = {}  # (node id, address) -> client
         self._addrs: dict[str, str] = {}
 
@@ -108,7 +111,11 @@ class ClusterClient:
         client = self._clients.get((node_id, addr))
         if client is None:
             client = KVStoreClient(
-                addr, timeout=self.timeout, verify=self.verify, security=self.security.for_node(node_id)
+                addr,
+                timeout=self.timeout,
+                verify=self.verify,
+                security=self.security.for_node(node_id),
+                transport=self.transport,
             )
             self._clients[(node_id, addr)] = client
         return client
@@ -133,9 +140,51 @@ class ClusterClient:
         it; it is asked for what the index does not show yet (the index is updated in batches).
         found: this chain's lookup when the caller just did it (saves a Redis round trip).
         """
+        out: list[FetchedPage] = []
+
+        def fetch(node: str, a: int, b: int) -> int:
+            got = self._fetch(node, namespace, hashes[a:b], lambda c, hs: c.get_pages(namespace, hs))
+            out.extend(got)
+            return len(got)
+
+        self._walk(namespace, hashes, fetch, prefer_node, found)
+        return out
+
+    def get_into(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        *,
+        prefer_node: str | None = None,
+        found: ClusterLookup | None = None,
+    ) -> list[PageRef]:
+        """`get_pages` into the caller's buffers (page i into buffers[i], as KVStoreClient.get_into: one
+        per hash, writable, each at least a page; checked by each node's client before anything is sent)."""
+        if len(buffers) != len(hashes):
+            raise ValueError(f"buffers: {len(buffers)} buffers for {len(hashes)} hashes (one buffer per hash)")
+        out: list[PageRef] = []
+
+        def fetch(node: str, a: int, b: int) -> int:
+            got = self._fetch(node, namespace, hashes[a:b], lambda c, hs: c.get_into(namespace, hs, buffers[a:b]))
+            out.extend(got)
+            return len(got)
+
+        self._walk(namespace, hashes, fetch, prefer_node, found)
+        return out
+
+    def _walk(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        fetch: Callable[[str, int, int], int],
+        prefer_node: str | None,
+        found: ClusterLookup | None,
+    ) -> int:
+        """Follow the index's plan for the longest retrievable prefix: fetch(node, a, b) reads blocks
+        [a, b) from a node (in order) and returns how many leading ones it got. Returns the prefix length."""
         if found is None or found.matched > len(hashes):
             found = self.index.lookup(namespace, hashes)
-        out: list[FetchedPage] = []
         excluded: set[tuple[str, int]] = set()  # (node, block) pairs known not to work
         last_node: str | None = None
         i = 0
@@ -147,19 +196,18 @@ class ClusterClient:
             if choice is None:
                 break
             node, run = choice
-            got = self._fetch(node, namespace, hashes[i : i + run])
+            got = fetch(node, i, i + run)
             if not got:
                 excluded.add((node, i))
                 continue
-            out.extend(got)
-            i += len(got)
+            i += got
             last_node = node
-            if len(got) < run:
+            if got < run:
                 excluded.add((node, i))
         probe = last_node or prefer_node
-        if self.probe_tail and probe is not None and len(out) == i and i < len(hashes):
-            out.extend(self._fetch(probe, namespace, hashes[i:]))
-        return out
+        if self.probe_tail and probe is not None and i < len(hashes):
+            i += fetch(probe, i, len(hashes))
+        return i
 
     def get(self, namespace: str, hashes: Sequence[bytes], *, prefer_node: str | None = None) -> list[memoryview]:
         return [memoryview(p.data) for p in self.get_pages(namespace, hashes, prefer_node=prefer_node)]
@@ -178,11 +226,17 @@ class ClusterClient:
                 raise
         raise AssertionError("unreachable")
 
-    def _fetch(self, node: str, namespace: str, hashes: Sequence[bytes]) -> list[FetchedPage]:
-        """Pages from one node; a node that is gone, unverifiable or misbehaving yields [] (the caller
-        tries elsewhere)."""
+    def _fetch(
+        self,
+        node: str,
+        namespace: str,
+        hashes: Sequence[bytes],
+        read: Callable[[KVStoreClient, Sequence[bytes]], list[R]],
+    ) -> list[R]:
+        """read(client of node, hashes): pages from one node; a node that is gone, unverifiable or
+        misbehaving yields [] (the caller tries elsewhere)."""
         try:
-            return self.call_node(node, lambda c: c.get_pages(namespace, hashes))
+            return self.call_node(node, lambda c: read(c, hashes))
         except _NODE_ERRORS as exc:
             log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
         except _MISS_ERRORS as exc:

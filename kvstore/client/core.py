@@ -23,8 +23,9 @@ from kvstore.client.exchange import Exchange, Unary
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import check_buffers
 from kvstore.client.planes.choice import TRANSPORTS, choose_planes
+from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
-from kvstore.client.planes.shm import ShmPlane
+from kvstore.client.planes.shm import ShmPlane, plane_path
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
 from kvstore.client.planes.ucx import UcxPlane
@@ -65,12 +66,16 @@ class ClientSettings:
     security: ClientSecurity
     timeout: float
     buffers: SharedBuffers = field(default_factory=SharedBuffers)  # this client's registered staging memory
+    received: ReceivePool = field(init=False)  # where a plain get's pages land: pooled blocks of `buffers`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "received", ReceivePool(self.buffers))
 
 
 @dataclass(frozen=True, slots=True)
 class PlaneSpec:
     """A data plane a client can speak: how to open it (given what the node advertised), and whether
-    this process can at all (a library or /dev/shm may be missing)."""
+    this process can at all (a library or an OS feature may be missing)."""
 
     make: Callable[[ClientSettings, PlaneInfo | None], DataPlane]
     usable: Callable[[], bool] = lambda: True
@@ -87,8 +92,18 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
 
 
 PLANES: dict[str, PlaneSpec] = {
-    "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify)),
-    "shm": PlaneSpec(lambda s, _: ShmPlane(s.pages_per_call, s.buffers), usable=shm_available),
+    "grpc": PlaneSpec(lambda s, _: GrpcStreams(s.pages_per_call, s.verify, s.received)),
+    "shm": PlaneSpec(
+        lambda s, info: ShmPlane(
+            plane_path(info.address if info is not None else ""),
+            s.pages_per_call,
+            s.buffers,
+            s.received,
+            s.security.token,
+            s.timeout,
+        ),
+        usable=shm_available,
+    ),
     "tcp": PlaneSpec(
         lambda s, info: TcpPlane.from_info(
             info,
@@ -97,6 +112,7 @@ PLANES: dict[str, PlaneSpec] = {
             verify=s.verify,
             security=s.security,
             timeout=s.timeout,
+            received=s.received,
         )
     ),
     "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
@@ -120,7 +136,7 @@ class ClientCore:
     """Every client operation as an exchange. Thread-safe: the only shared state is the plane list,
     which is set once (negotiated) and then only replaced, never mutated, when a plane is given up.
 
-    Negotiation: with transport "grpc" or "shm" nothing needs asking; otherwise the first bulk call
+    Negotiation: with transport "grpc" nothing needs asking; otherwise the first bulk call
     reads the node's Stats once (its advertised planes and host id) and picks by `choose_planes`.
     """
 
@@ -128,9 +144,9 @@ class ClientCore:
         self.settings = settings
         self.mode = transport_mode(transport)
         self._planes: tuple[DataPlane, ...] | None = None
-        if self.mode in ("grpc", "shm"):
-            if self.mode == "shm" and not shm_available():
-                raise ValueError("transport='shm' needs a writable /dev/shm on this host")
+        if self.mode == "shm" and not shm_available():
+            raise ValueError("transport='shm' needs memfd_create and Unix sockets (Linux)")
+        if self.mode == "grpc":
             self._planes = (PLANES[self.mode].make(settings, None),)
 
     @property
@@ -146,6 +162,7 @@ class ClientCore:
         for p in self._planes or ():
             p.close()
         self.settings.buffers.close()
+        self.settings.received.close()
 
     def shared_buffer(self, nbytes: int) -> SharedBuffer:
         """Registered staging memory for zero-copy get_into/put_from (see SharedBuffer)."""
@@ -212,8 +229,9 @@ class ClientCore:
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
     ) -> Exchange[list[PageRef]]:
         """Pages of the longest stored prefix written into `buffers` (one per hash, writable, contiguous,
-        not overlapping: checked before anything is sent). On the shm plane they must lie in this
-        client's shared buffers and the node writes into them directly; other planes copy once."""
+        not overlapping: checked before anything is sent). On the same-host plane the node writes straight
+        into buffers that lie in this client's shared buffers (`shared_buffer`); other memory, and every
+        other plane, costs one copy more at most."""
         check_buffers(buffers, len(hashes), writable=True)
         if not hashes:
             return []

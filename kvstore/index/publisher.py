@@ -80,8 +80,8 @@ class IndexPublisher:
 
     # -- called by the manager (sync, cheap)
 
-    def note(self, namespace: str, h: bytes, tier: TierKind | None) -> None:
-        """Record a page's new placement (None: gone from this node)."""
+    def note(self, namespace: str, h: bytes, tier: TierKind | None, previous: TierKind | None = None) -> None:
+        """Record a page's new placement (None: gone from this node; `previous` is not needed here)."""
         if self._need_resync:
             return  # a resync republishes everything from the manager's state anyway
         if len(self._pending) >= self.max_pending and (namespace, h) not in self._pending:

@@ -317,11 +317,40 @@ class KVStoreConnector(RemoteConnector):
         """The longest prefix of one namespace's chain, fetched and placed slice by slice (memory bound)."""
         out: list[MemoryObj] = []
         for a, b in call_slices(len(hashes), shape.layout.page_bytes):
-            got = self._objs(shape, ns, self.store.get(ns, hashes[a:b]), tail=tail)
+            if tail:  # a partial chunk's size is in its bytes: fetched, then copied into a MemoryObj of that size
+                got = self._objs(shape, ns, self.store.get(ns, hashes[a:b]), tail=True)
+            else:
+                got = self._fetch_into(shape, ns, hashes[a:b])
             out += got
             if len(got) < b - a:
                 break
         return out
+
+    def _fetch_into(self, shape: EngineShape, ns: str, hashes: list[bytes]) -> list[MemoryObj]:
+        """Full chunks received straight into MemoryObjs from LMCache's CPU allocator (issue 20: one copy, by the
+        network or the node, and one verification); the objects past the stored prefix go back at once."""
+        geo = shape.geometry
+        objs: list[MemoryObj] = []
+        for _ in hashes:
+            obj = self.local_cpu_backend.allocate(
+                [torch.Size(s) for s in geo.shapes(geo.chunk_size)],
+                shape.dtypes,
+                shape.fmt,
+                eviction=True,
+                busy_loop=False,
+            )
+            if obj is None:
+                logger.debug("kvstore plugin %r: LMCache's CPU buffer is full; the rest is a miss", self.name)
+                break
+            objs.append(obj)
+        got = 0
+        try:
+            views = [obj.byte_array.cast("B")[: shape.layout.page_bytes] for obj in objs]
+            got = len(self.store.get_into(ns, hashes[: len(objs)], views))
+        finally:
+            for obj in objs[got:]:
+                obj.ref_count_down()  # ours until returned: give it back to LMCache's allocator
+        return objs[:got]
 
     def _objs(self, shape: EngineShape, ns: str, pages: list[FetchedPage], *, tail: bool) -> list[MemoryObj]:
         """Copy fetched pages into MemoryObjs from LMCache's CPU allocator; stops at the first page that

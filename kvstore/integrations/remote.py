@@ -4,6 +4,7 @@ policy an engine needs: every failure is a logged miss (or a dropped store), nev
     store = RemoteStore(settings, log)          # settings: lmcache_mapping.PluginSettings
     n = store.lookup(ns, hashes)                # leading blocks held; 0 when the remote fails
     pages = store.get(ns, hashes[:n])           # checksum-verified pages of the longest prefix
+    sizes = store.get_into(ns, hashes[:n], bufs)  # the same, received straight into the caller's buffers
     store.put(ns, layout, hashes, pages)        # stored count, or None when the remote refused
 
 Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds):
@@ -18,6 +19,13 @@ Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL 
 Thread-safety: every method may be called from any thread. One node: a data client (transport per
 settings) and a control client (gRPC, short deadline) shared by all threads (KVStoreClient is
 thread-safe). A cluster: one ClusterClient per thread, since ClusterClient keeps unlocked caches.
+
+`get_into` and the same-host plane: shm moves pages only into memory registered with the client
+(`shared_buffer`), and a caller's buffers (an engine's own KV memory) are not. So with transport "auto",
+once the data client has settled on shm, `get_into` goes through a second client that receives into any
+memory (the TCP plane, else gRPC streams): still one copy, verified on arrival. With transport "shm"
+insisted on, pages are fetched and then copied into the buffers (a second copy; say so in the docs).
+A cluster's `get_into` uses node clients on the TCP plane for the same reason unless a transport is set.
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.integrations.lmcache_mapping import PluginSettings
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity, read_token_file
+from kvstore.stats import NodeStats
 from kvstore.wire.streams import Buffer, FetchedPage
 
 T = TypeVar("T")
@@ -134,6 +143,72 @@ class RemoteStore:
             return self._guard("get", ns, lambda: data.get_pages(ns, hashes), [])
         return self._guard("get", ns, lambda: self._cluster().get_pages(ns, hashes), [])
 
+    def get_into(self, ns: str, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> list[int]:
+        """Sizes of the pages of the longest prefix of `hashes` the remote served, each written into buffers[i]
+        (the engine's own memory) and verified once ([] on failure; buffers past the prefix hold undefined
+        bytes). One node: received straight into the buffers on a network plane, copied there by the node on
+        the same-host plane (one copy more where they are not the client's registered memory)."""
+        if not hashes:
+            return []
+        if self._data is not None:
+            data = self._data
+            return self._guard("get", ns, lambda: [r.nbytes for r in data.get_into(ns, hashes, buffers)], [])
+        return self._guard("get", ns, lambda: [r.nbytes for r in self._cluster().get_into(ns, hashes, buffers)], [])
+
+    def put_from(
+        self,
+        ns: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        views: Sequence[Buffer],
+        parent_chain: Sequence[bytes] = (),
+        *,
+        chain: bool = True,
+    ) -> int | None:
+        """`put` of pages lying in the engine's memory (each exactly layout.page_bytes): sent straight from it
+        (or copied out of it by the node on the same-host plane); None when nothing was stored. `chain` False:
+        the pages are independent blocks (no parent hints)."""
+        if not hashes:
+            return 0
+        if self._data is not None:
+            data, parent = self._data, (parent_chain[-1] if parent_chain else None)
+            res = self._guard(
+                "put", ns, lambda: data.put_from(ns, layout, hashes, views, parent=parent, chain=chain), None
+            )
+        else:
+            res = self._guard(
+                "put", ns, lambda: self._cluster().put(ns, layout, hashes, views, parent_chain=parent_chain)[1], None
+            )
+        return None if res is None else res.stored
+
+    @property
+    def plane(self) -> str | None:
+        """The data plane of the node client (None for a cluster, or before the first transfer)."""
+        return self._data.plane if self._data is not None else None
+
+    def unpin(self, ns: str, hashes: Sequence[bytes]) -> int:
+        """Release one pin of each page (pins also expire with their lease); returns how many were released."""
+        return self._control("unpin", ns, hashes, lambda c, hs: c.unpin(ns, hs).done)
+
+    def stats(self) -> list[NodeStats]:
+        """Every node's Stats as this caller may see them ([] on failure; a cluster's dead nodes are skipped)."""
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard("stats", "", lambda: [ctl.stats()], [])
+
+        def each() -> list[NodeStats]:
+            cc = self._cluster()
+            out = []
+            for n in cc.nodes():
+                if n.alive:
+                    try:
+                        out.append(cc.call_node(n.node_id, lambda c: c.stats()))
+                    except _FAILURES:
+                        continue  # a node that does not answer adds nothing to the usage
+            return out
+
+        return self._guard("stats", "", each, [])
+
     def put(
         self,
         ns: str,
@@ -157,25 +232,11 @@ class RemoteStore:
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
         """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("pin", ns, lambda: ctl.pin(ns, hashes, ttl_seconds=lease).done, 0)
-        return self._guard(
-            "pin", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done), 0
-        )
+        return self._control("pin", ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done)
 
     def delete(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Delete the pages wherever they are held; returns how many were deleted."""
-        if not hashes:
-            return 0
-        if self._ctl is not None:
-            ctl = self._ctl
-            return self._guard("delete", ns, lambda: ctl.delete(ns, hashes).deleted, 0)
-        return self._guard(
-            "delete", ns, lambda: self._on_holders(ns, hashes, lambda c, hs: c.delete(ns, hs).deleted), 0
-        )
+        return self._control("delete", ns, hashes, lambda c, hs: c.delete(ns, hs).deleted)
 
     def ping(self) -> bool:
         """True when the remote answers (a node's Stats; a cluster's index lists a live node)."""
@@ -197,15 +258,34 @@ class RemoteStore:
     # -- helpers
 
     def _cluster(self) -> ClusterClient:
+        """This thread's cluster client."""
         cc = getattr(self._local, "cluster", None)
         if cc is None:
             s = self.settings
             assert s.target.redis_url is not None
-            cc = ClusterClient(s.target.redis_url, local_node=s.local_node, timeout=s.timeout, security=self.security)
+            cc = ClusterClient(
+                s.target.redis_url,
+                local_node=s.local_node,
+                timeout=s.timeout,
+                security=self.security,
+                transport=s.transport,
+            )
             self._local.cluster = cc
             with self._lock:
                 self._clusters.append(cc)
         return cc
+
+    def _control(
+        self, op: str, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]
+    ) -> int:
+        """fn(client, hashes) on the node (its control client), or on every node of a cluster holding a
+        prefix of them; a count, 0 on failure."""
+        if not hashes:
+            return 0
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard(op, ns, lambda: fn(ctl, list(hashes)), 0)
+        return self._guard(op, ns, lambda: self._on_holders(ns, hashes, fn), 0)
 
     def _on_holders(self, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]) -> int:
         """fn(node client, the hashes it holds) on every node the index lists for a prefix of `hashes`."""

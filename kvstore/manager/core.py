@@ -50,7 +50,7 @@ from kvstore.manager.state import (
 from kvstore.names import Key, TierKind
 from kvstore.node.config import NodeConfig
 from kvstore.policy import make_policy
-from kvstore.stats import IndexStatus, LookupResult, NodeStats, TierStats, copy_counters
+from kvstore.stats import IndexStatus, KvEventsStatus, LookupResult, NodeStats, TierStats, copy_counters
 from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
@@ -137,16 +137,17 @@ class TierManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.index_status: Callable[[], IndexStatus] | None = None  # IndexPublisher.status when publishing
+        self.kv_events_status: Callable[[], KvEventsStatus] | None = None  # the KV-event publisher's, when on
         self.recovered_pages = 0
 
-    @property
-    def on_change(self) -> ChangeListener | None:
-        """Called on every placement change: (namespace, hash, tier or None when the page left the node)."""
-        return self.table.on_change
+    def listen(self, listener: ChangeListener) -> None:
+        """Call `listener` on every placement change: (namespace, hash, tier now or None when the page left
+        the node, tier before or None when it is new here)."""
+        self.table.listeners.append(listener)
 
-    @on_change.setter
-    def on_change(self, listener: ChangeListener | None) -> None:
-        self.table.on_change = listener
+    def unlisten(self, listener: ChangeListener) -> None:
+        if listener in self.table.listeners:
+            self.table.listeners.remove(listener)
 
     def medium(self, kind: TierKind) -> Medium:
         """The medium of a tier (for tools and fault-injection tests)."""
@@ -412,4 +413,5 @@ class TierManager:
             scrubbed_bytes=c.scrubbed_bytes,
             index=self.index_status() if self.index_status is not None else None,
             tenants=self.tenants.snapshot(self.config.slot_bytes),
+            kv_events=self.kv_events_status() if self.kv_events_status is not None else None,
         )

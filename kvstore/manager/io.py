@@ -8,12 +8,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.tiers.base import Medium, SlotIO
+from kvstore.tiers.base import Into, Medium, SlotRead
 
 T = TypeVar("T")
 _MAX_CANCEL_DEFERRALS = 10_000  # repeated cancels while waiting out an in-flight I/O (bounded loop)
 
-_PendingRead = tuple[int, memoryview, "asyncio.Future[None]"]
+Then = Callable[[], Any] | None  # what runs in the I/O thread right after a read (verification)
+_PendingRead = tuple[int, Into, Then, "asyncio.Future[Any]"]
 
 
 class IoPool:
@@ -27,7 +28,9 @@ class IoPool:
     Batched reads: `read` gathers the reads of one medium asked for in the same event-loop iteration
     (a batched Get reading ahead asks for many at once) into one `Medium.read_many` call, so a medium
     that can keep I/Os in flight (NVMe: `queue_depth` reads) gets them all at once instead of one per
-    pool thread.
+    pool thread. A read may carry `then`, run in the thread that did the read as soon as it ended (the
+    page's verification): hashing releases the GIL, so pages are verified beside the reads still in
+    flight and the event loop only compares the result.
     """
 
     def __init__(self, threads: int) -> None:
@@ -39,21 +42,21 @@ class IoPool:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         return await _wait_out(fut)
 
-    async def read(self, medium: Medium, slot: int, into: memoryview) -> None:
-        """`medium.read(slot, into)`, batched with the other reads of `medium` asked for in this loop
-        iteration into one `read_many` call (a medium without a queue, `queue_depth` 1, gets each read
-        on its own pool thread, as `run` would). Returns or raises only once this read has ended."""
+    async def read(self, medium: Medium, slot: int, into: Into, then: Then = None) -> Any:
+        """`medium.read(slot, into)`, then `then()` in the same thread; returns what `then` returned
+        (None without it). Batched with the other reads of `medium` asked for in this loop iteration
+        into one `read_many` call (a medium without a queue, `queue_depth` 1, gets each read on its own
+        pool thread, as `run` would). Returns or raises only once this read (and `then`) has ended."""
         if medium.queue_depth <= 1:
-            await self.run(medium.read, slot, into)
-            return
+            return await self.run(_read_then, medium, slot, into, then)
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[Any] = loop.create_future()
         pending = self._pending.get(medium)
         if pending is None:
             pending = self._pending[medium] = []
             loop.call_soon(self._flush, medium)  # runs after every task already scheduled: they join
-        pending.append((slot, into, fut))
-        await _wait_out(fut)
+        pending.append((slot, into, then, fut))
+        return await _wait_out(fut)
 
     def _flush(self, medium: Medium) -> None:
         batch = self._pending.pop(medium, [])
@@ -65,26 +68,40 @@ class IoPool:
     async def _read_batch(self, medium: Medium, batch: list[_PendingRead]) -> None:
         loop = asyncio.get_running_loop()
 
-        def finish(fut: asyncio.Future[None]) -> None:
-            if not fut.done():
-                fut.set_result(None)
+        def settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+            if fut.done():
+                return
+            if exc is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(exc)
 
         def done(i: int) -> None:  # in an I/O thread: each reader resumes as soon as its own read ended
-            loop.call_soon_threadsafe(finish, batch[i][2])
+            _, _, then, fut = batch[i]
+            try:
+                result, exc = (then() if then is not None else None), None
+            except Exception as err:  # a failed follow-up fails only its own read
+                result, exc = None, err
+            loop.call_soon_threadsafe(settle, fut, result, exc)
 
         try:
-            errors = await self.run(_read_all, medium, [(slot, into) for slot, into, _ in batch], done)
+            errors = await self.run(_read_all, medium, [(slot, into) for slot, into, _, _ in batch], done)
         except asyncio.CancelledError:  # the loop is shutting down; the reads themselves have ended
-            for _, _, fut in batch:
+            for *_, fut in batch:
                 fut.cancel()
             raise
         except Exception as exc:  # the pool itself failed (shut down): every read fails with it
             errors = [exc] * len(batch)
-        for (_, _, fut), err in zip(batch, errors, strict=True):
+        # Every `done` call has returned before read_many did, and its settle was queued before this
+        # task resumed: a read that succeeded is settled already. What is left failed.
+        for (_, _, then, fut), err in zip(batch, errors, strict=True):
             if fut.done():
                 continue
-            if err is None:
-                fut.set_result(None)
+            if err is None:  # NOTE: not reached by a medium that keeps the read_many contract
+                try:
+                    settle(fut, then() if then is not None else None, None)
+                except Exception as exc:
+                    fut.set_exception(exc)
             else:
                 fut.set_exception(err)
 
@@ -92,7 +109,12 @@ class IoPool:
         self._pool.shutdown(wait=True)
 
 
-def _read_all(medium: Medium, ops: Sequence[SlotIO], done: Callable[[int], None]) -> list[BaseException | None]:
+def _read_then(medium: Medium, slot: int, into: Into, then: Then) -> Any:
+    medium.read(slot, into)
+    return then() if then is not None else None
+
+
+def _read_all(medium: Medium, ops: Sequence[SlotRead], done: Callable[[int], None]) -> list[BaseException | None]:
     """Every read of a batch, each one's error or None; `done(i)` as each read succeeds. One read_many
     call; when that fails, the reads it did not complete are retried one by one, so a bad slot fails
     only its own reader. NOTE: a completed read is never redone: its reader may already have moved on

@@ -154,7 +154,7 @@ class Mover:
                 entry.shadow = src_slot
             entry.tier, entry.slot = dst_kind, dst_slot
             dst_slot = None
-            self.table.publish(entry, dst_kind)
+            self.table.publish(entry, dst_kind, previous=src.kind)
             src.counters.bytes_out += entry.payload_len
             dst.counters.bytes_in += entry.payload_len
             if demotion:

@@ -20,14 +20,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import mmap
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
+from kvstore.manager.landing import read_payload
 from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
@@ -207,16 +210,18 @@ class Reader:
                 payload = tier.medium.view(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
                 # NOTE: one pass per byte. A receiver that verifies covers this slot end to end; the copy
                 # into a caller's memory verifies as it copies; anything else is verified here.
-                if dest is not None or not receiver_verifies:
-                    ok = checksum_into(payload, dest) == entry.checksum
+                if dest is not None:  # a copy into a caller's memory: on a pool thread, pages side by side
+                    ok = await self.io.run(checksum_into, payload, dest) == entry.checksum
+                elif not receiver_verifies:
+                    ok = checksum_into(payload, None) == entry.checksum
                 else:
                     ok = True
             else:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
-                await self.io.read(tier.medium, entry.slot, view)
-                payload = view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
-                ok = header_matches(entry, view) and checksum_into(payload, dest) == entry.checksum
+                # Lands in dest directly where it can, hashed in the I/O thread (landing.py).
+                payload, checksum = await read_payload(self.io, tier.medium, entry, view, dest, checksum_into)
+                ok = header_matches(entry, view) and checksum == entry.checksum
         except BaseException:
             entry.readers -= 1
             raise
@@ -297,9 +302,20 @@ def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
     n = len(payload)
     if len(dest) < n:
         raise ValueError(f"destination of {len(dest)} bytes cannot hold a {n}-byte page")
+    # NOTE: memmove through ctypes releases the GIL (a memoryview slice assignment holds it), as XXH3 does,
+    # so copies of several pages run in parallel on the I/O pool's threads.
+    src, dst = _address(payload), _address(dest)
     h = xxhash.xxh3_64()
     for off in range(0, n, COPY_CHUNK):
-        chunk = payload[off : off + COPY_CHUNK]
-        dest[off : off + len(chunk)] = chunk
-        h.update(chunk)
+        k = min(COPY_CHUNK, n - off)
+        ctypes.memmove(dst + off, src + off, k)
+        h.update(payload[off : off + k])
     return h.intdigest()
+
+
+def _address(view: memoryview) -> int:
+    """The address of a writable, contiguous buffer's first byte (the export is dropped at once)."""
+    arr = np.frombuffer(view, dtype=np.uint8)
+    addr = int(arr.ctypes.data)
+    del arr
+    return addr

@@ -20,7 +20,8 @@ from kvstore.stats import TierCounters
 from kvstore.tiers.base import Medium
 from kvstore.tiers.slots import SlotAllocator
 
-ChangeListener = Callable[[str, bytes, TierKind | None], None]  # (namespace, hash, tier or None: gone)
+# (namespace, hash, tier now or None: gone from the node, tier before or None: new on the node)
+ChangeListener = Callable[[str, bytes, TierKind | None, TierKind | None], None]
 
 
 @dataclass(slots=True, eq=False)
@@ -151,9 +152,10 @@ class PageTable:
     - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
       and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
     - `ns_pages[ns]` is the number of entries of namespace ns (a tier's `tenant_pages[t]`, of tenant t's
-      entries in it); a namespace's layout is bound by its first
+      entries in it); a namespace's layout, its encoding included, is bound by its first
       page and never changes while the node runs;
-    - `on_change` hears of every placement change (the index publisher), in order.
+    - every listener in `listeners` hears of every placement change (the index and KV-event publishers),
+      in order, and listeners never change the table.
     Tiers are ordered fastest first (`TierKind` order); `below`/`above` skip unavailable tiers.
     """
 
@@ -162,7 +164,7 @@ class PageTable:
         self.entries: dict[Key, Entry] = {}
         self.layouts: dict[str, PageLayout] = {}
         self.ns_pages: dict[str, int] = {}
-        self.on_change: ChangeListener | None = None
+        self.listeners: list[ChangeListener] = []
         self._generation = 1
 
     # -- tiers
@@ -191,9 +193,9 @@ class PageTable:
     def __iter__(self) -> Iterator[Entry]:
         return iter(self.entries.values())
 
-    def publish(self, entry: Entry, kind: TierKind) -> None:
+    def publish(self, entry: Entry, kind: TierKind, previous: TierKind | None = None) -> None:
         """Make entry visible in tier `kind` (adding it to the table if new). The caller has already set
-        entry.tier/slot to a slot of that tier holding the complete page."""
+        entry.tier/slot to a slot of that tier holding the complete page; `previous`: the tier it moved from."""
         tier = self.tiers[kind]
         if entry.key not in self.entries:
             self.entries[entry.key] = entry
@@ -206,8 +208,8 @@ class PageTable:
         tier.used_bytes += entry.payload_len
         t = tenant_of(entry.namespace)
         tier.tenant_pages[t] = tier.tenant_pages.get(t, 0) + 1
-        if self.on_change is not None:
-            self.on_change(entry.namespace, entry.hash, kind)
+        for listener in self.listeners:
+            listener(entry.namespace, entry.hash, kind, previous)
 
     def unpublish(self, entry: Entry) -> None:
         """Take entry out of its tier's accounting (it stays in the table: a move publishes it again)."""
@@ -225,8 +227,8 @@ class PageTable:
         self.unpublish(entry)
         del self.entries[entry.key]
         self.ns_pages[entry.namespace] -= 1
-        if self.on_change is not None:
-            self.on_change(entry.namespace, entry.hash, None)
+        for listener in self.listeners:
+            listener(entry.namespace, entry.hash, None, entry.tier)
 
     def next_generation(self) -> int:
         gen = self._generation
@@ -240,7 +242,15 @@ class PageTable:
     # -- namespaces
 
     def check_layout(self, namespace: str, layout: PageLayout) -> None:
+        """A Put's layout against its namespace's: another encoding is InvalidArgument naming both (a
+        namespace holds one encoding), any other difference LayoutMismatch."""
         bound = self.layouts.get(namespace)
+        if bound is not None and bound.encoding != layout.encoding:
+            raise InvalidArgument(
+                "open.layout.encoding",
+                f"namespace {unscope(namespace)!r} holds {bound.encoding.label} pages; this Put sends "
+                f"{layout.encoding.label} pages (a namespace holds one encoding)",
+            )
         if bound is not None and bound != layout:
             raise LayoutMismatch(
                 f"open.layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "

@@ -128,8 +128,15 @@ class TenantView:
     def prefetch(self, namespace: str, hashes: list[bytes], target: TierKind = TierKind.DRAM) -> tuple[int, int, int]:
         return self.manager.prefetch(self.ns(namespace), hashes, target)
 
-    def layout_of(self, namespace: str) -> PageLayout:
-        return self.manager.layout_of(self.ns(namespace))
+    def layout_of(self, namespace: str, first: bytes | None = None) -> PageLayout:
+        """The namespace's layout. `first`: the hash a Get that asks this will start at, so a namespace cold
+        for this tenant is answered, and counted, exactly as that Get's refusal would be."""
+        try:
+            return self.manager.layout_of(self.ns(namespace))
+        except NamespaceNotFound:
+            if first is not None:
+                self._missed(namespace, first)
+            raise
 
     def stats(self) -> NodeStats:
         """The node's Stats as this tenant may see them: its own namespaces (as it names them) and its

@@ -29,6 +29,7 @@ _SIZE_FIELDS = {
     "max_page_bytes",
     "nvme_segment_bytes",
     "scrub_bytes_per_second",
+    "shm_max_mapped_bytes",
 }
 
 
@@ -81,8 +82,13 @@ class NodeConfig:
     # Prometheus /metrics endpoint (kvstore/node/metrics.py): None = off, 0 = a free port (in the ready file).
     metrics_port: int | None = None
     metrics_host: str | None = None  # address to bind it to (default: host)
-    # Same-host shared-memory data plane (kvstore/wire/shm.py): PutShm/GetShm through client segments.
+    # Same-host plane (kvstore/wire/shm.py): pages cross through client memory (memfds passed over a Unix
+    # socket). local_socket: where the socket is (None: the runtime directory, one name per gRPC port; in
+    # Kubernetes a hostPath the workers' pods mount too). shm_max_mapped_bytes: client memory the node maps
+    # at most, all connections together (a registration past it is RESOURCE_EXHAUSTED).
     shm_enabled: bool = True
+    local_socket: str | None = None
+    shm_max_mapped_bytes: int = 1 << 40
     # Bulk TCP data plane (kvstore/wire/tcp): on by default on a free port, advertised in Stats and
     # the index record, so clients on other hosts move pages over it instead of gRPC streams.
     tcp_enabled: bool = True
@@ -105,6 +111,12 @@ class NodeConfig:
     # (dram_bytes, nvme_bytes, hbm_bytes) and the mTLS subjects bound to it. Tokens name their tenant
     # in the token files; without either, every caller is the default tenant (no change).
     tenants_file: str | None = None
+    # KV events for routers (kvstore/node/kv_events.py): vLLM's KV-event format over ZMQ PUB; None = off.
+    kv_events_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5557 (a subscriber connects here)
+    kv_events_topic: str = "kv"  # topics are {kv_events_topic}@{node_id}@{namespace}
+    kv_events_hash_format: str = "bytes"  # "bytes": the 32-byte keys; "u64": their last 8 bytes, big-endian
+    kv_events_max_queue: int = 100_000  # changes waiting to be sent; beyond it they are dropped and counted
+    kv_events_encoding: str = "map"  # "map": vLLM 0.32's events; "array": the older array form (llm-d's decoder)
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -151,6 +163,14 @@ class NodeConfig:
             raise ValueError("ucx_io_timeout_seconds must be > 0")
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
+        if self.kv_events_endpoint is not None:
+            check_events_config(
+                self.kv_events_endpoint,
+                self.kv_events_hash_format,
+                self.kv_events_max_queue,
+                self.kv_events_topic,
+                self.kv_events_encoding,
+            )
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
             raise ValueError("nvme_segment_bytes must hold at least one slot")
 
@@ -180,6 +200,20 @@ class NodeConfig:
                 values[name] = _coerce(cls, name, raw)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+
+def check_events_config(endpoint: str, hash_format: str, max_queue: int, topic: str, encoding: str = "map") -> None:
+    """ValueError naming the kv_events_* field that is wrong."""
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")) or endpoint.endswith("://"):
+        raise ValueError(f"kv_events_endpoint: {endpoint!r} is not a ZMQ endpoint (tcp://HOST:PORT or ipc://PATH)")
+    if hash_format not in ("bytes", "u64"):
+        raise ValueError(f"kv_events_hash_format must be 'bytes' or 'u64', got {hash_format!r}")
+    if int(max_queue) < 1:
+        raise ValueError(f"kv_events_max_queue must be >= 1, got {max_queue}")
+    if not topic or "@" in topic:
+        raise ValueError(f"kv_events_topic must be non-empty and without '@', got {topic!r}")
+    if encoding not in ("map", "array"):
+        raise ValueError(f"kv_events_encoding must be 'map' or 'array', got {encoding!r}")
 
 
 def _coerce(cls: type[NodeConfig], name: str, raw: str) -> Any:

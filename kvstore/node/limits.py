@@ -31,18 +31,13 @@ from kvstore.wire import CHUNK_BYTES, MAX_HASHES
 T = TypeVar("T")
 
 _HASH_FIELD = HASH_BYTES + 2  # tag + length byte + 32 bytes, per repeated hash
-_SLICE_FIELD = _HASH_FIELD + 3 * 11 + 2 + 3  # ShmSlice: hash, 3 varints (<= 11 B each), tier, framing
 _HEAD = MAX_NAMESPACE_BYTES + 256  # namespace, flags, layout, a shm region, target tier: with room
 
 # Largest serialized request each unary method accepts. A larger one is refused (INVALID_ARGUMENT)
 # before it is parsed; streams (Put) are framed and checked chunk by chunk in kvstore.wire.streams.PutParser.
 REQUEST_LIMITS: dict[str, int] = {
     "Stats": 1024,
-    **{
-        m: _HEAD + MAX_HASHES * _HASH_FIELD
-        for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "GetShm", "Report")
-    },
-    "PutShm": _HEAD + MAX_HASHES * _SLICE_FIELD,
+    **{m: _HEAD + MAX_HASHES * _HASH_FIELD for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "Report")},
 }
 # The node's gRPC receive limit: the largest request any method accepts, a Put chunk included. gRPC
 # refuses a larger message (RESOURCE_EXHAUSTED) from its length prefix, before buffering it.

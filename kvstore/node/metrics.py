@@ -10,6 +10,8 @@
     kvstore_prefetch_{issued,completed,used,wasted}_total, kvstore_pinned_pages,
     kvstore_corrupt_{reported,confirmed}_total, kvstore_scrub_bytes_total
     kvstore_index_{connected,queued,lag_seconds}, kvstore_index_{flushed,resyncs,overflows,errors}_total
+    kvstore_kv_events_{sent_events,sent_batches,dropped_events,snapshots}_total, kvstore_kv_events_{queued,
+    subscribers}                                     the KV-event feed for routers (when the node publishes one)
     kvstore_rpc_duration_seconds{method,code}        histogram of every KVStore RPC, by gRPC status
     kvstore_tenant_{lookups,lookup_blocks,lookup_matched_blocks,get_pages,get_served_pages}_total{tenant}
     kvstore_tenant_cross_tenant_misses_total{tenant} misses on pages only another tenant holds
@@ -120,6 +122,10 @@ class NodeMetrics:
             "kvstore.index.resyncs": lambda s: s.index and s.index.resyncs,
             "kvstore.index.overflows": lambda s: s.index and s.index.overflows,
             "kvstore.index.errors": lambda s: s.index and s.index.errors,
+            "kvstore.kv_events.sent_events": lambda s: s.kv_events and s.kv_events.sent_events,
+            "kvstore.kv_events.sent_batches": lambda s: s.kv_events and s.kv_events.sent_batches,
+            "kvstore.kv_events.dropped_events": lambda s: s.kv_events and s.kv_events.dropped_events,
+            "kvstore.kv_events.snapshots": lambda s: s.kv_events and s.kv_events.snapshots,
         }
         for name, get in node_counters.items():
             meter.create_observable_counter(name, [self._node_value(get)], description=name.replace(".", " "))
@@ -128,6 +134,8 @@ class NodeMetrics:
             "kvstore.index.connected": ("", lambda s: s.index and int(s.index.connected)),
             "kvstore.index.queued": ("", lambda s: s.index and s.index.queued),
             "kvstore.index.lag": ("s", lambda s: s.index and s.index.lag_seconds),
+            "kvstore.kv_events.queued": ("", lambda s: s.kv_events and s.kv_events.queued),
+            "kvstore.kv_events.subscribers": ("", lambda s: s.kv_events and s.kv_events.subscribers),
         }
         for name, (unit, get) in node_gauges.items():
             meter.create_observable_gauge(name, [self._node_value(get)], unit=unit, description=name.replace(".", " "))

@@ -28,10 +28,12 @@ from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
 from kvstore.node.config import NodeConfig
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
+from kvstore.node.kv_events import KvEventPublisher
+from kvstore.node.kv_events import start_for_node as start_kv_events
 from kvstore.node.limits import MAX_RECEIVE_BYTES
 from kvstore.node.metrics import NodeMetrics
 from kvstore.node.planes.base import NodeServices, PlaneServer
-from kvstore.node.planes.shm import SegmentAttachments, ShmPlane
+from kvstore.node.planes.shm import ShmPlaneServer
 from kvstore.node.planes.tcp import TcpPlaneServer
 from kvstore.node.servicer import KVStoreServicer
 from kvstore.node.tenancy import TenantBinder, load_tenants_file, share_slots
@@ -65,18 +67,19 @@ class Node:
         self.server = grpc.aio.server(interceptors=[self.interceptor], options=GRPC_OPTIONS)
         self.metrics: NodeMetrics | None = None
         self.metrics_port: int | None = None  # bound /metrics port once started
-        self.shm = SegmentAttachments() if config.shm_enabled and shm_available() else None
-        shm_plane = ShmPlane(self.shm, config.max_pages_per_request) if self.shm is not None else None
         self.health = health.aio.HealthServicer()
         self.port = 0
         self.index: IndexPublisher | None = None
-        self.planes: list[PlaneInfo] = [PlaneInfo("shm")] if self.shm is not None else []
+        self.kv_events: KvEventPublisher | None = None  # the KV-event feed for routers, when configured
+        self.planes: list[PlaneInfo] = []  # what Stats and the index advertise, filled as planes start
         self.plane_servers: list[PlaneServer] = build_plane_servers(config)
-        self.servicer = KVStoreServicer(config.max_pages_per_request, shm_plane, self.planes)
+        self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
         await self.manager.start()
+        if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
+            self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
         self.server.add_generic_rpc_handlers((self.servicer.handlers(),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if self.callers.auth is None:  # reflection has no auth hook: served only on an open node
@@ -100,7 +103,7 @@ class Node:
             )
             self.interceptor.observe = self.metrics.observe_rpc
         await self.server.start()
-        services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0])
+        services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0], self.port)
         for plane in self.plane_servers:
             self.planes.append(await plane.start(services))
         if self.config.redis_url:
@@ -113,7 +116,7 @@ class Node:
                 ttl_seconds=self.config.index_ttl_seconds,
                 max_pending=self.config.index_max_pending,
             )
-            self.manager.on_change = self.index.note
+            self.manager.listen(self.index.note)
             self.manager.index_status = self.index.status
             await self.index.start()
             wait = self.config.index_register_wait_seconds
@@ -148,11 +151,12 @@ class Node:
         for plane in self.plane_servers:
             await plane.stop()
         if self.index is not None:
-            self.manager.on_change = None
+            self.manager.unlisten(self.index.note)
             await self.index.close(deregister=True)
+        if self.kv_events is not None:
+            self.manager.unlisten(self.kv_events.note)
+            await asyncio.to_thread(self.kv_events.close)  # sends the final clears (bounded)
         await self.manager.close()
-        if self.shm is not None:
-            self.shm.close()
         if self.metrics is not None:
             # The scrape thread asks this loop for snapshots: stop it from a worker thread.
             await asyncio.to_thread(self.metrics.close)
@@ -203,8 +207,10 @@ async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
 
 
 def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:
-    """The plane servers this node's config turns on (besides shm, which the gRPC servicer serves)."""
+    """The plane servers this node's config turns on (gRPC streams are always served, by the servicer)."""
     servers: list[PlaneServer] = []
+    if config.shm_enabled and shm_available():
+        servers.append(ShmPlaneServer(config.local_socket))
     if config.tcp_enabled:
         servers.append(TcpPlaneServer())
     if config.ucx_enabled:

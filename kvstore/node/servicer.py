@@ -15,13 +15,12 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id
-from kvstore.errors import InvalidArgument, PermissionDenied, ShmNotAvailable
+from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.names import TierKind
 from kvstore.node.callers import current
 from kvstore.node.drivers import drive_put, open_get
 from kvstore.node.interceptor import SERVICE_NAME
 from kvstore.node.limits import bounded
-from kvstore.node.planes.shm import ShmPlane
 from kvstore.node.planes.streams import PutStream
 from kvstore.stats import PlaneInfo
 from kvstore.wire import MAX_HASHES
@@ -31,9 +30,8 @@ from kvstore.wire.streams import get_responses, stats_to_pb, tier_from_pb
 class KVStoreServicer:
     """kvstore.v1.KVStore on one node. `planes` is what Stats advertises (filled as planes start)."""
 
-    def __init__(self, max_pages: int, shm: ShmPlane | None, planes: list[PlaneInfo]) -> None:
-        self.max_pages = max_pages  # pages one Get / GetShm / PutShm may carry
-        self.shm = shm  # None: the shared-memory data plane is off on this node
+    def __init__(self, max_pages: int, planes: list[PlaneInfo]) -> None:
+        self.max_pages = max_pages  # pages one Get may ask for
         self.planes = planes
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
@@ -63,17 +61,6 @@ class KVStoreServicer:
             async for lease in leases:
                 for msg in get_responses(lease.hash, lease.tier, lease.checksum, lease.payload):
                     yield msg
-
-    def _shm(self) -> ShmPlane:
-        if self.shm is None:
-            raise ShmNotAvailable("this node runs without the shared-memory data plane; use Put/Get")
-        return self.shm
-
-    async def PutShm(self, request: pb.PutShmRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        return await self._shm().put(current(), request)
-
-    async def GetShm(self, request: pb.GetShmRequest, context: grpc.aio.ServicerContext) -> pb.GetShmResponse:
-        return await self._shm().get(current(), request)
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         hashes = bounded(request.hashes, MAX_HASHES, "hashes")
@@ -119,8 +106,6 @@ class KVStoreServicer:
             "Unpin": (self.Unpin, pb.UnpinRequest, pb.UnpinResponse),
             "Prefetch": (self.Prefetch, pb.PrefetchRequest, pb.PrefetchResponse),
             "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
-            "PutShm": (self.PutShm, pb.PutShmRequest, pb.PutResponse),
-            "GetShm": (self.GetShm, pb.GetShmRequest, pb.GetShmResponse),
             "Report": (self.Report, pb.ReportRequest, pb.ReportResponse),
         }
         # NOTE: the deserializers are not run by gRPC: the interceptor takes each request as raw bytes and

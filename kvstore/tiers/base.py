@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterator, Sequence
 from kvstore.names import TierKind
 from kvstore.pageformat import PageHeader
 
-__all__ = ["Absent", "Medium", "SlotIO", "TierKind"]
+__all__ = ["Absent", "Into", "Medium", "SlotIO", "SlotRead", "TierKind"]
 
 SlotIO = tuple[int, memoryview]  # (slot, host buffer) of one transfer in a batch
+Into = memoryview | Sequence[memoryview]  # where a read lands: one buffer, or a scatter list (`scatter_reads`)
+SlotRead = tuple[int, Into]  # (slot, destination) of one read in a batch
 
 
 class Medium(abc.ABC):
@@ -41,6 +43,10 @@ class Medium(abc.ABC):
     host_memory: bool = False  # slots are host memory: `view` gives them without a copy
     detail: str = ""  # one line for operators (kvctl stats): what backs it, or why it is unavailable
     queue_depth: int = 1  # reads `read_many` keeps in flight at once: a batched Get reads this far ahead
+    # `read`/`read_many` also take a list of buffers for one slot, filled in order with one transfer
+    # (each part 4 KiB aligned, a multiple of 4096 long): a page's payload lands straight in its final
+    # place (a caller's buffer) and only the header block in a bounce buffer.
+    scatter_reads: bool = False
     scan_failures: int = 0  # slots whose header failed its check in the last `scan` (checksum failures)
 
     @property
@@ -70,10 +76,12 @@ class Medium(abc.ABC):
     def write(self, slot: int, src: memoryview) -> None:
         """Copy `src` to the start of `slot`; durable on return for a persistent medium."""
 
-    def read_many(self, ops: Sequence[SlotIO], done: Callable[[int], None] | None = None) -> None:
+    def read_many(self, ops: Sequence[SlotRead], done: Callable[[int], None] | None = None) -> None:
         """Several reads; a medium that can keep I/Os in flight overrides this. All are complete on return.
         `done(i)`, when given, is called (from whichever thread did it) as soon as ops[i] completed, so a
-        caller can use the first pages while the rest are in flight."""
+        caller can use the first pages while the rest are in flight; every `done` call has returned
+        before `read_many` does (a caller may rely on what `done` did once it returns). A destination
+        is one buffer, or a list of buffers only for a medium with `scatter_reads`."""
         for i, (slot, into) in enumerate(ops):
             self.read(slot, into)
             if done is not None:

@@ -1,8 +1,10 @@
 """NVMe tier: preallocated segment files of fixed-size, O_DIRECT-aligned slots.
 
 Methods here block (pread/pwrite/fdatasync); the manager calls them from its I/O thread pool, never on
-the event loop. `read_many` keeps up to `queue_depth` O_DIRECT reads in flight (a thread each: preadv
-releases the GIL, and a device only reaches its bandwidth with a deep queue). Durability rule: `write`
+the event loop. `read_many` keeps up to `queue_depth` O_DIRECT requests in flight (a thread each: preadv
+releases the GIL, and a device only reaches its bandwidth with a deep queue); ops of a batch that read
+adjacent slots go out as one preadv (up to RUN_BYTES), and a read may scatter one slot over several
+buffers, so a payload lands in its final place (measured in benchmarks/RESULTS.md). Durability rule: `write`
 returns only after the slot's header and payload are on stable storage (fdatasync), and the manager
 makes a page visible only after that, so whatever a restarted node finds with a valid header was durably
 and completely written. `write_many` writes every
@@ -23,7 +25,7 @@ from pathlib import Path
 
 from kvstore.names import TierKind
 from kvstore.pageformat import ALIGN, HEADER_BYTES, PageHeader
-from kvstore.tiers.base import Medium, SlotIO
+from kvstore.tiers.base import Into, Medium, SlotIO, SlotRead
 from kvstore.tiers.nvme_meta import (
     META_NAME,
     REPAIR_HINT,
@@ -45,6 +47,12 @@ log = logging.getLogger(__name__)
 
 _MAX_IO_RETRIES = 64  # a short read/write is retried; this bounds the loop on a misbehaving device
 QUEUE_DEPTH = 16  # reads kept in flight by read_many: what NVMe devices need to approach their bandwidth
+# read_many reads adjacent slots of a batch with one preadv, up to this many bytes (not counting the
+# slots' header blocks, so two 4 MiB pages make one request) and slots per call:
+# fewer syscalls and thread handoffs per page, and large requests the device serves at full speed, while
+# a batch of large pages still keeps several requests in flight.
+RUN_BYTES = 8 << 20
+RUN_SLOTS = 64  # each slot adds up to 4 buffers to the preadv: far below IOV_MAX (1024)
 
 
 class NvmeSpaceError(RuntimeError):
@@ -69,6 +77,7 @@ class NvmeTier(Medium):
     kind = TierKind.NVME
     persistent = True
     queue_depth = QUEUE_DEPTH
+    scatter_reads = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, slot_bytes: int, segment_bytes: int) -> None:
         if slot_bytes % ALIGN:
@@ -92,6 +101,9 @@ class NvmeTier(Medium):
         ]
         self._check_space(sizes)
         self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
+        # Where read_many drops the unused end of a slot it reads through to the next one. Several threads
+        # may read into it at once: nobody ever reads it back.
+        self._gap = mmap.mmap(-1, self.slot_bytes)
         for seg, size in enumerate(sizes):
             self._fds.append(self._open_segment(seg, size))
         self._detail = f"{n_segments} segment file(s) in {self.path}, " + (
@@ -240,40 +252,98 @@ class NvmeTier(Medium):
         self._pwrite_all(fd, data, off)
         return fd
 
-    def read(self, slot: int, into: memoryview) -> None:
-        """Read len(into) bytes (aligned) from the start of a slot into an aligned buffer."""
+    def read(self, slot: int, into: Into) -> None:
+        """Read from the start of a slot into an aligned buffer, or a list of them filled in order (a
+        scatter read: one preadv, so a payload lands in its final buffer and only the header block in
+        another); lengths are multiples of 4096."""
         fd, off = self._locate(slot)
-        done = 0
-        for _ in range(_MAX_IO_RETRIES):
-            if done == len(into):
-                return
-            n = os.preadv(fd, [into[done:]], off + done)
-            if n <= 0:
-                break
-            done += n
-        raise OSError(f"short read on NVMe slot {slot}: {done}/{len(into)} bytes")
+        self._preadv_all(fd, _parts(into), off, f"NVMe slot {slot}")
 
-    def read_many(self, ops: Sequence[SlotIO], done: Callable[[int], None] | None = None) -> None:
-        """Read every (slot, buffer) with up to `queue_depth` reads in flight, calling `done(i)` as each
-        one completes; returns once all ended, and then raises the first error if any failed (so no
-        buffer is still being written on return)."""
-        if len(ops) <= 1:
-            super().read_many(ops, done)
+    def read_many(self, ops: Sequence[SlotRead], done: Callable[[int], None] | None = None) -> None:
+        """Read every (slot, destination) with up to `queue_depth` reads in flight, calling `done(i)` in
+        the thread that read ops[i] as soon as it completed (so a caller's follow-up, such as verifying
+        the page, runs there too, beside the other reads); returns once all ended and every `done` call
+        returned, and then raises the first error if any failed (so no buffer is still being written on
+        return). Ops that follow each other in adjacent slots are read with one preadv (`RUN_BYTES`);
+        when it fails, every op of it fails (the caller may retry them one by one)."""
+        runs = self._runs(ops)
+
+        def one(run: list[int]) -> None:
+            if len(run) == 1:
+                self.read(*ops[run[0]])
+            else:
+                fd, off = self._locate(ops[run[0]][0])
+                parts: list[memoryview] = []
+                for i in run[:-1]:
+                    got = _parts(ops[i][1])
+                    parts += got
+                    gap = self.slot_bytes - sum(p.nbytes for p in got)
+                    if gap:
+                        parts.append(memoryview(self._gap)[:gap])
+                parts += _parts(ops[run[-1]][1])
+                self._preadv_all(fd, parts, off, f"NVMe slots {ops[run[0]][0]}-{ops[run[-1]][0]}")
+            if done is not None:
+                for i in run:
+                    done(i)
+
+        if len(runs) == 1:  # no handoff to another thread for a single request
+            one(runs[0])
             return
         pool = self._reader_pool()
-        futures = [pool.submit(self.read, slot, into) for slot, into in ops]
-        if done is not None:
-            for i, f in enumerate(futures):
-                f.add_done_callback(lambda f, i=i: f.exception() is None and done(i))
-        errors = [f.exception() for f in futures]  # waits for every read, failed or not
+        futures = [pool.submit(one, run) for run in runs[1:]]
+        errors: list[BaseException | None] = []
+        try:
+            one(runs[0])  # the first request in this thread, while the pool's threads take the rest
+        except Exception as exc:
+            errors.append(exc)
+        errors += [f.exception() for f in futures]  # waits for every read, failed or not
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
 
+    def _runs(self, ops: Sequence[SlotRead]) -> list[list[int]]:
+        """The batch's ops grouped into requests: an op joins the previous one's when it reads the next
+        slot of the same segment file, the previous op leaves at most 1/8 of its slot unread (read into
+        `_gap`) and the request stays within RUN_BYTES (plus its header blocks) and RUN_SLOTS."""
+        runs: list[list[int]] = []
+        size = last_slot = last_len = 0
+        for i, (slot, into) in enumerate(ops):
+            n = _read_len(into)
+            gap = self.slot_bytes - last_len  # the unread end of the previous slot
+            if (
+                runs
+                and slot == last_slot + 1
+                and slot % self.slots_per_segment  # the same segment file
+                and gap * 8 <= self.slot_bytes
+                and size + gap + n <= RUN_BYTES + (len(runs[-1]) + 1) * HEADER_BYTES  # header blocks extra
+                and len(runs[-1]) < RUN_SLOTS
+            ):
+                runs[-1].append(i)
+                size += gap + n
+            else:
+                runs.append([i])
+                size = n
+            last_slot, last_len = slot, n
+        return runs
+
+    def _preadv_all(self, fd: int, parts: list[memoryview], off: int, what: str) -> None:
+        total = sum(p.nbytes for p in parts)
+        done = 0
+        for _ in range(_MAX_IO_RETRIES):
+            if done == total:
+                return
+            n = os.preadv(fd, parts if not done else _skip(parts, done), off + done)
+            if n <= 0:
+                break
+            done += n
+        raise OSError(f"short read on {what}: {done}/{total} bytes")
+
     def _reader_pool(self) -> ThreadPoolExecutor:
         with self._readers_lock:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="kvstore-nvme")
+                # queue_depth - 1: the thread calling read_many does one request itself
+                workers = max(1, self.queue_depth - 1)
+                self._readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-nvme")
             return self._readers
 
     def invalidate(self, slot: int) -> None:
@@ -355,3 +425,25 @@ class NvmeTier(Medium):
             os.close(fd)
         self._fds.clear()
         self._zero.close()
+        with contextlib.suppress(BufferError):  # a view may live on for a moment in a finished request
+            self._gap.close()
+
+
+def _parts(into: Into) -> list[memoryview]:
+    return [into] if isinstance(into, memoryview) else list(into)
+
+
+def _read_len(into: Into) -> int:
+    return into.nbytes if isinstance(into, memoryview) else sum(p.nbytes for p in into)
+
+
+def _skip(parts: Sequence[memoryview], n: int) -> list[memoryview]:
+    """The buffers left to fill once the first `n` bytes of `parts` were read (after a short read)."""
+    out: list[memoryview] = []
+    for p in parts:
+        if n >= p.nbytes:
+            n -= p.nbytes
+            continue
+        out.append(p[n:] if n else p)
+        n = 0
+    return out

@@ -1,44 +1,110 @@
-"""Same-host shared-memory data plane: pages cross through client-owned shared memory.
+"""The same-host plane: page bytes cross through the client's own memory, control through a node-local
+Unix socket that passes memory by file descriptor (what both sides agree on; pure but `shm_available`).
 
-Protocol (proto: ShmRegion, PutShm, GetShm). The client creates a segment `kvstore-<pid>-<random>` and
-writes a 64-byte header: MAGIC, then a random 16-byte nonce. A PutShm names the segment, repeats the
-nonce and lists (hash, offset, length, checksum) slices holding the pages; the node opens the segment,
-checks the nonce and the bounds, and reads each slice into its own slot (one copy, by preadv) under the
-same atomic transaction as a Put stream, computing each page's checksum from its slot. A GetShm names
-the segment and a window; the node copies each verified page into the window (one copy, by pwrite)
-and answers with where it put them.
+Why a socket with fd passing (issues 20, 24, 25): a client on the node's host wants its pages moved with
+one memcpy, no gRPC round trip per batch, and the node must never open another process's files to get
+there. So the node listens on a Unix socket (AF_UNIX, SOCK_SEQPACKET: one message per send, fds passed
+alongside with SCM_RIGHTS), at a path the operator chooses (`--local-socket`; in Kubernetes a hostPath both
+the node's and the workers' pods mount: fd passing works across PID and mount namespaces, where
+/proc/<pid>/fd and /dev/shm do not).
 
-Why a nonce: the node opens segments by name, so without it any local client could make the node
-write into another process's segment. Only a process that can read the segment knows its nonce, and
-such a process could write it anyway. Segments are created 0600, so that means the same user.
+Conversation (one request at a time per connection; a client keeps a few connections):
 
-Ownership: the client creates, grows (a new segment) and unlinks its segments (`segments.py`); the
-node only opens them, never maps them, keeps a bounded number open, and closes one when its file is
-gone or was replaced (`node.py`).
+    HELLO     c->n  token (UTF-8; empty when none)                  -> WELCOME | ERROR (then closed)
+    WELCOME   n->c  max_page_bytes u64 | max_pages u32 | role u8
+    REGISTER  c->n  buffer id u32; one fd in SCM_RIGHTS               -> OK | ERROR
+    PUT       c->n  PutShmRequest (each slice names its registered buffer id and offset)
+                                                                      -> OK (PutResponse) | ERROR
+    GET       c->n  GetShmRequest (targets: where page i goes: a registered buffer id, offset, size)
+                                                                      -> OK (GetShmResponse) | ERROR
+    LAYOUT    c->n  the first hash a GET will ask for (32 B) | namespace (UTF-8)
+                                                                      -> OK (page_bytes u64) | ERROR
+    ERROR     n->c  status_len u8 | status name | message
 
-Zero-copy (`get_into` / `put_from`): the caller's registered buffers (`SharedBuffer`) are memfds with
-the same header, sealed so they can never shrink or grow. A GetShm with `targets` or a PutShm naming
-one (ShmRegion.pid and .fd) has the node open it as /proc/<pid>/fd/<fd>, check the seal and the nonce,
-map it, and copy each page straight between its slot and the caller's buffer with memcpy. On a get the
-node's reader copies each page in the pass that verifies it (one copy, one checksum); nothing crosses
-a network here, so the client verifies nothing again (the rule: kvstore/README.md, "Checksums").
+Every message: a FRAME header (magic "KL", version, kind, seq u32, body length u32) and its body. A
+registered buffer is a memfd sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW): its size is
+final, so the node maps it once and copies with memcpy, and no client can make a mapped page vanish under
+a copy (SIGBUS). The fd itself proves the client may use the memory (it had it); the node never opens a
+path, never opens a tty, and answers one message for every descriptor it will not map.
 
-This module holds what both sides must agree on.
+Checksums (DESIGN.md §8): the node verifies every page it copies into a client's memory in the pass that
+copies it, and computes the checksum of every page put from the bytes that landed in its slot; the client
+verifies nothing again (nothing crossed a network).
 """
 
 from __future__ import annotations
 
+import enum
 import os
-import re
+import struct
 from pathlib import Path
 
-SHM_DIR = Path("/dev/shm")
-MAGIC = b"KVSHM001"
-NONCE_BYTES = 16
-HEADER_BYTES = 64  # segment header: MAGIC, nonce, zero padding; slices start after it
-NAME_RE = re.compile(r"^kvstore-[A-Za-z0-9_-]{8,64}$")
+MAGIC = b"KL"
+VERSION = 1
+FRAME = struct.Struct("<2sBBII")  # magic, version, kind, seq, body length
+WELCOME = struct.Struct("<QIB")  # max_page_bytes, max pages per call, role
+REGISTER = struct.Struct("<I")  # buffer id
+PAGE_BYTES = struct.Struct("<Q")  # a LAYOUT reply
+MAX_MESSAGE_BYTES = 1 << 20  # the largest control message either side sends or accepts
+MAX_TOKEN_BYTES = 4096
+MAX_PAGES_PER_CALL = 4096  # pages one PUT or GET names (its message stays under MAX_MESSAGE_BYTES)
+MAX_BUFFERS = 256  # buffers one connection may register
+SOCKET_BUFFER_BYTES = 4 << 20  # SO_SNDBUF / SO_RCVBUF: a SEQPACKET message must fit whole
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    REGISTER = 3
+    PUT = 4
+    GET = 5
+    OK = 6
+    ERROR = 7
+    LAYOUT = 8
+
+
+class ProtocolError(ValueError):
+    """A message broke the frame format: the connection cannot go on."""
+
+
+def frame(kind: Kind, seq: int, body: bytes = b"") -> bytes:
+    return FRAME.pack(MAGIC, VERSION, kind, seq, len(body)) + body
+
+
+def unframe(msg: bytes | memoryview) -> tuple[Kind, int, memoryview]:
+    """(kind, seq, body) of one message; ProtocolError naming what is wrong."""
+    if len(msg) < FRAME.size:
+        raise ProtocolError(f"a message of {len(msg)} bytes is shorter than its {FRAME.size}-byte header")
+    magic, version, kind, seq, n = FRAME.unpack_from(msg)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"not a kvstore same-host plane message (magic {bytes(magic)!r}, version {version})")
+    if n != len(msg) - FRAME.size:
+        raise ProtocolError(f"the header announces {n} body bytes, the message carries {len(msg) - FRAME.size}")
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {kind}") from None
+    return k, seq, memoryview(msg)[FRAME.size :]
+
+
+def error_body(status_name: str, message: str) -> bytes:
+    status = status_name.encode()[:255]
+    return bytes((len(status),)) + status + message.encode()[:65536]
+
+
+def parse_error(body: bytes | memoryview) -> tuple[str, str]:
+    raw = bytes(body)
+    n = raw[0] if raw else 0
+    return raw[1 : 1 + n].decode(errors="replace") or "UNKNOWN", raw[1 + n :].decode(errors="replace")
+
+
+def default_socket_path(port: int) -> str:
+    """Where a node serving gRPC on `port` puts its socket when none is configured: the runtime directory
+    (XDG_RUNTIME_DIR, else the temporary directory), one name per port."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("TMPDIR") or "/tmp"
+    return str(Path(base) / f"kvstore-node-{port}.sock")
 
 
 def shm_available() -> bool:
-    """Whether this host has a POSIX shared-memory directory we can use."""
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK | os.X_OK)
+    """Whether this host can do the same-host plane: memfds and Unix sockets that pass descriptors."""
+    return hasattr(os, "memfd_create") and hasattr(os, "MFD_ALLOW_SEALING")

@@ -7,19 +7,19 @@ here once, both directions: `put_requests` (client) and `PutParser` (node) for P
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
-from kvstore.layout import DType, PageLayout
+from kvstore.layout import DType, PageEncoding, PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.security import redact_url
-from kvstore.stats import IndexStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
+from kvstore.stats import IndexStatus, KvEventsStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
 from kvstore.wire import CHUNK_BYTES, PutOpen
 
 M = TypeVar("M", bound=Message)
@@ -91,6 +91,7 @@ def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
         num_kv_heads=layout.num_kv_heads,
         head_dim=layout.head_dim,
         block_size=layout.block_size,
+        encoding=int(layout.encoding),
     )
 
 
@@ -98,7 +99,11 @@ def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidArgument(f"{field}.dtype", "must be set")
     try:
-        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size)
+        encoding = PageEncoding(msg.encoding)
+    except ValueError:
+        raise InvalidArgument(f"{field}.encoding", f"unknown page encoding {msg.encoding}") from None
+    try:
+        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, encoding)
     except ValueError as exc:
         raise InvalidArgument(field, str(exc)) from None
 
@@ -234,9 +239,12 @@ def get_responses(
 
 @dataclass(slots=True)
 class FetchedPage:
+    """A page a Get returned: its hash, the tier it came from, its payload (a writable buffer: a block of the
+    client's receive pool, yours for as long as anything refers to it; kvstore/client/planes/pool.py)."""
+
     hash: bytes
     tier: TierKind
-    data: bytearray
+    data: memoryview | bytearray
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,9 +263,12 @@ class GetAssembler:
     the stream ended in the middle of a page.
     """
 
-    def __init__(self, expected: Sequence[bytes], verify: bool = True) -> None:
+    def __init__(
+        self, expected: Sequence[bytes], verify: bool = True, alloc: Callable[[int], memoryview | bytearray] = bytearray
+    ) -> None:
         self._expected = list(expected)
         self._verify = verify
+        self._alloc = alloc  # where a page of n bytes is received (a pool block)
         self.pages: list[FetchedPage] = []
         self._cur: FetchedPage | None = None
         self._fill = 0
@@ -276,7 +287,7 @@ class GetAssembler:
             idx = len(self.pages)
             if idx >= len(self._expected) or msg.page.hash != self._expected[idx]:
                 raise StreamError(f"page {idx}: server sent an unexpected hash")
-            self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), bytearray(msg.page.payload_bytes))
+            self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), self._alloc(msg.page.payload_bytes))
             self._fill = 0
             self._checksum = msg.page.checksum
         elif kind == "chunk":
@@ -359,6 +370,7 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
         host_id=stats.host_id,
         tenants=[_tenant_to_pb(t) for t in stats.tenants],
+        kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
     )
 
 
@@ -425,4 +437,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes],
         host_id=msg.host_id,
         tenants=[_tenant_from_pb(t) for t in msg.tenants],
+        kv_events=KvEventsStatus(**{f.name: getattr(msg.kv_events, f.name) for f in fields(KvEventsStatus)})
+        if msg.HasField("kv_events")
+        else None,
     )

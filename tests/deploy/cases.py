@@ -52,6 +52,7 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         {"auth": {"enabled": True, "allowPlaintextTokens": True, "tenants": [{"name": "a/b"}]}},
         "auth.tenants.0.name",
     ),
+    ("unknown-kv-encoding", {"workers": {"kvEncoding": "int4"}}, "workers.kvEncoding"),
     (
         "redis-url-with-credentials",
         {"redis": {"enabled": False, "external": {"url": "redis://:pw@h:6379/0"}}},

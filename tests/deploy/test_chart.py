@@ -153,7 +153,9 @@ def test_node_toml_is_a_valid_node_config_and_grace_covers_drain_and_spill(profi
     shutdown = v["node"]["shutdown"]
     assert (cfg.grace_seconds, cfg.spill_seconds) == (shutdown["drainSeconds"], shutdown["spillSeconds"])
     assert cfg.spill_on_shutdown and cfg.policy == v["node"]["policy"]
-    (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")]
+    (workload,) = [
+        d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")
+    ]
     grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert grace == math.ceil(cfg.grace_seconds) + math.ceil(cfg.spill_seconds) + 15
 
@@ -161,11 +163,15 @@ def test_node_toml_is_a_valid_node_config_and_grace_covers_drain_and_spill(profi
 def test_node_memory_holds_the_dram_budget(profile: list[Path]) -> None:
     docs = render(profile)
     v = values_of(profile)
-    (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")]
+    (workload,) = [
+        d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")
+    ]
     node = workload["spec"]["template"]["spec"]["containers"][0]
     need = parse_size(v["node"]["budgets"]["dram"]) + parse_size(v["node"]["memoryOverhead"])
     assert parse_size(node["resources"]["limits"]["memory"]) >= need
-    assert parse_size(node["resources"]["requests"]["memory"]) >= min(need, parse_size(node["resources"]["limits"]["memory"]))
+    assert parse_size(node["resources"]["requests"]["memory"]) >= min(
+        need, parse_size(node["resources"]["limits"]["memory"])
+    )
     flags = dict(a.removeprefix("--").split("=", 1) for a in node["args"] if "=" in a)
     assert parse_size(flags["dram-bytes"]) == parse_size(v["node"]["budgets"]["dram"])
     gpus = int(v["node"]["gpu"]["count"])
@@ -320,7 +326,11 @@ def test_bad_values_fail_at_template_time_naming_the_value(values: dict, name: s
 def test_secrets_never_appear_in_clear_outside_their_secret() -> None:
     docs = render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true"])
     secrets = by_kind(docs, "Secret")
-    assert {s["metadata"]["name"] for s in secrets} == {"kv-kvstore-redis-auth", "kv-kvstore-ray-auth", "kv-kvstore-tokens"}
+    assert {s["metadata"]["name"] for s in secrets} == {
+        "kv-kvstore-redis-auth",
+        "kv-kvstore-ray-auth",
+        "kv-kvstore-tokens",
+    }
     plain = [base64.b64decode(v).decode() for s in secrets for v in s["data"].values()]
     assert all(len(p) >= 16 for p in plain)
     others = yaml.safe_dump_all([d for d in docs if d["kind"] != "Secret"])
@@ -328,8 +338,10 @@ def test_secrets_never_appear_in_clear_outside_their_secret() -> None:
     urls = {e["value"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
             for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
     # Nodes publish as the node user; everyone else (workers, router, kvctl) reads as the client user.
-    assert urls == {"redis://kvnode:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0",
-                    "redis://kvclient:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0"}
+    assert urls == {
+        "redis://kvnode:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0",
+        "redis://kvclient:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0",
+    }
     node_urls = {e["value"] for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") for _, spec in pod_specs(d)
                  for c in containers(spec) for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
     assert node_urls == {"redis://kvnode:$(REDIS_USER_PASSWORD)@kv-kvstore-redis:6379/0"}
@@ -355,14 +367,20 @@ def test_network_policies_admit_workers_and_labelled_clients_only() -> None:
     (np_node,) = by_kind(docs, "NetworkPolicy", "-node")
     grpc_rule = next(r for r in np_node["spec"]["ingress"] if r["ports"][0]["port"] == 50051)
     peers = [p["podSelector"]["matchLabels"] for p in grpc_rule["from"]]
-    node_pods = {"app.kubernetes.io/component": "node", "app.kubernetes.io/name": "kvstore", "app.kubernetes.io/instance": "kv"}
+    node_pods = {
+        "app.kubernetes.io/component": "node",
+        "app.kubernetes.io/name": "kvstore",
+        "app.kubernetes.io/instance": "kv",
+    }
     assert peers == [{"ray.io/cluster": "kv-kvstore-ray"}, {"kvstore.io/client": "true"}, node_pods]
     assert all("namespaceSelector" not in p for p in grpc_rule["from"])  # this namespace only
     metrics_rule = next(r for r in np_node["spec"]["ingress"] if r["ports"][0]["port"] == 9400)
     assert "from" not in metrics_rule  # metricsFrom empty: anyone may scrape
     (prod_np,) = by_kind(render([ROOT / "deploy" / "values" / "production.yaml"]), "NetworkPolicy", "-node")
     metrics_rule = next(r for r in prod_np["spec"]["ingress"] if r["ports"][0]["port"] == 9400)
-    assert metrics_rule["from"][0] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert metrics_rule["from"][0] == {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    }
     (test_pod,) = by_kind(docs, "Pod")
     assert test_pod["metadata"]["labels"]["kvstore.io/client"] == "true"
     (np_redis,) = by_kind(docs, "NetworkPolicy", "-redis")
@@ -384,7 +402,9 @@ def test_workers_know_their_local_cache_node_and_offer_one_slot_per_gpu() -> Non
     fake_nodes = []
     for g in ray["spec"]["workerGroupSpecs"]:
         (worker,) = g["template"]["spec"]["containers"]
-        assert {"name": "KVSTORE_LOCAL_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in worker["env"]
+        assert {"name": "KVSTORE_LOCAL_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}} in worker[
+            "env"
+        ]
         resources = json.loads(json.loads(g["rayStartParams"]["resources"]))  # KubeRay's quoted JSON
         gpus = float(g["rayStartParams"]["num-gpus"])
         assert worker["resources"]["limits"]["nvidia.com/gpu"] == gpus
@@ -395,6 +415,21 @@ def test_workers_know_their_local_cache_node_and_offer_one_slot_per_gpu() -> Non
     assert count(slots, Role.PREFILL) == w["prefill"]["replicas"] * w["prefill"]["gpusPerPod"]
     assert count(slots, Role.DECODE) == w["decode"]["replicas"] * w["decode"]["gpusPerPod"]
     assert all(s.gpus == 1.0 for s in slots)
+
+
+@pytest.mark.parametrize("encoding", ["raw", "fp8"])
+def test_kv_encoding_reaches_the_workers(encoding: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """workers.kvEncoding becomes pd-serve's --kv-encoding (parsed by our own CLI); raw by default."""
+    files = [ROOT / "deploy" / "values" / "production.yaml"]
+    if encoding != "raw":
+        f = tmp_path / "enc.yaml"
+        f.write_text(yaml.safe_dump({"workers": {"kvEncoding": encoding}}))
+        files.append(f)
+    (ray,) = by_kind(render(files), "RayCluster")
+    (router,) = (c for c in ray["spec"]["headGroupSpec"]["template"]["spec"]["containers"] if c["name"] == "router")
+    ((_, argv),) = argvs(router)
+    params = parse(argv, container_env(router), monkeypatch)
+    assert params["kv_encoding"].value == encoding
 
 
 def test_tls_profile_probes_through_kvctl_health_and_mounts_the_certificate() -> None:
@@ -411,7 +446,9 @@ def test_tls_profile_probes_through_kvctl_health_and_mounts_the_certificate() ->
     assert tls_volume["secret"]["secretName"] == cert["spec"]["secretName"]
     assert "kv-kvstore-node.kvs.svc" in cert["spec"]["dnsNames"]
     # Workers present a client-only certificate: they never hold the nodes' key, so cannot pose as a node.
-    assert client_cert["spec"]["usages"] == ["client auth", "digital signature"] and "dnsNames" not in client_cert["spec"]
+    assert (
+        client_cert["spec"]["usages"] == ["client auth", "digital signature"] and "dnsNames" not in client_cert["spec"]
+    )
     (ray,) = by_kind(docs, "RayCluster")
     worker_tls = next(v for v in ray["spec"]["workerGroupSpecs"][0]["template"]["spec"]["volumes"]
                       if v["name"] == "kvstore-tls")  # fmt: skip
@@ -427,7 +464,9 @@ def test_values_schema_knows_every_policy_and_every_profile_passes_the_loader() 
     assert sorted(schema["properties"]["node"]["properties"]["policy"]["enum"]) == sorted(POLICIES)
     for p in PROFILES:
         values_of([p])
-    assert (ROOT / "deploy" / "grafana" / "kvstore.json").read_text() == (CHART / "dashboards" / "kvstore.json").read_text()
+    assert (ROOT / "deploy" / "grafana" / "kvstore.json").read_text() == (
+        CHART / "dashboards" / "kvstore.json"
+    ).read_text()
 
 
 def test_notes_tell_the_operator_kvctl_commands_that_parse(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

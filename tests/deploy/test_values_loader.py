@@ -109,3 +109,12 @@ def test_local_plan_serves_the_socket_and_ucx_as_the_chart_says(tmp_path: Path) 
         [write(tmp_path, {"local": {"scale": 0.001}, "node": {"localSocket": {"enabled": False}}})], CHART
     )
     assert not plan(off, tmp_path, mem_available=64 * GiB).local_socket
+
+
+def test_local_workers_take_the_kv_encoding(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    for values, expect in (({}, "raw"), ({"workers": {"kvEncoding": "fp8"}}, "fp8")):
+        local = {"local": {"scale": 0.001, "workers": True, "modelPath": str(tmp_path)}, **values}
+        v = load_values([write(tmp_path, local)], CHART)
+        workers = plan(v, tmp_path, mem_available=64 * GiB).workers
+        assert workers is not None and workers.kv_encoding == expect

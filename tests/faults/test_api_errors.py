@@ -58,7 +58,7 @@ def test_unknown_target_tier_is_invalid_argument(node: NodeProcess) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "open.target_tier" in info.value.details()
 
 
-@pytest.mark.parametrize("method", ["Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Stats", "PutShm", "GetShm"])
+@pytest.mark.parametrize("method", ["Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Stats", "Report"])
 def test_undecodable_unary_request_is_invalid_argument(node: NodeProcess, method: str) -> None:
     err = _raw(node, method, b"\x0f garbage")
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from devkit.fuzz import FuzzTarget, default_planes, run_fuzz, setup_target
+from devkit.fuzz_shm import ShmPlane
 from devkit.fuzz_tcp import TcpPlane
 from kvstore.cli.launch import NodeProcess
 
@@ -43,7 +44,7 @@ def target(fuzz_node: NodeProcess) -> Iterator[FuzzTarget]:
 
 @pytest.mark.timeout(900)
 def test_fuzzed_requests_keep_the_node_up_and_answer_the_right_code(fuzz_node: NodeProcess, target: FuzzTarget) -> None:
-    planes = [*default_planes(), TcpPlane()]
+    planes = [*default_planes(), TcpPlane(), ShmPlane()]
     log = run_fuzz(target, REQUESTS, planes)
     assert fuzz_node.proc is not None and fuzz_node.proc.poll() is None, "the node died"
     assert target.state()["node_id"] == "fuzz"  # still answering

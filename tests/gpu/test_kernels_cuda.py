@@ -153,3 +153,23 @@ def test_cuda_rejects_unsupported_head_dim() -> None:
     case = make_attention_case([5], num_kv_heads=1, group=1, head_dim=80, block_size=16, dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim 80 is not supported on CUDA"):
         kernels.paged_attention_decode(*case.to(DEVICE).args())
+
+
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=_ids)
+def test_fp8_packed_pages_match_reference(in_dtype: torch.dtype) -> None:
+    """Quantize into, and dequantize from, views at a page stride (packed encoded pages)."""
+    shape = (5, 3, 2, 16, 4, 128)
+    pages = make_fp8_pages(shape, in_dtype, seed=4)
+    q_ref, scales_ref = reference.quantize_fp8(pages)
+    values = pages[0].numel()
+    values_at, page_bytes = 96, 96 + values + 16
+    packed = torch.zeros((shape[0], page_bytes), dtype=torch.uint8, device=DEVICE)
+    q = packed[:, values_at : values_at + values].view(torch.float8_e4m3fn).view(shape)
+    scales = packed[:, : 3 * 2 * 4 * 4].view(torch.float32).view(5, 3, 2, 4)
+    kernels.quantize_fp8(pages.to(DEVICE), out=q, out_scales=scales)
+    assert torch.equal(scales.cpu(), scales_ref)
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))
+    assert int(packed[:, 3 * 2 * 4 * 4 : values_at].count_nonzero()) == 0  # padding untouched
+    for out_dtype in DTYPES:
+        expected = reference.dequantize_fp8(q_ref, scales_ref, out_dtype)
+        assert torch.equal(kernels.dequantize_fp8(q, scales, out_dtype).cpu(), expected), out_dtype

@@ -91,3 +91,32 @@ def test_tenancy_bench_quick_run(tmp_path: Path) -> None:
     assert [r["mode"] for r in doc["rows"]] == ["no-tenancy", "tenant", "tenant+share"] == list(doc["micro"])
     assert min(r[f"{p}_{op}_gbs"] for r in doc["rows"] for p in ("grpc", "shm") for op in ("put", "get")) > 0
     assert all(f["lookup_miss_us"] > 0 and f["put_evict_us"] > 0 for f in doc["micro"].values())
+
+
+def test_doors_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "doors_bench.py"), "--runs", "1", "--iters", "2", "--batch", "4",
+         "--sgl-batch", "2", "--page-tokens", "4", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=240, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "doors_bench.json").read_text())
+    assert set(data["events"]["rates"]) == {"off", "on", "stuck"} and set(data["sglang"]) >= {"tcp", "shm"}
+def test_fp8_quality_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_quality.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "fp8_quality.json").read_text())["rows"]
+    assert rows and all(r["encoded_tokens"] > 0 and r["max_abs_logit_delta"] > 0 for r in rows)
+
+
+def test_fp8_economics_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_economics.py"), "--quick", "--parts",
+                          "bytes,hits", "--out", str(tmp_path)], capture_output=True, text=True, timeout=240,
+                         check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads((tmp_path / "fp8_economics.json").read_text())
+    assert all(r["fp8_page"] < r["raw_page"] for r in data["bytes"])
+    fp8 = [r for r in data["hits"] if r["encoding"] == "fp8-e4m3"]
+    raw = [r for r in data["hits"] if r["encoding"] == "raw"]
+    assert all(f["dram_pages"] >= 2 * r["dram_pages"] - 1 for f, r in zip(fp8, raw, strict=True))  # equal bytes

@@ -103,12 +103,13 @@ def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: P
     assert all(gone(p) for p in [ready["pid"]])
 
 
-def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["raw", "fp8"])
+def test_up_values_with_workers_serves_through_the_named_router(tmp_path: Path, encoding: str) -> None:
     model = make_tiny_llama(
         tmp_path / "tiny", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=3)
     )
     local = {"local": {"nodes": 1, "scale": 0.0002, "workers": True, "modelPath": str(model)},
-             "workers": {"model": {"dtype": "float32"}, "blockSize": 8, "numBlocks": 256,
+             "workers": {"model": {"dtype": "float32"}, "blockSize": 8, "numBlocks": 256, "kvEncoding": encoding,
                          "prefill": {"gpusPerPod": 0}, "decode": {"gpusPerPod": 0}},
              "node": {"budgets": {"maxPageBytes": "64Ki"}}}  # fmt: skip
     up = Up(tmp_path, [PROFILES / "single-node.yaml", override(tmp_path, local)])
@@ -134,6 +135,13 @@ ray.shutdown()
         out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["a"] == out["b"] and len(out["a"]) == 3
         assert out["cached"] == (37 - 1) // 8  # the second prefill fetched every usable block from the cache
+        # The workers stored their pages in the chosen encoding: kvctl shows it per namespace.
+        r = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "stats", "--json", "--addr",
+                            ready["nodes"]["node-0"]], capture_output=True, text=True,
+                           env={**os.environ, **ready["env"]}, timeout=60, check=False)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        spaces = {n["namespace"]: n["encoding"] for n in json.loads(r.stdout)["namespaces"]}
+        assert spaces == {ray_info["namespace"]: {"raw": "raw", "fp8": "fp8-e4m3"}[encoding]}
         driver_pid = ray_info["pid"]
     finally:
         code = up.stop()

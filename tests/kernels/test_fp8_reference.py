@@ -80,3 +80,48 @@ def test_no_pages() -> None:
     q, scales = kernels.quantize_fp8(torch.empty(0, 2, 2, 16, 4, 64, dtype=torch.float16))
     assert q.shape == (0, 2, 2, 16, 4, 64) and scales.shape == (0, 2, 2, 4)
     assert kernels.dequantize_fp8(q, scales).shape == q.shape
+
+
+def _packed_views(packed: torch.Tensor, shape: tuple[int, ...], values_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) views into packed pages [n, page_bytes]: scales at byte 0, values at `values_at`."""
+    n, layers, two, block, heads, dim = shape
+    values = layers * two * block * heads * dim
+    q = packed[:, values_at : values_at + values].view(torch.float8_e4m3fn).view(shape)
+    scales = packed[:, : layers * two * heads * 4].view(torch.float32).view(n, layers, two, heads)
+    return q, scales
+
+
+def test_into_packed_pages_equals_separate_tensors() -> None:
+    """out / out_scales may be views at a page stride (encoded pages): same bits as the plain result,
+    bytes outside the views untouched, and dequantize reads the views back."""
+    pages = make_fp8_pages(SHAPE, torch.bfloat16, seed=15)
+    q_ref, scales_ref = kernels.quantize_fp8(pages)
+    values_at = 64
+    page_bytes = values_at + pages[0].numel() + 32
+    packed = torch.full((SHAPE[0], page_bytes), 0xA5, dtype=torch.uint8)
+    q, scales = _packed_views(packed, SHAPE, values_at)
+    got_q, got_scales = kernels.quantize_fp8(pages, out=q, out_scales=scales)
+    assert got_q.data_ptr() == q.data_ptr() and got_scales.data_ptr() == scales.data_ptr()
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(scales, scales_ref)
+    assert bool((packed[:, 2 * 2 * 4 * 4 : values_at] == 0xA5).all())  # the gap
+    assert bool((packed[:, values_at + pages[0].numel() :] == 0xA5).all())  # the tail
+    assert torch.equal(kernels.dequantize_fp8(q, scales, torch.bfloat16),
+                       kernels.dequantize_fp8(q_ref, scales_ref, torch.bfloat16))  # fmt: skip
+
+
+def test_out_arguments_checked() -> None:
+    pages = make_fp8_pages(SHAPE, torch.float16, seed=16)
+    q = torch.empty(SHAPE, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((3, 2, 2, 4), dtype=torch.float32)
+    with pytest.raises(ValueError, match="both out and out_scales"):
+        kernels.quantize_fp8(pages, out=q)
+    with pytest.raises(ValueError, match="out_scales has shape"):
+        kernels.quantize_fp8(pages, out=q, out_scales=scales[:, :1])
+    with pytest.raises(TypeError, match="out must have dtype"):
+        kernels.quantize_fp8(pages, out=q.float(), out_scales=scales)
+    strided = torch.empty((3, 2, 2, 16, 4, 128), dtype=torch.float8_e4m3fn)[..., ::2]
+    with pytest.raises(ValueError, match="each page contiguously"):
+        kernels.quantize_fp8(pages, out=strided, out_scales=scales)
+    overlapping = torch.empty(SHAPE[1:], dtype=torch.uint8).expand(SHAPE)
+    with pytest.raises(ValueError, match="each page contiguously"):
+        kernels.dequantize_fp8(overlapping, scales)

@@ -134,10 +134,29 @@ def test_gather_and_scatter(recorder: Recorder) -> None:
 
 def test_fp8(recorder: Recorder) -> None:
     pages = make_fp8_pages((2, 3, 2, 16, 4, 64), torch.float16, seed=0)
-    q, scales = cuda.quantize_fp8(pages)
+    q = torch.empty(pages.shape, dtype=torch.float8_e4m3fn)
+    scales = torch.empty((2, 3, 2, 4), dtype=torch.float32)
+    cuda.quantize_fp8(pages, q, scales)
     cuda.dequantize_fp8(q, scales, torch.bfloat16)
     quant, dequant = recorder.launches
     assert quant.grid == (2 * 3 * 2 * 4, 1, 1)
+    assert quant.args[3:6] == (3 * 2 * 16 * 4 * 64, 3 * 2 * 4, 3 * 2)  # page strides, planes per page
     assert dequant.args[3] == pages.numel() // cuda.FP8_GROUP
+    for launch in recorder.launches:
+        check_launch(launch)
+
+
+def test_fp8_packed_pages(recorder: Recorder) -> None:
+    """Views into packed encoded pages pass their page strides (bytes for q, floats for the scales)."""
+    pages = make_fp8_pages((2, 3, 2, 16, 4, 64), torch.float16, seed=0)
+    page_bytes, values_at = 48 + 3 * 2 * 16 * 4 * 64 + 16, 48
+    packed = torch.zeros((2, page_bytes), dtype=torch.uint8)
+    q = packed[:, values_at : values_at + pages[0].numel()].view(torch.float8_e4m3fn).view(pages.shape)
+    scales = packed[:, : 3 * 2 * 4 * 4].view(torch.float32).view(2, 3, 2, 4)
+    cuda.quantize_fp8(pages, q, scales)
+    cuda.dequantize_fp8(q, scales, torch.float16)
+    quant, dequant = recorder.launches
+    assert quant.args[3:5] == (page_bytes, page_bytes // 4)
+    assert dequant.args[4:6] == (page_bytes, page_bytes // 4)
     for launch in recorder.launches:
         check_launch(launch)

@@ -6,6 +6,7 @@ optional extra: `./dev test` installs it; a bare `pytest` without it skips these
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -114,20 +115,28 @@ class Records(logging.Handler):
         return "\n".join(r.getMessage() for r in self.records if r.levelno >= level)
 
 
-@pytest.fixture
-def plugin_log() -> Iterator[Records]:
-    import kvstore.integrations.lmcache  # noqa: F401  # creates the logger with LMCache's handler
-
+@contextlib.contextmanager
+def captured(logger_name: str) -> Iterator[Records]:
+    """Everything `logger_name` logs at INFO and above while inside (LMCACHE_LOG_LEVEL=WARNING above
+    would drop recovery lines)."""
     rec = Records()
-    log = logging.getLogger(PLUGIN_LOGGER)
+    log = logging.getLogger(logger_name)
     level = log.level
-    log.setLevel(logging.INFO)  # LMCACHE_LOG_LEVEL=WARNING above would drop the recovery line
+    log.setLevel(logging.INFO)
     log.addHandler(rec)
     try:
         yield rec
     finally:
         log.removeHandler(rec)
         log.setLevel(level)
+
+
+@pytest.fixture
+def plugin_log() -> Iterator[Records]:
+    import kvstore.integrations.lmcache  # noqa: F401  # creates the logger with LMCache's handler
+
+    with captured(PLUGIN_LOGGER) as rec:
+        yield rec
 
 
 def fill(obj: Any, seed: int) -> bytes:

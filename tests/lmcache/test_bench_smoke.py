@@ -19,6 +19,20 @@ def test_lmcache_bench_quick_run(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "lmcache_bench.json").read_text())["rows"]
-    assert {(r["op"], r["peer"]) for r in rows} == {(op, p) for op in ("put", "get") for p in ("kvstore", "kvstore-tcp", "kvstore-grpc", "lm")}
+    assert {(r["op"], r["peer"]) for r in rows} == {
+        (op, p) for op in ("put", "get") for p in ("kvstore", "kvstore-tcp", "kvstore-grpc", "lm")
+    }
     assert all(r["gbs"] > 0 for r in rows)
     assert "LMCache lm://" in (tmp_path / "lmcache_bench.md").read_text()
+
+
+def test_l2_bench_quick_run(tmp_path: Path) -> None:
+    """benchmarks/l2_bench.py: our L2 adapter through LMCache's own adapter factory and task interface."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "l2_bench.py"), "--quick", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "l2_bench.json").read_text())
+    (row,) = doc["adapters"]["kvstore"]["results"]
+    assert row["bit_exact"] and row["load_hits"] == row["batch"] and row["lookup_found"] == row["batch"]
+    assert row["store_gbs"] > 0 and row["load_gbs"] > 0
+    assert "kvstore (our L2 adapter)" in (tmp_path / "l2_bench.md").read_text()

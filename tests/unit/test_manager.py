@@ -359,17 +359,18 @@ def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Pat
     async def body(mgr: TierManager) -> None:
         await put(mgr, list(range(12)))  # 0..7 on NVMe
         nvme = mgr.medium(TierKind.NVME)
-        real_read = nvme.read
-        active = [0, 0]  # in flight now, most at once
+        real_preadv = nvme._preadv_all  # type: ignore[attr-defined]
+        active = [0, 0]  # pages in flight now, most at once (a request may read adjacent slots)
 
-        def slow_read(slot: int, into: memoryview) -> None:
-            active[0] += 1
+        def slow_preadv(fd: int, parts: list[memoryview], off: int, what: str) -> None:
+            pages = -(-sum(p.nbytes for p in parts) // nvme.slot_bytes)
+            active[0] += pages
             active[1] = max(active[1], active[0])
             time.sleep(0.05)
-            real_read(slot, into)
-            active[0] -= 1
+            real_preadv(fd, parts, off, what)
+            active[0] -= pages
 
-        nvme.read = slow_read  # type: ignore[method-assign]
+        nvme._preadv_all = slow_preadv  # type: ignore[attr-defined]
         gen = mgr.get(NS, [key(i) for i in range(8)], promote=False)
         first = await gen.__anext__()
         assert bytes(first.payload) == payload(key(0))

@@ -10,12 +10,12 @@ from kvstore.addresses import is_loopback
 from kvstore.client.core import ClientCore, ClientSettings, transport_mode
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.choice import choose_planes
-from kvstore.client.planes.shm import SegmentPool
-from kvstore.errors import PermissionDenied, PlaneUnavailable, ShmNotAvailable, Unauthenticated
+from kvstore.client.planes.pool import ReceivePool
+from kvstore.errors import PermissionDenied, PlaneUnavailable, Unauthenticated
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity, Role, TokenAuthenticator, read_token_file
 from kvstore.stats import PlaneInfo
-from kvstore.wire import PutOpen, shm
+from kvstore.wire import PutOpen
 
 RW, RO = "rw-token-" + "1" * 20, "ro-token-" + "2" * 20
 OPEN, H = PutOpen("ns", PageLayout(DType.UINT8, 1, 1, 1, 1)), b"h" * 32
@@ -47,9 +47,9 @@ def test_roles_from_bearer_metadata(auth: TokenAuthenticator) -> None:
 
 def test_read_tokens_may_not_write(auth: TokenAuthenticator) -> None:
     ro = [("authorization", f"Bearer {RO}")]
-    for method in ("Lookup", "Get", "GetShm", "Stats"):
+    for method in ("Lookup", "Get", "Report", "Stats"):
         auth.check(method, ro)
-    for method in ("Put", "PutShm", "Delete", "Pin", "Unpin", "Prefetch"):
+    for method in ("Put", "Delete", "Pin", "Unpin", "Prefetch"):
         with pytest.raises(PermissionDenied, match=method):
             auth.check(method, ro)
         auth.check(method, [("authorization", f"Bearer {RW}")])
@@ -93,7 +93,7 @@ def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_planes("auto", same_host=False, advertised=ALL_PLANES, client_can=EVERY) == ["ucx", "tcp", "grpc"]
     assert choose_planes("auto", same_host=False, advertised=ALL_PLANES, client_can={"grpc", "tcp"}) == ["tcp", "grpc"]
     assert choose_planes("auto", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["shm", "tcp", "grpc"]
-    assert choose_planes("auto", same_host=True, advertised=None, client_can=EVERY) == ["shm", "grpc"]  # old node
+    assert choose_planes("auto", same_host=True, advertised=None, client_can=EVERY) == ["grpc"]  # old node
     assert choose_planes("grpc", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["grpc"]
     assert choose_planes("tcp", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["tcp"]  # insisted
     monkeypatch.setenv("KVSTORE_TRANSPORT", "grpc")
@@ -115,7 +115,7 @@ class _Plane(DataPlane):
 
     def put_batch(self, *args: object):  # type: ignore[no-untyped-def, override]
         if self.refuse:
-            raise ShmNotAvailable("no")
+            raise PlaneUnavailable("no")
         return 0, 0  # stored nothing, without any operation
         yield
 
@@ -142,26 +142,32 @@ def test_a_refusing_plane_is_given_up_for_good_unless_insisted_on(mode: str) -> 
     refusing, fallback = _Plane("shm", refuse=True), _Plane("grpc", refuse=False)
     core._planes = (refusing, fallback) if mode == "auto" else (refusing,)
     if mode == "shm":
-        with pytest.raises(ShmNotAvailable):
+        with pytest.raises(PlaneUnavailable):
             _run(core.put(OPEN, [H], [b"x"]))
         return
     assert _run(core.put(OPEN, [H], [b"x"])).stored == 0  # type: ignore[union-attr]
     assert core.plane == "grpc" and refusing.closed and not fallback.closed
 
 
-def test_segment_pool_reuses_and_grows() -> None:
-    if not shm.shm_available():
-        pytest.skip("needs /dev/shm")
-    pool = SegmentPool()
+def test_receive_pool_blocks_come_back_only_when_nothing_refers_to_them() -> None:
+    """The lifetime rule of a plain get's memory: a block is reused only after its last reference is gone."""
+    pool = ReceivePool(keep_bytes=0)
     try:
-        a = pool.acquire(10_000)
-        assert a.data_bytes >= 10_000 and a.view[: len(shm.MAGIC)] == shm.MAGIC
-        pool.release(a)
-        assert pool.acquire(5_000) is a  # big enough: reused
-        pool.release(a)
-        b = pool.acquire(10 * a.data_bytes)  # too small: replaced by a bigger one
-        assert b is not a and b.data_bytes >= 10 * a.data_bytes and not a.path.exists()
-        pool.release(b)
+        a = pool.take(10_000)
+        a[:] = b"a" * 10_000
+        sliced = a[10:20]
+        del a
+        b = pool.take(10_000)  # `a` is still referred to (by the slice): another block
+        b[:] = b"b" * 10_000
+        assert bytes(sliced) == b"a" * 10
+        mapped = pool.mapped_bytes
+        del sliced, b
+        for _ in range(100):  # freed blocks are reused: nothing new is mapped
+            c = pool.take(10_000)
+            c[:1] = b"c"
+            del c
+        assert pool.mapped_bytes == mapped
+        big = pool.take(3 << 20)  # another size class: its own mapping (the free one above may go back)
+        assert big.nbytes == 3 << 20 and pool.mapped_bytes >= 3 << 20
     finally:
         pool.close()
-    assert not b.path.exists()

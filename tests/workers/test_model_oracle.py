@@ -26,7 +26,10 @@ import pytest
 import torch
 
 from devkit.hf import (
+    LLAMA3_SCALING,
+    ORACLE_CASES,
     CheckpointWriter,
+    OracleCase,
     TinyLlamaSpec,
     hf_reference_logits,
     load_hf_oracle,
@@ -51,58 +54,8 @@ NUM_BLOCKS = 64
 # on the case tested: 0.061 (bf16) and 0.007 (fp16); across all four fixtures at most 0.15 and 0.022.
 HALF_ATOL = {torch.bfloat16: 0.25, torch.float16: 0.04}
 
-LLAMA3_SCALING = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    # Small on purpose: with a 64-token pretraining context, head_dim 32's wavelengths (6.3 .. 5600
-    # positions) fall in all three bands: kept (< 16), smoothed (16 .. 64), divided by factor (> 64).
-    "original_max_position_embeddings": 64,
-}
-
-
-@dataclass(frozen=True, slots=True)
-class Case:
-    name: str
-    spec: TinyLlamaSpec
-    block_size: int
-    prompt_len: int
-    shard_bytes: int | None = None
-
-
-CASES = [
-    Case("gqa-untied-b4", TinyLlamaSpec(hidden=64, layers=2, heads=4, kv_heads=2, vocab=512, seed=1), 4, 13),
-    Case(
-        "mha-tied-theta5e5-b8",
-        TinyLlamaSpec(hidden=128, layers=3, heads=4, kv_heads=4, vocab=1000, tie=True, rope_theta=500000.0, seed=2),
-        8,
-        21,
-    ),
-    Case(
-        "gqa4-attnbias-sharded-b16",
-        TinyLlamaSpec(hidden=128, layers=2, heads=8, kv_heads=2, vocab=256, attention_bias=True, seed=3),
-        16,
-        37,
-        shard_bytes=48_000,
-    ),
-    Case(
-        "mqa-llama3-headdim32-mlpbias-b8",
-        TinyLlamaSpec(
-            hidden=64,
-            layers=2,
-            heads=4,
-            kv_heads=1,
-            head_dim=32,
-            vocab=300,
-            mlp_bias=True,
-            rope_scaling=LLAMA3_SCALING,
-            seed=4,
-        ),
-        8,
-        30,
-    ),
-]
+Case = OracleCase
+CASES = ORACLE_CASES
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ can speak. With transport "auto" a client takes, in order:
 - on another host: ucx, then tcp;
 each only where the node advertises it and this client can speak it, and always gRPC streams last.
 An explicit transport ("shm", "tcp", "ucx", "grpc") is that plane alone; its errors surface.
-A node too old to advertise planes (no host_id) is treated as offering shm only.
+A node too old to advertise planes (no host_id) is treated as offering gRPC streams only.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ def choose_planes(
 ) -> list[str]:
     """The planes to try, most preferred first, ending with "grpc" in auto mode (see the module docstring).
 
-    advertised: the node's planes by name; None when the node predates advertising (then: shm only).
+    advertised: the node's planes by name; None when the node predates advertising (then: gRPC only).
     Raises PlaneUnavailable when an explicit plane is not served by the node, ValueError when this
     client cannot speak it.
     """
     if mode not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {mode!r}")
-    offered = {"shm"} if advertised is None else set(advertised)
+    offered = set() if advertised is None else set(advertised)
     if mode == "grpc":
         return ["grpc"]
     if mode != "auto":

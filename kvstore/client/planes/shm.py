@@ -1,275 +1,301 @@
-"""The client's side of the shared-memory plane: Put/Get (through pooled scratch segments) and the
-zero-copy `get_into`/`put_from` (straight into and out of the caller's registered buffers), as exchanges.
+"""The client side of the same-host plane: Put and Get through this client's own memory, with the node's Unix
+socket as the control channel (protocol: kvstore/wire/shm.py).
 
-Checksums (DESIGN.md §8: a page is verified when read from a tier and whenever it crossed a network):
-the node verifies every page when it reads it from its tier, before a byte of it reaches a segment,
-and computes the checksum of every page put from the bytes that landed in its slot. Nothing on this
-plane crosses a network (the node and this client share one host's memory), so the client verifies
-nothing again: `get_into` costs one copy (tier -> caller's buffer) and one checksum (the tier read),
-`put_from` one copy (caller's buffer -> slot) and one checksum (of the slot).
+Every page crosses with one memcpy, done by the node, and no gRPC round trip: a GET names where each page
+goes (a block of the client's receive pool for a plain `get`, the caller's own SharedBuffer for `get_into`)
+and the node's reader copies each page there in the pass that verifies it; a PUT names where each page lies
+(the caller's SharedBuffer for `put_from`, else a pool block the page is copied into first) and the node
+copies it into its slot. Nothing crosses a network, so the client verifies nothing again (DESIGN.md §8).
+
+Connections: a pool of SEQPACKET connections (one request at a time each), opened on demand with HELLO and
+the client's token; each registers a SharedBuffer (passing its memfd with SCM_RIGHTS) the first time a
+request names it. A node that cannot be reached (no socket, another host, the plane off) is PlaneUnavailable
+before anything was sent: the client falls back to the next plane.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
+import array
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.client.exchange import Exchange, Unary
+from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import buffer_span
-from kvstore.client.planes.segments import (
-    ClientSegment,
-    Placed,
-    SegmentPool,
-    SharedBuffer,
-    SharedBuffers,
-    sweep_stale,
-)
-from kvstore.errors import InvalidArgument, ShmNotAvailable, StreamError
+from kvstore.client.planes.pool import ReceivePool
+from kvstore.client.planes.segments import Placed, SharedBuffer, SharedBuffers
+from kvstore.errors import InvalidArgument, KVStoreError, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import align_up
-from kvstore.wire import PutOpen
-from kvstore.wire.shm import HEADER_BYTES
+from kvstore.wire import PutOpen, shm
+from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
 
-__all__ = ["ClientSegment", "SegmentPool", "ShmPlane", "sweep_stale"]
-
-DEFAULT_PAGE_HINT = 256 << 10  # a client's first GetShm window assumes pages of this size, then learns
-_TARGET_FIELD = re.compile(r"^(?:targets|pages)\[(\d+)\]")
-
-
-# -- requests and replies (no I/O besides the copies into and out of pooled segments) -----------------
+T = TypeVar("T")
+KEEP_IDLE = 4  # idle connections kept for the next calls
+_TARGET_FIELD = "targets["
 
 
-def put_request(seg: ClientSegment, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> pb.PutShmRequest:
-    """Copy `pages` into `seg` (4 KiB-aligned, after the header) and describe them in a PutShmRequest.
-    `seg` must hold `put_bytes(pages)` data bytes. Checksums are left to the node (see the module
-    docstring): it computes them from the bytes that landed in its slots."""
-    req = pb.PutShmRequest(open=put_open_to_pb(op), region=pb.ShmRegion(name=seg.name, nonce=seg.nonce))
-    pos = HEADER_BYTES
-    for h, page in zip(hashes, pages, strict=True):
-        src = memoryview(page).cast("B")
-        n = len(src)
-        seg.view[pos : pos + n] = src
-        req.pages.add(hash=h, offset=pos, payload_bytes=n)
-        pos = align_up(pos + n)
-    return req
+class Connection:
+    """One connection to the node's socket: HELLO'd, with the buffers registered on it. One call at a time."""
 
+    def __init__(self, path: str, token: str | None, timeout: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(timeout)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, opt, shm.SOCKET_BUFFER_BYTES)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.seq = 0
+        self.registered: set[int] = set()
+        self.usable = True
+        self.replied = False  # whether any request on it got a reply (a reused connection that got none is stale)
+        try:
+            body = self.call(Kind.HELLO, (token or "").encode(), want=Kind.WELCOME)
+            self.max_page_bytes, self.max_pages, _ = shm.WELCOME.unpack(body)
+        except BaseException:
+            self.close()
+            raise
 
-def put_bytes(pages: Sequence[Buffer]) -> int:
-    """Data bytes a segment needs to carry `pages` for put_request."""
-    return sum(align_up(memoryview(p).nbytes) for p in pages)
+    def close(self) -> None:
+        self.usable = False
+        self.sock.close()
 
+    def call(self, kind: Kind, body: bytes, fds: Sequence[int] = (), want: Kind = Kind.OK) -> memoryview:
+        """Send one request and return its reply's body; an ERROR reply raises the node's exception."""
+        self.seq = (self.seq + 1) & 0xFFFFFFFF
+        msg = shm.frame(kind, self.seq, body)
+        try:
+            if fds:
+                self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            else:
+                self.sock.send(msg)
+            reply = self.sock.recv(shm.MAX_MESSAGE_BYTES)
+        except OSError:
+            self.usable = False
+            raise
+        if not reply:
+            self.usable = False
+            raise ConnectionError("the node closed the same-host plane connection")
+        self.replied = True
+        got, seq, payload = shm.unframe(reply)
+        if got is Kind.ERROR:
+            raise from_status(*shm.parse_error(payload))
+        if got is not want or (seq != self.seq and kind is not Kind.HELLO):
+            self.usable = False
+            raise StreamError(f"the node answered {kind.name} with {got.name} (request {seq}, expected {self.seq})")
+        return payload
 
-def get_request(seg: ClientSegment, namespace: str, hashes: Sequence[bytes], promote: bool) -> pb.GetShmRequest:
-    return pb.GetShmRequest(
-        namespace=namespace,
-        hashes=list(hashes),
-        no_promote=not promote,
-        region=pb.ShmRegion(name=seg.name, nonce=seg.nonce),
-        offset=HEADER_BYTES,
-        size=seg.data_bytes,
-    )
-
-
-def read_reply(seg: ClientSegment, hashes: Sequence[bytes], reply: pb.GetShmResponse) -> list[FetchedPage]:
-    """Copy the pages a GetShm put into `seg` out into owned buffers, checking order and bounds."""
-    check_reply_order(hashes, reply)
-    out = []
-    for i, p in enumerate(reply.pages):
-        if p.offset < HEADER_BYTES or p.offset + p.payload_bytes > seg.size:
-            raise StreamError(f"page {i}: slice [{p.offset}, {p.offset + p.payload_bytes}) outside the segment")
-        out.append(FetchedPage(p.hash, TierKind(p.tier), bytearray(seg.view[p.offset : p.offset + p.payload_bytes])))
-    return out
-
-
-def check_reply_order(hashes: Sequence[bytes], reply: pb.GetShmResponse) -> None:
-    if len(reply.pages) > len(hashes):
-        raise StreamError(f"GetShm returned {len(reply.pages)} pages for {len(hashes)} hashes")
-    for i, (want, p) in enumerate(zip(hashes, reply.pages, strict=False)):
-        if p.hash != want:
-            raise StreamError(f"page {i}: server sent an unexpected hash")
-
-
-def shared_region(buf: SharedBuffer) -> pb.ShmRegion:
-    """The region naming a registered buffer: this process's sealed memfd, for the node to map."""
-    return pb.ShmRegion(name=buf.name, nonce=buf.nonce, pid=buf.pid, fd=buf.fd)
-
-
-def into_request(namespace: str, hashes: Sequence[bytes], placed: Sequence[Placed], promote: bool) -> pb.GetShmRequest:
-    """A GetShm that writes page i straight into placed[i] (all in one registered buffer)."""
-    return pb.GetShmRequest(
-        namespace=namespace,
-        hashes=list(hashes),
-        no_promote=not promote,
-        region=shared_region(placed[0].buffer),
-        targets=[pb.ShmTarget(offset=p.offset, size=p.nbytes) for p in placed],
-    )
-
-
-def into_reply(hashes: Sequence[bytes], placed: Sequence[Placed], reply: pb.GetShmResponse) -> list[PageRef]:
-    """What a targeted GetShm wrote, checked against what was asked (order, place, size)."""
-    check_reply_order(hashes, reply)
-    out = []
-    for i, (p, want) in enumerate(zip(reply.pages, placed, strict=False)):
-        if p.offset != want.offset or p.payload_bytes > want.nbytes:
-            raise StreamError(f"page {i}: written at [{p.offset}, +{p.payload_bytes}), not into its buffer")
-        out.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
-    return out
-
-
-def segment_runs(placed: Sequence[Placed], per_call: int) -> list[tuple[int, int]]:
-    """[start, end) runs of consecutive buffers in one segment, each at most `per_call` long."""
-    runs: list[tuple[int, int]] = []
-    a = 0
-    for i in range(1, len(placed) + 1):
-        if i == len(placed) or i - a == per_call or placed[i].buffer is not placed[a].buffer:
-            runs.append((a, i))
-            a = i
-    return runs
-
-
-def buffer_error(exc: InvalidArgument, first: int) -> Exception:
-    """The node's complaint about targets[j] / pages[j] of one call, as the caller's buffers[first + j]."""
-    m = _TARGET_FIELD.match(exc.field)
-    if m is None:
-        return exc
-    rest = str(exc).split(":", 1)[1].strip()
-    return ValueError(f"buffers[{first + int(m.group(1))}]: {rest}")
+    def register(self, buf: SharedBuffer) -> None:
+        if buf.id not in self.registered:
+            self.call(Kind.REGISTER, shm.REGISTER.pack(buf.id), fds=[buf.fd])
+            self.registered.add(buf.id)
 
 
 class ShmPlane(DataPlane):
-    """Pages cross through shared memory on this host; the RPCs carry only hashes and slices.
-
-    `put`/`get` copy through this client's pooled scratch segments; `put_from`/`get_into` use the
-    caller's registered buffers (`buffers`, from `client.shared_buffer`) directly: the node reads and
-    writes them, and the client touches no page byte. Thread-safe: concurrent calls take different
-    scratch segments. Each PutShm of at most `pages_per_call` pages is atomic, like a Put stream.
-    """
+    """Pages cross through this client's memory on the node's host. Thread-safe: concurrent calls use
+    different connections. Each PUT of at most `pages_per_call` pages is atomic, like a Put stream."""
 
     name = "shm"
 
-    def __init__(self, pages_per_call: int, buffers: SharedBuffers) -> None:
-        self.pages_per_call = pages_per_call
+    def __init__(
+        self,
+        path: str,
+        pages_per_call: int,
+        buffers: SharedBuffers,
+        received: ReceivePool,
+        token: str | None,
+        timeout: float,
+    ) -> None:
+        if not path:
+            raise PlaneUnavailable("the node advertises no same-host socket")
+        self.path = path
+        self.pages_per_call = min(pages_per_call, shm.MAX_PAGES_PER_CALL)
         self.buffers = buffers
-        self.pool = SegmentPool()
-        self.page_hint = DEFAULT_PAGE_HINT  # bytes per page GetShm windows are sized for (learned)
-        # False once the node could not open a registered buffer (another pid namespace, say): then
-        # get_into/put_from copy through the scratch segments, which the node reaches by name.
-        self.node_maps_buffers = True
+        self.received = received
+        self.token = token
+        self.timeout = timeout
+        self._page_bytes: dict[str, int] = {}  # a namespace's page size (fixed once its first page is stored)
+        self._idle: list[Connection] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
-    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
-        seg = self.pool.acquire(put_bytes(pages))
+    # -- connections
+
+    def _open(self) -> Connection:
         try:
-            reply = yield Unary("PutShm", put_request(seg, op, hashes, pages))
-        finally:
-            self.pool.release(seg)
-        return reply.stored, reply.already_present
+            return Connection(self.path, self.token, self.timeout)
+        except KVStoreError:
+            raise
+        except (OSError, StreamError, ValueError) as exc:
+            raise PlaneUnavailable(f"cannot open the same-host plane at {self.path}: {exc}") from None
 
-    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        """GetShm calls for the longest stored prefix of one batch of `hashes`, through a scratch segment.
-
-        The window is sized for `page_hint` bytes per page and grows when the node reports a page that
-        did not fit. Bounded: every call either returns pages or grows the window to fit the next page.
-        """
-        out: list[FetchedPage] = []
-        hint = self.page_hint
-        seg = self.pool.acquire(hint * len(hashes))
-        try:
-            for _ in range(2 * len(hashes) + 2):
-                rest = hashes[len(out) :]
-                if not rest:
-                    break
-                reply = yield Unary("GetShm", get_request(seg, namespace, rest, promote))
-                got = read_reply(seg, rest, reply)
-                out.extend(got)
-                if not reply.next_page_bytes:
-                    if len(got) < len(rest):
-                        break  # the first missing page ends the prefix
+    def _call(self, fn: Callable[[Connection], T]) -> T:
+        """Run one request on a pooled connection; once more on a fresh one when a reused connection turns
+        out dead before any reply (the node restarted: requests are idempotent, a dead node's PUT aborted)."""
+        for attempt in range(2):
+            with self._lock:
+                conn = self._idle.pop() if self._idle else None
+            reused = conn is not None
+            if conn is None:
+                conn = self._open()
+            replied_before = conn.replied
+            conn.replied = False
+            try:
+                result = fn(conn)
+            except KVStoreError:
+                self._release(conn)
+                raise
+            except OSError as exc:
+                conn.close()
+                if reused and replied_before and not conn.replied and attempt == 0:
                     continue
-                hint = max(hint, align_up(reply.next_page_bytes))
-                need = hint * (len(hashes) - len(out))
-                if seg.data_bytes < need:
-                    self.pool.release(seg)
-                    seg = self.pool.acquire(need)
-        finally:
-            self.pool.release(seg)
-        self.page_hint = hint
-        return out
+                raise Unavailable(f"same-host plane connection to {self.path} failed: {exc}") from None
+            except BaseException:
+                conn.close()
+                raise
+            self._release(conn)
+            return result
+        raise AssertionError("unreachable: the second attempt returns or raises")
 
-    def place(self, buffers: Sequence[Buffer], writable: bool, first: int = 0) -> list[Placed]:
-        """Where each caller buffer lies in this client's registered segments; ValueError naming the
-        first that lies in none (the caller checked count, contiguity and overlaps already)."""
+    def _release(self, conn: Connection) -> None:
+        with self._lock:
+            keep = conn.usable and not self._closed and len(self._idle) < KEEP_IDLE
+            if keep:
+                self._idle.append(conn)
+        if not keep:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    # -- where pages lie
+
+    def _place(self, buffers: Sequence[Buffer], writable: bool, first: int) -> list[Placed] | None:
+        """Where each buffer lies in this client's registered memory; None when any lies outside it."""
         placed = []
         for i, b in enumerate(buffers):
-            field = f"buffers[{first + i}]"
-            where = self.buffers.locate(*buffer_span(b, field, writable))
+            where = self.buffers.locate(*buffer_span(b, f"buffers[{first + i}]", writable))
             if where is None:
-                raise ValueError(
-                    f"{field}: not inside a shared buffer of this client; on the shared-memory plane "
-                    "pages move straight into registered memory: allocate it with "
-                    "client.shared_buffer(nbytes) and pass views of it"
-                )
+                return None
             placed.append(where)
         return placed
 
-    def runs(self, buffers: Sequence[Buffer], writable: bool) -> list[tuple[int, int]]:
-        """Batches never cross from one registered buffer into another (one GetShm/PutShm names one)."""
-        return segment_runs(self.place(buffers, writable), self.pages_per_call)
+    def page_bytes(self, namespace: str, first: bytes) -> int:
+        """The namespace's page size, asked of the node once (NamespaceNotFound when it has none), on behalf
+        of a Get starting at hash `first`."""
+        n = self._page_bytes.get(namespace)
+        if n is None:
+            body = self._call(lambda c: c.call(Kind.LAYOUT, first + namespace.encode()))
+            (n,) = shm.PAGE_BYTES.unpack(body)
+            self._page_bytes[namespace] = n
+        return n
 
-    def get_into_batch(
-        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
-    ) -> Exchange[list[PageRef]]:
-        """A GetShm that has the node write page i straight into buffers[i] (all in one registered buffer).
-        The node checks every target before it reads a page, so a buffer too small for the namespace's
-        pages changes nothing."""
-        if not self.node_maps_buffers:
-            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first))
-        placed = self.place(buffers, True, first)
-        try:
-            reply = yield Unary("GetShm", into_request(namespace, hashes, placed, promote))
-        except InvalidArgument as exc:
-            raise buffer_error(exc, first) from None
-        except ShmNotAvailable:
-            if first or not self._cannot_map():
-                raise
-            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first))
-        return into_reply(hashes, placed, reply)
+    # -- the DataPlane
+
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+        blocks = []
+        for page in pages:  # one copy into registered memory; the node copies it into its slot
+            src = memoryview(page).cast("B")
+            block = self.received.take(len(src))
+            block[:] = src
+            blocks.append(block)
+        placed = self._place(blocks, False, 0)
+        assert placed is not None  # pool blocks are registered memory
+        return (yield from self._put(op, hashes, placed, 0))
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
     ) -> Exchange[tuple[int, int]]:
-        """A PutShm naming the caller's registered buffer as the page slices: the node copies each page once,
-        into its slot, and computes its checksum there."""
-        if not self.node_maps_buffers:
+        """The node copies each page straight out of the caller's registered memory (none on the client);
+        buffers elsewhere are copied into registered memory first."""
+        placed = self._place(buffers, False, first)
+        if placed is None:
             return (yield from self.put_batch(op, hashes, buffers))
-        placed = self.place(buffers, False, first)
-        req = pb.PutShmRequest(
-            open=put_open_to_pb(op),
-            region=shared_region(placed[0].buffer),
-            pages=[
-                pb.ShmSlice(hash=h, offset=p.offset, payload_bytes=p.nbytes)
-                for h, p in zip(hashes, placed, strict=True)
-            ],
-        )
+        return (yield from self._put(op, hashes, placed, first))
+
+    def _put(self, op: PutOpen, hashes: Sequence[bytes], placed: list[Placed], first: int) -> Exchange[tuple[int, int]]:
+        body = put_request(op, hashes, placed).SerializeToString()
+        reply = yield Blocking(lambda: self._call(lambda c: self._request(c, Kind.PUT, body, placed, first)))
+        res = pb.PutResponse.FromString(bytes(reply))
+        return res.stored, res.already_present
+
+    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+        """Pages straight into blocks of the receive pool: the node copies and verifies each one in place."""
+        n = yield Blocking(lambda: self.page_bytes(namespace, hashes[0]))
+        blocks = [self.received.take(n) for _ in hashes]
+        placed = self._place(blocks, True, 0)
+        assert placed is not None
+        got = yield from self._get(namespace, hashes, promote, placed, 0)
+        return [FetchedPage(p.hash, TierKind(p.tier), blocks[i]) for i, p in enumerate(got)]
+
+    def get_into_batch(
+        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+    ) -> Exchange[list[PageRef]]:
+        """The node writes page i straight into buffers[i] when they are registered memory (SharedBuffer or a
+        pool block); other buffers get their pages through the receive pool, one copy more."""
+        placed = self._place(buffers, True, first)
+        if placed is None:
+            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first))
+        got = yield from self._get(namespace, hashes, promote, placed, first)
+        return [PageRef(p.hash, TierKind(p.tier), p.payload_bytes) for p in got]
+
+    def _get(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, placed: list[Placed], first: int
+    ) -> Exchange[list[pb.ShmSlice]]:
+        req = pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
+        for p in placed:
+            req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
+        body = req.SerializeToString()
+        reply = yield Blocking(lambda: self._call(lambda c: self._request(c, Kind.GET, body, placed, first)))
+        pages = pb.GetShmResponse.FromString(bytes(reply)).pages
+        if len(pages) > len(hashes):
+            raise StreamError(f"the node returned {len(pages)} pages for {len(hashes)} hashes")
+        for i, p in enumerate(pages):
+            if p.hash != hashes[i] or p.buffer != placed[i].buffer.id or p.offset != placed[i].offset:
+                raise StreamError(f"page {i}: the node put an unexpected page, or put it elsewhere")
+        return list(pages)
+
+    def _request(self, conn: Connection, kind: Kind, body: bytes, placed: list[Placed], first: int) -> memoryview:
+        for p in placed:
+            conn.register(p.buffer)
         try:
-            reply = yield Unary("PutShm", req)
+            return conn.call(kind, body)
         except InvalidArgument as exc:
-            raise buffer_error(exc, first) from None
-        except ShmNotAvailable:
-            if first or not self._cannot_map():
-                raise
-            return (yield from self.put_batch(op, hashes, buffers))
-        return reply.stored, reply.already_present
+            raise _buffer_error(exc, first) from None
 
-    def _cannot_map(self) -> bool:
-        """After the node could not open a registered buffer: from now on zero-copy calls copy through the
-        scratch segments (True), unless they already did (False: the plane itself is unavailable)."""
-        if not self.node_maps_buffers:
-            return False
-        self.node_maps_buffers = False
-        return True
 
-    def close(self) -> None:
-        self.pool.close()
+def put_request(op: PutOpen, hashes: Sequence[bytes], placed: Sequence[Placed]) -> pb.PutShmRequest:
+    """A PUT naming where each page lies. No checksums: the node takes them of the bytes in its slots."""
+    req = pb.PutShmRequest(open=put_open_to_pb(op))
+    for h, p in zip(hashes, placed, strict=True):
+        req.pages.add(hash=h, offset=p.offset, payload_bytes=p.nbytes, buffer=p.buffer.id)
+    return req
+
+
+def _buffer_error(exc: InvalidArgument, first: int) -> Exception:
+    """The node's complaint about targets[j] / pages[j] of one call, as the caller's buffers[first + j]."""
+    field = exc.field
+    for prefix in (_TARGET_FIELD, "pages["):
+        if field.startswith(prefix) and "]" in field:
+            j = int(field[len(prefix) : field.index("]")])
+            rest = str(exc).split(":", 1)[1].strip()
+            return ValueError(f"buffers[{first + j}]: {rest}")
+    return exc
+
+
+def plane_path(advertised: str) -> str:
+    """The socket to use: KVSTORE_LOCAL_SOCKET when set (a pod mounts the node's socket at a path of its
+    own), else what the node advertises."""
+    return os.environ.get("KVSTORE_LOCAL_SOCKET") or advertised

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import ClientStream, Exchange, ServerStream
 from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.pool import ReceivePool
 from kvstore.names import Buffer
 from kvstore.wire import PutOpen
 from kvstore.wire.streams import FetchedPage, GetAssembler, put_requests
@@ -20,16 +21,17 @@ class GrpcStreams(DataPlane):
 
     name = "grpc"
 
-    def __init__(self, pages_per_call: int, verify: bool) -> None:
+    def __init__(self, pages_per_call: int, verify: bool, received: ReceivePool | None = None) -> None:
         self.pages_per_call = pages_per_call
         self.verify = verify
+        self.received = ReceivePool() if received is None else received  # where a get's pages land
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
         reply = yield ClientStream("Put", put_requests(op, hashes, pages))
         return reply.stored, reply.already_present
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        asm = GetAssembler(hashes, self.verify)
+        asm = GetAssembler(hashes, self.verify, self.received.take)
         request = pb.GetRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
         yield ServerStream("Get", request, asm.feed)
         return asm.finish()

@@ -28,6 +28,7 @@ from kvstore.addresses import split_address, target_host
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import page_sink
+from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
@@ -216,6 +217,7 @@ class TcpPlane(DataPlane):
         verify: bool,
         security: ClientSecurity,
         timeout: float,
+        received: ReceivePool | None = None,
     ) -> None:
         try:
             self.host, self.port = split_address(address, default_host=target_host(target))
@@ -226,6 +228,7 @@ class TcpPlane(DataPlane):
         self.security = security
         self.timeout = timeout
         self.tls = tls
+        self.received = ReceivePool() if received is None else received  # where a plain get's pages land
         self.server_name = security.server_name or target_host(target)
         self._idle: list[Connection] = []
         self._lock = threading.Lock()
@@ -242,6 +245,7 @@ class TcpPlane(DataPlane):
         verify: bool,
         security: ClientSecurity,
         timeout: float,
+        received: ReceivePool | None = None,
     ) -> TcpPlane:
         if info is None or not info.address:
             raise PlaneUnavailable("the node advertises no TCP plane address")
@@ -257,6 +261,7 @@ class TcpPlane(DataPlane):
             verify=verify,
             security=security,
             timeout=timeout,
+            received=received,
         )
 
     # -- connections
@@ -340,7 +345,8 @@ class TcpPlane(DataPlane):
         return (yield Blocking(lambda: self._call(lambda c: c.put(op, hashes, pages))))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        return (yield from self._get(namespace, hashes, promote, _fresh, lambda h, t, v: FetchedPage(h, t, v.obj)))
+        take = self.received.take
+        return (yield from self._get(namespace, hashes, promote, lambda i, n: take(n), FetchedPage))
 
     def get_into_batch(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
@@ -364,10 +370,6 @@ class TcpPlane(DataPlane):
         except PageCorrupt as exc:
             raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None
         return [result(*g) for g in got]
-
-
-def _fresh(i: int, n: int) -> memoryview:
-    return memoryview(bytearray(n))
 
 
 def client_tls_context(security: ClientSecurity) -> ssl.SSLContext:

@@ -33,7 +33,7 @@ from typing import Any
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
-from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, from_status
+from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import PlaneInfo
@@ -279,6 +279,9 @@ class UcxPlane(DataPlane):
         except (UcxTimeout, UcxClosed, ProtocolError) as exc:
             conn.close_broken([])
             raise StreamError(f"UCX plane: {exc}") from exc
+        except conn.ucx.UCXError as exc:  # the node went away mid-call (cancelled, reset): nothing usable came
+            conn.close_broken([])
+            raise Unavailable(f"UCX plane connection failed: {type(exc).__name__}: {exc}") from exc
         finally:
             self._release(conn)
 

@@ -24,6 +24,7 @@ class NodeServices:
     callers: Callers
     config: NodeConfig
     advertise_host: str
+    port: int  # the node's bound gRPC port
 
 
 class PlaneServer(abc.ABC):

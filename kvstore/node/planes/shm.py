@@ -1,377 +1,444 @@
-"""The node's side of the shared-memory plane: PutShm/GetShm (through the node's put and get drivers) and
-the client segments they name, opened on demand and checked on every use.
+"""The node side of the same-host plane: a Unix socket on the node's loop, one task per connection, and the
+client memory each connection registered (protocol: kvstore/wire/shm.py).
 
-Two kinds: named /dev/shm segments (the clients' scratch pool), read and written with pread/pwrite
-because their size can change under the node; and registered buffers, memfds sealed against
-shrinking, which the node maps and copies into with memcpy (about twice as fast as a pwrite into tmpfs).
+Every PUT and GET runs the node's put and get drivers (kvstore/node/drivers.py): a PUT copies each page from
+the client's registered memory into its slot (one memcpy; the transaction checksums the slot), a GET has the
+reader copy each page into the client's memory in the pass that verifies it (one copy, one checksum).
+
+What a caller can and cannot make the node do:
+- the node maps only memory whose descriptor the caller handed it (SCM_RIGHTS): it never opens a path, a
+  /proc entry or a device, so nothing it maps is a file the caller could not already write, and no tty can
+  become its controlling terminal;
+- it maps a descriptor only if it is a memfd sealed against shrinking and growing and not against writes
+  (so a mapped page can never vanish under a copy), and answers one message for every other descriptor,
+  whatever it is (socket, pipe, file, tty, a memfd sealed otherwise), so the answer tells nothing;
+- what a connection maps is bounded (MAX_BUFFERS buffers, the node's `shm_max_mapped_bytes` in all), and a
+  mapping failure is RESOURCE_EXHAUSTED, never an internal error;
+- credentials, roles and tenants are those of every plane (kvstore/node/callers.py), checked at HELLO and
+  again on every request.
 """
 
 from __future__ import annotations
 
+import array
+import asyncio
 import contextlib
 import fcntl
 import itertools
+import logging
 import mmap
 import os
-import secrets
+import socket
 import stat
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+
+from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import InvalidArgument, ShmNotAvailable
+from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated
+from kvstore.hashing import HASH_BYTES
+from kvstore.manager.put import PutTxn
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
-from kvstore.node.limits import bounded, check_count
-from kvstore.pageformat import align_up
-from kvstore.wire.shm import HEADER_BYTES, MAGIC, NAME_RE, NONCE_BYTES, SHM_DIR
+from kvstore.node.planes.base import NodeServices, PlaneServer
+from kvstore.security import AUTH_HEADER, Role
+from kvstore.stats import PlaneInfo
+from kvstore.wire import shm
+from kvstore.wire.shm import Kind, ProtocolError, default_socket_path
 from kvstore.wire.streams import put_open_from_pb
 
-MAX_ATTACHED = 64  # segments a node keeps open at once (least recently used closed first)
+log = logging.getLogger(__name__)
+
+SOCKET_MODE = 0o660  # owner and group: in Kubernetes the node's and the workers' pods share a group
 
 
-def unusable(name: str) -> ShmNotAvailable:
-    """The one reply for every segment this node will not use. NOTE: one status and one message
-    whether the segment is missing, not a regular file, open to other users, too small or carrying
-    another nonce, so a caller cannot probe which kvstore-* names exist (issue 16)."""
-    return ShmNotAvailable(
-        f"region: segment {name!r} is not usable by this node (not visible here, not a "
-        "private regular file, or another nonce); use Put/Get"
-    )
+class Unusable(KVStoreError):
+    """The one answer for a descriptor this node will not map (see the module docstring)."""
+
+    status_name = "INVALID_ARGUMENT"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "register: the descriptor is not usable (the node maps only memfds sealed with F_SEAL_SHRINK and "
+            "F_SEAL_GROW and not against writes)"
+        )
 
 
-def _private_regular(st: os.stat_result) -> bool:
-    """A regular file no other user may access: only its owner (and root) can know its nonce, and the
-    owner may write it anyway, so the node writing into it on a caller's behalf grants nothing."""
-    return stat.S_ISREG(st.st_mode) and not stat.S_IMODE(st.st_mode) & 0o077
+class MappedBuffer:
+    """A client's registered memfd, mapped by the node. Invariant: the mapping stays until every window given
+    out is released and the buffer was dropped (`users` counts the requests using it)."""
 
-
-class NodeSegment:
-    """What the node does with any caller segment: bounds checks, and a use count.
-
-    Invariant: the segment's descriptor (and mapping) stay open while `users` > 0, even after the
-    attachment table dropped the handle, so nothing is closed under an in-flight copy.
-    """
-
-    def __init__(self, name: str, fd: int, ino: int, size: int) -> None:
-        self.name, self.fd, self.ino, self.size = name, fd, ino, size
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+        self.view = memoryview(self.map)
         self.users = 0
         self.dropped = False
 
     def check(self, offset: int, length: int, field: str) -> None:
-        """Raise unless [offset, offset+length) lies after the header and inside the segment."""
-        if offset < HEADER_BYTES:
-            raise InvalidArgument(field, f"offset {offset} overlaps the {HEADER_BYTES}-byte segment header")
-        if offset + length > self.size:
-            raise InvalidArgument(field, f"[{offset}, {offset + length}) runs past the segment's {self.size} bytes")
+        """InvalidArgument naming `field` unless [offset, offset + length) lies inside the buffer."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise InvalidArgument(field, f"[{offset}, {offset + length}) runs past the buffer's {self.size} bytes")
 
-    def targets(self, targets: Sequence[Any], count: int, page_bytes: int) -> list[int]:
-        """Offsets of a zero-copy GetShm's targets (one per hash), after checking that each lies after the
-        header and inside the segment, holds a `page_bytes` page, and overlaps no other target's page.
-        Raises InvalidArgument naming `targets[i]` (so nothing is read or written for a bad request)."""
-        if len(targets) != count:
-            raise InvalidArgument("targets", f"{len(targets)} targets for {count} hashes (one per hash)")
-        for i, t in enumerate(targets):
-            self.check(t.offset, t.size, f"targets[{i}]")
-            if t.size < page_bytes:
-                raise InvalidArgument(
-                    f"targets[{i}]", f"{t.size} bytes cannot hold a page of this namespace ({page_bytes} bytes)"
-                )
-        order = sorted(range(count), key=lambda i: targets[i].offset)
-        for prev, cur in itertools.pairwise(order):
-            if targets[prev].offset + page_bytes > targets[cur].offset:
-                raise InvalidArgument(f"targets[{max(prev, cur)}]", f"overlaps targets[{min(prev, cur)}]")
-        return [t.offset for t in targets]
-
-    def read_into(self, offset: int, dst: memoryview, field: str) -> None:
-        """Copy len(dst) bytes at `offset` of the segment into dst."""
-        raise NotImplementedError
-
-    def write(self, offset: int, src: memoryview | bytes) -> None:
-        """Copy src into the segment at `offset`."""
-        raise NotImplementedError
-
-    def gone(self) -> bool:
-        """Whether the caller let go of the segment (so the node should too)."""
-        raise NotImplementedError
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.dropped and self.users == 0:
-            self._close()
+    def window(self, offset: int, n: int) -> memoryview:
+        return self.view[offset : offset + n]
 
     def drop(self) -> None:
         self.dropped = True
         if self.users == 0:
             self._close()
 
-    def _close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-class AttachedSegment(NodeSegment):
-    """The node's handle on one named client segment: positional reads and writes on an open descriptor.
-
-    NOTE: deliberately not an mmap. A client can shrink a named segment at any moment; touching a mapped
-    page past the new end kills the node with SIGBUS, while pread/pwrite just come up short (checked
-    here) or extend the file. (Registered buffers are sealed memfds instead, which can be mapped.)
-    """
-
-    def read_into(self, offset: int, dst: memoryview, field: str) -> None:
-        got = os.preadv(self.fd, [dst], offset)
-        if got != len(dst):
-            raise InvalidArgument(field, f"segment {self.name!r} ended after {got} of {len(dst)} bytes (shrunk?)")
-
-    def write(self, offset: int, src: memoryview | bytes) -> None:
-        n = len(src)
-        done = 0
-        while done < n:  # pwrite to tmpfs is complete in practice; loop for the contract, bounded by n
-            wrote = os.pwrite(self.fd, memoryview(src)[done:], offset + done)
-            if wrote <= 0:
-                raise OSError(f"pwrite to segment {self.name!r} made no progress")
-            done += wrote
-
-    def gone(self) -> bool:
-        return not (SHM_DIR / self.name).exists()
-
-
-class MappedSegment(NodeSegment):
-    """The node's mapping of a caller's registered buffer: a memfd sealed against shrinking and growing,
-    so its pages can never vanish under a copy (no SIGBUS), copied with plain memcpy.
-
-    `window(offset, n)` is a writable view the node's reads copy pages into (kvstore/manager/reads.py
-    verifies each page while copying it there); every window must be released before the handle closes.
-    """
-
-    def __init__(self, name: str, fd: int, ino: int, size: int, path: str) -> None:
-        super().__init__(name, fd, ino, size)
-        self.path = path
-        self.map = mmap.mmap(fd, size)
-        self.view = memoryview(self.map)
-
-    def window(self, offset: int, n: int) -> memoryview:
-        return self.view[offset : offset + n]
-
-    def read_into(self, offset: int, dst: memoryview, field: str) -> None:
-        dst[:] = self.view[offset : offset + len(dst)]
-
-    def write(self, offset: int, src: memoryview | bytes) -> None:
-        self.view[offset : offset + len(src)] = src
-
-    def nonce_matches(self, nonce: bytes) -> bool:
-        header = self.view[: len(MAGIC) + NONCE_BYTES]
-        return header[: len(MAGIC)] == MAGIC and secrets.compare_digest(bytes(header[len(MAGIC) :]), nonce)
-
-    def gone(self) -> bool:
-        try:
-            return os.stat(self.path).st_ino != self.ino
-        except OSError:
-            return True
+    def release(self) -> None:
+        self.users -= 1
+        if self.dropped and self.users == 0:
+            self._close()
 
     def _close(self) -> None:
         self.view.release()
         with contextlib.suppress(BufferError):  # a window still exported: the mapping goes with it
             self.map.close()
-        super()._close()
 
 
-class SegmentAttachments:
-    """The node's side: named client segments opened on demand, checked on every use. `acquire`
-    returns a handle the caller must `release()` when its copies are done."""
-
-    def __init__(self, max_attached: int = MAX_ATTACHED) -> None:
-        self.max_attached = max_attached
-        self._open: OrderedDict[str, NodeSegment] = OrderedDict()
-
-    def acquire(self, name: str, nonce: bytes) -> AttachedSegment:
-        """The caller's segment, after its name, type, mode and nonce are checked. Raises InvalidArgument
-        for a malformed name or nonce, else `unusable` (ShmNotAvailable) for any segment it will not use."""
-        if not NAME_RE.match(name):
-            raise InvalidArgument(
-                "region.name", f"{name!r} is not a kvstore segment name (kvstore-[A-Za-z0-9_-]{{8,64}})"
-            )
-        if len(nonce) != NONCE_BYTES:
-            raise InvalidArgument("region.nonce", f"must be {NONCE_BYTES} bytes, got {len(nonce)}")
-        path = SHM_DIR / name
-        try:
-            st = os.stat(path, follow_symlinks=False)
-        except OSError:
-            self._drop(name)
-            raise unusable(name) from None
-        if not _private_regular(st):
-            raise unusable(name)
-        att = self._open.get(name)
-        if not isinstance(att, AttachedSegment) or att.ino != st.st_ino or att.size != st.st_size:
-            self._drop(name)
-            att = self._attach(name, path)
-        self._open.move_to_end(name)
-        header = os.pread(att.fd, len(MAGIC) + NONCE_BYTES, 0)
-        if header[: len(MAGIC)] != MAGIC or not secrets.compare_digest(header[len(MAGIC) :], nonce):
-            raise unusable(name)
-        att.users += 1
-        return att
-
-    def acquire_memfd(self, pid: int, fd: int, nonce: bytes, name: str) -> MappedSegment:
-        """A caller's registered buffer (its memfd `fd` in process `pid`), mapped, after its seals and
-        nonce are checked. Raises InvalidArgument naming what is wrong, or ShmNotAvailable when this
-        node cannot open it (another pid namespace or user)."""
-        if len(nonce) != NONCE_BYTES:
-            raise InvalidArgument("region.nonce", f"must be {NONCE_BYTES} bytes, got {len(nonce)}")
-        path = f"/proc/{pid}/fd/{fd}"
-        key = f"memfd:{pid}:{fd}"
-        try:
-            ino = os.stat(path).st_ino
-        except OSError:
-            self._drop(key)
-            raise ShmNotAvailable(
-                f"cannot open the caller's registered buffer {name!r} (descriptor {fd} of "
-                f"process {pid}) from this node: another pid namespace or user?"
-            ) from None
-        att = self._open.get(key)
-        if not isinstance(att, MappedSegment) or att.ino != ino:
-            self._drop(key)
-            att = self._map(key, path, name)
-        self._open.move_to_end(key)
-        if not att.nonce_matches(nonce):
-            raise InvalidArgument("region.nonce", f"does not match the header of registered buffer {name!r}")
-        att.users += 1
-        return att
-
-    def _map(self, key: str, path: str, name: str) -> MappedSegment:
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise ShmNotAvailable(f"cannot open the caller's registered buffer {name!r}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            except OSError:
-                seals = 0  # not a memfd at all
-            if not stat.S_ISREG(st.st_mode) or not seals & fcntl.F_SEAL_SHRINK:
-                raise InvalidArgument(
-                    "region.fd", f"{name!r} is not a memfd sealed against shrinking; the node maps only such buffers"
-                )
-            if st.st_size < HEADER_BYTES + 1:
-                raise InvalidArgument("region.fd", f"{name!r} is {st.st_size} bytes, smaller than its header")
-            att = MappedSegment(name, fd, st.st_ino, st.st_size, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._track(key, att)
-        return att
-
-    def _attach(self, name: str, path: Path) -> AttachedSegment:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            raise unusable(name) from None
+def map_descriptor(fd: int) -> MappedBuffer:
+    """Map a descriptor a client passed; Unusable for anything but a memfd sealed as the module docstring says.
+    The descriptor is the caller's to close."""
+    try:
         st = os.fstat(fd)
-        if st.st_size < HEADER_BYTES + 1 or not _private_regular(st):  # fstat: the file opened, not the name
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
+    except OSError:
+        raise Unusable() from None
+    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+    write_seals = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+    if not stat.S_ISREG(st.st_mode) or seals & need != need or seals & write_seals or st.st_size <= 0:
+        raise Unusable()
+    try:
+        return MappedBuffer(fd, st.st_size)
+    except OSError as exc:  # ENOMEM and the like: the node is out of address space, not broken
+        raise ResourceExhausted(f"register: the node cannot map {st.st_size} more bytes ({exc.strerror})") from None
+
+
+def recv_fds(sock: socket.socket, max_bytes: int) -> tuple[bytes, list[int]]:
+    """One message and the descriptors passed with it (all of them: the caller closes what it does not keep)."""
+    fds = array.array("i")
+    msg, anc, _flags, _addr = sock.recvmsg(max_bytes, socket.CMSG_SPACE(4 * fds.itemsize))
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    return msg, list(fds)
+
+
+class ShmPlaneServer(PlaneServer):
+    """The same-host plane's listener (kvstore/wire/shm.py). `start` binds the node's local socket and returns
+    the PlaneInfo the node advertises (its path); `stop` closes every connection and removes the socket."""
+
+    name = "shm"
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path  # None: the default path for the node's gRPC port
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.mapped_bytes = 0
+
+    async def start(self, services: NodeServices) -> PlaneInfo:
+        self.services = services
+        path = self.path or default_socket_path(services.port)
+        self.path = path
+        self._sock = listen_unix(path)
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+        log.info("same-host plane on unix:%s", path)
+        return PlaneInfo(self.name, path)
+
+    async def stop(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+        if self._sock is not None:
+            self._sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)  # type: ignore[arg-type]
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.wait(list(self._conns), timeout=5.0)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE and the like: keep serving the connections we have
+                log.warning("same-host plane: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+                sock.setsockopt(socket.SOL_SOCKET, opt, shm.SOCKET_BUFFER_BYTES)
+            if len(self._conns) >= self.services.config.tcp_max_connections:
+                with contextlib.suppress(OSError):
+                    sock.send(shm.frame(Kind.ERROR, 0, shm.error_body("UNAVAILABLE", "too many connections")))
+                sock.close()
+                continue
+            task = loop.create_task(_Connection(self, sock).serve())
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+
+def listen_unix(path: str) -> socket.socket:
+    """A listening SEQPACKET socket at `path`. A stale socket file (nobody listening) is replaced; a socket
+    another process serves, or any other file, is refused with a message naming the path."""
+    p = Path(path)
+    if p.exists() or p.is_symlink():
+        if not stat.S_ISSOCK(p.lstat().st_mode):
+            raise OSError(f"--local-socket {path}: exists and is not a socket; remove it or choose another path")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            p.unlink()  # stale: its node is gone
+        except OSError as exc:
+            raise OSError(f"--local-socket {path}: cannot tell whether another node serves it: {exc}") from None
+        else:
+            raise OSError(f"--local-socket {path}: another node serves this socket; choose another path")
+        finally:
+            probe.close()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.bind(path)
+        os.chmod(path, SOCKET_MODE)
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _Connection:
+    """One client connection: HELLO, then registrations and requests, one at a time, until EOF or stop."""
+
+    def __init__(self, server: ShmPlaneServer, sock: socket.socket) -> None:
+        self.server = server
+        self.sock = sock
+        self.cfg = server.services.config
+        self.token = ""
+        self.buffers: dict[int, MappedBuffer] = {}
+        self.loop = asyncio.get_running_loop()
+
+    async def recv(self) -> tuple[bytes, list[int]]:
+        """The next message and any descriptors with it; EOF is (b"", [])."""
+        while True:
+            try:
+                return recv_fds(self.sock, shm.MAX_MESSAGE_BYTES)
+            except BlockingIOError:
+                await self._readable()
+
+    async def _readable(self) -> None:
+        ready = self.loop.create_future()
+        self.loop.add_reader(self.sock.fileno(), lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self.loop.remove_reader(self.sock.fileno())
+
+    async def send(self, kind: Kind, seq: int, body: bytes = b"") -> None:
+        await self.loop.sock_sendall(self.sock, shm.frame(kind, seq, body))
+
+    async def serve(self) -> None:
+        try:
+            async with asyncio.timeout(self.cfg.tcp_timeout_seconds):
+                await self._hello()
+            while True:
+                msg, fds = await self.recv()
+                if not msg:
+                    return
+                try:
+                    kind, seq, body = shm.unframe(msg)
+                    await self._handle(kind, seq, body, fds)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+        except (ProtocolError, Unauthenticated) as exc:
+            with contextlib.suppress(Exception):
+                status = exc.status_name if isinstance(exc, KVStoreError) else "INVALID_ARGUMENT"
+                await self.send(Kind.ERROR, 0, shm.error_body(status, str(exc)))
+        except (ConnectionError, TimeoutError, OSError) as exc:
+            log.debug("same-host plane connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("same-host plane connection failed unexpectedly")
+        finally:
+            for buf in self.buffers.values():
+                self.server.mapped_bytes -= buf.size
+                buf.drop()
+            self.buffers.clear()
+            self.sock.close()
+
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
+
+    def _caller(self, method: str) -> Caller:
+        return self.server.services.callers.authenticate(method, self._metadata(), None)  # no certificate here
+
+    async def _hello(self) -> None:
+        msg, fds = await self.recv()
+        for fd in fds:
             os.close(fd)
-            raise unusable(name)
-        att = AttachedSegment(name, fd, st.st_ino, st.st_size)
-        self._track(name, att)
-        return att
-
-    def _track(self, key: str, att: NodeSegment) -> None:
-        self._open[key] = att
-        while len(self._open) > self.max_attached:
-            self._drop(next(iter(self._open)))
-        # Segments their clients unlinked or closed stay allocated while open here: let go of them now.
-        for other in [k for k, a in self._open.items() if k != key and a.gone()]:
-            self._drop(other)
-
-    def _drop(self, name: str) -> None:
-        att = self._open.pop(name, None)
-        if att is not None:
-            att.drop()
-
-    def close(self) -> None:
-        for name in list(self._open):
-            self._drop(name)
-
-    def __len__(self) -> int:
-        return len(self._open)
-
-
-class ShmPlane:
-    """PutShm and GetShm: page bytes cross through the caller's segment, the RPC carries hashes and offsets.
-    Same transaction, leases and checks as every plane (kvstore/node/drivers.py)."""
-
-    def __init__(self, attachments: SegmentAttachments, max_pages: int) -> None:
-        self.attachments = attachments
-        self.max_pages = max_pages
-
-    def segment(self, region: pb.ShmRegion) -> NodeSegment:
-        if region.pid:
-            return self.attachments.acquire_memfd(region.pid, region.fd, region.nonce, region.name)
-        return self.attachments.acquire(region.name, region.nonce)
-
-    async def put(self, caller: Caller, request: pb.PutShmRequest) -> pb.PutResponse:
-        """One copy per page, segment -> slot; the checksum is the one the transaction takes of the slot
-        (checked against a declared one, if any)."""
-        if not request.HasField("open"):
-            raise InvalidArgument("open", "PutShm needs `open` (namespace and layout)")
-        check_count(request.pages, self.max_pages, "pages")
-        seg = self.segment(request.region)
+        if not msg:
+            raise ConnectionError("closed before HELLO")
+        kind, _, body = shm.unframe(msg)
+        if kind is not Kind.HELLO:
+            raise ProtocolError(f"a connection starts with HELLO, got {kind.name}")
+        if len(body) > shm.MAX_TOKEN_BYTES:
+            raise ProtocolError(f"a token has at most {shm.MAX_TOKEN_BYTES} bytes")
         try:
-            slices = list(request.pages)
-            for i, p in enumerate(slices):  # bounds first: a bad slice must leave the node unchanged
-                seg.check(p.offset, p.payload_bytes, f"pages[{i}]")
-            op = put_open_from_pb(request.open)
-            stored, present = await drive_put(
-                lambda: caller.view.begin_put(op), _heads(slices), _SegmentPages(seg, slices), drain=False
-            )
-            return pb.PutResponse(stored=stored, already_present=present)
-        finally:
-            seg.release()
+            self.token = bytes(body).decode()
+        except UnicodeDecodeError:
+            raise Unauthenticated("the token is not valid UTF-8") from None
+        auth = self.server.services.callers.auth
+        role = Role.WRITE if auth is None else auth.role_of(self._metadata())
+        max_pages = min(self.cfg.max_pages_per_request, shm.MAX_PAGES_PER_CALL)
+        welcome = shm.WELCOME.pack(self.cfg.max_page_bytes, max_pages, role)
+        await self.send(Kind.WELCOME, 0, welcome)
 
-    async def get(self, caller: Caller, request: pb.GetShmRequest) -> pb.GetShmResponse:
-        """Get into the caller's segment: one copy per page, from its slot (or tier read) to the segment.
-        Pages go back to back into the window [offset, offset + size), or, with `targets` (zero-copy
-        get_into), page i into targets[i], all checked before the first page is read. Into a registered
-        (mapped) buffer the reader copies each page itself, verifying it in the same pass."""
-        hashes = bounded(request.hashes, self.max_pages, "hashes")
-        seg = self.segment(request.region)
-        windows: list[memoryview] = []
+    async def _handle(self, kind: Kind, seq: int, body: memoryview, fds: list[int]) -> None:
         try:
-            places: list[int] | None = None
-            if request.targets:
-                page_bytes = caller.view.layout_of(request.namespace).page_bytes
-                places = seg.targets(request.targets, len(hashes), page_bytes)
-                if isinstance(seg, MappedSegment):
-                    windows = [seg.window(o, page_bytes) for o in places]
+            if kind is Kind.REGISTER:
+                self._register(body, fds)
+                reply = b""
+            elif kind is Kind.LAYOUT:
+                reply = self._layout(body)
+            elif kind is Kind.PUT:
+                reply = await self._put(pb.PutShmRequest.FromString(bytes(body)))
+            elif kind is Kind.GET:
+                reply = await self._get(pb.GetShmRequest.FromString(bytes(body)))
             else:
-                seg.check(request.offset, request.size, "size")
-            out = pb.GetShmResponse()
-            pos, end = request.offset, request.offset + request.size
-            promote = not request.no_promote
-            async with open_get(
-                caller, request.namespace, hashes, promote, into=windows or None, receiver_verifies=False
-            ) as leases:
-                async for lease in leases:
-                    n = len(lease.payload)
-                    if places is not None:
-                        pos = places[len(out.pages)]
-                    elif pos + n > end:
-                        out.next_page_bytes = n
-                        break
-                    if not windows:  # else the reader has copied it there already
-                        seg.write(pos, lease.payload)
-                    out.pages.add(
-                        hash=lease.hash, offset=pos, payload_bytes=n, checksum=lease.checksum, tier=int(lease.tier)
-                    )
-                    pos = align_up(pos + n)
-            return out
-        finally:
-            for w in windows:
-                w.release()
-            seg.release()
+                raise ProtocolError(f"{kind.name} is not a request")
+        except DecodeError as exc:
+            await self.send(Kind.ERROR, seq, shm.error_body("INVALID_ARGUMENT", f"body: not a {kind.name}: {exc}"))
+            return
+        except KVStoreError as exc:
+            await self.send(Kind.ERROR, seq, shm.error_body(exc.status_name, str(exc)))
+            return
+        await self.send(Kind.OK, seq, reply)
+
+    def _register(self, body: memoryview, fds: list[int]) -> None:
+        self._caller("Get")  # any valid token may register memory: readers need it for get_into
+        if len(body) != shm.REGISTER.size or len(fds) != 1:
+            raise InvalidArgument("register", "a REGISTER carries a buffer id and exactly one descriptor")
+        (buf_id,) = shm.REGISTER.unpack(body)
+        if buf_id in self.buffers:
+            raise InvalidArgument("register", f"buffer {buf_id} is registered already on this connection")
+        if len(self.buffers) >= shm.MAX_BUFFERS:
+            raise ResourceExhausted(f"register: a connection registers at most {shm.MAX_BUFFERS} buffers")
+        buf = map_descriptor(fds[0])
+        limit = self.cfg.shm_max_mapped_bytes
+        if self.server.mapped_bytes + buf.size > limit:
+            buf.drop()
+            raise ResourceExhausted(f"register: this node maps at most {limit} bytes of client memory in all")
+        self.server.mapped_bytes += buf.size
+        self.buffers[buf_id] = buf
+
+    def _layout(self, body: memoryview) -> bytes:
+        """The page size a GET's targets need: the first step of a plain get, answered as that Get would be."""
+        if len(body) < HASH_BYTES:
+            raise InvalidArgument("layout", f"a LAYOUT carries a {HASH_BYTES}-byte hash, then the namespace")
+        try:
+            namespace = bytes(body[HASH_BYTES:]).decode()
+        except UnicodeDecodeError:
+            raise InvalidArgument("namespace", "not valid UTF-8") from None
+        layout = self._caller("Get").view.layout_of(namespace, first=bytes(body[:HASH_BYTES]))
+        return shm.PAGE_BYTES.pack(layout.page_bytes)
+
+    def _buffer(self, buf_id: int, field: str) -> MappedBuffer:
+        buf = self.buffers.get(buf_id)
+        if buf is None:
+            raise InvalidArgument(field, f"buffer {buf_id} is not registered on this connection")
+        return buf
+
+    async def _put(self, req: pb.PutShmRequest) -> bytes:
+        caller = self._caller("Put")
+        if not req.HasField("open"):
+            raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
+        if len(req.pages) > min(self.cfg.max_pages_per_request, shm.MAX_PAGES_PER_CALL):
+            raise InvalidArgument("pages", f"{len(req.pages)} pages in one PUT")
+        slices = list(req.pages)
+        places = []
+        for i, p in enumerate(slices):  # every slice checked first: a bad one leaves the node unchanged
+            buf = self._buffer(p.buffer, f"pages[{i}].buffer")
+            buf.check(p.offset, p.payload_bytes, f"pages[{i}]")
+            places.append((buf, p.offset))
+        op = put_open_from_pb(req.open)
+        with _using(b for b, _ in places):
+
+            def begin() -> PutTxn:
+                return caller.view.begin_put(op)
+
+            stored, present = await drive_put(begin, _heads(slices), _BufferPages(places), drain=False)
+        return pb.PutResponse(stored=stored, already_present=present).SerializeToString()
+
+    async def _get(self, req: pb.GetShmRequest) -> bytes:
+        caller = self._caller("Get")
+        hashes = list(req.hashes)
+        if len(req.targets) != len(hashes):
+            raise InvalidArgument("targets", f"{len(req.targets)} targets for {len(hashes)} hashes (one per hash)")
+        page_bytes = caller.view.layout_of(req.namespace).page_bytes
+        bufs = [self._buffer(t.buffer, f"targets[{i}].buffer") for i, t in enumerate(req.targets)]
+        check_targets(req.targets, bufs, page_bytes)
+        out = pb.GetShmResponse()
+        with _using(bufs):
+            windows = [b.window(t.offset, page_bytes) for b, t in zip(bufs, req.targets, strict=True)]
+            promote = not req.no_promote
+            try:
+                async with open_get(
+                    caller, req.namespace, hashes, promote, into=windows, receiver_verifies=False
+                ) as ls:
+                    async for lease in ls:
+                        t = req.targets[len(out.pages)]
+                        out.pages.add(
+                            hash=lease.hash,
+                            offset=t.offset,
+                            payload_bytes=len(lease.payload),
+                            checksum=lease.checksum,
+                            tier=int(lease.tier),
+                            buffer=t.buffer,
+                        )
+            finally:
+                for w in windows:
+                    w.release()
+        return out.SerializeToString()
+
+
+def check_targets(targets: Sequence[pb.ShmTarget], bufs: Sequence[MappedBuffer], page_bytes: int) -> None:
+    """Every target inside its buffer, a page long at least, overlapping no other target of the same buffer;
+    InvalidArgument naming `targets[i]` otherwise (checked before anything is read or written)."""
+    for i, (t, b) in enumerate(zip(targets, bufs, strict=True)):
+        b.check(t.offset, t.size, f"targets[{i}]")
+        if t.size < page_bytes:
+            raise InvalidArgument(f"targets[{i}]", f"{t.size} bytes cannot hold a page of this namespace: {page_bytes}")
+    order = sorted(range(len(targets)), key=lambda i: (targets[i].buffer, targets[i].offset))
+    for prev, cur in itertools.pairwise(order):
+        a, b = targets[prev], targets[cur]
+        if a.buffer == b.buffer and a.offset + page_bytes > b.offset:
+            raise InvalidArgument(f"targets[{max(prev, cur)}]", f"overlaps targets[{min(prev, cur)}]")
+
+
+@contextlib.contextmanager
+def _using(bufs: object) -> object:
+    """Hold `bufs` (an iterable of MappedBuffer) mapped for the block."""
+    held = list(bufs)  # type: ignore[call-overload]
+    for b in held:
+        b.users += 1
+    try:
+        yield
+    finally:
+        for b in held:
+            b.release()
 
 
 async def _heads(slices: Sequence[pb.ShmSlice]) -> AsyncIterator[PageHead]:
@@ -379,15 +446,15 @@ async def _heads(slices: Sequence[pb.ShmSlice]) -> AsyncIterator[PageHead]:
         yield PageHead(p.hash, p.payload_bytes, p.checksum)
 
 
-class _SegmentPages:
-    """The put driver's page bytes: each slice of the caller's segment (bounds checked before)."""
+class _BufferPages:
+    """The put driver's page bytes: each slice of a registered buffer (bounds checked before)."""
 
-    def __init__(self, seg: NodeSegment, slices: Sequence[pb.ShmSlice]) -> None:
-        self.seg = seg
-        self.slices = slices
+    def __init__(self, places: list[tuple[MappedBuffer, int]]) -> None:
+        self.places = places
 
     async def read_into(self, index: int, view: memoryview) -> None:
-        self.seg.read_into(self.slices[index].offset, view, f"pages[{index}]")
+        buf, offset = self.places[index]
+        view[:] = buf.view[offset : offset + len(view)]
 
     async def discard(self, index: int, nbytes: int) -> None:
-        return None  # nothing to receive: the bytes stay in the caller's segment
+        return None  # nothing to receive: the bytes stay in the caller's memory

@@ -16,6 +16,11 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT8_E4M3: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
 
+class PageEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAGE_ENCODING_RAW: _ClassVar[PageEncoding]
+    PAGE_ENCODING_FP8_E4M3: _ClassVar[PageEncoding]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
@@ -28,24 +33,28 @@ DTYPE_BFLOAT16: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT8_E4M3: DType
 DTYPE_UINT8: DType
+PAGE_ENCODING_RAW: PageEncoding
+PAGE_ENCODING_FP8_E4M3: PageEncoding
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_NVME: Tier
 
 class PageLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    encoding: PageEncoding
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., encoding: _Optional[_Union[PageEncoding, str]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "prefetch")
@@ -270,7 +279,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes")
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -293,6 +302,7 @@ class StatsResponse(_message.Message):
     CORRUPT_REPORTS_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     SCRUBBED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     max_page_bytes: int
@@ -315,7 +325,8 @@ class StatsResponse(_message.Message):
     corrupt_reports: int
     corrupt_confirmed: int
     scrubbed_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ...) -> None: ...
+    kv_events: KvEventsStats
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("namespace", "hashes")
@@ -332,6 +343,26 @@ class ReportResponse(_message.Message):
     dropped: int
     intact: int
     def __init__(self, dropped: _Optional[int] = ..., intact: _Optional[int] = ...) -> None: ...
+
+class KvEventsStats(_message.Message):
+    __slots__ = ("endpoint", "queued", "sent_events", "sent_batches", "dropped_events", "snapshots", "subscribers", "send_errors")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    SENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SENT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
+    SEND_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    queued: int
+    sent_events: int
+    sent_batches: int
+    dropped_events: int
+    snapshots: int
+    subscribers: int
+    send_errors: int
+    def __init__(self, endpoint: _Optional[str] = ..., queued: _Optional[int] = ..., sent_events: _Optional[int] = ..., sent_batches: _Optional[int] = ..., dropped_events: _Optional[int] = ..., snapshots: _Optional[int] = ..., subscribers: _Optional[int] = ..., send_errors: _Optional[int] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "tiers", "lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
@@ -397,72 +428,54 @@ class IndexStats(_message.Message):
     resync_pending: bool
     def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., queued: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., flushed: _Optional[int] = ..., resyncs: _Optional[int] = ..., overflows: _Optional[int] = ..., errors: _Optional[int] = ..., resync_pending: _Optional[bool] = ...) -> None: ...
 
-class ShmRegion(_message.Message):
-    __slots__ = ("name", "nonce", "pid", "fd")
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    NONCE_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
-    FD_FIELD_NUMBER: _ClassVar[int]
-    name: str
-    nonce: bytes
-    pid: int
-    fd: int
-    def __init__(self, name: _Optional[str] = ..., nonce: _Optional[bytes] = ..., pid: _Optional[int] = ..., fd: _Optional[int] = ...) -> None: ...
-
 class ShmSlice(_message.Message):
-    __slots__ = ("hash", "offset", "payload_bytes", "checksum", "tier")
+    __slots__ = ("hash", "offset", "payload_bytes", "checksum", "tier", "buffer")
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     hash: bytes
     offset: int
     payload_bytes: int
     checksum: int
     tier: Tier
-    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+    buffer: int
+    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., buffer: _Optional[int] = ...) -> None: ...
 
 class PutShmRequest(_message.Message):
-    __slots__ = ("open", "region", "pages")
+    __slots__ = ("open", "pages")
     OPEN_FIELD_NUMBER: _ClassVar[int]
-    REGION_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     open: PutOpen
-    region: ShmRegion
     pages: _containers.RepeatedCompositeFieldContainer[ShmSlice]
-    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
+    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
 
 class GetShmRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote", "region", "offset", "size", "targets")
+    __slots__ = ("namespace", "hashes", "no_promote", "targets")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
-    REGION_FIELD_NUMBER: _ClassVar[int]
-    OFFSET_FIELD_NUMBER: _ClassVar[int]
-    SIZE_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
-    region: ShmRegion
-    offset: int
-    size: int
     targets: _containers.RepeatedCompositeFieldContainer[ShmTarget]
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., region: _Optional[_Union[ShmRegion, _Mapping]] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
-    __slots__ = ("offset", "size")
+    __slots__ = ("offset", "size", "buffer")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
     offset: int
     size: int
-    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+    buffer: int
+    def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., buffer: _Optional[int] = ...) -> None: ...
 
 class GetShmResponse(_message.Message):
-    __slots__ = ("pages", "next_page_bytes")
+    __slots__ = ("pages",)
     PAGES_FIELD_NUMBER: _ClassVar[int]
-    NEXT_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     pages: _containers.RepeatedCompositeFieldContainer[ShmSlice]
-    next_page_bytes: int
-    def __init__(self, pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ..., next_page_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...

@@ -75,16 +75,6 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
                 _registered_method=True)
-        self.PutShm = channel.unary_unary(
-                '/kvstore.v1.KVStore/PutShm',
-                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutShmRequest.SerializeToString,
-                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
-                _registered_method=True)
-        self.GetShm = channel.unary_unary(
-                '/kvstore.v1.KVStore/GetShm',
-                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.SerializeToString,
-                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.FromString,
-                _registered_method=True)
         self.Report = channel.unary_unary(
                 '/kvstore.v1.KVStore/Report',
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
@@ -161,22 +151,9 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def PutShm(self, request, context):
-        """Put through a same-host shared-memory segment (see ShmRegion). Atomic like Put.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GetShm(self, request, context):
-        """Get into a same-host shared-memory segment (see ShmRegion).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Report(self, request, context):
-        """A client received pages whose bytes failed their checksum (DESIGN.md §8: the party that receives the
+        """(PutShm and GetShm moved to the same-host plane's Unix socket, kvstore/wire/shm.py.)
+        A client received pages whose bytes failed their checksum (DESIGN.md §8: the party that receives the
         bytes verifies them). The node verifies its own copy of each: one that fails is dropped and counted;
         one that passes was damaged on the way and stays. Either way the client treated it as a miss.
         """
@@ -226,16 +203,6 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.SerializeToString,
-            ),
-            'PutShm': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutShm,
-                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.PutShmRequest.FromString,
-                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.PutResponse.SerializeToString,
-            ),
-            'GetShm': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetShm,
-                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.FromString,
-                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
@@ -460,60 +427,6 @@ class KVStore:
             '/kvstore.v1.KVStore/Stats',
             kvstore_dot_v1_dot_kvstore__pb2.StatsRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.StatsResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PutShm(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvstore.v1.KVStore/PutShm',
-            kvstore_dot_v1_dot_kvstore__pb2.PutShmRequest.SerializeToString,
-            kvstore_dot_v1_dot_kvstore__pb2.PutResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GetShm(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvstore.v1.KVStore/GetShm',
-            kvstore_dot_v1_dot_kvstore__pb2.GetShmRequest.SerializeToString,
-            kvstore_dot_v1_dot_kvstore__pb2.GetShmResponse.FromString,
             options,
             channel_credentials,
             insecure,

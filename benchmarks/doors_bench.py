@@ -1,0 +1,223 @@
+"""Engine doors (issue 21 items 4 and 6): what KV events cost the node, and the SGLang HiCache door's throughput.
+
+Part 1, KV events (kvstore/node/kv_events.py). One real node per mode, loopback, DRAM only and full, so every Put
+page evicts one (two events per page: a store and a removal). Modes, rotated per run so drift on a shared
+machine favours none:
+    off      no --kv-events-endpoint (the reference)
+    on       events on, one subscriber reading everything
+    stuck    events on, one subscriber that connected and never reads (receive buffer of one message)
+Figure: Put pages/s (median of --runs runs of --iters calls of --batch pages of --page-kib KiB, gRPC plane), and
+the node's own event counters (sent, dropped) after the run.
+
+Part 2, SGLang HiCache door (kvstore/integrations/sglang_hicache.py). A host pool shaped as SGLang 0.5.23's
+MHATokenToKVPoolHost `page_first` ([2, tokens, layers, heads, head_dim], bf16), 32 layers x 8 KV heads x 128
+(Llama-3.1-8B's), --page-tokens tokens per page (two regions per page: K and V). Per plane: `batch_set_v1` and
+`batch_get_v1` of --sgl-batch pages (GB/s of page bytes, median of --runs), beside the client's own
+`put_from`/`get_into` of the same regions (what the door adds) and the machine's memcpy of one batch (its limit).
+Writes benchmarks/out/doors_bench.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import zmq
+from machine import machine_line, memcpy_gbs, save_results
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvstore.cli.launch import NodeProcess
+from kvstore.client import KVStoreClient
+from kvstore.layout import DType, PageLayout
+from kvstore.pageformat import slot_bytes_for
+
+NS = "bench/events"
+MODES = ("off", "on", "stuck")
+
+
+def page_keys(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+
+
+def events_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    layout = PageLayout(DType.UINT8, 1, 1, args.page_kib * 512, 1)
+    slots = 2 * args.batch
+    dram = slots * slot_bytes_for(layout.page_bytes)
+    nodes: dict[str, NodeProcess] = {}
+    ctx = zmq.Context()
+    subs: list[zmq.Socket] = []
+    rates: dict[str, list[float]] = {m: [] for m in MODES}
+    counters: dict[str, Any] = {}
+    try:
+        for mode in MODES:
+            extra = [] if mode == "off" else ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
+            nodes[mode] = NodeProcess(dram_bytes=dram, max_page_bytes=layout.page_bytes, node_id=f"ev-{mode}",
+                                      extra_args=[*extra, "--policy", "lru"]).start()  # fmt: skip
+        clients = {m: KVStoreClient(n.addr, timeout=60, transport="grpc") for m, n in nodes.items()}
+        for mode in ("on", "stuck"):
+            s = ctx.socket(zmq.SUB)
+            s.setsockopt(zmq.LINGER, 0)
+            if mode == "stuck":
+                s.setsockopt(zmq.RCVHWM, 1)
+                s.setsockopt(zmq.RCVBUF, 4096)
+            s.connect(clients[mode].stats().kv_events.endpoint)
+            s.setsockopt_string(zmq.SUBSCRIBE, "")
+            subs.append(s)
+        reader = subs[0]
+        payload = bytes(layout.page_bytes)
+        seq = 0
+        for run in range(args.runs):
+            order = MODES[run % 3 :] + MODES[: run % 3]
+            for mode in order:
+                kv = clients[mode]
+                t0 = time.perf_counter()
+                for _ in range(args.iters):
+                    hs = page_keys(f"{mode}-{seq}", args.batch)
+                    seq += 1
+                    kv.put(NS, layout, hs, [payload] * args.batch, chain=False)
+                    if mode == "on":
+                        while reader.poll(0):  # the reading subscriber keeps up between calls
+                            reader.recv_multipart()
+                rates[mode].append(args.iters * args.batch / (time.perf_counter() - t0))
+        for mode, kv in clients.items():
+            counters[mode] = kv.stats().kv_events
+            kv.close()
+    finally:
+        for s in subs:
+            s.close()
+        ctx.term()
+        for n in nodes.values():
+            n.close()
+    base = statistics.median(rates["off"])
+    lines = ["| mode | Put pages/s (median) | vs off | events sent | dropped |", "|---|--:|--:|--:|--:|"]
+    for mode in MODES:
+        med = statistics.median(rates[mode])
+        c = counters.get(mode)
+        sent, dropped = (c.sent_events, c.dropped_events) if c is not None else ("-", "-")
+        lines.append(f"| {mode} | {med:,.0f} | {med / base:.2f}x | {sent} | {dropped} |")
+    return lines, {"rates": rates, "counters": {m: str(c) for m, c in counters.items()}}
+
+
+def indices(pages: list[int], page: int) -> Any:
+    """SGLang's host_indices: `page` token indices per page."""
+    import torch
+
+    return torch.cat([torch.arange(p * page, (p + 1) * page, dtype=torch.int64) for p in pages])
+
+
+class _Pool:
+    """SGLang 0.5.23's MHATokenToKVPoolHost, page_first, Llama-3.1-8B's KV geometry (see the module docstring)."""
+
+    def __init__(self, pages: int, page: int) -> None:
+        import torch
+
+        self.layout, self.page_size, self.dtype = "page_first", page, torch.bfloat16
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = 32, 8, 128, 128
+        self.size = pages * page
+        self.kv_buffer = torch.zeros((2, self.size, 32, 8, 128), dtype=self.dtype)
+
+    def get_page_buffer_meta(self, idx: Any) -> tuple[list[int], list[int]]:
+        item, base, ix = 2, self.kv_buffer.data_ptr(), idx.tolist()
+        v_off = 32 * self.size * 8 * 128 * item
+        ptrs = []
+        for i in range(0, len(ix), self.page_size):
+            k = base + ix[i] * 32 * 8 * 128 * item
+            ptrs += [k, k + v_off]
+        return ptrs, [32 * item * self.page_size * 8 * 128] * len(ptrs)
+
+    def get_dummy_flat_data_page(self) -> Any:
+        import torch
+
+        return torch.zeros(2 * 32 * self.page_size * 8 * 128, dtype=self.dtype)
+
+
+def sglang_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    import torch
+
+    from kvstore.integrations.sglang_hicache import KVStoreHiCacheStorage, region_hashes
+
+    n = args.sgl_batch
+    pool = _Pool(2 * n, args.page_tokens)
+    pool.kv_buffer.copy_(torch.randint(-100, 100, pool.kv_buffer.shape, dtype=torch.int16).view(torch.bfloat16))
+    page_bytes = 2 * 32 * args.page_tokens * 8 * 128 * 2
+    region = page_bytes // 2
+    node = NodeProcess(
+        dram_bytes=4 * n * (region + 8192) + (64 << 20), max_page_bytes=region, node_id="sgl-bench"
+    ).start()
+    out: dict[str, Any] = {}
+    lines = ["| plane | batch_set_v1 GB/s | batch_get_v1 GB/s | client put_from GB/s | client get_into GB/s |",
+             "|---|--:|--:|--:|--:|"]  # fmt: skip
+    try:
+        for plane in ("tcp", "shm"):
+            extra = {"backend_name": "kvstore", "interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": plane}
+            cfg = SimpleNamespace(extra_config=extra, tp_rank=0, tp_size=1, is_mla_model=False, model_name="bench")
+            be = KVStoreHiCacheStorage(cfg, {})
+            be.register_mem_pool_host(pool)
+            w, r, cw, cr = [], [], [], []
+            for run in range(args.runs):
+                keys = [hashlib.sha256(f"{plane}-{run}-{i}".encode()).hexdigest() for i in range(n)]
+                src, dst = indices(list(range(n)), args.page_tokens), indices(list(range(n, 2 * n)), args.page_tokens)
+                t0 = time.perf_counter()
+                assert all(be.batch_set_v1(keys, src, SimpleNamespace(prefix_keys=[])))
+                w.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
+                t0 = time.perf_counter()
+                assert all(be.batch_get_v1(keys, dst))
+                r.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
+                # The client alone on the same regions (what the door adds on top of it).
+                views = be._region_views(src, n)
+                hs = [h for k in keys for h in region_hashes(k + "c", 2)]
+                ns, lay = be._segments()
+                store = be.store
+                t0 = time.perf_counter()
+                assert store.put_from(ns, lay, hs, views) is not None
+                cw.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
+                t0 = time.perf_counter()
+                assert store.get_into(ns, hs, be._region_views(dst, n)) == len(hs)
+                cr.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
+            be.close()
+            med = [statistics.median(x) for x in (w, r, cw, cr)]
+            out[plane] = {"set": w, "get": r, "client_put": cw, "client_get": cr}
+            lines.append(f"| {plane} | " + " | ".join(f"{x:.2f}" for x in med) + " |")
+    finally:
+        node.close()
+    mem = memcpy_gbs(n * page_bytes, 5)
+    lines.append(f"| memcpy of one batch ({n * page_bytes >> 20} MiB) | {mem:.2f} | {mem:.2f} | | |")
+    out["memcpy_gbs"] = mem
+    return lines, out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--page-kib", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--page-tokens", type=int, default=16, help="SGLang page size (tokens)")
+    ap.add_argument("--sgl-batch", type=int, default=32, help="pages per SGLang batch call")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
+    args = ap.parse_args()
+    t0 = time.time()
+    ev_lines, ev = events_part(args)
+    sgl_lines, sgl = sglang_part(args)
+    text = "\n".join([
+        machine_line(),
+        f"- KV events: Put of {args.batch} x {args.page_kib} KiB pages into a full DRAM tier (every page evicts one), "
+        f"{args.iters} calls x {args.runs} runs per mode, gRPC plane",
+        "", *ev_lines, "",
+        f"- SGLang door: page_first pool, 32 layers x 8 KV heads x 128, bf16, {args.page_tokens}-token pages "
+        f"({2 * 32 * args.page_tokens * 8 * 128 * 2 >> 10} KiB, 2 regions), {args.sgl_batch} pages per call, median of {args.runs}",
+        "", *sgl_lines, "", f"- wall {time.time() - t0:.0f} s",
+    ])  # fmt: skip
+    save_results(args.out, "doors_bench", text, args, events=ev, sglang=sgl)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

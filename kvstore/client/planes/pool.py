@@ -1,0 +1,102 @@
+"""Receive memory for a plain `get`: pre-faulted and reused, with a lifetime rule nobody can get wrong.
+
+Why (measured, benchmarks/RESULTS.md "read path"): a fresh `bytearray` per received page costs a zeroing pass
+and, for MiB pages, a page fault per 4 KiB on every call (glibc hands large blocks straight from mmap and
+back). The pool keeps page-sized blocks of a few large mappings, faulted in once when mapped (MAP_POPULATE),
+and hands them out again. The mappings are the client's SharedBuffers (sealed memfds, segments.py), so on the
+node's host the node copies a page straight into its block: a plain `get` costs what `get_into` does.
+
+The lifetime rule: a page `get` returned is yours as long as anything refers to it — the memoryview, a
+slice of it, a numpy array or torch tensor made from it without a copy. Its block goes back to the pool
+only when the last such reference is gone (CPython frees it then, on the spot), so its bytes can never
+change under a reader, and a block is never handed to two callers at once. Nothing to release by hand.
+
+Invariants: a block is in exactly one place: the free list of its arena, or out (owned by the one ndarray a
+`take` made, whose finalizer returns it); a mapping is unmapped only when all its blocks are free, at close
+or when more than `keep_bytes` are free and a new mapping would be needed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+
+import numpy as np
+
+from kvstore.client.planes.segments import SharedBuffers
+from kvstore.pageformat import align_up
+
+ARENA_BYTES = 64 << 20  # blocks are carved from mappings of at least this size (or one block, if larger)
+KEEP_BYTES = 1 << 30  # free memory a pool keeps mapped for the next calls; beyond it, empty arenas go back
+
+
+class _Arena:
+    """One registered shared buffer cut into blocks of one size class."""
+
+    def __init__(self, registry: SharedBuffers, block: int, count: int) -> None:
+        self.block = block
+        self.buffer = registry.allocate(block * count)
+        self.free = list(range(count - 1, -1, -1))  # block indices; pop() hands out the lowest first
+        self.count = count
+
+    def close(self) -> bool:
+        """Give the memory back; False while a block of it is still referenced (then nothing changes)."""
+        if len(self.free) != self.count:
+            return False
+        self.buffer.close()
+        return True
+
+
+class ReceivePool:
+    """Pooled receive blocks (see the module docstring). Thread-safe."""
+
+    def __init__(self, registry: SharedBuffers | None = None, keep_bytes: int = KEEP_BYTES) -> None:
+        self.registry = SharedBuffers() if registry is None else registry
+        self.keep_bytes = keep_bytes
+        self._arenas: dict[int, list[_Arena]] = defaultdict(list)
+        # NOTE: reentrant: a block's finalizer (`_give`) runs wherever the garbage collector frees its array,
+        # which may be inside `take` on this very thread (an allocation there can start a collection).
+        self._lock = threading.RLock()
+        self._free_bytes = 0
+
+    def take(self, nbytes: int) -> memoryview:
+        """A writable, C-contiguous uint8 view of `nbytes` bytes, recycled when nothing refers to it any more.
+        Its initial contents are undefined (a received page overwrites all of it)."""
+        block = align_up(max(nbytes, 1))
+        with self._lock:
+            arena = next((a for a in self._arenas[block] if a.free), None)
+            if arena is None:
+                if self._free_bytes > self.keep_bytes:
+                    self._trim()
+                arena = _Arena(self.registry, block, max(1, ARENA_BYTES // block))
+                self._arenas[block].append(arena)
+                self._free_bytes += arena.count * block
+            index = arena.free.pop()
+            self._free_bytes -= block
+        array = np.frombuffer(arena.buffer.map, dtype=np.uint8, count=nbytes, offset=index * block)
+        weakref.finalize(array, self._give, arena, index)
+        return memoryview(array)
+
+    def _give(self, arena: _Arena, index: int) -> None:
+        with self._lock:
+            arena.free.append(index)
+            self._free_bytes += arena.block
+
+    def _trim(self) -> None:
+        """Unmap arenas whose blocks are all free (caller holds the lock)."""
+        for block, arenas in self._arenas.items():
+            for a in list(arenas):
+                if a.close():
+                    arenas.remove(a)
+                    self._free_bytes -= a.count * block
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return sum(a.count * a.block for arenas in self._arenas.values() for a in arenas)
+
+    def close(self) -> None:
+        """Unmap every arena with no block out; the others go with their last block's user."""
+        with self._lock:
+            self._trim()

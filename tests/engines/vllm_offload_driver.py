@@ -1,0 +1,240 @@
+"""Drive kvstore's vLLM secondary tier through vLLM 0.32's own offloading objects (run in the vLLM venv).
+
+    python tests/engines/vllm_offload_driver.py --url kvstore://H:P --down-url kvstore://H:P2 --auth-url kvstore://H:P3 \
+        --bound-url kvstore://H:P4
+
+vLLM's CPU build refuses the offloading worker (GPU <-> CPU copies), so this script stands in for the
+worker alone: it writes each stored chunk's bytes into the CPU tier's row, as the worker's GPU->CPU copy
+would, and reads promoted rows back. Everything else is vLLM's: `TieringOffloadingSpec` (its shared
+offload region, `CPUPrimaryTierOffloadingManager`, `SecondaryTierFactory` loading our tier from its
+`module_path`) and `TieringOffloadingManager` (lookup, prepare_store / complete_store and the cascade,
+promotion on a secondary hit, prepare_load / complete_load, on_schedule_end). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadKey,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+BLOCK_TOKENS = 16
+KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK_TOKENS * 4 * 64 * 2  # 2 layers, K+V, 16 tokens, 4 heads, dim 64, bf16
+
+
+def make_spec(url: str, **tier: Any) -> TieringOffloadingSpec:
+    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 1024 * KV_BYTES_PER_BLOCK // 16,
+             "secondary_tiers": [{"type": "KVStoreSecondaryTier", "module_path": "kvstore.integrations.vllm_offload",
+                                  "url": url, "timeout": 5, "lookup_timeout": 2, **tier}]}  # fmt: skip
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, layer_names=("l0", "l1"), group_id=0),),
+        worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK, enable_kv_cache_events=False, extra_config=extra,
+        engine_id=f"kvstore-test-{uuid.uuid4().hex[:8]}", model=OffloadingModelConfig(name="tiny-llama", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=False),
+    )  # fmt: skip
+    return TieringOffloadingSpec(cfg)
+
+
+def keys_for(n: int, salt: bytes) -> list[OffloadKey]:
+    out, prev = [], salt
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()  # a 32-byte chained block hash
+        out.append(make_offload_key(prev, 0))
+    return out
+
+
+def step(mgr: Any) -> None:
+    mgr.on_schedule_end(ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+
+
+def settle(mgr: Any, pred: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        step(mgr)
+        if pred():
+            return True
+        time.sleep(0.01)
+    return bool(pred())
+
+
+def lookup_all(mgr: Any, keys: list[OffloadKey], req: ReqContext, timeout: float = 20.0) -> list[str]:
+    """The scheduler's prefix lookup, repeated each step until nothing is deferred (RETRY/HIT_PENDING)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        results = []
+        for k in keys:
+            r = mgr.lookup(k, req)
+            results.append(r.name)
+            if r is LookupResult.MISS:
+                break
+        if all(r in ("HIT", "MISS") for r in results) or time.monotonic() > deadline:
+            return results
+        step(mgr)
+        time.sleep(0.01)
+
+
+def store(mgr: Any, keys: list[OffloadKey], req: ReqContext, data: dict[OffloadKey, bytes]) -> None:
+    """GPU -> CPU offload of `keys` (the worker's copy done here), then vLLM cascades to the tier."""
+    out = mgr.prepare_store(keys, req)
+    assert out is not None, "primary tier full"
+    rows = np.asarray(mgr.primary_tier.get_kv_memoryview())
+    for k, cid in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
+        rows[int(cid)][:] = np.frombuffer(data[k], dtype=np.uint8)
+    del rows  # no export of the region may outlive the manager (it unmaps it on shutdown)
+    mgr.complete_store(keys, req)
+
+
+def record_jobs(tier: Any) -> list[Any]:
+    """Every JobResult the tier hands vLLM from now on (vLLM consumes them; this keeps a copy)."""
+    jobs: list[Any] = []
+    orig = tier.get_finished_jobs
+
+    def spy() -> Any:
+        got = list(orig())
+        jobs.extend(got)
+        return got
+
+    tier.get_finished_jobs = spy
+    return jobs
+
+
+def round_trip(url: str) -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    a_spec, b_spec = make_spec(url), make_spec(url)
+    a, b = a_spec.get_manager(), b_spec.get_manager()
+    tier_a, tier_b = a.secondary_tiers[0], b.secondary_tiers[0]
+    row = tier_a.row_bytes
+    keys = keys_for(24, b"prompt-1")
+    data = {k: rng.integers(0, 256, row, dtype=np.uint8).tobytes() for k in keys}
+    req_a = ReqContext(req_id="A")
+    a.on_new_request(req_a)
+    before = lookup_all(a, keys[:1], req_a)  # nothing anywhere yet
+    store(a, keys, req_a, data)
+    stored = settle(a, lambda: not tier_a.has_pending_work() and not a.has_pending_work())
+    a.on_request_finished(req_a)
+    # A fresh engine B: its own CPU tier (a new shared region), nothing in it.
+    req_b = ReqContext(req_id="B")
+    b.on_new_request(req_b)
+    first = lookup_all(b, keys, req_b)
+    settle(b, lambda: not tier_b.has_pending_work() and not b.has_pending_work())
+    second = lookup_all(b, keys, req_b)
+    spec = b.prepare_load(keys, req_b)
+    rows = np.asarray(b.primary_tier.get_kv_memoryview())
+    exact = all(rows[int(c)].tobytes() == data[k] for k, c in zip(keys, spec.chunk_ids, strict=True))
+    del rows
+    b.complete_load(keys, req_b)
+    sources = sorted({b.get_load_source(k, req_b).name for k in keys})
+    # A longer prompt: the stored prefix hits, the new tail misses.
+    longer = keys + keys_for(3, b"tail")
+    req_c = ReqContext(req_id="C")
+    b.on_new_request(req_c)
+    partial = lookup_all(b, longer, req_c)
+    b.on_request_finished(req_c)
+    b.on_request_finished(req_b)
+    ns = tier_b.namespace
+    for m in (a, b):
+        m.shutdown()
+    return {"before": before, "stored": stored, "first": first, "second": second, "exact": exact,
+            "sources": sources, "partial": partial, "namespace": ns, "row_bytes": row,
+            "hashes": [bytes(k[:32]).hex() for k in keys]}  # fmt: skip
+
+
+def down(url: str) -> dict[str, Any]:
+    spec = make_spec(url, down_backoff=0.2)
+    mgr = spec.get_manager()
+    tier = mgr.secondary_tiers[0]
+    keys = keys_for(4, b"down")
+    data = {k: bytes(tier.row_bytes) for k in keys}
+    req = ReqContext(req_id="D")
+    mgr.on_new_request(req)
+    t0 = time.monotonic()
+    looked = lookup_all(mgr, keys, req)
+    store(mgr, keys, req, data)
+    jobs = record_jobs(tier)
+    settle(mgr, lambda: not tier.has_pending_work())
+    mgr.on_request_finished(req)
+    mgr.shutdown()
+    return {"lookup": looked, "store_jobs": [j.success for j in jobs], "seconds": time.monotonic() - t0}
+
+
+def refused(url: str, **tier: Any) -> dict[str, Any]:
+    """A store the node refuses (wrong token, or a namespace bound to another layout): a failed cascade job,
+    lookups miss, nothing is stored."""
+    mgr = make_spec(url, **tier).get_manager()
+    t = mgr.secondary_tiers[0]
+    keys = keys_for(3, b"refused")
+    req = ReqContext(req_id="R")
+    mgr.on_new_request(req)
+    jobs = record_jobs(t)
+    store(mgr, keys, req, {k: bytes(t.row_bytes) for k in keys})
+    settle(mgr, lambda: not t.has_pending_work())
+    looked = lookup_all(mgr, keys_for(3, b"refused-2"), req)
+    mgr.on_request_finished(req)
+    ns = t.namespace
+    mgr.shutdown()
+    return {"store_jobs": [j.success for j in jobs], "lookup": looked, "namespace": ns,
+            "hashes": [bytes(k[:32]).hex() for k in keys]}  # fmt: skip
+
+
+def bad_config(url: str) -> dict[str, str]:
+    """A bad tier setting refuses the manager at start, naming the key."""
+    out = {}
+    for key, value in (("transport", "carrier-pigeon"), ("threads", 0), ("timeout", -1), ("url", "http://x:1")):
+        try:
+            make_spec(value if key == "url" else url, **({} if key == "url" else {key: value})).get_manager()
+            out[key] = "accepted"
+        except Exception as exc:
+            out[key] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def worker(url: str) -> dict[str, Any]:
+    """What the engine's worker does at start on this platform: ask the spec for its GPU<->CPU worker."""
+    from vllm.platforms import current_platform
+
+    try:
+        make_spec(url).get_worker(None)  # type: ignore[arg-type]
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "platform": current_platform.device_type}
+    return {"error": None, "platform": current_platform.device_type}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--url", required=True, help="a live node")
+    ap.add_argument("--down-url", required=True, help="where no node answers")
+    ap.add_argument("--auth-url", required=True, help="a node that wants a token (this one is wrong)")
+    ap.add_argument("--bound-url", required=True, help="a node whose namespace for this tier has another layout")
+    args = ap.parse_args()  # one process for every scenario: importing vLLM is the slow part
+    res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
+           "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
+           "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url)}  # fmt: skip
+    print("RESULT " + json.dumps(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,382 @@
+"""kvstore as SGLang HiCache's L3 storage (kvstore/integrations/sglang_hicache.py) against a real node.
+
+SGLang 0.5.23 does not install here (it pins CUDA packages), so this test reproduces what SGLang does:
+- `StorageBackendFactory._create_dynamic_backend`: import `module_path`, take `class_name`, construct
+  `cls(storage_config, kwargs)` with SGLang's `HiCacheStorageConfig` fields;
+- `HiCacheController.attach_storage_backend`: `register_mem_pool_host(host_pool)`,
+  `on_host_pools_registered()`;
+- `_page_backup` / `_storage_hit_query` / `_page_transfer`: batches of at most 128 page keys (hex SHA-256 of
+  the token prefix), `extra_info.prefix_keys` the keys before the batch, `host_indices` page_size token
+  indices per key; `batch_set_v1`, `batch_exists`, `batch_get_v1` (interface_v1), or `batch_set` /
+  `batch_get` with flat pages (without it);
+- `MHATokenToKVPoolHost`'s buffers for the layouts `layer_first` [2, L, size, H, D], `page_first`
+  [2, size, L, H, D] and `page_first_direct` [2, pages, L, page, H, D], with its `get_page_buffer_meta`,
+  `get_data_page`, `get_dummy_flat_data_page` and `set_from_flat_data_page`, and the MLA pool
+  (`page_first` [size, L, 1, R+Q], one region per page).
+An engine A stores through one backend instance; a fresh instance on another pool (engine B) finds and
+loads the pages bit-exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.cli.launch import NodeProcess
+from kvstore.client import KVStoreClient
+from kvstore.integrations.direct import ConfigError
+from kvstore.integrations.sglang_hicache import KVStoreHiCacheStorage, region_hashes
+from kvstore.layout import DType, PageLayout
+from kvstore.security import ClientSecurity
+
+PAGE = 16  # tokens per page
+LAYERS, HEADS, DIM = 3, 2, 32
+BATCH = 128  # SGLang's STORAGE_BATCH_SIZE
+
+
+@dataclass
+class HiCacheStorageConfig:  # SGLang 0.5.23's fields
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    attn_cp_rank: int = 0
+    attn_cp_size: int = 1
+    is_mla_model: bool = False
+    enable_storage_metrics: bool = False
+    is_page_first_layout: bool = True
+    model_name: str | None = "meta-llama/Llama-3.1-8B-Instruct"
+    tp_lcm_size: int | None = None
+    should_split_heads: bool = False
+    dp_rank: int = 0
+    extra_config: dict[str, Any] | None = None
+    dcp_size: int = 1
+    dcp_rank: int = 0
+    logical_page_size: int | None = None
+
+
+@dataclass
+class HiCacheStorageExtraInfo:
+    prefix_keys: list[str] | None = None
+    extra_info: dict[str, Any] | None = None
+
+
+class MHAHostPool:
+    """SGLang 0.5.23's MHATokenToKVPoolHost buffers and the page methods HiCache storage uses."""
+
+    def __init__(self, layout: str, pages: int, dtype: torch.dtype = torch.bfloat16) -> None:
+        self.layout, self.page_size, self.dtype = layout, PAGE, dtype
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = LAYERS, HEADS, DIM, DIM
+        self.page_num, self.size = pages, pages * PAGE
+        dims = {"layer_first": (2, LAYERS, self.size, HEADS, DIM), "page_first": (2, self.size, LAYERS, HEADS, DIM),
+                "page_first_direct": (2, pages, LAYERS, PAGE, HEADS, DIM)}[layout]  # fmt: skip
+        self.kv_buffer = torch.zeros(dims, dtype=dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        assert len(indices) % self.page_size == 0
+        item, base, idx = self.dtype.itemsize, self.kv_buffer.data_ptr(), indices.tolist()
+        v_offset = self.layer_num * self.size * self.head_num * self.head_dim * item
+        ptrs: list[int] = []
+        if self.layout == "layer_first":
+            for i in range(0, len(idx), PAGE):
+                for layer in range(self.layer_num):
+                    k = base + idx[i] * HEADS * DIM * item + layer * self.size * HEADS * DIM * item
+                    ptrs += [k, k + v_offset]
+            return ptrs, [item * PAGE * HEADS * DIM] * len(ptrs)
+        for i in range(0, len(idx), PAGE):
+            k = base + idx[i] * LAYERS * HEADS * DIM * item
+            ptrs += [k, k + v_offset]
+        return ptrs, [LAYERS * item * PAGE * HEADS * DIM] * len(ptrs)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        if self.layout == "layer_first":
+            page = self.kv_buffer[:, :, index : index + PAGE]
+        elif self.layout == "page_first":
+            page = self.kv_buffer[:, index : index + PAGE]
+        else:
+            page = self.kv_buffer[:, index // PAGE : index // PAGE + 1]
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros((2, LAYERS, PAGE, HEADS, DIM), dtype=self.dtype).flatten()
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        if self.layout == "layer_first":
+            self.kv_buffer[:, :, index : index + PAGE] = data_page.reshape(2, LAYERS, PAGE, HEADS, DIM)
+        elif self.layout == "page_first":
+            self.kv_buffer[:, index : index + PAGE] = data_page.reshape(2, PAGE, LAYERS, HEADS, DIM)
+        else:
+            p = index // PAGE
+            self.kv_buffer[:, p : p + 1] = data_page.reshape(2, 1, LAYERS, PAGE, HEADS, DIM)
+
+
+class MLAHostPool:
+    """SGLang 0.5.23's MLATokenToKVPoolHost, `page_first`: [size, L, 1, kv_lora_rank + qk_rope_head_dim]."""
+
+    def __init__(self, pages: int) -> None:
+        self.layout, self.page_size, self.dtype = "page_first", PAGE, torch.bfloat16
+        self.layer_num, self.kv_lora_rank, self.qk_rope_head_dim = LAYERS, 48, 16
+        self.size = pages * PAGE
+        self.kv_buffer = torch.zeros((self.size, LAYERS, 1, 64), dtype=self.dtype)
+
+    def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
+        idx, n = indices.tolist(), LAYERS * 64 * 2
+        ptrs = [self.kv_buffer.data_ptr() + idx[i] * n for i in range(0, len(idx), PAGE)]
+        return ptrs, [n * PAGE] * len(ptrs)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.kv_buffer[index : index + PAGE].flatten()
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros((PAGE, LAYERS, 1, 64), dtype=self.dtype).flatten()
+
+
+def page_keys(tokens: list[int]) -> list[str]:
+    """Chained SHA-256 page keys (hex), as SGLang's get_hash_str gives them."""
+    keys, prior = [], b""
+    for i in range(0, len(tokens) - len(tokens) % PAGE, PAGE):
+        prior = hashlib.sha256(prior + np.asarray(tokens[i : i + PAGE], dtype=np.int64).tobytes()).digest()
+        keys.append(prior.hex())
+    return keys
+
+
+def create_backend(extra: dict[str, Any], **cfg: Any) -> KVStoreHiCacheStorage:
+    """StorageBackendFactory._create_dynamic_backend, then attach_storage_backend's registration."""
+    extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang_hicache",
+             "class_name": "KVStoreHiCacheStorage", **extra}  # fmt: skip
+    for name in ("backend_name", "module_path", "class_name"):
+        assert name in extra
+    cls = getattr(importlib.import_module(extra["module_path"]), extra["class_name"])
+    return cls(HiCacheStorageConfig(extra_config=extra, **cfg), {})
+
+
+def attach(backend: KVStoreHiCacheStorage, pool: Any) -> KVStoreHiCacheStorage:
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def backup(backend: KVStoreHiCacheStorage, keys: list[str], host_indices: torch.Tensor, v1: bool = True) -> bool:
+    """HiCacheController._page_backup: batches of BATCH keys, prefix_keys growing."""
+    prefix: list[str] = []
+    for i in range(0, len(keys), BATCH):
+        batch = keys[i : i + BATCH]
+        idx = host_indices[i * PAGE : (i + len(batch)) * PAGE]
+        info = HiCacheStorageExtraInfo(prefix_keys=list(prefix))
+        if v1:
+            ok = all(backend.batch_set_v1(batch, idx, info))
+        else:
+            ok = backend.batch_set(
+                batch, [backend.mem_pool_host.get_data_page(int(idx[j * PAGE])) for j in range(len(batch))]
+            )
+        if not ok:
+            return False
+        prefix += batch
+    return True
+
+
+def prefetch(backend: KVStoreHiCacheStorage, keys: list[str], host_indices: torch.Tensor, v1: bool = True) -> int:
+    """_storage_hit_query then _page_transfer: pages of the stored prefix loaded; returns how many."""
+    hit: list[str] = []
+    prefix: list[str] = []
+    for i in range(0, len(keys), BATCH):
+        batch = keys[i : i + BATCH]
+        n = backend.batch_exists(batch, HiCacheStorageExtraInfo(prefix_keys=list(prefix)))
+        hit += batch[:n]
+        if n < len(batch):
+            break
+        prefix += batch
+    done = 0
+    for i in range(0, len(hit), BATCH):
+        batch = hit[i : i + BATCH]
+        idx = host_indices[i * PAGE : (i + len(batch)) * PAGE]
+        if v1:
+            res = backend.batch_get_v1(batch, idx, HiCacheStorageExtraInfo(prefix_keys=hit[:i]))
+        else:
+            pages = backend.batch_get(batch, [backend.mem_pool_host.get_dummy_flat_data_page() for _ in batch])
+            res = [p is not None for p in pages]
+            for j, p in enumerate(pages):
+                if p is not None:
+                    backend.mem_pool_host.set_from_flat_data_page(int(idx[j * PAGE]), p)
+        n = res.index(False) if False in res else len(res)
+        done += n
+        if n < len(batch):
+            break
+    return done
+
+
+def fill(pool: Any, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=g).to(pool.kv_buffer.dtype))
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.cat([torch.arange(p * PAGE, (p + 1) * PAGE, dtype=torch.int64) for p in pages])
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    n = NodeProcess(dram_bytes="192MiB", max_page_bytes=16 << 10, node_id="sgl").start()  # ~9600 slots: no eviction
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm", "grpc"])
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct", "layer_first"])
+def test_zero_copy_round_trip_to_a_fresh_engine(node: NodeProcess, layout: str, transport: str) -> None:
+    salt = sum(map(ord, layout + transport))  # each case its own prompt (the node is shared)
+    tokens = [salt] + [(i * 31) % 5000 for i in range(PAGE * 140 + 4)]  # 140 pages: 2 batches
+    keys = page_keys(tokens)
+    a_pool, b_pool = MHAHostPool(layout, 160), MHAHostPool(layout, 160)
+    fill(a_pool, 1)
+    extra = {"interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": transport}
+    a = attach(create_backend(extra), a_pool)
+    b = attach(create_backend(extra), b_pool)
+    try:
+        a_slots, b_slots = list(range(10, 150)), [159 - i for i in range(140)]  # B's pages elsewhere, reversed
+        assert prefetch(b, keys, indices(b_slots)) == 0  # nothing stored yet: a miss
+        assert backup(a, keys, indices(a_slots))
+        assert b.batch_exists(keys[:BATCH]) == BATCH
+        assert prefetch(b, keys, indices(b_slots)) == len(keys)
+        assert a.store.plane == b.store.plane == transport  # shm: through the registered staging buffer
+        for ka, kb in zip(a_slots, b_slots, strict=True):
+            assert torch.equal(a_pool.get_data_page(ka * PAGE).view(torch.int16),
+                               b_pool.get_data_page(kb * PAGE).view(torch.int16))  # fmt: skip
+        # Region 0 of every page is stored under SGLang's own page hash.
+        with KVStoreClient(node.addr, transport="grpc") as kv:
+            assert kv.lookup(b._seg_ns, [bytes.fromhex(keys[0])]) == 1
+        # A longer prompt: the stored prefix hits, the rest is False (SGLang's partial-hit path).
+        more = page_keys(tokens + list(range(PAGE * 3)))
+        res = b.batch_get_v1(more[-5:], indices([0, 1, 2, 3, 4]))
+        assert res == [True, True, False, False, False]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_flat_interface_round_trip(node: NodeProcess, layout: str) -> None:
+    keys = page_keys([len(layout)] + [(i * 7) % 3000 for i in range(PAGE * 20)])
+    a_pool, b_pool = MHAHostPool(layout, 32), MHAHostPool(layout, 32)
+    fill(a_pool, 2)
+    extra = {"url": f"kvstore://{node.addr}"}
+    a, b = attach(create_backend(extra), a_pool), attach(create_backend(extra), b_pool)
+    try:
+        assert backup(a, keys, indices(list(range(20))), v1=False)
+        assert b.exists(keys[0]) and b.batch_exists(keys) == 20
+        assert prefetch(b, keys, indices(list(range(31, 11, -1))), v1=False) == 20
+        for i in range(20):
+            assert torch.equal(a_pool.get_data_page(i * PAGE).view(torch.int16),
+                               b_pool.get_data_page((31 - i) * PAGE).view(torch.int16))  # fmt: skip
+        got = b.get(keys[3], b_pool.get_dummy_flat_data_page())
+        assert got is not None and torch.equal(got.view(torch.int16), a_pool.get_data_page(3 * PAGE).view(torch.int16))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_mla_one_writer_every_reader(node: NodeProcess) -> None:
+    keys = page_keys([(i * 13) % 2000 for i in range(PAGE * 8)])
+    pools = [MLAHostPool(16) for _ in range(3)]
+    fill(pools[1], 3)
+    extra = {"interface_v1": 1, "url": f"kvstore://{node.addr}"}
+    r0, r1, r2 = (attach(create_backend(extra, tp_rank=r, tp_size=2, is_mla_model=True), p)
+                  for r, p in zip([0, 1, 0], pools, strict=True))  # fmt: skip
+    try:
+        assert backup(r1, keys, indices(list(range(8))))  # rank 1 is not the writer: success, nothing stored
+        assert r0.batch_exists(keys) == 0
+        fill(pools[0], 3)
+        assert backup(r0, keys, indices(list(range(8))))
+        assert prefetch(r2, keys, indices(list(range(8, 16)))) == 8
+        assert torch.equal(
+            pools[2].kv_buffer[8 * PAGE :].view(torch.int16), pools[0].kv_buffer[: 8 * PAGE].view(torch.int16)
+        )
+    finally:
+        for b in (r0, r1, r2):
+            b.close()
+
+
+def test_node_down_is_a_logged_miss(caplog: pytest.LogCaptureFixture) -> None:
+    pool = MHAHostPool("page_first", 8)
+    fill(pool, 4)
+    keys = page_keys(list(range(PAGE * 4)))
+    b = attach(
+        create_backend({"interface_v1": 1, "url": "kvstore://127.0.0.1:9", "timeout": 2, "lookup_timeout": 2}), pool
+    )
+    try:
+        with caplog.at_level(logging.INFO, logger="kvstore.sglang"):
+            assert b.batch_exists(keys) == 0
+            assert b.batch_get_v1(keys, indices([0, 1, 2, 3])) == [False] * 4
+            assert b.batch_set_v1(keys, indices([0, 1, 2, 3])) == [False] * 4
+        assert any(r.levelno >= logging.ERROR and "127.0.0.1:9" in r.getMessage() for r in caplog.records)
+    finally:
+        b.close()
+
+
+def test_wrong_token_and_wrong_layout_store_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("good-token-0123456789abcdef\n")
+    tokens.chmod(0o600)
+    n = NodeProcess(dram_bytes="16MiB", max_page_bytes=16 << 10, node_id="auth",
+                    extra_args=["--auth-tokens-file", str(tokens)]).start()  # fmt: skip
+    try:
+        pool = MHAHostPool("page_first", 8)
+        fill(pool, 5)
+        keys = page_keys(list(range(PAGE * 4)))
+        bad = attach(
+            create_backend({"interface_v1": 1, "url": f"kvstore://{n.addr}", "token": "wrong-token-0123456789abcdef"}),
+            pool,
+        )
+        with caplog.at_level(logging.INFO, logger="kvstore.sglang"):
+            assert bad.batch_set_v1(keys, indices([0, 1, 2, 3])) == [False] * 4
+            assert bad.batch_exists(keys) == 0
+        assert any("token" in r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+        bad.close()
+        good = attach(
+            create_backend({"interface_v1": 1, "url": f"kvstore://{n.addr}", "token": "good-token-0123456789abcdef"}),
+            pool,
+        )
+        try:
+            # Another writer bound the namespace to a different page layout first: a refused store, logged.
+            with KVStoreClient(
+                n.addr, transport="grpc", security=ClientSecurity(token="good-token-0123456789abcdef")
+            ) as kv:
+                other = PageLayout(DType.FLOAT16, 1, 1, 64, 16)
+                kv.put(good._seg_ns, other, [b"\x01" * 32], [bytes(other.page_bytes)])
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="kvstore.sglang"):
+                assert good.batch_set_v1(keys, indices([0, 1, 2, 3])) == [False] * 4
+            assert any("rejected" in r.getMessage() for r in caplog.records)
+            assert good.batch_exists(keys) == 0
+        finally:
+            good.close()
+    finally:
+        n.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [({}, "url"), ({"url": "http://x:1"}, "url"), ({"url": "kvstore://h:1", "timeout": -1}, "timeout"),
+     ({"url": "kvstore://h:1", "transport": "carrier-pigeon"}, "transport"),
+     ({"url": "kvstore://h:1", "nope": 1}, "nope")],
+)  # fmt: skip
+def test_bad_extra_config_names_the_key(extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        create_backend(extra)
+
+
+def test_region_hashes_keep_sglang_keys() -> None:
+    k = hashlib.sha256(b"x").hexdigest()
+    hs = region_hashes(k, 3)
+    assert hs[0] == bytes.fromhex(k) and len(set(hs)) == 3 and all(len(h) == 32 for h in hs)
+    assert region_hashes("not-hex", 1)[0] == hashlib.sha256(b"not-hex").digest()
