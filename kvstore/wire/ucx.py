@@ -23,9 +23,10 @@ only where it expects that exact tag, and every tag it expects is a secret only 
 Control (no gRPC round trip per call): a request (PUT / GET, a 16-byte frame header + a protobuf
 body reused from the shm plane: PutShmRequest, GetShmRequest) and one reply (OK + PutResponse /
 GetShmResponse, or ERROR + "STATUS\\nmessage", which the client turns into the server's exception
-class). In a GET, `size` (or `targets[i].size`) says how many bytes the client's receive for each page
-holds: the node sends a page only where it fits, stops at the first that does not and reports its size
-in `next_page_bytes`; `region` and `offset` are unused here.
+class). In a GET, `targets[i].size` (one target per hash) says how many bytes the client's receive for
+page i holds: the node sends a page only where it fits, stops at the first that does not and reports its
+size in the OK reply's prefix (GET_REPLY: next_page_bytes, then GetShmResponse); `buffer` and `offset`
+are the same-host plane's and unused here.
 
 Bulk: every page is one tagged message received straight into its final buffer: a PutTxn slot view on
 the node (Put), a buffer of the caller on the client (Get). The client posts every receive of a GET
@@ -57,6 +58,7 @@ ADDRESS_SEP = "#"  # host:port#<worker address, urlsafe base64>
 HELLO = struct.Struct("<BHH")  # flags, token length, worker address length; then token, address
 NONCE = struct.Struct("<Q")
 HELLO_OK = struct.Struct("<Q")  # after the secret: the node's max_page_bytes
+GET_REPLY = struct.Struct("<Q")  # a GET's OK body starts with next_page_bytes (0: every listed page fitted)
 SECRET_BYTES = 32
 # Tags a client's own worker receives before it has a session (its worker is private to one connection).
 CHALLENGE_TAG = 1
@@ -178,6 +180,20 @@ class HelloOk:
         if max_page_bytes <= 0:
             raise ProtocolError("HELLO_OK announces no page size")
         return cls(bytes(body[:SECRET_BYTES]), int(max_page_bytes))
+
+
+def pack_get_reply(next_page_bytes: int, response: bytes) -> bytes:
+    """A GET's OK body: the size of the first page that did not fit its receive (0: none), then the
+    serialized GetShmResponse listing the pages sent."""
+    return GET_REPLY.pack(next_page_bytes) + response
+
+
+def parse_get_reply(body: memoryview) -> tuple[int, memoryview]:
+    """(next_page_bytes, serialized GetShmResponse) of a GET's OK body; ProtocolError when too short."""
+    if len(body) < GET_REPLY.size:
+        raise ProtocolError(f"GET reply body of {len(body)} bytes is shorter than {GET_REPLY.size}")
+    (next_page_bytes,) = GET_REPLY.unpack_from(body)
+    return int(next_page_bytes), body[GET_REPLY.size :]
 
 
 @dataclass(frozen=True, slots=True)

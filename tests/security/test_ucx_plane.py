@@ -262,8 +262,9 @@ def test_ucx_receives_on_an_endpoint_match_messages_from_any_endpoint() -> None:
         server, ucx.UCXAddress.create_from_buffer(bytes(peers[0].address.tobytes())), True
     )
     buf = bytearray(8)
-    recv = back.tag_recv(Array(buf), ucx.UCXXTag(42))  # posted "on" peer 0's endpoint
-    send = eps[1].tag_send(Array(bytearray(b"peer one")), ucx.UCXXTag(42))  # sent by peer 1
+    keep = [Array(buf), Array(bytearray(b"peer one"))]  # referenced while UCX reads and writes them
+    recv = back.tag_recv(keep[0], ucx.UCXXTag(42))  # posted "on" peer 0's endpoint
+    send = eps[1].tag_send(keep[1], ucx.UCXXTag(42))  # sent by peer 1
     deadline = time.monotonic() + 10
     while not (recv.completed and send.completed) and time.monotonic() < deadline:
         for w in (server, *peers):

@@ -7,7 +7,7 @@ one `Blocking` operation: on the caller's thread in `KVStoreClient`, in a worker
 
 One request costs a few Python calls per page and one wait: a GET posts the reply's receive and every
 page's receive (into the caller's buffers for get_into; for get, into fresh buffers of the namespace's
-page size, learned from the node's first answer: `next_page_bytes`), then sends the request; a PUT
+page size, learned from the node's first answer and its `next_page_bytes`), then sends the request; a PUT
 posts the request and every page's send at once. Tags are the session's (kvstore/wire/ucx.py).
 
 Environment (client side):
@@ -151,8 +151,9 @@ class UcxConnection:
 
     def get(
         self, req: pb.GetShmRequest, sink: Callable[[int], memoryview], check: Check, deadline: float
-    ) -> pb.GetShmResponse:
-        """One GET: page i lands in sink(i) (a buffer of the capacity `req` announced); returns the reply.
+    ) -> tuple[pb.GetShmResponse, int]:
+        """One GET: page i lands in sink(i) (a buffer of the capacity `req` announced); returns the reply
+        and the size of the first page that did not fit its receive (0: none).
         The request leaves first, then each page's receive is posted as its buffer is made: a page that
         arrives before its receive waits in UCX as a rendezvous request (a few bytes), so making the
         buffers overlaps the node's work. The node answers every receive (page or empty) and replies
@@ -174,7 +175,8 @@ class UcxConnection:
                 with contextlib.suppress(UcxTimeout, UcxClosed):
                     self._wait(recvs, min(deadline, time.monotonic() + ERROR_GRACE_SECONDS), "UCX GET")
                 raise
-            out = pb.GetShmResponse.FromString(bytes(body))  # parsed before the next request reuses ctrl
+            bigger, listed = proto.parse_get_reply(body)
+            out = pb.GetShmResponse.FromString(bytes(listed))  # parsed before the next request reuses ctrl
             if len(out.pages) > len(recvs):
                 raise ProtocolError(f"the reply lists {len(out.pages)} pages for {len(recvs)} hashes")
             failure: KVStoreError | None = None
@@ -187,7 +189,7 @@ class UcxConnection:
                         failure = exc
             if failure is not None:
                 raise failure
-            return out
+            return out, bigger
         finally:
             if len(recvs) < len(req.hashes) or not all(r.completed for r in recvs):
                 self.close_broken(recvs)
@@ -297,7 +299,7 @@ class UcxPlane(DataPlane):
         """Pages received into fresh buffers of the namespace's page size. Until that is known (the first
         get of a namespace), a first round asks for as many pages as FIRST_ROUND_BYTES of receives sized
         for the node's largest page hold, and learns it; a reply saying the next page is bigger than the
-        size used (`next_page_bytes`) grows it. Bounded: each round returns pages or grows the size."""
+        size used (its `next_page_bytes`) grows it. Bounded: each round returns pages or grows the size."""
 
         def fetch(conn: UcxConnection, deadline: float) -> list[FetchedPage]:
             out: list[FetchedPage] = []
@@ -307,10 +309,11 @@ class UcxPlane(DataPlane):
                 if not size:  # NOTE: never a round that cannot hold the page: its read may promote it
                     rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
                 fresh = _Fresh(size or conn.max_page_bytes)
-                req = pb.GetShmRequest(namespace=namespace, hashes=rest, no_promote=not promote, size=fresh.size)
+                req = pb.GetShmRequest(namespace=namespace, hashes=rest, no_promote=not promote)
+                req.targets.extend(pb.ShmTarget(size=fresh.size) for _ in rest)
                 checked = _Checked(rest, fresh.views.__getitem__, self.verify)
                 try:
-                    reply = conn.get(req, fresh, checked, deadline)
+                    _, bigger = conn.get(req, fresh, checked, deadline)
                 except PageCorrupt as exc:
                     good = fresh.pages(exc.good)  # type: ignore[arg-type]
                     raise PageCorrupt(len(out) + exc.index, exc.hash, out + good) from None
@@ -319,12 +322,12 @@ class UcxPlane(DataPlane):
                 if refs and not size:
                     size = max(r.nbytes for r in refs)
                     self._remember(namespace, size)
-                if len(out) == len(hashes) or (len(refs) < len(rest) and not reply.next_page_bytes):
+                if len(out) == len(hashes) or (len(refs) < len(rest) and not bigger):
                     break  # all of them, or the stored prefix ended
-                if reply.next_page_bytes:
-                    if not size < reply.next_page_bytes <= conn.max_page_bytes:
-                        raise ProtocolError(f"the node announced a {reply.next_page_bytes}-byte page ({size} expected)")
-                    size = reply.next_page_bytes
+                if bigger:
+                    if not size < bigger <= conn.max_page_bytes:
+                        raise ProtocolError(f"the node announced a {bigger}-byte page ({size} expected)")
+                    size = bigger
                     self._remember(namespace, size)
             return out
 
@@ -341,8 +344,8 @@ class UcxPlane(DataPlane):
 
         def fetch(conn: UcxConnection, deadline: float) -> tuple[list[PageRef], int]:
             checked = _Checked(hashes, dests.__getitem__, self.verify)
-            reply = conn.get(req, dests.__getitem__, checked, deadline)
-            return checked.refs, reply.next_page_bytes
+            _, bigger = conn.get(req, dests.__getitem__, checked, deadline)
+            return checked.refs, bigger
 
         refs, bigger = yield Blocking(lambda: self._call(fetch))
         if bigger:

@@ -68,6 +68,7 @@ from kvstore.wire.ucx import (
     frame,
     load_ucxx,
     new_nonce,
+    pack_get_reply,
     unframe,
 )
 from kvstore.wire.ucx_progress import LoopProgress, UcxClosed, UcxTimeout
@@ -363,9 +364,10 @@ class UcxPlaneServer(PlaneServer):
         n = len(req.hashes)
         if n > min(MAX_PAGES_PER_CALL, self._svc.config.max_pages_per_request):
             raise InvalidArgument("hashes", f"a GET asks for at most {self._svc.config.max_pages_per_request} pages")
-        if req.targets and len(req.targets) != n:
-            raise InvalidArgument("targets", f"{len(req.targets)} targets for {n} hashes (one per hash, or none)")
-        caps = [t.size for t in req.targets] if req.targets else [req.size] * n
+        if len(req.targets) != n:
+            raise InvalidArgument("targets", f"{len(req.targets)} targets for {n} hashes (one per hash)")
+        caps = [t.size for t in req.targets]
+        bigger = 0
         base = conn.tags.tag(Lane.GET_PAGES, seq)
         out = pb.GetShmResponse()
         sends: list[Any] = []
@@ -381,7 +383,7 @@ class UcxPlaneServer(PlaneServer):
                     async for lease in leases:
                         i = len(out.pages)
                         if len(lease.payload) > caps[i]:  # the client's receive cannot hold it: say how big
-                            out.next_page_bytes = len(lease.payload)
+                            bigger = len(lease.payload)
                             break
                         sources.append(ucx_device.source(self.cuda, lease))
                         releases.append(lease.detach())
@@ -392,7 +394,7 @@ class UcxPlaneServer(PlaneServer):
                             checksum=lease.checksum,
                             tier=int(lease.tier),
                         )
-                reply = frame(Kind.OK, seq, out.SerializeToString())
+                reply = frame(Kind.OK, seq, pack_get_reply(bigger, out.SerializeToString()))
             except KVStoreError as exc:
                 reply = frame(Kind.ERROR, seq, error_body(exc.status_name, str(exc)))
             for i in range(len(out.pages), n):  # the client's other receives complete empty
