@@ -88,7 +88,7 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
             s.security.check_target(info.address.partition(UCX_ADDRESS_SEP)[0])
         except InsecureChannel as exc:
             raise PlaneUnavailable(f"ucx: {exc}") from None
-    return UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls, info)
+    return UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls, info, s.received)
 
 
 PLANES: dict[str, PlaneSpec] = {

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 EVENT_POLL_MS = 100  # longest single epoll wait of a blocking waiter (it re-checks its deadline after)
-SPIN = int(__import__("os").environ.get("KV_SPIN", "0"))
 TICK_SECONDS = 0.05  # the loop driver also progresses this often while requests are pending
 PROGRESS_ROUNDS = 64  # worker progress rounds per loop callback before yielding to the loop
 
@@ -47,8 +46,6 @@ def wait_blocking(
         left = deadline - time.monotonic()
         if left <= 0:
             raise UcxTimeout(f"{what}: no completion within the deadline")
-        if SPIN and worker.progress_once():
-            continue
         worker.progress_worker_event(max(1, min(EVENT_POLL_MS, int(left * 1000))))
     for r in requests:
         r.check_error()

@@ -175,7 +175,8 @@ def test_silent_client_is_closed_and_others_unaffected(ucx_node: NodeProcess) ->
 
 
 def _vanish_mid_put(address: str, q: mp.Queue) -> None:  # type: ignore[type-arg]
-    """Child process: announce a 2-page PUT, send the first page, start the second, then die."""
+    """Child process: announce a 2-page PUT, send the first page, then die before the second leaves.
+    (A second page merely started may still arrive whole: over shared memory the node pulls its bytes.)"""
     ucx = load_ucxx()
     ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
     c = UcxConnection(ucx, ctx, parse_address(address), None, time.monotonic() + 10)
@@ -188,8 +189,6 @@ def _vanish_mid_put(address: str, q: mp.Queue) -> None:  # type: ignore[type-arg
     base = c.tags.tag(Lane.PUT_PAGES, seq)
     first = c.ep.tag_send(arrs[0], ucx.UCXXTag(base))
     wait_blocking(c.worker, [first], time.monotonic() + 10, None, "first page")
-    c.ep.tag_send(arrs[1], ucx.UCXXTag(base | 1))
-    c.worker.progress()
     q.put("sent")
     q.close()
     q.join_thread()  # the queue's feeder thread must flush before the hard exit

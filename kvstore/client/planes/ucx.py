@@ -14,9 +14,11 @@ Environment (client side):
 - KVSTORE_UCX_CONNECT: "worker" (default; after the HELLO on the node's listener, both sides open
   endpoints to each other's worker address, so UCX may use shared memory or RDMA lanes) or "listener"
   (everything on the listener endpoint: a sockaddr connection).
-- KVSTORE_UCX_ERROR_HANDLING: "1" (default) endpoints report a vanished peer; "0" lets UCX pick
-  transports without peer-failure detection (on one host: shared memory). Only for trusted benchmarks:
-  a peer that dies mid-transfer then costs a full timeout instead of an immediate error.
+- KVSTORE_UCX_ERROR_HANDLING: "0" (default) the worker-address endpoints carrying the data are opened
+  without UCX's peer-failure mode, so UCX may pick shared memory on one host (UCX's shared-memory
+  transports have no peer-failure handler: with it, only TCP is left there); a vanished peer is still
+  noticed at once, by the listener endpoint the HELLO came on, which both sides keep open (in peer-failure
+  mode) for exactly that. "1" opens the data endpoints in peer-failure mode too (TCP or RDMA only).
 - KVSTORE_UCX_ALLOW_PLAINTEXT: "1" lets a client configured for TLS use the UCX plane, which is not
   encrypted (the bearer token and the pages cross it in clear). Without it such a client skips UCX.
 """
@@ -33,6 +35,7 @@ from typing import Any
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
@@ -48,6 +51,8 @@ ERROR_GRACE_SECONDS = 1.0  # after an ERROR reply: how long the node's empty ans
 MAX_PAGE_BYTES = 1 << 30  # a page the node announces above this is a protocol error, not an allocation
 MAX_HINTS = 64  # namespaces whose page size a plane remembers
 FIRST_ROUND_BYTES = 16 << 20  # receives a get posts before it knows its namespace's page size
+
+STUCK: list[list[Any]] = []  # buffers of receives that never finished after close (see close_broken)
 
 Check = Callable[[int, pb.ShmSlice], None]  # (page index, what the reply says of it): raises if it is wrong
 
@@ -75,11 +80,11 @@ class UcxConnection:
         self.broken = False
         self.ctrl = bytearray(proto.MAX_CONTROL_BYTES)
         self.ctrl_arr = Array(self.ctrl)
-        eh = _env_flag("KVSTORE_UCX_ERROR_HANDLING", True)
+        eh = _env_flag("KVSTORE_UCX_ERROR_HANDLING", False)
         by_address = os.environ.get("KVSTORE_UCX_CONNECT", "worker").lower() != "listener" and bool(addr.worker)
         self.path = "worker-address" if by_address else "listener"
         hello_ep = ucx.UCXEndpoint.create(self.worker, addr.host, addr.port, True)
-        self.ep = hello_ep
+        self.ep = self.watch = hello_ep  # `watch`: the listener endpoint, kept open to notice a vanished node
         try:
             challenge = bytearray(proto.FRAME.size + proto.NONCE.size)
             keep = [Array(challenge)]
@@ -100,17 +105,16 @@ class UcxConnection:
                 self.ep = ucx.UCXEndpoint.create_from_worker_address(
                     self.worker, ucx.UCXAddress.create_from_buffer(addr.worker), eh
                 )
-                _close(hello_ep)
         except BaseException:
             _close(hello_ep)
             raise
 
     def alive(self) -> bool:
-        return not self.broken and self.ep.alive
+        return not self.broken and self.ep.alive and self.watch.alive
 
     def _wait(self, reqs: Sequence[Any], deadline: float, what: str) -> None:
-        ep = self.ep
-        wait_blocking(self.worker, reqs, deadline, lambda: ep.alive, what)
+        ep, watch = self.ep, self.watch
+        wait_blocking(self.worker, reqs, deadline, lambda: ep.alive and watch.alive, what)
 
     def _reply_body(self, want: Kind, seq: int) -> memoryview:
         """The body of the reply just received; raises the node's error as its exception class."""
@@ -147,7 +151,7 @@ class UcxConnection:
             return pb.PutResponse.FromString(bytes(body))
         finally:
             if not all(s.completed for s in sends):  # an error reply before the node took every page
-                self.close_broken(sends)
+                self.close_broken(sends, keep)
 
     def get(
         self, req: pb.GetShmRequest, sink: Callable[[int], memoryview], check: Check, deadline: float
@@ -192,18 +196,24 @@ class UcxConnection:
             return out, bigger
         finally:
             if len(recvs) < len(req.hashes) or not all(r.completed for r in recvs):
-                self.close_broken(recvs)
+                self.close_broken(recvs, keep)
 
-    def close_broken(self, reqs: Sequence[Any]) -> None:
+    def close_broken(self, reqs: Sequence[Any], buffers: Sequence[Any] = ()) -> None:
         """Close after a failed transfer and wait (bounded) for its requests, so no buffer they use is
-        touched by UCX after we return it to the caller (closing the endpoint cancels its receives)."""
+        touched by UCX after we return it to the caller (closing the endpoint cancels its receives). The
+        `buffers` of a request that still did not finish stay referenced for good (`STUCK`): a late write
+        must never land in a pool block another get was handed."""
         self.broken = True
         self.close()
         with contextlib.suppress(Exception):  # cancelled requests report their cancellation here
             wait_blocking(self.worker, reqs, time.monotonic() + CLOSE_WAIT_SECONDS, None, "closing")
+        if not all(r.completed for r in reqs):
+            STUCK.append(list(buffers))
 
     def close(self) -> None:
         _close(self.ep)
+        if self.watch is not self.ep:
+            _close(self.watch)
 
 
 def _close(ep: Any) -> None:
@@ -217,8 +227,16 @@ class UcxPlane(DataPlane):
     name = "ucx"
 
     def __init__(
-        self, pages_per_call: int, verify: bool, timeout: float, token: str | None, tls: bool, info: PlaneInfo | None
+        self,
+        pages_per_call: int,
+        verify: bool,
+        timeout: float,
+        token: str | None,
+        tls: bool,
+        info: PlaneInfo | None,
+        received: ReceivePool | None = None,
     ) -> None:
+        self.received = ReceivePool() if received is None else received  # where a plain get's pages land
         self.pages_per_call = min(pages_per_call, proto.MAX_PAGES_PER_CALL)
         self.verify = verify
         self.timeout = timeout
@@ -308,7 +326,7 @@ class UcxPlane(DataPlane):
                 rest = hashes[len(out) :]
                 if not size:  # NOTE: never a round that cannot hold the page: its read may promote it
                     rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
-                fresh = _Fresh(size or conn.max_page_bytes)
+                fresh = _Blocks(self.received, size or conn.max_page_bytes)
                 req = pb.GetShmRequest(namespace=namespace, hashes=rest, no_promote=not promote)
                 req.targets.extend(pb.ShmTarget(size=fresh.size) for _ in rest)
                 checked = _Checked(rest, fresh.views.__getitem__, self.verify)
@@ -389,27 +407,22 @@ class _Checked:
         self.refs.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
 
 
-class _Fresh:
-    """The receive buffers of one round of a plain get: made one by one as the receives are posted, all
-    `size` bytes; `pages` hands them out cut to their pages' lengths (a namespace's pages share one
-    size, so they rarely are cut)."""
+class _Blocks:
+    """The receive buffers of one round of a plain get: blocks of the client's receive pool (pre-faulted,
+    reused; kvstore/client/planes/pool.py), taken one by one as the receives are posted, all `size` bytes;
+    `pages` hands them out cut to their pages' lengths (a namespace's pages share one size, so they rarely
+    are cut). A block no page is handed out in goes back to the pool once this round is dropped."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, pool: ReceivePool, size: int) -> None:
+        self.pool = pool
         self.size = size
-        self.bufs: list[bytearray] = []
         self.views: list[memoryview] = []
 
     def __call__(self, i: int) -> memoryview:
-        self.bufs.append(bytearray(self.size))
-        self.views.append(memoryview(self.bufs[-1]))
+        self.views.append(self.pool.take(self.size))
         return self.views[-1]
 
     def pages(self, refs: list[PageRef]) -> list[FetchedPage]:
-        for view in self.views:  # no view may outlive the round: a buffer with one cannot be cut
-            view.release()
-        out = []
-        for buf, ref in zip(self.bufs, refs, strict=False):
-            if len(buf) > ref.nbytes:
-                del buf[ref.nbytes :]
-            out.append(FetchedPage(ref.hash, ref.tier, buf))
-        return out
+        return [
+            FetchedPage(ref.hash, ref.tier, view[: ref.nbytes]) for view, ref in zip(self.views, refs, strict=False)
+        ]

@@ -88,7 +88,9 @@ Respond = Callable[[bytes], None]
 class Connection:
     """One authenticated client. `ep` carries replies and GET pages and tracks the node's receives (closing
     it cancels them); `hello_ep` is the listener endpoint the HELLO came on (the same one unless the
-    client asked for worker-address lanes). `closed` is set once, by an endpoint's close callback or by us.
+    client asked for worker-address lanes). Both stay open while the client is served: the listener
+    endpoint is in peer-failure mode, so it reports a vanished client even where `ep` is not (shared
+    memory has no peer-failure handler). `closed` is set once, by either endpoint's close callback or by us.
     `held`: early PUT pages the intake took for this connection (tag -> probe handle)."""
 
     def __init__(self, ep: Any, hello_ep: Any, hello: Hello) -> None:
@@ -103,10 +105,10 @@ class Connection:
         self.name = f"{id(self):#x}"
         ep.set_close_callback(self.closed.set)
         if hello_ep is not ep:
-            hello_ep.remove_close_callback()  # the client closes it once its own lanes are up
+            hello_ep.set_close_callback(self.closed.set)
 
     def alive(self) -> bool:
-        return not self.closed.is_set() and self.ep.alive
+        return not self.closed.is_set() and self.ep.alive and self.hello_ep.alive
 
     def overflow(self) -> None:
         """The intake held too many early messages for us: close (outside the intake's drain)."""
