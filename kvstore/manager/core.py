@@ -296,6 +296,7 @@ class TierManager:
         while True:
             await asyncio.sleep(_PIN_SWEEP_SECONDS)
             self.expire_pins(time.monotonic())
+            self.tenants.settle()  # cross-tenant checks of the misses noted meanwhile, off the request path
 
     def expire_pins(self, now: float) -> int:
         """Drop pin leases whose deadline passed; returns how many expired."""

@@ -225,6 +225,11 @@ class PageTable:
         if self.on_change is not None:
             self.on_change(entry.namespace, entry.hash, None)
 
+    @property
+    def generation(self) -> int:
+        """The generation the next published page gets: every page published so far has a smaller one."""
+        return self._generation
+
     def next_generation(self) -> int:
         gen = self._generation
         self._generation += 1
