@@ -57,7 +57,7 @@ def serve(  # noqa: PLR0913
     ] = None,
     auth_tokens_file: Annotated[Path | None, typer.Option(help="read-write bearer tokens, one per line")] = None,
     auth_read_tokens_file: Annotated[
-        Path | None, typer.Option(help="read-only bearer tokens (Lookup, Get, Prefetch, Stats)")
+        Path | None, typer.Option(help="read-only bearer tokens (Lookup, Get, GetShm, Stats; Gets served in place)")
     ] = None,
     tenants_file: Annotated[
         Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")
