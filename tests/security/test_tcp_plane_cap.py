@@ -52,7 +52,8 @@ def port_of(kv: KVStoreClient) -> int:
 
 @contextlib.contextmanager
 def silent_sockets(port: int, n: int) -> Iterator[list[socket.socket]]:
-    """`n` connections to the plane that never send a byte (as fast as the kernel takes them)."""
+    """`n` connections to the plane that never send a byte, a few milliseconds apart (so the node accepts
+    each before the next: a burst all accepted at once is refused by the old code's own count)."""
     socks: list[socket.socket] = []
     try:
         for _ in range(n):
@@ -61,6 +62,7 @@ def silent_sockets(port: int, n: int) -> Iterator[list[socket.socket]]:
             with contextlib.suppress(OSError):  # a full backlog may refuse some: the flood goes on
                 s.connect(("127.0.0.1", port))
             socks.append(s)
+            time.sleep(0.003)
         yield socks
     finally:
         for s in socks:
