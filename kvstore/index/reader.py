@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from kvstore.scoping import DEFAULT_TENANT, check_tenant, scope
 from kvstore.stats import PlaneInfo, planes_from_json
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 class IndexUnavailable(Unavailable):
@@ -78,6 +80,7 @@ class IndexReader:
             url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
         )
         self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
+        self._noperm_logged = False
 
     def close(self) -> None:
         self._redis.close()
@@ -97,10 +100,21 @@ class IndexReader:
             scoped = scope(namespace, self.tenant)
             raw = self._lookup(keys=[block_key(scoped, h) for h in hashes], args=[ALIVE_PREFIX])
         except redis.exceptions.NoPermissionError as exc:
-            if "script" not in str(exc).lower():
-                raise
-            # A read-only client may not load the script; nodes load it when they publish, so none has
-            # published since this Redis started: no node holds anything yet.
+            if "script" not in str(exc).lower() and not self._noperm_logged:
+                # Redis refused this user the tenant's entries: its URL is another tenant's index user, or
+                # KVSTORE_TENANT names a tenant it may not read. Nothing it may see is a miss (the same
+                # answer as an empty index), said once so the misconfiguration is visible.
+                self._noperm_logged = True
+                log.warning(
+                    "index at %s: this Redis user may not read tenant %r's entries (%s); every lookup is a "
+                    "miss: use that tenant's index user (kvclient-%s) or set KVSTORE_TENANT to this user's tenant",
+                    _redacted(self.url),
+                    self.tenant,
+                    exc,
+                    self.tenant,
+                )
+            # (With "script": a read-only client may not load the script; nodes load it when they
+            # publish, so none has published since this Redis started: no node holds anything yet.)
             return ClusterLookup(0, [], {})
         return summarize(raw)
 
