@@ -80,18 +80,18 @@ def up(  # noqa: PLR0913
         else:
             stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics)
         if ready_file is not None:
-            tmp_ready = ready_file.with_suffix(".tmp")
-            tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
-            tmp_ready.write_text(json.dumps(stack.describe()))
-            os.replace(tmp_ready, ready_file)
+            _write_ready(ready_file, stack)
         console.print(
             "[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)"
         )
         while not stop.wait(1.0):
-            dead = stack.dead()
+            restarts = stack.redis_restarts
+            dead = stack.revive_redis() or stack.dead()
             if dead:
                 console.print(f"[red]{dead}[/]")
                 stop.set()
+            elif ready_file is not None and stack.redis_restarts != restarts:
+                _write_ready(ready_file, stack)  # the new redis_pid
     finally:
         stack.close()
         tmp.cleanup()
@@ -117,6 +117,7 @@ class Stack:
     lmcache: subprocess.Popen[bytes] | None = None
     vllm: subprocess.Popen[bytes] | None = None
     engine_urls: dict[str, str] = field(default_factory=dict)
+    redis_restarts: int = 0
 
     def start_simple(
         self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float, metrics: bool
@@ -371,6 +372,8 @@ class Stack:
             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
             "env": self.env,
         }
+        if self.redis is not None:  # the private redis-server (for operators and fault tests)
+            out["redis_pid"] = self.redis.proc.pid  # type: ignore[attr-defined]
         if self.engine_urls:
             out["engines"] = dict(self.engine_urls)
         if self.driver is not None:
@@ -380,6 +383,26 @@ class Stack:
                 **self.driver_ready,
             }
         return out
+
+    def revive_redis(self) -> str | None:
+        """Restart a private redis-server that exited (killed, OOM): reaped here, started again on the same
+        port with the same users, so every URL stays valid; the nodes find their records gone at their next
+        heartbeat and republish every page (within a third of the index TTL). Returns why the stack must
+        stop when Redis cannot be restarted, else None."""
+        from kvstore.cli.launch import RedisProcess
+
+        redis = self.redis
+        if not isinstance(redis, RedisProcess) or redis.proc is None or redis.proc.poll() is None:
+            return None
+        code = redis.proc.returncode  # poll() reaped it: no defunct process left behind
+        console.print(f"[yellow]redis-server exited with {code}[/]: restarting it on port {redis.port}")
+        try:
+            redis.start()
+        except (RuntimeError, TimeoutError, OSError) as exc:
+            return f"redis-server exited with {code} and could not be restarted: {exc}"
+        self.redis_restarts += 1
+        console.print(f"redis-server restarted (pid {redis.proc.pid}); the nodes republish their pages")
+        return None
 
     def dead(self) -> str | None:
         for i, p in enumerate(self.nodes):
@@ -419,6 +442,13 @@ class Stack:
             self.socket_dir.cleanup()
         if self.redis is not None:
             self.redis.close()  # type: ignore[attr-defined]
+
+
+def _write_ready(ready_file: Path, stack: Stack) -> None:
+    tmp_ready = ready_file.with_suffix(".tmp")
+    tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
+    tmp_ready.write_text(json.dumps(stack.describe()))
+    os.replace(tmp_ready, ready_file)
 
 
 def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:
