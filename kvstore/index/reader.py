@@ -12,9 +12,11 @@ from typing import Any, TypeVar
 import redis
 
 from kvstore.errors import Unavailable
+from kvstore.index.connect import close_sync, sync_client
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
 from kvstore.scoping import DEFAULT_TENANT, check_tenant, scope
+from kvstore.security import redact_url
 from kvstore.stats import PlaneInfo, planes_from_json
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -34,17 +36,9 @@ def _index_call(fn: F) -> F:
         try:
             return fn(self, *args, **kwargs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise IndexUnavailable(f"index at {_redacted(self.url)} unreachable: {exc}") from exc
+            raise IndexUnavailable(f"index at {redact_url(self.url)} unreachable: {exc}") from exc
 
     return wrapper  # type: ignore[return-value]
-
-
-def _redacted(url: str) -> str:
-    """The URL without a password (it goes into error messages and logs)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
 
 
 @dataclass(slots=True)
@@ -76,14 +70,12 @@ class IndexReader:
         nothing; Redis ACL users (index/acl.py) keep a tenant's client from reading any other's."""
         self.url = url
         self.tenant = check_tenant(tenant or os.environ.get("KVSTORE_TENANT") or DEFAULT_TENANT, "KVSTORE_TENANT")
-        self._redis = client or redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
-        )
+        self._redis = client or sync_client(url, socket_timeout)  # one Redis or Sentinel (index/connect.py)
         self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
         self._noperm_logged = False
 
     def close(self) -> None:
-        self._redis.close()
+        close_sync(self._redis)
 
     def __enter__(self) -> IndexReader:
         return self
@@ -108,7 +100,7 @@ class IndexReader:
                 log.warning(
                     "index at %s: this Redis user may not read tenant %r's entries (%s); every lookup is a "
                     "miss: use that tenant's index user (kvclient-%s) or set KVSTORE_TENANT to this user's tenant",
-                    _redacted(self.url),
+                    redact_url(self.url),
                     self.tenant,
                     exc,
                     self.tenant,
