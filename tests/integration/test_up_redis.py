@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kvstore.cli.up import terminate
@@ -57,6 +58,58 @@ def test_up_restarts_a_killed_redis_and_the_nodes_republish(tmp_path: Path) -> N
 
             wait_for(republished, timeout=30, what=f"the node's republish:\n{log.read_text()}")
         assert up.poll() is None and "restarted" in log.read_text()
+    finally:
+        code = terminate(up, 120.0)
+    assert code == 0, log.read_text()
+
+
+def test_up_values_with_sentinel_survives_a_killed_master(tmp_path: Path) -> None:
+    """redis.sentinel in the chart's values: `kvstore up --values` runs the same group locally (a master,
+    replicas, as many sentinels); every URL is a redis+sentinel:// one; a SIGKILLed master is failed over,
+    the node republishes there, and `kvstore up` restarts the killed process (the sentinels make it a
+    replica)."""
+    import yaml
+
+    from kvstore.index.connect import is_sentinel, sync_client
+
+    values = tmp_path / "sentinel.yaml"
+    values.write_text(yaml.safe_dump({
+        "local": {"nodes": 1, "scale": 0.002},
+        "redis": {"sentinel": {"enabled": True, "downAfterMilliseconds": 1000, "failoverTimeoutMilliseconds": 2000}},
+    }))  # fmt: skip
+    ready_file, log = tmp_path / "ready.json", tmp_path / "up.log"
+    args = [sys.executable, "-m", "kvstore.cli.main", "up", "--values", str(values), "--nvme-root", str(tmp_path / "nvme"),
+            "--ready-file", str(ready_file)]  # fmt: skip
+    with open(log, "wb") as out:
+        up = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        ready = wait_for(lambda: ready_file.exists() and json.loads(ready_file.read_text()), timeout=180,
+                         what=f"kvstore up ready:\n{log.read_text()}")  # fmt: skip
+        assert is_sentinel(ready["redis_url"]) and len(ready["redis_pids"]) == 3 and len(ready["sentinel_pids"]) == 3
+        admin_url = (tmp_path / "nvme" / "redis-admin.url").read_text().strip()
+        chain = [key(i, "up-sentinel") for i in range(3)]
+        with KVStoreClient(ready["nodes"]["node-0"], timeout=30) as kv:
+            kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
+        with IndexReader(ready["redis_url"], socket_timeout=2) as index:
+
+            def indexed() -> bool:
+                try:
+                    return index.lookup(NS, chain).matched == 3
+                except Exception:  # during the failover: no master named yet
+                    return False
+
+            wait_for(indexed, timeout=30, what="the pages in the index")
+            admin = sync_client(admin_url, 2)
+            master_pid = int(admin.info("server")["process_id"])
+            admin.close()
+            assert master_pid in ready["redis_pids"]
+            os.kill(master_pid, signal.SIGKILL)
+            time.sleep(1.0)
+            wait_for(indexed, timeout=90, what=f"the pages in the index after the failover:\n{log.read_text()}")
+        renewed = wait_for(lambda: (r := json.loads(ready_file.read_text()))["redis_pids"] != ready["redis_pids"] and r,
+                           timeout=30, what=f"the killed Redis restarted:\n{log.read_text()}")  # fmt: skip
+        assert master_pid not in renewed["redis_pids"] and _zombie_or_alive(master_pid) is None
+        assert up.poll() is None
     finally:
         code = terminate(up, 120.0)
     assert code == 0, log.read_text()
