@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,9 +155,35 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class _Child:
-    """A server child process (`proc`): SIGTERM, a bounded wait, then SIGKILL."""
+    """A server child process (`proc`) with a private directory (`_tmp`) on `host:port`: started and waited
+    for (bounded), stopped with SIGTERM, a bounded wait, then SIGKILL."""
 
     proc: subprocess.Popen[bytes] | None
+    host: str
+    port: int
+    _tmp: tempfile.TemporaryDirectory[str]
+
+    def _launch(self, argv: list[str], what: str, answers: Callable[[socket.socket], bool], timeout: float) -> None:
+        """Start `argv` (output to <dir>/<what>.log) and wait until a connection `answers` (True)."""
+        log = open(Path(self._tmp.name) / f"{what.replace(' ', '-')}.log", "ab")  # noqa: SIM115 - the child's now
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    if answers(s):
+                        return
+            except OSError:
+                time.sleep(_POLL_SECONDS)
+        self.stop()
+        raise TimeoutError(f"{what} not answering on {self.host}:{self.port} after {timeout}s")
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.proc is None:
@@ -245,26 +272,16 @@ class RedisProcess(_Child):
             "--loglevel",
             "warning",
         ]
-        log = open(Path(self._tmp.name) / "redis.log", "ab")  # noqa: SIM115 - owned by the process lifetime
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                    if self.password:
-                        s.sendall(f"AUTH {self.password}\r\n".encode())
-                        if not s.recv(16).startswith(b"+OK"):
-                            raise RuntimeError(f"redis-server on port {self.port} refused its own password")
-                    s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
-                        return self
-            except OSError:
-                time.sleep(_POLL_SECONDS)
-        self.stop()
-        raise TimeoutError(f"redis-server not answering on {self.host}:{self.port} after {timeout}s")
+        self._launch(args, "redis-server", self._pong, timeout)
+        return self
+
+    def _pong(self, s: socket.socket) -> bool:
+        if self.password:
+            s.sendall(f"AUTH {self.password}\r\n".encode())
+            if not s.recv(16).startswith(b"+OK"):
+                raise RuntimeError(f"redis-server on port {self.port} refused its own password")
+        s.sendall(b"PING\r\n")
+        return s.recv(16).startswith(b"+PONG")
 
     def _auth_conf(self) -> str:
         from kvstore.index.acl import acl_line, admin_line
@@ -284,10 +301,6 @@ class RedisProcess(_Child):
     def restart(self) -> RedisProcess:
         self.stop()
         return self.start()
-
-    def close(self) -> None:
-        self.stop()
-        self._tmp.cleanup()
 
     def __enter__(self) -> RedisProcess:
         return self.start()
@@ -468,21 +481,5 @@ class SentinelProcess(_Child):
         if not self.conf.exists():  # kept across restarts: the sentinel records what it learned there
             self.conf.touch(mode=0o600)
             self.conf.write_text(self._conf())
-        log = open(Path(self._tmp.name) / "sentinel.log", "ab")  # noqa: SIM115 - owned by the process lifetime
-        self.proc = subprocess.Popen([self.binary, str(self.conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"redis sentinel exited with {self.proc.returncode} (port {self.port} taken?)")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5):
-                    return self
-            except OSError:
-                time.sleep(_POLL_SECONDS)
-        self.stop()
-        raise TimeoutError(f"redis sentinel not answering on {self.host}:{self.port} after {timeout}s")
-
-    def close(self) -> None:
-        self.stop()
-        self._tmp.cleanup()
+        self._launch([self.binary, str(self.conf), "--sentinel"], "redis sentinel", lambda _: True, timeout)
+        return self

@@ -27,13 +27,18 @@ def _zombie_or_alive(pid: int) -> str | None:
         return None
 
 
-def test_up_restarts_a_killed_redis_and_the_nodes_republish(tmp_path: Path) -> None:
+def start_up(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """`kvstore up FLAGS` in a child process (stopped by the test): the process, its ready file, its log."""
     ready_file, log = tmp_path / "ready.json", tmp_path / "up.log"
-    args = [sys.executable, "-m", "kvstore.cli.main", "up", "--nodes", "1", "--index-ttl", "3", "--no-metrics",
-            "--dram-bytes", "16MiB", "--nvme-bytes", "0", "--nvme-root", str(tmp_path / "nvme"),
+    args = [sys.executable, "-m", "kvstore.cli.main", "up", *flags, "--nvme-root", str(tmp_path / "nvme"),
             "--ready-file", str(ready_file)]  # fmt: skip
     with open(log, "wb") as out:
-        up = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT), ready_file, log
+
+
+def test_up_restarts_a_killed_redis_and_the_nodes_republish(tmp_path: Path) -> None:
+    up, ready_file, log = start_up(tmp_path, "--nodes", "1", "--index-ttl", "3", "--no-metrics", "--dram-bytes",
+                                   "16MiB", "--nvme-bytes", "0")  # fmt: skip
     try:
         ready = wait_for(lambda: ready_file.exists() and json.loads(ready_file.read_text()), timeout=90,
                          what=f"kvstore up ready:\n{log.read_text()}")  # fmt: skip
@@ -77,11 +82,7 @@ def test_up_values_with_sentinel_survives_a_killed_master(tmp_path: Path) -> Non
         "local": {"nodes": 1, "scale": 0.002},
         "redis": {"sentinel": {"enabled": True, "downAfterMilliseconds": 1000, "failoverTimeoutMilliseconds": 2000}},
     }))  # fmt: skip
-    ready_file, log = tmp_path / "ready.json", tmp_path / "up.log"
-    args = [sys.executable, "-m", "kvstore.cli.main", "up", "--values", str(values), "--nvme-root", str(tmp_path / "nvme"),
-            "--ready-file", str(ready_file)]  # fmt: skip
-    with open(log, "wb") as out:
-        up = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    up, ready_file, log = start_up(tmp_path, "--values", str(values))
     try:
         ready = wait_for(lambda: ready_file.exists() and json.loads(ready_file.read_text()), timeout=180,
                          what=f"kvstore up ready:\n{log.read_text()}")  # fmt: skip

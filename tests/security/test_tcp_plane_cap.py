@@ -122,9 +122,7 @@ def test_a_silent_connection_gets_only_the_hello_deadline(tmp_path: Path) -> Non
     try:
         with client(node, ALICE) as kv:
             raw = Raw(port_of(kv), token=None)
-            t0 = time.monotonic()
-            assert raw.closed(within=15)  # cut by the HELLO deadline, not the 30 s stall timeout
-            assert time.monotonic() - t0 < 15
+            assert raw.closed(within=15)  # cut by the HELLO deadline (1 s), not the 30 s stall timeout
             raw.close()
     finally:
         node.close()

@@ -123,7 +123,7 @@ class TcpPlaneServer(PlaneServer):
             if not self.limits.can_start_handshake():
                 # Full of connections that have not said HELLO: this one goes at once, told why where it
                 # can be (plain TCP), so the room kept for authenticated callers is never theirs.
-                _refuse_now(sock, "this node's TCP plane has too many connections in their handshake")
+                _refuse_now(sock, "this node's TCP plane has too many connections in their handshake", self.tls)
                 continue
             sock.setblocking(False)
             tune(sock, SOCKET_BUFFER_BYTES)
@@ -134,12 +134,13 @@ class TcpPlaneServer(PlaneServer):
             task.add_done_callback(self._conns.pop)
 
 
-def _refuse_now(sock: socket.socket, why: str) -> None:
-    """Close a just-accepted connection, with an ERROR UNAVAILABLE first where plain TCP allows (a TLS
-    client gets only the close; either way its client falls back to gRPC)."""
+def _refuse_now(sock: socket.socket, why: str, tls: ssl.SSLContext | None) -> None:
+    """Close a just-accepted connection, with an ERROR UNAVAILABLE first on a plain plane (a TLS client
+    gets only the close: nothing is said outside TLS; either way its client falls back to gRPC)."""
     try:
-        sock.setblocking(False)
-        sock.send(tcp.error("UNAVAILABLE", f"{why}; retry later or use gRPC streams"))
+        if tls is None:
+            sock.setblocking(False)
+            sock.send(tcp.error("UNAVAILABLE", f"{why}; retry later or use gRPC streams"))
     except OSError:
         pass
     finally:
