@@ -230,6 +230,11 @@ class PageTable:
         for listener in self.listeners:
             listener(entry.namespace, entry.hash, None, entry.tier)
 
+    @property
+    def generation(self) -> int:
+        """The generation the next published page gets: every page published so far has a smaller one."""
+        return self._generation
+
     def next_generation(self) -> int:
         gen = self._generation
         self._generation += 1

@@ -98,7 +98,10 @@ def test_urls() -> None:
     assert v1.parse_url("kvstore://10.0.0.5:50051") == v1.Target(addr="10.0.0.5:50051")
     assert v1.parse_url("kvstore://[::1]:50051") == v1.Target(addr="[::1]:50051")
     assert v1.parse_url("kvstore+redis://10.0.0.9:6379/0") == v1.Target(redis_url="redis://10.0.0.9:6379/0")
-    for bad in ("kvstore://host", "lm://127.0.0.1:1", "kvstore://h:1/path", "kvstore+redis:///0", "10.0.0.5:50051"):
+    sentinel = "kvstore+redis+sentinel://10.0.0.9:26379,10.0.0.10:26379/kvstore/0"
+    assert v1.parse_url(sentinel) == v1.Target(redis_url=sentinel.removeprefix("kvstore+"))
+    for bad in ("kvstore://host", "lm://127.0.0.1:1", "kvstore://h:1/path", "kvstore+redis:///0", "10.0.0.5:50051",
+                "kvstore+redis+sentinel:///kvstore/0"):
         with pytest.raises(v1.MappingError, match="url"):
             v1.parse_url(bad)
 

@@ -68,3 +68,18 @@ def test_metrics_carry_no_namespace_key_token_or_credential(tmp_path: Path, clea
     assert "kvstore_tier_hits_total" in text  # it is the real endpoint
     for secret in (secret_ns, "tenant-acme", chain[0].hex(), chain[0].hex()[:16], WRITE, READ, password):
         assert secret not in text, secret
+
+
+def test_serve_help_lists_what_read_tokens_may_do() -> None:
+    """`kvstore serve --help` names exactly what a read-only token may call (issue 24 item 7: it listed
+    Prefetch, which the node refuses to read tokens)."""
+    import subprocess
+    import sys
+
+    from kvstore.security import WRITE_METHODS
+
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "serve", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True, env={"COLUMNS": "400", "PATH": "/usr/bin:/bin"}).stdout  # fmt: skip
+    line = next(x for x in out.splitlines() if "--auth-read-tokens-file" in x)
+    assert "Prefetch" not in line and all(m in line for m in ("Lookup", "Get", "GetShm", "Stats"))
+    assert "Prefetch" in WRITE_METHODS  # the node's rule the help text follows

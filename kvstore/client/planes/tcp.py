@@ -7,7 +7,8 @@ whole request (every page in flight back to back, no per-page round trip) and re
 are received with `recv_into` straight into their destination: a fresh buffer for `get`, the caller's
 buffer for `get_into`.
 
-Errors: a node that cannot be reached, or a TLS setup the two ends do not share, is PlaneUnavailable
+Errors: a node that cannot be reached, that refuses the connection (its plane is full: ERROR
+UNAVAILABLE or a close in answer to HELLO), or a TLS setup the two ends do not share, is PlaneUnavailable
 before anything was sent (auto mode then falls back to gRPC streams); an ERROR frame raises the
 node's exception class, as gRPC would; a connection lost mid-request is Unavailable (nothing of an
 unfinished PUT is stored: it is atomic); a received page that fails its checksum raises StreamError,
@@ -291,6 +292,8 @@ class TcpPlane(DataPlane):
             ) from None
         except (OSError, StreamError) as exc:  # StreamError: the handshake's reply made no sense
             raise PlaneUnavailable(f"cannot open the TCP plane at {self.host}:{self.port}: {exc}") from None
+        except Unavailable as exc:  # the node refused the connection (full, or stopping): nothing was sent
+            raise PlaneUnavailable(f"the TCP plane at {self.host}:{self.port} refused a connection: {exc}") from None
 
     def _call(self, fn: Callable[[Connection], T]) -> T:
         """Run one request on a pooled connection; retry once on a fresh one when a reused connection
