@@ -216,6 +216,46 @@ def test_client_vanishing_mid_put_stores_nothing(ucx_node: NodeProcess) -> None:
         assert kv.put(NS, LAYOUT, hs, [page(h) for h in hs]).stored == 2
 
 
+def _abandon_get(address: str, hashes: list[bytes], q: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Child process (default settings): ask for pages, post no receive for them, then get killed."""
+    ucx = load_ucxx()
+    ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+    c = UcxConnection(ucx, ctx, parse_address(address), None, time.monotonic() + 10)
+    req = pb.GetShmRequest(namespace=NS, hashes=hashes)
+    req.targets.extend(pb.ShmTarget(size=PAGE) for _ in hashes)
+    _keep = c._request(Kind.GET, req.SerializeToString())
+    c.worker.progress()
+    q.put("asked")
+    time.sleep(60)  # killed long before
+
+
+def test_a_client_killed_mid_get_leaves_no_page_pinned(ucx_node: NodeProcess) -> None:
+    """The node's sends of an abandoned GET are cancelled when the client's endpoints go, so the leases
+    they held are released: the pages can be deleted (a pinned page could not, and would hold its slot)."""
+    hs = [key(i, "abandoned") for i in range(16)]
+    with KVStoreClient(ucx_node.addr, transport="grpc") as kv:
+        kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_abandon_get, args=(ucx_address(ucx_node), hs, q))
+    proc.start()
+    try:
+        assert q.get(timeout=60) == "asked"
+        time.sleep(0.5)  # the node has posted its sends
+    finally:
+        proc.kill()
+        proc.join(10)
+    deadline = time.monotonic() + IO_TIMEOUT + 10
+    with KVStoreClient(ucx_node.addr, transport="grpc") as kv:
+        while time.monotonic() < deadline:
+            kv.delete(NS, hs)
+            if kv.lookup(NS, hs) == 0:
+                break
+            time.sleep(0.5)
+        assert kv.lookup(NS, hs) == 0, "pages of an abandoned GET stay pinned"
+    assert "did not finish after close" not in ucx_node.log_tail()
+
+
 def test_node_without_ucx_is_refused_or_skipped(tmp_path: Path) -> None:
     n = start_node(tmp_path, extra_args=["--no-ucx"])
     try:
