@@ -138,12 +138,14 @@ class TenantView:
 
     def stats(self) -> NodeStats:
         """The node's Stats as this tenant may see them: its own namespaces (as it names them) and its
-        own tenant row, without the cross-tenant figure; the default tenant (the operator's) sees every
-        tenant's row, cross-tenant misses included."""
+        own tenant row, without the cross-tenant figure, and none of the node's corruption and scrub counters
+        (they count other tenants' pages too); the default tenant (the operator's) sees every tenant's row,
+        cross-tenant misses included, and those counters."""
         stats = self.manager.stats()
         stats.namespaces = [
             (name, layout, n) for ns, layout, n in stats.namespaces for t, name in [split(ns)] if t == self.tenant
         ]
         if self.tenant != DEFAULT_TENANT:
             stats.tenants = [replace(t, cross_tenant_misses=0) for t in stats.tenants if t.tenant == self.tenant]
+            stats.corrupt_reports = stats.corrupt_confirmed = stats.scrubbed_bytes = 0
         return stats

@@ -81,5 +81,5 @@ def test_serve_help_lists_what_read_tokens_may_do() -> None:
     out = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "serve", "--help"], capture_output=True,
                          text=True, timeout=60, check=True, env={"COLUMNS": "400", "PATH": "/usr/bin:/bin"}).stdout  # fmt: skip
     line = next(x for x in out.splitlines() if "--auth-read-tokens-file" in x)
-    assert "Prefetch" not in line and all(m in line for m in ("Lookup", "Get", "GetShm", "Stats"))
+    assert "Prefetch" not in line and all(m in line for m in ("Lookup", "Get", "Stats", "Report"))
     assert "Prefetch" in WRITE_METHODS  # the node's rule the help text follows
