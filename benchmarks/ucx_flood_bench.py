@@ -7,8 +7,10 @@ an endpoint to the node's advertised worker address (or its listener) and sends 
 RSS once it settled again, and `--hold` seconds later (was anything released?), while the attacker stays
 connected. Then a client does a UCX put and get (does the node still serve?).
 
-The node runs whatever `kvstore` this interpreter imports: run it once with PYTHONPATH at the code before
-the fix and once at the code after, on the same machine, to compare. Writes benchmarks/out/ucx_flood_bench.*
+The node runs the `kvstore` of the directory the script is run from (`python -m` puts it first): to
+compare with the code before a fix, copy this script, benchmarks/machine.py and devkit/ucx_stranger.py
+into a checkout of that code and run it there, on the same machine. Writes
+benchmarks/out/ucx_flood_bench.{md,json}.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from typing import Any
 
 from machine import machine_line, save_results
 
+from devkit.ucx_stranger import settle, stranger
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
-from kvstore.wire.ucx import load_ucxx, parse_address, ucxx_installed
+from kvstore.wire.ucx import ucxx_installed
 
 WAVE = 2_000  # sends the attacker keeps posted at once
 LAYOUT = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
@@ -54,25 +57,15 @@ def settled_rss_mib(pid: int, seconds: float = 5.0) -> float:
 
 def flood(address: str, path: str, count: int, size: int, q: Any) -> None:
     """Child process: an endpoint that never says HELLO sends `count` messages under random tags."""
-    ucx = load_ucxx()
+    ucx, worker, ep = stranger(address, path)
     from ucxx._lib.arr import Array
 
-    addr = parse_address(address)
-    worker = ucx.UCXWorker(ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)))
-    worker.init_blocking_progress_mode()
-    if path == "worker":
-        ep = ucx.UCXEndpoint.create_from_worker_address(worker, ucx.UCXAddress.create_from_buffer(addr.worker), True)
-    else:
-        ep = ucx.UCXEndpoint.create(worker, addr.host, addr.port, True)
     payload = Array(bytearray(b"x" * size))
     rng = random.Random(7)
     sent, t0 = 0, time.monotonic()
     while sent < count and time.monotonic() - t0 < 300:
         wave = [ep.tag_send(payload, ucx.UCXXTag(rng.getrandbits(64))) for _ in range(min(WAVE, count - sent))]
-        deadline = time.monotonic() + 5
-        while not all(r.completed for r in wave) and time.monotonic() < deadline:
-            worker.progress_worker_event(20)
-        sent += sum(r.completed for r in wave)
+        sent += settle(worker, wave, 5.0)
     q.put((sent, time.monotonic() - t0))
     q.get(timeout=300)  # stay connected until the parent has measured
 

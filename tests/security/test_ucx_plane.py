@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from devkit.ucx_stranger import settle, stranger
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
@@ -64,27 +65,13 @@ def context(ucx: Any, stream_and_am: bool = False) -> Any:
     return ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP, *extra))
 
 
-def settle(worker: Any, reqs: list[Any], seconds: float) -> None:
-    """Progress until `reqs` completed or `seconds` passed (an attacker does not care which)."""
-    deadline = time.monotonic() + seconds
-    while not all(r.completed for r in reqs) and time.monotonic() < deadline:
-        worker.progress_worker_event(20)
-
-
 def _attack(address: str, how: str, path: str, q: mp.Queue, tags: list[int], count: int, size: int) -> None:  # type: ignore[type-arg]
     """Child process: an endpoint that never sends a HELLO (`path`: "worker" address or "listener"), and
     sends what `how` says (`count` messages of `size` bytes for a flood); reports how many messages it got
     out, then stays until told to go."""
-    ucx = load_ucxx()
+    ucx, worker, ep = stranger(address, path, ("STREAM", "AM") if how == "stream+am" else ())
     from ucxx._lib.arr import Array
 
-    addr = parse_address(address)
-    worker = ucx.UCXWorker(context(ucx, stream_and_am=how == "stream+am"))
-    worker.init_blocking_progress_mode()
-    if path == "worker":
-        ep = ucx.UCXEndpoint.create_from_worker_address(worker, ucx.UCXAddress.create_from_buffer(addr.worker), True)
-    else:
-        ep = ucx.UCXEndpoint.create(worker, addr.host, addr.port, True)
     payload = Array(bytearray(b"x" * size))
     rng = random.Random(7)
     sent = 0
