@@ -82,7 +82,12 @@ def ours(node: NodeProcess, transport: str, size: int, seconds: float) -> dict[s
     r = json.loads(out.stdout.strip().splitlines()[-1])
     node_seconds = node_cpu(node) - n0
     moved = r["bytes"] / 1e9  # GB moved in the timed loops
-    return {"gbs": r["gbs"], "plane": r["plane"], "gb_per_cpu_s": moved / (r["client_cpu"] + node_seconds), "wall": wall}
+    return {
+        "gbs": r["gbs"],
+        "plane": r["plane"],
+        "gb_per_cpu_s": moved / (r["client_cpu"] + node_seconds),
+        "wall": wall,
+    }
 
 
 def lmcache(peer: Peer, size: int, seconds: float) -> dict[str, float]:

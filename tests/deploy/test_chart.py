@@ -327,8 +327,13 @@ def test_rendered_sentinel_group_fails_over_on_real_redis_and_sentinels(tmp_path
     assert sts["spec"]["replicas"] == 3 and [c["name"] for c in spec["containers"]] == ["redis", "sentinel"]
     assert sts["spec"]["serviceName"] == "kv-kvstore-redis-headless"
     script = spec["initContainers"][0]["command"][2]
-    for step in ("replica-announce-ip $SELF", "masterauth $REDIS_PASSWORD", 'echo "replicaof $MASTER 6379"',
-                 "s|@MASTER@|$MASTER|", "sentinel get-master-addr-by-name kvstore"):  # what the emulation does
+    for step in (
+        "replica-announce-ip $SELF",
+        "masterauth $REDIS_PASSWORD",
+        'echo "replicaof $MASTER 6379"',
+        "s|@MASTER@|$MASTER|",
+        "sentinel get-master-addr-by-name kvstore",
+    ):  # what the emulation does
         assert step in script, step
     sentinel_in = cm["data"]["sentinel.conf.in"]
     assert f"user kvsentinel on #SENTINEL_CLIENT {SENTINEL_CLIENT_RULES}" in sentinel_in  # acl.py's rules
@@ -357,7 +362,10 @@ def test_rendered_sentinel_group_fails_over_on_real_redis_and_sentinels(tmp_path
             conf = conf.replace("@ADMIN_PASSWORD@", pw["ADMIN"]).replace("@SENTINEL_PASSWORD@", pw["SENTINEL_ADMIN"])
             conf = hashed(conf).replace("dir /run/redis", f"dir {pod}")
             (pod / "sentinel.conf").write_text(re.sub(r"^port \d+$", f"port {sports[i]}", conf, flags=re.M))
-            for argv in (["redis-server", str(pod / "redis.conf")], ["redis-server", str(pod / "sentinel.conf"), "--sentinel"]):
+            for argv in (
+                ["redis-server", str(pod / "redis.conf")],
+                ["redis-server", str(pod / "sentinel.conf"), "--sentinel"],
+            ):
                 procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         admin = [redis.Redis(port=p, username="default", password=pw["SENTINEL_ADMIN"], socket_timeout=2,
                              decode_responses=True) for p in sports]  # fmt: skip

@@ -250,7 +250,9 @@ def test_every_unusable_descriptor_gets_one_answer_and_maps_nothing(shm_node: No
     }
     raw = Raw(path)
     try:
-        answers = {name: raw.error(Kind.REGISTER, shm.REGISTER.pack(i + 1), [fd]) for i, (name, fd) in enumerate(fds.items())}
+        answers = {
+            name: raw.error(Kind.REGISTER, shm.REGISTER.pack(i + 1), [fd]) for i, (name, fd) in enumerate(fds.items())
+        }
         assert len(set(answers.values())) == 1, answers
         assert next(iter(answers.values()))[0] == "INVALID_ARGUMENT"
         good = memfd(PAGE)

@@ -41,8 +41,9 @@ def test_read_tokens_never_move_pages_so_reading_never_evicts(tmp_path: Path) ->
                         with pytest.raises(PermissionDenied, match="read-write token"):
                             move()
             after = ro.stats()
-        assert [(t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in after.tiers] == \
-            [(t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in before.tiers]
+        assert [(t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in after.tiers] == [
+            (t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in before.tiers
+        ]
         with KVStoreClient(node.addr, timeout=30, security=ClientSecurity(token=WRITE)) as rw:
             rw.get(NS, chains[0])  # a read-write reader still promotes (the cache's normal behaviour)
             assert sum(t.counters.promotions for t in rw.stats().tiers) > 0

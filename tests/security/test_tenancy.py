@@ -188,6 +188,7 @@ def test_mtls_subjects_bind_a_tenant_and_never_widen_a_token(tmp_path: Path, cli
     try:
         chain = [key(i, "mtls") for i in range(3)]
         for plane in ("grpc", "tcp"):
+
             def client(token: str, plane: str = plane) -> KVStoreClient:
                 sec = ClientSecurity(token=token, ca_file=str(pki.ca), cert_file=str(pki.client_cert),
                                      key_file=str(pki.client_key), server_name="localhost")  # fmt: skip
