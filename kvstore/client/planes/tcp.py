@@ -41,7 +41,6 @@ from kvstore.wire.tcp import Header, Kind
 
 T = TypeVar("T")
 
-SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffers per connection: a few MiB-pages in flight
 KEEP_IDLE = 4  # idle connections a plane keeps open for the next calls
 CONNECT_TIMEOUT_S = 5.0  # a firewalled plane port (dropped SYNs) falls back to gRPC after this, not the call timeout
 REPLY_META_LIMIT = 1 << 20  # what a client accepts as one reply's metadata (ERROR messages are the largest)
@@ -59,8 +58,8 @@ class Connection:
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                if SOCKET_BUFFER_BYTES:  # 0: leave the kernel's autotuning alone
-                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+                if tcp.SOCKET_BUFFER_BYTES:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, tcp.SOCKET_BUFFER_BYTES)
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=server_name)
             else:

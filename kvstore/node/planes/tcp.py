@@ -47,8 +47,6 @@ from kvstore.wire.tcp import FrameError, Header, Kind
 
 log = logging.getLogger(__name__)
 
-SOCKET_BUFFER_BYTES = 4 << 20  # kernel send/receive buffers per connection: a few MiB-pages in flight
-
 
 class TcpPlaneServer(PlaneServer):
     """The TCP plane's listener. `start` binds `config.host:config.tcp_port` (0: a free port) and returns
@@ -126,7 +124,7 @@ class TcpPlaneServer(PlaneServer):
                 _refuse_now(sock, "this node's TCP plane has too many connections in their handshake", self.tls)
                 continue
             sock.setblocking(False)
-            tune(sock, SOCKET_BUFFER_BYTES)
+            tune(sock, tcp.SOCKET_BUFFER_BYTES)
             self.limits.start_handshake()
             conn = _Connection(self, sock)
             task = loop.create_task(conn.serve())
