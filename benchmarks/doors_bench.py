@@ -179,7 +179,7 @@ def sglang_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                 assert store.put_from(ns, lay, hs, views) is not None
                 cw.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
                 t0 = time.perf_counter()
-                assert store.get_into(ns, hs, be._region_views(dst, n)) == len(hs)
+                assert len(store.get_into(ns, hs, be._region_views(dst, n))) == len(hs)
                 cr.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
             be.close()
             med = [statistics.median(x) for x in (w, r, cw, cr)]

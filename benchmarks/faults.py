@@ -55,7 +55,9 @@ def fuzz(requests: int) -> faults.FaultResult:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, (full, quick, what) in SIZES.items():
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, default=full, help=f"{what} (default {full}, --quick {quick})")
+        ap.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=full, help=f"{what} (default {full}, --quick {quick})"
+        )
     ap.add_argument("--quick", action="store_true", help="the CI smoke sizes")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)

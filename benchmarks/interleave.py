@@ -25,7 +25,9 @@ def add_run_options(ap: argparse.ArgumentParser, *, iters: int, warmup: int, qui
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
 
 
-def start(ap: argparse.ArgumentParser, argv: list[str] | None, quick_iters: int) -> tuple[argparse.Namespace, list[int]]:
+def start(
+    ap: argparse.ArgumentParser, argv: list[str] | None, quick_iters: int
+) -> tuple[argparse.Namespace, list[int]]:
     """Parse the options; the page sizes asked for (a --quick run: 256 KiB, one run of `quick_iters`
     calls). Exits with a message when this host has no /dev/shm or an option is bad. Tunes malloc for
     bulk I/O as the node does."""

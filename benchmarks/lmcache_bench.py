@@ -142,7 +142,9 @@ class Stack:
 
     def put(self, keys: list[Any]) -> None:
         done = threading.Semaphore(0)
-        self.remote.batched_submit_put_task(keys, self.objs[: len(keys)], on_complete_callback=lambda _k: done.release())
+        self.remote.batched_submit_put_task(
+            keys, self.objs[: len(keys)], on_complete_callback=lambda _k: done.release()
+        )
         for _ in keys:
             if not done.acquire(timeout=30):
                 raise TimeoutError("a batched put did not complete within 30 s")

@@ -277,7 +277,9 @@ def ensure_peers_venv(venv: Path, log: Path) -> Path:
     stamp = venv / ".peers-installed"
     if stamp.exists():
         return python
-    missing = [d for d in PEER_DEBS if subprocess.run(["dpkg", "-s", d], check=False, capture_output=True).returncode != 0]
+    missing = [
+        d for d in PEER_DEBS if subprocess.run(["dpkg", "-s", d], check=False, capture_output=True).returncode != 0
+    ]
     if missing and os.geteuid() == 0:
         print(f"installing Debian packages for Mooncake: {' '.join(missing)}", flush=True)
         subprocess.run(["apt-get", "install", "-y", "-qq", *missing], check=False, capture_output=True)

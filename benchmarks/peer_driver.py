@@ -142,7 +142,9 @@ class LMCache:
 
     def _put(self, keys: list) -> None:
         done = threading.Semaphore(0)
-        self.backend.batched_submit_put_task(keys, self.objs[: len(keys)], on_complete_callback=lambda _k: done.release())
+        self.backend.batched_submit_put_task(
+            keys, self.objs[: len(keys)], on_complete_callback=lambda _k: done.release()
+        )
         for _ in keys:
             if not done.acquire(timeout=30):
                 raise TimeoutError("LMCache batched put did not complete")
@@ -285,7 +287,9 @@ def main() -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # libraries print; only replies go to the real stdout
     try:
-        client: LMCache | Mooncake = LMCache(children) if peer == "lmcache" else Mooncake(children, peer.endswith("local"))
+        client: LMCache | Mooncake = (
+            LMCache(children) if peer == "lmcache" else Mooncake(children, peer.endswith("local"))
+        )
         out.write(json.dumps({"ok": True, "pids": [p.pid for p in children.procs]}) + "\n")
         out.flush()
         for line in sys.stdin:

@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ref_w = ref.windows[0] if ref.windows else Window()
     cells = " | ".join(f"{pct(ref_w.lat[op], 0.5):.1f} / {pct(ref_w.lat[op], 0.99):.1f}" for op, _ in OPS)
     n = sum(len(v) for v in ref_w.lat.values())
-    lines.append(f"| reference: 1 client, {ref_s:.0f} s before | {n} | {ref_w.errors} | {ref_w.wrong_pages} | {cells} | — |")
+    lines.append(
+        f"| reference: 1 client, {ref_s:.0f} s before | {n} | {ref_w.errors} | {ref_w.wrong_pages} | {cells} | — |"
+    )
     for i, w in enumerate(soak.windows):
         lo, hi = i * args.window, (i + 1) * args.window
         rss_w = max((r for t, r in rss if lo <= t < hi), default=0)

@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [machine_line(), f"- Get of {args.batch} pages x {args.calls} calls, median of {args.runs} runs", "",
              "| page | asyncio, raw sockets GB/s | thread per connection GB/s | thread / asyncio |", "|--:|--:|--:|--:|"]  # fmt: skip
     for r in rows:
-        lines.append(f"| {r['page_mib']} MiB | {r['asyncio']:.2f} | {r['thread']:.2f} | {r['thread'] / r['asyncio']:.2f} |")
+        lines.append(
+            f"| {r['page_mib']} MiB | {r['asyncio']:.2f} | {r['thread']:.2f} | {r['thread'] / r['asyncio']:.2f} |"
+        )
     save_results(args.out, "tcp_server_models", "\n".join(lines), args, rows=rows)
     return 0
 

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     dram_slots = 4 * args.batch + 8
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvstore-tenancy-bench-") as tmp:
+
         def private(name: str, text: str) -> str:
             p = Path(tmp) / name
             p.write_text(text)
@@ -205,13 +206,17 @@ def main(argv: list[str] | None = None) -> int:
                         t0 = time.perf_counter()
                         for i in range(args.iters):  # fresh hashes every call; the full tier evicts for each
                             kv.put(NS, layout, hashes(f"put-{run}-{p}-{i}", args.batch), [page] * args.batch)
-                        put_gbs[(m, p)].append(args.iters * args.batch * layout.page_bytes / (time.perf_counter() - t0) / 1e9)
+                        put_gbs[(m, p)].append(
+                            args.iters * args.batch * layout.page_bytes / (time.perf_counter() - t0) / 1e9
+                        )
                         resident = hashes(f"get-{run}-{p}", args.batch)
                         kv.put(NS, layout, resident, [page] * args.batch)
                         t0 = time.perf_counter()
                         for _ in range(args.iters):
                             assert len(kv.get(NS, resident)) == args.batch
-                        get_gbs[(m, p)].append(args.iters * args.batch * layout.page_bytes / (time.perf_counter() - t0) / 1e9)
+                        get_gbs[(m, p)].append(
+                            args.iters * args.batch * layout.page_bytes / (time.perf_counter() - t0) / 1e9
+                        )
                     kv = clients[(m, "grpc")]
                     kv.put(NS, layout, chain[:16], [page] * 16)  # the Lookup chain's head is resident
                     for _ in range(args.lookups):
@@ -228,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, object] = {"mode": m}
         for p in PLANES:
             put, get = statistics.median(put_gbs[(m, p)]), statistics.median(get_gbs[(m, p)])
-            base_put, base_get = statistics.median(put_gbs[("no-tenancy", p)]), statistics.median(get_gbs[("no-tenancy", p)])
+            base_put, base_get = (
+                statistics.median(put_gbs[("no-tenancy", p)]),
+                statistics.median(get_gbs[("no-tenancy", p)]),
+            )
             row.update({f"{p}_put_gbs": put, f"{p}_get_gbs": get, f"{p}_put_ratio": put / base_put,
                         f"{p}_get_ratio": get / base_get})  # fmt: skip
         row.update({"hit_p50_ms": pct(hit_s[m], 0.5) * 1e3, "hit_p99_ms": pct(hit_s[m], 0.99) * 1e3,

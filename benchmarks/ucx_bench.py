@@ -3,10 +3,12 @@
 Method: one real node (DRAM only) per page size; clients of it with transport="grpc" and with
 transport="ucx" in three ways of connecting (kvstore/client/planes/ucx.py):
 - ucx-listener: through the node's UCX listener (a sockaddr connection: TCP here);
-- ucx-address: by the node's advertised worker address, peer-failure detection on (the default; UCX
-  picks the lanes both workers have that can report a dead peer: TCP here, RDMA on an IB/RoCE host);
-- ucx-address-noeh: worker address, error handling off (UCX may then pick shared memory on one host;
-  a trusted-benchmark setting, not a default).
+- ucx-address: by the node's advertised worker address, data endpoints in peer-failure mode (the
+  default; UCX picks the lanes both workers have that can report a dead peer: TCP here, RDMA on an
+  IB/RoCE host; its shared-memory transports have no peer-failure handler);
+- ucx-address-noeh: worker address, data endpoints without peer-failure mode
+  (KVSTORE_UCX_ERROR_HANDLING=0: UCX picks shared memory on one host; the listener endpoint stays open to
+  report a vanished peer; a trusted single-host setting, not a default: see kvstore/client/planes/ucx.py).
 Per page size and client: batched Put and Get GB/s of `--batch` pages per call: the bytes of one call
 over the median time of `--runs` x `--iters` timed calls (fresh hashes per Put, deleted after, untimed;
 the Get reads `--batch` resident pages); clients alternate between runs. The machine's own limit in the same run: single-threaded memcpy of
@@ -38,6 +40,7 @@ NS = "bench/ucx"
 # name -> (transport, client environment while its connections open)
 VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
     "grpc": ("grpc", {}),
+    "tcp": ("tcp", {}),
     "ucx-listener": ("ucx", {"KVSTORE_UCX_CONNECT": "listener"}),
     "ucx-address": ("ucx", {"KVSTORE_UCX_CONNECT": "worker", "KVSTORE_UCX_ERROR_HANDLING": "1"}),
     "ucx-address-noeh": ("ucx", {"KVSTORE_UCX_CONNECT": "worker", "KVSTORE_UCX_ERROR_HANDLING": "0"}),
@@ -106,7 +109,8 @@ def bench_size(kib: int, args: argparse.Namespace, names: list[str]) -> list[dic
     times: dict[tuple[str, str], list[float]] = {(n, op): [] for n in names for op in ("put", "get")}
     with contextlib.ExitStack() as stack:  # closes the clients, then stops the node, whatever happens
         node = stack.enter_context(NodeProcess(dram_bytes=(3 * args.batch + 8) * slot_bytes_for(layout.page_bytes),
-                                               max_page_bytes=layout.page_bytes, node_id=f"bench-ucx-{kib}"))  # fmt: skip
+                                               max_page_bytes=layout.page_bytes, node_id=f"bench-ucx-{kib}",
+                                               extra_args=["--ucx"]))  # fmt: skip
         clients = {n: stack.enter_context(open_client(node.addr, n, args.batch)) for n in names}
         for run in range(args.runs):  # variants alternate, so drift in the machine's load hits all alike
             for name in names if run % 2 == 0 else names[::-1]:
@@ -150,14 +154,24 @@ def main(argv: list[str] | None = None) -> int:
         f"- Workload: {args.batch} pages per call, median of {args.iters} calls x {args.runs} runs, DRAM-resident, "
         f"UCX_NET_DEVICES={os.environ['UCX_NET_DEVICES']}; wall {wall:.0f} s",
         "",
-        "| page | op | " + " | ".join(f"{n} GB/s" for n in names) + " | memcpy GB/s (same run) | best UCX vs gRPC |",
-        "|--:|---|" + "--:|" * (len(names) + 2),
+        "| page | op | "
+        + " | ".join(f"{n} GB/s" for n in names)
+        + " | memcpy GB/s (same run) | best UCX vs gRPC | ucx-address (default) / -noeh vs TCP plane |",
+        "|--:|---|" + "--:|" * (len(names) + 3),
     ]
     for r in rows:
         ucx = max(float(r[n]) for n in names if n.startswith("ucx")) if any(n.startswith("ucx") for n in names) else 0
         ratio = f"{ucx / float(r['grpc']):.1f}x" if "grpc" in names else "-"
+        vs_tcp = (
+            " / ".join(
+                f"{float(r[n]) / float(r['tcp']):.2f}x"
+                for n in ("ucx-address", "ucx-address-noeh")
+                if "tcp" in names and n in names
+            )
+            or "-"
+        )
         lines.append(f"| {r['page_kib']} KiB | {r['op']} | " + " | ".join(f"{float(r[n]):.2f}" for n in names)
-                     + f" | {float(r['memcpy_gbs']):.1f} | {ratio} |")  # fmt: skip
+                     + f" | {float(r['memcpy_gbs']):.1f} | {ratio} | {vs_tcp} |")  # fmt: skip
     save_results(args.out, "ucx_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
     return 0
 

@@ -167,12 +167,21 @@ class GrpcUnaryPlane:
         def unary(method: str, label: str, expect: str, may_change: bool = False) -> Callable[[Message], Case]:
             def make(msg: Message) -> Case:
                 raw = msg.SerializeToString()
-                send: Send = (lambda tg: tg.stream_out(method, raw)) if method == "Get" else (lambda tg: tg.unary(method, raw))
+                send: Send = (
+                    (lambda tg: tg.stream_out(method, raw)) if method == "Get" else (lambda tg: tg.unary(method, raw))
+                )
                 return Case(self.name, f"{method}: {label}", send, frozenset({expect}), may_change)
 
             return make
 
-        L, G, D, P, U, F = pb.LookupRequest, pb.GetRequest, pb.DeleteRequest, pb.PinRequest, pb.UnpinRequest, pb.PrefetchRequest
+        L, G, D, P, U, F = (
+            pb.LookupRequest,
+            pb.GetRequest,
+            pb.DeleteRequest,
+            pb.PinRequest,
+            pb.UnpinRequest,
+            pb.PrefetchRequest,
+        )
         return st.one_of(
             st.builds(L, namespace=st.one_of(ns, fresh_namespaces), hashes=_hashes(t), prefetch=st.booleans()).map(unary("Lookup", "valid", OK, True)),
             st.builds(L, namespace=bad_namespaces, hashes=_hashes(t)).map(unary("Lookup", "bad namespace", INVALID)),
@@ -243,7 +252,9 @@ class GrpcPutPlane:
             # Fresh keys at every send: a page stored already is accepted without its bytes (first writer
             # wins), which would make a wrong checksum OK; drawn hashes repeat, above all when shrinking.
             # Distinct within the stream too: a repeated page is "already present" and its bytes unchecked.
-            fresh = [hashlib.sha256(h + tg.sent.to_bytes(8, "little") + bytes([i])).digest() for i, h in enumerate(hashes)]
+            fresh = [
+                hashlib.sha256(h + tg.sent.to_bytes(8, "little") + bytes([i])).digest() for i, h in enumerate(hashes)
+            ]
             return tg.put(self._frames(opener, mut, fresh, bad_hash, n))
 
         return Case(self.name, f"Put: {mut}", send, frozenset({expect}), expect == OK)
@@ -259,7 +270,9 @@ class GrpcPutPlane:
             csum = payload_checksum(data) ^ (1 if mut == "wrong checksum" and last else 0)
             hh = bad_hash if mut == "bad hash" and last else h
             size = n + 1 if mut == "wrong payload_bytes" and last else n
-            frames.append(pb.PutRequest(page=pb.PutPage(hash=hh, payload_bytes=size, checksum=csum)).SerializeToString())
+            frames.append(
+                pb.PutRequest(page=pb.PutPage(hash=hh, payload_bytes=size, checksum=csum)).SerializeToString()
+            )
             body = data[:-1] if mut == "truncated" and last else data + b"x" if mut == "extra byte" and last else data
             frames += [frame_chunk(PUT_CHUNK_TAG, body[o : o + CHUNK_BYTES]) for o in range(0, len(body), CHUNK_BYTES)]
         if mut == "no open":
@@ -369,7 +382,9 @@ class FuzzLog:
         return after
 
 
-def run_fuzz(target: FuzzTarget, requests: int, planes: list[FuzzPlane] | None = None, per_example: int = 10) -> FuzzLog:
+def run_fuzz(
+    target: FuzzTarget, requests: int, planes: list[FuzzPlane] | None = None, per_example: int = 10
+) -> FuzzLog:
     """Send at least `requests` fuzzed cases, each plane equally often, `per_example` per Hypothesis
     example; raises (with Hypothesis's shrunk example) at the first batch that breaks an invariant."""
     planes = default_planes() if planes is None else planes

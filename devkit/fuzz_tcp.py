@@ -127,7 +127,11 @@ class TcpPlane:
         # NOTE: stored pages go under a prefix of their own: other planes count on fuzz/unknown/* staying unknown.
         # A checksum mismatch goes there too: under t.ns its hash may be stored already (Hypothesis likes
         # b"\0" * 32), and a page already present is answered OK with its bytes dropped, unverified.
-        ns = fresh.replace("fuzz/unknown/", "fuzz/tcp/", 1) if mut in ("valid", "byte flip", "checksum mismatch") else t.ns
+        ns = (
+            fresh.replace("fuzz/unknown/", "fuzz/tcp/", 1)
+            if mut in ("valid", "byte flip", "checksum mismatch")
+            else t.ns
+        )
         if mut == "other layout":
             layout = PageLayout(DType.FLOAT16, 2, 1, 32, 16)  # not the layout t.ns was stored with
             data = content(h, layout.page_bytes)
@@ -150,4 +154,6 @@ class TcpPlane:
             cut = len(head) + tcp.HEADER_BYTES + tcp.PAGE_META_BYTES  # header, PUT meta and PAGE meta: not the body
             frames = _flip(frames[:cut], *flip) + frames[cut:]
             expected = ANY_HANDLED | {CLOSED}
-        return Case(self.name, f"PUT: {mut}", lambda _t: exchange(port, frames), expected, mut in ("valid", "byte flip"))
+        return Case(
+            self.name, f"PUT: {mut}", lambda _t: exchange(port, frames), expected, mut in ("valid", "byte flip")
+        )

@@ -81,7 +81,9 @@ def make_dev_pki(directory: str | Path, *, hosts: tuple[str, ...] = (), days: in
     per_node = {}
     for nid in node_ids:
         k = ec.generate_private_key(ec.SECP256R1())
-        per_node[nid] = save(f"node-{nid}", cert(nid, k, "kvstore dev CA", ca_key, ca=False, san=[x509.DNSName(nid)]), k)
+        per_node[nid] = save(
+            f"node-{nid}", cert(nid, k, "kvstore dev CA", ca_key, ca=False, san=[x509.DNSName(nid)]), k
+        )
     rogue = None
     if node_ids:
         k = ec.generate_private_key(ec.SECP256R1())

@@ -114,7 +114,8 @@ def planes_from_json(text: str) -> list[PlaneInfo]:
 class TenantStats:
     """One tenant on a node (DESIGN.md §10): its pages and share per tier, and how its reads fared.
     Counters count this tenant's calls; `cross_tenant_misses` are its misses on a page another tenant
-    holds under the same namespace and hash (answered as the cold misses they are for it)."""
+    holds under the same namespace and hash (answered as the cold misses they are for it): the
+    operator's figure, reported to the default tenant only (0 in a tenant's own row, never in /metrics)."""
 
     tenant: str
     pages: dict[TierKind, int] = field(default_factory=dict)

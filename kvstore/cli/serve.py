@@ -8,10 +8,16 @@ from typing import Annotated
 
 import typer
 
+from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.cli.common import friendly_errors, setup_logging
 from kvstore.node.config import NodeConfig, parse_size
+from kvstore.security import WRITE_METHODS
 
 SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 64MiB, 2G", show_default=False)]
+# What a read-only token may call: every RPC but the node's write methods (the rule lives in security.py).
+READ_ONLY_METHODS = ", ".join(
+    m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods if m.name not in WRITE_METHODS
+)
 
 
 @friendly_errors
@@ -68,7 +74,7 @@ def serve(  # noqa: PLR0913
     ] = None,
     auth_tokens_file: Annotated[Path | None, typer.Option(help="read-write bearer tokens, one per line")] = None,
     auth_read_tokens_file: Annotated[
-        Path | None, typer.Option(help="read-only bearer tokens (Lookup, Get, Prefetch, Stats)")
+        Path | None, typer.Option(help=f"read-only bearer tokens ({READ_ONLY_METHODS}; Gets served in place)")
     ] = None,
     tenants_file: Annotated[
         Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")

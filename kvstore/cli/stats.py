@@ -84,16 +84,18 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
 
 def render_tenants(stats: NodeStats, console: Console) -> None:
     """One row per tenant the caller may see (its own; every one for the default tenant): pages and share
-    per tier, hit rates, cross-tenant misses. Nothing on a node where only the default tenant ever called."""
+    per tier, hit rates, and for the operator (the default tenant) cross-tenant misses. Nothing on a node
+    where only the default tenant ever called."""
     if not stats.tenants or [t.tenant for t in stats.tenants] == [DEFAULT_TENANT]:
         return
+    operator = any(t.tenant == DEFAULT_TENANT for t in stats.tenants)  # a tenant's view has its own row only
     table = Table(title="tenants")
     for col in (
         "tenant",
         *[f"{t.tier.label.upper()} pages/share" for t in stats.tiers if t.available],
         "lookup hit rate",
         "get hit rate",
-        "cross-tenant misses",
+        *(["cross-tenant misses"] if operator else []),
     ):
         table.add_column(col, justify="left" if col == "tenant" else "right")
     for t in stats.tenants:
@@ -103,7 +105,7 @@ def render_tenants(stats: NodeStats, console: Console) -> None:
             if k.available
         ]
         rate = [("-" if r is None else f"{r:.1%}") for r in (t.hit_rate, t.get_hit_rate)]
-        table.add_row(t.tenant, *per_tier, *rate, str(t.cross_tenant_misses))
+        table.add_row(t.tenant, *per_tier, *rate, *([str(t.cross_tenant_misses)] if operator else []))
     console.print(table)
 
 

@@ -80,18 +80,18 @@ def up(  # noqa: PLR0913
         else:
             stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics)
         if ready_file is not None:
-            tmp_ready = ready_file.with_suffix(".tmp")
-            tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
-            tmp_ready.write_text(json.dumps(stack.describe()))
-            os.replace(tmp_ready, ready_file)
+            _write_ready(ready_file, stack)
         console.print(
             "[green]up[/]: kvctl nodes --redis-url URL, kvctl top --redis-url URL   (Ctrl-C stops everything)"
         )
         while not stop.wait(1.0):
-            dead = stack.dead()
+            restarts = stack.redis_restarts
+            dead = stack.revive_redis() or stack.dead()
             if dead:
                 console.print(f"[red]{dead}[/]")
                 stop.set()
+            elif ready_file is not None and stack.redis_restarts != restarts:
+                _write_ready(ready_file, stack)  # the new redis_pid
     finally:
         stack.close()
         tmp.cleanup()
@@ -117,6 +117,7 @@ class Stack:
     lmcache: subprocess.Popen[bytes] | None = None
     vllm: subprocess.Popen[bytes] | None = None
     engine_urls: dict[str, str] = field(default_factory=dict)
+    redis_restarts: int = 0
 
     def start_simple(
         self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float, metrics: bool
@@ -133,7 +134,9 @@ class Stack:
         assert isinstance(plan, LocalPlan)
         for note in plan.notes:
             console.print(f"[yellow]note[/]: {note}")
-        self._start_redis(plan.redis_external_url, [f"node-{i}" for i in range(plan.nodes)], plan.tenants)
+        self._start_redis(
+            plan.redis_external_url, [f"node-{i}" for i in range(plan.nodes)], plan.tenants, plan.redis_sentinel
+        )
         extra: list[str] = []
         if plan.auth_tokens:
             # Local nodes serve plaintext (no certificates here): an explicit opt-in, see SECURITY.md. The
@@ -204,8 +207,13 @@ class Stack:
         self.socket_dir = tempfile.TemporaryDirectory(prefix="kvs-", dir="/tmp")
         return [str(Path(self.socket_dir.name) / f"node-{i}.sock") for i in range(plan.nodes)]
 
-    def _start_redis(self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = ()) -> None:
-        from kvstore.cli.launch import RedisProcess
+    def _start_redis(
+        self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = (), sentinel: object = None
+    ) -> None:
+        """The index: the operator's (`external`), else a private redis-server, or with `sentinel` (a
+        values.SentinelPlan) a private Sentinel group (kvstore/cli/launch.py SentinelGroup)."""
+        from kvstore.cli.launch import RedisProcess, SentinelGroup
+        from kvstore.cli.values import SentinelPlan
         from kvstore.index.acl import (
             CLIENT_RULES,
             CLIENT_USER,
@@ -223,7 +231,23 @@ class Stack:
             users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES)}
             users |= {node_user(n): (secrets.token_hex(20), node_rules(n)) for n in node_ids}
             users |= {tenant_client_user(t): (secrets.token_hex(20), tenant_client_rules(t)) for t in tenants}
-            proc = RedisProcess(password=secrets.token_hex(20), users=users).start()
+            proc: RedisProcess | SentinelGroup
+            if isinstance(sentinel, SentinelPlan):
+                proc = SentinelGroup(
+                    secrets.token_hex(20),
+                    users,
+                    name=sentinel.master_name,
+                    replicas=sentinel.replicas - 1,
+                    sentinels=sentinel.replicas,
+                    down_after_ms=sentinel.down_after_ms,
+                    failover_timeout_ms=sentinel.failover_timeout_ms,
+                ).start(timeout=120)
+                console.print(
+                    f"redis: Sentinel group {sentinel.master_name!r}: a master, {sentinel.replicas - 1} replica(s), "
+                    f"{sentinel.replicas} sentinel(s)"
+                )
+            else:
+                proc = RedisProcess(password=secrets.token_hex(20), users=users).start()
             for t in tenants:  # each tenant's read-only index user sees only its entries (KVSTORE_TENANT=<t>)
                 url = self.root / f"redis-tenant-{t}.url"
                 url.touch(mode=0o600)
@@ -372,6 +396,13 @@ class Stack:
             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
             "env": self.env,
         }
+        from kvstore.cli.launch import SentinelGroup
+
+        if isinstance(self.redis, SentinelGroup):  # the private Sentinel group (for operators and fault tests)
+            out["redis_pids"] = [p.proc.pid for p in (self.redis.master, *self.redis.replicas) if p.proc is not None]
+            out["sentinel_pids"] = [p.proc.pid for p in self.redis.sentinels if p.proc is not None]
+        elif self.redis is not None:  # the private redis-server (for operators and fault tests)
+            out["redis_pid"] = self.redis.proc.pid  # type: ignore[attr-defined]
         if self.engine_urls:
             out["engines"] = dict(self.engine_urls)
         if self.driver is not None:
@@ -381,6 +412,31 @@ class Stack:
                 **self.driver_ready,
             }
         return out
+
+    def revive_redis(self) -> str | None:
+        """Restart a private redis-server (or sentinel) that exited (killed, OOM): reaped here, started
+        again on the same port with the same users, so every URL stays valid. One Redis comes back empty:
+        the nodes find their records gone at their next heartbeat and republish every page (within a third
+        of the index TTL). In a Sentinel group the sentinels have meanwhile failed over to a replica (the
+        nodes republish there), and turn the restarted Redis into a replica. Returns why the stack must
+        stop when a process cannot be restarted, else None."""
+        from kvstore.cli.launch import RedisProcess, SentinelGroup
+
+        redis = self.redis
+        procs = redis.processes() if isinstance(redis, SentinelGroup) else [redis] if redis is not None else []
+        for p in procs:
+            if p.proc is None or p.proc.poll() is None:  # type: ignore[attr-defined]
+                continue
+            what = "redis-server" if isinstance(p, RedisProcess) else "redis sentinel"
+            code = p.proc.returncode  # type: ignore[attr-defined]  # poll() reaped it: nothing left defunct
+            console.print(f"[yellow]{what} exited with {code}[/]: restarting it on port {p.port}")  # type: ignore[attr-defined]
+            try:
+                p.start()  # type: ignore[attr-defined]
+            except (RuntimeError, TimeoutError, OSError) as exc:
+                return f"{what} exited with {code} and could not be restarted: {exc}"
+            self.redis_restarts += 1
+            console.print(f"{what} restarted (pid {p.proc.pid}); the nodes republish their pages")  # type: ignore[attr-defined]
+        return None
 
     def dead(self) -> str | None:
         for i, p in enumerate(self.nodes):
@@ -420,6 +476,13 @@ class Stack:
             self.socket_dir.cleanup()
         if self.redis is not None:
             self.redis.close()  # type: ignore[attr-defined]
+
+
+def _write_ready(ready_file: Path, stack: Stack) -> None:
+    tmp_ready = ready_file.with_suffix(".tmp")
+    tmp_ready.touch(mode=0o600)  # it holds the Redis URL, password included
+    tmp_ready.write_text(json.dumps(stack.describe()))
+    os.replace(tmp_ready, ready_file)
 
 
 def terminate(proc: subprocess.Popen[bytes], grace: float) -> int:

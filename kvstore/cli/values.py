@@ -54,6 +54,16 @@ class WorkersPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class SentinelPlan:
+    """redis.sentinel: `replicas` Redis processes (one master) and as many sentinels, as the chart runs."""
+
+    replicas: int
+    master_name: str
+    down_after_ms: int
+    failover_timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class LocalPlan:
     nodes: int
     node: NodePlan | None  # None: node.enabled is false
@@ -66,6 +76,7 @@ class LocalPlan:
     tenants_toml: str | None = None  # the tenants file the chart renders (shares scaled like the budgets)
     engines: EnginesPlan | None = None  # the chart's engines (vLLM + LMCache), where vLLM's CPU build is here
     local_socket: bool = False  # node.localSocket: each node serves the same-host socket (where serve can)
+    redis_sentinel: SentinelPlan | None = None  # redis.sentinel.enabled: Redis replicas and sentinels
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -195,6 +206,23 @@ def check_rules(v: Mapping[str, Any]) -> None:
         raise ValueError(
             "redis.enabled is false but neither redis.external.url nor redis.external.existingSecret is set"
         )
+    if "password=" in (ext.get("url") or "").lower():
+        raise ValueError(
+            "redis.external.url carries a password (in its query): put a URL with credentials in the Secret "
+            "named by redis.external.existingSecret"
+        )
+    sentinel = redis.get("sentinel") or {}
+    if sentinel.get("enabled"):
+        if not redis["enabled"]:
+            raise ValueError(
+                "redis.sentinel.enabled runs sentinels beside the chart's Redis, but redis.enabled is false: "
+                "for an external Redis behind Sentinel, give its redis+sentinel:// URL in redis.external.url"
+            )
+        if not redis["auth"]["enabled"]:
+            raise ValueError(
+                "redis.sentinel.enabled needs redis.auth.enabled: sentinels anyone may reconfigure could point "
+                "every node at a Redis of their own"
+            )
 
 
 def _ports(v: Mapping[str, Any]) -> dict[str, int]:
@@ -420,6 +448,15 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
             notes += engines.notes if engines else []
     names = tuple(t["name"] for t in v["auth"].get("tenants") or [])
     local_socket = bool(v["node"]["enabled"] and v["node"]["localSocket"]["enabled"])
+    sentinel = v["redis"].get("sentinel") or {}
+    sentinel_plan = None
+    if v["redis"]["enabled"] and sentinel.get("enabled"):
+        sentinel_plan = SentinelPlan(
+            int(sentinel["replicas"]),
+            str(sentinel["masterName"]),
+            int(sentinel["downAfterMilliseconds"]),
+            int(sentinel["failoverTimeoutMilliseconds"]),
+        )
     return LocalPlan(
         n,
         node_plan,
@@ -432,6 +469,7 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         tenants_toml(v, scale),
         engines,
         local_socket,
+        sentinel_plan,
     )
 
 

@@ -5,14 +5,17 @@ replies into results. `KVStoreClient` and `AsyncKVStoreClient` only drive its ex
 each operation on the caller's thread, the other awaits it.
 
 Data planes (`transport`, or KVSTORE_TRANSPORT when not given): "auto" (default) negotiates the fastest
-plane both ends have (kvstore/client/planes/choice.py) and drops a plane for good after its first
-PlaneUnavailable, down to gRPC streams; "shm", "tcp", "ucx", "grpc" use that plane only (errors surface).
-A new plane is one entry in PLANES.
+plane both ends have (kvstore/client/planes/choice.py) and drops a plane after a PlaneUnavailable, down to
+gRPC streams, then negotiates again after PLANE_RETRY_SECONDS (doubling while the plane keeps refusing, up
+to PLANE_RETRY_MAX_SECONDS), so a client comes back to the fast plane after a node restart (a new plane
+port) or once a full plane has room; "shm", "tcp", "ucx", "grpc" use that plane only (errors surface, and
+the next call negotiates again). A new plane is one entry in PLANES.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -42,6 +45,8 @@ from kvstore.wire.ucx import ucxx_installed
 T = TypeVar("T")
 
 DEFAULT_PAGES_PER_STREAM = 256
+PLANE_RETRY_SECONDS = 2.0  # after a plane refused a call, negotiate again this much later (auto mode)...
+PLANE_RETRY_MAX_SECONDS = 60.0  # ...doubling while it keeps refusing, up to this
 
 
 @dataclass(slots=True)
@@ -88,7 +93,7 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
             s.security.check_target(info.address.partition(UCX_ADDRESS_SEP)[0])
         except InsecureChannel as exc:
             raise PlaneUnavailable(f"ucx: {exc}") from None
-    return UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls, info)
+    return UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls, info, s.received)
 
 
 PLANES: dict[str, PlaneSpec] = {
@@ -144,6 +149,8 @@ class ClientCore:
         self.settings = settings
         self.mode = transport_mode(transport)
         self._planes: tuple[DataPlane, ...] | None = None
+        self._retry_at: float | None = None  # when to negotiate again after a plane was dropped
+        self._retry_wait = PLANE_RETRY_SECONDS
         if self.mode == "shm" and not shm_available():
             raise ValueError("transport='shm' needs memfd_create and Unix sockets (Linux)")
         if self.mode == "grpc":
@@ -169,21 +176,26 @@ class ClientCore:
         return self.settings.buffers.allocate(nbytes)
 
     def _negotiate(self) -> Exchange[tuple[DataPlane, ...]]:
-        """The planes to use, asking the node once what it serves."""
-        if self._planes is not None:
-            return self._planes
+        """The planes to use, asking the node what it serves: once, and again when a dropped plane's retry
+        is due (then the new planes replace the old ones, which are closed)."""
+        current, retry_at = self._planes, self._retry_at
+        if current is not None and (retry_at is None or time.monotonic() < retry_at):
+            return current
+        self._retry_at = None
         stats: pb.StatsResponse = yield Unary("Stats", pb.StatsRequest())
         known = bool(stats.host_id)  # a node that predates advertising planes sends no host id
         advertised = {p.name: PlaneInfo(p.name, p.address, p.tls) for p in stats.planes} if known else None
         same_host = is_loopback(self.settings.target) or (known and stats.host_id == host_id())
         names = choose_planes(self.mode, same_host=same_host, advertised=advertised, client_can=usable_planes())
         planes = tuple(p for n in names if (p := self._make(n, (advertised or {}).get(n))) is not None)
-        if self._planes is None:
+        if self._planes is current:
             self._planes = planes
+            for p in current or ():
+                p.close()
         else:  # another thread negotiated meanwhile: keep its planes
             for p in planes:
                 p.close()
-        return self._planes
+        return self._planes  # type: ignore[return-value]
 
     def _make(self, name: str, info: PlaneInfo | None) -> DataPlane | None:
         """A plane's client side; None when it refuses to open (PlaneUnavailable) and the caller did not
@@ -196,20 +208,29 @@ class ClientCore:
             return None
 
     def _bulk(self, call: Callable[[DataPlane], Exchange[T]]) -> Exchange[T]:
-        """Run a bulk exchange on the preferred plane; on PlaneUnavailable give that plane up for good and
-        run it on the next one, unless the caller insisted on it (then the error surfaces)."""
+        """Run a bulk exchange on the preferred plane; on PlaneUnavailable give that plane up (until the
+        next negotiation, see the module docstring) and run it on the next one, unless the caller insisted
+        on it (then the error surfaces, and the next call negotiates again)."""
         planes = yield from self._negotiate()
         for _ in range(len(planes)):
             planes = self._planes or planes
             plane = planes[0]
             try:
-                return (yield from call(plane))
+                result = yield from call(plane)
             except PlaneUnavailable:
                 if self.mode == plane.name or len(planes) == 1:
+                    if self.mode != "grpc":  # the node may have moved its plane (a restart)
+                        self._retry_at = time.monotonic()
                     raise
                 if self._planes is not None and self._planes[0] is plane:  # another thread may have already
                     self._planes = self._planes[1:]
                     plane.close()
+                    self._retry_at = time.monotonic() + self._retry_wait
+                    self._retry_wait = min(self._retry_wait * 2, PLANE_RETRY_MAX_SECONDS)
+                continue
+            if len(planes) > 1:  # a faster plane than the last resort served: back to the short retry
+                self._retry_wait = PLANE_RETRY_SECONDS
+            return result
         raise AssertionError("unreachable: the last plane re-raises")
 
     # -- bulk

@@ -11,6 +11,8 @@ Roles (SECURITY.md):
   and the default tenant's block entries. A tenant's client (`kvclient-<tenant>`) reads the node
   records and that tenant's block entries only (`tenant_client_rules`).
 - `default` is the administrator (all commands), for the operator and the Redis pod's probes.
+- with Sentinel, the sentinels have their own users: `default` (their administrator) and `kvsentinel`
+  (`SENTINEL_CLIENT_RULES`: where is the master, nothing more), shared by nodes and clients.
 
 `node_rules("*")` is the shared node user the Helm chart renders when node ids are not known in
 advance (a DaemonSet): every node may then write every node's records, and only the clients' TLS
@@ -53,6 +55,17 @@ def tenant_client_rules(tenant: str) -> str:
 
 def tenant_client_user(tenant: str) -> str:
     return f"{CLIENT_USER}-{tenant}"
+
+
+# Redis Sentinel (index/connect.py): the sentinels' own users. `default` (the sentinels' administrator,
+# who may reconfigure them; only Redis' own pods/processes hold it) and `kvsentinel`, which nodes and
+# clients share to ask where the master is and nothing else: a client that could SENTINEL SET, REMOVE or
+# FAILOVER could point every node at a Redis of its own and collect their passwords.
+SENTINEL_CLIENT_USER = "kvsentinel"
+SENTINEL_CLIENT_RULES = (
+    "resetchannels -@all +ping +hello +auth +client|setname +client|id +sentinel|masters +sentinel|master "
+    "+sentinel|get-master-addr-by-name +sentinel|slaves +sentinel|replicas +sentinel|sentinels"
+)
 
 
 def node_rules(node_id: str) -> str:

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable, Iterable
 
 import redis
-import redis.asyncio as aioredis
 
 from kvstore import __version__
+from kvstore.index.connect import async_client
 from kvstore.index.keys import (
     ALIVE_PREFIX,
     BLOCK_KEYS_GLOB,
@@ -68,7 +68,8 @@ class IndexPublisher:
         self.gc_interval = gc_interval
         # A stuck Redis call must give up well before the next heartbeat is due (every ttl/3).
         timeout = max(0.25, ttl_seconds / 4)
-        self._redis = aioredis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        self._redis, self._master = async_client(url, timeout)  # one Redis or Sentinel (index/connect.py)
+        self._published_to: tuple[str, int] | None = None  # the master the last resync wrote to (Sentinel)
         self._pending: dict[tuple[str, bytes], TierKind | None] = {}
         self._oldest_pending: float | None = None
         self._need_resync = True
@@ -139,6 +140,7 @@ class IndexPublisher:
             except (redis.RedisError, OSError, TimeoutError) as exc:
                 log.info("index deregistration skipped: %s", exc)
         await self._redis.aclose()
+        await self._master.aclose()
 
     # -- loops (each iteration bounded in time by socket timeouts; loops end on cancel)
 
@@ -187,6 +189,15 @@ class IndexPublisher:
     # -- steps
 
     async def _heartbeat(self) -> None:
+        master = await self._master.where()
+        if master != self._published_to:
+            # Sentinel failed the index over to another master since the last resync: the new master has
+            # what had been replicated to it, not necessarily every recent write. Republish everything
+            # under a new epoch, so no entry is missing for longer than this one republish.
+            log.warning("index: the master is now %s (was %s); full resync", master, self._published_to)
+            self._need_resync = True
+            self._wake.set()
+            return
         ttl_ms = int(self.ttl_seconds * 1000)
         ok = await self._redis.set(alive_key(self.node_id), str(self.stats.epoch), xx=True, px=ttl_ms)
         if not ok:
@@ -230,6 +241,9 @@ class IndexPublisher:
         self._oldest_pending = None
         self._need_resync = False
         try:
+            # Where these writes go (Sentinel: asked first, so a failover during the resync is seen as a
+            # move at the next heartbeat and republished again).
+            self._published_to = await self._master.where()
             # Nodes load the lookup script: read-only clients may only run it (EVALSHA), see acl.py. An
             # operator's Redis user without SCRIPT LOAD leaves that to clients allowed to load it.
             with contextlib.suppress(redis.exceptions.NoPermissionError):

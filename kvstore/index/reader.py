@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,12 +12,15 @@ from typing import Any, TypeVar
 import redis
 
 from kvstore.errors import Unavailable
+from kvstore.index.connect import close_sync, sync_client
 from kvstore.index.keys import ALIVE_PREFIX, LOOKUP_SCRIPT, NODES_KEY, alive_key, block_key, node_key
 from kvstore.index.lookup import ClusterLookup, summarize
 from kvstore.scoping import DEFAULT_TENANT, check_tenant, scope
+from kvstore.security import redact_url
 from kvstore.stats import PlaneInfo, planes_from_json
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 
 
 class IndexUnavailable(Unavailable):
@@ -32,17 +36,9 @@ def _index_call(fn: F) -> F:
         try:
             return fn(self, *args, **kwargs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise IndexUnavailable(f"index at {_redacted(self.url)} unreachable: {exc}") from exc
+            raise IndexUnavailable(f"index at {redact_url(self.url)} unreachable: {exc}") from exc
 
     return wrapper  # type: ignore[return-value]
-
-
-def _redacted(url: str) -> str:
-    """The URL without a password (it goes into error messages and logs)."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
 
 
 @dataclass(slots=True)
@@ -74,13 +70,12 @@ class IndexReader:
         nothing; Redis ACL users (index/acl.py) keep a tenant's client from reading any other's."""
         self.url = url
         self.tenant = check_tenant(tenant or os.environ.get("KVSTORE_TENANT") or DEFAULT_TENANT, "KVSTORE_TENANT")
-        self._redis = client or redis.Redis.from_url(
-            url, socket_timeout=socket_timeout, socket_connect_timeout=socket_timeout
-        )
+        self._redis = client or sync_client(url, socket_timeout)  # one Redis or Sentinel (index/connect.py)
         self._lookup = self._redis.register_script(LOOKUP_SCRIPT)
+        self._noperm_logged = False
 
     def close(self) -> None:
-        self._redis.close()
+        close_sync(self._redis)
 
     def __enter__(self) -> IndexReader:
         return self
@@ -97,10 +92,21 @@ class IndexReader:
             scoped = scope(namespace, self.tenant)
             raw = self._lookup(keys=[block_key(scoped, h) for h in hashes], args=[ALIVE_PREFIX])
         except redis.exceptions.NoPermissionError as exc:
-            if "script" not in str(exc).lower():
-                raise
-            # A read-only client may not load the script; nodes load it when they publish, so none has
-            # published since this Redis started: no node holds anything yet.
+            if "script" not in str(exc).lower() and not self._noperm_logged:
+                # Redis refused this user the tenant's entries: its URL is another tenant's index user, or
+                # KVSTORE_TENANT names a tenant it may not read. Nothing it may see is a miss (the same
+                # answer as an empty index), said once so the misconfiguration is visible.
+                self._noperm_logged = True
+                log.warning(
+                    "index at %s: this Redis user may not read tenant %r's entries (%s); every lookup is a "
+                    "miss: use that tenant's index user (kvclient-%s) or set KVSTORE_TENANT to this user's tenant",
+                    redact_url(self.url),
+                    self.tenant,
+                    exc,
+                    self.tenant,
+                )
+            # (With "script": a read-only client may not load the script; nodes load it when they
+            # publish, so none has published since this Redis started: no node holds anything yet.)
             return ClusterLookup(0, [], {})
         return summarize(raw)
 

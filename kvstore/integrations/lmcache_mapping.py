@@ -266,13 +266,18 @@ class Target:
 
 
 def parse_url(url: str, field: str = "url") -> Target:
-    """`kvstore://host:port` (one node) or `kvstore+redis://host:port/db` (`+rediss` for TLS): a cluster."""
+    """`kvstore://host:port` (one node) or `kvstore+redis://host:port/db` (`+rediss` for TLS): a cluster;
+    `kvstore+redis+sentinel://host:port,host:port/master/db`: a cluster whose index is behind Redis Sentinel."""
     parts = urlsplit(url)
     if parts.scheme == "kvstore":
         if not parts.hostname or parts.port is None or parts.path not in ("", "/") or parts.query:
             raise MappingError(f"{field}: {url!r} is not kvstore://host:port")
         host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
         return Target(addr=f"{host}:{parts.port}")
+    if parts.scheme in ("kvstore+redis+sentinel", "kvstore+rediss+sentinel"):
+        if not parts.netloc.rpartition("@")[2]:
+            raise MappingError(f"{field}: {url!r} names no sentinel")
+        return Target(redis_url=url.removeprefix("kvstore+"))
     if parts.scheme in ("kvstore+redis", "kvstore+rediss"):
         if not parts.hostname:
             raise MappingError(f"{field}: {url!r} names no Redis host")

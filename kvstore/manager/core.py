@@ -206,9 +206,18 @@ class TierManager:
     def begin_put(self, op: PutOpen) -> PutTxn:
         """Open a Put transaction in `op.namespace` (the stored, tenant-scoped one). With `op.chain`, page
         i's chain parent is page i-1 and the first page's is `op.parent` (policy hints: prefix-aware
-        policies evict a chain's tail before its head); `op.target` None: the staging tier (DRAM)."""
+        policies evict a chain's tail before its head). `op.target` (the one place every plane's target
+        is handled): None or DRAM, the staging tier; NVMe, written through to the persistent tier, never
+        taking a DRAM slot (InvalidArgument on a node without one); HBM, staged, then promoted where the
+        node has a GPU (`_after_commit`)."""
         if self._closing:
             raise Unavailable("node is shutting down")
+        if op.target is TierKind.NVME and self.staging.through_kind is not TierKind.NVME:
+            raise InvalidArgument(
+                "open.target_tier",
+                "TIER_NVME: this node has no NVMe tier (started without --nvme-path/--nvme-bytes); "
+                "put to DRAM (TIER_UNSPECIFIED) or to a node with NVMe",
+            )
         check_namespace(op.namespace)
         layout = op.layout
         if layout.page_bytes > self.config.max_page_bytes:
@@ -329,6 +338,7 @@ class TierManager:
         while True:
             await asyncio.sleep(_PIN_SWEEP_SECONDS)
             self.expire_pins(time.monotonic())
+            self.tenants.settle()  # cross-tenant checks of the misses noted meanwhile, off the request path
 
     def expire_pins(self, now: float) -> int:
         """Drop pin leases whose deadline passed; returns how many expired."""

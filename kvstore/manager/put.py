@@ -8,6 +8,10 @@ Admission: a page the full host-memory tier's policy refuses (Placement.admit) i
 bounce buffer instead of a slot, verified like any other, and written through into the persistent tier
 (NVMe) when the group is published; with no persistent tier (or no room there) it is not stored, and
 the Put reports it neither stored nor already present (Stats counts it in `not_admitted`).
+
+A Put whose target is the persistent tier (`PutOpen.target` NVMe) takes that same path for every page,
+without asking admission: its pages land in NVMe, durable when the Put returns, and no DRAM page is
+evicted for them.
 """
 
 from __future__ import annotations
@@ -184,6 +188,11 @@ class Staging:
     def can_write_through(self) -> bool:
         return self.through.tier is not None
 
+    @property
+    def through_kind(self) -> TierKind | None:
+        """The tier pages are written through to (NVMe), or None when the node has none."""
+        return self.through.tier.kind if self.through.tier is not None else None
+
     def take_bounce(self) -> mmap.mmap:
         return self.through.take()
 
@@ -214,6 +223,9 @@ class PutTxn:
         self._tenant = tenant_of(op.namespace)  # whose share its slots count against
         self.layout = op.layout
         self.target = op.target if op.target is not None else staging.tier.kind
+        # Pages asked for in the persistent tier skip host-memory slots: written through, like pages
+        # admission refused (TierManager.begin_put checked that the node has that tier).
+        self._through_only = self.target != staging.tier.kind and self.target == staging.through_kind
         self._chain = op.chain
         self._prev: bytes | None = op.parent  # the chain's block before the next page
         self._staged: list[_Staged] = []
@@ -248,7 +260,7 @@ class PutTxn:
             self.already_present += 1
             return None
         key_parent = (self.namespace, parent) if parent is not None else None
-        admitted, victim = st.admit((self.namespace, h), key_parent)
+        admitted, victim = (False, None) if self._through_only else st.admit((self.namespace, h), key_parent)
         if not admitted:
             if not st.can_write_through:
                 self.not_admitted += 1

@@ -79,6 +79,17 @@ class ReadLease:
         plane whose transfer from the payload may still be running after it gave up waiting for it."""
         self._release = None
 
+    def detach(self) -> Callable[[], None]:
+        """Take over releasing this lease: the Get no longer releases it when it moves on or closes, the
+        function returned does (call it once, after the transfer from `payload` finished). For a plane
+        that keeps several pages of a Get in flight at once."""
+        release, self._release = self._release, None
+        return release if release is not None else _nothing
+
+
+def _nothing() -> None:
+    return None
+
 
 class Reader:
     """Serves Gets: one lease per page, in order, reading up to `read_ahead` pages ahead."""

@@ -230,6 +230,11 @@ class PageTable:
         for listener in self.listeners:
             listener(entry.namespace, entry.hash, None, entry.tier)
 
+    @property
+    def generation(self) -> int:
+        """The generation the next published page gets: every page published so far has a smaller one."""
+        return self._generation
+
     def next_generation(self) -> int:
         gen = self._generation
         self._generation += 1
@@ -242,14 +247,14 @@ class PageTable:
     # -- namespaces
 
     def check_layout(self, namespace: str, layout: PageLayout) -> None:
-        """A Put's layout against its namespace's: another encoding is InvalidArgument naming both (a
-        namespace holds one encoding), any other difference LayoutMismatch."""
+        """A Put's layout against its namespace's: any difference is LayoutMismatch (FAILED_PRECONDITION: the
+        Put is well-formed, the namespace's state refuses it), another encoding named as such (a namespace
+        holds one encoding)."""
         bound = self.layouts.get(namespace)
         if bound is not None and bound.encoding != layout.encoding:
-            raise InvalidArgument(
-                "open.layout.encoding",
-                f"namespace {unscope(namespace)!r} holds {bound.encoding.label} pages; this Put sends "
-                f"{layout.encoding.label} pages (a namespace holds one encoding)",
+            raise LayoutMismatch(
+                f"open.layout.encoding: namespace {unscope(namespace)!r} holds {bound.encoding.label} pages; "
+                f"this Put sends {layout.encoding.label} pages (a namespace holds one encoding)"
             )
         if bound is not None and bound != layout:
             raise LayoutMismatch(

@@ -6,8 +6,11 @@ manager knows tenants only as part of the namespace string, which is also what N
 index keys carry, so recovery and the index keep tenancy without anything extra.
 
 A cross-tenant miss (the page exists, but only in another tenant's scope) is answered exactly as the cold
-miss it is for the caller and counted for the caller; the check runs on every miss, found or not, so it
-costs the same either way.
+miss it is for the caller: the request path only notes the miss (one append, whatever the cache holds) and
+the ledger checks it later, off the path (kvstore/manager/ledger.py). The figure is the operator's: Stats
+shows it to the default tenant only, and a tenant's own row carries 0 (a count a tenant could read would
+tell it, one guess at a time, what another tenant caches). The default tenant's own misses are not
+counted, so the operator's figure is not an oracle for its own calls either.
 
 Above the manager (it takes a TierManager); the node builds one view per tenant (kvstore/node/callers.py).
 """
@@ -104,14 +107,9 @@ class TenantView:
             self._missed(namespace, hashes[served])
 
     def _missed(self, namespace: str, h: bytes) -> None:
-        """Count a miss on a page that another tenant holds. Every tenant known to the node is checked
-        whatever the result, so a cross-tenant miss takes as long as a cold one."""
-        table = self.manager.table
-        cross = False
-        for t in self.manager.tenants.known():
-            cross |= t != self.tenant and (scope(namespace, t), h) in table
-        if cross:
-            self.counters.cross_tenant_misses += 1
+        """Note a miss for the cross-tenant check, which runs later, off the request path (ledger.settle)."""
+        if self.tenant != DEFAULT_TENANT:
+            self.manager.tenants.note_miss(namespace, h, self.tenant)
 
     async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
         return await self.manager.report_corrupt(self.ns(namespace), hashes)
@@ -140,11 +138,14 @@ class TenantView:
 
     def stats(self) -> NodeStats:
         """The node's Stats as this tenant may see them: its own namespaces (as it names them) and its
-        own tenant row; the default tenant (the operator's) sees every tenant's row."""
+        own tenant row, without the cross-tenant figure, and none of the node's corruption and scrub counters
+        (they count other tenants' pages too); the default tenant (the operator's) sees every tenant's row,
+        cross-tenant misses included, and those counters."""
         stats = self.manager.stats()
         stats.namespaces = [
             (name, layout, n) for ns, layout, n in stats.namespaces for t, name in [split(ns)] if t == self.tenant
         ]
         if self.tenant != DEFAULT_TENANT:
-            stats.tenants = [t for t in stats.tenants if t.tenant == self.tenant]
+            stats.tenants = [replace(t, cross_tenant_misses=0) for t in stats.tenants if t.tenant == self.tenant]
+            stats.corrupt_reports = stats.corrupt_confirmed = stats.scrubbed_bytes = 0
         return stats

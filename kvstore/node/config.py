@@ -93,8 +93,17 @@ class NodeConfig:
     # the index record, so clients on other hosts move pages over it instead of gRPC streams.
     tcp_enabled: bool = True
     tcp_port: int = 0  # 0: a free port (clients learn it by negotiation); set one for a firewall rule
-    tcp_timeout_seconds: float = 10.0  # a TCP plane connection stalled this long mid-handshake/frame is closed
+    tcp_timeout_seconds: float = 10.0  # a TCP plane connection stalled this long mid-frame is closed
+    # Who may hold TCP plane connections (kvstore/node/planes/tcp_limits.py): at most tcp_max_connections
+    # authenticated ones, at most tcp_max_connections_per_tenant of them one tenant's (0: half of
+    # tcp_max_connections), and besides them at most tcp_max_handshakes still before their HELLO (0: an
+    # eighth of tcp_max_connections, at least 8), each given tcp_hello_timeout_seconds to send it. An
+    # authenticated connection idle (between requests) for tcp_idle_seconds is closed; clients reopen.
     tcp_max_connections: int = 1024
+    tcp_max_connections_per_tenant: int = 0
+    tcp_max_handshakes: int = 0
+    tcp_hello_timeout_seconds: float = 3.0
+    tcp_idle_seconds: float = 120.0
     # UCX data plane (kvstore/wire/ucx): off by default. Turn it on where hosts have RDMA (InfiniBand,
     # RoCE): over plain TCP, UCX is no faster than the TCP plane (benchmarks/RESULTS.md), and loading it
     # costs ~1.3 s of node start. On: ucxx must be installed, or the node refuses to start.
@@ -106,7 +115,7 @@ class NodeConfig:
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = None  # set: clients must present a certificate this CA signed
     auth_tokens_file: str | None = None  # tokens allowed every RPC, one per line
-    auth_read_tokens_file: str | None = None  # tokens allowed Lookup, Get, Prefetch, Stats only
+    auth_read_tokens_file: str | None = None  # tokens allowed Lookup, Get, Stats, Report only
     # Tenants (kvstore/node/tenancy.py): TOML with a [tenants.NAME] table per tenant: its shares per tier
     # (dram_bytes, nvme_bytes, hbm_bytes) and the mTLS subjects bound to it. Tokens name their tenant
     # in the token files; without either, every caller is the default tenant (no change).
@@ -140,6 +149,10 @@ class NodeConfig:
             raise ValueError(f"tcp_port must be in [0, 65535], got {self.tcp_port}")
         if self.tcp_timeout_seconds <= 0 or self.tcp_max_connections < 1:
             raise ValueError("tcp_timeout_seconds must be > 0 and tcp_max_connections >= 1")
+        if self.tcp_hello_timeout_seconds <= 0 or self.tcp_idle_seconds <= 0:
+            raise ValueError("tcp_hello_timeout_seconds and tcp_idle_seconds must be > 0")
+        if self.tcp_max_connections_per_tenant < 0 or self.tcp_max_handshakes < 0:
+            raise ValueError("tcp_max_connections_per_tenant and tcp_max_handshakes must be >= 0 (0: the default)")
         if self.metrics_port is not None and not 0 <= int(self.metrics_port) <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -14,8 +14,11 @@
     subscribers}                                     the KV-event feed for routers (when the node publishes one)
     kvstore_rpc_duration_seconds{method,code}        histogram of every KVStore RPC, by gRPC status
     kvstore_tenant_{lookups,lookup_blocks,lookup_matched_blocks,get_pages,get_served_pages}_total{tenant}
-    kvstore_tenant_cross_tenant_misses_total{tenant} misses on pages only another tenant holds
     kvstore_tenant_hit_ratio{tenant}, kvstore_tenant_pages{tenant,tier}, kvstore_tenant_share_bytes{tenant,tier}
+
+No cross-tenant figure is exported: /metrics answers whoever the network admits, and a count of misses
+on pages another tenant holds would tell a prober which of its guesses another tenant caches (issue 24).
+The operator reads it in Stats (`kvctl stats` with a token of the default tenant).
 
 Counters are the node's own cumulative counters (they restart at 0 with the process, which Prometheus'
 rate() handles); a hit ratio over a window is rate(hits) / (rate(hits) + rate(misses)).
@@ -145,7 +148,6 @@ class NodeMetrics:
             "kvstore.tenant.lookup_matched_blocks": lambda t: t.lookup_matched,
             "kvstore.tenant.get_pages": lambda t: t.get_pages,
             "kvstore.tenant.get_served_pages": lambda t: t.get_served,
-            "kvstore.tenant.cross_tenant_misses": lambda t: t.cross_tenant_misses,
         }
         for name, tget in tenant_counters.items():
             meter.create_observable_counter(name, [self._per_tenant(tget)], description=name.replace(".", " "))

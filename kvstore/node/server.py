@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the largest request a method accepts
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # NOTE: gRPC binds with SO_REUSEPORT by default, so a second node on a served port would start and
+    # share its connections with the first (issue 24 item 7); without it the bind fails and we say so.
+    ("grpc.so_reuseport", 0),
 ]
 
 
@@ -77,6 +80,22 @@ class Node:
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
+        # The port first: a node that cannot have its port (another node serves it) touches nothing.
+        cfg = self.config
+        bind = f"{cfg.host}:{cfg.port}"
+        try:
+            if cfg.tls_cert_file and cfg.tls_key_file:
+                creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
+                self.port = self.server.add_secure_port(bind, creds)
+            else:
+                self.port = self.server.add_insecure_port(bind)
+        except RuntimeError:  # gRPC's "Failed to bind": in use (by another node?), or not an address here
+            self.port = 0
+        if self.port == 0:
+            raise OSError(
+                f"cannot serve on {bind}: the port is in use (another kvstore node, or another program, "
+                "is serving it) or the address is not this host's; choose another --port or stop the other one"
+            )
         await self.manager.start()
         if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
             self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
@@ -87,15 +106,6 @@ class Node:
                 [SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
                 self.server,
             )
-        bind = f"{self.config.host}:{self.config.port}"
-        cfg = self.config
-        if cfg.tls_cert_file and cfg.tls_key_file:
-            creds = server_credentials(cfg.tls_cert_file, cfg.tls_key_file, cfg.tls_client_ca_file)
-            self.port = self.server.add_secure_port(bind, creds)
-        else:
-            self.port = self.server.add_insecure_port(bind)
-        if self.port == 0:
-            raise OSError(f"could not bind {self.config.host}:{self.config.port}")
         if self.config.metrics_port is not None:
             self.metrics = NodeMetrics(self.config.node_id, self.manager.stats, asyncio.get_running_loop())
             self.metrics_port = self.metrics.start(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -71,6 +72,23 @@ def check_private_dir(path: Path) -> None:
         )
 
 
+LOCK_NAME = ".lock"  # held (flock) by the one node using the directory
+
+
+def lock_dir(path: Path) -> int:
+    """Take the tier directory for this process, or refuse: two nodes writing one directory's segment
+    files would overwrite each other's pages. The lock goes with the process (kill -9 included)."""
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise OSError(
+            f"--nvme-path {path} is in use by another kvstore node on this host: give each node its own directory"
+        ) from None
+    return fd
+
+
 class NvmeTier(Medium):
     """`num_slots` slots of `slot_bytes`, striped over segment files of `slots_per_segment` slots."""
 
@@ -88,24 +106,30 @@ class NvmeTier(Medium):
         self.num_slots = capacity_bytes // slot_bytes
         self.path.mkdir(parents=True, exist_ok=True)
         check_private_dir(self.path)
-        self._meta_damage = self._check_meta()  # what was wrong with the metadata file, if anything
-        self.direct_io = True
+        self._lock_fd = lock_dir(self.path)
         self._fds: list[int] = []
-        self._readers: ThreadPoolExecutor | None = None  # read_many's threads, started on first use
-        self._readers_lock = threading.Lock()
-        self.write_errors = 0
-        n_segments = -(-self.num_slots // self.slots_per_segment)
-        sizes = [
-            min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
-            for seg in range(n_segments)
-        ]
-        self._check_space(sizes)
-        self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
-        # Where read_many drops the unused end of a slot it reads through to the next one. Several threads
-        # may read into it at once: nobody ever reads it back.
-        self._gap = mmap.mmap(-1, self.slot_bytes)
-        for seg, size in enumerate(sizes):
-            self._fds.append(self._open_segment(seg, size))
+        try:
+            self._meta_damage = self._check_meta()  # what was wrong with the metadata file, if anything
+            self.direct_io = True
+            self._readers: ThreadPoolExecutor | None = None  # read_many's threads, started on first use
+            self._readers_lock = threading.Lock()
+            self.write_errors = 0
+            n_segments = -(-self.num_slots // self.slots_per_segment)
+            sizes = [
+                min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
+                for seg in range(n_segments)
+            ]
+            self._check_space(sizes)
+            self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
+            # Where read_many drops the unused end of a slot it reads through to the next one. Several threads
+            # may read into it at once: nobody ever reads it back.
+            self._gap = mmap.mmap(-1, self.slot_bytes)
+            for seg, size in enumerate(sizes):
+                self._fds.append(self._open_segment(seg, size))
+        except BaseException:
+            for fd in [*self._fds, self._lock_fd]:
+                os.close(fd)
+            raise
         self._detail = f"{n_segments} segment file(s) in {self.path}, " + (
             "O_DIRECT" if self.direct_io else "buffered I/O + fdatasync (O_DIRECT unsupported here)"
         )
@@ -427,6 +451,9 @@ class NvmeTier(Medium):
         self._zero.close()
         with contextlib.suppress(BufferError):  # a view may live on for a moment in a finished request
             self._gap.close()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the directory for the next node
+            self._lock_fd = -1
 
 
 def _parts(into: Into) -> list[memoryview]:

@@ -68,6 +68,9 @@ _PAGE = struct.Struct(f"<{HASH_BYTES}sQB")
 _DONE = struct.Struct("<II")
 _WELCOME = struct.Struct("<BQI")
 MAX_TOKEN_BYTES = 4096
+# Kernel send/receive buffers per connection, both ends: a few MiB-pages in flight (0: leave the kernel's
+# autotuning alone).
+SOCKET_BUFFER_BYTES = 4 << 20
 PAGE_META_BYTES = _PAGE.size  # 41
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 EVENT_POLL_MS = 100  # longest single epoll wait of a blocking waiter (it re-checks its deadline after)
 TICK_SECONDS = 0.05  # the loop driver also progresses this often while requests are pending
+PROGRESS_ROUNDS = 64  # worker progress rounds per loop callback before yielding to the loop
 
 
 class UcxTimeout(TimeoutError):
@@ -49,48 +51,81 @@ def wait_blocking(
         r.check_error()
 
 
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    """A group of requests one task waits for: done at the first error, when all completed, or when
+    `closed` (an endpoint's close event) is set."""
+
+    pending: list[Any]
+    fut: asyncio.Future[None]
+    closed: asyncio.Event | None
+    what: str
+
+
 class LoopProgress:
     """Progresses one worker on an asyncio loop: a reader on its epoll fd, plus a short tick while any
     request is awaited (a safety net against a missed wake-up). Single-threaded: call it from the loop.
 
     Invariant: after every call into the worker the worker is re-armed (`arm()` returned True), so the
-    next UCX event wakes the loop.
+    next UCX event wakes the loop (or another progress is already scheduled). `after_progress` (if
+    given) runs after every worker progress, before completions are settled.
     """
 
-    def __init__(self, worker: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, worker: Any, loop: asyncio.AbstractEventLoop, after_progress: Callable[[], object] | None = None
+    ) -> None:
         self.worker = worker
         self.loop = loop
+        self.after_progress = after_progress
         worker.init_blocking_progress_mode()
         self.fd = worker.epoll_file_descriptor
-        self._waiters: list[tuple[Any, asyncio.Future[None]]] = []
+        self._waiters: list[_Waiter] = []
         self._tick: asyncio.TimerHandle | None = None
         self._closed = False
         loop.add_reader(self.fd, self.progress)
 
     def progress(self) -> None:
-        """Run UCX callbacks and completions until the worker is armed again; settle finished waits."""
+        """Run UCX callbacks and completions until the worker is armed again; settle finished waits.
+
+        One `progress_once` per round (ucxx's `progress` loops for as long as anything moves, so a peer
+        that keeps sending would keep it there), then `after_progress`: what UCX takes in between two
+        of those calls is bounded by what one round reads off its transports. Bounded: after
+        PROGRESS_ROUNDS rounds without arming (a peer keeps the worker busy), the rest is left to a
+        callback of its own, so the loop's other work gets its turn in between."""
         if self._closed:
             return
-        for _ in range(1000):  # arm() fails while events are pending: progress again (bounded)
-            self.worker.progress()
+        for _ in range(PROGRESS_ROUNDS):
+            moved = self.worker.progress_once()
+            if self.after_progress is not None:
+                self.after_progress()
             self._settle()
-            if self.worker.arm():
+            if not moved and self.worker.arm():  # arm() fails while events are pending: progress again
                 break
+        else:
+            self.loop.call_soon(self.progress)
         self._schedule_tick()
 
     def _settle(self) -> None:
+        if not self._waiters:
+            return
         still = []
-        for req, fut in self._waiters:
-            if fut.done():
+        for w in self._waiters:
+            if w.fut.done():
                 continue
-            if req.completed:
-                try:
-                    req.check_error()
-                    fut.set_result(None)
-                except Exception as exc:
-                    fut.set_exception(exc)
+            try:
+                for req in w.pending:
+                    if req.completed:
+                        req.check_error()
+                w.pending = [r for r in w.pending if not r.completed]
+            except Exception as exc:
+                w.fut.set_exception(exc)
+                continue
+            if not w.pending:
+                w.fut.set_result(None)
+            elif w.closed is not None and w.closed.is_set():
+                w.fut.set_exception(UcxClosed(f"{w.what}: the endpoint closed"))
             else:
-                still.append((req, fut))
+                still.append(w)
         self._waiters = still
 
     def _schedule_tick(self) -> None:
@@ -101,33 +136,40 @@ class LoopProgress:
         self._tick = None
         self.progress()
 
-    async def wait(self, requests: Sequence[Any], timeout: float, what: str = "UCX transfer") -> None:
-        """Until every request completed (raising the first error), or UcxTimeout after `timeout` s."""
-        futs = []
-        for req in requests:
-            fut = self.loop.create_future()
-            self._waiters.append((req, fut))
-            futs.append(fut)
+    async def wait(
+        self,
+        requests: Sequence[Any],
+        timeout: float,
+        what: str = "UCX transfer",
+        closed: asyncio.Event | None = None,
+    ) -> None:
+        """Until every request completed (raising the first error seen), UcxClosed once `closed` is set
+        (checked at every progress, and at least every TICK_SECONDS), or UcxTimeout after `timeout` s."""
+        w = _Waiter(list(requests), self.loop.create_future(), closed, what)
+        self._waiters.append(w)
         self.progress()
-        try:
-            async with asyncio.timeout(timeout):
-                for fut in futs:
-                    await fut
-        except TimeoutError:
-            raise UcxTimeout(f"{what}: no completion within {timeout:.1f}s") from None
-        finally:
-            for fut in futs:
-                if not fut.done():
-                    fut.cancel()
-                elif not fut.cancelled():
-                    fut.exception()  # retrieved: a later failure of a sibling must not be logged as lost
+        if not w.fut.done():
+            timer = None
+            if timeout != float("inf"):
+                timer = self.loop.call_later(timeout, _expire, w, timeout)
+            try:
+                await w.fut
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        w.fut.result()
 
     def close(self) -> None:
         self._closed = True
         if self._tick is not None:
             self._tick.cancel()
         self.loop.remove_reader(self.fd)
-        for _, fut in self._waiters:
-            if not fut.done():
-                fut.set_exception(UcxClosed("the UCX plane is shutting down"))
+        for w in self._waiters:
+            if not w.fut.done():
+                w.fut.set_exception(UcxClosed("the UCX plane is shutting down"))
         self._waiters = []
+
+
+def _expire(w: _Waiter, timeout: float) -> None:
+    if not w.fut.done():
+        w.fut.set_exception(UcxTimeout(f"{w.what}: no completion within {timeout:.1f}s"))

@@ -153,6 +153,22 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         {"engines": {"enabled": True, "gpu": {"resourceName": ""}}},
         "engines.gpu.resourceName",
     ),
+    (
+        "sentinel-without-redis-auth",
+        {"redis": {"sentinel": {"enabled": True}, "auth": {"enabled": False}}},
+        "redis.auth.enabled",
+    ),
+    (
+        "sentinel-with-external-redis",
+        {"redis": {"enabled": False, "sentinel": {"enabled": True}, "external": {"url": "redis://h:6379/0"}}},
+        "redis.external.url",
+    ),
+    ("sentinel-without-a-quorum", {"redis": {"sentinel": {"enabled": True, "replicas": 2}}}, "redis.sentinel.replicas"),
+    (
+        "sentinel-url-with-a-password",
+        {"redis": {"enabled": False, "external": {"url": "redis+sentinel://h:26379/m/0?sentinel_password=x"}}},
+        "redis.external.url",
+    ),
 ]
 
 

@@ -44,7 +44,9 @@ def render_args(files: list[Path] = (), sets: list[str] = (), api_versions: list
     return args
 
 
-def render(files: list[Path] = (), sets: list[str] = (), api_versions: list[str] = API_VERSIONS) -> list[dict[str, Any]]:  # type: ignore[assignment]
+def render(
+    files: list[Path] = (), sets: list[str] = (), api_versions: list[str] = API_VERSIONS
+) -> list[dict[str, Any]]:  # type: ignore[assignment]
     out = helm(*render_args(files, sets, api_versions)).stdout
     return [d for d in yaml.safe_load_all(out) if d]
 

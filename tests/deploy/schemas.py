@@ -23,7 +23,11 @@ def strict(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = {k: strict(v) for k, v in schema.items()}
-    if "properties" in out and "additionalProperties" not in out and not out.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -37,4 +41,6 @@ def raycluster_validator() -> jsonschema.Draft7Validator:
 
 
 def raycluster_errors(doc: dict[str, Any]) -> list[str]:
-    return [f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in raycluster_validator().iter_errors(doc)]
+    return [
+        f"{'.'.join(str(p) for p in e.absolute_path)}: {e.message}" for e in raycluster_validator().iter_errors(doc)
+    ]

@@ -250,8 +250,9 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
 
 
 def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> None:
-    """production.yaml: Redis gets its own certificate, closes its plaintext port, and every pod's
-    KVSTORE_REDIS_URL is rediss:// with the CA; the rendered TLS config runs on a real redis-server."""
+    """production.yaml: Redis gets its own certificate (its pods' names too: Sentinel), closes its plaintext
+    port, and every pod's KVSTORE_REDIS_URL is rediss+sentinel:// with the CA; the rendered TLS config runs
+    on a real redis-server."""
     import redis
 
     from devkit.pki import make_dev_pki
@@ -260,9 +261,11 @@ def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> 
     docs = render([ROOT / "deploy" / "values" / "production.yaml"])
     (cert,) = by_kind(docs, "Certificate", "-redis")
     assert "kv-kvstore-redis" in cert["spec"]["dnsNames"] and cert["spec"]["usages"][0] == "server auth"
+    assert "*.kv-kvstore-redis-headless.kvs.svc" in cert["spec"]["dnsNames"]  # each pod, by its own name
     urls = {e["value"] for d in docs for _, spec in pod_specs(d) for c in containers(spec)
             for e in c.get("env", []) if e["name"] == "KVSTORE_REDIS_URL"}  # fmt: skip
-    assert urls and all(u.startswith("rediss://") and u.endswith("?ssl_ca_certs=/etc/kvstore/tls/ca.crt") for u in urls)
+    assert urls and all(u.startswith("rediss+sentinel://") and u.endswith("&ssl_ca_certs=/etc/kvstore/tls/ca.crt")
+                        for u in urls)  # fmt: skip
     (cm,) = by_kind(docs, "ConfigMap", "-redis")
     pki = make_dev_pki(tmp_path / "pki")
     tls_dir = tmp_path / "redis-tls"
@@ -297,6 +300,125 @@ def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> 
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_rendered_sentinel_group_fails_over_on_real_redis_and_sentinels(tmp_path: Path) -> None:
+    """redis.sentinel: the chart's three Redis pods and their sentinels, from the rendered ConfigMap as the
+    auth-config init container fills it in (each pod on loopback, its own ports), run as real redis-server
+    and `redis-server --sentinel` processes: a node's rendered KVSTORE_REDIS_URL reaches the master through
+    the sentinels, the master is killed, the sentinels promote a replica and the same URL writes there;
+    the sentinels' client user cannot reconfigure them."""
+    import hashlib
+    import signal
+
+    import redis
+
+    from kvstore.cli.launch import free_port
+    from kvstore.index.acl import SENTINEL_CLIENT_RULES
+    from kvstore.index.connect import sync_client
+    from kvstore.index.keys import alive_key
+
+    sets = ["auth.enabled=true", "auth.allowPlaintextTokens=true", "redis.sentinel.enabled=true",
+            "redis.sentinel.downAfterMilliseconds=1000", "redis.sentinel.failoverTimeoutMilliseconds=2000"]  # fmt: skip
+    docs = render(sets=sets)
+    (cm,) = by_kind(docs, "ConfigMap", "-redis")
+    (sts,) = by_kind(docs, "StatefulSet", "-redis")
+    spec = sts["spec"]["template"]["spec"]
+    assert sts["spec"]["replicas"] == 3 and [c["name"] for c in spec["containers"]] == ["redis", "sentinel"]
+    assert sts["spec"]["serviceName"] == "kv-kvstore-redis-headless"
+    script = spec["initContainers"][0]["command"][2]
+    for step in (
+        "replica-announce-ip $SELF",
+        "masterauth $REDIS_PASSWORD",
+        'echo "replicaof $MASTER 6379"',
+        "s|@MASTER@|$MASTER|",
+        "sentinel get-master-addr-by-name kvstore",
+    ):  # what the emulation does
+        assert step in script, step
+    sentinel_in = cm["data"]["sentinel.conf.in"]
+    assert f"user kvsentinel on #SENTINEL_CLIENT {SENTINEL_CLIENT_RULES}" in sentinel_in  # acl.py's rules
+    pw = {"ADMIN": "admin-password-0123456789", "NODE": "node-password-0123456789",
+          "CLIENT": "client-password-012345", "SENTINEL_ADMIN": "sentinel-admin-0123456789",
+          "SENTINEL_CLIENT": "sentinel-client-0123456789"}  # fmt: skip
+
+    def hashed(text: str) -> str:
+        for name, value in pw.items():
+            text = text.replace(f" #{name} ", f" #{hashlib.sha256(value.encode()).hexdigest()} ")
+        return text
+
+    rports, sports = [free_port() for _ in range(3)], [free_port() for _ in range(3)]
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for i in range(3):
+            pod = tmp_path / f"pod-{i}"
+            pod.mkdir()
+            repl = ["replica-announce-ip 127.0.0.1", "masteruser default", f"masterauth {pw['ADMIN']}"]
+            repl += [f"replicaof 127.0.0.1 {rports[0]}"] if i else []  # pod 0 starts as the master
+            (pod / "auth.conf").write_text(hashed(cm["data"]["users.acl.in"]) + "\n".join(repl) + "\n")
+            text = cm["data"]["redis.conf"].replace("include /run/redis/auth.conf", f"include {pod / 'auth.conf'}")
+            text = text.replace("dir /data", f"dir {pod}").replace("bind 0.0.0.0", "bind 127.0.0.1")
+            (pod / "redis.conf").write_text(re.sub(r"^port \d+$", f"port {rports[i]}", text, flags=re.M))
+            conf = sentinel_in.replace("@SELF@", "127.0.0.1").replace("@MASTER@ 6379", f"127.0.0.1 {rports[0]}")
+            conf = conf.replace("@ADMIN_PASSWORD@", pw["ADMIN"]).replace("@SENTINEL_PASSWORD@", pw["SENTINEL_ADMIN"])
+            conf = hashed(conf).replace("dir /run/redis", f"dir {pod}")
+            (pod / "sentinel.conf").write_text(re.sub(r"^port \d+$", f"port {sports[i]}", conf, flags=re.M))
+            for argv in (
+                ["redis-server", str(pod / "redis.conf")],
+                ["redis-server", str(pod / "sentinel.conf"), "--sentinel"],
+            ):
+                procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        admin = [redis.Redis(port=p, username="default", password=pw["SENTINEL_ADMIN"], socket_timeout=2,
+                             decode_responses=True) for p in sports]  # fmt: skip
+
+        def group_known() -> bool:
+            try:
+                return all(int(a.sentinel_master("kvstore")["num-other-sentinels"]) == 2
+                           and len([r for r in a.sentinel_slaves("kvstore") if r["master-link-status"] == "ok"]) == 2
+                           for a in admin)  # fmt: skip
+            except (redis.RedisError, OSError):
+                return False
+
+        def master_port() -> int:
+            try:
+                return int(admin[1].sentinel_get_master_addr_by_name("kvstore")[1])
+            except (redis.RedisError, OSError, TypeError):
+                return 0
+
+        deadline = time.monotonic() + 60
+        while not group_known():
+            assert time.monotonic() < deadline, "the rendered sentinels never learned their group"
+            assert all(p.poll() is None for p in procs), "a process refused its rendered config"
+            time.sleep(0.2)
+        (raw,) = {e["value"] for d in docs for _, ps in pod_specs(d) for c in containers(ps) for e in c.get("env", [])
+                  if e["name"] == "KVSTORE_REDIS_URL" and "://kvnode:" in e.get("value", "")}  # fmt: skip
+        url = raw.replace("$(REDIS_USER_PASSWORD)", pw["NODE"])
+        url = url.replace("$(REDIS_SENTINEL_PASSWORD)", pw["SENTINEL_CLIENT"])
+        url = url.replace("kv-kvstore-redis:26379", ",".join(f"127.0.0.1:{p}" for p in sports))
+        node = sync_client(url, 2)  # the node's user, through the sentinels
+        assert node.set(alive_key("n0"), "1")
+        procs[0].send_signal(signal.SIGKILL)  # pod 0's Redis: the master
+        deadline = time.monotonic() + 60
+        while master_port() in (0, rports[0]):
+            assert time.monotonic() < deadline, "no failover"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while True:  # the same URL writes to the promoted replica (after a refused command or two)
+            try:
+                assert node.set(alive_key("n0"), "2")
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "the client never reached the new master"
+                time.sleep(0.2)
+        client = redis.Redis(port=sports[2], username="kvsentinel", password=pw["SENTINEL_CLIENT"], socket_timeout=2)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command("SENTINEL", "FAILOVER", "kvstore")
+        for c in (*admin, client):
+            c.close()
+        node.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
 
 
 def test_chart_acl_rules_are_the_ones_kvstore_up_applies() -> None:

@@ -170,7 +170,10 @@ try:
 except ImportError:
     from vllm.utils import FlexibleArgumentParser
 from vllm.config import KVTransferConfig
-from vllm.entrypoints.openai.cli_args import make_arg_parser
+try:  # vLLM 0.32 moved the OpenAI server's parser; the module the chart runs is still there
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
 args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
 ktc = args.kv_transfer_config
 cfg = ktc if isinstance(ktc, KVTransferConfig) else KVTransferConfig(**json.loads(ktc))

@@ -13,7 +13,9 @@ def node_docs(sets: list[str], tmp: Path) -> tuple[NodeConfig, list[int], list[i
     """The node's config (from its ConfigMap), its container ports, and the ports its NetworkPolicy opens."""
     docs = render(sets=sets)
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-node")]
-    (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")]
+    (workload,) = [
+        d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")
+    ]
     (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-node")]
     conf = tmp / "node.toml"
     conf.write_text(cm["data"]["node.toml"])

@@ -84,7 +84,10 @@ def test_each_tenant_gets_an_index_user_with_acl_py_rules(files: list[Path]) -> 
     init = sts["spec"]["template"]["spec"]["initContainers"][0]
     assert '"s/ #TENANT0 / #$(h "$REDIS_TENANT0_PASSWORD") /"' in init["command"][2]
     env = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in init["env"]}
-    assert (env["REDIS_TENANT0_PASSWORD"], env["REDIS_TENANT1_PASSWORD"]) == ("tenant-alice-password", "tenant-bob.team-password")
+    assert (env["REDIS_TENANT0_PASSWORD"], env["REDIS_TENANT1_PASSWORD"]) == (
+        "tenant-alice-password",
+        "tenant-bob.team-password",
+    )
     users = {ln.split()[1]: ln.split(" ", 4)[4] for ln in cm["data"]["users.acl.in"].splitlines()}
     assert users["kvclient-alice"] == tenant_client_rules("alice")
     assert users["kvclient-bob.team"] == tenant_client_rules("bob.team")

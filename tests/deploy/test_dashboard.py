@@ -44,6 +44,12 @@ def test_every_panel_queries_metrics_a_node_exports(tmp_path: Path) -> None:
     exported = exported_names(tmp_path)
     assert queried - exported == set(), f"the dashboard queries metrics no node exports: {queried - exported}"
     # What the issue asks the dashboard to show, each in at least one query.
-    for needed in ("kvstore_tier_hits_total", "kvstore_tier_misses_total", "kvstore_tier_read_bytes_total",
-                   "kvstore_tier_evictions_total", "kvstore_index_lag_seconds", "kvstore_rpc_duration_seconds_bucket"):
+    for needed in (
+        "kvstore_tier_hits_total",
+        "kvstore_tier_misses_total",
+        "kvstore_tier_read_bytes_total",
+        "kvstore_tier_evictions_total",
+        "kvstore_index_lag_seconds",
+        "kvstore_rpc_duration_seconds_bucket",
+    ):
         assert needed in queried, needed

@@ -29,7 +29,9 @@ def page(h: bytes, size: int = PAGE) -> bytes:
     return random.Random(h).randbytes(size)
 
 
-def start_node(tmp_path: Path, dram_pages: int = 8, nvme_pages: int = 64, name: str = "n0", **kw: object) -> NodeProcess:
+def start_node(
+    tmp_path: Path, dram_pages: int = 8, nvme_pages: int = 64, name: str = "n0", **kw: object
+) -> NodeProcess:
     return NodeProcess(dram_bytes=dram_pages * SLOT, nvme_path=tmp_path / f"nvme-{name}", nvme_bytes=nvme_pages * SLOT,
                        max_page_bytes=PAGE, node_id=name, **kw).start()  # type: ignore[arg-type]  # fmt: skip
 

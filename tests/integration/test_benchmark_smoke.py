@@ -102,6 +102,8 @@ def test_doors_bench_quick_run(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "doors_bench.json").read_text())
     assert set(data["events"]["rates"]) == {"off", "on", "stuck"} and set(data["sglang"]) >= {"tcp", "shm"}
+
+
 def test_fp8_quality_quick_run(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fp8_quality.py"), "--quick", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=240, check=False)  # fmt: skip

@@ -1,5 +1,6 @@
 """Encoded pages through a real node: every data plane stores and returns them byte for byte, a
-namespace holds one encoding (a Put of another is INVALID_ARGUMENT naming both, and changes nothing),
+namespace holds one encoding (a Put of another is FAILED_PRECONDITION naming both, like any other layout
+mismatch, and changes nothing),
 the encoding survives a restart from NVMe, and `kvctl stats` shows it per namespace."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore._proto.kvstore.v1 import kvstore_pb2_grpc as pb_grpc
 from kvstore.client import KVStoreClient
-from kvstore.errors import InvalidArgument
+from kvstore.errors import LayoutMismatch
 from kvstore.layout import PageEncoding
 from kvstore.wire.streams import layout_to_pb
 from tests.integration.conftest import LAYOUT, key, page, start_node
@@ -30,7 +31,7 @@ def test_fp8_pages_round_trip_and_one_encoding_per_namespace(kv: KVStoreClient) 
     assert kv.put(ns, FP8, hs[:4], pages[:4]).stored == 4
     assert [bytes(p) for p in kv.get(ns, hs[:4])] == pages[:4]
 
-    with pytest.raises(InvalidArgument) as info:
+    with pytest.raises(LayoutMismatch) as info:
         kv.put(ns, LAYOUT, hs[4:], [page(h) for h in hs[4:]])
     assert "encoding" in str(info.value) and "fp8-e4m3" in str(info.value) and "raw" in str(info.value)
     assert kv.lookup(ns, hs) == 4  # nothing of the refused Put was stored
@@ -38,12 +39,12 @@ def test_fp8_pages_round_trip_and_one_encoding_per_namespace(kv: KVStoreClient) 
     # The other way round: a raw namespace refuses fp8 pages.
     raw_ns = "it/enc/raw"
     kv.put(raw_ns, LAYOUT, hs[:1], [page(hs[0])])
-    with pytest.raises(InvalidArgument, match=r"holds raw pages; this Put sends fp8-e4m3"):
+    with pytest.raises(LayoutMismatch, match=r"holds raw pages; this Put sends fp8-e4m3"):
         kv.put(raw_ns, FP8, hs[1:2], pages[1:2])
     assert kv.lookup(raw_ns, hs[:2]) == 1
 
 
-def test_mismatched_encoding_is_invalid_argument_on_the_wire(tmp_path: Path) -> None:
+def test_mismatched_encoding_is_failed_precondition_and_unknown_invalid_on_the_wire(tmp_path: Path) -> None:
     n = start_node(tmp_path, nvme_pages=0)
     try:
         with KVStoreClient(n.addr) as kv:
@@ -57,7 +58,7 @@ def test_mismatched_encoding_is_invalid_argument_on_the_wire(tmp_path: Path) -> 
             ]
             with pytest.raises(grpc.RpcError) as info:
                 stub.Put(iter(msgs), timeout=30)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # as for any other layout mismatch
             assert "open.layout.encoding" in info.value.details() and "fp8-e4m3" in info.value.details()
             bad = layout_to_pb(LAYOUT)
             bad.encoding = 9  # an encoding this node does not know
@@ -81,7 +82,7 @@ def test_encoding_survives_restart_and_shows_in_kvctl(tmp_path: Path) -> None:
         n.start()
         with KVStoreClient(n.addr) as kv:
             assert [bytes(p) for p in kv.get("it/enc/fp8", hs)] == pages
-            with pytest.raises(InvalidArgument, match="encoding"):  # the recovered namespace is bound to fp8
+            with pytest.raises(LayoutMismatch, match="encoding"):  # the recovered namespace is bound to fp8
                 kv.put("it/enc/fp8", LAYOUT, [key(99)], [page(key(99))])
         out = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "stats", "--addr", n.addr, "--json"],
                              capture_output=True, text=True, timeout=60, check=True)  # fmt: skip

@@ -151,6 +151,7 @@ def test_concurrent_clients_threads_and_asyncio(node: NodeProcess, transport: st
 
     async def main() -> None:
         async with AsyncKVStoreClient(node.addr, transport=transport) as kv:
+
             async def one(w: int) -> None:
                 hs = [key(i, f"a{w}") for i in range(3)]
                 await kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
@@ -174,7 +175,9 @@ def test_batched_streams_bigger_than_dram(kv: KVStoreClient) -> None:
 
 def test_health_and_reflection(node: NodeProcess) -> None:
     with grpc.insecure_channel(node.addr) as ch:
-        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=10)
+        h = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="kvstore.v1.KVStore"), timeout=10
+        )
         assert h.status == health_pb2.HealthCheckResponse.SERVING
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         resp = next(iter(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
@@ -193,7 +196,9 @@ def test_kvctl_stats_json_and_table(node: NodeProcess, kv: KVStoreClient) -> Non
     assert data["tiers"]["hbm"]["available"] is False and data["tiers"]["hbm"]["capacity_bytes"] == 0
     assert data["tiers"]["dram"]["hits"] + data["tiers"]["nvme"]["hits"] == 10
     assert data["tiers"]["nvme"]["hit_rate"] is not None
-    assert {"evictions", "promotions", "demotions", "bytes_in", "bytes_out", "checksum_failures"} <= set(data["tiers"]["dram"])
+    assert {"evictions", "promotions", "demotions", "bytes_in", "bytes_out", "checksum_failures"} <= set(
+        data["tiers"]["dram"]
+    )
     table = subprocess.run([sys.executable, "-m", "kvstore.cli.kvctl", "stats", "--addr", node.addr],
                            capture_output=True, text=True, timeout=60, check=True, env={"COLUMNS": "120", "PATH": ""})  # fmt: skip
     assert "hit rate" in table.stdout and "NVME" in table.stdout

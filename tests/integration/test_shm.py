@@ -250,7 +250,9 @@ def test_every_unusable_descriptor_gets_one_answer_and_maps_nothing(shm_node: No
     }
     raw = Raw(path)
     try:
-        answers = {name: raw.error(Kind.REGISTER, shm.REGISTER.pack(i + 1), [fd]) for i, (name, fd) in enumerate(fds.items())}
+        answers = {
+            name: raw.error(Kind.REGISTER, shm.REGISTER.pack(i + 1), [fd]) for i, (name, fd) in enumerate(fds.items())
+        }
         assert len(set(answers.values())) == 1, answers
         assert next(iter(answers.values()))[0] == "INVALID_ARGUMENT"
         good = memfd(PAGE)
@@ -269,6 +271,49 @@ def test_every_unusable_descriptor_gets_one_answer_and_maps_nothing(shm_node: No
         h = key(0, "alive")
         kv.put(NS, LAYOUT, [h], [page(h)])
         assert bytes(kv.get(NS, [h])[0]) == page(h)  # and the node never took a terminal nor died
+
+
+def test_what_the_node_maps_is_bounded_and_given_back_with_the_connection(shm_node: NodeProcess) -> None:
+    """Issue 24 item 6: a read-only token once had ~128 TiB of sealed memfds mapped into the node, then ENOMEM
+    as INTERNAL. Now the node maps at most `shm_max_mapped_bytes` (1 TiB by default) of client memory in all: a
+    memfd that does not fit is refused as RESOURCE_EXHAUSTED before it is mapped, the connection goes on, a
+    client that finds no room falls back to the next plane, and a closed connection's mappings are given back."""
+    path = socket_of(shm_node)
+    huge = 128 << 30  # virtual: a memfd costs nothing until written
+    raw = Raw(path, READ)
+    fds: list[int] = []
+    try:
+        refused = None
+        for i in range(1, 20):  # 1 TiB / 128 GiB = 8 fit at most (fewer if other connections hold some)
+            fds.append(memfd(huge))
+            kind, body = raw.call(Kind.REGISTER, shm.REGISTER.pack(i), [fds[-1]])
+            if kind is Kind.ERROR:
+                refused = (i, shm.parse_error(body))
+                break
+        assert refused is not None and refused[0] <= 9, refused
+        code, message = refused[1]
+        assert code == "RESOURCE_EXHAUSTED" and "shm_max_mapped_bytes" in message
+        size, buf_id = huge // 2, 100
+        while size >= mmap.PAGESIZE:  # fill what room is left, to the page
+            fds.append(memfd(size))
+            buf_id += 1
+            if raw.call(Kind.REGISTER, shm.REGISTER.pack(buf_id), [fds[-1]])[0] is not Kind.OK:
+                size //= 2
+        # A client that finds no room for its memory carries on over the next plane (auto mode).
+        h = key(0, "no-room")
+        with KVStoreClient(shm_node.addr, transport="auto", security=ClientSecurity(token=WRITE)) as kv:
+            kv.put(NS, LAYOUT, [h], [page(h)])
+            assert bytes(kv.get(NS, [h])[0]) == page(h)
+            assert kv.plane != "shm"
+    finally:
+        raw.close()
+    again = Raw(path, READ)  # the first connection's mappings went with it
+    try:
+        assert again.call(Kind.REGISTER, shm.REGISTER.pack(1), [fds[0]])[0] is Kind.OK
+    finally:
+        again.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def test_bad_targets_and_slices_are_refused_and_change_nothing(shm_node: NodeProcess) -> None:

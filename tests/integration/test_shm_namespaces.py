@@ -23,7 +23,9 @@ from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 def _can_unshare() -> str | None:
     if shutil.which("unshare") is None:
         return "no unshare binary (util-linux)"
-    probe = subprocess.run(["unshare", "--pid", "--mount", "--fork", "true"], check=False, capture_output=True, timeout=30)
+    probe = subprocess.run(
+        ["unshare", "--pid", "--mount", "--fork", "true"], check=False, capture_output=True, timeout=30
+    )
     return None if probe.returncode == 0 else f"unshare is not permitted here: {probe.stderr.decode().strip()}"
 
 

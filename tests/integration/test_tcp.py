@@ -92,6 +92,7 @@ def test_a_page_corrupted_in_flight_is_refused(tcp_node: NodeProcess, monkeypatc
 def test_asyncio_client_and_concurrent_calls_share_a_pool(tcp_node: NodeProcess) -> None:
     async def main() -> None:
         async with AsyncKVStoreClient(tcp_node.addr, transport="tcp") as kv:
+
             async def one(w: int) -> None:
                 hs = [key(i, f"async{w}") for i in range(3)]
                 await kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
@@ -194,7 +195,9 @@ def test_tls_and_tokens_on_the_tcp_plane(secure_node: NodeProcess, pki: DevPki) 
     with pytest.raises(Unauthenticated, match="unknown token"):  # checked in the handshake, before any request
         drive(direct_plane(info, secure_node, ClientSecurity(token="x" * 40, ca_file=str(pki.ca))).get(NS, chain, True))
     with pytest.raises(Unavailable, match="certificate failed verification"):  # a CA that did not sign the node
-        drive(direct_plane(info, secure_node, ClientSecurity(token=WRITE, ca_file=str(pki.other_ca))).get(NS, chain, True))
+        drive(
+            direct_plane(info, secure_node, ClientSecurity(token=WRITE, ca_file=str(pki.other_ca))).get(NS, chain, True)
+        )
     with pytest.raises(PlaneUnavailable, match="no CA"):  # a plaintext client never sends pages in clear
         drive(direct_plane(info, secure_node, ClientSecurity(token=WRITE)).get(NS, chain, True))
 

@@ -18,8 +18,15 @@ def run(script: str, *args: str, timeout: float = 300) -> None:
 def test_peer_bench_quick_run(tmp_path: Path) -> None:
     run("peer_bench.py", "--quick", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "peer_bench.json").read_text())
-    labels = ["kvstore TCP plane", "kvstore TCP plane + TLS", "kvstore gRPC streams", "memcpy (same bytes, one core)",
-              "kvstore shm (same host)", "kvstore zero-copy (same host, put_from/get_into)", "kvstore UCX plane"]
+    labels = [
+        "kvstore TCP plane",
+        "kvstore TCP plane + TLS",
+        "kvstore gRPC streams",
+        "memcpy (same bytes, one core)",
+        "kvstore shm (same host)",
+        "kvstore zero-copy (same host, put_from/get_into)",
+        "kvstore UCX plane",
+    ]
     for label in labels:
         for metric in ("gbs", "gb_per_cpu_s"):  # wall time, and CPU time of the client and server processes
             assert set(doc["results"][metric][label]) == {"256/put", "256/get"}, (metric, label)
@@ -28,6 +35,8 @@ def test_peer_bench_quick_run(tmp_path: Path) -> None:
 
 
 def test_tcp_server_models_quick_run(tmp_path: Path) -> None:
-    run("tcp_server_models.py", "--page-mib", "1", "--calls", "1", "--runs", "1", "--batch", "4", "--out", str(tmp_path))
+    run(
+        "tcp_server_models.py", "--page-mib", "1", "--calls", "1", "--runs", "1", "--batch", "4", "--out", str(tmp_path)
+    )
     rows = json.loads((tmp_path / "tcp_server_models.json").read_text())["rows"]
     assert rows[0]["asyncio"] > 0 and rows[0]["thread"] > 0

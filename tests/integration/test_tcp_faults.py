@@ -231,7 +231,8 @@ def test_a_request_error_names_the_field(kv: KVStoreClient) -> None:
 
 
 def test_connections_over_the_limit_are_refused(tmp_path: Path) -> None:
-    n = start_node(tmp_path, name="conns", env={"KVSTORE_TCP_MAX_CONNECTIONS": "2"})
+    n = start_node(tmp_path, name="conns", env={"KVSTORE_TCP_MAX_CONNECTIONS": "2",
+                                                "KVSTORE_TCP_MAX_CONNECTIONS_PER_TENANT": "2"})  # fmt: skip
     try:
         with KVStoreClient(n.addr, transport="tcp") as c:
             port = plane_port(c)
@@ -239,7 +240,7 @@ def test_connections_over_the_limit_are_refused(tmp_path: Path) -> None:
             extra = Raw(port, token=None)
             extra.send(tcp.hello(""))
             status, msg = extra.error()
-            assert status == "UNAVAILABLE" and "at most 2" in msg
+            assert status == "UNAVAILABLE" and "full (2 connections)" in msg
             for r in held_open:
                 r.close()
             deadline = time.monotonic() + 10

@@ -22,7 +22,7 @@ from kvstore.errors import DataLoss, InvalidArgument, PermissionDenied, Unauthen
 from kvstore.pageformat import payload_checksum
 from kvstore.security import ClientSecurity
 from kvstore.wire.streams import layout_to_pb
-from kvstore.wire.ucx import Kind, TagKind, load_ucxx, parse_address, tag, ucxx_installed
+from kvstore.wire.ucx import Kind, Lane, load_ucxx, parse_address, ucxx_installed
 from kvstore.wire.ucx_progress import wait_blocking
 
 from .conftest import LAYOUT, NS, PAGE, key, page, start_node
@@ -57,7 +57,7 @@ class RawPeer:
     def __init__(self, node: NodeProcess, token: str | None = None) -> None:
         ucx = load_ucxx()
         self.ucx = ucx
-        self.ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.STREAM, ucx.Feature.WAKEUP))
+        self.ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
         self.conn = UcxConnection(ucx, self.ctx, parse_address(ucx_address(node)), token, time.monotonic() + 10)
 
     def put(self, pages: list[bytes], sent: list[bytes], checksums: list[int] | None = None) -> pb.PutResponse:
@@ -68,10 +68,11 @@ class RawPeer:
             req.pages.add(hash=key(i, "raw"), payload_bytes=len(p),
                           checksum=checksums[i] if checksums else payload_checksum(p))  # fmt: skip
         seq, reply, keep = c._request(Kind.PUT, req.SerializeToString())
+        base = c.tags.tag(Lane.PUT_PAGES, seq)
         for i, data in enumerate(sent):
             arr = c.Array(bytearray(data))
             keep.append(arr)
-            keep.append(c.ep.tag_send(arr, self.ucx.UCXXTag(tag(c.cid, TagKind.DATA_TO_NODE, seq, i))))
+            keep.append(c.ep.tag_send(arr, self.ucx.UCXXTag(base | i)))
         wait_blocking(c.worker, [reply], time.monotonic() + 10, None, "reply")
         return pb.PutResponse.FromString(bytes(c._reply_body(Kind.OK, seq)))
 
@@ -103,6 +104,7 @@ def test_concurrent_threads_and_asyncio_clients(ucx_node: NodeProcess) -> None:
 
     async def main() -> None:
         async with AsyncKVStoreClient(ucx_node.addr, transport="ucx") as kv:
+
             async def one(t: int) -> None:
                 hs = [key(i, f"a{t}") for i in range(3)]
                 await kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
@@ -125,8 +127,10 @@ def test_auth_unknown_token_and_read_token_on_put(tmp_path: Path) -> None:
         with KVStoreClient(n.addr, transport="ucx", security=ClientSecurity(token="write-token-0123456789")) as kv:
             kv.put(NS, LAYOUT, hs[:1], [page(hs[0])])
             before = [(t.pages, t.used_bytes) for t in kv.stats().tiers]
-        with (pytest.raises(Unauthenticated),
-              KVStoreClient(n.addr, transport="ucx", security=ClientSecurity(token="no-such-token-0123456")) as kv):
+        with (
+            pytest.raises(Unauthenticated),
+            KVStoreClient(n.addr, transport="ucx", security=ClientSecurity(token="no-such-token-0123456")) as kv,
+        ):
             kv.put(NS, LAYOUT, hs, [page(h) for h in hs])  # fmt: skip
         with KVStoreClient(n.addr, transport="ucx", security=ClientSecurity(token="read-token-0123456789")) as kv:
             with pytest.raises(PermissionDenied):
@@ -155,7 +159,7 @@ def test_truncated_page_wrong_checksum_and_wrong_size_store_nothing(ucx_node: No
 
 def test_silent_client_is_closed_and_others_unaffected(ucx_node: NodeProcess) -> None:
     ucx = load_ucxx()
-    ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.STREAM, ucx.Feature.WAKEUP))
+    ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
     worker = ucx.UCXWorker(ctx)
     worker.init_blocking_progress_mode()
     addr = parse_address(ucx_address(ucx_node))
@@ -171,9 +175,10 @@ def test_silent_client_is_closed_and_others_unaffected(ucx_node: NodeProcess) ->
 
 
 def _vanish_mid_put(address: str, q: mp.Queue) -> None:  # type: ignore[type-arg]
-    """Child process: announce a 2-page PUT, send the first page, start the second, then die."""
+    """Child process: announce a 2-page PUT, send the first page, then die before the second leaves.
+    (A second page merely started may still arrive whole: over shared memory the node pulls its bytes.)"""
     ucx = load_ucxx()
-    ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.STREAM, ucx.Feature.WAKEUP))
+    ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
     c = UcxConnection(ucx, ctx, parse_address(address), None, time.monotonic() + 10)
     pages = [page(key(i, "vanish")) for i in range(2)]
     req = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
@@ -181,10 +186,9 @@ def _vanish_mid_put(address: str, q: mp.Queue) -> None:  # type: ignore[type-arg
         req.pages.add(hash=key(i, "vanish"), payload_bytes=len(p), checksum=payload_checksum(p))
     seq, _, _keep = c._request(Kind.PUT, req.SerializeToString())
     arrs = [c.Array(bytearray(p)) for p in pages]
-    first = c.ep.tag_send(arrs[0], ucx.UCXXTag(tag(c.cid, TagKind.DATA_TO_NODE, seq, 0)))
+    base = c.tags.tag(Lane.PUT_PAGES, seq)
+    first = c.ep.tag_send(arrs[0], ucx.UCXXTag(base))
     wait_blocking(c.worker, [first], time.monotonic() + 10, None, "first page")
-    c.ep.tag_send(arrs[1], ucx.UCXXTag(tag(c.cid, TagKind.DATA_TO_NODE, seq, 1)))
-    c.worker.progress()
     q.put("sent")
     q.close()
     q.join_thread()  # the queue's feeder thread must flush before the hard exit
@@ -210,6 +214,46 @@ def test_client_vanishing_mid_put_stores_nothing(ucx_node: NodeProcess) -> None:
         assert kv.lookup(NS, [key(0, "vanish")]) == 0
         hs = [key(i, "after") for i in range(2)]
         assert kv.put(NS, LAYOUT, hs, [page(h) for h in hs]).stored == 2
+
+
+def _abandon_get(address: str, hashes: list[bytes], q: mp.Queue) -> None:  # type: ignore[type-arg]
+    """Child process (default settings): ask for pages, post no receive for them, then get killed."""
+    ucx = load_ucxx()
+    ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
+    c = UcxConnection(ucx, ctx, parse_address(address), None, time.monotonic() + 10)
+    req = pb.GetShmRequest(namespace=NS, hashes=hashes)
+    req.targets.extend(pb.ShmTarget(size=PAGE) for _ in hashes)
+    _keep = c._request(Kind.GET, req.SerializeToString())
+    c.worker.progress()
+    q.put("asked")
+    time.sleep(60)  # killed long before
+
+
+def test_a_client_killed_mid_get_leaves_no_page_pinned(ucx_node: NodeProcess) -> None:
+    """The node's sends of an abandoned GET are cancelled when the client's endpoints go, so the leases
+    they held are released: the pages can be deleted (a pinned page could not, and would hold its slot)."""
+    hs = [key(i, "abandoned") for i in range(16)]
+    with KVStoreClient(ucx_node.addr, transport="grpc") as kv:
+        kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_abandon_get, args=(ucx_address(ucx_node), hs, q))
+    proc.start()
+    try:
+        assert q.get(timeout=60) == "asked"
+        time.sleep(0.5)  # the node has posted its sends
+    finally:
+        proc.kill()
+        proc.join(10)
+    deadline = time.monotonic() + IO_TIMEOUT + 10
+    with KVStoreClient(ucx_node.addr, transport="grpc") as kv:
+        while time.monotonic() < deadline:
+            kv.delete(NS, hs)
+            if kv.lookup(NS, hs) == 0:
+                break
+            time.sleep(0.5)
+        assert kv.lookup(NS, hs) == 0, "pages of an abandoned GET stay pinned"
+    assert "did not finish after close" not in ucx_node.log_tail()
 
 
 def test_node_without_ucx_is_refused_or_skipped(tmp_path: Path) -> None:

@@ -85,7 +85,9 @@ def test_get_into_promotes_nvme_pages_when_asked(zc_node: NodeProcess) -> None:
         views = kv.shared_buffer(12 * PAGE).pages(PAGE, 12)
         fill(views, chain)
         kv.put_from(NS, LAYOUT, chain, views)
-        first_nvme = next(h for h, t in zip(chain, kv.lookup_detail(NS, chain).tiers, strict=True) if t is TierKind.NVME)
+        first_nvme = next(
+            h for h, t in zip(chain, kv.lookup_detail(NS, chain).tiers, strict=True) if t is TierKind.NVME
+        )
         blank(views[:1])
         refs = kv.get_into(NS, [first_nvme], views[:1])  # promote=True (default)
         assert refs[0].tier is TierKind.NVME and bytes(views[0]) == page(first_nvme)

@@ -60,7 +60,9 @@ class CPUPagedConnector(GPUConnectorInterface):
 def kv_cache(seed: int | None) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     shape = (2, BLOCKS, CHUNK, HEADS, HEAD_DIM)
-    return [torch.randn(shape, generator=gen).half() if gen else torch.zeros(shape, dtype=torch.half) for _ in range(LAYERS)]
+    return [
+        torch.randn(shape, generator=gen).half() if gen else torch.zeros(shape, dtype=torch.half) for _ in range(LAYERS)
+    ]
 
 
 def token_kv(cache: list[torch.Tensor], n: int) -> torch.Tensor:

@@ -28,14 +28,23 @@ def test_key_vectors() -> None:
 def test_namespace_vectors_carry_everything_that_makes_pages_incompatible() -> None:
     ns = v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA)
     assert ns == "lmcache/v1/meta-llama/Llama-3.1-8B-Instruct/ws2/w1/bfloat16/kv_2ltd/2x32xTx1024:bfloat16/c256"
-    assert v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA, tail=True) == ns + "/tail"
+    assert (
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA, tail=True)
+        == ns + "/tail"
+    )
     variants = {
         v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 4, 1, "bfloat16", LLAMA),  # TP size
         v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 0, "bfloat16", LLAMA),  # TP rank
         v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "half", LLAMA),  # KV dtype
         v1.namespace_for("tenant-b", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA),  # salt
-        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16",
-                      v1.chunked_geometry("KV_2LTD", [(2, 32, 128, 1024)], ["bfloat16"], [2], 128)),  # chunk size
+        v1.namespace_for(
+            "lmcache",
+            "meta-llama/Llama-3.1-8B-Instruct",
+            2,
+            1,
+            "bfloat16",
+            v1.chunked_geometry("KV_2LTD", [(2, 32, 128, 1024)], ["bfloat16"], [2], 128),
+        ),  # chunk size
     }
     assert len(variants) == 5 and ns not in variants
 
@@ -84,7 +93,7 @@ def test_tokens_of_accepts_only_this_geometry() -> None:
 def test_tail_pages_keep_the_true_length() -> None:
     data = memoryview(bytes(range(256)) * 3)
     page = v1.pack_tail(data, 3, 4096)
-    assert len(page) == 4096 and page[:768] == data and not any(page[768:-v1.TAIL_TRAILER.size])
+    assert len(page) == 4096 and page[:768] == data and not any(page[768 : -v1.TAIL_TRAILER.size])
     assert v1.tail_tokens(page, 16) == 3
     with pytest.raises(v1.MappingError, match="trailer"):
         v1.tail_tokens(bytes(4096), 16)  # a page without the trailer
@@ -98,7 +107,16 @@ def test_urls() -> None:
     assert v1.parse_url("kvstore://10.0.0.5:50051") == v1.Target(addr="10.0.0.5:50051")
     assert v1.parse_url("kvstore://[::1]:50051") == v1.Target(addr="[::1]:50051")
     assert v1.parse_url("kvstore+redis://10.0.0.9:6379/0") == v1.Target(redis_url="redis://10.0.0.9:6379/0")
-    for bad in ("kvstore://host", "lm://127.0.0.1:1", "kvstore://h:1/path", "kvstore+redis:///0", "10.0.0.5:50051"):
+    sentinel = "kvstore+redis+sentinel://10.0.0.9:26379,10.0.0.10:26379/kvstore/0"
+    assert v1.parse_url(sentinel) == v1.Target(redis_url=sentinel.removeprefix("kvstore+"))
+    for bad in (
+        "kvstore://host",
+        "lm://127.0.0.1:1",
+        "kvstore://h:1/path",
+        "kvstore+redis:///0",
+        "10.0.0.5:50051",
+        "kvstore+redis+sentinel:///kvstore/0",
+    ):
         with pytest.raises(v1.MappingError, match="url"):
             v1.parse_url(bad)
 
@@ -108,7 +126,9 @@ def test_settings_validation_names_the_key() -> None:
                         P + "transport": "GRPC", P + "module_path": "x", "unrelated": 1}, "kvstore", 10.0)  # fmt: skip
     assert (s.target.addr, s.timeout, s.prefetch, s.threads, s.transport) == ("h:1", 2.5, False, 2, "grpc")
     for plane in ("tcp", "ucx", "shm", "auto"):  # every plane a client speaks
-        assert v1.parse_settings({P + "url": "kvstore://h:1", P + "transport": plane}, "kvstore", 1.0).transport == plane
+        assert (
+            v1.parse_settings({P + "url": "kvstore://h:1", P + "transport": plane}, "kvstore", 1.0).transport == plane
+        )
     assert v1.parse_settings({P + "url": "kvstore://h:1"}, "kvstore", 7.0).timeout == 7.0  # LMCache's blocking timeout
     inst = "remote_storage_plugin.kvstore.a."
     assert v1.parse_settings({inst + "url": "kvstore://h:2"}, "kvstore.a", 1.0).target.addr == "h:2"

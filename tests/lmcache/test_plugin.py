@@ -56,7 +56,9 @@ def chunks(sm: Any, n: int, seed: int, tokens: int = CHUNK) -> tuple[list[Any], 
 def put_and_wait(sm: Any, keys: Sequence[Any], objs: Sequence[Any]) -> None:
     """LMCache's RemoteBackend put with a completion callback: returns once the connector is done."""
     done = threading.Semaphore(0)
-    sm.storage_backends[REMOTE].batched_submit_put_task(list(keys), list(objs), on_complete_callback=lambda _k: done.release())
+    sm.storage_backends[REMOTE].batched_submit_put_task(
+        list(keys), list(objs), on_complete_callback=lambda _k: done.release()
+    )
     for _ in keys:
         assert done.acquire(timeout=20), "the plugin never completed the put"
 
@@ -153,7 +155,9 @@ def test_node_restart_in_the_middle_keeps_pages_on_nvme(
     assert "answers again" in plugin_log.text(logging.INFO)
 
 
-def test_a_node_that_is_down_is_a_miss_and_one_log_line(storage_managers: Callable[..., Any], plugin_log: Records) -> None:
+def test_a_node_that_is_down_is_a_miss_and_one_log_line(
+    storage_managers: Callable[..., Any], plugin_log: Records
+) -> None:
     addr = f"127.0.0.1:{free_port()}"  # nobody listens
     sm = storage_managers(plugin_config(f"kvstore://{addr}"))
     assert REMOTE in sm.storage_backends  # LMCache runs, with the tier in place
@@ -274,7 +278,10 @@ def test_layerwise_chunks_round_trip(node: NodeProcess, storage_managers: Callab
     assert [o.get_shape()[0] for o in got] == tokens and {o.get_memory_format() for o in got} == {MemoryFormat.KV_T2D}
     release(got)
     layer_ns = f"lmcache/v1/{MODEL}/ws1/w0/half/kv_t2d/Tx2x{HEADS * HEAD_DIM}:half/c{CHUNK}"
-    assert {(ns, pages) for ns, _, pages in stats(node).namespaces} == {(layer_ns, LAYERS), (layer_ns + "/tail", LAYERS)}
+    assert {(ns, pages) for ns, _, pages in stats(node).namespaces} == {
+        (layer_ns, LAYERS),
+        (layer_ns + "/tail", LAYERS),
+    }
 
 
 @pytest.fixture
@@ -382,7 +389,7 @@ def test_kv_layer_groups_registered_after_start_change_the_geometry(
         assert [bytes(o.byte_array) for o in got] == data
         assert [list(o.get_shapes()) for o in got] == [meta.get_shapes(CHUNK)] * 2
         release(got)
-        (ns, layout, pages), = stats(node).namespaces
+        ((ns, layout, pages),) = stats(node).namespaces
         hidden = HEADS * HEAD_DIM
         assert ns.endswith(f"/kv_2ltd/2x1xTx{hidden}:half+2x1xTx{2 * hidden}:half/c{CHUNK}") and pages == 2
         assert layout.page_bytes == 2 * CHUNK * 3 * hidden * 2  # both groups' K and V, fp16

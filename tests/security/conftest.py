@@ -88,7 +88,9 @@ class FakeNode(grpc.GenericRpcHandler):
         self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
         self.server.add_generic_rpc_handlers((self,))
         bind = "127.0.0.1:0"
-        self.port = self.server.add_secure_port(bind, credentials) if credentials else self.server.add_insecure_port(bind)
+        self.port = (
+            self.server.add_secure_port(bind, credentials) if credentials else self.server.add_insecure_port(bind)
+        )
         self.server.start()
 
     @property
@@ -114,7 +116,9 @@ class FakeNode(grpc.GenericRpcHandler):
                 yield pb.StatsResponse(node_id="evil").SerializeToString()
                 return
             page = b"\x07" * 4096
-            yield pb.GetResponse(page=pb.GetPage(hash=b"\x01" * 32, payload_bytes=len(page), tier=2)).SerializeToString()
+            yield pb.GetResponse(
+                page=pb.GetPage(hash=b"\x01" * 32, payload_bytes=len(page), tier=2)
+            ).SerializeToString()
             yield pb.GetResponse(chunk=page).SerializeToString()
 
         return grpc.stream_stream_rpc_method_handler(answer, None, None)

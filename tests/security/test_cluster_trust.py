@@ -96,7 +96,9 @@ def test_over_tls_only_the_node_named_in_the_index_gets_the_token(tmp_path: Path
     # One impostor holds a certificate of the right CA but for another node; one a look-alike from another CA.
     impostors = {}
     for name, (crt, k) in (("evil", (n1_cert, n1_key)), ("evil2", (rogue_cert, rogue_key))):
-        impostors[name] = fake = FakeNode("wrong-hash", grpc.ssl_server_credentials([(k.read_bytes(), crt.read_bytes())]))
+        impostors[name] = fake = FakeNode(
+            "wrong-hash", grpc.ssl_server_credentials([(k.read_bytes(), crt.read_bytes())])
+        )
         cleanup.callback(fake.stop)
         register_fake(index.url, name, fake.addr, chain)
     with ClusterClient(index.url, timeout=10, security=ClientSecurity(token=READ, ca_file=str(pki.ca))) as cc:

@@ -41,8 +41,9 @@ def test_read_tokens_never_move_pages_so_reading_never_evicts(tmp_path: Path) ->
                         with pytest.raises(PermissionDenied, match="read-write token"):
                             move()
             after = ro.stats()
-        assert [(t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in after.tiers] == \
-            [(t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in before.tiers]
+        assert [(t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in after.tiers] == [
+            (t.pages, t.counters.promotions, t.counters.evictions, t.counters.dropped) for t in before.tiers
+        ]
         with KVStoreClient(node.addr, timeout=30, security=ClientSecurity(token=WRITE)) as rw:
             rw.get(NS, chains[0])  # a read-write reader still promotes (the cache's normal behaviour)
             assert sum(t.counters.promotions for t in rw.stats().tiers) > 0
@@ -68,3 +69,18 @@ def test_metrics_carry_no_namespace_key_token_or_credential(tmp_path: Path, clea
     assert "kvstore_tier_hits_total" in text  # it is the real endpoint
     for secret in (secret_ns, "tenant-acme", chain[0].hex(), chain[0].hex()[:16], WRITE, READ, password):
         assert secret not in text, secret
+
+
+def test_serve_help_lists_what_read_tokens_may_do() -> None:
+    """`kvstore serve --help` names exactly what a read-only token may call (issue 24 item 7: it listed
+    Prefetch, which the node refuses to read tokens)."""
+    import subprocess
+    import sys
+
+    from kvstore.security import WRITE_METHODS
+
+    out = subprocess.run([sys.executable, "-m", "kvstore.cli.main", "serve", "--help"], capture_output=True,
+                         text=True, timeout=60, check=True, env={"COLUMNS": "400", "PATH": "/usr/bin:/bin"}).stdout  # fmt: skip
+    line = next(x for x in out.splitlines() if "--auth-read-tokens-file" in x)
+    assert "Prefetch" not in line and all(m in line for m in ("Lookup", "Get", "Stats", "Report"))
+    assert "Prefetch" in WRITE_METHODS  # the node's rule the help text follows

@@ -46,7 +46,9 @@ def test_the_name_a_node_certificate_must_carry() -> None:
 def test_allow_plaintext_token_is_an_explicit_environment_opt_in() -> None:
     assert not ClientSecurity.from_env({"KVSTORE_TOKEN": TOKEN}).allow_plaintext_token
     for on in ("1", "true", "YES"):
-        assert ClientSecurity.from_env({"KVSTORE_TOKEN": TOKEN, "KVSTORE_ALLOW_PLAINTEXT_TOKEN": on}).allow_plaintext_token
+        assert ClientSecurity.from_env(
+            {"KVSTORE_TOKEN": TOKEN, "KVSTORE_ALLOW_PLAINTEXT_TOKEN": on}
+        ).allow_plaintext_token
 
 
 def test_acl_rules_confine_each_node_to_its_own_keys() -> None:

@@ -51,7 +51,9 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if not base.startswith("kvstore"):
                 continue
             for a in node.names:
@@ -63,7 +65,9 @@ def imports_of(name: str, path: Path, modules: set[str]) -> set[str]:
 def graph() -> dict[str, set[str]]:
     mods = all_modules()
     names = set(mods)
-    return {n: {m for m in imports_of(n, p, names) if m in names or m.startswith("kvstore._proto")} for n, p in mods.items()}
+    return {
+        n: {m for m in imports_of(n, p, names) if m in names or m.startswith("kvstore._proto")} for n, p in mods.items()
+    }
 
 
 def layer_of(mod: str) -> tuple[int, str]:

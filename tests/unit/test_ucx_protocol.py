@@ -1,4 +1,5 @@
-"""The UCX plane's pure parts: tags, control frames, HELLO, advertised addresses, the device-send rule."""
+"""The UCX plane's pure parts: session tags, control frames, HELLO, advertised addresses, UCX defaults, the
+device-send rule."""
 
 from __future__ import annotations
 
@@ -8,28 +9,59 @@ from kvstore.manager.reads import DeviceBytes, ReadLease
 from kvstore.names import TierKind
 from kvstore.node.planes.ucx_device import send_from_device
 from kvstore.wire.ucx import (
-    HELLO_CID,
-    HELLO_TAG,
+    CHALLENGE_TAG,
+    CONTEXT_DEFAULTS,
+    HELLO_REPLY_TAG,
+    NONCE,
+    SECRET_TAG_BIT,
     Hello,
+    HelloOk,
     Kind,
+    Lane,
     ProtocolError,
-    TagKind,
+    SessionTags,
     UcxAddress,
+    context_options,
+    expect,
     format_address,
     frame,
+    new_nonce,
     parse_address,
-    tag,
+    parse_nonce,
+    range_base,
     unframe,
 )
 
 
-def test_tags_separate_connections_kinds_requests_and_pages() -> None:
-    seen = {tag(c, k, s, i) for c in (1, 2) for k in TagKind for s in (0, 1, 256) for i in (0, 1, 0xFFFF)}
-    assert len(seen) == 2 * len(TagKind) * 2 * 3  # seq is mod 256: 0 and 256 share a tag, nothing else does
-    assert tag(7, TagKind.DATA_TO_NODE, 3, 5) >> 32 == 7
-    assert HELLO_TAG >> 32 == HELLO_CID
+def test_session_tags_are_secret_per_lane_and_request_and_never_fixed_ones() -> None:
+    a, b = SessionTags(b"a" * 32), SessionTags(b"b" * 32)
+    tags = {(s.secret, lane, seq): s.tag(lane, seq) for s in (a, b) for lane in Lane for seq in range(1, 200)}
+    assert len(set(tags.values())) == len(tags)  # no two sessions, lanes or requests share a tag
+    assert all(t & SECRET_TAG_BIT for t in tags.values())
+    assert not {CHALLENGE_TAG, HELLO_REPLY_TAG} & set(tags.values())
+    assert SessionTags(b"a" * 32).tag(Lane.CONTROL, 7) == a.tag(Lane.CONTROL, 7)  # both sides derive the same
+    base = a.tag(Lane.PUT_PAGES, 3)
+    assert base & 0xFFFF == 0 and range_base(SessionTags.page(base, 0xFFFF)) == base
     with pytest.raises(ValueError, match="does not fit"):
-        tag(1, TagKind.DATA_TO_NODE, 0, 0x10000)
+        SessionTags.page(base, 0x10000)
+    with pytest.raises(ValueError, match="32"):
+        SessionTags(b"short")
+    assert SessionTags.new().secret != SessionTags.new().secret
+
+
+def test_nonces_and_secrets_parse_strictly() -> None:
+    n = new_nonce()
+    assert n & SECRET_TAG_BIT and parse_nonce(memoryview(NONCE.pack(n))) == n
+    with pytest.raises(ProtocolError, match="secret-tag bit"):
+        parse_nonce(memoryview(NONCE.pack(5)))
+    with pytest.raises(ProtocolError, match="expected 8"):
+        parse_nonce(memoryview(b"1234"))
+    ok = HelloOk(b"s" * 32, 4 << 20)
+    assert HelloOk.parse(memoryview(ok.pack())) == ok
+    with pytest.raises(ProtocolError, match="expected 40"):
+        HelloOk.parse(memoryview(ok.pack()[1:]))
+    with pytest.raises(ProtocolError, match="no page size"):
+        HelloOk.parse(memoryview(HelloOk(b"s" * 32, 0).pack()))
 
 
 def test_frames_round_trip_in_a_bigger_buffer_and_reject_garbage() -> None:
@@ -38,10 +70,17 @@ def test_frames_round_trip_in_a_bigger_buffer_and_reject_garbage() -> None:
     buf[: len(msg)] = msg
     kind, flags, seq, body = unframe(buf)
     assert (kind, flags, seq, bytes(body)) == (Kind.PUT, 0, 42, b"body")
+    assert bytes(expect(buf, Kind.PUT, 42)) == b"body"
+    with pytest.raises(ProtocolError, match="expected GET"):
+        expect(buf, Kind.GET, 42)
+    with pytest.raises(ProtocolError, match="request 42, expected 41"):
+        expect(buf, Kind.PUT, 41)
     with pytest.raises(ProtocolError, match="shorter"):
         unframe(msg[:5])
     with pytest.raises(ProtocolError, match="magic"):
         unframe(b"XXXX" + msg[4:])
+    with pytest.raises(ProtocolError, match="version 1"):
+        unframe(msg[:4] + bytes([1]) + msg[5:])  # the protocol before session tags is refused, not misread
     with pytest.raises(ProtocolError, match="runs past"):
         unframe(msg[:-1])
     with pytest.raises(ProtocolError, match="kind"):
@@ -49,13 +88,13 @@ def test_frames_round_trip_in_a_bigger_buffer_and_reject_garbage() -> None:
 
 
 def test_hello_round_trip_and_bad_lengths() -> None:
-    h = Hello(5, "token-0123456789abcdef", b"\x01\x02addr", True)
+    h = Hello("token-0123456789abcdef", b"\x01\x02addr", True)
     assert Hello.parse(memoryview(h.pack())) == h
-    assert Hello.parse(memoryview(Hello(6, None, b"", False).pack())) == Hello(6, None, b"", False)
+    assert Hello.parse(memoryview(Hello(None, b"", False).pack())) == Hello(None, b"", False)
     with pytest.raises(ProtocolError, match="lengths"):
         Hello.parse(memoryview(h.pack() + b"x"))
-    with pytest.raises(ProtocolError, match="reserved"):
-        Hello.parse(memoryview(Hello(HELLO_CID, None, b"", True).pack()))
+    with pytest.raises(ProtocolError, match="shorter"):
+        Hello.parse(memoryview(b"\x01"))
 
 
 def test_address_round_trip_and_errors() -> None:
@@ -67,6 +106,12 @@ def test_address_round_trip_and_errors() -> None:
             parse_address(bad)
 
 
+def test_ucx_defaults_yield_to_the_environment() -> None:
+    assert context_options({}) == CONTEXT_DEFAULTS
+    assert "TCP_TX_SEG_SIZE" not in context_options({"UCX_TCP_TX_SEG_SIZE": "8K"})
+    assert context_options({"UCX_TCP_TX_SEG_SIZE": "8K"})["TCP_RX_SEG_SIZE"] == CONTEXT_DEFAULTS["TCP_RX_SEG_SIZE"]
+
+
 def test_only_pages_held_in_device_memory_go_from_it() -> None:
     """The lease says where its bytes are (its medium supplied it); UCX sends from there only if it can."""
     on_device = ReadLease(b"h" * 32, TierKind.HBM, 1, memoryview(b""), device=DeviceBytes(0x7000, 4096))
@@ -74,3 +119,15 @@ def test_only_pages_held_in_device_memory_go_from_it() -> None:
     assert send_from_device(True, on_device)
     assert not send_from_device(False, on_device)  # no CUDA-capable UCX
     assert not send_from_device(True, in_host)
+
+
+def test_a_detached_lease_is_released_once_by_its_new_owner() -> None:
+    released: list[int] = []
+    lease = ReadLease(b"h" * 32, TierKind.DRAM, 1, memoryview(b""), _release=lambda: released.append(1))
+    release = lease.detach()
+    lease.release()  # what the Get does when it moves on: nothing now
+    assert released == []
+    release()
+    assert released == [1]
+    lease.detach()()  # detached twice: the second owner gets a no-op
+    assert released == [1]

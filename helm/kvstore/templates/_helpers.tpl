@@ -112,6 +112,19 @@ YAML arrives as a float64 and is taken as bytes.
 {{- end -}}
 {{- end -}}
 {{/* "true" when the chart's Redis serves TLS: with tls.enabled unless redis.tls.enabled is false. */}}
+{{- /* Redis Sentinel (redis.sentinel.enabled, the chart's own Redis): pods' DNS names live under the
+headless Service; clients reach the sentinels through the Redis Service's sentinel port. */ -}}
+{{- define "kvstore.redisSentinel" -}}
+{{- if and .Values.redis.enabled .Values.redis.sentinel.enabled -}}true{{- end -}}
+{{- end -}}
+{{- define "kvstore.redisHeadless" -}}{{ include "kvstore.redisService" . }}-headless{{- end -}}
+{{- define "kvstore.redisPodDomain" -}}{{ include "kvstore.redisHeadless" . }}.{{ .Release.Namespace }}.svc{{- end -}}
+{{- /* The sentinels' read-only user: kvstore/index/acl.py SENTINEL_CLIENT_USER / SENTINEL_CLIENT_RULES. */ -}}
+{{- define "kvstore.sentinelClientUser" -}}kvsentinel{{- end -}}
+{{- define "kvstore.sentinelClientRules" -}}
+resetchannels -@all +ping +hello +auth +client|setname +client|id +sentinel|masters +sentinel|master +sentinel|get-master-addr-by-name +sentinel|slaves +sentinel|replicas +sentinel|sentinels
+{{- end -}}
+
 {{- define "kvstore.redisTls" -}}
 {{- if and .Values.redis.enabled .Values.tls.enabled .Values.redis.tls.enabled -}}true{{- end -}}
 {{- end -}}
@@ -180,7 +193,23 @@ router, kvctl: the read-only user); `kvstore.redisNodeEnv` for cache nodes (the 
 
 {{- define "kvstore.redisUrlEnv" -}}
 {{- $v := .ctx.Values -}}
-{{- if $v.redis.enabled }}
+{{- if and $v.redis.enabled (include "kvstore.redisSentinel" .ctx) }}
+{{- /* Through the sentinels (kvstore/index/connect.py): the data user's password, and the sentinels'
+read-only user's, both from the Secret; validate.yaml requires redis.auth.enabled here. */ -}}
+{{- $tls := eq (include "kvstore.redisTls" .ctx) "true" }}
+- name: REDIS_USER_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvstore.redisSecret" .ctx }}
+      key: {{ .key }}
+- name: REDIS_SENTINEL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvstore.redisSecret" .ctx }}
+      key: {{ $v.redis.auth.sentinelClientPasswordKey }}
+- name: KVSTORE_REDIS_URL
+  value: "{{ ternary "rediss" "redis" $tls }}+sentinel://{{ .user }}:$(REDIS_USER_PASSWORD)@{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.sentinel.port }}/{{ $v.redis.sentinel.masterName }}/0?sentinel_username={{ include "kvstore.sentinelClientUser" .ctx }}&sentinel_password=$(REDIS_SENTINEL_PASSWORD){{ ternary "&ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls }}"
+{{- else if $v.redis.enabled }}
 {{- /* With TLS, the CA every client mounts with the cache plane's (kvstore.clientVolumes, node.yaml). */ -}}
 {{- $scheme := ternary "rediss" "redis" (eq (include "kvstore.redisTls" .ctx) "true") }}
 {{- $query := ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" (eq (include "kvstore.redisTls" .ctx) "true") }}
@@ -522,7 +551,11 @@ refuses that target where the URL would need a password (the chart's Redis with 
 {{- $v := .Values -}}
 {{- if $v.redis.enabled -}}
 {{- $tls := eq (include "kvstore.redisTls" .) "true" -}}
+{{- if include "kvstore.redisSentinel" . -}}
+{{- printf "%s+sentinel://%s:%d/%s/0%s" (ternary "rediss" "redis" $tls) (include "kvstore.redisService" .) (int $v.redis.sentinel.port) $v.redis.sentinel.masterName (ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls) -}}
+{{- else -}}
 {{- printf "%s://%s:%d/0%s" (ternary "rediss" "redis" $tls) (include "kvstore.redisService" .) (int $v.redis.port) (ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls) -}}
+{{- end -}}
 {{- else -}}
 {{- $v.redis.external.url -}}
 {{- end -}}

@@ -28,7 +28,15 @@ from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import buffer_span
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import Placed, SharedBuffer, SharedBuffers
-from kvstore.errors import InvalidArgument, KVStoreError, PlaneUnavailable, StreamError, Unavailable, from_status
+from kvstore.errors import (
+    InvalidArgument,
+    KVStoreError,
+    PlaneUnavailable,
+    ResourceExhausted,
+    StreamError,
+    Unavailable,
+    from_status,
+)
 from kvstore.names import Buffer, TierKind
 from kvstore.wire import PutOpen, shm
 from kvstore.wire.shm import Kind
@@ -94,8 +102,13 @@ class Connection:
         return payload
 
     def register(self, buf: SharedBuffer) -> None:
+        """Have the node map `buf`. A node out of mapping room (its shm_max_mapped_bytes, or address space)
+        makes the plane unavailable for this call: an auto-mode client carries on over the next plane."""
         if buf.id not in self.registered:
-            self.call(Kind.REGISTER, shm.REGISTER.pack(buf.id), fds=[buf.fd])
+            try:
+                self.call(Kind.REGISTER, shm.REGISTER.pack(buf.id), fds=[buf.fd])
+            except ResourceExhausted as exc:
+                raise PlaneUnavailable(f"shm: {exc}") from None
             self.registered.add(buf.id)
 
 

@@ -7,7 +7,8 @@ whole request (every page in flight back to back, no per-page round trip) and re
 are received with `recv_into` straight into their destination: a fresh buffer for `get`, the caller's
 buffer for `get_into`.
 
-Errors: a node that cannot be reached, or a TLS setup the two ends do not share, is PlaneUnavailable
+Errors: a node that cannot be reached, that refuses the connection (its plane is full: ERROR
+UNAVAILABLE or a close in answer to HELLO), or a TLS setup the two ends do not share, is PlaneUnavailable
 before anything was sent (auto mode then falls back to gRPC streams); an ERROR frame raises the
 node's exception class, as gRPC would; a connection lost mid-request is Unavailable (nothing of an
 unfinished PUT is stored: it is atomic); a received page that fails its checksum raises StreamError,
@@ -40,7 +41,6 @@ from kvstore.wire.tcp import Header, Kind
 
 T = TypeVar("T")
 
-SOCKET_BUFFER_BYTES = 4 << 20  # kernel buffers per connection: a few MiB-pages in flight
 KEEP_IDLE = 4  # idle connections a plane keeps open for the next calls
 CONNECT_TIMEOUT_S = 5.0  # a firewalled plane port (dropped SYNs) falls back to gRPC after this, not the call timeout
 REPLY_META_LIMIT = 1 << 20  # what a client accepts as one reply's metadata (ERROR messages are the largest)
@@ -58,8 +58,8 @@ class Connection:
             sock.settimeout(timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                if SOCKET_BUFFER_BYTES:  # 0: leave the kernel's autotuning alone
-                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+                if tcp.SOCKET_BUFFER_BYTES:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, tcp.SOCKET_BUFFER_BYTES)
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=server_name)
             else:
@@ -291,6 +291,8 @@ class TcpPlane(DataPlane):
             ) from None
         except (OSError, StreamError) as exc:  # StreamError: the handshake's reply made no sense
             raise PlaneUnavailable(f"cannot open the TCP plane at {self.host}:{self.port}: {exc}") from None
+        except Unavailable as exc:  # the node refused the connection (full, or stopping): nothing was sent
+            raise PlaneUnavailable(f"the TCP plane at {self.host}:{self.port} refused a connection: {exc}") from None
 
     def _call(self, fn: Callable[[Connection], T]) -> T:
         """Run one request on a pooled connection; retry once on a fresh one when a reused connection

@@ -5,12 +5,22 @@ client never share a worker: UCX workers are single-threaded here) and performs 
 one `Blocking` operation: on the caller's thread in `KVStoreClient`, in a worker thread in
 `AsyncKVStoreClient`. Every wait is bounded by the client's timeout.
 
+One request costs a few Python calls per page and one wait: a GET posts the reply's receive and every
+page's receive (into the caller's buffers for get_into; for get, into fresh buffers of the namespace's
+page size, learned from the node's first answer and its `next_page_bytes`), then sends the request; a PUT
+posts the request and every page's send at once. Tags are the session's (kvstore/wire/ucx.py).
+
 Environment (client side):
-- KVSTORE_UCX_CONNECT: "worker" (default; connect by the node's advertised worker address, so UCX may
-  use shared memory or RDMA lanes) or "listener" (through the node's UCX listener: a sockaddr connection).
-- KVSTORE_UCX_ERROR_HANDLING: "1" (default) endpoints report a vanished peer; "0" lets UCX pick
-  transports without peer-failure detection (on one host: shared memory). Only for trusted benchmarks:
-  a peer that dies mid-transfer then costs a full timeout instead of an immediate error.
+- KVSTORE_UCX_CONNECT: "worker" (default; after the HELLO on the node's listener, both sides open
+  endpoints to each other's worker address, so UCX may use shared memory or RDMA lanes) or "listener"
+  (everything on the listener endpoint: a sockaddr connection).
+- KVSTORE_UCX_ERROR_HANDLING: "1" (default) the worker-address endpoints carrying the data are opened in
+  UCX's peer-failure mode, so a transfer to a peer that died is cancelled when its endpoint closes (UCX
+  then picks TCP or RDMA lanes: its shared-memory transports have no peer-failure handler). "0" opens
+  them without it, so UCX may pick shared memory on one host (~1.5x the GB/s on loopback here); a
+  vanished peer is still noticed at once by the listener endpoint the HELLO came on, which both sides
+  keep open for that, but a GET the client abandons mid-way leaves the node's sends pending for good
+  and the pages they read pinned (UCX cannot cancel them). Only for trusted single-host setups.
 - KVSTORE_UCX_ALLOW_PLAINTEXT: "1" lets a client configured for TLS use the UCX plane, which is not
   encrypted (the bearer token and the pages cross it in clear). Without it such a client skips UCX.
 """
@@ -27,21 +37,26 @@ from typing import Any
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
-from kvstore.client.planes.buffers import page_sink
-from kvstore.errors import PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
+from kvstore.client.planes.pool import ReceivePool
+from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import PlaneInfo
 from kvstore.wire import PutOpen
 from kvstore.wire import ucx as proto
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
-from kvstore.wire.ucx import Hello, Kind, ProtocolError, TagKind, UcxAddress
+from kvstore.wire.ucx import Hello, HelloOk, Kind, Lane, ProtocolError, SessionTags, UcxAddress
 from kvstore.wire.ucx_progress import UcxClosed, UcxTimeout, wait_blocking
 
 CLOSE_WAIT_SECONDS = 2.0  # how long closing an endpoint waits for its cancelled transfers
+ERROR_GRACE_SECONDS = 1.0  # after an ERROR reply: how long the node's empty answers to our receives may take
 MAX_PAGE_BYTES = 1 << 30  # a page the node announces above this is a protocol error, not an allocation
+MAX_HINTS = 64  # namespaces whose page size a plane remembers
+FIRST_ROUND_BYTES = 16 << 20  # receives a get posts before it knows its namespace's page size
 
-Sink = Callable[[int, int], memoryview]  # (page index, length) -> where that page's bytes go
+STUCK: list[list[Any]] = []  # buffers of receives that never finished after close (see close_broken)
+
+Check = Callable[[int, pb.ShmSlice], None]  # (page index, what the reply says of it): raises if it is wrong
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -50,7 +65,8 @@ def _env_flag(name: str, default: bool) -> bool:
 
 
 class UcxConnection:
-    """One endpoint to a node with its own worker; used by one thread at a time (the pool sees to it).
+    """One authenticated session with a node, on its own worker; used by one thread at a time (the pool
+    sees to it).
 
     Invariant: `broken` is set once a transfer failed in a way that may leave messages in flight; a
     broken connection is closed, never reused.
@@ -62,41 +78,50 @@ class UcxConnection:
         self.ucx, self.Array = ucx, Array
         self.worker = ucx.UCXWorker(context)
         self.worker.init_blocking_progress_mode()
-        self.cid = int.from_bytes(os.urandom(4), "little") % 0xFFFFFFFF  # never the reserved 0xFFFFFFFF
         self.seq = 0
         self.broken = False
         self.ctrl = bytearray(proto.MAX_CONTROL_BYTES)
+        self.ctrl_arr = Array(self.ctrl)
         eh = _env_flag("KVSTORE_UCX_ERROR_HANDLING", True)
         by_address = os.environ.get("KVSTORE_UCX_CONNECT", "worker").lower() != "listener" and bool(addr.worker)
-        if by_address:
-            self.ep = ucx.UCXEndpoint.create_from_worker_address(
-                self.worker, ucx.UCXAddress.create_from_buffer(addr.worker), eh
-            )
-            hello = Hello(self.cid, token, bytes(self.worker.address.tobytes()), eh)
-        else:
-            self.ep = ucx.UCXEndpoint.create(self.worker, addr.host, addr.port, True)
-            hello = Hello(self.cid, token, b"", True)
         self.path = "worker-address" if by_address else "listener"
-        reply = self._post_reply(0)
-        msg = Array(bytearray(proto.frame(Kind.HELLO, 0, hello.pack())))
-        send = self.ep.tag_send(msg, ucx.UCXXTag(proto.HELLO_TAG)) if by_address else self.ep.stream_send(msg)
-        self._wait([send, reply], deadline, "UCX HELLO")
-        self._reply_body(Kind.HELLO_OK, 0)
+        hello_ep = ucx.UCXEndpoint.create(self.worker, addr.host, addr.port, True)
+        self.ep = self.watch = hello_ep  # `watch`: the listener endpoint, kept open to notice a vanished node
+        try:
+            challenge = bytearray(proto.FRAME.size + proto.NONCE.size)
+            keep = [Array(challenge)]
+            got = hello_ep.tag_recv(keep[0], ucx.UCXXTag(proto.CHALLENGE_TAG))
+            self._wait([got], deadline, "UCX CHALLENGE")
+            nonce = proto.parse_nonce(proto.expect(challenge, Kind.CHALLENGE, 0))
+            mine = bytes(self.worker.address.tobytes()) if by_address else b""
+            keep.append(
+                Array(bytearray(proto.frame(Kind.HELLO, 0, Hello(token, mine, eh if by_address else True).pack())))
+            )
+            reply = hello_ep.tag_recv(self.ctrl_arr, ucx.UCXXTag(proto.HELLO_REPLY_TAG))
+            send = hello_ep.tag_send(keep[1], ucx.UCXXTag(nonce))
+            self._wait([send, reply], deadline, "UCX HELLO")
+            ok = HelloOk.parse(self._reply_body(Kind.HELLO_OK, 0))
+            self.tags = SessionTags(ok.secret)
+            self.max_page_bytes = min(ok.max_page_bytes, MAX_PAGE_BYTES)
+            if by_address:
+                self.ep = ucx.UCXEndpoint.create_from_worker_address(
+                    self.worker, ucx.UCXAddress.create_from_buffer(addr.worker), eh
+                )
+        except BaseException:
+            _close(hello_ep)
+            raise
 
     def alive(self) -> bool:
-        return not self.broken and self.ep.alive
+        return not self.broken and self.ep.alive and self.watch.alive
 
     def _wait(self, reqs: Sequence[Any], deadline: float, what: str) -> None:
-        wait_blocking(self.worker, reqs, deadline, lambda: self.ep.alive, what)
-
-    def _post_reply(self, seq: int) -> Any:
-        t = self.ucx.UCXXTag(proto.tag(self.cid, TagKind.CTRL_TO_CLIENT, seq))
-        return self.ep.tag_recv(self.Array(self.ctrl), t)
+        ep, watch = self.ep, self.watch
+        wait_blocking(self.worker, reqs, deadline, lambda: ep.alive and watch.alive, what)
 
     def _reply_body(self, want: Kind, seq: int) -> memoryview:
         """The body of the reply just received; raises the node's error as its exception class."""
         kind, _, got_seq, body = proto.unframe(self.ctrl)
-        if got_seq != seq:
+        if got_seq != seq & 0xFFFFFFFF:
             raise ProtocolError(f"reply to request {got_seq}, expected {seq}")
         if kind is Kind.ERROR:
             raise from_status(*proto.parse_error(body))
@@ -105,21 +130,22 @@ class UcxConnection:
         return body
 
     def _request(self, kind: Kind, body: bytes) -> tuple[int, Any, list[Any]]:
-        """Post the reply receive, then send the request; returns (seq, reply request, [keep-alives])."""
-        self.seq = (self.seq + 1) & 0xFFFFFFFF
-        seq = self.seq
-        reply = self._post_reply(seq)
+        """Post the reply's receive, then send the request; (seq, reply receive, [keep-alives])."""
+        self.seq += 1
+        seq, tags = self.seq, self.tags
+        reply = self.ep.tag_recv(self.ctrl_arr, self.ucx.UCXXTag(tags.tag(Lane.REPLY, seq)))
         msg = self.Array(bytearray(proto.frame(kind, seq, body)))
-        send = self.ep.tag_send(msg, self.ucx.UCXXTag(proto.tag(self.cid, TagKind.CTRL_TO_NODE, seq)))
+        send = self.ep.tag_send(msg, self.ucx.UCXXTag(tags.tag(Lane.CONTROL, seq)))
         return seq, reply, [msg, send]
 
     def put(self, req: pb.PutShmRequest, pages: Sequence[Buffer], deadline: float) -> pb.PutResponse:
         seq, reply, keep = self._request(Kind.PUT, req.SerializeToString())
+        base = self.tags.tag(Lane.PUT_PAGES, seq)
         sends = []
         for i, page in enumerate(pages):
             arr = self.Array(memoryview(page).cast("B"))
             keep.append(arr)
-            sends.append(self.ep.tag_send(arr, self.ucx.UCXXTag(proto.tag(self.cid, TagKind.DATA_TO_NODE, seq, i))))
+            sends.append(self.ep.tag_send(arr, self.ucx.UCXXTag(base | i)))
         try:
             self._wait([reply], deadline, "UCX PUT")
             body = self._reply_body(Kind.OK, seq)
@@ -127,55 +153,74 @@ class UcxConnection:
             return pb.PutResponse.FromString(bytes(body))
         finally:
             if not all(s.completed for s in sends):  # an error reply before the node took every page
-                self.close_broken(sends)
+                self.close_broken(sends, keep)
 
-    def get(self, req: pb.GetShmRequest, sink: Sink, deadline: float) -> tuple[pb.GetShmResponse, list[int]]:
-        """Receive pages into `sink(i, length)` until the node's reply; returns the reply and the lengths."""
+    def get(
+        self, req: pb.GetShmRequest, sink: Callable[[int], memoryview], check: Check, deadline: float
+    ) -> tuple[pb.GetShmResponse, int]:
+        """One GET: page i lands in sink(i) (a buffer of the capacity `req` announced); returns the reply
+        and the size of the first page that did not fit its receive (0: none).
+        The request leaves first, then each page's receive is posted as its buffer is made: a page that
+        arrives before its receive waits in UCX as a rendezvous request (a few bytes), so making the
+        buffers overlaps the node's work. The node answers every receive (page or empty) and replies
+        (the reply, small, usually overtakes the pages' bytes); `check(i, slice)` runs on each page the
+        reply lists as soon as its bytes are in, while they are still in cache. Its first error is
+        raised once every receive finished."""
         seq, reply, keep = self._request(Kind.GET, req.SerializeToString())
-        lengths: list[int] = []
-        recv = None
+        base = self.tags.tag(Lane.GET_PAGES, seq)
+        recvs = []
         try:
-            while True:
-                if recv is not None and recv.completed:
-                    recv.check_error()
-                    recv = None
-                if recv is None:
-                    want = self.ucx.UCXXTag(proto.tag(self.cid, TagKind.DATA_TO_CLIENT, seq, len(lengths)))
-                    probe = self.worker.tag_probe(want, remove=True)
-                    if probe.matched:
-                        n = probe.length
-                        if n > MAX_PAGE_BYTES:
-                            raise ProtocolError(f"page {len(lengths)} announced as {n} bytes")
-                        arr = self.Array(sink(len(lengths), n))
-                        keep.append(arr)
-                        recv = self.worker.tag_recv_with_handle(arr, probe)
-                        lengths.append(n)
-                        continue
-                if reply.completed and recv is None:
-                    break
-                if not self.ep.alive:
-                    raise UcxClosed("UCX GET: the endpoint closed")
-                if time.monotonic() > deadline:
-                    raise UcxTimeout("UCX GET: no reply within the deadline")
-                self.worker.progress_worker_event(50)
-            reply.check_error()
-        except BaseException:
-            self.close_broken([r for r in (recv, reply) if r is not None])
-            raise
-        body = self._reply_body(Kind.OK, seq)  # an error reply leaves the connection clean: raised as is
-        return pb.GetShmResponse.FromString(bytes(body)), lengths
+            for i in range(len(req.hashes)):
+                arr = self.Array(sink(i))
+                keep.append(arr)
+                recvs.append(self.ep.tag_recv(arr, self.ucx.UCXXTag(base | i)))
+            self._wait([reply, keep[1]], deadline, "UCX GET")
+            try:
+                body = self._reply_body(Kind.OK, seq)
+            except KVStoreError:  # the node answers our receives before an error too: let them finish
+                with contextlib.suppress(UcxTimeout, UcxClosed):
+                    self._wait(recvs, min(deadline, time.monotonic() + ERROR_GRACE_SECONDS), "UCX GET")
+                raise
+            bigger, listed = proto.parse_get_reply(body)
+            out = pb.GetShmResponse.FromString(bytes(listed))  # parsed before the next request reuses ctrl
+            if len(out.pages) > len(recvs):
+                raise ProtocolError(f"the reply lists {len(out.pages)} pages for {len(recvs)} hashes")
+            failure: KVStoreError | None = None
+            for i, recv in enumerate(recvs):
+                self._wait([recv], deadline, "UCX GET pages")
+                if failure is None and i < len(out.pages):
+                    try:
+                        check(i, out.pages[i])
+                    except KVStoreError as exc:
+                        failure = exc
+            if failure is not None:
+                raise failure
+            return out, bigger
+        finally:
+            if len(recvs) < len(req.hashes) or not all(r.completed for r in recvs):
+                self.close_broken(recvs, keep)
 
-    def close_broken(self, reqs: Sequence[Any]) -> None:
+    def close_broken(self, reqs: Sequence[Any], buffers: Sequence[Any] = ()) -> None:
         """Close after a failed transfer and wait (bounded) for its requests, so no buffer they use is
-        touched by UCX after we return it to the caller."""
+        touched by UCX after we return it to the caller (closing the endpoint cancels its receives). The
+        `buffers` of a request that still did not finish stay referenced for good (`STUCK`): a late write
+        must never land in a pool block another get was handed."""
         self.broken = True
         self.close()
         with contextlib.suppress(Exception):  # cancelled requests report their cancellation here
             wait_blocking(self.worker, reqs, time.monotonic() + CLOSE_WAIT_SECONDS, None, "closing")
+        if not all(r.completed for r in reqs):
+            STUCK.append(list(buffers))
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # closing an endpoint whose peer is gone may fail
-            self.ep.close_blocking(period=10**8, max_attempts=1)
+        _close(self.ep)
+        if self.watch is not self.ep:
+            _close(self.watch)
+
+
+def _close(ep: Any) -> None:
+    with contextlib.suppress(Exception):  # closing an endpoint whose peer is gone may fail
+        ep.close_blocking(period=10**8, max_attempts=1)
 
 
 class UcxPlane(DataPlane):
@@ -184,8 +229,16 @@ class UcxPlane(DataPlane):
     name = "ucx"
 
     def __init__(
-        self, pages_per_call: int, verify: bool, timeout: float, token: str | None, tls: bool, info: PlaneInfo | None
+        self,
+        pages_per_call: int,
+        verify: bool,
+        timeout: float,
+        token: str | None,
+        tls: bool,
+        info: PlaneInfo | None,
+        received: ReceivePool | None = None,
     ) -> None:
+        self.received = ReceivePool() if received is None else received  # where a plain get's pages land
         self.pages_per_call = min(pages_per_call, proto.MAX_PAGES_PER_CALL)
         self.verify = verify
         self.timeout = timeout
@@ -208,6 +261,7 @@ class UcxPlane(DataPlane):
         self._lock = threading.Lock()
         self._context: Any = None
         self._closed = False
+        self._hints: dict[str, int] = {}  # namespace -> page size a plain get receives into (learned)
 
     def _acquire(self, deadline: float) -> UcxConnection:
         if self._refuse is not None:
@@ -221,8 +275,8 @@ class UcxPlane(DataPlane):
             if self._context is None:
                 try:
                     ucx = proto.load_ucxx()
-                    features = (ucx.Feature.TAG, ucx.Feature.STREAM, ucx.Feature.WAKEUP)
-                    self._context = (ucx, ucx.UCXContext({}, feature_flags=features))
+                    options = proto.context_options(os.environ)
+                    self._context = (ucx, ucx.UCXContext(options, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP)))
                 except Exception as exc:
                     raise PlaneUnavailable(f"UCX plane: cannot start UCX here: {exc}") from exc
         ucx, context = self._context
@@ -262,46 +316,67 @@ class UcxPlane(DataPlane):
         return reply.stored, reply.already_present
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        bufs: list[bytearray] = []
+        """Pages received into fresh buffers of the namespace's page size. Until that is known (the first
+        get of a namespace), a first round asks for as many pages as FIRST_ROUND_BYTES of receives sized
+        for the node's largest page hold, and learns it; a reply saying the next page is bigger than the
+        size used (its `next_page_bytes`) grows it. Bounded: each round returns pages or grows the size."""
 
-        def sink(i: int, n: int) -> memoryview:
-            bufs.append(bytearray(n))
-            return memoryview(bufs[-1])
+        def fetch(conn: UcxConnection, deadline: float) -> list[FetchedPage]:
+            out: list[FetchedPage] = []
+            size = self._hints.get(namespace, 0)
+            for _ in range(len(hashes) + 2):
+                rest = hashes[len(out) :]
+                if not size:  # NOTE: never a round that cannot hold the page: its read may promote it
+                    rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
+                fresh = _Blocks(self.received, size or conn.max_page_bytes)
+                req = pb.GetShmRequest(namespace=namespace, hashes=rest, no_promote=not promote)
+                req.targets.extend(pb.ShmTarget(size=fresh.size) for _ in rest)
+                checked = _Checked(rest, fresh.views.__getitem__, self.verify)
+                try:
+                    _, bigger = conn.get(req, fresh, checked, deadline)
+                except PageCorrupt as exc:
+                    good = fresh.pages(exc.good)  # type: ignore[arg-type]
+                    raise PageCorrupt(len(out) + exc.index, exc.hash, out + good) from None
+                refs = checked.refs
+                out += fresh.pages(refs)
+                if refs and not size:
+                    size = max(r.nbytes for r in refs)
+                    self._remember(namespace, size)
+                if len(out) == len(hashes) or (len(refs) < len(rest) and not bigger):
+                    break  # all of them, or the stored prefix ended
+                if bigger:
+                    if not size < bigger <= conn.max_page_bytes:
+                        raise ProtocolError(f"the node announced a {bigger}-byte page ({size} expected)")
+                    size = bigger
+                    self._remember(namespace, size)
+            return out
 
-        try:
-            got = yield from self._get_batch(namespace, hashes, promote, sink)
-        except PageCorrupt as exc:
-            good = [FetchedPage(r.hash, r.tier, bufs[i]) for i, r in enumerate(exc.good)]  # type: ignore[attr-defined]
-            raise PageCorrupt(exc.index, exc.hash, good) from None
-        return [FetchedPage(ref.hash, ref.tier, bufs[i]) for i, ref in enumerate(got)]
+        return (yield Blocking(lambda: self._call(fetch)))
 
     def get_into_batch(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
     ) -> Exchange[list[PageRef]]:
-        """Pages received straight into the caller's buffers (no copy besides the network's)."""
-        return (yield from self._get_batch(namespace, hashes, promote, page_sink(buffers, first)))
-
-    def _get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool, sink: Sink) -> Exchange[list[PageRef]]:
+        """Pages received straight into the caller's buffers (no copy besides the network's); the node sends
+        a page only into a buffer that holds it, else stops there and the call is a ValueError naming it."""
+        dests = [memoryview(b).cast("B") for b in buffers]
         req = pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
-        views: list[memoryview] = []
+        req.targets.extend(pb.ShmTarget(size=len(d)) for d in dests)
 
-        def keep(i: int, n: int) -> memoryview:
-            views.append(sink(i, n))
-            return views[-1]
+        def fetch(conn: UcxConnection, deadline: float) -> tuple[list[PageRef], int]:
+            checked = _Checked(hashes, dests.__getitem__, self.verify)
+            _, bigger = conn.get(req, dests.__getitem__, checked, deadline)
+            return checked.refs, bigger
 
-        reply, lengths = yield Blocking(lambda: self._call(lambda c, d: c.get(req, keep, d)))
-        if len(reply.pages) != len(lengths) or len(reply.pages) > len(hashes):
-            raise StreamError(f"UCX GET: {len(lengths)} pages arrived, the reply lists {len(reply.pages)}")
-        out = []
-        for i, (want, p) in enumerate(zip(hashes, reply.pages, strict=False)):
-            if p.hash != want:
-                raise StreamError(f"page {i}: server sent an unexpected hash")
-            if p.payload_bytes != lengths[i]:
-                raise StreamError(f"page {i}: {lengths[i]} bytes arrived, {p.payload_bytes} announced (truncated)")
-            if self.verify and payload_checksum(views[i]) != p.checksum:
-                raise PageCorrupt(i, p.hash, out)
-            out.append(PageRef(p.hash, TierKind(p.tier), lengths[i]))
-        return out
+        refs, bigger = yield Blocking(lambda: self._call(fetch))
+        if bigger:
+            k = len(refs)
+            raise ValueError(f"buffers[{first + k}]: {len(dests[k])} bytes cannot hold a {bigger}-byte page")
+        return refs
+
+    def _remember(self, namespace: str, size: int) -> None:
+        if namespace not in self._hints and len(self._hints) >= MAX_HINTS:
+            self._hints.pop(next(iter(self._hints)))
+        self._hints[namespace] = size
 
     def close(self) -> None:
         with self._lock:
@@ -310,3 +385,46 @@ class UcxPlane(DataPlane):
             self._free.clear()
         while idle:
             idle.pop().close()
+
+
+class _Checked:
+    """Checks each page a GET reply lists, in order, as its bytes arrive: the hash asked for, a size its
+    receive held, and (with `verify`) its checksum; `refs` are the pages that passed. PageCorrupt at the
+    first that fails its checksum carries the ones before it."""
+
+    def __init__(self, hashes: Sequence[bytes], dest: Callable[[int], memoryview], verify: bool) -> None:
+        self.hashes = hashes
+        self.dest = dest
+        self.verify = verify
+        self.refs: list[PageRef] = []
+
+    def __call__(self, i: int, p: pb.ShmSlice) -> None:
+        if p.hash != self.hashes[i]:
+            raise StreamError(f"page {i}: server sent an unexpected hash")
+        dest = self.dest(i)
+        if p.payload_bytes > len(dest):
+            raise StreamError(f"page {i}: {p.payload_bytes} bytes announced, the receive held {len(dest)}")
+        if self.verify and payload_checksum(dest[: p.payload_bytes]) != p.checksum:
+            raise PageCorrupt(i, p.hash, list(self.refs))
+        self.refs.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
+
+
+class _Blocks:
+    """The receive buffers of one round of a plain get: blocks of the client's receive pool (pre-faulted,
+    reused; kvstore/client/planes/pool.py), taken one by one as the receives are posted, all `size` bytes;
+    `pages` hands them out cut to their pages' lengths (a namespace's pages share one size, so they rarely
+    are cut). A block no page is handed out in goes back to the pool once this round is dropped."""
+
+    def __init__(self, pool: ReceivePool, size: int) -> None:
+        self.pool = pool
+        self.size = size
+        self.views: list[memoryview] = []
+
+    def __call__(self, i: int) -> memoryview:
+        self.views.append(self.pool.take(self.size))
+        return self.views[-1]
+
+    def pages(self, refs: list[PageRef]) -> list[FetchedPage]:
+        return [
+            FetchedPage(ref.hash, ref.tier, view[: ref.nbytes]) for view, ref in zip(self.views, refs, strict=False)
+        ]

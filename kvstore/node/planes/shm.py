@@ -100,9 +100,10 @@ class MappedBuffer:
             self.map.close()
 
 
-def map_descriptor(fd: int) -> MappedBuffer:
-    """Map a descriptor a client passed; Unusable for anything but a memfd sealed as the module docstring says.
-    The descriptor is the caller's to close."""
+def map_descriptor(fd: int, room: int) -> MappedBuffer:
+    """Map a descriptor a client passed; Unusable for anything but a memfd sealed as the module docstring says,
+    ResourceExhausted (before anything is mapped) when it is larger than `room` bytes. The descriptor is the
+    caller's to close."""
     try:
         st = os.fstat(fd)
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
@@ -112,6 +113,8 @@ def map_descriptor(fd: int) -> MappedBuffer:
     write_seals = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
     if not stat.S_ISREG(st.st_mode) or seals & need != need or seals & write_seals or st.st_size <= 0:
         raise Unusable()
+    if st.st_size > room:
+        raise ResourceExhausted(f"register: {st.st_size} bytes more would pass the node's shm_max_mapped_bytes")
     try:
         return MappedBuffer(fd, st.st_size)
     except OSError as exc:  # ENOMEM and the like: the node is out of address space, not broken
@@ -336,11 +339,7 @@ class _Connection:
             raise InvalidArgument("register", f"buffer {buf_id} is registered already on this connection")
         if len(self.buffers) >= shm.MAX_BUFFERS:
             raise ResourceExhausted(f"register: a connection registers at most {shm.MAX_BUFFERS} buffers")
-        buf = map_descriptor(fds[0])
-        limit = self.cfg.shm_max_mapped_bytes
-        if self.server.mapped_bytes + buf.size > limit:
-            buf.drop()
-            raise ResourceExhausted(f"register: this node maps at most {limit} bytes of client memory in all")
+        buf = map_descriptor(fds[0], self.cfg.shm_max_mapped_bytes - self.server.mapped_bytes)
         self.server.mapped_bytes += buf.size
         self.buffers[buf_id] = buf
 

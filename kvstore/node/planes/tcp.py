@@ -6,10 +6,13 @@ atomicity, verification, tiers and stats are those of every plane. Credentials a
 tokens, roles and tenants (kvstore/node/callers.py): the HELLO's token is checked before anything else,
 and again on every request, so a token removed from its file stops working on open connections too.
 
-Invariants: a connection never blocks the loop (every wait is a socket readiness wait); a connection
-that stalls mid-handshake or mid-frame for `tcp_timeout_seconds` is closed and what its request
-staged is freed; at most `tcp_max_connections` connections are served at once; per-connection
-memory is bounded (node_io.py).
+Invariants: a connection never blocks the loop (every wait is a socket readiness wait); one that has
+not completed TLS and HELLO within `tcp_hello_timeout_seconds` is closed, one that stalls mid-frame
+(a partial header included) for `tcp_timeout_seconds` is closed and what its request staged is freed,
+and one idle between requests for `tcp_idle_seconds` is closed; who may hold a connection at all is
+counted by `ConnectionLimits` (tcp_limits.py: room for authenticated callers that handshakes cannot take,
+a share per tenant), and a refusal is an ERROR UNAVAILABLE before the client sent any request (its
+client falls back to gRPC); per-connection memory is bounded (tcp_io.py).
 """
 
 from __future__ import annotations
@@ -35,14 +38,14 @@ from kvstore.node.planes.tcp_io import (
     server_tls_context,
     tune,
 )
+from kvstore.node.planes.tcp_limits import ConnectionLimits, handshake_limit, tenant_limit
+from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
 from kvstore.wire import tcp
 from kvstore.wire.tcp import FrameError, Header, Kind
 
 log = logging.getLogger(__name__)
-
-SOCKET_BUFFER_BYTES = 4 << 20  # kernel send/receive buffers per connection: a few MiB-pages in flight
 
 
 class TcpPlaneServer(PlaneServer):
@@ -67,6 +70,12 @@ class TcpPlaneServer(PlaneServer):
             else None
         )
         self.meta_limit = tcp.get_meta_limit(cfg.max_pages_per_request)
+        cap = cfg.tcp_max_connections
+        self.limits = ConnectionLimits(
+            cap,
+            handshake_limit(cap, cfg.tcp_max_handshakes),
+            tenant_limit(cap, cfg.tcp_max_connections_per_tenant),
+        )
         self._listener = listen_socket(cfg.host, cfg.tcp_port)
         port = self._listener.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
@@ -109,12 +118,31 @@ class TcpPlaneServer(PlaneServer):
                 log.warning("TCP plane: accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if not self.limits.can_start_handshake():
+                # Full of connections that have not said HELLO: this one goes at once, told why where it
+                # can be (plain TCP), so the room kept for authenticated callers is never theirs.
+                _refuse_now(sock, "this node's TCP plane has too many connections in their handshake", self.tls)
+                continue
             sock.setblocking(False)
-            tune(sock, SOCKET_BUFFER_BYTES)
+            tune(sock, tcp.SOCKET_BUFFER_BYTES)
+            self.limits.start_handshake()
             conn = _Connection(self, sock)
             task = loop.create_task(conn.serve())
             self._conns[task] = conn
             task.add_done_callback(self._conns.pop)
+
+
+def _refuse_now(sock: socket.socket, why: str, tls: ssl.SSLContext | None) -> None:
+    """Close a just-accepted connection, with an ERROR UNAVAILABLE first on a plain plane (a TLS client
+    gets only the close: nothing is said outside TLS; either way its client falls back to gRPC)."""
+    try:
+        if tls is None:
+            sock.setblocking(False)
+            sock.send(tcp.error("UNAVAILABLE", f"{why}; retry later or use gRPC streams"))
+    except OSError:
+        pass
+    finally:
+        sock.close()
 
 
 class _Connection:
@@ -128,27 +156,34 @@ class _Connection:
         self.token = ""
         self.cert_names: list[str] = []  # of the client's certificate (mutual TLS), for tenant binding
         self.busy = False
+        self.tenant: str | None = None  # set once admitted (counted in the plane's limits until closed)
+        self._handshaking = True  # counted as a handshake until HELLO is answered or the connection ends
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         chan: Channel | None = None
+        limits = self.server.limits
         try:
-            async with asyncio.timeout(self.timeout):
-                if self.server.tls is not None:
-                    tls = TlsChannel(loop, self.sock, self.server.tls)
-                    chan = tls
-                    await tls.handshake()
-                    self.cert_names = tls.cert_names()
-                else:
-                    chan = PlainChannel(loop, self.sock)
-                if len(self.server._conns) > self.cfg.tcp_max_connections:
-                    raise Unavailable(
-                        f"this node serves at most {self.cfg.tcp_max_connections} TCP plane "
-                        "connections; retry later or use gRPC"
-                    )
-                await self._hello(chan)
+            try:
+                async with asyncio.timeout(min(self.cfg.tcp_hello_timeout_seconds, self.timeout)):
+                    if self.server.tls is not None:
+                        tls = TlsChannel(loop, self.sock, self.server.tls)
+                        chan = tls
+                        await tls.handshake()
+                        self.cert_names = tls.cert_names()
+                    else:
+                        chan = PlainChannel(loop, self.sock)
+                    await self._hello(chan)
+            finally:
+                self._end_handshake()
             while not self.server._closing:
-                head = await chan.read_header(meta_limit=self.server.meta_limit, body_limit=self.cfg.max_page_bytes)
+                # Idle between requests: bounded by tcp_idle_seconds; once a frame's first byte is here,
+                # the rest of its header is a stall bounded by tcp_timeout_seconds like any other read.
+                async with asyncio.timeout(self.cfg.tcp_idle_seconds):
+                    if not await chan.wait_frame():
+                        return
+                async with asyncio.timeout(self.timeout):
+                    head = await chan.read_header(meta_limit=self.server.meta_limit, body_limit=self.cfg.max_page_bytes)
                 if head is None:
                     return
                 self.busy = True
@@ -156,9 +191,7 @@ class _Connection:
                     await self._request(chan, head)
                 finally:
                     self.busy = False
-        except FrameError as exc:
-            await self._last_word(chan, exc)
-        except (Unauthenticated, Unavailable) as exc:
+        except (FrameError, KVStoreError) as exc:  # refused: HELLO (token, room) or framing
             await self._last_word(chan, exc)
         except (ConnectionError, TimeoutError, ssl.SSLError, OSError) as exc:
             log.debug("TCP plane connection ended: %s", exc)
@@ -168,10 +201,18 @@ class _Connection:
             log.exception("TCP plane connection failed unexpectedly")
             await self._last_word(chan, exc)
         finally:
+            if self.tenant is not None:
+                limits.release(self.tenant)
+                self.tenant = None
             if chan is not None:
                 chan.close()
             else:
                 self.sock.close()
+
+    def _end_handshake(self) -> None:
+        if self._handshaking:
+            self._handshaking = False
+            self.server.limits.end_handshake()
 
     async def _last_word(self, chan: Channel | None, exc: BaseException) -> None:
         """Best effort: tell the client why before closing (bounded; it may not be reading)."""
@@ -193,8 +234,18 @@ class _Connection:
             self.token = meta.decode()
         except UnicodeDecodeError:
             raise Unauthenticated("the token is not valid UTF-8") from None
-        auth = self.server.services.callers.auth
-        role = Role.WRITE if auth is None else auth.role_of(self._metadata())
+        callers = self.server.services.callers
+        who = None if callers.auth is None else callers.auth.identify(self._metadata())
+        bound = callers.bind(who, self.cert_names)
+        role = Role.WRITE if bound is None else bound.role
+        tenant = DEFAULT_TENANT if bound is None else bound.scope
+        limits = self.server.limits
+        self._end_handshake()
+        refusal = limits.refusal(tenant)
+        if refusal is not None:
+            raise Unavailable(refusal)
+        limits.admit(tenant)
+        self.tenant = tenant
         await chan.send(tcp.welcome(int(role), self.cfg.max_page_bytes, self.cfg.max_pages_per_request))
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:

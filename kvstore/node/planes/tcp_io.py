@@ -84,9 +84,14 @@ class Channel:
             await self.readinto(memoryview(out))
         return out
 
+    async def wait_frame(self) -> bool:
+        """Wait until the next frame's first byte is here (True) or the peer closed cleanly (False). An
+        idle wait: the caller bounds it with its idle timeout, then the frame itself with the stall one."""
+        return self._hi > self._lo or await self._fill(eof_ok=True)
+
     async def read_header(self, *, meta_limit: int, body_limit: int) -> Header | None:
         """The next frame's header, checked against the limits; None on a clean EOF between frames."""
-        if self._hi == self._lo and not await self._fill(eof_ok=True):
+        if not await self.wait_frame():
             return None
         raw = await self.read(HEADER_BYTES)
         return unpack_header(raw, meta_limit=meta_limit, body_limit=body_limit)

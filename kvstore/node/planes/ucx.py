@@ -1,14 +1,22 @@
 """The node's side of the UCX plane: a listener and a worker on the node's event loop, one task per client.
 
+Connecting (kvstore/wire/ucx.py says why): every connection opens through the listener. The node posts
+a receive under a fresh nonce, sends the nonce (CHALLENGE), and takes the HELLO only under it, within
+`io_timeout`; the token is checked first. A client that asked for worker-address lanes then gets an
+endpoint from the node to its worker address (only now, after its token was accepted, so an
+unauthenticated peer never makes the node connect anywhere). HELLO_OK carries the session secret all
+later tags derive from; the intake (ucx_intake.py) drains every message no receive expects.
+
 Each connection serves one request at a time (a client opens several connections for concurrency); both
 kinds run the node's put and get drivers (kvstore/node/drivers.py), as every plane does:
 - PUT: the token must be a read-write one; each page's tagged message is received straight into its
   staged slot (one copy: the network's), and the transaction verifies and publishes the pages together.
   A page already stored is received into a scratch buffer and dropped (a UCX send cannot be cancelled by
   its receiver).
-- GET: each page is sent straight from its lease (a DRAM slot, the verified bounce copy of an NVMe read,
-  or device memory where the lease says the page is there and UCX can send CUDA memory) and the lease is
-  held until the client has received it.
+- GET: every page's send is posted as its lease arrives, from the lease (a DRAM slot, the verified
+  bounce copy of an NVMe read, or device memory where the lease says the page is there and UCX can send
+  CUDA memory), without waiting for the one before; each lease is held until its send completed. Every
+  receive the client posted is answered (a page, or an empty message past the pages sent), then the reply.
 Nothing changes when a request fails: the transaction is aborted once the posted receive has finished
 (completed, cancelled, or failed with its endpoint), so no late byte can land in a slot given back.
 
@@ -22,37 +30,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
+from kvstore.errors import DataLoss, InvalidArgument, KVStoreError, Unavailable
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, TransferStuck, drive_put, open_get
 from kvstore.node.planes import ucx_device
 from kvstore.node.planes.base import NodeServices, PlaneServer
+from kvstore.node.planes.ucx_intake import Intake
 from kvstore.security import AUTH_HEADER
 from kvstore.stats import PlaneInfo
 from kvstore.wire.streams import put_open_from_pb
 from kvstore.wire.ucx import (
+    CHALLENGE_TAG,
     FRAME,
-    HELLO_TAG,
+    HELLO_REPLY_TAG,
     MAX_CONTROL_BYTES,
     MAX_HELLO_BYTES,
     MAX_PAGES_PER_CALL,
+    NONCE,
     Hello,
+    HelloOk,
     Kind,
+    Lane,
     ProtocolError,
-    TagKind,
+    SessionTags,
     UcxAddress,
+    context_options,
     error_body,
+    expect,
     format_address,
     frame,
-    frame_length,
     load_ucxx,
-    tag,
+    new_nonce,
+    pack_get_reply,
     unframe,
 )
 from kvstore.wire.ucx_progress import LoopProgress, UcxClosed, UcxTimeout
@@ -60,30 +76,54 @@ from kvstore.wire.ucx_progress import LoopProgress, UcxClosed, UcxTimeout
 log = logging.getLogger(__name__)
 
 SETTLE_SECONDS = 5.0  # after a failure: how long cancelled or closed transfers get to finish
-CTRL_MASK = 0xFFFFFFFF_FF000000  # match a connection's control messages whatever their sequence number
+MAX_PENDING_HELLOS = 256  # listener connections awaiting their HELLO at once; more are closed at once
+# NOTE: a peer that sends stream or active messages to a node (which installs no handler for them)
+# makes UCX log a warning with a backtrace per message: the node's UCX logs errors only, unless the
+# operator sets UCX_LOG_LEVEL.
+NODE_UCX_LOG_LEVEL = "error"
+
+Respond = Callable[[bytes], None]
 
 
 class Connection:
-    """One authenticated client endpoint. `closed` is set once, by the endpoint's close callback or by us."""
+    """One authenticated client. `ep` carries replies and GET pages and tracks the node's receives (closing
+    it cancels them); `hello_ep` is the listener endpoint the HELLO came on (the same one unless the
+    client asked for worker-address lanes). Both stay open while the client is served: the listener
+    endpoint is in peer-failure mode, so it reports a vanished client even where `ep` is not (shared
+    memory has no peer-failure handler). `closed` is set once, by either endpoint's close callback or by us.
+    `held`: early PUT pages the intake took for this connection (tag -> probe handle)."""
 
-    def __init__(self, server: UcxPlaneServer, ep: Any, hello: Hello) -> None:
-        self.server = server
+    def __init__(self, ep: Any, hello_ep: Any, hello: Hello) -> None:
         self.ep = ep
-        self.cid = hello.cid
+        self.hello_ep = hello_ep
+        self.tags = SessionTags.new()
         self.metadata = ((AUTH_HEADER, f"Bearer {hello.token}"),) if hello.token else None
         self.closed = asyncio.Event()
+        self.held: dict[int, Any] = {}
         self.scratch = bytearray(0)  # where already-stored pages of a PUT are received and dropped
         self.stuck: list[Any] = []  # buffers a receive that never finished may still write: never reused
+        self.name = f"{id(self):#x}"
         ep.set_close_callback(self.closed.set)
+        if hello_ep is not ep:
+            hello_ep.set_close_callback(self.closed.set)
 
     def alive(self) -> bool:
-        return not self.closed.is_set() and self.ep.alive
+        return not self.closed.is_set() and self.ep.alive and self.hello_ep.alive
+
+    def overflow(self) -> None:
+        """The intake held too many early messages for us: close (outside the intake's drain)."""
+        self.closed.set()
+        asyncio.get_running_loop().call_soon(self.close)
 
     def close(self) -> None:
-        if not self.closed.is_set():
-            self.closed.set()
-            with contextlib.suppress(Exception):
-                self.ep.close_blocking(period=10**8, max_attempts=1)  # bounded: 100 ms
+        self.closed.set()
+        for ep in {id(self.ep): self.ep, id(self.hello_ep): self.hello_ep}.values():
+            _close(ep)
+
+
+def _close(ep: Any) -> None:
+    with contextlib.suppress(Exception):  # closing an endpoint whose peer is gone may fail
+        ep.close_blocking(period=10**8, max_attempts=1)  # bounded: 100 ms
 
 
 class UcxPlaneServer(PlaneServer):
@@ -95,23 +135,31 @@ class UcxPlaneServer(PlaneServer):
     def __init__(self, port: int, io_timeout: float) -> None:
         self.port = port
         self.io_timeout = io_timeout
-        self.conns: dict[int, Connection] = {}
+        self.conns: set[Connection] = set()
+        self.pending_hellos = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._progress: LoopProgress | None = None
         self._listener: Any = None
         self._svc: NodeServices | None = None
+        self.intake: Intake | None = None
 
     async def start(self, services: NodeServices) -> PlaneInfo:
+        os.environ.setdefault("UCX_LOG_LEVEL", NODE_UCX_LOG_LEVEL)  # read when UCX loads (below)
         self.ucx = ucx = load_ucxx()
+        from ucxx._lib.arr import Array
+
+        self.Array = Array
         self._svc = services
         loop = asyncio.get_running_loop()
-        features = (ucx.Feature.TAG, ucx.Feature.STREAM, ucx.Feature.WAKEUP)
-        self.context = ucx.UCXContext({}, feature_flags=features)
+        # Tagged messages only: a feature without a receive here (stream, AM) would be a buffer peers fill.
+        features = (ucx.Feature.TAG, ucx.Feature.WAKEUP)
+        self.context = ucx.UCXContext(context_options(os.environ), feature_flags=features)
         self.worker = ucx.UCXWorker(self.context)
-        self._progress = LoopProgress(self.worker, loop)
+        self.intake = Intake(ucx, self.worker, Array, max_held=services.config.max_pages_per_request + 1)
+        self._progress = LoopProgress(self.worker, loop, self.intake.drain)
         self._listener = ucx.UCXListener.create(worker=self.worker, port=self.port, cb_func=self._on_conn_request)
         self.cuda = bool(self.context.cuda_support)  # UCX here can send device memory (HBM pages)
-        self._spawn(self._accept_worker_hellos())
+        self._empty = Array(bytearray(0))
         addr = UcxAddress(services.advertise_host, self._listener.port, bytes(self.worker.address.tobytes()))
         log.info(
             "UCX plane listening on port %d (UCX %s; CUDA memory can be sent: %s)",
@@ -122,7 +170,7 @@ class UcxPlaneServer(PlaneServer):
         return PlaneInfo(self.name, format_address(addr))
 
     async def stop(self) -> None:
-        for conn in list(self.conns.values()):
+        for conn in list(self.conns):
             conn.close()
         for task in list(self._tasks):
             task.cancel()
@@ -138,180 +186,161 @@ class UcxPlaneServer(PlaneServer):
         task.add_done_callback(self._tasks.discard)
 
     async def _wait(
-        self, reqs: list[Any], what: str, conn: Connection | None = None, timeout: float | None = None
+        self, reqs: list[Any], what: str, closed: asyncio.Event | None, timeout: float | None = None
     ) -> None:
-        """Wait for requests, failing early (UcxClosed) when the connection closes meanwhile."""
+        """Wait for requests (io_timeout unless told), failing early (UcxClosed) once `closed` is set."""
         assert self._progress is not None
-        waiting = asyncio.ensure_future(
-            self._progress.wait(reqs, self.io_timeout if timeout is None else timeout, what)
-        )
-        if conn is None:
-            await waiting
-            return
-        closed = asyncio.ensure_future(conn.closed.wait())
-        try:
-            done, _ = await asyncio.wait({waiting, closed}, return_when=asyncio.FIRST_COMPLETED)
-            if waiting in done:
-                waiting.result()
-                return
-            raise UcxClosed(f"{what}: client endpoint closed")
-        finally:
-            for f in (waiting, closed):
-                if not f.done():
-                    f.cancel()
-            await asyncio.gather(waiting, closed, return_exceptions=True)
+        await self._progress.wait(reqs, self.io_timeout if timeout is None else timeout, what, closed)
 
     async def _settle(self, reqs: list[Any], conn: Connection) -> bool:
-        """After a failure: make every request finish (cancel them, then close the endpoint); True when
-        all did, so their buffers may be reused. A request that never finishes is reported, and its
-        buffer must then stay out of use (the caller leaks it rather than risk a late write)."""
+        """After a failure: make every request finish (close the endpoints, which cancels what is posted
+        on them); True when all did, so their buffers may be reused. A request that never finishes is
+        reported, and its buffer must then stay out of use (the caller leaks it rather than risk a late
+        write)."""
         pending = [r for r in reqs if not r.completed]
         if not pending:
             return True
-        conn.close()  # UCXX cancels every request posted on a closed endpoint
+        conn.close()
         with contextlib.suppress(Exception):
-            await self._wait(pending, "cancelling transfers", timeout=SETTLE_SECONDS)
+            await self._wait(pending, "cancelling transfers", None, timeout=SETTLE_SECONDS)
         if all(r.completed for r in pending):
             return True
         log.error(
-            "UCX connection %#x: %d transfer(s) did not finish after close; their buffers stay out of use",
-            conn.cid,
+            "UCX connection %s: %d transfer(s) did not finish after close; their buffers stay out of use",
+            conn.name,
             sum(not r.completed for r in pending),
         )
         return False
 
+    def _send(self, ep: Any, tag: int, msg: bytes) -> tuple[Any, Any]:
+        """Post a send of a control message: (the request, its buffer, to be kept until it completed)."""
+        arr = self.Array(bytearray(msg))
+        return ep.tag_send(arr, self.ucx.UCXXTag(tag)), arr
+
     # ---------------------------------------------------------------- connections
 
     def _on_conn_request(self, conn_request: Any) -> None:
-        """Listener path (called from progress): the HELLO comes on the endpoint's stream."""
+        """Listener (called from progress): an endpoint that must send its HELLO under our nonce."""
         ep = self._listener.create_endpoint_from_conn_request(conn_request, True)
-        self._spawn(self._listener_hello(ep))
-
-    async def _listener_hello(self, ep: Any) -> None:
-        head = bytearray(FRAME.size)
-        try:
-            await self._wait([ep.stream_recv(self.ucx_array(head))], "HELLO header")
-            total = frame_length(head)
-            if total > FRAME.size + MAX_HELLO_BYTES:
-                raise ProtocolError(f"a HELLO has at most {MAX_HELLO_BYTES} bytes, this one announces {total}")
-            msg = head + bytearray(total - FRAME.size)
-            if total > FRAME.size:
-                await self._wait([ep.stream_recv(self.ucx_array(memoryview(msg)[FRAME.size :]))], "HELLO body")
-            kind, _, _, body = unframe(msg)
-            if kind is not Kind.HELLO:
-                raise ProtocolError(f"first message must be a HELLO, got {kind.name}")
-            hello = Hello.parse(body)
-        except Exception as exc:  # any failure (protocol, timeout, UCX) closes it
-            log.info("UCX listener connection dropped before its HELLO: %s", exc)
-            with contextlib.suppress(Exception):
-                ep.close_blocking(period=10**8, max_attempts=1)
+        if self.pending_hellos >= MAX_PENDING_HELLOS:
+            log.warning("UCX plane: %d connections await their HELLO; closing a new one", self.pending_hellos)
+            asyncio.get_running_loop().call_soon(_close, ep)
             return
-        await self._admit(ep, hello)
+        self.pending_hellos += 1
+        self._spawn(self._hello(ep))
 
-    async def _accept_worker_hellos(self) -> None:
-        """Worker-address path: HELLOs arrive as tagged messages on the worker (no endpoint yet)."""
-        buf = bytearray(MAX_HELLO_BYTES + FRAME.size)
-        while True:
-            try:
-                await self._wait(
-                    [self.worker.tag_recv(self.ucx_array(buf), self.ucx.UCXXTag(HELLO_TAG))],
-                    "HELLO",
-                    timeout=float("inf"),
-                )
-                kind, _, _, body = unframe(buf)
-                if kind is not Kind.HELLO:
-                    raise ProtocolError(f"expected a HELLO, got {kind.name}")
-                hello = Hello.parse(body)
-                if not hello.worker_address:
-                    raise ProtocolError("a HELLO on the worker needs the client's worker address")
-                ep = self.ucx.UCXEndpoint.create_from_worker_address(
-                    self.worker, self.ucx.UCXAddress.create_from_buffer(hello.worker_address), hello.error_handling
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bad HELLO from one client must not stop the others
-                log.info("UCX HELLO rejected: %s", exc)
-                continue
-            self._spawn(self._admit(ep, hello))
-
-    async def _admit(self, ep: Any, hello: Hello) -> None:
-        """Check the token (before anything else), register the connection, then serve it."""
-        conn = Connection(self, ep, hello)
+    async def _hello(self, ep: Any) -> None:
+        closed = asyncio.Event()
+        ep.set_close_callback(closed.set)
+        buf = bytearray(FRAME.size + MAX_HELLO_BYTES)
+        try:
+            nonce = new_nonce()
+            arr = self.Array(buf)
+            recv = ep.tag_recv(arr, self.ucx.UCXXTag(nonce))  # posted before the nonce is out
+            send, _keep = self._send(ep, CHALLENGE_TAG, frame(Kind.CHALLENGE, 0, NONCE.pack(nonce)))
+            await self._wait([recv, send], "HELLO", closed)
+            hello = Hello.parse(expect(buf, Kind.HELLO, 0))
+        except Exception as exc:  # any failure (protocol, timeout, UCX, a HELLO too long) closes it
+            log.info("UCX connection dropped before its HELLO: %s", exc)
+            _close(ep)
+            return
+        finally:
+            self.pending_hellos -= 1
         try:
             svc = self._svc
             assert svc is not None
-            if svc.callers.auth is not None:
-                svc.callers.auth.role_of(conn.metadata)
-            if hello.cid in self.conns:
-                raise InvalidArgument("hello.cid", "connection id in use; pick another")
+            if svc.callers.auth is not None:  # the token, before anything else
+                svc.callers.auth.role_of(((AUTH_HEADER, f"Bearer {hello.token}"),) if hello.token else None)
+            ep_out = self._data_endpoint(ep, hello)
         except KVStoreError as exc:
-            await self._reply_error(conn, 0, exc)
-            conn.close()
+            reply = self._send(ep, HELLO_REPLY_TAG, frame(Kind.ERROR, 0, error_body(exc.status_name, str(exc))))
+            with contextlib.suppress(Exception):
+                await self._wait([reply[0]], "HELLO refusal", closed)
+            _close(ep)
             return
-        self.conns[conn.cid] = conn
+        await self._run(Connection(ep_out, ep, hello))
+
+    def _data_endpoint(self, ep: Any, hello: Hello) -> Any:
+        """Where an accepted client is served: the listener endpoint, or an endpoint to its worker."""
+        if not hello.worker_address:
+            return ep
         try:
-            await self._send(conn, frame(Kind.HELLO_OK, 0), 0)
+            address = self.ucx.UCXAddress.create_from_buffer(hello.worker_address)
+            return self.ucx.UCXEndpoint.create_from_worker_address(self.worker, address, hello.error_handling)
+        except Exception as exc:
+            raise Unavailable(f"cannot reach the client's worker address: {exc}") from None
+
+    async def _run(self, conn: Connection) -> None:
+        self.conns.add(conn)
+        try:
             await self._serve(conn)
         except (UcxClosed, UcxTimeout, asyncio.CancelledError, self.ucx.UCXError) as exc:
-            log.debug("UCX connection %#x closed: %s", conn.cid, exc)
+            log.debug("UCX connection %s closed: %s", conn.name, exc)
         except Exception:
-            log.exception("UCX connection %#x failed", conn.cid)
+            log.exception("UCX connection %s failed", conn.name)
         finally:
-            self.conns.pop(conn.cid, None)
+            self.conns.discard(conn)
+            if self.intake is not None:
+                self.intake.release(conn)
             conn.close()
 
     async def _serve(self, conn: Connection) -> None:
-        buf = bytearray(MAX_CONTROL_BYTES)
-        ctrl = self.ucx.UCXXTag(tag(conn.cid, TagKind.CTRL_TO_NODE))
+        """Requests in order: seq 1, 2, ... (see `_Requests`)."""
+        turn = _Requests(self, conn)
+        assert self._svc is not None
+        ok = HelloOk(conn.tags.secret, self._svc.config.max_page_bytes)
+        hello_ok = self._send(conn.ep, HELLO_REPLY_TAG, frame(Kind.HELLO_OK, 0, ok.pack()))
+        await self._wait([hello_ok[0]], "HELLO_OK", conn.closed)
         while conn.alive():
-            req = conn.ep.tag_recv(self.ucx_array(buf), ctrl, self.ucx.UCXXTagMask(CTRL_MASK))
-            await self._wait([req], "request", conn, timeout=float("inf"))
+            await self._wait([turn.recv], "request", conn.closed, timeout=float("inf"))
             try:
-                kind, _, seq, body = unframe(buf)
+                kind, _, got, body = unframe(turn.ctrl)
+                if got != turn.seq:
+                    raise ProtocolError(f"request {got}, expected {turn.seq}")
             except ProtocolError as exc:
-                await self._reply_error(conn, 0, InvalidArgument("frame", str(exc)))
-                return
-            await self._handle(conn, kind, seq, body)
+                turn.respond(frame(Kind.ERROR, turn.seq, error_body("INVALID_ARGUMENT", f"frame: {exc}")))
+                await turn.finish()
+                return  # out of step: close
+            await self._handle(conn, kind, turn.seq, body, turn.respond)
+            await turn.finish()
 
-    async def _handle(self, conn: Connection, kind: Kind, seq: int, body: memoryview) -> None:
+    def _next_request(self, conn: Connection, seq: int, ctrl_arr: Any) -> Any:
+        assert self.intake is not None
+        if not self.intake.open_range(conn.tags.tag(Lane.PUT_PAGES, seq), conn):
+            raise UcxClosed("session tag range collides with another connection's")
+        return conn.ep.tag_recv(ctrl_arr, self.ucx.UCXXTag(conn.tags.tag(Lane.CONTROL, seq)))
+
+    def _end_request(self, conn: Connection, seq: int) -> None:
+        assert self.intake is not None
+        self.intake.close_range(conn.tags.tag(Lane.PUT_PAGES, seq), conn)
+
+    async def _handle(self, conn: Connection, kind: Kind, seq: int, body: memoryview, respond: Respond) -> None:
+        """Run one request; it responds exactly once (OK, or ERROR with the failure's status)."""
+        responded = False
+
+        def once(msg: bytes) -> None:
+            nonlocal responded
+            if not responded:
+                responded = True
+                respond(msg)
+
         try:
             if kind is Kind.PUT:
                 reply = await self._put(conn, seq, pb.PutShmRequest.FromString(bytes(body)))
+                once(frame(Kind.OK, seq, reply))
             elif kind is Kind.GET:
-                reply = await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)))
+                await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)), once)
             else:
                 raise InvalidArgument("kind", f"{kind.name} is not a request")
         except DecodeError as exc:
-            await self._reply_error(conn, seq, InvalidArgument("body", f"not a {kind.name} request: {exc}"))
-            return
+            once(frame(Kind.ERROR, seq, error_body("INVALID_ARGUMENT", f"body: not a {kind.name} request: {exc}")))
         except KVStoreError as exc:
-            await self._reply_error(conn, seq, exc)
-            return
-        await self._send(conn, frame(Kind.OK, seq, reply), seq)
+            once(frame(Kind.ERROR, seq, error_body(exc.status_name, str(exc))))
 
     def _caller(self, conn: Connection, method: str) -> Caller:
         """The connection's caller for `method` (kvstore/node/callers.py); UCX carries no client certificate."""
         assert self._svc is not None
         return self._svc.callers.authenticate(method, conn.metadata, None)
-
-    async def _send(self, conn: Connection, msg: bytes, seq: int) -> None:
-        t = self.ucx.UCXXTag(tag(conn.cid, TagKind.CTRL_TO_CLIENT, seq))
-        arr = self.ucx_array(bytearray(msg))  # referenced until the send completed: UCX reads it meanwhile
-        req = conn.ep.tag_send(arr, t)
-        try:
-            await self._wait([req], "reply", conn)
-        except (UcxClosed, UcxTimeout):
-            await self._settle([req], conn)
-            raise
-
-    async def _reply_error(self, conn: Connection, seq: int, exc: KVStoreError) -> None:
-        with contextlib.suppress(UcxClosed, UcxTimeout, Exception):
-            await self._send(conn, frame(Kind.ERROR, seq, error_body(exc.status_name, str(exc))), seq)
-
-    def ucx_array(self, buf: Any) -> Any:
-        from ucxx._lib.arr import Array
-
-        return Array(buf)
 
     # ---------------------------------------------------------------- requests
 
@@ -326,33 +355,91 @@ class UcxPlaneServer(PlaneServer):
             if not p.checksum:  # a short message would leave stale bytes that only the checksum catches
                 raise InvalidArgument(f"pages[{i}].checksum", "required on the UCX plane")
         op = put_open_from_pb(req.open)
-        pages = _TaggedPages(self, conn, seq)
+        pages = _TaggedPages(self, conn, conn.tags.tag(Lane.PUT_PAGES, seq))
         stored, present = await drive_put(lambda: caller.view.begin_put(op), _heads(slices), pages, drain=False)
         return pb.PutResponse(stored=stored, already_present=present).SerializeToString()
 
-    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest) -> bytes:
-        caller = self._caller(conn, "Get")
-        if len(req.hashes) > MAX_PAGES_PER_CALL:
-            raise InvalidArgument("hashes", f"a GET asks for at most {MAX_PAGES_PER_CALL} pages")
+    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, respond: Respond) -> None:
+        """Answer every receive the client posted (page i, or an empty message), then respond; the leases
+        of pages in flight are held until their sends completed."""
+        assert self._svc is not None
+        n = len(req.hashes)
+        if n > min(MAX_PAGES_PER_CALL, self._svc.config.max_pages_per_request):
+            raise InvalidArgument("hashes", f"a GET asks for at most {self._svc.config.max_pages_per_request} pages")
+        if len(req.targets) != n:
+            raise InvalidArgument("targets", f"{len(req.targets)} targets for {n} hashes (one per hash)")
+        caps = [t.size for t in req.targets]
+        bigger = 0
+        base = conn.tags.tag(Lane.GET_PAGES, seq)
         out = pb.GetShmResponse()
-        async with open_get(
-            caller, req.namespace, list(req.hashes), not req.no_promote, receiver_verifies=True
-        ) as leases:
-            async for lease in leases:
-                i = len(out.pages)
-                t = self.ucx.UCXXTag(tag(conn.cid, TagKind.DATA_TO_CLIENT, seq, i))
-                src = ucx_device.source(self.cuda, lease)  # referenced until the send completed
-                send = conn.ep.tag_send(src, t)
-                try:
-                    await self._wait([send], f"GET page {i}", conn)
-                except (UcxClosed, UcxTimeout, self.ucx.UCXError) as exc:
-                    if not await self._settle([send], conn):
-                        lease.keep()  # UCX may still read it: the page stays leased (pinned)
-                    raise _lost(exc) from None
-                out.pages.add(
-                    hash=lease.hash, payload_bytes=len(lease.payload), checksum=lease.checksum, tier=int(lease.tier)
-                )
-        return out.SerializeToString()
+        sends: list[Any] = []
+        sources: list[Any] = []  # what the sends read from: referenced until they completed
+        releases: list[Callable[[], None]] = []
+        reply = frame(Kind.OK, seq)
+        try:
+            try:
+                caller = self._caller(conn, "Get")
+                async with open_get(
+                    caller, req.namespace, list(req.hashes), not req.no_promote, receiver_verifies=True
+                ) as leases:
+                    async for lease in leases:
+                        i = len(out.pages)
+                        if len(lease.payload) > caps[i]:  # the client's receive cannot hold it: say how big
+                            bigger = len(lease.payload)
+                            break
+                        sources.append(ucx_device.source(self.cuda, lease))
+                        releases.append(lease.detach())
+                        sends.append(conn.ep.tag_send(sources[-1], self.ucx.UCXXTag(base | i)))
+                        out.pages.add(
+                            hash=lease.hash,
+                            payload_bytes=len(lease.payload),
+                            checksum=lease.checksum,
+                            tier=int(lease.tier),
+                        )
+                reply = frame(Kind.OK, seq, pack_get_reply(bigger, out.SerializeToString()))
+            except KVStoreError as exc:
+                reply = frame(Kind.ERROR, seq, error_body(exc.status_name, str(exc)))
+            for i in range(len(out.pages), n):  # the client's other receives complete empty
+                sends.append(conn.ep.tag_send(self._empty, self.ucx.UCXXTag(base | i)))
+            respond(reply)
+            try:
+                await self._wait(sends, "GET pages", conn.closed)
+            except (UcxClosed, UcxTimeout, self.ucx.UCXError) as exc:
+                if not await self._settle(sends, conn):
+                    releases.clear()  # UCX may still read them: the pages stay leased (pinned)
+                raise _lost(exc) from None
+        finally:
+            for release in releases:
+                release()
+
+
+class _Requests:
+    """The request sequence of one connection. Request seq+1's control receive is posted (and its PUT
+    page range opened in the intake) in `respond`, before request seq's reply leaves, so nothing a
+    well-behaved client sends is unexpected but PUT pages, which the intake holds for their range."""
+
+    def __init__(self, server: UcxPlaneServer, conn: Connection) -> None:
+        self.server = server
+        self.conn = conn
+        self.ctrl = bytearray(MAX_CONTROL_BYTES)
+        self._ctrl_arr = server.Array(self.ctrl)
+        self.seq = 1
+        self.recv = server._next_request(conn, self.seq, self._ctrl_arr)
+        self._sent: list[tuple[Any, Any]] = []
+
+    def respond(self, msg: bytes) -> None:
+        """End request `seq` with `msg` (OK or ERROR frame): the next request's receive first."""
+        server, conn = self.server, self.conn
+        server._end_request(conn, self.seq)
+        self.recv = server._next_request(conn, self.seq + 1, self._ctrl_arr)
+        self._sent.append(server._send(conn.ep, conn.tags.tag(Lane.REPLY, self.seq), msg))
+
+    async def finish(self) -> None:
+        """After the handler: its reply has left; the next request is seq + 1."""
+        assert self._sent, "a request ended without a reply"
+        await self.server._wait([req for req, _ in self._sent], "reply", self.conn.closed)
+        self._sent.clear()
+        self.seq += 1
 
 
 async def _heads(slices: list[pb.ShmSlice]) -> AsyncIterator[PageHead]:
@@ -361,15 +448,15 @@ async def _heads(slices: list[pb.ShmSlice]) -> AsyncIterator[PageHead]:
 
 
 class _TaggedPages:
-    """A PUT's pages as the put driver reads them: page i is the tagged message (cid, DATA_TO_NODE, seq, i),
-    received straight into its slot view (one copy: the network's), or into the connection's scratch
-    buffer and dropped (a UCX send cannot be cancelled by its receiver). A receive that fails is settled
+    """A PUT's pages as the put driver reads them: page i is the message tagged `base | i`, received
+    straight into its slot view (one copy: the network's), or into the connection's scratch buffer and
+    dropped (a UCX send cannot be cancelled by its receiver). A receive that fails is settled
     (cancelled, its endpoint closed) before this returns; one that never settles is TransferStuck."""
 
-    def __init__(self, server: UcxPlaneServer, conn: Connection, seq: int) -> None:
+    def __init__(self, server: UcxPlaneServer, conn: Connection, base: int) -> None:
         self.server = server
         self.conn = conn
-        self.seq = seq
+        self.base = base
 
     async def read_into(self, index: int, view: memoryview) -> None:
         await self._receive(index, view)
@@ -387,12 +474,11 @@ class _TaggedPages:
 
     async def _receive(self, index: int, dst: memoryview) -> None:
         server, conn = self.server, self.conn
-        t = server.ucx.UCXXTag(tag(conn.cid, TagKind.DATA_TO_NODE, self.seq, index))
-        arr = server.ucx_array(dst)  # referenced while UCX may write through it
-        req = conn.ep.tag_recv(arr, t)
+        assert server.intake is not None
+        arr = server.Array(dst)  # referenced while UCX may write through it
+        req = server.intake.receive(conn, conn.ep, SessionTags.page(self.base, index), arr)
         try:
-            # The client's sends are all posted, so this page's rendezvous request is already waiting.
-            await server._wait([req], f"PUT page {index}", conn)
+            await server._wait([req], f"PUT page {index}", conn.closed)
         except BaseException as exc:
             if not await server._settle([req], conn):
                 conn.stuck.append(arr)

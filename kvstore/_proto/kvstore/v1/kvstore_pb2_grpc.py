@@ -97,7 +97,8 @@ class KVStoreServicer:
         """Store pages (client stream; see PutRequest). Atomic per stream.
 
         Durability. Put returns once its pages are complete, verified and visible in DRAM (or HBM): they
-        are NOT durable then, and a crash (kill -9, power loss) loses them. A page becomes durable when it
+        are NOT durable then, and a crash (kill -9, power loss) loses them (a Put with target_tier
+        TIER_NVME is durable when it returns). A page becomes durable when it
         is written to NVMe, by a demotion (DRAM evicts it) or by the spill of a clean shutdown (SIGTERM),
         and Lookup then reports it in TIER_NVME. A page stays durable while it stays in TIER_NVME: after a
         crash the restarted node serves it, byte for byte. A page promoted back to DRAM keeps its NVMe copy
