@@ -100,7 +100,7 @@ def test_asyncio_client_and_concurrent_calls_share_a_pool(tcp_node: NodeProcess)
 
             await asyncio.gather(*(one(w) for w in range(6)))
             assert kv.plane == "tcp"
-            assert 1 <= len(kv._core.active._idle) <= 4  # connections were reused, a few kept
+            assert 1 <= kv._core.active._pool.idle <= 4  # connections were reused, a few kept
 
     asyncio.run(asyncio.wait_for(main(), 60))
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 import array
 import os
 import socket
-import threading
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import buffer_span
+from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import Placed, SharedBuffer, SharedBuffers
 from kvstore.errors import (
@@ -34,7 +33,6 @@ from kvstore.errors import (
     PlaneUnavailable,
     ResourceExhausted,
     StreamError,
-    Unavailable,
     from_status,
 )
 from kvstore.names import Buffer, TierKind
@@ -42,8 +40,6 @@ from kvstore.wire import PutOpen, shm
 from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
 
-T = TypeVar("T")
-KEEP_IDLE = 4  # idle connections kept for the next calls
 _TARGET_FIELD = "targets["
 
 
@@ -64,7 +60,7 @@ class Connection:
         self.seq = 0
         self.registered: set[int] = set()
         self.usable = True
-        self.replied = False  # whether any request on it got a reply (a reused connection that got none is stale)
+        self.replied = False  # whether the current request got a reply (the pool clears it before each one)
         try:
             body = self.call(Kind.HELLO, (token or "").encode(), want=Kind.WELCOME)
             self.max_page_bytes, self.max_pages, _ = shm.WELCOME.unpack(body)
@@ -136,9 +132,7 @@ class ShmPlane(DataPlane):
         self.token = token
         self.timeout = timeout
         self._page_bytes: dict[str, int] = {}  # a namespace's page size (fixed once its first page is stored)
-        self._idle: list[Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self._pool = ConnectionPool(self._open, f"same-host plane connection to {path}")
 
     # -- connections
 
@@ -150,48 +144,8 @@ class ShmPlane(DataPlane):
         except (OSError, StreamError, ValueError) as exc:
             raise PlaneUnavailable(f"cannot open the same-host plane at {self.path}: {exc}") from None
 
-    def _call(self, fn: Callable[[Connection], T]) -> T:
-        """Run one request on a pooled connection; once more on a fresh one when a reused connection turns
-        out dead before any reply (the node restarted: requests are idempotent, a dead node's PUT aborted)."""
-        for attempt in range(2):
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            reused = conn is not None
-            if conn is None:
-                conn = self._open()
-            replied_before = conn.replied
-            conn.replied = False
-            try:
-                result = fn(conn)
-            except KVStoreError:
-                self._release(conn)
-                raise
-            except OSError as exc:
-                conn.close()
-                if reused and replied_before and not conn.replied and attempt == 0:
-                    continue
-                raise Unavailable(f"same-host plane connection to {self.path} failed: {exc}") from None
-            except BaseException:
-                conn.close()
-                raise
-            self._release(conn)
-            return result
-        raise AssertionError("unreachable: the second attempt returns or raises")
-
-    def _release(self, conn: Connection) -> None:
-        with self._lock:
-            keep = conn.usable and not self._closed and len(self._idle) < KEEP_IDLE
-            if keep:
-                self._idle.append(conn)
-        if not keep:
-            conn.close()
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self._pool.close()
 
     # -- where pages lie
 
@@ -210,7 +164,7 @@ class ShmPlane(DataPlane):
         of a Get starting at hash `first`."""
         n = self._page_bytes.get(namespace)
         if n is None:
-            body = self._call(lambda c: c.call(Kind.LAYOUT, first + namespace.encode()))
+            body = self._pool.call(lambda c: c.call(Kind.LAYOUT, first + namespace.encode()))
             (n,) = shm.PAGE_BYTES.unpack(body)
             self._page_bytes[namespace] = n
         return n
@@ -240,7 +194,7 @@ class ShmPlane(DataPlane):
 
     def _put(self, op: PutOpen, hashes: Sequence[bytes], placed: list[Placed], first: int) -> Exchange[tuple[int, int]]:
         body = put_request(op, hashes, placed).SerializeToString()
-        reply = yield Blocking(lambda: self._call(lambda c: self._request(c, Kind.PUT, body, placed, first)))
+        reply = yield Blocking(lambda: self._pool.call(lambda c: self._request(c, Kind.PUT, body, placed, first)))
         res = pb.PutResponse.FromString(bytes(reply))
         return res.stored, res.already_present
 
@@ -271,7 +225,7 @@ class ShmPlane(DataPlane):
         for p in placed:
             req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
         body = req.SerializeToString()
-        reply = yield Blocking(lambda: self._call(lambda c: self._request(c, Kind.GET, body, placed, first)))
+        reply = yield Blocking(lambda: self._pool.call(lambda c: self._request(c, Kind.GET, body, placed, first)))
         pages = pb.GetShmResponse.FromString(bytes(reply)).pages
         if len(pages) > len(hashes):
             raise StreamError(f"the node returned {len(pages)} pages for {len(hashes)} hashes")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
-import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -29,6 +28,7 @@ from kvstore.addresses import split_address, target_host
 from kvstore.client.exchange import Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import page_sink
+from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
@@ -41,7 +41,6 @@ from kvstore.wire.tcp import Header, Kind
 
 T = TypeVar("T")
 
-KEEP_IDLE = 4  # idle connections a plane keeps open for the next calls
 CONNECT_TIMEOUT_S = 5.0  # a firewalled plane port (dropped SYNs) falls back to gRPC after this, not the call timeout
 REPLY_META_LIMIT = 1 << 20  # what a client accepts as one reply's metadata (ERROR messages are the largest)
 
@@ -230,9 +229,7 @@ class TcpPlane(DataPlane):
         self.tls = tls
         self.received = ReceivePool() if received is None else received  # where a plain get's pages land
         self.server_name = security.server_name or target_host(target)
-        self._idle: list[Connection] = []
-        self._lock = threading.Lock()
-        self._closed = False
+        self._pool = ConnectionPool(self._open, f"TCP plane connection to {self.host}:{self.port}")
         self._tls_ctx: ssl.SSLContext | None = None
 
     @classmethod
@@ -294,57 +291,13 @@ class TcpPlane(DataPlane):
         except Unavailable as exc:  # the node refused the connection (full, or stopping): nothing was sent
             raise PlaneUnavailable(f"the TCP plane at {self.host}:{self.port} refused a connection: {exc}") from None
 
-    def _call(self, fn: Callable[[Connection], T]) -> T:
-        """Run one request on a pooled connection; retry once on a fresh one when a reused connection
-        turns out closed before any reply byte arrived."""
-        for attempt in range(2):
-            with self._lock:
-                conn = self._idle.pop() if self._idle else None
-            reused = conn is not None
-            if conn is None:
-                conn = self._open()
-            try:
-                result = fn(conn)
-            except StreamError:  # the reply broke off mid-stream: the connection is out of step
-                conn.close()
-                raise
-            except KVStoreError:  # an ERROR frame: the node consumed the request; the connection is in step
-                self._release(conn)
-                raise
-            except OSError as exc:
-                conn.close()
-                if reused and not conn.replied and attempt == 0:
-                    continue
-                raise Unavailable(f"TCP plane connection to {self.host}:{self.port} failed: {exc}") from None
-            except BaseException:
-                conn.close()
-                raise
-            self._release(conn)
-            return result
-        raise AssertionError("unreachable: the second attempt returns or raises")
-
-    def _release(self, conn: Connection) -> None:
-        """Keep a connection that is in step for the next call (up to KEEP_IDLE), else close it."""
-        keep = conn.usable
-        with self._lock:
-            keep = keep and not self._closed and len(self._idle) < KEEP_IDLE
-            if keep:
-                self._idle.append(conn)
-        if not keep:
-            conn.close()
-
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle = list(self._idle)
-            self._idle.clear()
-        for conn in idle:
-            conn.close()
+        self._pool.close()
 
     # -- the DataPlane
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
-        return (yield Blocking(lambda: self._call(lambda c: c.put(op, hashes, pages))))
+        return (yield Blocking(lambda: self._pool.call(lambda c: c.put(op, hashes, pages))))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         take = self.received.take
@@ -368,7 +321,9 @@ class TcpPlane(DataPlane):
         """One GET on a pooled connection: page i lands in sink(i, n); `result` makes what the caller gets
         of each page (a PageCorrupt carries the ones before the bad page, made alike)."""
         try:
-            got = yield Blocking(lambda: self._call(lambda c: c.get(namespace, hashes, promote, self.verify, sink)))
+            got = yield Blocking(
+                lambda: self._pool.call(lambda c: c.get(namespace, hashes, promote, self.verify, sink))
+            )
         except PageCorrupt as exc:
             raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None
         return [result(*g) for g in got]
