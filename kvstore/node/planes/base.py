@@ -9,11 +9,17 @@ those of every plane.
 from __future__ import annotations
 
 import abc
+import asyncio
+import logging
+import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvstore.node.callers import Callers
 from kvstore.node.config import NodeConfig
 from kvstore.stats import PlaneInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,3 +44,18 @@ class PlaneServer(abc.ABC):
 
     @abc.abstractmethod
     async def stop(self) -> None: ...
+
+
+async def accept_forever(listener: socket.socket, admit: Callable[[socket.socket], None], what: str) -> None:
+    """Accept connections on `listener` until cancelled, handing each new socket to `admit` (which owns it
+    from then on). An accept that fails (EMFILE and the like) is logged and tried again 0.1 s later: the
+    connections already served go on."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            sock, _ = await loop.sock_accept(listener)
+        except OSError as exc:
+            log.warning("%s: accept failed: %s", what, exc)
+            await asyncio.sleep(0.1)
+            continue
+        admit(sock)

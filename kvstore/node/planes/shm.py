@@ -41,7 +41,7 @@ from kvstore.hashing import HASH_BYTES
 from kvstore.manager.put import PutTxn
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
-from kvstore.node.planes.base import NodeServices, PlaneServer
+from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
 from kvstore.wire import shm
@@ -168,26 +168,21 @@ class ShmPlaneServer(PlaneServer):
             await asyncio.wait(list(self._conns), timeout=5.0)
 
     async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self._sock is not None
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(self._sock)
-            except OSError as exc:  # EMFILE and the like: keep serving the connections we have
-                log.warning("same-host plane: accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            sock.setblocking(False)
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, shm.SOCKET_BUFFER_BYTES)
-            if len(self._conns) >= self.services.config.tcp_max_connections:
-                with contextlib.suppress(OSError):
-                    sock.send(shm.frame(Kind.ERROR, 0, shm.error_body("UNAVAILABLE", "too many connections")))
-                sock.close()
-                continue
-            task = loop.create_task(_Connection(self, sock).serve())
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+        await accept_forever(self._sock, self._admit, "same-host plane")
+
+    def _admit(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            sock.setsockopt(socket.SOL_SOCKET, opt, shm.SOCKET_BUFFER_BYTES)
+        if len(self._conns) >= self.services.config.tcp_max_connections:
+            with contextlib.suppress(OSError):
+                sock.send(shm.frame(Kind.ERROR, 0, shm.error_body("UNAVAILABLE", "too many connections")))
+            sock.close()
+            return
+        task = asyncio.get_running_loop().create_task(_Connection(self, sock).serve())
+        self._conns.add(task)
+        task.add_done_callback(self._conns.discard)
 
 
 def listen_unix(path: str) -> socket.socket:

@@ -28,7 +28,7 @@ from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
 from kvstore.manager.put import PutTxn
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
-from kvstore.node.planes.base import NodeServices, PlaneServer
+from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
 from kvstore.node.planes.tcp_io import (
     Channel,
     ConnectionClosed,
@@ -109,27 +109,22 @@ class TcpPlaneServer(PlaneServer):
             await asyncio.wait(list(self._conns), timeout=5.0)
 
     async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self._listener is not None
-        while True:
-            try:
-                sock, _ = await loop.sock_accept(self._listener)
-            except OSError as exc:  # EMFILE and the like: keep serving the connections we have
-                log.warning("TCP plane: accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            if not self.limits.can_start_handshake():
-                # Full of connections that have not said HELLO: this one goes at once, told why where it
-                # can be (plain TCP), so the room kept for authenticated callers is never theirs.
-                _refuse_now(sock, "this node's TCP plane has too many connections in their handshake", self.tls)
-                continue
-            sock.setblocking(False)
-            tune(sock, tcp.SOCKET_BUFFER_BYTES)
-            self.limits.start_handshake()
-            conn = _Connection(self, sock)
-            task = loop.create_task(conn.serve())
-            self._conns[task] = conn
-            task.add_done_callback(self._conns.pop)
+        await accept_forever(self._listener, self._admit, "TCP plane")
+
+    def _admit(self, sock: socket.socket) -> None:
+        if not self.limits.can_start_handshake():
+            # Full of connections that have not said HELLO: this one goes at once, told why where it
+            # can be (plain TCP), so the room kept for authenticated callers is never theirs.
+            _refuse_now(sock, "this node's TCP plane has too many connections in their handshake", self.tls)
+            return
+        sock.setblocking(False)
+        tune(sock, tcp.SOCKET_BUFFER_BYTES)
+        self.limits.start_handshake()
+        conn = _Connection(self, sock)
+        task = asyncio.get_running_loop().create_task(conn.serve())
+        self._conns[task] = conn
+        task.add_done_callback(self._conns.pop)
 
 
 def _refuse_now(sock: socket.socket, why: str, tls: ssl.SSLContext | None) -> None:
