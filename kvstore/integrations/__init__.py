@@ -3,6 +3,8 @@
 - `lmcache.py`: an LMCache remote storage plugin (vLLM's LMCacheConnectorV1 and SGLang reach kvstore
   through it). Imports LMCache; install with `./dev test` or the `lmcache` extra (see the README).
 - `lmcache_mapping.py`: how LMCache keys and chunks map onto namespaces, layouts and 32-byte keys (pure).
+- `lmcache_l2_mapping.py`: the same for LMCache's multiprocess server (mapping l2v1), and the L2 adapter's
+  settings (pure).
 - `remote.py`: one node or a Redis-indexed cluster behind one small blocking interface, with the
   error policy an engine needs (a failure is a logged miss, never an exception into the engine).
 - `health.py`: outage tracking and log rate limiting (pure, clock injected).

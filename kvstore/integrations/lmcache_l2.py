@@ -9,8 +9,8 @@ the server's own memory (L1) and takes storage beyond it only as L2 adapters. Th
 
 LMCache's plugin loader finds KVStoreL2AdapterConfig (class name + "Config") and validates the
 parameters with it: a bad one stops the server at start with a message naming `adapter_params.<field>`
-(the fields and defaults: lmcache_mapping.L2_PARAMS). Keys and namespaces: mapping l2v1 in
-kvstore/integrations/lmcache_mapping.py.
+(the fields and defaults: lmcache_l2_mapping.L2_PARAMS). Keys and namespaces: mapping l2v1 in
+kvstore/integrations/lmcache_l2_mapping.py.
 
 The interface (lmcache/v1/distributed/l2_adapters/base.py): store, lookup-and-lock and load are
 submitted as tasks and never block the caller; each kind signals completion on its own event fd and
@@ -58,7 +58,7 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore.integrations.lmcache_mapping import (
+from kvstore.integrations.lmcache_l2_mapping import (
     L2_MAPPING_VERSION,
     L2_PARAMS,
     L2Settings,

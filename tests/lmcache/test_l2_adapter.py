@@ -44,7 +44,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform import consume_fd
 
 from kvstore.integrations import lmcache_l2
-from kvstore.integrations.lmcache_mapping import l2_layout_tag, l2_namespace, l2_page_key
+from kvstore.integrations.lmcache_l2_mapping import l2_layout_tag, l2_namespace, l2_page_key
 
 MODEL = "it/llama-l2"
 RANK = 0x1000100  # a kv_rank as LMCache computes it (a bitmap of layers and heads)
