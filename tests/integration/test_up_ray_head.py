@@ -1,0 +1,72 @@
+"""`kvstore up`'s Ray head start: a port taken between free_port() and Ray's bind is retried on fresh ports
+(CI once lost a run to exactly that race); any other failure is raised at once. Real `ray start`, loopback."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.cli.launch import free_port
+from kvstore.cli.up import RAY_START_ATTEMPTS, start_ray_head, terminate
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """Ray's unix socket paths must stay under 107 bytes: a short temp dir, not pytest's."""
+    with tempfile.TemporaryDirectory(prefix="kvray-", dir="/tmp") as d:
+        yield Path(d)
+
+
+@contextlib.contextmanager
+def _head(tmp: Path, ports: Iterator[int], resources: str = '{"kvstore_prefill": 1}') -> Iterator[tuple[object, int]]:
+    proc = None
+    try:
+        proc, port = start_ray_head(dict(os.environ), resources, str(tmp), tmp / "head.log", lambda: next(ports))
+        yield proc, port
+    finally:
+        if proc is not None:
+            terminate(proc, 60.0)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(short_tmp: Path) -> None:
+    with socket.socket() as taken:
+        # Bound on every address and not listening: Ray's bind fails, and nothing answers a connect on it.
+        taken.bind(("0.0.0.0", 0))
+        busy = taken.getsockname()[1]
+        handed: list[int] = []
+
+        def ports() -> Iterator[int]:
+            yield busy  # the GCS port of the first try: someone holds it
+            for _ in range(3 * RAY_START_ATTEMPTS):
+                handed.append(free_port())
+                yield handed[-1]
+
+        with _head(short_tmp, ports()) as (proc, port):
+            assert port != busy and port in handed
+            assert proc.poll() is None  # type: ignore[attr-defined]
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+def test_a_failure_that_is_not_a_port_race_is_raised_at_once(short_tmp: Path) -> None:
+    asked = 0
+
+    def ports() -> Iterator[int]:
+        nonlocal asked
+        for _ in range(3 * RAY_START_ATTEMPTS):
+            asked += 1
+            yield free_port()
+
+    with pytest.raises(RuntimeError, match="ray start exited"), _head(short_tmp, ports(), resources="not json"):
+        pass
+    assert asked == 3  # one attempt: the GCS port and the two others
