@@ -25,6 +25,7 @@ when recovery finds one key in two slots, the higher generation wins.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -58,6 +59,27 @@ def format_version_for(layout: PageLayout) -> int:
 def payload_checksum(payload: memoryview | bytes) -> int:
     """XXH3-64 of a page payload: the checksum verified on every read."""
     return xxhash.xxh3_64_intdigest(payload)
+
+
+def payload_hasher() -> xxhash.xxh3_64:
+    """payload_checksum over bytes fed in pieces: `update(piece)` in order, then `intdigest()`."""
+    return xxhash.xxh3_64()
+
+
+# A page moved and hashed in steps of this many bytes is hashed while its bytes are still in the core's L2
+# cache (512 KiB per core here). NOTE: measured on a 2-vCPU EPYC VM: XXH3-64 runs 27-36 GB/s over bytes in
+# cache and 9-10 GB/s over bytes it must fetch from RAM; hashing a whole 4 MiB page after receiving or copying
+# it costs a second pass over RAM.
+HOT_CHUNK = 256 << 10
+
+
+def checksum_in_steps(n: int, step: Callable[[int, int], memoryview | bytes]) -> int:
+    """The payload checksum (XXH3-64, equal to payload_checksum's) of `n` bytes that `step(off, k)` makes ready
+    HOT_CHUNK at a time (receives or copies bytes [off, off + k) and returns them), each hashed right after."""
+    h = payload_hasher()
+    for off in range(0, n, HOT_CHUNK):
+        h.update(step(off, min(HOT_CHUNK, n - off)))
+    return h.intdigest()
 
 
 class HeaderError(ValueError):

@@ -28,14 +28,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
 from kvstore.manager.landing import read_payload
 from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
 from kvstore.names import Key, TierKind
-from kvstore.pageformat import HEADER_BYTES, payload_checksum
+from kvstore.pageformat import HEADER_BYTES, checksum_in_steps, payload_checksum
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)
@@ -294,15 +293,14 @@ class Reader:
 # costs more than a small copy: inline was 1.9-2.2x the pool's GB/s at 256 KiB, 1.3x at 1 MiB, 1.04-1.15x at
 # 2 MiB; at 4 MiB the pool was 1.0-1.18x inline (pages copied side by side) and keeps the loop free longer.
 INLINE_COPY_BYTES = 2 << 20
-COPY_CHUNK = 256 << 10  # bytes copied, then hashed while still in the core's L2 cache (512 KiB per core here)
 
 
 def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
     """XXH3-64 of `payload` (the page checksum), copying it into `dest` in the same pass when given.
 
-    NOTE: one pass over memory instead of two: each chunk is copied, then hashed from cache, rather
-    than hashing the whole page and copying it again from RAM. The hash is of the source, so it
-    verifies the tier read; the copy is a memcpy of verified bytes.
+    NOTE: one pass over memory instead of two: each chunk is copied, then hashed from cache
+    (pageformat.checksum_in_steps), rather than hashing the whole page and copying it again from RAM. The
+    hash is of the source, so it verifies the tier read; the copy is a memcpy of verified bytes.
     """
     if dest is None:
         return payload_checksum(payload)
@@ -312,12 +310,12 @@ def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
     # NOTE: memmove through ctypes releases the GIL (a memoryview slice assignment holds it), as XXH3 does,
     # so copies of several pages run in parallel on the I/O pool's threads.
     src, dst = _address(payload), _address(dest)
-    h = xxhash.xxh3_64()
-    for off in range(0, n, COPY_CHUNK):
-        k = min(COPY_CHUNK, n - off)
+
+    def copy(off: int, k: int) -> memoryview:
         ctypes.memmove(dst + off, src + off, k)
-        h.update(payload[off : off + k])
-    return h.intdigest()
+        return payload[off : off + k]
+
+    return checksum_in_steps(n, copy)
 
 
 def _address(view: memoryview) -> int:

@@ -17,7 +17,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
 from kvstore.layout import DType, PageEncoding, PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import payload_checksum
+from kvstore.pageformat import payload_checksum, payload_hasher
 from kvstore.security import redact_url
 from kvstore.stats import IndexStatus, KvEventsStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
 from kvstore.wire import CHUNK_BYTES, PutOpen
@@ -273,6 +273,7 @@ class GetAssembler:
         self._cur: FetchedPage | None = None
         self._fill = 0
         self._checksum = 0
+        self._hasher = payload_hasher()  # the current page's checksum, fed chunk by chunk while in cache
 
     def feed(self, raw: bytes) -> None:
         """Take one serialized GetResponse."""
@@ -290,6 +291,7 @@ class GetAssembler:
             self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), self._alloc(msg.page.payload_bytes))
             self._fill = 0
             self._checksum = msg.page.checksum
+            self._hasher.reset()
         elif kind == "chunk":
             self._add_chunk(memoryview(msg.chunk))
         else:
@@ -303,13 +305,15 @@ class GetAssembler:
             raise StreamError("page longer than its header announced")
         self._cur.data[self._fill : end] = chunk
         self._fill = end
+        if self._verify:
+            self._hasher.update(chunk)
 
     def _close_page(self) -> None:
         if self._cur is None:
             return
         if self._fill != len(self._cur.data):
             raise StreamError(f"page {len(self.pages)} truncated: {self._fill}/{len(self._cur.data)} bytes")
-        if self._verify and payload_checksum(self._cur.data) != self._checksum:
+        if self._verify and self._hasher.intdigest() != self._checksum:
             raise PageCorrupt(len(self.pages), self._cur.hash, list(self.pages))
         self.pages.append(self._cur)
         self._cur = None

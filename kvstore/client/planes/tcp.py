@@ -32,7 +32,7 @@ from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import payload_checksum
+from kvstore.pageformat import checksum_in_steps, payload_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import PlaneInfo
 from kvstore.wire import PutOpen, tcp
@@ -138,6 +138,17 @@ class Connection:
             self.usable = False
             raise
 
+    def receive_hashed(self, dst: memoryview) -> int:
+        """Fill `dst` from the socket and return its payload checksum, each chunk hashed as soon as it is in
+        (from cache: no second pass over RAM; pageformat.HOT_CHUNK)."""
+
+        def receive(off: int, k: int) -> memoryview:
+            chunk = dst[off : off + k]
+            self.readinto(chunk)
+            return chunk
+
+        return checksum_in_steps(len(dst), receive)
+
     def read_frame(self) -> tuple[Header, bytearray]:
         """The next frame's header and metadata (its body, if any, is still to be read); ERROR raises
         the node's exception."""
@@ -191,8 +202,9 @@ class Connection:
             if i >= len(hashes) or h != hashes[i]:
                 raise StreamError(f"page {i}: the node sent an unexpected hash")
             dst = sink(i, head.body_len)
-            self.readinto(dst)
-            if verify and payload_checksum(dst) != checksum:
+            if not verify:
+                self.readinto(dst)
+            elif self.receive_hashed(dst) != checksum:
                 raise PageCorrupt(i, h, out)
             out.append((h, TierKind(tier), dst))
 
