@@ -147,6 +147,10 @@ class NodeProcess:
         self.close()
 
 
+# A child started on a free_port() port tries at most this many ports (the OS may hand one out again).
+_PORT_TRIES = 3
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -249,6 +253,20 @@ class RedisProcess(_Child):
         return f"redis://{user}:{self.users[user][0]}@{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
+        """Start it (bounded). On a first start, a port taken between free_port() and redis-server's bind is
+        retried on a fresh one (at most _PORT_TRIES times); a restart keeps its port (clients hold the URL)."""
+        first = not self._conf_written
+        for attempt in range(1, _PORT_TRIES + 1):
+            try:
+                return self._start_once(timeout)
+            except RuntimeError:
+                said = (Path(self._tmp.name) / "redis-server.log").read_text(errors="replace")
+                if not first or attempt == _PORT_TRIES or "in use" not in said:
+                    raise
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> RedisProcess:
         conf = Path(self._tmp.name) / "redis.conf"
         if not self._conf_written:  # kept across restarts: Sentinel rewrites it (who replicates whom)
             conf.touch(mode=0o600)

@@ -1,5 +1,6 @@
-"""`kvstore up`'s Ray head start: a port taken between free_port() and Ray's bind is retried on fresh ports
-(CI once lost a run to exactly that race); any other failure is raised at once. Real `ray start`, loopback."""
+"""A port taken between free_port() and a child's bind is retried on fresh ports (CI once lost a run to exactly
+that race): `kvstore up`'s Ray head (any other failure raised at once) and redis-server. Real processes,
+loopback."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis as redis_lib
 
-from kvstore.cli.launch import free_port
+from kvstore.cli.launch import RedisProcess, free_port
 from kvstore.cli.up import RAY_START_ATTEMPTS, start_ray_head, terminate
 
 pytestmark = pytest.mark.timeout(240)
@@ -70,3 +72,22 @@ def test_a_failure_that_is_not_a_port_race_is_raised_at_once(short_tmp: Path) ->
     with pytest.raises(RuntimeError, match="ray start exited"), _head(short_tmp, ports(), resources="not json"):
         pass
     assert asked == 3  # one attempt: the GCS port and the two others
+
+
+def test_redis_whose_port_was_taken_starts_on_a_fresh_one_and_a_restart_keeps_its_port() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        redis = RedisProcess()
+        redis.port = taken.getsockname()[1]  # as if someone bound it after free_port() handed it out
+        try:
+            redis.start()
+            assert redis.port != taken.getsockname()[1]
+            r = redis_lib.Redis.from_url(redis.url)
+            assert r.ping()
+            port = redis.port
+            redis.restart()
+            assert redis.port == port and r.ping()
+            r.close()
+        finally:
+            redis.close()
