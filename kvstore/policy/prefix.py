@@ -171,7 +171,13 @@ class PrefixTreePolicy:
         return self._first_internal(usable)
 
     def _first_internal(self, usable: Callable[[Key], bool]) -> Key | None:
-        return next((k for k in self._internal_order() if usable(k)), None)
+        # NOTE: one pass for the least (prio, seq) usable internal key, not a sort of them all: a small
+        # tier whose leaves are all pinned by a long request asks this on every miss.
+        best: tuple[float, int, Key] | None = None
+        for k, n in self._nodes.items():
+            if n.kids and (best is None or (n.prio, n.seq) < best[:2]) and usable(k):
+                best = (n.prio, n.seq, k)
+        return None if best is None else best[2]
 
     def _internal_order(self) -> list[Key]:
         return [k for _, _, k in sorted((n.prio, n.seq, k) for k, n in self._nodes.items() if n.kids)]
@@ -196,10 +202,22 @@ class PrefixLRUPolicy(PrefixTreePolicy):
     def __init__(self) -> None:
         super().__init__()
         self._clock = 0
+        self._cold = 0  # demoted keys take prios below this (see demote)
 
     def _touch(self, key: Key, node: _Node, *, first: bool) -> None:
         self._clock += 1
         node.prio = float(self._clock)
+
+    def demote(self, keys: list[Key]) -> None:
+        """Put the resident ones of `keys` (oldest first) before every other key in the victim order,
+        in their order; a later access or insert gives a key its place by recency again."""
+        cold = self._cold - len(keys)
+        for i, key in enumerate(keys):
+            node = self._nodes.get(key)
+            if node is not None:
+                node.prio = float(cold + i)  # NOTE: below every clock value (>= 1) and earlier demotions
+                self._push(key, node)
+        self._cold = cold
 
 
 class _Seg:
