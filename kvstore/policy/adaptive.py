@@ -133,9 +133,11 @@ class ShadowCache:
     keys; `prefix_hits` counts the fed references found resident with no miss before them in their
     request."""
 
-    def __init__(self, capacity: int, level: int) -> None:
+    def __init__(self, capacity: int, level: int, run: set[Key], history: History) -> None:
         self.capacity = capacity
         self.level = level
+        self.run = run  # the owner's: the sampled keys of the chain being referenced (held while it runs)
+        self.history = history  # the owner's reference counts (for FREQUENT)
         self.lru: OrderedDict[Key, None] = OrderedDict()
         self.ghost: OrderedDict[Key, None] = OrderedDict()
         self.ghost_limit = 1
@@ -159,7 +161,7 @@ class ShadowCache:
         self.ghost = OrderedDict((k, None) for k in kept[-self.ghost_limit :])
         self.capacity = capacity
 
-    def reference(self, key: Key, parent: Key | None, run: set[Key], before: int, history: History) -> bool:
+    def reference(self, key: Key, parent: Key | None, before: int) -> bool:
         """Key is referenced after `parent` in its chain (None: the chain's first key here), while the
         keys of `run` are held; `before` is its history count without this reference. True for a
         prefix hit (the key is here and so was every key of its chain before it)."""
@@ -173,36 +175,42 @@ class ShadowCache:
             self.prefix_hits += 1
             return True
         self._missed = True
-        if len(lru) < self.capacity or self._make_room(key, parent, run, before, history):
+        if len(lru) < self.capacity:
             lru[key] = None
+        elif self.level == ALL:
+            # NOTE: the keys of `run` were all referenced since its first one, so they are the youngest
+            # in `lru`: the oldest key is the victim unless it is in `run`, and then every key is (O(1)).
+            victim = next(iter(lru))
+            if victim not in self.run:
+                del lru[victim]
+                lru[key] = None
+        else:
+            self._filtered(key, parent, before)
         return False
 
-    def _make_room(self, key: Key, parent: Key | None, run: set[Key], before: int, history: History) -> bool:
-        """In the full shadow: whether key is admitted (its victim then evicted)."""
+    def _filtered(self, key: Key, parent: Key | None, before: int) -> None:
+        """A miss in the full shadow at SECOND or FREQUENT: key enters (its victim leaves) if admitted."""
         lru, level = self.lru, self.level
-        if level != ALL:
-            # NOTE: the admission test before the victim: most references a filter sees are refused.
-            missing = parent is not None and parent not in lru
-            if level == SECOND:
-                ghost = self.ghost
-                if missing or key not in ghost:
-                    if key in ghost:
-                        ghost.move_to_end(key)
-                    else:
-                        ghost[key] = None
-                        if len(ghost) > self.ghost_limit:
-                            ghost.popitem(last=False)
-                    return False
-                del ghost[key]
-            elif missing:
-                return False
-        # NOTE: the keys of `run` were all referenced since its first one, so they are the youngest in
-        # `lru`: the oldest key is the victim unless it is in `run`, and then every key is (O(1), not a scan).
-        victim = next(iter(lru))
-        if victim in run or (level == FREQUENT and before + 1 <= history.count(victim)):
-            return False
+        # NOTE: the admission test before the victim: most references a filter sees are refused.
+        missing = parent is not None and parent not in lru
+        if level == SECOND:
+            ghost = self.ghost
+            if missing or key not in ghost:
+                if key in ghost:
+                    ghost.move_to_end(key)
+                else:
+                    ghost[key] = None
+                    if len(ghost) > self.ghost_limit:
+                        ghost.popitem(last=False)
+                return
+            del ghost[key]
+        elif missing:
+            return
+        victim = next(iter(lru))  # NOTE: see reference(): the victim unless every key is in `run`
+        if victim in self.run or (level == FREQUENT and before + 1 <= self.history.count(victim)):
+            return
         del lru[victim]
-        return True
+        lru[key] = None
 
 
 class AdaptivePolicy(Admitted):
@@ -332,7 +340,8 @@ class AdaptivePolicy(Admitted):
         cap = max(1, round(high / (1 << k)))
         if not self._shadows:
             self._k, self._mask = k, (1 << k) - 1
-            self._shadows = [ShadowCache(cap, level) for level in range(len(LEVELS))]
+            history = self.rule.history
+            self._shadows = [ShadowCache(cap, level, self._run, history) for level in range(len(LEVELS))]
         elif k != self._k:
             # NOTE: the tier's high-water mark doubled (it is still filling): the shadows keep the
             # sparser sample's keys and the scores their evidence (see the module docstring).
@@ -358,17 +367,15 @@ class AdaptivePolicy(Admitted):
         # the sampled keys of a chain form a chain there too and the prefix rules apply.
         sparent, self._chain_sampled = self._chain_sampled, key
         if sparent is None:
-            self._run = {key}
-        else:
-            self._run.add(key)
-        run = self._run
+            self._run.clear()  # NOTE: cleared, not replaced: the shadows hold this set
+        self._run.add(key)
         level = self.rule.level
         if self._full:
             self.moves[level] += 1
         s0, s1, s2 = self._shadows  # NOTE: unrolled over the three thresholds: this is the hot path
-        h0 = s0.reference(key, sparent, run, before, history)
-        h1 = s1.reference(key, sparent, run, before, history)
-        h2 = s2.reference(key, sparent, run, before, history)
+        h0 = s0.reference(key, sparent, before)
+        h1 = s1.reference(key, sparent, before)
+        h2 = s2.reference(key, sparent, before)
         if h0 == h1 == h2:
             return  # NOTE: a reference every shadow hits (or misses) says nothing about the thresholds
         decay, score = self._decay, self.scores

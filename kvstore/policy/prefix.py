@@ -59,6 +59,7 @@ class PrefixTreePolicy:
         self._kids: dict[Key, set[Key]] = {}  # parent key -> its resident children (parent may be absent)
         self._heaps: list[list[tuple[float, int, Key]]] = [[] for _ in range(self.SEGMENTS)]
         self._seg_size = [0] * self.SEGMENTS
+        self._all_segments = tuple(range(self.SEGMENTS))
         self._seq = 0
 
     # -- events -------------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class PrefixTreePolicy:
 
     def _segment_order(self) -> tuple[int, ...]:
         """Classes in the order victims are taken from them."""
-        return tuple(range(self.SEGMENTS))
+        return self._all_segments
 
     def _move(self, node: _Node, seg: int) -> None:
         self._seg_size[node.seg] -= 1
@@ -140,18 +141,16 @@ class PrefixTreePolicy:
             heap[:] = [(n.prio, n.seq, k) for k, n in self._nodes.items() if not n.kids and n.seg == seg]
             heapq.heapify(heap)
 
-    def _live(self, entry: tuple[float, int, Key], seg: int) -> bool:
-        node = self._nodes.get(entry[2])
-        return node is not None and node.seq == entry[1] and not node.kids and node.seg == seg
-
     def _first_leaf(self, seg: int, usable: Callable[[Key], bool]) -> Key | None:
         """The usable leaf of class `seg` with the lowest prio (stale heap entries are dropped)."""
         heap = self._heaps[seg]
+        nodes = self._nodes
         held: list[tuple[float, int, Key]] = []
         found: Key | None = None
         while heap:
             entry = heap[0]
-            if not self._live(entry, seg):
+            node = nodes.get(entry[2])  # NOTE: is the entry live? (this loop runs on every victim query)
+            if node is None or node.seq != entry[1] or node.kids or node.seg != seg:
                 heapq.heappop(heap)
             elif usable(entry[2]):
                 found = entry[2]
