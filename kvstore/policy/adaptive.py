@@ -250,7 +250,9 @@ class AdaptivePolicy(Admitted):
         self._learn_left = 0  # references left in the learning phase (0: before the tier fills, and after)
         self._entering: Key | None = None  # the key admit() let in at ALL, until its on_insert
         self._displaced: Key | None = None  # the victim named for it, until its on_remove
-        self._probation: dict[Key, None] = {}  # let in by ALL in a full tier, not referenced since (in order)
+        # NOTE: the pages ALL let into the full tier, in order, with their recency stamp then: a page
+        # still here with that stamp was not referenced since (no bookkeeping on accesses).
+        self._probation: dict[Key, float | None] = {}
         self._mask = 0
         self._decay = 0.0
         self._shadows: list[ShadowCache] = []
@@ -309,23 +311,28 @@ class AdaptivePolicy(Admitted):
             self.switches += 1
 
     def on_insert(self, key: Key, parent: Key | None = None, reads: int = 0) -> None:
-        if key == self._entering:
-            self._probation[key] = None
-        self._entering = None
+        entering, self._entering = self._entering, None
         super().on_insert(key, parent, reads)
+        if key == entering:
+            probation = self._probation
+            probation.pop(key, None)
+            probation[key] = self.policy.stamp(key)
+            if len(probation) > 2 * self._high + 64:
+                self._probation = self._on_probation()
+
+    def _on_probation(self) -> dict[Key, float | None]:
+        """The pages of `_probation` still here and not referenced since they entered, in order."""
+        stamp = self.policy.stamp
+        return {k: v for k, v in self._probation.items() if stamp(k) == v}
 
     def on_access(self, key: Key) -> None:
-        # NOTE: Admitted.on_access inlined (the hot path), and a page on probation leaves it when used.
+        # NOTE: Admitted.on_access inlined: this is the hot path.
         if self._just_inserted != key and key in self._resident:
-            if self._probation:
-                self._probation.pop(key, None)
             self._reference(key, self._resident[key])
         self._just_inserted = None
         self.policy.on_access(key)
 
     def on_remove(self, key: Key) -> None:
-        if self._probation:
-            self._probation.pop(key, None)
         if key == self._displaced:
             # NOTE: a page ALL pushed out was seen: a stricter threshold lets it back on its next sighting.
             self._displaced = None
@@ -406,7 +413,7 @@ class AdaptivePolicy(Admitted):
             if level == ALL and self._probation:
                 # NOTE: the pages ALL let in that were not referenced since would not be here under the
                 # stricter threshold: they go first (as if refused), not the pages they displaced.
-                self.policy.demote(list(self._probation))
-                self._probation.clear()
+                self.policy.demote(list(self._on_probation()))
+                self._probation = {}
             self.rule.level = best
             self.switches += 1

@@ -207,6 +207,11 @@ class PrefixLRUPolicy(PrefixTreePolicy):
         self._clock += 1
         node.prio = float(self._clock)
 
+    def stamp(self, key: Key) -> float | None:
+        """The recency of a resident key (it changes on every insert and access of it); None if absent."""
+        node = self._nodes.get(key)
+        return None if node is None else node.prio
+
     def demote(self, keys: list[Key]) -> None:
         """Put the resident ones of `keys` (oldest first) before every other key in the victim order,
         in their order; a later access or insert gives a key its place by recency again."""
