@@ -65,7 +65,8 @@ order change.
 Cost is bounded. A shadow is an LRU list (one OrderedDict operation per reference) of between
 SHADOW_MIN and 2 x SHADOW_MIN keys (the whole tier below that, seeing every reference), so the
 shadows cost 3 x 2 x SHADOW_MIN keys and, per reference, 3 x 2**-k list updates; the history is one
-dict update per reference. An LRU list stands in for prefix-LRU's leaf order in the shadows: they
+dict update per reference; the probation list holds at most 2 x capacity + 64 keys (pruned to the
+pages still untouched). An LRU list stands in for prefix-LRU's leaf order in the shadows: they
 rank thresholds, and the two orders differ by under 2% on every workload of the suite.
 
 Everything is pure and deterministic (stable hashing, no clocks): a simulation and a node that see
