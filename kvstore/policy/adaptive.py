@@ -40,16 +40,33 @@ two counts (Z x sqrt(a + b); Z_FREQUENT for a move to FREQUENT, which the small 
 overrate: on the conversation workload and the Mooncake trace they showed it ahead of second sight
 by 3 deviations where the full tier did 10% worse with it); and among the thresholds within Z
 deviations of the best it takes the first of PREFER (the least strict), so noise never pushes it to
-a stricter one. A move costs no page: only admit() changes.
+a stricter one.
 
-While the tier first fills, its high-water mark doubles and the sample thins (k grows, each sample
-a subset of the last): the shadows keep the keys of the new sample and the scores their evidence,
-so the threshold the full tier starts with is judged on the whole fill.
+Filling, then learning. While the tier has free space admission does not matter (admit() is never
+asked, nothing is evicted) and the shadows, sized to the tier's high-water mark, see hardly a
+contested reference (measured: scores of 0-10 when the tiers of the suite fill). So the fill is not
+counted (`moves` start at the first admit()), and the hysteresis above, which protects a threshold
+that has proven itself, has nothing to protect when the tier fills: at the first admit() the tier
+takes the least strict threshold within START_Z (1) deviations of the best score, and for the next
+LEARN x capacity references a move needs only Z_LEARN (2) deviations and MIN_LEAD_LEARN hits, no
+SWITCH margin (issue 22: learning from admit-all at the full hysteresis took ~9,000 references on
+the conversation workload, and the one-offs admitted meanwhile cost up to 2% of hit rate).
+While the tier fills its high-water mark doubles and the sample thins (k grows, each sample a
+subset of the last): the shadows keep the keys of the new sample and the scores their evidence.
+
+A move from ALL to a stricter threshold undoes what ALL did, as far as it can without I/O (LeCaR's
+regret, applied to the tier's contents instead of to weights): the pages ALL let into the full
+tier that were not referenced since would not be there under the new threshold, so they become the
+first victims (PrefixLRUPolicy.demote), before the older pages they pushed toward the end; and the
+pages ALL pushed out were seen, so they are remembered in the second-sight ghost and a stricter
+threshold lets them back on their next sighting. A move costs no page: only admit() and the victim
+order change.
 
 Cost is bounded. A shadow is an LRU list (one OrderedDict operation per reference) of between
 SHADOW_MIN and 2 x SHADOW_MIN keys (the whole tier below that, seeing every reference), so the
 shadows cost 3 x 2 x SHADOW_MIN keys and, per reference, 3 x 2**-k list updates; the history is one
-dict update per reference. An LRU list stands in for prefix-LRU's leaf order in the shadows: they
+dict update per reference; the probation list holds at most 2 x capacity + 64 keys (pruned to the
+pages still untouched). An LRU list stands in for prefix-LRU's leaf order in the shadows: they
 rank thresholds, and the two orders differ by under 2% on every workload of the suite.
 
 Everything is pure and deterministic (stable hashing, no clocks): a simulation and a node that see
@@ -112,23 +129,26 @@ class ThresholdRule:
 
 class ShadowCache:
     """A miniature LRU simulation of the tier at one threshold, on the references it is fed.
-    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` holds only keys this shadow
-    refused (at most GHOST_FACTOR x capacity); `hits` counts the fed references found resident,
-    `prefix_hits` those of them with no miss before them in their request."""
+    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` (SECOND only: a FIFO of the
+    keys this shadow refused, as admission.SecondSight keeps it) holds at most GHOST_FACTOR x capacity
+    keys; `prefix_hits` counts the fed references found resident with no miss before them in their
+    request."""
 
-    def __init__(self, capacity: int, level: int) -> None:
+    def __init__(self, capacity: int, level: int, run: set[Key], history: History) -> None:
         self.capacity = capacity
         self.level = level
+        self.run = run  # the owner's: the sampled keys of the chain being referenced (held while it runs)
+        self.history = history  # the owner's reference counts (for FREQUENT)
         self.lru: OrderedDict[Key, None] = OrderedDict()
-        self.ghost = SecondSight(GHOST_FACTOR)
-        self.ghost.ensure_capacity(capacity)
-        self.hits = 0
+        self.ghost: OrderedDict[Key, None] = OrderedDict()
+        self.ghost_limit = 1
         self.prefix_hits = 0
         self._missed = False
+        self.resize(capacity)
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
-        self.ghost.ensure_capacity(capacity)
+        self.ghost_limit = max(self.ghost_limit, round(GHOST_FACTOR * capacity))
 
     def resample(self, mask: int, capacity: int) -> None:
         """Keep only the keys of a sparser sample (those whose sample_hash has the `mask` bits at 0, a
@@ -137,14 +157,12 @@ class ShadowCache:
         self.lru = OrderedDict((k, None) for k in self.lru if not sample_hash(k) & mask)
         while len(self.lru) > capacity:
             self.lru.popitem(last=False)
-        ghost = SecondSight(GHOST_FACTOR)
-        ghost.ensure_capacity(capacity)
-        for key in self.ghost.ghost:
-            if not sample_hash(key) & mask:
-                ghost.refused(key)
-        self.ghost, self.capacity = ghost, capacity
+        self.ghost_limit = max(1, round(GHOST_FACTOR * capacity))
+        kept = [k for k in self.ghost if not sample_hash(k) & mask]
+        self.ghost = OrderedDict((k, None) for k in kept[-self.ghost_limit :])
+        self.capacity = capacity
 
-    def reference(self, key: Key, parent: Key | None, run: set[Key], before: int, history: History) -> bool:
+    def reference(self, key: Key, parent: Key | None, before: int) -> bool:
         """Key is referenced after `parent` in its chain (None: the chain's first key here), while the
         keys of `run` are held; `before` is its history count without this reference. True for a
         prefix hit (the key is here and so was every key of its chain before it)."""
@@ -153,35 +171,47 @@ class ShadowCache:
         lru = self.lru
         if key in lru:
             lru.move_to_end(key)
-            self.hits += 1
             if self._missed:
                 return False
             self.prefix_hits += 1
             return True
         self._missed = True
-        if len(lru) < self.capacity or self._make_room(key, parent, run, before, history):
+        if len(lru) < self.capacity:
             lru[key] = None
+        elif self.level == ALL:
+            # NOTE: the keys of `run` were all referenced since its first one, so they are the youngest
+            # in `lru`: the oldest key is the victim unless it is in `run`, and then every key is (O(1)).
+            victim = next(iter(lru))
+            if victim not in self.run:
+                del lru[victim]
+                lru[key] = None
+        else:
+            self._filtered(key, parent, before)
         return False
 
-    def _make_room(self, key: Key, parent: Key | None, run: set[Key], before: int, history: History) -> bool:
-        """In the full shadow: whether key is admitted (its victim then evicted)."""
-        level = self.level
-        if level != ALL:
-            # NOTE: the admission test before the victim search where it needs no victim: most
-            # references a filter sees are refused.
-            missing = parent is not None and parent not in self.lru
-            if level == SECOND:
-                if missing or key not in self.ghost.ghost:
-                    self.ghost.refused(key)
-                    return False
-                self.ghost.admitted(key)
-            elif missing:
-                return False
-        victim = next((k for k in self.lru if k not in run), None)
-        if victim is None or (level == FREQUENT and before + 1 <= history.count(victim)):
-            return False
-        del self.lru[victim]
-        return True
+    def _filtered(self, key: Key, parent: Key | None, before: int) -> None:
+        """A miss in the full shadow at SECOND or FREQUENT: key enters (its victim leaves) if admitted."""
+        lru, level = self.lru, self.level
+        # NOTE: the admission test before the victim: most references a filter sees are refused.
+        missing = parent is not None and parent not in lru
+        if level == SECOND:
+            ghost = self.ghost
+            if missing or key not in ghost:
+                if key in ghost:
+                    ghost.move_to_end(key)
+                else:
+                    ghost[key] = None
+                    if len(ghost) > self.ghost_limit:
+                        ghost.popitem(last=False)
+                return
+            del ghost[key]
+        elif missing:
+            return
+        victim = next(iter(lru))  # NOTE: see reference(): the victim unless every key is in `run`
+        if victim in self.run or (level == FREQUENT and before + 1 <= self.history.count(victim)):
+            return
+        del lru[victim]
+        lru[key] = None
 
 
 class AdaptivePolicy(Admitted):
@@ -202,6 +232,11 @@ class AdaptivePolicy(Admitted):
     Z_FREQUENT = 5.0  # ... 5 for a move to TinyLFU's test: the shadows overrate it (measured, issue 22)
     PREFER = (ALL, SECOND, FREQUENT)  # among thresholds within Z deviations of the best, the first
     START = ALL  # the threshold a new tier starts with (measured: the best start on the suite, issue 22)
+    # The first choice, when the tier fills, has no incumbent to protect (see the module docstring):
+    START_Z = 1.0  # when the tier fills: the least strict threshold within START_Z deviations of the best
+    LEARN = 4.0  # then for LEARN x capacity references a move needs only ...
+    Z_LEARN = 2.0  # ... Z_LEARN deviations (for every threshold) ...
+    MIN_LEAD_LEARN = 4.0  # ... and this many hits, no SWITCH margin
 
     def __init__(self) -> None:
         self.rule = ThresholdRule()
@@ -212,6 +247,13 @@ class AdaptivePolicy(Admitted):
         self.moves = [0] * len(LEVELS)  # sampled references spent at each threshold
         self.scores = [0.0] * len(LEVELS)  # decayed prefix hits of each shadow, contested references
         self._k = -1  # sampling: a key is sampled iff its sample_hash has its k low bits at 0
+        self._full = False  # admit() was asked: the tier has been full (admission matters from then on)
+        self._learn_left = 0  # references left in the learning phase (0: before the tier fills, and after)
+        self._entering: Key | None = None  # the key admit() let in at ALL, until its on_insert
+        self._displaced: Key | None = None  # the victim named for it, until its on_remove
+        # NOTE: the pages ALL let into the full tier, in order, with their recency stamp then: a page
+        # still here with that stamp was not referenced since (no bookkeeping on accesses).
+        self._probation: dict[Key, float | None] = {}
         self._mask = 0
         self._decay = 0.0
         self._shadows: list[ShadowCache] = []
@@ -244,6 +286,60 @@ class AdaptivePolicy(Admitted):
         h = rule.history
         return h.count(key) + 1 > h.count(victim)
 
+    def admit(self, key: Key, victim: Key | None, parent: Key | None = None) -> bool:
+        if not self._full:
+            self._filled()
+        # NOTE: Admitted.admit without telling the rule (ThresholdRule ignores it): this is the hot path.
+        self._just_inserted = None
+        ok = self._admits(key, victim, parent)
+        if not ok:
+            self._reference(key, parent)
+        elif self.rule.level == ALL:
+            self._entering, self._displaced = key, victim
+        return ok
+
+    def _filled(self) -> None:
+        """The first admit(): the tier is full and admission matters from now on. Nothing the shadows
+        saw before made a difference, so the start threshold is the evidence's best with no incumbent
+        to protect, and the learning phase begins."""
+        self._full = True
+        self._learn_left = max(1, round(self.LEARN * self._high))
+        score, z2 = self.scores, self.START_Z * self.START_Z
+        top = max(score)
+        best = next(j for j in self.PREFER if (top - score[j]) ** 2 <= z2 * (top + score[j]))
+        if best != self.rule.level:
+            self.rule.level = best
+            self.switches += 1
+
+    def on_insert(self, key: Key, parent: Key | None = None, reads: int = 0) -> None:
+        entering, self._entering = self._entering, None
+        super().on_insert(key, parent, reads)
+        if key == entering:
+            probation = self._probation
+            probation.pop(key, None)
+            probation[key] = self.policy.stamp(key)
+            if len(probation) > 2 * self._high + 64:
+                self._probation = self._on_probation()
+
+    def _on_probation(self) -> dict[Key, float | None]:
+        """The pages of `_probation` still here and not referenced since they entered, in order."""
+        stamp = self.policy.stamp
+        return {k: v for k, v in self._probation.items() if stamp(k) == v}
+
+    def on_access(self, key: Key) -> None:
+        # NOTE: Admitted.on_access inlined: this is the hot path.
+        if self._just_inserted != key and key in self._resident:
+            self._reference(key, self._resident[key])
+        self._just_inserted = None
+        self.policy.on_access(key)
+
+    def on_remove(self, key: Key) -> None:
+        if key == self._displaced:
+            # NOTE: a page ALL pushed out was seen: a stricter threshold lets it back on its next sighting.
+            self._displaced = None
+            self.rule.ghost.refused(key)
+        super().on_remove(key)
+
     def _grew(self, high: int) -> None:
         super()._grew(high)
         k = 0
@@ -252,7 +348,8 @@ class AdaptivePolicy(Admitted):
         cap = max(1, round(high / (1 << k)))
         if not self._shadows:
             self._k, self._mask = k, (1 << k) - 1
-            self._shadows = [ShadowCache(cap, level) for level in range(len(LEVELS))]
+            history = self.rule.history
+            self._shadows = [ShadowCache(cap, level, self._run, history) for level in range(len(LEVELS))]
         elif k != self._k:
             # NOTE: the tier's high-water mark doubled (it is still filling): the shadows keep the
             # sparser sample's keys and the scores their evidence (see the module docstring).
@@ -265,6 +362,8 @@ class AdaptivePolicy(Admitted):
         self._decay = 1.0 - 1.0 / (self.MEMORY * cap)
 
     def _reference(self, key: Key, parent: Key | None) -> None:
+        if self._learn_left:
+            self._learn_left -= 1
         history = self.rule.history
         before = history.reference(key)
         if parent is None or parent != self._chain_prev:
@@ -276,16 +375,15 @@ class AdaptivePolicy(Admitted):
         # the sampled keys of a chain form a chain there too and the prefix rules apply.
         sparent, self._chain_sampled = self._chain_sampled, key
         if sparent is None:
-            self._run = {key}
-        else:
-            self._run.add(key)
-        run = self._run
+            self._run.clear()  # NOTE: cleared, not replaced: the shadows hold this set
+        self._run.add(key)
         level = self.rule.level
-        self.moves[level] += 1
+        if self._full:
+            self.moves[level] += 1
         s0, s1, s2 = self._shadows  # NOTE: unrolled over the three thresholds: this is the hot path
-        h0 = s0.reference(key, sparent, run, before, history)
-        h1 = s1.reference(key, sparent, run, before, history)
-        h2 = s2.reference(key, sparent, run, before, history)
+        h0 = s0.reference(key, sparent, before)
+        h1 = s1.reference(key, sparent, before)
+        h2 = s2.reference(key, sparent, before)
         if h0 == h1 == h2:
             return  # NOTE: a reference every shadow hits (or misses) says nothing about the thresholds
         decay, score = self._decay, self.scores
@@ -296,18 +394,27 @@ class AdaptivePolicy(Admitted):
 
     def _decide(self, level: int) -> None:
         """Move to the best-scoring threshold if its lead over `level` (the current one) is significant."""
-        score, z2 = self.scores, self.Z * self.Z
+        score = self.scores
         top = max(score)
         if score[level] == top:
             return
+        learning = self._learn_left > 0
+        z = self.Z_LEARN if learning else self.Z
+        z2 = z * z
         best = next(j for j in self.PREFER if (top - score[j]) ** 2 <= z2 * (top + score[j]))
         lead = score[best] - score[level]
-        if best == FREQUENT:
+        if best == FREQUENT and not learning:
             z2 = self.Z_FREQUENT * self.Z_FREQUENT
+        switch, min_lead = (0.0, self.MIN_LEAD_LEARN) if learning else (self.SWITCH, self.MIN_LEAD)
         if (
             best != level
-            and lead > score[level] * self.SWITCH + self.MIN_LEAD
+            and lead > score[level] * switch + min_lead
             and lead * lead > z2 * (score[best] + score[level])
         ):
+            if level == ALL and self._probation:
+                # NOTE: the pages ALL let in that were not referenced since would not be here under the
+                # stricter threshold: they go first (as if refused), not the pages they displaced.
+                self.policy.demote(list(self._on_probation()))
+                self._probation = {}
             self.rule.level = best
             self.switches += 1

@@ -103,10 +103,12 @@ class SecondSight:
 
     def refused(self, key: Key) -> None:
         ghost = self.ghost
-        ghost[key] = None
-        ghost.move_to_end(key)
-        while len(ghost) > self._limit:
-            ghost.popitem(last=False)
+        if key in ghost:
+            ghost.move_to_end(key)
+        else:
+            ghost[key] = None
+            if len(ghost) > self._limit:  # NOTE: one at most: the limit never shrinks
+                ghost.popitem(last=False)
 
     def admitted(self, key: Key) -> None:
         self.ghost.pop(key, None)

@@ -30,23 +30,19 @@ from kvstore.policy.base import Key
 class History:
     """Recent reference counts. Invariants: `len(self) <= limit`; count(k) >= 1 exactly for the keys
     remembered; a count is the number of references since the key was last forgotten (at most
-    MAX_COUNT), halved (rounded up) at each aging; age(k) is the number of references made since
-    k's last one; `references` counts those since the last aging, < window."""
+    MAX_COUNT), halved (rounded up) at each aging; `references` counts those since the last aging,
+    < window."""
 
     HISTORY_FACTOR = 10  # keys remembered per key of capacity: the tier's own and 9x as many others
     WINDOW_FACTOR = 10  # references between agings per key of capacity (TinyLFU's W = 10 x C)
     MAX_COUNT = 255
 
     def __init__(self) -> None:
-        # NOTE: one int per key, (clock of its last reference << 8) | count: one dict operation per
-        # reference keeps both.
-        self.entries: OrderedDict[Key, int] = OrderedDict()
+        self.entries: OrderedDict[Key, int] = OrderedDict()  # key -> count, least recently referenced first
         self.limit = self.HISTORY_FACTOR
         self.window = self.WINDOW_FACTOR
-        self.clock = 0  # references ever made
         self.references = 0
         self.agings = 0
-        self.last_age = -1  # of the key of the last reference(): its age before it (-1: not remembered)
 
     def ensure_capacity(self, capacity: int) -> None:
         """Size for a tier of `capacity` keys (never shrinks)."""
@@ -54,14 +50,10 @@ class History:
         self.window = max(self.window, self.WINDOW_FACTOR * capacity)
 
     def reference(self, key: Key) -> int:
-        """Count one reference to key; returns its count before this one (0: not remembered) and
-        leaves the key's age before this reference in `last_age`."""
+        """Count one reference to key; returns its count before this one (0: not remembered)."""
         entries = self.entries
-        v = entries.pop(key, 0)
-        before = v & 0xFF
-        self.last_age = self.clock - (v >> 8) if v else -1
-        self.clock += 1
-        entries[key] = (self.clock << 8) | (before + 1 if before < self.MAX_COUNT else before)
+        before = entries.pop(key, 0)
+        entries[key] = before + 1 if before < self.MAX_COUNT else before
         if len(entries) > self.limit:
             entries.popitem(last=False)
         self.references += 1
@@ -70,16 +62,11 @@ class History:
         return before
 
     def count(self, key: Key) -> int:
-        return self.entries.get(key, 0) & 0xFF
-
-    def age_of(self, key: Key) -> int:
-        """References made since key's last one; -1 if it is not remembered."""
-        v = self.entries.get(key, 0)
-        return self.clock - (v >> 8) if v else -1
+        return self.entries.get(key, 0)
 
     def age(self) -> None:
-        """Halve every count, rounding up (recency order and clocks are kept)."""
-        self.entries = OrderedDict((k, (v & ~0xFF) | (((v & 0xFF) + 1) >> 1)) for k, v in self.entries.items())
+        """Halve every count, rounding up (the recency order is kept)."""
+        self.entries = OrderedDict((k, (v + 1) >> 1) for k, v in self.entries.items())
         self.references = 0
         self.agings += 1
 

@@ -59,6 +59,7 @@ class PrefixTreePolicy:
         self._kids: dict[Key, set[Key]] = {}  # parent key -> its resident children (parent may be absent)
         self._heaps: list[list[tuple[float, int, Key]]] = [[] for _ in range(self.SEGMENTS)]
         self._seg_size = [0] * self.SEGMENTS
+        self._all_segments = tuple(range(self.SEGMENTS))
         self._seq = 0
 
     # -- events -------------------------------------------------------------------------------------
@@ -119,7 +120,7 @@ class PrefixTreePolicy:
 
     def _segment_order(self) -> tuple[int, ...]:
         """Classes in the order victims are taken from them."""
-        return tuple(range(self.SEGMENTS))
+        return self._all_segments
 
     def _move(self, node: _Node, seg: int) -> None:
         self._seg_size[node.seg] -= 1
@@ -140,18 +141,16 @@ class PrefixTreePolicy:
             heap[:] = [(n.prio, n.seq, k) for k, n in self._nodes.items() if not n.kids and n.seg == seg]
             heapq.heapify(heap)
 
-    def _live(self, entry: tuple[float, int, Key], seg: int) -> bool:
-        node = self._nodes.get(entry[2])
-        return node is not None and node.seq == entry[1] and not node.kids and node.seg == seg
-
     def _first_leaf(self, seg: int, usable: Callable[[Key], bool]) -> Key | None:
         """The usable leaf of class `seg` with the lowest prio (stale heap entries are dropped)."""
         heap = self._heaps[seg]
+        nodes = self._nodes
         held: list[tuple[float, int, Key]] = []
         found: Key | None = None
         while heap:
             entry = heap[0]
-            if not self._live(entry, seg):
+            node = nodes.get(entry[2])  # NOTE: is the entry live? (this loop runs on every victim query)
+            if node is None or node.seq != entry[1] or node.kids or node.seg != seg:
                 heapq.heappop(heap)
             elif usable(entry[2]):
                 found = entry[2]
@@ -171,7 +170,13 @@ class PrefixTreePolicy:
         return self._first_internal(usable)
 
     def _first_internal(self, usable: Callable[[Key], bool]) -> Key | None:
-        return next((k for k in self._internal_order() if usable(k)), None)
+        # NOTE: one pass for the least (prio, seq) usable internal key, not a sort of them all: a small
+        # tier whose leaves are all pinned by a long request asks this on every miss.
+        best: tuple[float, int, Key] | None = None
+        for k, n in self._nodes.items():
+            if n.kids and (best is None or (n.prio, n.seq) < best[:2]) and usable(k):
+                best = (n.prio, n.seq, k)
+        return None if best is None else best[2]
 
     def _internal_order(self) -> list[Key]:
         return [k for _, _, k in sorted((n.prio, n.seq, k) for k, n in self._nodes.items() if n.kids)]
@@ -196,10 +201,27 @@ class PrefixLRUPolicy(PrefixTreePolicy):
     def __init__(self) -> None:
         super().__init__()
         self._clock = 0
+        self._cold = 0  # demoted keys take prios below this (see demote)
 
     def _touch(self, key: Key, node: _Node, *, first: bool) -> None:
         self._clock += 1
         node.prio = float(self._clock)
+
+    def stamp(self, key: Key) -> float | None:
+        """The recency of a resident key (it changes on every insert and access of it); None if absent."""
+        node = self._nodes.get(key)
+        return None if node is None else node.prio
+
+    def demote(self, keys: list[Key]) -> None:
+        """Put the resident ones of `keys` (oldest first) before every other key in the victim order,
+        in their order; a later access or insert gives a key its place by recency again."""
+        cold = self._cold - len(keys)
+        for i, key in enumerate(keys):
+            node = self._nodes.get(key)
+            if node is not None:
+                node.prio = float(cold + i)  # NOTE: below every clock value (>= 1) and earlier demotions
+                self._push(key, node)
+        self._cold = cold
 
 
 class _Seg:

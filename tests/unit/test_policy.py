@@ -201,6 +201,30 @@ def test_pinned_leaf_protects_its_ancestors() -> None:
     assert next(k for k in p.candidates() if k not in {"a2", "b1"}) == "a0"
 
 
+def test_prefix_lru_demote_puts_keys_first_in_their_order_until_used() -> None:
+    p = PrefixLRUPolicy()
+    for k in "abcde":
+        p.on_insert(k)
+    p.demote(["d", "b", "gone"])  # a key not resident is ignored
+    assert list(p.candidates()) == ["d", "b", "a", "c", "e"]
+    assert first_usable(p, lambda k: k != "d") == "b"
+    p.on_access("d")  # used again: back to its place by recency
+    assert list(p.candidates()) == ["b", "a", "c", "e", "d"]
+    p.demote(["e"])  # a later demotion goes before the earlier ones
+    assert list(p.candidates())[:2] == ["e", "b"]
+
+
+def test_prefix_lru_internal_fallback_is_the_oldest_usable() -> None:
+    p = PrefixLRUPolicy()
+    _insert_chain(p, ["a0", "a1", "a2"])
+    _insert_chain(p, ["b0", "b1"])
+    p.on_access("a0")  # a0 is now the youngest internal key
+    assert first_usable(p, lambda k: k not in {"a2", "b1"}) == "a1"
+    assert first_usable(p, lambda k: k not in {"a2", "b1", "a1"}) == "b0"
+    assert first_usable(p, lambda k: k not in {"a2", "b1", "a1", "b0"}) == "a0"
+    assert first_usable(p, lambda k: False) is None
+
+
 def test_parent_inserted_after_child_is_not_a_leaf() -> None:
     # A chain can enter a tier out of order (a demoted head after its tail): links still hold.
     p = PrefixLRUPolicy()
