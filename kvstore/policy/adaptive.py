@@ -129,10 +129,9 @@ class ThresholdRule:
 
 class ShadowCache:
     """A miniature LRU simulation of the tier at one threshold, on the references it is fed.
-    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` (SECOND only: a FIFO of the
-    keys this shadow refused, as admission.SecondSight keeps it) holds at most GHOST_FACTOR x capacity
-    keys; `prefix_hits` counts the fed references found resident with no miss before them in their
-    request."""
+    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` (used at SECOND only) holds only
+    keys this shadow refused (at most GHOST_FACTOR x capacity); `prefix_hits` counts the fed references
+    found resident with no miss before them in their request."""
 
     def __init__(self, capacity: int, level: int, run: set[Key], history: History) -> None:
         self.capacity = capacity
@@ -140,15 +139,14 @@ class ShadowCache:
         self.run = run  # the owner's: the sampled keys of the chain being referenced (held while it runs)
         self.history = history  # the owner's reference counts (for FREQUENT)
         self.lru: OrderedDict[Key, None] = OrderedDict()
-        self.ghost: OrderedDict[Key, None] = OrderedDict()
-        self.ghost_limit = 1
+        self.ghost = SecondSight(GHOST_FACTOR)
         self.prefix_hits = 0
         self._missed = False
         self.resize(capacity)
 
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
-        self.ghost_limit = max(self.ghost_limit, round(GHOST_FACTOR * capacity))
+        self.ghost.ensure_capacity(capacity)
 
     def resample(self, mask: int, capacity: int) -> None:
         """Keep only the keys of a sparser sample (those whose sample_hash has the `mask` bits at 0, a
@@ -157,10 +155,12 @@ class ShadowCache:
         self.lru = OrderedDict((k, None) for k in self.lru if not sample_hash(k) & mask)
         while len(self.lru) > capacity:
             self.lru.popitem(last=False)
-        self.ghost_limit = max(1, round(GHOST_FACTOR * capacity))
-        kept = [k for k in self.ghost if not sample_hash(k) & mask]
-        self.ghost = OrderedDict((k, None) for k in kept[-self.ghost_limit :])
-        self.capacity = capacity
+        ghost = SecondSight(GHOST_FACTOR)
+        ghost.ensure_capacity(capacity)
+        for key in self.ghost.ghost:
+            if not sample_hash(key) & mask:
+                ghost.refused(key)
+        self.ghost, self.capacity = ghost, capacity
 
     def reference(self, key: Key, parent: Key | None, before: int) -> bool:
         """Key is referenced after `parent` in its chain (None: the chain's first key here), while the
@@ -196,15 +196,10 @@ class ShadowCache:
         missing = parent is not None and parent not in lru
         if level == SECOND:
             ghost = self.ghost
-            if missing or key not in ghost:
-                if key in ghost:
-                    ghost.move_to_end(key)
-                else:
-                    ghost[key] = None
-                    if len(ghost) > self.ghost_limit:
-                        ghost.popitem(last=False)
+            if missing or key not in ghost.ghost:
+                ghost.refused(key)
                 return
-            del ghost[key]
+            ghost.admitted(key)
         elif missing:
             return
         victim = next(iter(lru))  # NOTE: see reference(): the victim unless every key is in `run`
