@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvstore.cli.waits import retry_if_port_taken
+
 _POLL_SECONDS = 0.05
 
 
@@ -147,10 +149,6 @@ class NodeProcess:
         self.close()
 
 
-# A child started on a free_port() port tries at most this many ports (the OS may hand one out again).
-_PORT_TRIES = 3
-
-
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -254,17 +252,18 @@ class RedisProcess(_Child):
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
         """Start it (bounded). On a first start, a port taken between free_port() and redis-server's bind is
-        retried on a fresh one (at most _PORT_TRIES times); a restart keeps its port (clients hold the URL)."""
+        retried on a fresh one (waits.retry_if_port_taken); a restart keeps its port (clients hold the URL)."""
         first = not self._conf_written
-        for attempt in range(1, _PORT_TRIES + 1):
-            try:
-                return self._start_once(timeout)
-            except RuntimeError:
-                said = (Path(self._tmp.name) / "redis-server.log").read_text(errors="replace")
-                if not first or attempt == _PORT_TRIES or "in use" not in said:
-                    raise
-                self.port = free_port(self.host)
-        raise AssertionError("unreachable")
+        log = Path(self._tmp.name) / "redis-server.log"
+
+        def fresh_port() -> None:
+            self.port = free_port(self.host)
+
+        return retry_if_port_taken(
+            lambda: self._start_once(timeout),
+            taken=lambda e: first and "in use" in log.read_text(errors="replace"),
+            before_retry=fresh_port,
+        )
 
     def _start_once(self, timeout: float) -> RedisProcess:
         conf = Path(self._tmp.name) / "redis.conf"

@@ -21,19 +21,16 @@ local.engines.python.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
@@ -42,9 +39,9 @@ import typer
 from rich.console import Console
 
 from kvstore.cli.common import friendly_errors
+from kvstore.cli.waits import POLL_S, tail, wait_http, wait_port
 
 console = Console()
-_POLL_S = 0.2
 
 
 @friendly_errors
@@ -286,6 +283,7 @@ class Stack:
 
     def _start_workers(self, w: object) -> None:
         """A local Ray head with the chart's slots, then `kvstore pd-serve` against it (as in the chart)."""
+        from kvstore.cli.ray_head import start_ray_head
         from kvstore.cli.values import WorkersPlan
 
         assert isinstance(w, WorkersPlan)
@@ -303,7 +301,9 @@ class Stack:
         # NOTE: Ray's unix socket paths must stay under 107 bytes: its temp dir is short, not under root.
         self.ray_tmp = tempfile.TemporaryDirectory(prefix="kvray-", dir="/tmp")
         resources = json.dumps({"kvstore_prefill": w.prefill_slots, "kvstore_decode": w.decode_slots})
-        self.ray_head, port = start_ray_head(env, resources, self.ray_tmp.name, self.root / "ray-head.log")
+        self.ray_head, port = start_ray_head(
+            env, resources, self.ray_tmp.name, self.root / "ray-head.log", say=console.print
+        )
         self.ray_address = f"127.0.0.1:{port}"
         ready = self.root / "pd-serve.json"
         cmd = [
@@ -329,8 +329,8 @@ class Stack:
         deadline = time.monotonic() + 300.0
         while not ready.exists():
             if self.driver.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"kvstore pd-serve did not come up:\n{_tail(self.root / 'pd-serve.log')}")
-            time.sleep(_POLL_S)
+                raise RuntimeError(f"kvstore pd-serve did not come up:\n{tail(self.root / 'pd-serve.log')}")
+            time.sleep(POLL_S)
         self.driver_ready = json.loads(ready.read_text())
         console.print(
             f"ray: {self.ray_address} (token {token}); {w.prefill_slots} prefill + {w.decode_slots} decode "
@@ -354,13 +354,13 @@ class Stack:
         argv = e.lmcache_argv(lm_port, self.nodes[0].addr, token_file, f"kvstore-up-{os.getpid()}")
         self.lmcache = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        _wait_port("127.0.0.1", lm_port, 120.0, self.lmcache, self.root / "lmcache.log", "lmcache server")
+        wait_port("127.0.0.1", lm_port, 120.0, self.lmcache, self.root / "lmcache.log", "lmcache server")
         log = open(self.root / "vllm.log", "ab")  # noqa: SIM115
         self.vllm = subprocess.Popen(
             e.vllm_argv(port, lm_port), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         log.close()
-        _wait_http(f"http://127.0.0.1:{port}/health", 900.0, self.vllm, self.root / "vllm.log")
+        wait_http(f"http://127.0.0.1:{port}/health", 900.0, self.vllm, self.root / "vllm.log", "vllm")
         self.engine_urls = {"openai": f"http://127.0.0.1:{port}/v1", "lmcache": f"127.0.0.1:{lm_port}"}
         console.print(
             f"engine: vLLM {self.engine_urls['openai']} (log {self.root / 'vllm.log'}), LMCache "
@@ -481,121 +481,3 @@ def _toml_table(name: str, table: dict) -> str:
     for k, v in table.items():
         lines.append(f"{k} = {json.dumps(v)}")
     return "\n".join(lines) + "\n"
-
-
-# `ray start` tries at most this many sets of ports (see start_ray_head).
-RAY_START_ATTEMPTS = 3
-# What Ray's GCS writes to <temp-dir>/session_*/logs/gcs_server.out when its port is taken. `ray start` itself
-# says so only after ~40 s of retrying its GCS client; the GCS log says it within a second.
-_GCS_BIND_FAILED = "Failed to start the grpc server"
-
-
-def _gcs_logs(temp_dir: str) -> set[Path]:
-    return set(Path(temp_dir).glob("session_*/logs/gcs_server.out"))
-
-
-def _gcs_bind_failed(temp_dir: str, earlier: set[Path]) -> str | None:
-    """Why this try's GCS failed, read from a GCS log that is not one of `earlier` tries'; None if it did not."""
-    for out in _gcs_logs(temp_dir) - earlier:
-        with contextlib.suppress(OSError):
-            if _GCS_BIND_FAILED in out.read_text(errors="replace"):
-                return f"{_GCS_BIND_FAILED} (see {out})"
-    return None
-
-
-def start_ray_head(
-    env: dict[str, str], resources: str, temp_dir: str, log_path: Path, ports: Callable[[], int] | None = None
-) -> tuple[subprocess.Popen[bytes], int]:
-    """`ray start --head --block` in a process group of its own, listening on 127.0.0.1:<port> when this
-    returns (proc, port). A port `ports()` (default: free_port) handed out can be taken by anything on the host
-    before Ray's GCS binds it, and then `ray start` exits at once: such a start is retried on fresh ports, at
-    most RAY_START_ATTEMPTS times, each failed one's process group killed. Any other failure is raised."""
-    from kvstore.cli.launch import free_port
-
-    ports = ports or free_port
-    for attempt in range(1, RAY_START_ATTEMPTS + 1):
-        port = ports()
-        args = [
-            sys.executable,
-            "-m",
-            "ray.scripts.scripts",
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            f"--num-cpus={max(2, os.cpu_count() or 2)}",
-            "--num-gpus=0",
-            f"--resources={resources}",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-            f"--dashboard-agent-listen-port={ports()}",
-            f"--ray-client-server-port={ports()}",
-            f"--object-store-memory={256 << 20}",
-        ]
-        earlier = _gcs_logs(temp_dir)  # before the start: this try's GCS log is the one not in it
-        log = open(log_path, "ab")  # noqa: SIM115 - closed right after the child has it
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        log.close()
-        try:
-            failed = functools.partial(_gcs_bind_failed, temp_dir, earlier)
-            _wait_port("127.0.0.1", port, 60.0, proc, log_path, failed=failed)
-            return proc, port
-        except RuntimeError as e:  # it exited or its GCS could not bind (a timeout is raised as it is)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)  # the whole try: ray start, its GCS, a raylet
-            proc.wait(10.0)
-            if attempt == RAY_START_ATTEMPTS or _GCS_BIND_FAILED not in f"{e}{_tail(log_path, 80)}":
-                raise
-            console.print(f"ray start: port {port} was taken meanwhile; trying fresh ports ({attempt})")
-    raise AssertionError("unreachable")
-
-
-def _wait_port(
-    host: str,
-    port: int,
-    timeout: float,
-    proc: subprocess.Popen[bytes],
-    log: Path,
-    what: str = "ray start",
-    failed: Callable[[], str | None] = lambda: None,
-) -> None:
-    """Until host:port accepts a connection; RuntimeError when `proc` exits or `failed()` says why it will."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{_tail(log)}")
-        if (why := failed()) is not None:
-            raise RuntimeError(f"{what} failed: {why}")
-        try:
-            socket.create_connection((host, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(_POLL_S)
-    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout}s:\n{_tail(log)}")
-
-
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
-    """Until `url` answers 200 (vLLM's /health once the model is loaded), the process dies, or timeout."""
-    import urllib.error
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm exited with {proc.returncode}:\n{_tail(log)}")
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as r:  # our own loopback server
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"vllm not healthy at {url} after {timeout}s:\n{_tail(log)}")
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""

@@ -16,7 +16,9 @@ import pytest
 import redis as redis_lib
 
 from kvstore.cli.launch import RedisProcess, free_port
-from kvstore.cli.up import RAY_START_ATTEMPTS, start_ray_head, terminate
+from kvstore.cli.ray_head import start_ray_head
+from kvstore.cli.up import terminate
+from kvstore.cli.waits import PORT_TRIES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -50,7 +52,7 @@ def test_a_port_taken_before_ray_binds_it_is_retried_on_fresh_ports(short_tmp: P
 
         def ports() -> Iterator[int]:
             yield busy  # the GCS port of the first try: someone holds it
-            for _ in range(3 * RAY_START_ATTEMPTS):
+            for _ in range(3 * PORT_TRIES):
                 handed.append(free_port())
                 yield handed[-1]
 
@@ -65,7 +67,7 @@ def test_a_failure_that_is_not_a_port_race_is_raised_at_once(short_tmp: Path) ->
 
     def ports() -> Iterator[int]:
         nonlocal asked
-        for _ in range(3 * RAY_START_ATTEMPTS):
+        for _ in range(3 * PORT_TRIES):
             asked += 1
             yield free_port()
 

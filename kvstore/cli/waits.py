@@ -1,0 +1,85 @@
+"""Waiting for child processes started by the CLI (`kvstore up`, kvstore/cli/launch.py): until a port
+listens or a URL answers, bounded in time, failing early when the child exits; and the one rule for a
+port taken between free_port() and the child's own bind (the OS may hand a free port out again)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+POLL_S = 0.2  # how often a wait looks again
+PORT_TRIES = 3  # a child started on a free_port() port tries at most this many ports
+
+
+def retry_if_port_taken(
+    start: Callable[[], T], taken: Callable[[RuntimeError], bool], before_retry: Callable[[], None]
+) -> T:
+    """start() until it returns. A RuntimeError that `taken(error)` says came from a port taken after
+    free_port() handed it out is retried (before_retry() in between: a fresh port), at most PORT_TRIES
+    starts in all; any other failure, and the last one, is raised."""
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            return start()
+        except RuntimeError as e:
+            if attempt == PORT_TRIES or not taken(e):
+                raise
+            before_retry()
+    raise AssertionError("unreachable")
+
+
+def wait_port(
+    host: str,
+    port: int,
+    timeout: float,
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    what: str,
+    failed: Callable[[], str | None] = lambda: None,
+) -> None:
+    """Until host:port accepts a connection; RuntimeError when `proc` exits or `failed()` says why it will,
+    TimeoutError after `timeout` seconds (each with the tail of its log)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail(log)}")
+        if (why := failed()) is not None:
+            raise RuntimeError(f"{what} failed: {why}")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(POLL_S)
+    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout}s:\n{tail(log)}")
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
+    """Until `url` answers 200 (vLLM's /health once the model is loaded), the process dies, or timeout."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail(log)}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as r:  # our own loopback server
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{what} not healthy at {url} after {timeout}s:\n{tail(log)}")
+
+
+def tail(path: Path, n: int = 30) -> str:
+    """The last `n` lines of a log ('' when it cannot be read)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return ""
