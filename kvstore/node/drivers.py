@@ -7,8 +7,9 @@ Everything else lives here: the transaction (begin_put -> add_page -> fill -> co
 may promote, how many pages one call may ask for, and that nothing leaks when a call fails.
 
 Put invariants (every plane alike):
-- the transaction is opened by `begin()` (the plane resolves its caller and parses its opening there),
-  so a refused caller, a bad opening and a bad page fail in the same place with the same status;
+- the transaction is opened here, on what `opening()` returns (the plane resolves its caller and parses
+  its opening there), so a refused caller, a bad opening and a bad page fail in the same place with the
+  same status;
 - a page's view is completely filled before the next page is added (PutTxn's contract), and released
   before the transaction commits or aborts;
 - on failure the transaction is aborted (nothing of the call becomes visible); with `drain` (a plane
@@ -29,6 +30,7 @@ from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
 from kvstore.manager.put import PutTxn
 from kvstore.manager.reads import ReadLease
 from kvstore.node.callers import Caller
+from kvstore.wire import PutOpen
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +57,7 @@ class PagePlane(Protocol):
 
 
 async def drive_put(
-    begin: Callable[[], PutTxn], pages: AsyncIterable[PageHead], plane: PagePlane, *, drain: bool
+    opening: Callable[[], tuple[Caller, PutOpen]], pages: AsyncIterable[PageHead], plane: PagePlane, *, drain: bool
 ) -> tuple[int, int]:
     """Run one Put: (stored, already present). See the module docstring for the invariants."""
     failure: KVStoreError | None = None
@@ -63,7 +65,8 @@ async def drive_put(
     stuck = False
     try:
         try:
-            txn = begin()
+            caller, op = opening()
+            txn = caller.view.begin_put(op)
         except KVStoreError as exc:
             if not drain:
                 raise

@@ -48,7 +48,7 @@ class KVStoreServicer:
         caller = current()
         stream = PutStream(request_iterator)
         op = await stream.open()
-        stored, present = await drive_put(lambda: caller.view.begin_put(op), stream.heads(), stream, drain=False)
+        stored, present = await drive_put(lambda: (caller, op), stream.heads(), stream, drain=False)
         return pb.PutResponse(stored=stored, already_present=present)
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:

@@ -38,7 +38,6 @@ from google.protobuf.message import DecodeError
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated
 from kvstore.hashing import HASH_BYTES
-from kvstore.manager.put import PutTxn
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
@@ -369,11 +368,7 @@ class _Connection:
             places.append((buf, p.offset))
         op = put_open_from_pb(req.open)
         with _using(b for b, _ in places):
-
-            def begin() -> PutTxn:
-                return caller.view.begin_put(op)
-
-            stored, present = await drive_put(begin, _heads(slices), _BufferPages(places), drain=False)
+            stored, present = await drive_put(lambda: (caller, op), _heads(slices), _BufferPages(places), drain=False)
         return pb.PutResponse(stored=stored, already_present=present).SerializeToString()
 
     async def _get(self, req: pb.GetShmRequest) -> bytes:

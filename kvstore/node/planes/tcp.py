@@ -25,7 +25,6 @@ import ssl
 from collections.abc import AsyncIterator
 
 from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
-from kvstore.manager.put import PutTxn
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
@@ -42,7 +41,7 @@ from kvstore.node.planes.tcp_limits import ConnectionLimits, handshake_limit, te
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
-from kvstore.wire import tcp
+from kvstore.wire import PutOpen, tcp
 from kvstore.wire.tcp import FrameError, Header, Kind
 
 log = logging.getLogger(__name__)
@@ -273,12 +272,11 @@ class _Connection:
         npages = tcp.put_npages(meta, self.cfg.max_pages_per_request)
         pages = _FramePages(self, chan, npages)
 
-        def begin() -> PutTxn:
-            caller = self._caller("Put")
-            return caller.view.begin_put(tcp.parse_put(meta))
+        def opening() -> tuple[Caller, PutOpen]:
+            return self._caller("Put"), tcp.parse_put(meta)
 
         try:
-            stored, present = await drive_put(begin, pages.heads(), pages, drain=True)
+            stored, present = await drive_put(opening, pages.heads(), pages, drain=True)
         except (FrameError, ConnectionError, TimeoutError):
             raise
         except KVStoreError as exc:

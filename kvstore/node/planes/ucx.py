@@ -356,7 +356,7 @@ class UcxPlaneServer(PlaneServer):
                 raise InvalidArgument(f"pages[{i}].checksum", "required on the UCX plane")
         op = put_open_from_pb(req.open)
         pages = _TaggedPages(self, conn, conn.tags.tag(Lane.PUT_PAGES, seq))
-        stored, present = await drive_put(lambda: caller.view.begin_put(op), _heads(slices), pages, drain=False)
+        stored, present = await drive_put(lambda: (caller, op), _heads(slices), pages, drain=False)
         return pb.PutResponse(stored=stored, already_present=present).SerializeToString()
 
     async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, respond: Respond) -> None:
