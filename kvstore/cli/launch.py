@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.waits import retry_if_port_taken
+from kvstore.cli.waits import retry_if_port_taken, tail
 
 _POLL_SECONDS = 0.05
 
@@ -156,6 +156,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def _resp(*args: str) -> bytes:
+    """One Redis command in RESP (arguments may hold any bytes, spaces included)."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        b = a.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
 class _Child:
     """A server child process (`proc`) with a private directory (`_tmp`) on `host:port`: started and waited
     for (bounded), stopped with SIGTERM, a bounded wait, then SIGKILL."""
@@ -167,13 +176,16 @@ class _Child:
 
     def _launch(self, argv: list[str], what: str, answers: Callable[[socket.socket], bool], timeout: float) -> None:
         """Start `argv` (output to <dir>/<what>.log) and wait until a connection `answers` (True)."""
-        log = open(Path(self._tmp.name) / f"{what.replace(' ', '-')}.log", "ab")  # noqa: SIM115 - the child's now
+        log_path = Path(self._tmp.name) / f"{what.replace(' ', '-')}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the child's now
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{what} exited with {self.proc.returncode} (port {self.port} taken?)")
+                raise RuntimeError(
+                    f"{what} exited with {self.proc.returncode} (port {self.port} taken?):\n{tail(log_path)}"
+                )
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5) as s:
                     if answers(s):
@@ -181,7 +193,22 @@ class _Child:
             except OSError:
                 time.sleep(_POLL_SECONDS)
         self.stop()
-        raise TimeoutError(f"{what} not answering on {self.host}:{self.port} after {timeout}s")
+        raise TimeoutError(f"{what} not answering on {self.host}:{self.port} after {timeout}s:\n{tail(log_path)}")
+
+    def _redis_is_ours(self, s: socket.socket, password: str | None) -> bool:
+        """The server on `s` is our child: it takes `password` (the default user's, when set) and its
+        `INFO server` names our PID. A process that took the port after free_port() fails this, and ours
+        then exits (port in use): _launch sees that, and the caller's retry moves to a fresh port."""
+        f = s.makefile("rb")
+        if password:
+            s.sendall(_resp("AUTH", "default", password))
+            if not f.readline().startswith(b"+OK"):
+                return False
+        s.sendall(_resp("INFO", "server"))
+        head = f.readline()
+        if not head.startswith(b"$") or self.proc is None:
+            return False
+        return f"process_id:{self.proc.pid}\r\n".encode() in f.read(int(head[1:]) + 2)
 
     def close(self) -> None:
         self.stop()
@@ -289,16 +316,8 @@ class RedisProcess(_Child):
             "--loglevel",
             "warning",
         ]
-        self._launch(args, "redis-server", self._pong, timeout)
+        self._launch(args, "redis-server", lambda s: self._redis_is_ours(s, self.password), timeout)
         return self
-
-    def _pong(self, s: socket.socket) -> bool:
-        if self.password:
-            s.sendall(f"AUTH {self.password}\r\n".encode())
-            if not s.recv(16).startswith(b"+OK"):
-                raise RuntimeError(f"redis-server on port {self.port} refused its own password")
-        s.sendall(b"PING\r\n")
-        return s.recv(16).startswith(b"+PONG")
 
     def _auth_conf(self) -> str:
         from kvstore.index.acl import acl_line, admin_line
@@ -428,7 +447,10 @@ class SentinelGroup:
             if m is not None and all(self._knows_all(s, redis) for s in self.sentinels):
                 return m
             time.sleep(0.1)
-        raise TimeoutError(f"the sentinels of {self.name!r} do not all know its master and replicas after {timeout}s")
+        raise TimeoutError(
+            f"the sentinels of {self.name!r} do not all know its master and replicas after {timeout}s: "
+            + "; ".join(self._knowledge(s, redis) for s in self.sentinels)
+        )
 
     def wait_master(self, timeout: float, other_than: RedisProcess | None = None) -> RedisProcess:
         """The live master the sentinels name (after a failover: `other_than` the old one)."""
@@ -440,18 +462,31 @@ class SentinelGroup:
             time.sleep(0.1)
         raise TimeoutError(f"the sentinels of {self.name!r} name no live master after {timeout}s")
 
-    def _knows_all(self, s: SentinelProcess, redis: Any) -> bool:
+    def _view(self, s: SentinelProcess, redis: Any) -> tuple[int, int] | str:
+        """(other sentinels, replicas in sync) as sentinel `s` sees them, or why it cannot say."""
+        if s.proc is None or s.proc.poll() is not None:
+            return "not running"
         try:
             with redis.Redis(s.host, s.port, username="default", password=self.sentinel_password,
                              socket_timeout=2, decode_responses=True) as c:  # fmt: skip
                 state = c.sentinel_master(self.name)
                 replicas = c.sentinel_slaves(self.name)
-        except (redis.RedisError, OSError):
-            return False
+        except (redis.RedisError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
         in_sync = [r for r in replicas if r.get("master-link-status") == "ok" and not r.get("is_disconnected")]
-        return int(state.get("num-other-sentinels", 0)) == len(self.sentinels) - 1 and len(in_sync) == len(
-            self.replicas
+        return int(state.get("num-other-sentinels", 0)), len(in_sync)
+
+    def _knows_all(self, s: SentinelProcess, redis: Any) -> bool:
+        return self._view(s, redis) == (len(self.sentinels) - 1, len(self.replicas))
+
+    def _knowledge(self, s: SentinelProcess, redis: Any) -> str:
+        v = self._view(s, redis)
+        seen = (
+            v
+            if isinstance(v, str)
+            else f"{v[0]}/{len(self.sentinels) - 1} other sentinels, {v[1]}/{len(self.replicas)} replicas in sync"
         )
+        return f"sentinel :{s.port} {seen}"
 
     def close(self) -> None:
         for p in reversed(self.processes()):
@@ -495,8 +530,25 @@ class SentinelProcess(_Child):
         ]) + "\n"  # fmt: skip
 
     def start(self, timeout: float = 15.0) -> SentinelProcess:
-        if not self.conf.exists():  # kept across restarts: the sentinel records what it learned there
+        """Start it (bounded). On a first start, a port taken after free_port() is retried on a fresh one
+        (waits.retry_if_port_taken); a restart keeps its port and the config the sentinel rewrote."""
+        first = not self.conf.exists()
+        log = Path(self._tmp.name) / "redis-sentinel.log"
+
+        def fresh_port() -> None:
+            self.port = free_port(self.host)
+            self.conf.write_text(self._conf())
+
+        if first:
             self.conf.touch(mode=0o600)
             self.conf.write_text(self._conf())
-        self._launch([self.binary, str(self.conf), "--sentinel"], "redis sentinel", lambda _: True, timeout)
+        return retry_if_port_taken(
+            lambda: self._start_once(timeout),
+            taken=lambda e: first and "in use" in log.read_text(errors="replace"),
+            before_retry=fresh_port,
+        )
+
+    def _start_once(self, timeout: float) -> SentinelProcess:
+        argv = [self.binary, str(self.conf), "--sentinel"]
+        self._launch(argv, "redis sentinel", lambda s: self._redis_is_ours(s, self.group.sentinel_password), timeout)
         return self

@@ -1,6 +1,7 @@
 """A port taken between free_port() and a child's bind is retried on fresh ports (CI once lost a run to exactly
-that race): `kvstore up`'s Ray head (any other failure raised at once) and redis-server. Real processes,
-loopback."""
+that race): `kvstore up`'s Ray head (any other failure raised at once), redis-server and Redis Sentinel, including
+when the port's new holder is itself a Redis that answers (CI lost a second run to a sentinel taken that way).
+Real processes, loopback."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from kvstore.cli.launch import RedisProcess, free_port
+from kvstore.cli.launch import RedisProcess, SentinelGroup, free_port
 from kvstore.cli.ray_head import start_ray_head
 from kvstore.cli.up import terminate
 from kvstore.cli.waits import PORT_TRIES
@@ -93,3 +94,41 @@ def test_redis_whose_port_was_taken_starts_on_a_fresh_one_and_a_restart_keeps_it
             r.close()
         finally:
             redis.close()
+
+
+def test_a_port_taken_by_another_answering_redis_is_not_mistaken_for_ours() -> None:
+    """The squatter answers PING like any Redis; only our child's PID (and password) counts as ready."""
+    with RedisProcess() as squatter:
+        mine = RedisProcess()
+        mine.port = squatter.port
+        try:
+            mine.start()
+            assert mine.port != squatter.port and mine.proc is not None
+            assert redis_lib.Redis(port=mine.port).info("server")["process_id"] == mine.proc.pid
+        finally:
+            mine.close()
+
+
+def test_a_sentinel_whose_port_another_redis_took_starts_on_a_fresh_one() -> None:
+    with RedisProcess() as squatter:
+        group = SentinelGroup("admin-" + "a" * 20, replicas=1, sentinels=2)
+        group.sentinels[1].port = squatter.port
+        try:
+            group.start(timeout=60)
+            assert group.sentinels[1].port != squatter.port
+            assert group.master_now() is group.master
+        finally:
+            group.close()
+
+
+def test_a_group_that_never_settles_says_what_each_sentinel_sees() -> None:
+    group = SentinelGroup("admin-" + "a" * 20, replicas=1, sentinels=2)
+    try:
+        for p in group.processes():
+            p.start()
+        group.sentinels[1].kill()
+        with pytest.raises(TimeoutError, match=r"0/1 other sentinels, 1/1 replicas in sync|not running") as e:
+            group.wait_ready(timeout=12)
+        assert f"sentinel :{group.sentinels[1].port} not running" in str(e.value)
+    finally:
+        group.close()
