@@ -76,8 +76,10 @@ the same keys make the same decisions.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import xxhash
+from xxhash import xxh3_64_intdigest
 
 from kvstore.policy.admission import Admitted, SecondSight
 from kvstore.policy.base import Key
@@ -236,6 +238,12 @@ class AdaptivePolicy(Admitted):
     def __init__(self) -> None:
         self.rule = ThresholdRule()
         super().__init__(PrefixLRUPolicy(), self.rule)
+        self.policy: PrefixLRUPolicy
+        self._history = self.rule.history
+        # NOTE: prefix-LRU's own node table (key -> node, its parent hint in node.parent) stands in for
+        # Admitted's `_resident`: the same keys, one dict update per insert and remove instead of two.
+        self._nodes = self.policy._nodes
+        self._resident = self._nodes  # type: ignore[assignment]  # Admitted reads membership only
         self.name = "adaptive"
         self.rule.level = self.START
         self.switches = 0  # times the threshold changed (for reports and tests)
@@ -262,13 +270,20 @@ class AdaptivePolicy(Admitted):
 
     def _admits(self, key: Key, victim: Key | None, parent: Key | None) -> bool:
         rule = self.rule
-        missing = parent is not None and parent not in self._resident
-        # NOTE: the ghost hears every question as a second-sight tier would answer it.
-        seen = key in rule.ghost.ghost
+        missing = parent is not None and parent not in self._nodes
+        # NOTE: the ghost hears every question as a second-sight tier would answer it (SecondSight's
+        # refused/admitted inlined: this runs on every miss of a full tier).
+        ghost = rule.ghost
+        seen = key in ghost.ghost
         if missing or not seen:
-            rule.ghost.refused(key)
+            if seen:
+                ghost.ghost.move_to_end(key)
+            else:
+                ghost.ghost[key] = None
+                if len(ghost.ghost) > ghost._limit:
+                    ghost.ghost.popitem(last=False)
         else:
-            rule.ghost.admitted(key)
+            del ghost.ghost[key]
         if victim is None:
             return False
         level = rule.level
@@ -307,24 +322,36 @@ class AdaptivePolicy(Admitted):
             self.switches += 1
 
     def on_insert(self, key: Key, parent: Key | None = None, reads: int = 0) -> None:
+        # NOTE: Admitted.on_insert inlined: this is the hot path (as are on_access, on_remove, _reference).
         entering, self._entering = self._entering, None
-        super().on_insert(key, parent, reads)
+        nodes = self._nodes
+        if key in nodes:
+            self.on_access(key)
+            return
+        if len(nodes) >= self._high:
+            self._high = len(nodes) + 1
+            self._grew(self._high)
+        self._reference(key, parent)
+        self._just_inserted = key
+        self.policy.on_insert(key, parent=parent, reads=reads)
         if key == entering:
             probation = self._probation
             probation.pop(key, None)
-            probation[key] = self.policy.stamp(key)
+            probation[key] = nodes[key].prio  # NOTE: its stamp (PrefixLRUPolicy.stamp), read in place
             if len(probation) > 2 * self._high + 64:
                 self._probation = self._on_probation()
 
     def _on_probation(self) -> dict[Key, float | None]:
         """The pages of `_probation` still here and not referenced since they entered, in order."""
-        stamp = self.policy.stamp
-        return {k: v for k, v in self._probation.items() if stamp(k) == v}
+        nodes = self._nodes  # NOTE: PrefixLRUPolicy.stamp inlined (one call per entry otherwise)
+        return {k: v for k, v in self._probation.items() if (n := nodes.get(k)) is not None and n.prio == v}
 
     def on_access(self, key: Key) -> None:
         # NOTE: Admitted.on_access inlined: this is the hot path.
-        if self._just_inserted != key and key in self._resident:
-            self._reference(key, self._resident[key])
+        if self._just_inserted != key:
+            node = self._nodes.get(key)
+            if node is not None:
+                self._reference(key, node.parent)
         self._just_inserted = None
         self.policy.on_access(key)
 
@@ -333,7 +360,11 @@ class AdaptivePolicy(Admitted):
             # NOTE: a page ALL pushed out was seen: a stricter threshold lets it back on its next sighting.
             self._displaced = None
             self.rule.ghost.refused(key)
-        super().on_remove(key)
+        self._just_inserted = None
+        self.policy.on_remove(key)
+
+    def first_candidate(self, usable: Callable[[Key], bool]) -> Key | None:
+        return self.policy.first_candidate(usable)
 
     def _grew(self, high: int) -> None:
         super()._grew(high)
@@ -359,13 +390,33 @@ class AdaptivePolicy(Admitted):
     def _reference(self, key: Key, parent: Key | None) -> None:
         if self._learn_left:
             self._learn_left -= 1
-        history = self.rule.history
-        before = history.reference(key)
+        # NOTE: History.reference inlined (the same rule, one call less on every reference).
+        history = self._history
+        entries = history.entries
+        before = entries.get(key, 0)
+        if before:
+            entries.move_to_end(key)
+            if before < history.MAX_COUNT:
+                entries[key] = before + 1
+        else:
+            entries[key] = 1
+            if len(entries) > history.limit:
+                entries.popitem(last=False)
+        history.references += 1
+        if history.references >= history.window:
+            history.age()
         if parent is None or parent != self._chain_prev:
             self._chain_sampled = None  # a new chain (a new request)
         self._chain_prev = key
-        if not self._shadows or (self._k and sample_hash(key) & self._mask):
+        if not self._shadows:
             return
+        if self._k:
+            # NOTE: sample_hash inlined for the node's keys.
+            if type(key) is tuple and len(key) == 2 and type(key[1]) is bytes:
+                if xxh3_64_intdigest(key[1]) & self._mask:
+                    return
+            elif stable_hash(key) & self._mask:
+                return
         # NOTE: a sampled key's parent in the shadows is the chain's last sampled key before it, so
         # the sampled keys of a chain form a chain there too and the prefix rules apply.
         sparent, self._chain_sampled = self._chain_sampled, key

@@ -66,7 +66,11 @@ class History:
 
     def age(self) -> None:
         """Halve every count, rounding up (the recency order is kept)."""
-        self.entries = OrderedDict((k, (v + 1) >> 1) for k, v in self.entries.items())
+        # NOTE: in place, and only the counts above 1 (a 1 stays 1; most keys are seen once): no copy of
+        # 10 x capacity entries on every aging.
+        entries = self.entries
+        for k in [k for k, v in entries.items() if v > 1]:
+            entries[k] = (entries[k] + 1) >> 1
         self.references = 0
         self.agings += 1
 
