@@ -126,7 +126,14 @@ def check_pages(kv: KVStoreClient, keys: Sequence[bytes]) -> tuple[list[bytes], 
     for _ in range(len(todo) + 1):  # each pass consumes at least one key
         if not todo:
             break
-        batch = todo[:_GET_BATCH]
+        # NOTE: the stored prefix is asked first (a lookup moves no page): a get whose first page is
+        # missing costs as much as a full batch, and after a crash most of a key list can be missing.
+        stored = kv.lookup(NS, todo[:_GET_BATCH])
+        if stored == 0:
+            missing.append(todo[0])
+            todo = todo[1:]
+            continue
+        batch = todo[:stored]
         try:
             pages = kv.get_pages(NS, batch, promote=False)
         except KVStoreError as exc:

@@ -79,7 +79,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 import xxhash
-from xxhash import xxh3_64_intdigest
 
 from kvstore.policy.admission import Admitted, SecondSight
 from kvstore.policy.base import Key
@@ -239,7 +238,7 @@ class AdaptivePolicy(Admitted):
         self.rule = ThresholdRule()
         super().__init__(PrefixLRUPolicy(), self.rule)
         self.policy: PrefixLRUPolicy
-        self._history = self.rule.history
+        self._history_reference = self.rule.history.reference  # NOTE: bound once: called on every reference
         # NOTE: prefix-LRU's own node table (key -> node, its parent hint in node.parent) stands in for
         # Admitted's `_resident`: the same keys, one dict update per insert and remove instead of two.
         self._nodes = self.policy._nodes
@@ -271,19 +270,12 @@ class AdaptivePolicy(Admitted):
     def _admits(self, key: Key, victim: Key | None, parent: Key | None) -> bool:
         rule = self.rule
         missing = parent is not None and parent not in self._nodes
-        # NOTE: the ghost hears every question as a second-sight tier would answer it (SecondSight's
-        # refused/admitted inlined: this runs on every miss of a full tier).
-        ghost = rule.ghost
-        seen = key in ghost.ghost
+        # NOTE: the ghost hears every question as a second-sight tier would answer it.
+        seen = key in rule.ghost.ghost
         if missing or not seen:
-            if seen:
-                ghost.ghost.move_to_end(key)
-            else:
-                ghost.ghost[key] = None
-                if len(ghost.ghost) > ghost._limit:
-                    ghost.ghost.popitem(last=False)
+            rule.ghost.refused(key)
         else:
-            del ghost.ghost[key]
+            rule.ghost.admitted(key)
         if victim is None:
             return False
         level = rule.level
@@ -337,14 +329,14 @@ class AdaptivePolicy(Admitted):
         if key == entering:
             probation = self._probation
             probation.pop(key, None)
-            probation[key] = nodes[key].prio  # NOTE: its stamp (PrefixLRUPolicy.stamp), read in place
+            probation[key] = self.policy.stamp(key)
             if len(probation) > 2 * self._high + 64:
                 self._probation = self._on_probation()
 
     def _on_probation(self) -> dict[Key, float | None]:
         """The pages of `_probation` still here and not referenced since they entered, in order."""
-        nodes = self._nodes  # NOTE: PrefixLRUPolicy.stamp inlined (one call per entry otherwise)
-        return {k: v for k, v in self._probation.items() if (n := nodes.get(k)) is not None and n.prio == v}
+        stamp = self.policy.stamp
+        return {k: v for k, v in self._probation.items() if stamp(k) == v}
 
     def on_access(self, key: Key) -> None:
         # NOTE: Admitted.on_access inlined: this is the hot path.
@@ -390,33 +382,14 @@ class AdaptivePolicy(Admitted):
     def _reference(self, key: Key, parent: Key | None) -> None:
         if self._learn_left:
             self._learn_left -= 1
-        # NOTE: History.reference inlined (the same rule, one call less on every reference).
-        history = self._history
-        entries = history.entries
-        before = entries.get(key, 0)
-        if before:
-            entries.move_to_end(key)
-            if before < history.MAX_COUNT:
-                entries[key] = before + 1
-        else:
-            entries[key] = 1
-            if len(entries) > history.limit:
-                entries.popitem(last=False)
-        history.references += 1
-        if history.references >= history.window:
-            history.age()
+        before = self._history_reference(key)
         if parent is None or parent != self._chain_prev:
             self._chain_sampled = None  # a new chain (a new request)
         self._chain_prev = key
         if not self._shadows:
             return
-        if self._k:
-            # NOTE: sample_hash inlined for the node's keys.
-            if type(key) is tuple and len(key) == 2 and type(key[1]) is bytes:
-                if xxh3_64_intdigest(key[1]) & self._mask:
-                    return
-            elif stable_hash(key) & self._mask:
-                return
+        if self._k and sample_hash(key) & self._mask:
+            return
         # NOTE: a sampled key's parent in the shadows is the chain's last sampled key before it, so
         # the sampled keys of a chain form a chain there too and the prefix rules apply.
         sparent, self._chain_sampled = self._chain_sampled, key

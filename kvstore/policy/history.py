@@ -52,10 +52,15 @@ class History:
     def reference(self, key: Key) -> int:
         """Count one reference to key; returns its count before this one (0: not remembered)."""
         entries = self.entries
-        before = entries.pop(key, 0)
-        entries[key] = before + 1 if before < self.MAX_COUNT else before
-        if len(entries) > self.limit:
-            entries.popitem(last=False)
+        before = entries.get(key, 0)
+        if before:
+            entries.move_to_end(key)
+            if before < self.MAX_COUNT:
+                entries[key] = before + 1
+        else:
+            entries[key] = 1
+            if len(entries) > self.limit:
+                entries.popitem(last=False)
         self.references += 1
         if self.references >= self.window:
             self.age()
