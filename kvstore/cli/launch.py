@@ -5,6 +5,7 @@ Every wait is bounded in time; `stop()` sends SIGTERM, waits for the graceful sh
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -149,11 +150,21 @@ class NodeProcess:
         self.close()
 
 
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)  # the ports free_port() gave lately
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict), and
+    not one of the last 256 this process was given: a caller that picks several ports before starting
+    anything on them (a Sentinel group picks six) never gets the same one twice."""
+    for _ in range(64):  # bounded: the OS picks at random from thousands of ports
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.append(port)
+    return port
 
 
 def _resp(*args: str) -> bytes:

@@ -132,3 +132,8 @@ def test_a_group_that_never_settles_says_what_each_sentinel_sees() -> None:
         assert f"sentinel :{group.sentinels[1].port} not running" in str(e.value)
     finally:
         group.close()
+
+
+def test_free_port_never_hands_out_one_of_its_last_256_ports_again() -> None:
+    ports = [free_port() for _ in range(256)]
+    assert len(set(ports)) == 256
