@@ -32,7 +32,7 @@ from pathlib import Path
 import redis
 from machine import cpu_model
 
-from kvstore.cli.launch import RedisProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.index import ALIVE_PREFIX, IndexReader, block_key
 from kvstore.index.publisher import IndexPublisher
 from kvstore.names import TierKind

@@ -62,7 +62,9 @@ from devkit.engines import (
     prompt,
     wait_port,
 )
-from kvstore.cli.launch import NodeProcess, RedisProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
+from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
 from kvstore.pageformat import slot_bytes_for
 

@@ -47,7 +47,8 @@ from machine import (
     save_results,
 )
 
-from kvstore.cli.launch import NodeProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.waits import free_port
 from kvstore.pageformat import slot_bytes_for
 
 PEERS = ("kvstore", "kvstore-tcp", "kvstore-grpc", "lm")

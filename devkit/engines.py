@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.cli.engines import DEFAULT_ENGINE_PYTHON
-from kvstore.cli.launch import free_port
+from kvstore.cli.waits import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_VENV = DEFAULT_ENGINE_PYTHON.parents[1]  # .engines/vllm of this checkout: one definition

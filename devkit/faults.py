@@ -517,7 +517,7 @@ def disk_full(workdir: Path, seconds: float = 4.0, seed: int = 0) -> FaultResult
 def redis_outage(workdir: Path, outages: int = 1, chains: int = 16, down_seconds: float = 2.0) -> FaultResult:
     """Redis killed (SIGKILL) under load and restarted empty on the same port: local reads keep being
     served while it is down; seconds until the index finds every chain again are the recovery time."""
-    from kvstore.cli.launch import RedisProcess
+    from kvstore.cli.redis_procs import RedisProcess
     from kvstore.client.cluster import ClusterClient
     from kvstore.index import IndexUnavailable
 

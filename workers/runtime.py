@@ -16,7 +16,8 @@ from pathlib import Path
 
 import ray
 
-from kvstore.cli.launch import NodeProcess, RedisProcess
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
 from workers.actors import DecodeWorker, PrefillWorker, RequestResult, Router
 from workers.serving import WorkerConfig, namespace_for

@@ -12,8 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from kvstore.cli.launch import free_port
-from kvstore.cli.waits import retry_if_port_taken, tail, wait_port
+from kvstore.cli.waits import free_port, retry_if_port_taken, tail, wait_port
 
 # What Ray's GCS writes to <temp-dir>/session_*/logs/gcs_server.out when its port is taken. `ray start` itself
 # says so only after ~40 s of retrying its GCS client; the GCS log says it within a second.

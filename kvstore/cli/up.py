@@ -210,8 +210,8 @@ class Stack:
         self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = (), sentinel: object = None
     ) -> None:
         """The index: the operator's (`external`), else a private redis-server, or with `sentinel` (a
-        values.SentinelPlan) a private Sentinel group (kvstore/cli/launch.py SentinelGroup)."""
-        from kvstore.cli.launch import RedisProcess, SentinelGroup
+        values.SentinelPlan) a private Sentinel group (kvstore/cli/redis_procs.py SentinelGroup)."""
+        from kvstore.cli.redis_procs import RedisProcess, SentinelGroup
         from kvstore.cli.values import SentinelPlan
         from kvstore.index.acl import (
             CLIENT_RULES,
@@ -342,7 +342,7 @@ class Stack:
         """`lmcache server` (kvstore's L2 adapter aimed at node-0), then vLLM's OpenAI server with
         LMCacheMPConnector, as the chart's engine pod runs them; each waited for, bounded in time."""
         from kvstore.cli.engines import CPU_ENGINE_ENV, EnginesPlan
-        from kvstore.cli.launch import free_port
+        from kvstore.cli.waits import free_port
 
         assert isinstance(e, EnginesPlan)
         env = {**os.environ, **self.env, **CPU_ENGINE_ENV}
@@ -375,7 +375,7 @@ class Stack:
             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
             "env": self.env,
         }
-        from kvstore.cli.launch import SentinelGroup
+        from kvstore.cli.redis_procs import SentinelGroup
 
         if isinstance(self.redis, SentinelGroup):  # the private Sentinel group (for operators and fault tests)
             out["redis_pids"] = [p.proc.pid for p in (self.redis.master, *self.redis.replicas) if p.proc is not None]
@@ -399,7 +399,7 @@ class Stack:
         of the index TTL). In a Sentinel group the sentinels have meanwhile failed over to a replica (the
         nodes republish there), and turn the restarted Redis into a replica. Returns why the stack must
         stop when a process cannot be restarted, else None."""
-        from kvstore.cli.launch import RedisProcess, SentinelGroup
+        from kvstore.cli.redis_procs import RedisProcess, SentinelGroup
 
         redis = self.redis
         procs = redis.processes() if isinstance(redis, SentinelGroup) else [redis] if redis is not None else []

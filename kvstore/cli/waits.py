@@ -1,9 +1,11 @@
-"""Waiting for child processes started by the CLI (`kvstore up`, kvstore/cli/launch.py): until a port
-listens or a URL answers, bounded in time, failing early when the child exits; and the one rule for a
-port taken between free_port() and the child's own bind (the OS may hand a free port out again)."""
+"""Ports and waits for child processes (`kvstore up`, kvstore/cli/launch.py and redis_procs.py): a free
+port, never one handed out lately; waiting until a port listens or a URL answers, bounded in time, failing
+early when the child exits; and the one rule for a port taken between free_port() and the child's own bind
+(the OS may hand a free port out again)."""
 
 from __future__ import annotations
 
+import collections
 import socket
 import subprocess
 import time
@@ -14,7 +16,25 @@ from typing import TypeVar
 T = TypeVar("T")
 
 POLL_S = 0.2  # how often a wait looks again
+START_POLL_S = 0.05  # the same for the quick children of tests and the demo (a node, a Redis: well under 1 s)
 PORT_TRIES = 3  # a child started on a free_port() port tries at most this many ports
+
+
+_HANDED_OUT: collections.deque[int] = collections.deque(maxlen=256)  # the ports free_port() gave lately
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (the OS may hand it out again; callers retry on conflict), and
+    not one of the last 256 this process was given: a caller that picks several ports before starting
+    anything on them (a Sentinel group picks six) never gets the same one twice."""
+    for _ in range(64):  # bounded: the OS picks at random from thousands of ports
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.append(port)
+    return port
 
 
 def retry_if_port_taken(

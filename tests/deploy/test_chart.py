@@ -187,7 +187,7 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
 
     import redis
 
-    from kvstore.cli.launch import free_port
+    from kvstore.cli.waits import free_port
     from kvstore.index.keys import NODES_KEY, alive_key, block_key, node_key
     from kvstore.scoping import scope
 
@@ -256,7 +256,7 @@ def test_with_tls_redis_serves_tls_only_and_clients_check_it(tmp_path: Path) -> 
     import redis
 
     from devkit.pki import make_dev_pki
-    from kvstore.cli.launch import free_port
+    from kvstore.cli.waits import free_port
 
     docs = render([ROOT / "deploy" / "values" / "production.yaml"])
     (cert,) = by_kind(docs, "Certificate", "-redis")
@@ -313,7 +313,7 @@ def test_rendered_sentinel_group_fails_over_on_real_redis_and_sentinels(tmp_path
 
     import redis
 
-    from kvstore.cli.launch import free_port
+    from kvstore.cli.waits import free_port
     from kvstore.index.acl import SENTINEL_CLIENT_RULES
     from kvstore.index.connect import sync_client
     from kvstore.index.keys import alive_key

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstore.cli.launch import RedisProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from tests.deploy.conftest import render
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node

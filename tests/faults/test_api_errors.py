@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from devkit.faults import LAYOUT, NS, key, put_chain
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.cli.kvctl import app as kvctl_app
-from kvstore.cli.launch import NodeProcess, RedisProcess
+from kvstore.cli.launch import NodeProcess
 from kvstore.cli.main import app as kvstore_app
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.errors import InvalidArgument, Unavailable

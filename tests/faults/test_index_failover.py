@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvstore.cli.launch import NodeProcess, SentinelGroup
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import SentinelGroup
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.index import IndexReader, acl

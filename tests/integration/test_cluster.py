@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from kvstore.addresses import host_id
-from kvstore.cli.launch import NodeProcess, RedisProcess
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.index import IndexReader, block_key

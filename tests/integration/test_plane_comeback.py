@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvstore.cli.launch import free_port
+from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
 from kvstore.client.core import PLANE_RETRY_MAX_SECONDS
 from kvstore.errors import KVStoreError

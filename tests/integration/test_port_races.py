@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import redis as redis_lib
 
-from kvstore.cli.launch import RedisProcess, SentinelGroup, free_port
 from kvstore.cli.ray_head import start_ray_head
+from kvstore.cli.redis_procs import RedisProcess, SentinelGroup
 from kvstore.cli.up import terminate
-from kvstore.cli.waits import PORT_TRIES
+from kvstore.cli.waits import PORT_TRIES, free_port
 
 pytestmark = pytest.mark.timeout(240)
 

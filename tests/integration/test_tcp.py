@@ -131,7 +131,7 @@ def test_a_node_without_tcp_falls_back_or_refuses_as_asked(tmp_path: Path) -> No
 
 
 def test_an_unreachable_tcp_plane_falls_back_to_grpc(tcp_node: NodeProcess, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvstore.cli.launch import free_port
+    from kvstore.cli.waits import free_port
 
     real = client_core.PLANES["tcp"].make
     closed = free_port()  # nothing listens there: the connection is refused before anything was sent

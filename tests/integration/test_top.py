@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from devkit.pki import make_dev_pki
-from kvstore.cli.launch import NodeProcess, RedisProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.cli.top import Sampler, compute
+from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from kvstore.cli.launch import NodeProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.waits import free_port
 from kvstore.pageformat import slot_bytes_for
 
 # Before LMCache is imported anywhere: no usage reporting from tests, and quiet INFO logs.

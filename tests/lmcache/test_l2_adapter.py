@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 from devkit.faults import damage_page
-from kvstore.cli.launch import NodeProcess, RedisProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
+from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind

@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from kvstore.cli.launch import NodeProcess, RedisProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
+from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity

@@ -15,7 +15,8 @@ import pytest
 import redis
 
 from devkit.pki import DevPki
-from kvstore.cli.launch import NodeProcess, RedisProcess
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli.launch import RedisProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.errors import PermissionDenied
 from kvstore.names import TierKind

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvstore.cli.launch import RedisProcess
+from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node

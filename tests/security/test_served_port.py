@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvstore.cli.launch import NodeProcess, free_port
+from kvstore.cli.launch import NodeProcess
+from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page, start_node
 

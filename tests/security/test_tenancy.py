@@ -228,7 +228,7 @@ def test_bad_tenancy_files_refuse_the_start_naming_the_file(tmp_path: Path, wher
 def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path: Path, clients: list[Clients]) -> None:
     import redis
 
-    from kvstore.cli.launch import RedisProcess
+    from kvstore.cli.redis_procs import RedisProcess
     from kvstore.client.cluster import ClusterClient
     from kvstore.index import acl
     from kvstore.index.keys import block_key

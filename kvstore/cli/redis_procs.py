@@ -1,0 +1,417 @@
+"""Private Redis processes on loopback for tests, the demo and `kvstore up`: a redis-server
+(RedisProcess) and a Sentinel group (SentinelGroup: a master, replicas and sentinels), each child started
+on a free port, ready only once the server on that port is provably ours, stopped by PID.
+
+Every wait is bounded in time; `stop()` sends SIGTERM, waits, then SIGKILLs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kvstore.cli.waits import START_POLL_S, free_port, retry_if_port_taken, tail
+
+
+def _resp(*args: str) -> bytes:
+    """One Redis command in RESP (arguments may hold any bytes, spaces included)."""
+    out = [f"*{len(args)}\r\n".encode()]
+    for a in args:
+        b = a.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+class _Child:
+    """A server child process (`proc`) with a private directory (`_tmp`) on `host:port`: started and waited
+    for (bounded), stopped with SIGTERM, a bounded wait, then SIGKILL."""
+
+    proc: subprocess.Popen[bytes] | None
+    host: str
+    port: int
+    _tmp: tempfile.TemporaryDirectory[str]
+
+    def _launch(self, argv: list[str], what: str, answers: Callable[[socket.socket], bool], timeout: float) -> None:
+        """Start `argv` (output to <dir>/<what>.log) and wait until a connection `answers` (True)."""
+        log_path = Path(self._tmp.name) / f"{what.replace(' ', '-')}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - the child's now
+        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{what} exited with {self.proc.returncode} (port {self.port} taken?):\n{tail(log_path)}"
+                )
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                    if answers(s):
+                        return
+            except OSError:
+                time.sleep(START_POLL_S)
+        self.stop()
+        raise TimeoutError(f"{what} not answering on {self.host}:{self.port} after {timeout}s:\n{tail(log_path)}")
+
+    def _redis_is_ours(self, s: socket.socket, password: str | None) -> bool:
+        """The server on `s` is our child: it takes `password` (the default user's, when set) and its
+        `INFO server` names our PID. A process that took the port after free_port() fails this, and ours
+        then exits (port in use): _launch sees that, and the caller's retry moves to a fresh port."""
+        f = s.makefile("rb")
+        if password:
+            s.sendall(_resp("AUTH", "default", password))
+            if not f.readline().startswith(b"+OK"):
+                return False
+        s.sendall(_resp("INFO", "server"))
+        head = f.readline()
+        if not head.startswith(b"$") or self.proc is None:
+            return False
+        return f"process_id:{self.proc.pid}\r\n".encode() in f.read(int(head[1:]) + 2)
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.proc = None
+
+
+class RedisProcess(_Child):
+    """A private redis-server on loopback: no persistence, a free port, stopped by stop()/close().
+    Protected mode is always on. With `password` the default (administrator) user needs it; `users`
+    adds ACL users, `{name: (password, rules)}` (kvstore/index/acl.py). Both live in a 0600 config
+    file, never on a command line.
+
+    `restart()` keeps the port (so clients and nodes reconnect to the same URL) and, like a real
+    Redis restart without persistence, comes back empty.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        binary: str = "redis-server",
+        password: str | None = None,
+        users: dict[str, tuple[str, str]] | None = None,
+        replica_of: RedisProcess | None = None,
+    ) -> None:
+        """`replica_of`: start as a replica of that Redis (authenticating as its administrator)."""
+        path = shutil.which(binary)
+        if path is None:
+            raise RuntimeError(f"{binary} not found: install Debian's redis-server (./dev setup does)")
+        self.binary = path
+        self.host = host
+        self.port = free_port(host)
+        self.password = password  # the default user's, given in a config file (never on the command line)
+        self.users = dict(users or {})
+        if self.users and not password:
+            raise ValueError("ACL users need an administrator password too (the default user would be open)")
+        self.replica_of = replica_of
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._conf_written = False
+
+    @property
+    def url(self) -> str:
+        """The administrator's URL (the default user)."""
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
+
+    def url_for(self, user: str) -> str:
+        """The URL of one of the ACL users."""
+        return f"redis://{user}:{self.users[user][0]}@{self.host}:{self.port}/0"
+
+    def start(self, timeout: float = 15.0) -> RedisProcess:
+        """Start it (bounded). On a first start, a port taken between free_port() and redis-server's bind is
+        retried on a fresh one (waits.retry_if_port_taken); a restart keeps its port (clients hold the URL)."""
+        first = not self._conf_written
+        log = Path(self._tmp.name) / "redis-server.log"
+
+        def fresh_port() -> None:
+            self.port = free_port(self.host)
+
+        return retry_if_port_taken(
+            lambda: self._start_once(timeout),
+            taken=lambda e: first and "in use" in log.read_text(errors="replace"),
+            before_retry=fresh_port,
+        )
+
+    def _start_once(self, timeout: float) -> RedisProcess:
+        conf = Path(self._tmp.name) / "redis.conf"
+        if not self._conf_written:  # kept across restarts: Sentinel rewrites it (who replicates whom)
+            conf.touch(mode=0o600)
+            conf.write_text(self._auth_conf())
+            self._conf_written = True
+        args = [
+            self.binary,
+            str(conf),
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._tmp.name,
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
+        self._launch(args, "redis-server", lambda s: self._redis_is_ours(s, self.password), timeout)
+        return self
+
+    def _auth_conf(self) -> str:
+        from kvstore.index.acl import acl_line, admin_line
+
+        lines = []
+        if self.password:
+            lines = [admin_line(self.password)] + [acl_line(u, pw, rules) for u, (pw, rules) in self.users.items()]
+        if self.replica_of is not None:
+            m = self.replica_of
+            lines.append(f"replicaof {m.host} {m.port}")
+            if m.password:
+                lines += ["masteruser default", f"masterauth {m.password}"]
+        if self.password:  # a replica promoted by Sentinel later: its own replicas authenticate the same way
+            lines += ["masteruser default", f"masterauth {self.password}"]
+        return "\n".join(dict.fromkeys(lines)) + "\n"
+
+    def restart(self) -> RedisProcess:
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> RedisProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SentinelGroup:
+    """A Redis index with no single point of failure, on loopback: a master, `replicas` replicas and
+    `sentinels` Redis Sentinels (`redis-server --sentinel`) monitoring it as `name`, each process a
+    RedisProcess-like child stopped by close(). Every Redis has the same administrator password and ACL
+    users (so any of them can become the master); the sentinels have their own administrator and the
+    read-only `kvsentinel` user (kvstore/index/acl.py) that index URLs carry.
+
+    `url_for(user)` is a redis+sentinel:// URL (kvstore/index/connect.py); `processes()` lists every
+    child for a supervisor (`kvstore up` restarts one that exits: a restarted Redis is turned into a
+    replica by the sentinels, a restarted sentinel rejoins)."""
+
+    def __init__(
+        self,
+        password: str,
+        users: dict[str, tuple[str, str]] | None = None,
+        *,
+        name: str = "kvstore",
+        replicas: int = 2,
+        sentinels: int = 3,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 2000,
+        host: str = "127.0.0.1",
+    ) -> None:
+        import secrets
+
+        from kvstore.index.acl import SENTINEL_CLIENT_USER
+
+        if sentinels < 1 or replicas < 1:
+            raise ValueError("a Sentinel group needs at least one replica and one sentinel")
+        self.name = name
+        self.password = password
+        self.users = dict(users or {})
+        self.sentinel_password = secrets.token_hex(20)  # the sentinels' administrator
+        self.client_password = secrets.token_hex(20)  # kvsentinel, in every index URL
+        self.sentinel_user = SENTINEL_CLIENT_USER
+        self.quorum = sentinels // 2 + 1
+        self.master = RedisProcess(host, password=password, users=self.users)
+        self.replicas = [
+            RedisProcess(host, password=password, users=self.users, replica_of=self.master) for _ in range(replicas)
+        ]
+        self.sentinels = [
+            SentinelProcess(self, host, down_after_ms=down_after_ms, failover_timeout_ms=failover_timeout_ms)
+            for _ in range(sentinels)
+        ]
+
+    def processes(self) -> list[RedisProcess | SentinelProcess]:
+        return [self.master, *self.replicas, *self.sentinels]
+
+    def start(self, timeout: float = 30.0) -> SentinelGroup:
+        try:
+            for p in self.processes():
+                p.start()
+            self.wait_ready(timeout)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def url_for(self, user: str) -> str:
+        from urllib.parse import quote
+
+        from kvstore.index.connect import DEFAULT_SENTINEL_PORT
+
+        hosts = ",".join(f"{s.host}:{s.port}" for s in self.sentinels) or f"127.0.0.1:{DEFAULT_SENTINEL_PORT}"
+        pw = self.password if user == "default" else self.users[user][0]
+        return (
+            f"redis+sentinel://{quote(user)}:{quote(pw)}@{hosts}/{self.name}/0"
+            f"?sentinel_username={self.sentinel_user}&sentinel_password={self.client_password}"
+        )
+
+    @property
+    def url(self) -> str:
+        """The administrator's URL."""
+        return self.url_for("default")
+
+    def master_now(self) -> RedisProcess | None:
+        """The Redis the sentinels name as the master now (None while none does)."""
+        import redis
+
+        for s in self.sentinels:
+            try:
+                with redis.Redis(s.host, s.port, username="default", password=self.sentinel_password,
+                                 socket_timeout=2) as c:  # fmt: skip
+                    _, port = c.sentinel_get_master_addr_by_name(self.name) or (None, None)
+            except (redis.RedisError, OSError, TypeError):
+                continue
+            for r in (self.master, *self.replicas):
+                if r.port == int(port or 0) and r.proc is not None and r.proc.poll() is None:
+                    return r
+        return None
+
+    def wait_ready(self, timeout: float) -> RedisProcess:
+        """The master, once every sentinel knows it, its replicas (in sync) and the other sentinels: only
+        then can the group fail over (a sentinel learns replicas from the master's INFO)."""
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.master_now()
+            if m is not None and all(self._knows_all(s, redis) for s in self.sentinels):
+                return m
+            time.sleep(0.1)
+        raise TimeoutError(
+            f"the sentinels of {self.name!r} do not all know its master and replicas after {timeout}s: "
+            + "; ".join(self._knowledge(s, redis) for s in self.sentinels)
+        )
+
+    def wait_master(self, timeout: float, other_than: RedisProcess | None = None) -> RedisProcess:
+        """The live master the sentinels name (after a failover: `other_than` the old one)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = self.master_now()
+            if m is not None and m is not other_than:
+                return m
+            time.sleep(0.1)
+        raise TimeoutError(f"the sentinels of {self.name!r} name no live master after {timeout}s")
+
+    def _view(self, s: SentinelProcess, redis: Any) -> tuple[int, int] | str:
+        """(other sentinels, replicas in sync) as sentinel `s` sees them, or why it cannot say."""
+        if s.proc is None or s.proc.poll() is not None:
+            return "not running"
+        try:
+            with redis.Redis(s.host, s.port, username="default", password=self.sentinel_password,
+                             socket_timeout=2, decode_responses=True) as c:  # fmt: skip
+                state = c.sentinel_master(self.name)
+                replicas = c.sentinel_slaves(self.name)
+        except (redis.RedisError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+        in_sync = [r for r in replicas if r.get("master-link-status") == "ok" and not r.get("is_disconnected")]
+        return int(state.get("num-other-sentinels", 0)), len(in_sync)
+
+    def _knows_all(self, s: SentinelProcess, redis: Any) -> bool:
+        return self._view(s, redis) == (len(self.sentinels) - 1, len(self.replicas))
+
+    def _knowledge(self, s: SentinelProcess, redis: Any) -> str:
+        v = self._view(s, redis)
+        seen = (
+            v
+            if isinstance(v, str)
+            else f"{v[0]}/{len(self.sentinels) - 1} other sentinels, {v[1]}/{len(self.replicas)} replicas in sync"
+        )
+        return f"sentinel :{s.port} {seen}"
+
+    def close(self) -> None:
+        for p in reversed(self.processes()):
+            p.close()
+
+
+class SentinelProcess(_Child):
+    """One Redis Sentinel of a SentinelGroup, on a free port; its config file (0600, rewritten by the
+    sentinel itself) holds the passwords, never its command line."""
+
+    def __init__(self, group: SentinelGroup, host: str, *, down_after_ms: int, failover_timeout_ms: int) -> None:
+        path = shutil.which("redis-server")
+        if path is None:
+            raise RuntimeError("redis-server not found: install Debian's redis-server (./dev setup does)")
+        self.binary = path
+        self.group = group
+        self.host = host
+        self.port = free_port(host)
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvstore-sentinel-")
+        self.conf = Path(self._tmp.name) / "sentinel.conf"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def _conf(self) -> str:
+        from kvstore.index.acl import SENTINEL_CLIENT_RULES, acl_line, admin_line
+
+        g, m = self.group, self.group.master
+        return "\n".join([
+            f"bind {self.host}",
+            f"port {self.port}",
+            f"dir {self._tmp.name}",
+            f"sentinel monitor {g.name} {m.host} {m.port} {g.quorum}",
+            f"sentinel down-after-milliseconds {g.name} {self.down_after_ms}",
+            f"sentinel failover-timeout {g.name} {self.failover_timeout_ms}",
+            f"sentinel auth-pass {g.name} {g.password}",
+            admin_line(g.sentinel_password),
+            acl_line(g.sentinel_user, g.client_password, SENTINEL_CLIENT_RULES),
+            "sentinel sentinel-user default",
+            f"sentinel sentinel-pass {g.sentinel_password}",
+        ]) + "\n"  # fmt: skip
+
+    def start(self, timeout: float = 15.0) -> SentinelProcess:
+        """Start it (bounded). On a first start, a port taken after free_port() is retried on a fresh one
+        (waits.retry_if_port_taken); a restart keeps its port and the config the sentinel rewrote."""
+        first = not self.conf.exists()
+        log = Path(self._tmp.name) / "redis-sentinel.log"
+
+        def fresh_port() -> None:
+            self.port = free_port(self.host)
+            self.conf.write_text(self._conf())
+
+        if first:
+            self.conf.touch(mode=0o600)
+            self.conf.write_text(self._conf())
+        return retry_if_port_taken(
+            lambda: self._start_once(timeout),
+            taken=lambda e: first and "in use" in log.read_text(errors="replace"),
+            before_retry=fresh_port,
+        )
+
+    def _start_once(self, timeout: float) -> SentinelProcess:
+        argv = [self.binary, str(self.conf), "--sentinel"]
+        self._launch(argv, "redis sentinel", lambda s: self._redis_is_ours(s, self.group.sentinel_password), timeout)
+        return self
