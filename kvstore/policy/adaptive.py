@@ -306,15 +306,13 @@ class AdaptivePolicy(Admitted):
         to protect, and the learning phase begins."""
         self._full = True
         self._learn_left = max(1, round(self.LEARN * self._high))
-        score, z2 = self.scores, self.START_Z * self.START_Z
-        top = max(score)
-        best = next(j for j in self.PREFER if (top - score[j]) ** 2 <= z2 * (top + score[j]))
+        best = self._near_best(self.START_Z)
         if best != self.rule.level:
             self.rule.level = best
             self.switches += 1
 
     def on_insert(self, key: Key, parent: Key | None = None, reads: int = 0) -> None:
-        # NOTE: Admitted.on_insert inlined: this is the hot path (as are on_access, on_remove, _reference).
+        # NOTE: Admitted.on_insert over prefix-LRU's node table (see __init__): this is the hot path.
         entering, self._entering = self._entering, None
         nodes = self._nodes
         if key in nodes:
@@ -339,7 +337,7 @@ class AdaptivePolicy(Admitted):
         return {k: v for k, v in self._probation.items() if stamp(k) == v}
 
     def on_access(self, key: Key) -> None:
-        # NOTE: Admitted.on_access inlined: this is the hot path.
+        # NOTE: Admitted.on_access over prefix-LRU's node table: this is the hot path.
         if self._just_inserted != key:
             node = self._nodes.get(key)
             if node is not None:
@@ -411,6 +409,13 @@ class AdaptivePolicy(Admitted):
         score[2] = score[2] * decay + h2
         self._decide(level)
 
+    def _near_best(self, z: float) -> int:
+        """The first threshold of PREFER (the least strict) whose score is within `z` standard deviations
+        of the best score (the difference of two counts: z x sqrt(a + b))."""
+        score = self.scores
+        top, z2 = max(score), z * z
+        return next(j for j in self.PREFER if (top - score[j]) ** 2 <= z2 * (top + score[j]))
+
     def _decide(self, level: int) -> None:
         """Move to the best-scoring threshold if its lead over `level` (the current one) is significant."""
         score = self.scores
@@ -419,11 +424,9 @@ class AdaptivePolicy(Admitted):
             return
         learning = self._learn_left > 0
         z = self.Z_LEARN if learning else self.Z
-        z2 = z * z
-        best = next(j for j in self.PREFER if (top - score[j]) ** 2 <= z2 * (top + score[j]))
+        best = self._near_best(z)
         lead = score[best] - score[level]
-        if best == FREQUENT and not learning:
-            z2 = self.Z_FREQUENT * self.Z_FREQUENT
+        z2 = self.Z_FREQUENT * self.Z_FREQUENT if best == FREQUENT and not learning else z * z
         switch, min_lead = (0.0, self.MIN_LEAD_LEARN) if learning else (self.SWITCH, self.MIN_LEAD)
         if (
             best != level
