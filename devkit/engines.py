@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -28,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.cli.engines import DEFAULT_ENGINE_PYTHON
-from kvstore.cli.waits import free_port
+from kvstore.cli.waits import free_port, wait_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENGINE_VENV = DEFAULT_ENGINE_PYTHON.parents[1]  # .engines/vllm of this checkout: one definition
@@ -158,18 +157,6 @@ def make_model(python: Path, out: Path, *, hidden: int = 256, layers: int = 4, i
     return out
 
 
-def wait_port(port: int, proc: GroupProcess, timeout: float, what: str) -> None:
-    """Until something accepts on 127.0.0.1:port; RuntimeError with the log tail if proc dies first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            raise RuntimeError(f"{what} exited with {proc.proc.returncode} before listening:\n{proc.tail()}")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{what} not listening on port {port} after {timeout:g}s:\n{proc.tail()}")
-
-
 def kvstore_l2(addr: str | None = None, *, redis_url: str | None = None, **params: object) -> dict[str, object]:
     """The `--l2-adapter` spec of kvstore's adapter (see kvstore/integrations/lmcache_l2.py)."""
     where: dict[str, object] = {"target": addr} if addr else {"redis_url": redis_url}
@@ -194,7 +181,7 @@ class LMCacheServer(GroupProcess):
             args += ["--l2-adapter", json.dumps(spec)]
         super().__init__(args, log, env or engine_env())
         try:
-            wait_port(self.port, self, timeout, "lmcache server")
+            wait_port("127.0.0.1", self.port, timeout, self.proc, self.log, "lmcache server", poll=0.1)
         except BaseException:
             self.stop()
             raise

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.waits import START_POLL_S, free_port, retry_if_port_taken, tail
+from kvstore.cli.waits import START_POLL_S, free_port, retry_if_port_taken, wait_port
 
 
 def _resp(*args: str) -> bytes:
@@ -43,20 +43,11 @@ class _Child:
         log = open(log_path, "ab")  # noqa: SIM115 - the child's now
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{what} exited with {self.proc.returncode} (port {self.port} taken?):\n{tail(log_path)}"
-                )
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.5) as s:
-                    if answers(s):
-                        return
-            except OSError:
-                time.sleep(START_POLL_S)
-        self.stop()
-        raise TimeoutError(f"{what} not answering on {self.host}:{self.port} after {timeout}s:\n{tail(log_path)}")
+        try:
+            wait_port(self.host, self.port, timeout, self.proc, log_path, what, answers=answers, poll=START_POLL_S)
+        except TimeoutError:
+            self.stop()
+            raise
 
     def _redis_is_ours(self, s: socket.socket, password: str | None) -> bool:
         """The server on `s` is our child: it takes `password` (the default user's, when set) and its

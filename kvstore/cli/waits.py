@@ -6,6 +6,7 @@ early when the child exits; and the one rule for a port taken between free_port(
 from __future__ import annotations
 
 import collections
+import contextlib
 import socket
 import subprocess
 import time
@@ -53,7 +54,7 @@ def retry_if_port_taken(
     raise AssertionError("unreachable")
 
 
-def wait_port(
+def wait_port(  # noqa: PLR0913 - a wait for any child: where, how long, whose, how told
     host: str,
     port: int,
     timeout: float,
@@ -61,21 +62,24 @@ def wait_port(
     log: Path,
     what: str,
     failed: Callable[[], str | None] = lambda: None,
+    answers: Callable[[socket.socket], bool] = lambda s: True,
+    poll: float = POLL_S,
 ) -> None:
-    """Until host:port accepts a connection; RuntimeError when `proc` exits or `failed()` says why it will,
-    TimeoutError after `timeout` seconds (each with the tail of its log)."""
+    """Until a connection to host:port `answers` (by default: any connection); RuntimeError when `proc`
+    exits or `failed()` says why it will, TimeoutError after `timeout` seconds (each with the tail of its
+    log). A connection that does not answer (an error, or answers() False: another process on the port)
+    is tried again after `poll` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{tail(log)}")
+            raise RuntimeError(f"{what} exited with {proc.returncode} (port {port} taken?):\n{tail(log)}")
         if (why := failed()) is not None:
             raise RuntimeError(f"{what} failed: {why}")
-        try:
-            socket.create_connection((host, port), timeout=0.5).close()
-            return
-        except OSError:
-            time.sleep(POLL_S)
-    raise TimeoutError(f"{what} not listening on {host}:{port} after {timeout}s:\n{tail(log)}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5) as s:
+            if answers(s):
+                return
+        time.sleep(poll)
+    raise TimeoutError(f"{what} not answering on {host}:{port} after {timeout}s:\n{tail(log)}")
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
