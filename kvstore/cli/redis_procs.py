@@ -37,9 +37,25 @@ class _Child:
     port: int
     _tmp: tempfile.TemporaryDirectory[str]
 
+    def _log(self, what: str) -> Path:
+        return Path(self._tmp.name) / f"{what.replace(' ', '-')}.log"
+
+    def _start_retrying(self, what: str, first: bool, once: Callable[[], None], refresh: Callable[[], None]) -> None:
+        """once() (a _launch of `what`) until it starts. On a first start, a port taken between free_port()
+        and the child's bind (Redis logs "in use") is retried on a fresh one, after refresh() (what names
+        the port: a config file); a restart keeps its port (clients hold the URL)."""
+
+        def fresh_port() -> None:
+            self.port = free_port(self.host)
+            refresh()
+
+        log = self._log(what)
+        retry_if_port_taken(once, taken=lambda e: first and "in use" in log.read_text(errors="replace"),
+                            before_retry=fresh_port)  # fmt: skip
+
     def _launch(self, argv: list[str], what: str, answers: Callable[[socket.socket], bool], timeout: float) -> None:
         """Start `argv` (output to <dir>/<what>.log) and wait until a connection `answers` (True)."""
-        log_path = Path(self._tmp.name) / f"{what.replace(' ', '-')}.log"
+        log_path = self._log(what)
         log = open(log_path, "ab")  # noqa: SIM115 - the child's now
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
@@ -132,21 +148,11 @@ class RedisProcess(_Child):
         return f"redis://{user}:{self.users[user][0]}@{self.host}:{self.port}/0"
 
     def start(self, timeout: float = 15.0) -> RedisProcess:
-        """Start it (bounded). On a first start, a port taken between free_port() and redis-server's bind is
-        retried on a fresh one (waits.retry_if_port_taken); a restart keeps its port (clients hold the URL)."""
-        first = not self._conf_written
-        log = Path(self._tmp.name) / "redis-server.log"
+        """Start it (bounded; a port taken on a first start is retried, see _Child._start_retrying)."""
+        self._start_retrying("redis-server", not self._conf_written, lambda: self._start_once(timeout), lambda: None)
+        return self
 
-        def fresh_port() -> None:
-            self.port = free_port(self.host)
-
-        return retry_if_port_taken(
-            lambda: self._start_once(timeout),
-            taken=lambda e: first and "in use" in log.read_text(errors="replace"),
-            before_retry=fresh_port,
-        )
-
-    def _start_once(self, timeout: float) -> RedisProcess:
+    def _start_once(self, timeout: float) -> None:
         conf = Path(self._tmp.name) / "redis.conf"
         if not self._conf_written:  # kept across restarts: Sentinel rewrites it (who replicates whom)
             conf.touch(mode=0o600)
@@ -171,7 +177,6 @@ class RedisProcess(_Child):
             "warning",
         ]
         self._launch(args, "redis-server", lambda s: self._redis_is_ours(s, self.password), timeout)
-        return self
 
     def _auth_conf(self) -> str:
         from kvstore.index.acl import acl_line, admin_line
@@ -384,25 +389,17 @@ class SentinelProcess(_Child):
         ]) + "\n"  # fmt: skip
 
     def start(self, timeout: float = 15.0) -> SentinelProcess:
-        """Start it (bounded). On a first start, a port taken after free_port() is retried on a fresh one
-        (waits.retry_if_port_taken); a restart keeps its port and the config the sentinel rewrote."""
+        """Start it (bounded; a port taken on a first start is retried, see _Child._start_retrying). A
+        restart keeps its port and the config the sentinel rewrote (what it learned)."""
         first = not self.conf.exists()
-        log = Path(self._tmp.name) / "redis-sentinel.log"
-
-        def fresh_port() -> None:
-            self.port = free_port(self.host)
-            self.conf.write_text(self._conf())
-
         if first:
             self.conf.touch(mode=0o600)
             self.conf.write_text(self._conf())
-        return retry_if_port_taken(
-            lambda: self._start_once(timeout),
-            taken=lambda e: first and "in use" in log.read_text(errors="replace"),
-            before_retry=fresh_port,
-        )
-
-    def _start_once(self, timeout: float) -> SentinelProcess:
         argv = [self.binary, str(self.conf), "--sentinel"]
-        self._launch(argv, "redis sentinel", lambda s: self._redis_is_ours(s, self.group.sentinel_password), timeout)
+
+        def once() -> None:
+            self._launch(argv, "redis sentinel", lambda s: self._redis_is_ours(s, self.group.sentinel_password),
+                         timeout)  # fmt: skip
+
+        self._start_retrying("redis sentinel", first, once, lambda: self.conf.write_text(self._conf()))
         return self
