@@ -17,7 +17,9 @@ Workloads
     The suite (devkit/workloads.py: chat, rag, agent, batch, tenants, and conversation, production
     chat as the Mooncake and LMSYS statistics describe it; seeded) at --suite full or smoke, plus
     every --trace PATH (Mooncake FAST'25 format: one JSON object per line with `timestamp`,
-    `input_length`, `output_length`, `hash_ids`; any trace in that format works).
+    `input_length`, `output_length`, `hash_ids`; any trace in that format works). --seed N draws
+    other requests of the same shapes: the policies' constants were measured on seed 0, so the
+    same table at another seed is a held-out check that they were not fitted to those requests.
 
 Capacities
     --fractions of each workload's working set: the blocks it references at least twice (the only
@@ -41,7 +43,7 @@ Method
     replay, on this machine.
 
 Run:  .venv/bin/python benchmarks/trace_replay.py [--suite full|smoke|none] [--trace PATH ...]
-          [--fractions 0.02,...] [--capacity N,...] [--tiers hbm:N,dram:N,nvme:N] [--policy all|NAME,...]
+          [--seed N] [--fractions 0.02,...] [--capacity N,...] [--tiers hbm:N,dram:N,nvme:N] [--policy all|NAME,...]
           [--default adaptive] [--jobs N] [--node-requests N --node-capacity N,...] [--out DIR] [--json [PATH]]
 """
 
@@ -154,13 +156,13 @@ _SOURCES: dict[str, list[list[int]]] = {}  # per process: workloads are rebuilt,
 
 
 def source_requests(spec: str) -> list[list[int]]:
-    """'suite:NAME:SIZE' (a generated workload) or 'trace:PATH' -> its requests (cached per process)."""
+    """'suite:NAME:SIZE:SEED' (a generated workload) or 'trace:PATH' -> its requests (cached per process)."""
     reqs = _SOURCES.get(spec)
     if reqs is None:
         kind, _, rest = spec.partition(":")
         if kind == "suite":
-            name, _, size = rest.partition(":")
-            reqs = generate(name, size=size)
+            name, size, seed = rest.split(":")
+            reqs = generate(name, size=size, seed=int(seed))
         else:
             reqs = load_trace(Path(rest))
         _SOURCES[spec] = reqs
@@ -291,7 +293,7 @@ def machine_info() -> dict[str, object]:
 def machine_line(meta: dict[str, object]) -> str:
     return (
         f"{meta['date']} | cpu: {meta['cpu_model']}, os.cpu_count()={meta['cpu_count']} | {meta['platform']} | "
-        f"python {meta['python']} | policy+sim+workloads {meta['policy_sim_src']}"
+        f"python {meta['python']} | policy+sim+workloads {meta['policy_sim_src']} | suite seed {meta.get('seed', 0)}"
     )
 
 
@@ -388,6 +390,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--suite", choices=["full", "smoke", "none"], default="full", help="the generated workloads (default full)"
     )
+    ap.add_argument("--seed", type=int, default=0, help="the suite's seed (default 0; another is a held-out check)")
     ap.add_argument("--workloads", default="", help=f"a subset of the suite, comma-separated, from {sorted(WORKLOADS)}")
     ap.add_argument(
         "--trace", type=Path, action="append", default=[], help="a Mooncake-format JSONL trace (repeatable)"
@@ -422,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
         raise SystemExit(f"--workloads: unknown {unknown}; known: {sorted(WORKLOADS)}")
-    specs = [] if args.suite == "none" else [f"suite:{n}:{Size(args.suite).value}" for n in names]
+    specs = [] if args.suite == "none" else [f"suite:{n}:{Size(args.suite).value}:{args.seed}" for n in names]
     specs += [f"trace:{p}" for p in args.trace]
     if args.policy == "all":
         policies = [p for p in POLICY_ORDER if p in POLICIES] + sorted(set(POLICIES) - set(POLICY_ORDER))
@@ -441,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"bad capacity or tiers: {e}") from None
 
-    meta = machine_info()
+    meta = machine_info() | {"seed": args.seed}
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json == "-" else (lambda s: print(s, flush=True))
     log(f"# trace_replay — {machine_line(meta)}")
     summaries: dict[str, dict[str, float | int]] = {}

@@ -40,6 +40,20 @@ def test_smoke_suite_and_a_trace(tmp_path: Path) -> None:
     assert "Target (issues 14 and 22)" in (tmp_path / "trace_replay.md").read_text()
 
 
+def test_another_seed_replays_other_requests_of_the_same_shapes(tmp_path: Path) -> None:
+    """--seed N: a held-out draw of the suite (the policies' constants were measured on seed 0)."""
+    docs = {}
+    for seed in (0, 1):
+        out = _run("--suite", "smoke", "--workloads", "chat", "--seed", str(seed), "--fractions", "0.3",
+                   "--policy", "lru,adaptive", "--out", str(tmp_path / str(seed)))  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        docs[seed] = json.loads((tmp_path / str(seed) / "trace_replay.json").read_text())
+        assert docs[seed]["machine"]["seed"] == seed
+        assert f"suite seed {seed}" in (tmp_path / str(seed) / "trace_replay.md").read_text()
+    assert docs[0]["workloads"]["chat"] != docs[1]["workloads"]["chat"]
+    assert docs[0]["workloads"]["chat"]["requests"] == docs[1]["workloads"]["chat"]["requests"]
+
+
 def test_bad_input_is_named(tmp_path: Path) -> None:
     out = _run("--suite", "none", "--trace", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))
     assert out.returncode != 0 and "missing.jsonl" in out.stderr
@@ -59,14 +73,15 @@ def test_policy_bench_replays_every_decision(tmp_path: Path) -> None:
     and fails otherwise) and a figure is written per policy and cell; bad input is named."""
     script = ROOT / "benchmarks" / "policy_bench.py"
     args = ["--size", "smoke", "--workloads", "conversation,batch", "--fractions", "0.1",
-            "--policy", "lru,second-sight,adaptive", "--runs", "1", "--out", str(tmp_path)]  # fmt: skip
+            "--policy", "lru,second-sight,adaptive,prefix-arc", "--runs", "2", "--out", str(tmp_path)]  # fmt: skip
     out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "policy_bench.json").read_text())["rows"]
     assert {(r["workload"], r["policy"]) for r in rows} == {
-        (w, p) for w in ("conversation", "batch") for p in ("lru", "second-sight", "adaptive")
+        (w, p) for w in ("conversation", "batch") for p in ("lru", "second-sight", "adaptive", "prefix-arc")
     }
     assert all(r["events"] > 0 and r["us_per_event"] >= 0 for r in rows)
+    assert "ratio to prefix-arc in the same cell: lru " in (tmp_path / "policy_bench.md").read_text()
     bad = subprocess.run([sys.executable, str(script), "--policy", "nope", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "x").exists()
