@@ -171,3 +171,33 @@ def test_receive_pool_blocks_come_back_only_when_nothing_refers_to_them() -> Non
         assert big.nbytes == 3 << 20 and pool.mapped_bytes >= 3 << 20
     finally:
         pool.close()
+
+
+def _free_blocks(pool: ReceivePool) -> int:
+    return sum(len(a.free) for arenas in pool._arenas.values() for a in arenas)
+
+
+def test_a_reservation_hands_out_only_the_blocks_claimed() -> None:
+    """A same-host get reserves a block per hash; the blocks of pages that did not come back go back at once,
+    a claimed one only when nothing refers to it, and every block lies where `placed` says."""
+    pool = ReceivePool(keep_bytes=0)
+    try:
+        with pool.reserve(10_000, 300) as r:
+            free_during = _free_blocks(pool)
+            assert len(r.placed) == 300 and len({(p.buffer.id, p.offset) for p in r.placed}) == 300
+            page = r.claim(5)
+            with pytest.raises(ValueError, match="already claimed"):
+                r.claim(5)
+        assert _free_blocks(pool) == free_during + 299  # all but the claimed one are back
+        page[:3] = b"abc"
+        spot = r.placed[5]
+        assert bytes(spot.buffer.map[spot.offset : spot.offset + 3]) == b"abc"  # `placed` is where it lies
+        del page
+        assert _free_blocks(pool) == free_during + 300
+        r.close()  # idempotent: nothing is given back twice
+        assert _free_blocks(pool) == free_during + 300
+        with pool.reserve(3 << 20, 30) as big:  # 21 blocks of 3 MiB per 64 MiB arena: two arenas
+            assert len({(p.buffer.id, p.offset) for p in big.placed}) == 30
+            assert len({p.buffer.id for p in big.placed}) == 2
+    finally:
+        pool.close()

@@ -11,9 +11,10 @@ slice of it, a numpy array or torch tensor made from it without a copy. Its bloc
 only when the last such reference is gone (CPython frees it then, on the spot), so its bytes can never
 change under a reader, and a block is never handed to two callers at once. Nothing to release by hand.
 
-Invariants: a block is in exactly one place: the free list of its arena, or out (owned by the one ndarray a
-`take` made, whose finalizer returns it); a mapping is unmapped only when all its blocks are free, at close
-or when more than `keep_bytes` are free and a new mapping would be needed.
+Invariants: a block is in exactly one place: the free list of its arena, held by one open Reservation (a call
+in flight: the same-host plane reserves a block per hash and makes views only of the pages that came back), or
+out (owned by the one ndarray a `take` or a claim made, whose finalizer returns it); a mapping is unmapped only
+when all its blocks are free, at close or when more than `keep_bytes` are free and a new mapping would be needed.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from kvstore.client.planes.segments import SharedBuffers
+from kvstore.client.planes.segments import Placed, SharedBuffers
 from kvstore.pageformat import align_up
 
 ARENA_BYTES = 64 << 20  # blocks are carved from mappings of at least this size (or one block, if larger)
@@ -63,25 +64,41 @@ class ReceivePool:
     def take(self, nbytes: int) -> memoryview:
         """A writable, C-contiguous uint8 view of `nbytes` bytes, recycled when nothing refers to it any more.
         Its initial contents are undefined (a received page overwrites all of it)."""
+        with self.reserve(nbytes, 1) as r:
+            return r.claim(0)
+
+    def reserve(self, nbytes: int, count: int) -> Reservation:
+        """`count` blocks of `nbytes` held for one call: where each lies is known at once (`placed`, sent to the
+        node), a view is made only for the blocks `claim`ed (the pages that came back), and the others go back
+        to the pool when the reservation closes (a get whose stored prefix ended early pays for no view)."""
         block = align_up(max(nbytes, 1))
+        held: list[tuple[_Arena, int]] = []
         with self._lock:
-            arena = next((a for a in self._arenas[block] if a.free), None)
-            if arena is None:
-                if self._free_bytes > self.keep_bytes:
-                    self._trim()
-                arena = _Arena(self.registry, block, max(1, ARENA_BYTES // block))
-                self._arenas[block].append(arena)
-                self._free_bytes += arena.count * block
-            index = arena.free.pop()
-            self._free_bytes -= block
-        array = np.frombuffer(arena.buffer.map, dtype=np.uint8, count=nbytes, offset=index * block)
-        weakref.finalize(array, self._give, arena, index)
-        return memoryview(array)
+            arenas = self._arenas[block]
+            while len(held) < count:
+                arena = next((a for a in arenas if a.free), None)
+                if arena is None:
+                    if self._free_bytes > self.keep_bytes:
+                        self._trim()
+                    arena = _Arena(self.registry, block, max(1, ARENA_BYTES // block))
+                    arenas.append(arena)
+                    self._free_bytes += arena.count * block
+                free = arena.free
+                for _ in range(min(count - len(held), len(free))):
+                    held.append((arena, free.pop()))
+            self._free_bytes -= count * block
+        return Reservation(self, nbytes, held)
 
     def _give(self, arena: _Arena, index: int) -> None:
         with self._lock:
             arena.free.append(index)
             self._free_bytes += arena.block
+
+    def _give_many(self, blocks: list[tuple[_Arena, int]]) -> None:
+        with self._lock:
+            for arena, index in blocks:
+                arena.free.append(index)
+                self._free_bytes += arena.block
 
     def _trim(self) -> None:
         """Unmap arenas whose blocks are all free (caller holds the lock)."""
@@ -100,3 +117,37 @@ class ReceivePool:
         """Unmap every arena with no block out; the others go with their last block's user."""
         with self._lock:
             self._trim()
+
+
+class Reservation:
+    """Blocks of a ReceivePool held for one call (see ReceivePool.reserve). Invariant: each block is either
+    still held here (returned by `close`) or claimed (owned by the one ndarray `claim` made, whose finalizer
+    returns it): never both, never lost. Use it as a context manager."""
+
+    def __init__(self, pool: ReceivePool, nbytes: int, blocks: list[tuple[_Arena, int]]) -> None:
+        self._pool, self._nbytes, self._blocks = pool, nbytes, blocks
+        self._claimed: set[int] = set()
+        self.placed = [Placed(a.buffer, i * a.block, nbytes) for a, i in blocks]
+
+    def claim(self, i: int) -> memoryview:
+        """Block i as a writable uint8 view, recycled when nothing refers to it any more (claimed once)."""
+        if i in self._claimed:
+            raise ValueError(f"block {i} of this reservation is already claimed")
+        arena, index = self._blocks[i]
+        array = np.frombuffer(arena.buffer.map, dtype=np.uint8, count=self._nbytes, offset=index * arena.block)
+        weakref.finalize(array, self._pool._give, arena, index)
+        self._claimed.add(i)
+        return memoryview(array)
+
+    def close(self) -> None:
+        """Give every block not claimed back to the pool (idempotent)."""
+        unclaimed = [b for i, b in enumerate(self._blocks) if i not in self._claimed]
+        self._claimed.update(range(len(self._blocks)))
+        if unclaimed:
+            self._pool._give_many(unclaimed)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

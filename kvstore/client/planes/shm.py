@@ -201,11 +201,9 @@ class ShmPlane(DataPlane):
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         """Pages straight into blocks of the receive pool: the node copies and verifies each one in place."""
         n = yield Blocking(lambda: self.page_bytes(namespace, hashes[0]))
-        blocks = [self.received.take(n) for _ in hashes]
-        placed = self._place(blocks, True, 0)
-        assert placed is not None
-        got = yield from self._get(namespace, hashes, promote, placed, 0)
-        return [FetchedPage(p.hash, TierKind(p.tier), blocks[i]) for i, p in enumerate(got)]
+        with self.received.reserve(n, len(hashes)) as blocks:
+            got = yield from self._get(namespace, hashes, promote, blocks.placed, 0)
+            return [FetchedPage(p.hash, TierKind(p.tier), blocks.claim(i)) for i, p in enumerate(got)]
 
     def get_into_batch(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int

@@ -377,43 +377,71 @@ class _Connection:
         if len(req.targets) != len(hashes):
             raise InvalidArgument("targets", f"{len(req.targets)} targets for {len(hashes)} hashes (one per hash)")
         page_bytes = caller.view.layout_of(req.namespace).page_bytes
-        bufs = [self._buffer(t.buffer, f"targets[{i}].buffer") for i, t in enumerate(req.targets)]
-        check_targets(req.targets, bufs, page_bytes)
+        # NOTE: the targets' fields read once into tuples: a protobuf field read costs more than the check itself
+        targets = [(t.buffer, t.offset, t.size) for t in req.targets]
+        bufs = [self._buffer(t[0], f"targets[{i}].buffer") for i, t in enumerate(targets)]
+        check_targets(targets, bufs, page_bytes)
         out = pb.GetShmResponse()
-        with _using(bufs):
-            windows = [b.window(t.offset, page_bytes) for b, t in zip(bufs, req.targets, strict=True)]
+        with _using(set(bufs)):
+            # NOTE: a window is cut when its page is reached: a Get whose stored prefix ends early (a probe of
+            # many keys, the first one missing) costs no window per hash.
+            windows = _Windows(bufs, targets, page_bytes)
             promote = not req.no_promote
             try:
                 async with open_get(
                     caller, req.namespace, hashes, promote, into=windows, receiver_verifies=False
                 ) as ls:
                     async for lease in ls:
-                        t = req.targets[len(out.pages)]
+                        buf_id, offset, _ = targets[len(out.pages)]
                         out.pages.add(
                             hash=lease.hash,
-                            offset=t.offset,
+                            offset=offset,
                             payload_bytes=len(lease.payload),
                             checksum=lease.checksum,
                             tier=int(lease.tier),
-                            buffer=t.buffer,
+                            buffer=buf_id,
                         )
             finally:
-                for w in windows:
-                    w.release()
+                windows.release()
         return out.SerializeToString()
 
 
-def check_targets(targets: Sequence[pb.ShmTarget], bufs: Sequence[MappedBuffer], page_bytes: int) -> None:
+Target = tuple[int, int, int]  # a GET target's (buffer id, offset, size)
+
+
+class _Windows(Sequence[memoryview]):
+    """The windows of a GET's targets, each cut from its buffer on first use; `release` releases those cut."""
+
+    def __init__(self, bufs: Sequence[MappedBuffer], targets: Sequence[Target], page_bytes: int) -> None:
+        self._bufs, self._targets, self._page_bytes = bufs, targets, page_bytes
+        self._cut: dict[int, memoryview] = {}
+
+    def __len__(self) -> int:
+        return len(self._bufs)
+
+    def __getitem__(self, i: int) -> memoryview:  # type: ignore[override]  # NOTE: by index only
+        w = self._cut.get(i)
+        if w is None:
+            w = self._cut[i] = self._bufs[i].window(self._targets[i][1], self._page_bytes)
+        return w
+
+    def release(self) -> None:
+        for w in self._cut.values():
+            w.release()
+        self._cut.clear()
+
+
+def check_targets(targets: Sequence[Target], bufs: Sequence[MappedBuffer], page_bytes: int) -> None:
     """Every target inside its buffer, a page long at least, overlapping no other target of the same buffer;
     InvalidArgument naming `targets[i]` otherwise (checked before anything is read or written)."""
-    for i, (t, b) in enumerate(zip(targets, bufs, strict=True)):
-        b.check(t.offset, t.size, f"targets[{i}]")
-        if t.size < page_bytes:
-            raise InvalidArgument(f"targets[{i}]", f"{t.size} bytes cannot hold a page of this namespace: {page_bytes}")
-    order = sorted(range(len(targets)), key=lambda i: (targets[i].buffer, targets[i].offset))
+    for i, ((_, offset, size), b) in enumerate(zip(targets, bufs, strict=True)):
+        b.check(offset, size, f"targets[{i}]")
+        if size < page_bytes:
+            raise InvalidArgument(f"targets[{i}]", f"{size} bytes cannot hold a page of this namespace: {page_bytes}")
+    order = sorted(range(len(targets)), key=lambda i: targets[i][:2])
     for prev, cur in itertools.pairwise(order):
         a, b = targets[prev], targets[cur]
-        if a.buffer == b.buffer and a.offset + page_bytes > b.offset:
+        if a[0] == b[0] and a[1] + page_bytes > b[1]:
             raise InvalidArgument(f"targets[{max(prev, cur)}]", f"overlaps targets[{min(prev, cur)}]")
 
 
