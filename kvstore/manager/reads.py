@@ -27,14 +27,13 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvstore.manager.landing import read_payload
 from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, checksum_in_steps, payload_checksum
+from kvstore.pointers import buffer_address
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)
@@ -309,18 +308,10 @@ def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
         raise ValueError(f"destination of {len(dest)} bytes cannot hold a {n}-byte page")
     # NOTE: memmove through ctypes releases the GIL (a memoryview slice assignment holds it), as XXH3 does,
     # so copies of several pages run in parallel on the I/O pool's threads.
-    src, dst = _address(payload), _address(dest)
+    src, dst = buffer_address(payload), buffer_address(dest)
 
     def copy(off: int, k: int) -> memoryview:
         ctypes.memmove(dst + off, src + off, k)
         return payload[off : off + k]
 
     return checksum_in_steps(n, copy)
-
-
-def _address(view: memoryview) -> int:
-    """The address of a writable, contiguous buffer's first byte (the export is dropped at once)."""
-    arr = np.frombuffer(view, dtype=np.uint8)
-    addr = int(arr.ctypes.data)
-    del arr
-    return addr

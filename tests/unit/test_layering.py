@@ -18,7 +18,8 @@ PKG = ROOT / "kvstore"
 LAYERS: list[tuple[str, ...]] = [
     # shared and pure: what both sides of the wire agree on
     ("kvstore.names", "kvstore.hashing", "kvstore.layout", "kvstore.pageformat", "kvstore.errors", "kvstore.scoping",
-     "kvstore.addresses", "kvstore.stats", "kvstore.memtune", "kvstore.security", "kvstore.wire", "kvstore._proto",
+     "kvstore.addresses", "kvstore.stats", "kvstore.memtune", "kvstore.pointers", "kvstore.security", "kvstore.wire",
+     "kvstore._proto",
      "kvstore.index.keys", "kvstore.index.lookup", "kvstore.index.acl", "kvstore"),
     ("kvstore.tiers", "kvstore.policy", "kvstore.node.config"),
     ("kvstore.manager",),

@@ -12,7 +12,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
+from kvstore.pointers import buffer_address
 
 
 def buffer_span(obj: Any, field: str, writable: bool) -> tuple[int, int]:
@@ -29,15 +29,7 @@ def buffer_span(obj: Any, field: str, writable: bool) -> tuple[int, int]:
         if writable and view.readonly:
             raise ValueError(f"{field}: the buffer is read-only; pages can only be written into writable memory")
         nbytes = view.nbytes
-        return (address_of(view) if nbytes else 0), nbytes
-
-
-def address_of(obj: Any) -> int:
-    """The address of a buffer's first byte (read-only buffers too), without copying it."""
-    arr = np.frombuffer(obj, dtype=np.uint8)
-    addr = int(arr.__array_interface__["data"][0])
-    del arr  # drop the export at once, so the buffer can be released or closed
-    return addr
+        return (buffer_address(view) if nbytes else 0), nbytes
 
 
 def check_buffers(

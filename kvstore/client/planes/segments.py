@@ -23,8 +23,8 @@ import os
 import threading
 from dataclasses import dataclass
 
-from kvstore.client.planes.buffers import address_of
 from kvstore.pageformat import align_up
+from kvstore.pointers import buffer_address
 
 _IDS = itertools.count(1)  # buffer ids, unique in this process (the node keys registrations by them)
 
@@ -57,7 +57,7 @@ class SharedBuffer:
             os.close(self.fd)
             raise
         self.view = memoryview(self.map)[:nbytes]
-        self.base = address_of(self.map)
+        self.base = buffer_address(self.map)
         self._registry = registry
         registry.add(self)
 
