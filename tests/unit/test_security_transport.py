@@ -11,6 +11,7 @@ from kvstore.client.core import ClientCore, ClientSettings, transport_mode
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.choice import choose_planes
 from kvstore.client.planes.pool import ReceivePool
+from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
 from kvstore.errors import PermissionDenied, PlaneUnavailable, Unauthenticated
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity, Role, TokenAuthenticator, read_token_file
@@ -199,5 +200,26 @@ def test_a_reservation_hands_out_only_the_blocks_claimed() -> None:
         with pool.reserve(3 << 20, 30) as big:  # 21 blocks of 3 MiB per 64 MiB arena: two arenas
             assert len({(p.buffer.id, p.offset) for p in big.placed}) == 30
             assert len({p.buffer.id for p in big.placed}) == 2
+    finally:
+        pool.close()
+
+
+class _OneMapping(SharedBuffers):
+    """Registered memory that runs out after one mapping (as memfd_create or mmap do under ENOMEM)."""
+
+    def allocate(self, nbytes: int) -> SharedBuffer:
+        if len(self):
+            raise OSError(12, "Cannot allocate memory")
+        return super().allocate(nbytes)
+
+
+def test_a_reservation_that_cannot_map_more_gives_back_what_it_took() -> None:
+    pool = ReceivePool(_OneMapping(), keep_bytes=0)
+    try:
+        with pytest.raises(OSError, match="Cannot allocate"):
+            pool.reserve(3 << 20, 30)  # 21 blocks fit the first mapping; the second cannot be made
+        assert _free_blocks(pool) == 21  # none of the 21 taken is lost
+        with pool.reserve(3 << 20, 21) as r:  # and they can all be reserved again
+            assert len(r.placed) == 21
     finally:
         pool.close()

@@ -75,18 +75,22 @@ class ReceivePool:
         held: list[tuple[_Arena, int]] = []
         with self._lock:
             arenas = self._arenas[block]
-            while len(held) < count:
-                arena = next((a for a in arenas if a.free), None)
-                if arena is None:
-                    if self._free_bytes > self.keep_bytes:
-                        self._trim()
-                    arena = _Arena(self.registry, block, max(1, ARENA_BYTES // block))
-                    arenas.append(arena)
-                    self._free_bytes += arena.count * block
-                free = arena.free
-                for _ in range(min(count - len(held), len(free))):
-                    held.append((arena, free.pop()))
-            self._free_bytes -= count * block
+            try:
+                while len(held) < count:
+                    arena = next((a for a in arenas if a.free), None)
+                    if arena is None:
+                        if self._free_bytes > self.keep_bytes:
+                            self._trim()
+                        arena = _Arena(self.registry, block, max(1, ARENA_BYTES // block))
+                        arenas.append(arena)
+                        self._free_bytes += arena.count * block
+                    free = arena.free
+                    for _ in range(min(count - len(held), len(free))):
+                        held.append((arena, free.pop()))
+                        self._free_bytes -= block
+            except BaseException:  # no memory for another arena: the blocks taken so far go back
+                self._give_many(held)
+                raise
         return Reservation(self, nbytes, held)
 
     def _give(self, arena: _Arena, index: int) -> None:
