@@ -18,13 +18,13 @@ failed may have left bytes in its destination, which is never reported as holdin
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Callable
 from functools import partial
 
 from kvstore.manager.io import IoPool
 from kvstore.manager.state import Entry
 from kvstore.pageformat import ALIGN, HEADER_BYTES, payload_checksum
+from kvstore.pointers import buffer_address
 from kvstore.tiers.base import Medium
 
 CopyVerify = Callable[[memoryview, memoryview | None], int]  # checksum of a payload, copied into dest
@@ -70,4 +70,4 @@ def _aligned(buf: memoryview) -> bool:
     """The buffer starts on an O_DIRECT boundary (and is writable and contiguous)."""
     if buf.readonly or not buf.c_contiguous:
         return False
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) % ALIGN == 0
+    return buffer_address(buf) % ALIGN == 0

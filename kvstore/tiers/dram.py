@@ -7,6 +7,7 @@ import logging
 import mmap
 
 from kvstore.names import TierKind
+from kvstore.pointers import buffer_address
 from kvstore.tiers.base import Medium
 
 log = logging.getLogger(__name__)
@@ -54,10 +55,7 @@ class DramTier(Medium):
 
             if not cupy.cuda.is_available() or self.num_slots == 0:
                 return
-            import numpy as np
-
-            ptr = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
-            cupy.cuda.runtime.hostRegister(ptr, len(self._map), 0)
+            cupy.cuda.runtime.hostRegister(buffer_address(self._map), len(self._map), 0)
             self.pinned = True
             self.detail = "anonymous mmap slab, CUDA-pinned"
         except Exception as exc:

@@ -10,6 +10,7 @@ import logging
 from collections.abc import Sequence
 
 from kvstore.names import TierKind
+from kvstore.pointers import buffer_address
 from kvstore.tiers.base import Medium, SlotIO
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,7 @@ class HbmTier(Medium):
 
     @staticmethod
     def _host_ptr(buf: memoryview) -> int:
-        import numpy as np
-
-        return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+        return buffer_address(buf)
 
     def _enqueue(self, ops: Sequence[SlotIO], to_device: bool) -> None:
         import cupy
