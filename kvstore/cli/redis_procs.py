@@ -8,7 +8,6 @@ Every wait is bounded in time; `stop()` sends SIGTERM, waits, then SIGKILLs.
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -19,13 +18,15 @@ from typing import Any
 from kvstore.cli.waits import START_POLL_S, free_port, retry_if_port_taken, wait_port
 
 
-def _resp(*args: str) -> bytes:
-    """One Redis command in RESP (arguments may hold any bytes, spaces included)."""
-    out = [f"*{len(args)}\r\n".encode()]
-    for a in args:
-        b = a.encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
+def _probe(host: str, port: int, password: str | None, **kw: Any) -> Any:
+    """A redis-py client for one look at a child (its PID, a sentinel's view): the default user, and no
+    retries (redis-py's own retry would turn a port that accepts but never answers into a 15 s wait)."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(host, port, username="default" if password else None, password=password, socket_timeout=1,
+                       retry=Retry(NoBackoff(), 0), **kw)  # fmt: skip
 
 
 class _Child:
@@ -53,8 +54,8 @@ class _Child:
         retry_if_port_taken(once, taken=lambda e: first and "in use" in log.read_text(errors="replace"),
                             before_retry=fresh_port)  # fmt: skip
 
-    def _launch(self, argv: list[str], what: str, answers: Callable[[socket.socket], bool], timeout: float) -> None:
-        """Start `argv` (output to <dir>/<what>.log) and wait until a connection `answers` (True)."""
+    def _launch(self, argv: list[str], what: str, answers: Callable[[], bool], timeout: float) -> None:
+        """Start `argv` (output to <dir>/<what>.log) and wait until its port `answers` (True)."""
         log_path = self._log(what)
         log = open(log_path, "ab")  # noqa: SIM115 - the child's now
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
@@ -65,20 +66,19 @@ class _Child:
             self.stop()
             raise
 
-    def _redis_is_ours(self, s: socket.socket, password: str | None) -> bool:
-        """The server on `s` is our child: it takes `password` (the default user's, when set) and its
+    def _redis_is_ours(self, password: str | None) -> bool:
+        """The server on our port is our child: it takes `password` (the default user's, when set) and its
         `INFO server` names our PID. A process that took the port after free_port() fails this, and ours
         then exits (port in use): _launch sees that, and the caller's retry moves to a fresh port."""
-        f = s.makefile("rb")
-        if password:
-            s.sendall(_resp("AUTH", "default", password))
-            if not f.readline().startswith(b"+OK"):
-                return False
-        s.sendall(_resp("INFO", "server"))
-        head = f.readline()
-        if not head.startswith(b"$") or self.proc is None:
+        import redis
+
+        if self.proc is None:
             return False
-        return f"process_id:{self.proc.pid}\r\n".encode() in f.read(int(head[1:]) + 2)
+        try:
+            with _probe(self.host, self.port, password) as c:
+                return c.info("server").get("process_id") == self.proc.pid
+        except (redis.RedisError, OSError):
+            return False
 
     def close(self) -> None:
         self.stop()
@@ -176,7 +176,7 @@ class RedisProcess(_Child):
             "--loglevel",
             "warning",
         ]
-        self._launch(args, "redis-server", lambda s: self._redis_is_ours(s, self.password), timeout)
+        self._launch(args, "redis-server", lambda: self._redis_is_ours(self.password), timeout)
 
     def _auth_conf(self) -> str:
         from kvstore.index.acl import acl_line, admin_line
@@ -285,8 +285,7 @@ class SentinelGroup:
 
         for s in self.sentinels:
             try:
-                with redis.Redis(s.host, s.port, username="default", password=self.sentinel_password,
-                                 socket_timeout=2) as c:  # fmt: skip
+                with _probe(s.host, s.port, self.sentinel_password) as c:
                     _, port = c.sentinel_get_master_addr_by_name(self.name) or (None, None)
             except (redis.RedisError, OSError, TypeError):
                 continue
@@ -326,8 +325,7 @@ class SentinelGroup:
         if s.proc is None or s.proc.poll() is not None:
             return "not running"
         try:
-            with redis.Redis(s.host, s.port, username="default", password=self.sentinel_password,
-                             socket_timeout=2, decode_responses=True) as c:  # fmt: skip
+            with _probe(s.host, s.port, self.sentinel_password, decode_responses=True) as c:
                 state = c.sentinel_master(self.name)
                 replicas = c.sentinel_slaves(self.name)
         except (redis.RedisError, OSError) as e:
@@ -398,7 +396,7 @@ class SentinelProcess(_Child):
         argv = [self.binary, str(self.conf), "--sentinel"]
 
         def once() -> None:
-            self._launch(argv, "redis sentinel", lambda s: self._redis_is_ours(s, self.group.sentinel_password),
+            self._launch(argv, "redis sentinel", lambda: self._redis_is_ours(self.group.sentinel_password),
                          timeout)  # fmt: skip
 
         self._start_retrying("redis sentinel", first, once, lambda: self.conf.write_text(self._conf()))

@@ -6,7 +6,6 @@ early when the child exits; and the one rule for a port taken between free_port(
 from __future__ import annotations
 
 import collections
-import contextlib
 import socket
 import subprocess
 import time
@@ -62,21 +61,25 @@ def wait_port(  # noqa: PLR0913 - a wait for any child: where, how long, whose, 
     log: Path,
     what: str,
     failed: Callable[[], str | None] = lambda: None,
-    answers: Callable[[socket.socket], bool] = lambda s: True,
+    answers: Callable[[], bool] = lambda: True,
     poll: float = POLL_S,
 ) -> None:
-    """Until a connection to host:port `answers` (by default: any connection); RuntimeError when `proc`
-    exits or `failed()` says why it will, TimeoutError after `timeout` seconds (each with the tail of its
-    log). A connection that does not answer (an error, or answers() False: another process on the port)
-    is tried again after `poll` seconds."""
+    """Until host:port accepts a connection and then `answers()` (by default: any connection); RuntimeError
+    when `proc` exits or `failed()` says why it will, TimeoutError after `timeout` seconds (each with the tail
+    of its log). A port that does not answer (no connection, or answers() False: another process on the
+    port) is tried again after `poll` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{what} exited with {proc.returncode} (port {port} taken?):\n{tail(log)}")
         if (why := failed()) is not None:
             raise RuntimeError(f"{what} failed: {why}")
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.5) as s:
-            if answers(s):
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+        except OSError:
+            pass
+        else:
+            if answers():
                 return
         time.sleep(poll)
     raise TimeoutError(f"{what} not answering on {host}:{port} after {timeout}s:\n{tail(log)}")
