@@ -64,34 +64,47 @@ class ReceivePool:
     def take(self, nbytes: int) -> memoryview:
         """A writable, C-contiguous uint8 view of `nbytes` bytes, recycled when nothing refers to it any more.
         Its initial contents are undefined (a received page overwrites all of it)."""
-        with self.reserve(nbytes, 1) as r:
-            return r.claim(0)
+        ((arena, index),) = self._blocks(nbytes, 1)
+        return self._view(arena, index, nbytes)
 
     def reserve(self, nbytes: int, count: int) -> Reservation:
         """`count` blocks of `nbytes` held for one call: where each lies is known at once (`placed`, sent to the
         node), a view is made only for the blocks `claim`ed (the pages that came back), and the others go back
         to the pool when the reservation closes (a get whose stored prefix ended early pays for no view)."""
+        return Reservation(self, nbytes, self._blocks(nbytes, count))
+
+    def _blocks(self, nbytes: int, count: int) -> list[tuple[_Arena, int]]:
+        """`count` free blocks of the size class of `nbytes`, taken off their free lists (mapping arenas as
+        needed); on failure (no memory for another arena) none is taken."""
         block = align_up(max(nbytes, 1))
         held: list[tuple[_Arena, int]] = []
         with self._lock:
             arenas = self._arenas[block]
             try:
                 while len(held) < count:
-                    arena = next((a for a in arenas if a.free), None)
-                    if arena is None:
+                    for arena in arenas:
+                        if arena.free:
+                            break
+                    else:
                         if self._free_bytes > self.keep_bytes:
                             self._trim()
                         arena = _Arena(self.registry, block, max(1, ARENA_BYTES // block))
                         arenas.append(arena)
                         self._free_bytes += arena.count * block
                     free = arena.free
-                    for _ in range(min(count - len(held), len(free))):
-                        held.append((arena, free.pop()))
-                        self._free_bytes -= block
+                    k = min(count - len(held), len(free))
+                    held += [(arena, free.pop()) for _ in range(k)]
+                    self._free_bytes -= k * block
             except BaseException:  # no memory for another arena: the blocks taken so far go back
                 self._give_many(held)
                 raise
-        return Reservation(self, nbytes, held)
+        return held
+
+    def _view(self, arena: _Arena, index: int, nbytes: int) -> memoryview:
+        """Block `index` of `arena` as a view of `nbytes`, owned by one ndarray whose finalizer gives it back."""
+        array = np.frombuffer(arena.buffer.map, dtype=np.uint8, count=nbytes, offset=index * arena.block)
+        weakref.finalize(array, self._give, arena, index)
+        return memoryview(array)
 
     def _give(self, arena: _Arena, index: int) -> None:
         with self._lock:
@@ -138,10 +151,9 @@ class Reservation:
         if i in self._claimed:
             raise ValueError(f"block {i} of this reservation is already claimed")
         arena, index = self._blocks[i]
-        array = np.frombuffer(arena.buffer.map, dtype=np.uint8, count=self._nbytes, offset=index * arena.block)
-        weakref.finalize(array, self._pool._give, arena, index)
+        view = self._pool._view(arena, index, self._nbytes)
         self._claimed.add(i)
-        return memoryview(array)
+        return view
 
     def close(self) -> None:
         """Give every block not claimed back to the pool (idempotent)."""
