@@ -61,16 +61,12 @@ class HbmTier(Medium):
             raise IndexError(f"HBM slot {slot} out of range")
         return self._mem.ptr + slot * self.slot_bytes
 
-    @staticmethod
-    def _host_ptr(buf: memoryview) -> int:
-        return buffer_address(buf)
-
     def _enqueue(self, ops: Sequence[SlotIO], to_device: bool) -> None:
         import cupy
 
         rt = cupy.cuda.runtime
         for slot, buf in ops:
-            dev, host = self.device_pointer(slot), self._host_ptr(buf)
+            dev, host = self.device_pointer(slot), buffer_address(buf)
             if to_device:
                 rt.memcpyAsync(dev, host, len(buf), rt.memcpyHostToDevice, self._stream.ptr)
             else:
