@@ -37,7 +37,8 @@ others each score is decayed by 1 - 1/(MEMORY x shadow capacity) and raised by i
 memory is short (4 shadow capacities of contested references): which threshold is best changes as a
 tier's contents and the traffic change (agents' and tenants' mixes shift; a trace's evidence turns),
 and a long memory kept the tier at a threshold the recent references no longer favoured (measured on
-held-out draws, issue 22 round 4: memory 4 met more cells and more hits than 8, 16 or 64; 1 is noise).
+held-out draws, issue 22 round 4: memory 4 met more cells and more hits than 64; in a scratch table it
+also beat 8 and 16, and 1 was noise).
 The tier moves to the best score only when the lead over the current threshold is significant:
 more than SWITCH (5%) and MIN_LEAD hits, and more than Z standard deviations of the difference of
 two counts (Z x sqrt(a + b); Z_FREQUENT for a move to FREQUENT, which the small sampled shadows
