@@ -4,15 +4,19 @@ What is measured
     The policy alone, not the simulator around it. For each policy, workload and capacity, the
     simulated cache (devkit.sim.TieredBlockCache, one tier, admission on: what a node does) is run
     once with the policy behind a recorder that writes down every call the cache makes on it, with
-    its arguments: on_insert (with parent and reads), on_access, on_remove, admit (with the victim)
-    and the victim query (first_candidate, with the set of keys pinned at that moment). The recorded
+    its arguments: on_insert (with parent and reads), on_access, on_remove, refuses (the refusal
+    asked before a victim is chosen, for a policy that has it), admit (with the victim) and the victim
+    query (first_candidate, with the set of keys pinned at that moment). The recorded
     stream is then replayed against a fresh instance of the same policy, --runs times; every answer
     (victim, admit verdict) must equal the recorded one, or the run fails (the replay is the same
     work, decision for decision). The time of a replay, less the time of the same loop over a
     policy that does nothing, divided by the number of calls, is the cost per event; divided by
     the block references of the workload, the cost per block reference (a cached block is one
     access; a missing block in a full tier is a victim query, an admit and, when admitted, a remove
-    and an insert).
+    and an insert; or, refused whatever the victim, one refuses). Both are reported. Per event
+    depends on how a policy splits its work into calls (a refusal before the victim is one call
+    where a victim query and an admit were two; a policy that admits less makes fewer inserts and
+    removes); per block reference does not, so compare designs by it.
 
 Reference (same run)
     `lru` (an OrderedDict move: about the least any policy can cost in Python) and `prefix-arc`.
@@ -45,10 +49,10 @@ from node_replay import node_requests
 
 from devkit.sim import TieredBlockCache, replay
 from devkit.workloads import WORKLOADS, Size, generate
-from kvstore.policy import POLICIES, EvictionPolicy, first_usable, make_policy, should_admit
+from kvstore.policy import POLICIES, EvictionPolicy, first_usable, make_policy, refused_outright, should_admit
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
-INSERT, ACCESS, REMOVE, ADMIT, VICTIM = range(5)
+INSERT, ACCESS, REMOVE, ADMIT, VICTIM, REFUSES = range(6)
 Event = tuple  # (op, key, ...); see Recorder
 
 
@@ -62,6 +66,8 @@ class Recorder:
         self.name = policy.name
         self.tape: list[Event] = []
         self.cache: TieredBlockCache | None = None
+        if getattr(policy, "refuses", None) is not None:  # NOTE: only then does refused_outright ask it
+            self.refuses = self._refuses
 
     def on_insert(self, key: Hashable, parent: Hashable | None = None, reads: int = 0) -> None:
         self.tape.append((INSERT, key, parent, reads))
@@ -74,6 +80,11 @@ class Recorder:
     def on_remove(self, key: Hashable) -> None:
         self.tape.append((REMOVE, key))
         self.policy.on_remove(key)
+
+    def _refuses(self, key: Hashable, parent: Hashable | None = None) -> bool:
+        no = refused_outright(self.policy, key, parent)
+        self.tape.append((REFUSES, key, parent, no))
+        return no
 
     def admit(self, key: Hashable, victim: Hashable | None, parent: Hashable | None = None) -> bool:
         ok = should_admit(self.policy, key, victim, parent)
@@ -110,6 +121,9 @@ class Nothing:
     def admit(self, key: Hashable, victim: Hashable | None, parent: Hashable | None = None) -> bool:
         return True
 
+    def refuses(self, key: Hashable, parent: Hashable | None = None) -> bool:
+        return False
+
     def first_candidate(self, usable: Callable[[Hashable], bool]) -> Hashable | None:
         return None
 
@@ -135,6 +149,7 @@ def play(tape: Sequence[Event], policy: object, check: bool) -> float:
     on_insert, on_access, on_remove = policy.on_insert, policy.on_access, policy.on_remove  # type: ignore[attr-defined]
     admit = policy.admit if hasattr(policy, "admit") else None  # type: ignore[attr-defined]
     fast = getattr(policy, "first_candidate", None)
+    refuses = getattr(policy, "refuses", None)
     gc.disable()
     try:
         t0 = time.perf_counter()
@@ -150,6 +165,10 @@ def play(tape: Sequence[Event], policy: object, check: bool) -> float:
                 ok = True if admit is None else admit(ev[1], ev[2], ev[3])
                 if check and bool(ok) != ev[4]:
                     raise AssertionError(f"{policy}: admit({ev[1]!r}) answered {ok}, recorded {ev[4]}")
+            elif op == REFUSES:
+                no = refuses(ev[1], ev[2])  # type: ignore[misc]  # NOTE: only policies with it record one
+                if check and bool(no) != ev[3]:
+                    raise AssertionError(f"{policy}: refuses({ev[1]!r}) answered {no}, recorded {ev[3]}")
             else:
                 if fast is not None:
                     got = fast(lambda k, pinned=ev[1]: k not in pinned)
@@ -231,21 +250,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rows.append(row)
                 print(f"  {name:>12} {cap:>6} {pol:<13} {row['us_per_event']:6.2f} us/event "
                       f"{row['us_per_block']:6.2f} us/block ({len(tape)} events)", flush=True)  # fmt: skip
-    lines = ["# policy_bench: bookkeeping per event, in process", "", machine_line(), "",
-             "| workload | capacity | " + " | ".join(policies) + " |",
-             "|---|--:|" + "--:|" * len(policies)]  # fmt: skip
+    lines = ["# policy_bench: bookkeeping per event and per block reference, in process", "", machine_line()]
     by = {(r["workload"], r["capacity"], r["policy"]): r for r in rows}
-    for name in names:
-        for cap in sorted({r["capacity"] for r in rows if r["workload"] == name}):
-            cells = [f"{by[(name, cap, p)]['us_per_event']:.2f}" for p in policies]
-            lines.append(f"| {name} | {cap} | " + " | ".join(cells) + " |")
-    mean = {p: statistics.fmean(r["us_per_event"] for r in rows if r["policy"] == p) for p in policies}
-    lines += ["", "Mean over the cells (us per event): " + ", ".join(f"{p} {v:.2f}" for p, v in mean.items())]
-    if "prefix-arc" in policies:
-        ratio = {p: statistics.fmean(by[(r["workload"], r["capacity"], p)]["us_per_event"] / max(r["us_per_event"], 1e-9)
-                                     for r in rows if r["policy"] == "prefix-arc") for p in policies}  # fmt: skip
-        lines += ["", "Mean over the cells of the ratio to prefix-arc in the same cell: "
-                  + ", ".join(f"{p} {v:.2f}x" for p, v in ratio.items())]  # fmt: skip
+    for unit, what in (("us_per_event", "event"), ("us_per_block", "block reference")):
+        lines += ["", f"Microseconds per {what}:", "",
+                  "| workload | capacity | " + " | ".join(policies) + " |", "|---|--:|" + "--:|" * len(policies)]  # fmt: skip
+        for name in names:
+            for cap in sorted({r["capacity"] for r in rows if r["workload"] == name}):
+                cells = [f"{by[(name, cap, p)][unit]:.2f}" for p in policies]
+                lines.append(f"| {name} | {cap} | " + " | ".join(cells) + " |")
+        mean = {p: statistics.fmean(r[unit] for r in rows if r["policy"] == p) for p in policies}
+        lines += ["", f"Mean over the cells (us per {what}): " + ", ".join(f"{p} {v:.2f}" for p, v in mean.items())]
+        if "prefix-arc" in policies:
+            ratio = {p: statistics.fmean(by[(r["workload"], r["capacity"], p)][unit] / max(r[unit], 1e-9)
+                                         for r in rows if r["policy"] == "prefix-arc") for p in policies}  # fmt: skip
+            lines += ["", f"Mean over the cells of the ratio to prefix-arc in the same cell, per {what}: "
+                      + ", ".join(f"{p} {v:.2f}x" for p, v in ratio.items())]  # fmt: skip
     lines.append("")
     save_results(args.out, "policy_bench", "\n".join(lines), args, rows=rows)
     return 0

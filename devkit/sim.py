@@ -35,7 +35,8 @@ in a lower tier) and would enter it while it is full is first offered to the top
 there is pinned: the call then only tells the policy of the reference). Refused, a missing block is
 written through to the next tier down (never lost while a lower tier has room) or, with no lower
 tier, not stored; a block in a lower tier stays there and is read from there. The victim chosen for
-the question is the one evicted: the policy is not asked twice.
+the question is the one evicted: the policy is not asked twice. A policy that refuses the block
+whatever the victim says so first (`refuses`, asked through refused_outright) and no victim is chosen.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from kvstore.policy import EvictionPolicy, first_usable, make_policy, should_admit
+from kvstore.policy import EvictionPolicy, first_usable, make_policy, refused_outright, should_admit
 
 Block = Hashable
 
@@ -329,6 +330,9 @@ class TieredBlockCache:
         first_usable() need not name the same key."""
         if self._size[0] < self.tiers[0].capacity:
             return _Verdict.ROOM, None
+        if self.admission and refused_outright(self.policies[0], key, parent if self.hints else None):
+            self.counters.not_admitted += 1  # NOTE: as the manager: refused before any victim is chosen
+            return _Verdict.REFUSED, None
         victim = first_usable(self.policies[0], self._usable)
         if victim is None:
             if self.admission:  # as the manager: the policy still hears of the reference

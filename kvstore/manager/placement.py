@@ -10,6 +10,7 @@ Admission (kvstore/policy/admission.py): before a page that is not in the host-m
 while it is full (a Put, a promotion on read), `admit` asks that tier's policy whether the page may
 take the victim's place, exactly once per reference, and the victim named in the question is the one
 `allocate` evicts first (choosing a victim can reorder some policies' keys, so it is not chosen twice).
+A policy that refuses the page whatever the victim says so before one is chosen (`refused_outright`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvstore.errors import ResourceExhausted
 from kvstore.manager.durable import DurableCopies
 from kvstore.manager.state import Entry, PageTable
 from kvstore.names import Key, TierKind
-from kvstore.policy import first_usable, should_admit
+from kvstore.policy import first_usable, refused_outright, should_admit
 from kvstore.scoping import tenant_of
 
 if TYPE_CHECKING:
@@ -67,12 +68,16 @@ class Placement:
         """May `key` (not in tier `kind`) enter it now? (True, None) when the tier has a free slot; else
         the tier's policy is asked once: (False, None) when it refuses, (True, victim) when it admits
         the page in place of `victim`, which the caller passes on to `allocate`. With nothing evictable
-        the policy only hears of the reference and (True, None) leaves the rest to `allocate`."""
+        the policy only hears of the reference and (True, None) leaves the rest to `allocate`, unless
+        it refused the page before any victim was chosen (then (False, None))."""
         tier = self.table.tiers[kind]
         tenant = tenant_of(key[0])
         own_only = self._at_share(kind, tenant, 0)
         if tier.alloc.can_allocate() and not own_only:
             return True, None
+        if refused_outright(tier.policy, key, parent):  # NOTE: whatever the victim: none is chosen
+            tier.counters.not_admitted += 1
+            return False, None
         victim = self.victim(kind, tenant, own_only)
         admitted = should_admit(tier.policy, key, None if victim is None else victim.key, parent)
         if victim is None:

@@ -36,8 +36,15 @@ one without it; see admission.py for the exact contract):
         only tells the policy of the reference). True: evict victim, insert key. False: leave the
         tier as it is; a new page goes to the next tier down (written through to NVMe), or is not
         stored when there is none; a page moving up stays where it is.
+    refuses(key, parent=None) -> bool
+        Asked first, before a victim is chosen (`refused_outright(policy, key, parent)`): True when
+        admit() would refuse `key` whatever the victim (a second-sight rule's unseen key, a block
+        whose chain parent is gone). The policy then counts the reference as admit() would on a
+        refusal, and admit() is not asked for it: most references a strict threshold sees are
+        refused, and choosing a victim for each one costs more than the rest of the question. False
+        changes nothing; admit() follows. A refusal here holds even when nothing is evictable.
 
-Modules: base (the protocol, first_usable, should_admit), recency (LRU, ARC), frequency (S3-FIFO),
+Modules: base (the protocol, first_usable, should_admit, refused_outright), recency (LRU, ARC), frequency (S3-FIFO),
 prefix (the chain-forest policies), sketch (the frequency sketch, stable hashing), history (exact
 recent reference counts, the adaptive default's ghost list), admission (rules in front of any
 policy: TinyLFU, second sight), duel (issue 14's two-shadow switch), adaptive (the default's three
@@ -57,7 +64,7 @@ measures what each one's bookkeeping costs per event.
 
 from kvstore.policy.adaptive import AdaptivePolicy, ShadowCache
 from kvstore.policy.admission import Admitted, SecondSight, TinyLFU
-from kvstore.policy.base import EvictionPolicy, Key, first_usable, should_admit
+from kvstore.policy.base import EvictionPolicy, Key, first_usable, refused_outright, should_admit
 from kvstore.policy.duel import DuelPolicy
 from kvstore.policy.frequency import S3FIFOPolicy
 from kvstore.policy.history import History
@@ -86,6 +93,7 @@ __all__ = [
     "TinyLFU",
     "first_usable",
     "make_policy",
+    "refused_outright",
     "should_admit",
     "stable_hash",
 ]

@@ -37,3 +37,12 @@ def should_admit(policy: EvictionPolicy, key: Key, victim: Key | None, parent: K
     docstring, "Admission"). True for a policy without `admit`: every policy admits by default."""
     fn = getattr(policy, "admit", None)
     return True if fn is None else bool(fn(key, victim, parent))
+
+
+def refused_outright(policy: EvictionPolicy, key: Key, parent: Key | None = None) -> bool:
+    """Whether `policy` refuses `key` entry to its full tier whatever the victim would be (the
+    optional `refuses(key, parent)`, see the package docstring): asked before the victim is chosen, so
+    such a refusal costs no victim query. True: the reference is counted and admit() must not be asked
+    for it. False for a policy without `refuses`."""
+    fn = getattr(policy, "refuses", None)
+    return fn is not None and bool(fn(key, parent))

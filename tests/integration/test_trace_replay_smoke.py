@@ -80,8 +80,10 @@ def test_policy_bench_replays_every_decision(tmp_path: Path) -> None:
     assert {(r["workload"], r["policy"]) for r in rows} == {
         (w, p) for w in ("conversation", "batch") for p in ("lru", "second-sight", "adaptive", "prefix-arc")
     }
-    assert all(r["events"] > 0 and r["us_per_event"] >= 0 for r in rows)
-    assert "ratio to prefix-arc in the same cell: lru " in (tmp_path / "policy_bench.md").read_text()
+    assert all(r["events"] > 0 and r["us_per_event"] >= 0 and r["us_per_block"] >= 0 for r in rows)
+    md = (tmp_path / "policy_bench.md").read_text()
+    for unit in ("event", "block reference"):
+        assert f"ratio to prefix-arc in the same cell, per {unit}: lru " in md
     bad = subprocess.run([sys.executable, str(script), "--policy", "nope", "--out", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
     assert bad.returncode != 0 and "nope" in bad.stderr and not (tmp_path / "x").exists()

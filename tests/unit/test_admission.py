@@ -21,6 +21,7 @@ from kvstore.policy import (
     PrefixLRUPolicy,
     SecondSight,
     make_policy,
+    refused_outright,
     stable_hash,
 )
 from kvstore.policy.adaptive import ALL, SECOND
@@ -402,3 +403,51 @@ def test_adaptive_is_deterministic() -> None:
         assert isinstance(policy, AdaptivePolicy)
         runs.append((res.prefix_hits, res.block_hits, cache.counters, policy.switches, policy.moves))
     assert runs[0] == runs[1]
+
+
+class _NoShortcut(AdaptivePolicy):
+    """The default without its early refusal: every question is asked through admit(victim)."""
+
+    refuses = None  # type: ignore[assignment]  # refused_outright treats a None attribute as absent
+
+
+def test_adaptive_early_refusal_decides_as_admit_would() -> None:
+    # refuses() answers before a victim is chosen; the same traffic through admit() alone must make
+    # the same decisions (hits, thresholds, moves) and the early answer must have been used.
+    requests = _loop_and_scan(800) + _late_returns(600) + _quick_second_use(300)
+    runs, early = [], 0
+    for cls in (AdaptivePolicy, _NoShortcut):
+        cache = TieredBlockCache(12, cls)
+        policy = cache.policies[0]
+        assert isinstance(policy, AdaptivePolicy)
+        if cls is AdaptivePolicy:
+            counted = policy.refuses
+
+            def counting(key: object, parent: object = None, counted=counted) -> bool:
+                nonlocal early
+                no = counted(key, parent)
+                early += no
+                return no
+
+            policy.refuses = counting  # type: ignore[method-assign]
+        res = replay(requests, cache)
+        runs.append((res.prefix_hits, res.block_hits, cache.counters.not_admitted, policy.switches, policy.moves))
+    assert runs[0] == runs[1]
+    assert early > 100
+
+
+def test_refused_outright_contract() -> None:
+    policy = AdaptivePolicy()
+    for i in range(4):
+        policy.on_insert(i)
+    assert not refused_outright(policy, "new")  # the tier was never full: admit() decides
+    assert policy.admit("new", 0)  # the first question: full from now on, at ALL
+    policy.on_remove(0)
+    policy.on_insert("new")
+    assert not refused_outright(policy, "other")  # ALL refuses nothing outright
+    policy.rule.level = SECOND
+    assert refused_outright(policy, "other")  # unseen at SECOND: refused whatever the victim
+    assert not refused_outright(policy, "other")  # now remembered: admit() decides
+    assert policy.admit("other", 1)
+    assert refused_outright(policy, "orphan", parent="gone")  # a missing chain parent
+    assert not refused_outright(PrefixLRUPolicy(), "k")  # a policy without refuses() refuses nothing

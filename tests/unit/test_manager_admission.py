@@ -9,6 +9,8 @@ from pathlib import Path
 
 from kvstore.manager import TierManager
 from kvstore.names import TierKind
+from kvstore.policy import AdaptivePolicy
+from kvstore.policy.adaptive import SECOND
 from tests.unit.test_manager import NS, config, key, payload, put, read, run, tiers_of
 
 
@@ -106,3 +108,23 @@ def test_write_through_when_nvme_is_full_of_pinned_pages_is_not_stored(tmp_path:
         assert mgr.stats().put_rejected == 0
 
     run(body, config(tmp_path, dram_pages=4, nvme_pages=2, policy="tinylfu"))
+
+
+def test_a_refusal_whatever_the_victim_chooses_no_victim(tmp_path: Path) -> None:
+    # The default at second sight refuses an unseen page before any victim is chosen: the page is
+    # written through to NVMe, DRAM is untouched, and its victim query never runs.
+    async def body(mgr: TierManager) -> None:
+        await fill_and_heat(mgr, [0, 1, 2, 3], reads=1)
+        policy = mgr.table.tiers[TierKind.DRAM].policy
+        assert isinstance(policy, AdaptivePolicy)
+        assert await put(mgr, [4]) == (1, 0)  # the first question: the tier is full, at ALL
+        policy.rule.level = SECOND
+        asked: list[object] = []
+        query = policy.first_candidate
+        policy.first_candidate = lambda usable: asked.append(usable) or query(usable)  # type: ignore[method-assign]
+        refused = dram(mgr).counters.not_admitted
+        assert await put(mgr, [5]) == (1, 0)
+        assert tiers_of(mgr, [5]) == [TierKind.NVME] and dram(mgr).counters.not_admitted == refused + 1
+        assert asked == []  # no victim was chosen for the refusal
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=16, policy="adaptive"))
