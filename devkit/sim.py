@@ -330,15 +330,16 @@ class TieredBlockCache:
         first_usable() need not name the same key."""
         if self._size[0] < self.tiers[0].capacity:
             return _Verdict.ROOM, None
-        if self.admission and refused_outright(self.policies[0], key, parent if self.hints else None):
+        hint = parent if self.hints else None
+        if self.admission and refused_outright(self.policies[0], key, hint):
             self.counters.not_admitted += 1  # NOTE: as the manager: refused before any victim is chosen
             return _Verdict.REFUSED, None
         victim = first_usable(self.policies[0], self._usable)
         if victim is None:
             if self.admission:  # as the manager: the policy still hears of the reference
-                should_admit(self.policies[0], key, None, parent if self.hints else None)
+                should_admit(self.policies[0], key, None, hint)
             return _Verdict.PINNED, None
-        if self.admission and not should_admit(self.policies[0], key, victim, parent if self.hints else None):
+        if self.admission and not should_admit(self.policies[0], key, victim, hint):
             self.counters.not_admitted += 1
             return _Verdict.REFUSED, None
         return _Verdict.ADMITTED, victim

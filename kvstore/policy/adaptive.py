@@ -111,6 +111,13 @@ def sample_hash(key: Key) -> int:
     return stable_hash(key)
 
 
+def _outright(level: int, missing: bool, seen: bool) -> bool:
+    """Whether the threshold `level` refuses a key whatever the victim: never at ALL; at SECOND or
+    FREQUENT when its chain parent is `missing` from the tier; at SECOND also when the ghost has not
+    `seen` it (refused before)."""
+    return level != ALL and (missing or (level == SECOND and not seen))
+
+
 class ThresholdRule:
     """What the thresholds read (an AdmissionRule for Admitted; AdaptivePolicy decides itself): the
     reference history (counts, for FREQUENT) and the second-sight ghost (refused keys, for SECOND),
@@ -291,12 +298,10 @@ class AdaptivePolicy(Admitted):
         if victim is None:
             return False
         level = rule.level
-        if level == ALL:
-            return True
-        if missing:
+        if _outright(level, missing, seen):
             return False
-        if level == SECOND:
-            return seen
+        if level != FREQUENT:
+            return True
         h = rule.history
         return h.count(key) + 1 > h.count(victim)
 
@@ -322,12 +327,11 @@ class AdaptivePolicy(Admitted):
         level = self.rule.level
         if level == ALL or not self._full:
             return False
-        if (parent is None or parent in self._nodes) and (level == FREQUENT or key in self.rule.ghost.ghost):
+        missing = parent is not None and parent not in self._nodes
+        if not _outright(level, missing, key in self.rule.ghost.ghost):
             return False
-        self._just_inserted = None
-        self.rule.ghost.refused(key)
-        self._reference(key, parent)
-        return True
+        # NOTE: admit() without a victim refuses and counts the reference: the one refusal path.
+        return not self.admit(key, None, parent)
 
     def _filled(self) -> None:
         """The first admit(): the tier is full and admission matters from now on. Nothing the shadows
