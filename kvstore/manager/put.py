@@ -185,10 +185,6 @@ class Staging:
     # -- pages refused by admission, written through to the persistent tier (WriteThrough)
 
     @property
-    def can_write_through(self) -> bool:
-        return self.through.tier is not None
-
-    @property
     def through_kind(self) -> TierKind | None:
         """The tier pages are written through to (NVMe), or None when the node has none."""
         return self.through.tier.kind if self.through.tier is not None else None
@@ -262,9 +258,8 @@ class PutTxn:
         key_parent = (self.namespace, parent) if parent is not None else None
         admitted, victim = (False, None) if self._through_only else st.admit((self.namespace, h), key_parent)
         if not admitted:
-            if not st.can_write_through:
-                self.not_admitted += 1
-                return None
+            # NOTE: staged in a bounce buffer even with nowhere to write it through: a refused page is
+            # verified like any other (a wrong checksum is DataLoss), then counted not admitted at publish.
             buf = st.take_bounce()
             self._seen.add(h)
             self._staged.append(_Staged(h, -1, checksum, parent, buf))

@@ -7,11 +7,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
+from kvstore.errors import DataLoss
 from kvstore.manager import TierManager
 from kvstore.names import TierKind
 from kvstore.policy import AdaptivePolicy
 from kvstore.policy.adaptive import SECOND
-from tests.unit.test_manager import NS, config, key, payload, put, read, run, tiers_of
+from tests.unit.test_manager import LAYOUT, NS, PutOpen, config, key, payload, put, read, run, tiers_of
 
 
 def dram(mgr: TierManager):  # type: ignore[no-untyped-def]
@@ -128,3 +131,22 @@ def test_a_refusal_whatever_the_victim_chooses_no_victim(tmp_path: Path) -> None
         assert asked == []  # no victim was chosen for the refusal
 
     run(body, config(tmp_path, dram_pages=4, nvme_pages=16, policy="adaptive"))
+
+
+def test_refused_put_without_nvme_is_still_verified(tmp_path: Path) -> None:
+    # A page the full DRAM tier refuses, with no NVMe to write it through to, is not stored; its bytes
+    # are still checked, so a wrong declared checksum fails the Put (DataLoss) instead of answering OK.
+    async def body(mgr: TierManager) -> None:
+        await fill_and_heat(mgr, [0, 1, 2, 3], reads=2)
+        txn = mgr.begin_put(PutOpen(NS, LAYOUT))
+        try:
+            view = await txn.add_page(key(4), LAYOUT.page_bytes, 12345)
+            assert view is not None  # refused, but received to be verified
+            view[:] = payload(key(4))[: LAYOUT.page_bytes]
+            with pytest.raises(DataLoss, match="checksum"):
+                await txn.commit()
+        finally:
+            txn.abort()
+        assert tiers_of(mgr, [0, 1, 2, 3, 4]) == [TierKind.DRAM] * 4 + [None]
+
+    run(body, config(tmp_path, dram_pages=4, nvme_pages=0, policy="tinylfu"))
