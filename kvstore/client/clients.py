@@ -17,6 +17,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, ClientSettings, PinResult, PutResult
 from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
+from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer
 from kvstore.errors import Unavailable
 from kvstore.layout import PageLayout
@@ -65,6 +66,12 @@ class _Client:
 
     def _call_args(self) -> dict[str, Any]:
         return {"timeout": self.timeout, "metadata": self._md}
+
+    @property
+    def receive_pool(self) -> ReceivePool:
+        """The pooled memory plain gets land in (kvstore/client/planes/pool.py): `free_bytes` and
+        `mapped_bytes` say how much of it is mapped and how much is neither out nor lent to a node."""
+        return self._core.settings.received
 
     def shared_buffer(self, nbytes: int) -> SharedBuffer:
         """Staging memory registered with this client (a /dev/shm segment), for zero-copy `get_into` and
@@ -271,7 +278,7 @@ class AsyncKVStoreClient(_Client):
     async def _perform(self, op: Op) -> Outcome:
         try:
             if isinstance(op, Blocking):
-                return await asyncio.to_thread(op.fn), None
+                return await _blocking(op), None
             method = self._methods[op.method]
             if isinstance(op, Unary):
                 return await method(op.request, **self._call_args()), None
@@ -346,6 +353,28 @@ class AsyncKVStoreClient(_Client):
 
     async def stats(self) -> NodeStats:
         return await self._run(self._core.stats())
+
+
+async def _blocking(op: Blocking) -> Any:
+    """Run `op.fn` in a worker thread. When the caller is cancelled meanwhile, fire `op.abort` and wait for
+    the thread to return before the cancellation goes on (Blocking's invariant): until then the call's
+    memory (a receive block, the caller's buffer) may still be written, by the thread or by the node."""
+    fut = asyncio.ensure_future(asyncio.to_thread(op.fn))
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        op.abort.fire()
+        for _ in range(_MAX_CANCEL_DEFERRALS):  # a caller cancelling again does not cut the wait short
+            if fut.done():
+                break
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([fut])
+        if fut.done() and not fut.cancelled():
+            fut.exception()  # retrieved: the thread's own error after an abort is expected, not news
+        raise
+
+
+_MAX_CANCEL_DEFERRALS = 10_000  # repeated cancels while waiting out an aborted thread (bounded loop)
 
 
 def _failed(exc: Exception) -> Outcome:

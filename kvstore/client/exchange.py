@@ -9,8 +9,9 @@ which performs each operation on the caller's thread, and `AsyncKVStoreClient`, 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -41,12 +42,61 @@ class ServerStream:
     sink: Callable[[bytes], None]
 
 
+class Abort:
+    """How a `Blocking` function is asked to stop early: thread-safe, fired at most once.
+
+    The function registers what makes it return soon (`on_abort`: a socket shutdown, a flag its waits
+    check) for as long as it runs; `fire()` (the asyncio client, when its caller is cancelled) calls those
+    hooks. Firing does not end the function: the caller still waits for it to return, because until it
+    has returned it (or the node it talks to) may still use the call's memory (DESIGN.md §8).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fired = False
+        self._hooks: list[Callable[[], None]] = []
+
+    @property
+    def fired(self) -> bool:
+        return self._fired
+
+    def on_abort(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Run `hook` when fired (at once if fired already); returns the function that unregisters it."""
+        with self._lock:
+            fired = self._fired
+            if not fired:
+                self._hooks.append(hook)
+        if fired:
+            hook()
+
+        def forget() -> None:
+            with self._lock:
+                if hook in self._hooks:
+                    self._hooks.remove(hook)
+
+        return forget
+
+    def fire(self) -> None:
+        with self._lock:
+            if self._fired:
+                return
+            self._fired = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            hook()
+
+
 @dataclass(frozen=True, slots=True)
 class Blocking:
     """A blocking function (socket transfers, say): called on the caller's thread by the blocking
-    client, in a worker thread by the asyncio client; the result is its return value."""
+    client, in a worker thread by the asyncio client; the result is its return value.
+
+    Invariant: the exchange resumes only after `fn` returned or raised, also when the asyncio caller was
+    cancelled meanwhile (then `abort` is fired first, to make `fn` return soon, and the cancellation is
+    raised once it has): memory `fn` or its peer may still write is never handed back while it can."""
 
     fn: Callable[[], Any]
+    abort: Abort = field(default_factory=Abort)
 
 
 Op = Unary | ClientStream | ServerStream | Blocking

@@ -204,6 +204,26 @@ def test_a_reservation_hands_out_only_the_blocks_claimed() -> None:
         pool.close()
 
 
+def test_a_held_reservation_keeps_its_blocks_until_the_node_lets_go() -> None:
+    """Blocks lent to a request the node may still be working on stay out of the pool after the call closed
+    its reservation (a cancel, a timeout), and come back when the last hold is released (DESIGN.md §8)."""
+    pool = ReceivePool(keep_bytes=0)
+    try:
+        r = pool.reserve(10_000, 8)
+        free_during = pool.free_bytes
+        release = r.hold()
+        release_again = r.hold()
+        r.close()  # the call is over, the node is not
+        assert pool.free_bytes == free_during
+        release()
+        release()  # a release runs once
+        assert pool.free_bytes == free_during
+        release_again()
+        assert pool.free_bytes == free_during + 8 * 12_288  # 10,000 bytes round up to 3 pages of 4 KiB
+    finally:
+        pool.close()
+
+
 class _OneMapping(SharedBuffers):
     """Registered memory that runs out after one mapping (as memfd_create or mmap do under ENOMEM)."""
 

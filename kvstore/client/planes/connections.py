@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, Protocol, TypeVar
 
+from kvstore.client.exchange import Abort
 from kvstore.errors import KVStoreError, StreamError, Unavailable
 
 KEEP_IDLE = 4  # idle connections a plane keeps open for the next calls
@@ -22,6 +23,9 @@ class PooledConnection(Protocol):
     replied: bool  # whether the current request got any reply (set False by the pool before each one)
 
     def close(self) -> None: ...
+
+    def abort(self) -> None:
+        """Make the request in progress end soon (from another thread): the caller gave up on it."""
 
 
 C = TypeVar("C", bound=PooledConnection)
@@ -45,17 +49,21 @@ class ConnectionPool(Generic[C]):
         with self._lock:
             return len(self._idle)
 
-    def call(self, fn: Callable[[C], T]) -> T:
+    def call(self, fn: Callable[[C], T], abort: Abort | None = None) -> T:
         """Run one request on a pooled connection; once more on a fresh one when a reused connection turns
         out dead before any reply (the node restarted or dropped an idle connection: a Get is idempotent,
-        and a Put whose connection died before any reply was aborted by the node)."""
+        and a Put whose connection died before any reply was aborted by the node). A fired `abort` makes
+        the connection's request end soon (`abort()` of the connection); an aborted call is not retried."""
         for attempt in range(2):
+            if abort is not None and abort.fired:
+                raise Unavailable(f"{self.where}: the call was cancelled")
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             reused = conn is not None
             if conn is None:
                 conn = self._open()
             conn.replied = False
+            forget = abort.on_abort(conn.abort) if abort is not None else None
             try:
                 result = fn(conn)
             except StreamError:  # the reply broke off mid-stream: the connection is out of step
@@ -66,12 +74,16 @@ class ConnectionPool(Generic[C]):
                 raise
             except OSError as exc:
                 conn.close()
-                if reused and not conn.replied and attempt == 0:
+                # NOTE: a timeout is not a dead connection: retrying it would double the caller's wait.
+                if reused and not conn.replied and attempt == 0 and not isinstance(exc, TimeoutError):
                     continue
                 raise Unavailable(f"{self.where} failed: {exc}") from None
             except BaseException:
                 conn.close()
                 raise
+            finally:
+                if forget is not None:
+                    forget()
             self._release(conn)
             return result
         raise AssertionError("unreachable: the second attempt returns or raises")

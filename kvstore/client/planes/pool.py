@@ -11,10 +11,19 @@ slice of it, a numpy array or torch tensor made from it without a copy. Its bloc
 only when the last such reference is gone (CPython frees it then, on the spot), so its bytes can never
 change under a reader, and a block is never handed to two callers at once. Nothing to release by hand.
 
-Invariants: a block is in exactly one place: the free list of its arena, held by one open Reservation (a call
-in flight: the same-host plane reserves a block per hash and makes views only of the pages that came back), or
-out (owned by the one ndarray a `take` or a claim made, whose finalizer returns it); a mapping is unmapped only
-when all its blocks are free, at close or when more than `keep_bytes` are free and a new mapping would be needed.
+Memory lent to the node: on the same-host plane the node itself writes a get's pages into these blocks and
+copies a put's pages out of them. A block is lent for as long as a request naming it may still be in the node's
+hands, and it goes back to the free list only after the node said it is done with it (its reply), or the
+connection that carried the request was closed by the node after a hang-up (the node closes only once its work
+on the request has ended): a cancelled or timed-out call never returns memory the node may still touch
+(kvstore/client/planes/shm.py; DESIGN.md §8). A put's blocks are lent by holding their views; a get's
+reservation by `Reservation.hold`, which defers the return of its unclaimed blocks until every hold is released.
+
+Invariants: a block is in exactly one place: the free list of its arena, held by one open or held Reservation
+(a call in flight: the same-host plane reserves a block per hash and makes views only of the pages that came
+back), or out (owned by the one ndarray a `take` or a claim made, whose finalizer returns it); a mapping is
+unmapped only when all its blocks are free, at close or when more than `keep_bytes` are free and a new mapping
+would be needed.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -126,6 +136,12 @@ class ReceivePool:
                     self._free_bytes -= a.count * block
 
     @property
+    def free_bytes(self) -> int:
+        """Bytes of mapped blocks free for the next call (neither out to a caller nor lent to a node)."""
+        with self._lock:
+            return self._free_bytes
+
+    @property
     def mapped_bytes(self) -> int:
         with self._lock:
             return sum(a.count * a.block for arenas in self._arenas.values() for a in arenas)
@@ -144,7 +160,29 @@ class Reservation:
     def __init__(self, pool: ReceivePool, nbytes: int, blocks: list[tuple[_Arena, int]]) -> None:
         self._pool, self._nbytes, self._blocks = pool, nbytes, blocks
         self._claimed: set[int] = set()
+        self._holds = 0  # requests naming these blocks the node may still be working on
+        self._closed = False
         self.placed = [Placed(a.buffer, i * a.block, nbytes) for a, i in blocks]
+
+    def hold(self) -> Callable[[], None]:
+        """Lend the blocks to a request: until the function returned is called (once), `close` keeps the
+        unclaimed blocks out of the pool (they go back when the last hold is released after close)."""
+        with self._pool._lock:
+            self._holds += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._pool._lock:
+                if released:
+                    return
+                released = True
+                self._holds -= 1
+                give = self._closed and self._holds == 0
+            if give:
+                self._give_unclaimed()
+
+        return release
 
     def claim(self, i: int) -> memoryview:
         """Block i as a writable uint8 view, recycled when nothing refers to it any more (claimed once)."""
@@ -156,7 +194,14 @@ class Reservation:
         return view
 
     def close(self) -> None:
-        """Give every block not claimed back to the pool (idempotent)."""
+        """Give every block not claimed back to the pool (idempotent): now, or once the last hold is released."""
+        with self._pool._lock:
+            self._closed = True
+            give = self._holds == 0
+        if give:
+            self._give_unclaimed()
+
+    def _give_unclaimed(self) -> None:
         unclaimed = [b for i, b in enumerate(self._blocks) if i not in self._claimed]
         self._claimed.update(range(len(self._blocks)))
         if unclaimed:

@@ -11,17 +11,31 @@ Connections: a pool of SEQPACKET connections (one request at a time each), opene
 the client's token; each registers a SharedBuffer (passing its memfd with SCM_RIGHTS) the first time a
 request names it. A node that cannot be reached (no socket, another host, the plane off) is PlaneUnavailable
 before anything was sent: the client falls back to the next plane.
+
+Memory a request names is the node's to read or write until the node is done with it (DESIGN.md §8): its
+reply says so, and so does its close of the connection after the client hung up (the node cancels a request
+whose client hung up and closes only once its work on that request has ended). A request the caller gives up
+on (a timeout, an asyncio cancel: `Connection.abort`) is therefore hung up on, and its memory (receive-pool
+blocks) comes back to the pool only when that close arrives: the caller waits DRAIN_SECONDS for it, then a
+background watcher up to QUARANTINE_SECONDS, after which the memory is written off (kept out of the pool for
+good). A `get_into` whose node did not close in DRAIN_SECONDS raises an error saying its buffers may still be
+written.
 """
 
 from __future__ import annotations
 
 import array
+import contextlib
+import logging
 import os
+import select
 import socket
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.client.exchange import Blocking, Exchange
+from kvstore.client.exchange import Abort, Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import buffer_span
 from kvstore.client.planes.connections import ConnectionPool
@@ -33,6 +47,7 @@ from kvstore.errors import (
     PlaneUnavailable,
     ResourceExhausted,
     StreamError,
+    Unavailable,
     from_status,
 )
 from kvstore.names import Buffer, TierKind
@@ -40,7 +55,106 @@ from kvstore.wire import PutOpen, shm
 from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
 
+log = logging.getLogger(__name__)
+
 _TARGET_FIELD = "targets["
+DRAIN_SECONDS = 2.0  # after giving up on a request: how long the caller waits for the node's close
+QUARANTINE_SECONDS = 600.0  # then how long a background watcher waits before the lent memory is written off
+Release = Callable[[], None]  # gives memory lent to a request back (called once the node is done with it)
+
+
+def _nothing() -> None:
+    return None
+
+
+class _Loan:
+    """Memory one request lends the node. `settle()` gives it back (once) when the call is over, unless a
+    connection handed it to QUARANTINE because the node never said it was done with it."""
+
+    def __init__(self, release: Release) -> None:
+        self.release = release
+        self.quarantined = False
+        self._settled = False
+
+    def settle(self) -> None:
+        if not self._settled and not self.quarantined:
+            self._settled = True
+            self.release()
+
+
+class _Quarantine:
+    """Sockets of requests given up on whose node has not closed yet, each with the release of the memory the
+    request lent it. One daemon thread (while any are left) waits for each socket's close, then releases its
+    memory; after QUARANTINE_SECONDS it writes the memory off instead (`written_off`: never released, so it
+    never returns to the pool while a late write could still land in it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[socket.socket, Release, float]] = []
+        self._thread: threading.Thread | None = None
+        self.written_off: list[Release] = []
+
+    def add(self, sock: socket.socket, release: Release) -> None:
+        with self._lock:
+            self._items.append((sock, release, time.monotonic() + QUARANTINE_SECONDS))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvstore-shm-quarantine", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._items:
+                    self._thread = None
+                    return
+                items = list(self._items)
+            try:
+                readable, _, _ = select.select([s for s, _, _ in items], [], [], 0.5)
+            except (OSError, ValueError):
+                readable = [s for s, _, _ in items]  # a socket went bad: its checks below settle it
+            now = time.monotonic()
+            for sock, release, deadline in items:
+                if sock in readable and _closed_by_peer(sock):
+                    release()
+                elif now > deadline:
+                    log.warning("the node never closed a same-host connection given up on: its memory stays lent")
+                    self.written_off.append(release)
+                else:
+                    continue
+                with self._lock:
+                    self._items = [i for i in self._items if i[0] is not sock]
+                sock.close()
+
+
+QUARANTINE = _Quarantine()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Read what is there (a late reply is dropped); True once the node has closed its end."""
+    try:
+        return not sock.recv(shm.MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False
+    except OSError:  # reset: the node's end is gone
+        return True
+
+
+def _wait_closed(sock: socket.socket, seconds: float) -> bool:
+    """Wait (bounded) until the node closes its end of `sock`, dropping what arrives before; True if it did."""
+    deadline = time.monotonic() + seconds
+    for _ in range(10_000):  # bounded: each round waits or reads one message
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        try:
+            sock.settimeout(left)
+            if not sock.recv(shm.MAX_MESSAGE_BYTES):
+                return True
+        except TimeoutError:
+            return False
+        except OSError:
+            return True
+    return False
 
 
 class Connection:
@@ -61,6 +175,7 @@ class Connection:
         self.registered: set[int] = set()
         self.usable = True
         self.replied = False  # whether the current request got a reply (the pool clears it before each one)
+        self._handed_off = False  # the socket belongs to QUARANTINE now
         try:
             body = self.call(Kind.HELLO, (token or "").encode(), want=Kind.WELCOME)
             self.max_page_bytes, self.max_pages, _ = shm.WELCOME.unpack(body)
@@ -70,10 +185,22 @@ class Connection:
 
     def close(self) -> None:
         self.usable = False
-        self.sock.close()
+        if not self._handed_off:
+            self.sock.close()
 
-    def call(self, kind: Kind, body: bytes, fds: Sequence[int] = (), want: Kind = Kind.OK) -> memoryview:
-        """Send one request and return its reply's body; an ERROR reply raises the node's exception."""
+    def abort(self) -> None:
+        """From another thread: hang up on the request in progress. The node cancels it and closes the
+        connection once its work on this client's memory has ended; the waiting `call` sees that close."""
+        self.usable = False
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def call(
+        self, kind: Kind, body: bytes, fds: Sequence[int] = (), want: Kind = Kind.OK, loan: _Loan | None = None
+    ) -> memoryview:
+        """Send one request and return its reply's body; an ERROR reply raises the node's exception.
+        When it returns or raises, the node is done with the memory the request names (its reply, or its close
+        after a hang-up: the module docstring), except where `loan` was handed to QUARANTINE."""
         self.seq = (self.seq + 1) & 0xFFFFFFFF
         msg = shm.frame(kind, self.seq, body)
         try:
@@ -81,11 +208,16 @@ class Connection:
                 self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
             else:
                 self.sock.send(msg)
-            reply = self.sock.recv(shm.MAX_MESSAGE_BYTES)
-        except OSError:
+        except OSError:  # not sent (a SEQPACKET message goes whole or not at all): the node never saw it
             self.usable = False
             raise
-        if not reply:
+        try:
+            reply = self.sock.recv(shm.MAX_MESSAGE_BYTES)
+        except OSError as exc:
+            self.usable = False
+            self._give_up(loan, exc)
+            raise
+        if not reply:  # the node closed: it does so only once its work on the request has ended
             self.usable = False
             raise ConnectionError("the node closed the same-host plane connection")
         self.replied = True
@@ -96,6 +228,25 @@ class Connection:
             self.usable = False
             raise StreamError(f"the node answered {kind.name} with {got.name} (request {seq}, expected {self.seq})")
         return payload
+
+    def _give_up(self, loan: _Loan | None, cause: OSError) -> None:
+        """The request went out and its reply never came (a timeout, an abort): hang up, and wait for the
+        node's close, which says its work on the request's memory has ended (the module docstring). When it
+        does not close within DRAIN_SECONDS, the loan goes to QUARANTINE and this raises Unavailable saying so."""
+        self.abort()
+        if _wait_closed(self.sock, DRAIN_SECONDS):
+            return
+        self._handed_off = True
+        if loan is not None:
+            loan.quarantined = True
+            QUARANTINE.add(self.sock, loan.release)
+        else:
+            QUARANTINE.add(self.sock, _nothing)
+        raise Unavailable(
+            f"same-host plane: {cause or type(cause).__name__}; the node did not confirm within {DRAIN_SECONDS:g} s "
+            "that it stopped using this call's memory: buffers passed to get_into may still be written until it "
+            "closes the connection (receive-pool memory is kept out of use until then)"
+        ) from None
 
     def register(self, buf: SharedBuffer) -> None:
         """Have the node map `buf`. A node out of mapping room (its shm_max_mapped_bytes, or address space)
@@ -180,7 +331,9 @@ class ShmPlane(DataPlane):
             blocks.append(block)
         placed = self._place(blocks, False, 0)
         assert placed is not None  # pool blocks are registered memory
-        return (yield from self._put(op, hashes, placed, 0))
+        # NOTE: the blocks are lent to the node for the request: `blocks` keeps them out of the pool until the
+        # node is done with them (released by dropping the list), also when this exchange is gone before that.
+        return (yield from self._put(op, hashes, placed, 0, blocks.clear))
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
@@ -192,9 +345,11 @@ class ShmPlane(DataPlane):
             return (yield from self.put_batch(op, hashes, buffers))
         return (yield from self._put(op, hashes, placed, first))
 
-    def _put(self, op: PutOpen, hashes: Sequence[bytes], placed: list[Placed], first: int) -> Exchange[tuple[int, int]]:
+    def _put(
+        self, op: PutOpen, hashes: Sequence[bytes], placed: list[Placed], first: int, lent: Release = _nothing
+    ) -> Exchange[tuple[int, int]]:
         body = put_request(op, hashes, placed).SerializeToString()
-        reply = yield Blocking(lambda: self._pool.call(lambda c: self._request(c, Kind.PUT, body, placed, first)))
+        reply = yield self._blocking(Kind.PUT, body, placed, first, lent)
         res = pb.PutResponse.FromString(bytes(reply))
         return res.stored, res.already_present
 
@@ -202,7 +357,7 @@ class ShmPlane(DataPlane):
         """Pages straight into blocks of the receive pool: the node copies and verifies each one in place."""
         n = yield Blocking(lambda: self.page_bytes(namespace, hashes[0]))
         with self.received.reserve(n, len(hashes)) as blocks:
-            got = yield from self._get(namespace, hashes, promote, blocks.placed, 0)
+            got = yield from self._get(namespace, hashes, promote, blocks.placed, 0, blocks.hold())
             return [FetchedPage(p.hash, TierKind(p.tier), blocks.claim(i)) for i, p in enumerate(got)]
 
     def get_into_batch(
@@ -217,13 +372,19 @@ class ShmPlane(DataPlane):
         return [PageRef(p.hash, TierKind(p.tier), p.payload_bytes) for p in got]
 
     def _get(
-        self, namespace: str, hashes: Sequence[bytes], promote: bool, placed: list[Placed], first: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        promote: bool,
+        placed: list[Placed],
+        first: int,
+        lent: Release = _nothing,
     ) -> Exchange[list[pb.ShmSlice]]:
         req = pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
         for p in placed:
             req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
         body = req.SerializeToString()
-        reply = yield Blocking(lambda: self._pool.call(lambda c: self._request(c, Kind.GET, body, placed, first)))
+        reply = yield self._blocking(Kind.GET, body, placed, first, lent)
         pages = pb.GetShmResponse.FromString(bytes(reply)).pages
         if len(pages) > len(hashes):
             raise StreamError(f"the node returned {len(pages)} pages for {len(hashes)} hashes")
@@ -232,13 +393,27 @@ class ShmPlane(DataPlane):
                 raise StreamError(f"page {i}: the node put an unexpected page, or put it elsewhere")
         return list(pages)
 
-    def _request(self, conn: Connection, kind: Kind, body: bytes, placed: list[Placed], first: int) -> memoryview:
-        for p in placed:
-            conn.register(p.buffer)
-        try:
-            return conn.call(kind, body)
-        except InvalidArgument as exc:
-            raise _buffer_error(exc, first) from None
+    def _blocking(self, kind: Kind, body: bytes, placed: list[Placed], first: int, lent: Release) -> Blocking:
+        """The request as one Blocking operation on a pooled connection. `lent` runs exactly once, when the node
+        is done with the memory the request names (or never, if the node never says so: see QUARANTINE)."""
+        abort = Abort()
+        loan = _Loan(lent)
+
+        def run(conn: Connection) -> memoryview:
+            for p in placed:
+                conn.register(p.buffer)
+            try:
+                return conn.call(kind, body, loan=loan)
+            except InvalidArgument as exc:
+                raise _buffer_error(exc, first) from None
+
+        def call() -> memoryview:
+            try:
+                return self._pool.call(run, abort)
+            finally:
+                loan.settle()  # every attempt has ended, and the node with it: the memory is the client's again
+
+        return Blocking(call, abort)
 
 
 def put_request(op: PutOpen, hashes: Sequence[bytes], placed: Sequence[Placed]) -> pb.PutShmRequest:

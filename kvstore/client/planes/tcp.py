@@ -18,6 +18,7 @@ before any reply byte is retried once on a fresh connection (Put and Get are ide
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import struct
@@ -25,7 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvstore.addresses import split_address, target_host
-from kvstore.client.exchange import Blocking, Exchange
+from kvstore.client.exchange import Abort, Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.buffers import page_sink
 from kvstore.client.planes.connections import ConnectionPool
@@ -89,6 +90,13 @@ class Connection:
     def close(self) -> None:
         self.usable = False
         self.sock.close()
+
+    def abort(self) -> None:
+        """From another thread: end the request in progress (its receive or send fails at once). Only this
+        client's thread writes a get's pages (into its buffers), so once that thread returned nothing does."""
+        self.usable = False
+        with contextlib.suppress(OSError):  # NOTE: the plain socket call, also under TLS: no TLS state touched
+            socket.socket.shutdown(self.sock, socket.SHUT_RDWR)
 
     # -- bytes
 
@@ -309,7 +317,8 @@ class TcpPlane(DataPlane):
     # -- the DataPlane
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
-        return (yield Blocking(lambda: self._pool.call(lambda c: c.put(op, hashes, pages))))
+        abort = Abort()
+        return (yield Blocking(lambda: self._pool.call(lambda c: c.put(op, hashes, pages), abort), abort))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         take = self.received.take
@@ -332,9 +341,10 @@ class TcpPlane(DataPlane):
     ) -> Exchange[list[T]]:
         """One GET on a pooled connection: page i lands in sink(i, n); `result` makes what the caller gets
         of each page (a PageCorrupt carries the ones before the bad page, made alike)."""
+        abort = Abort()
         try:
             got = yield Blocking(
-                lambda: self._pool.call(lambda c: c.get(namespace, hashes, promote, self.verify, sink))
+                lambda: self._pool.call(lambda c: c.get(namespace, hashes, promote, self.verify, sink), abort), abort
             )
         except PageCorrupt as exc:
             raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.client.exchange import Blocking, Exchange
+from kvstore.client.exchange import Abort, Blocking, Exchange
 from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
@@ -80,6 +80,7 @@ class UcxConnection:
         self.worker.init_blocking_progress_mode()
         self.seq = 0
         self.broken = False
+        self.aborted = False
         self.ctrl = bytearray(proto.MAX_CONTROL_BYTES)
         self.ctrl_arr = Array(self.ctrl)
         eh = _env_flag("KVSTORE_UCX_ERROR_HANDLING", True)
@@ -112,11 +113,16 @@ class UcxConnection:
             raise
 
     def alive(self) -> bool:
-        return not self.broken and self.ep.alive and self.watch.alive
+        return not self.broken and not self.aborted and self.ep.alive and self.watch.alive
+
+    def abort(self) -> None:
+        """From another thread: the caller gave up; the wait in progress ends within one poll (EVENT_POLL_MS)
+        as if the endpoint had closed, and the transfer's requests are cancelled and waited for (close_broken)."""
+        self.aborted = True
 
     def _wait(self, reqs: Sequence[Any], deadline: float, what: str) -> None:
         ep, watch = self.ep, self.watch
-        wait_blocking(self.worker, reqs, deadline, lambda: ep.alive and watch.alive, what)
+        wait_blocking(self.worker, reqs, deadline, lambda: not self.aborted and ep.alive and watch.alive, what)
 
     def _reply_body(self, want: Kind, seq: int) -> memoryview:
         """The body of the reply just received; raises the node's error as its exception class."""
@@ -293,9 +299,10 @@ class UcxPlane(DataPlane):
                 return
         conn.close()
 
-    def _call(self, fn: Callable[[UcxConnection, float], Any]) -> Any:
+    def _call(self, fn: Callable[[UcxConnection, float], Any], abort: Abort) -> Any:
         deadline = time.monotonic() + self.timeout
         conn = self._acquire(deadline)
+        forget = abort.on_abort(conn.abort)
         try:
             return fn(conn, deadline)
         except (UcxTimeout, UcxClosed, ProtocolError) as exc:
@@ -305,6 +312,7 @@ class UcxPlane(DataPlane):
             conn.close_broken([])
             raise Unavailable(f"UCX plane connection failed: {type(exc).__name__}: {exc}") from exc
         finally:
+            forget()
             self._release(conn)
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
@@ -312,7 +320,8 @@ class UcxPlane(DataPlane):
         for h, page in zip(hashes, pages, strict=True):
             view = memoryview(page).cast("B")
             req.pages.add(hash=h, payload_bytes=len(view), checksum=payload_checksum(view))
-        reply = yield Blocking(lambda: self._call(lambda c, d: c.put(req, pages, d)))
+        abort = Abort()
+        reply = yield Blocking(lambda: self._call(lambda c, d: c.put(req, pages, d), abort), abort)
         return reply.stored, reply.already_present
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
@@ -351,7 +360,8 @@ class UcxPlane(DataPlane):
                     self._remember(namespace, size)
             return out
 
-        return (yield Blocking(lambda: self._call(fetch)))
+        abort = Abort()
+        return (yield Blocking(lambda: self._call(fetch, abort), abort))
 
     def get_into_batch(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
@@ -367,7 +377,8 @@ class UcxPlane(DataPlane):
             _, bigger = conn.get(req, dests.__getitem__, checked, deadline)
             return checked.refs, bigger
 
-        refs, bigger = yield Blocking(lambda: self._call(fetch))
+        abort = Abort()
+        refs, bigger = yield Blocking(lambda: self._call(fetch, abort), abort)
         if bigger:
             k = len(refs)
             raise ValueError(f"buffers[{first + k}]: {len(dests[k])} bytes cannot hold a {bigger}-byte page")

@@ -30,8 +30,9 @@ import mmap
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -255,7 +256,8 @@ class _Connection:
                     return
                 try:
                     kind, seq, body = shm.unframe(msg)
-                    await self._handle(kind, seq, body, fds)
+                    if not await self._watched(self._handle(kind, seq, body, fds)):
+                        return  # the client hung up mid-request: closing now tells it its memory is free
                 finally:
                     for fd in fds:
                         os.close(fd)
@@ -275,6 +277,42 @@ class _Connection:
                 buf.drop()
             self.buffers.clear()
             self.sock.close()
+
+    async def _watched(self, request: Coroutine[Any, Any, None]) -> bool:
+        """Run one request while watching the socket: a client that gave up on it hangs up (shuts down its
+        sending side), and then the request is cancelled. False when that happened. Either way the request's
+        work on the client's memory has ended when this returns (the drivers and the I/O pool wait out every
+        transfer they started, cancelled or not), so the connection's close that follows tells the client
+        its memory is its own again (kvstore/client/planes/shm.py)."""
+        task = asyncio.current_task()
+        assert task is not None
+        fd = self.sock.fileno()
+        hung_up = False
+
+        def readable() -> None:
+            nonlocal hung_up
+            try:
+                peeked = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                peeked = b""
+            self.loop.remove_reader(fd)  # data instead (a client out of protocol) is left for the next recv
+            if not peeked:
+                hung_up = True
+                task.cancel()
+
+        self.loop.add_reader(fd, readable)
+        try:
+            await request  # NOTE: inline, not a task of its own: no task per request on the hot path
+        except asyncio.CancelledError:
+            if not hung_up:  # the node is stopping
+                raise
+            task.uncancel()
+            return False
+        finally:
+            self.loop.remove_reader(fd)
+        return True
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
