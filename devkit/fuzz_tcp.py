@@ -28,7 +28,7 @@ from devkit.fuzz import (
 )
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.layout import DType, PageLayout
-from kvstore.pageformat import payload_checksum
+from kvstore.pageformat import wire_checksum
 from kvstore.wire import PutOpen, tcp
 from kvstore.wire.streams import stats_from_pb
 from kvstore.wire.tcp import Kind
@@ -143,7 +143,7 @@ class TcpPlane:
             head = head[: tcp.HEADER_BYTES] + b"\x63" + head[tcp.HEADER_BYTES + 1 :]
         elif mut == "namespace not UTF-8":
             head = head[:-2] + b"\xff\xfe"
-        checksum = payload_checksum(data) ^ (1 if mut == "checksum mismatch" else 0)
+        checksum = wire_checksum(ns, h, data) ^ (1 if mut == "checksum mismatch" else 0)
         body = data[:-2] if mut == "page too short" else data
         page = tcp.page_header(h, checksum, len(body)) + body
         frames = page if mut == "page without put" else head + page

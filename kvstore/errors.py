@@ -101,6 +101,12 @@ class PageCorrupt(StreamError):
         self.good = good
 
 
+class IncompatibleNode(KVStoreError):
+    """The node predates something this client needs (raised by the client, never sent by a node)."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
 class RemoteError(KVStoreError):
     """A status from the server that maps to no specific class (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED...)."""
 

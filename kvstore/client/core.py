@@ -32,7 +32,7 @@ from kvstore.client.planes.shm import ShmPlane, plane_path
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
 from kvstore.client.planes.ucx import UcxPlane
-from kvstore.errors import PlaneUnavailable
+from kvstore.errors import IncompatibleNode, PlaneUnavailable
 from kvstore.names import Buffer, TierKind
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
@@ -132,6 +132,18 @@ def transport_mode(transport: str | None) -> str:
     return mode
 
 
+def check_node(stats: pb.StatsResponse, target: str) -> None:
+    """IncompatibleNode unless the node speaks what this client needs: keyed checksums (ChecksumForm.KEYED),
+    which bind every page to its namespace and key (an older node would fail every page this client checks,
+    and refuse every page it puts). Upgrade nodes before their clients."""
+    if stats.checksum_form < pb.CHECKSUM_FORM_KEYED:
+        version = stats.version or "an older release"
+        raise IncompatibleNode(
+            f"the node at {target} ({version}) predates keyed page checksums, which this client needs: "
+            "upgrade the node (nodes serve older clients; older nodes cannot serve this one)"
+        )
+
+
 def usable_planes() -> set[str]:
     """The planes this process can speak."""
     return {name for name, spec in PLANES.items() if spec.usable()}
@@ -148,6 +160,7 @@ class ClientCore:
     def __init__(self, settings: ClientSettings, transport: str | None) -> None:
         self.settings = settings
         self.mode = transport_mode(transport)
+        self._node_checked = False  # the node's Stats said it speaks what this client needs (check_node)
         self._planes: tuple[DataPlane, ...] | None = None
         self._retry_at: float | None = None  # when to negotiate again after a plane was dropped
         self._retry_wait = PLANE_RETRY_SECONDS
@@ -179,10 +192,15 @@ class ClientCore:
         """The planes to use, asking the node what it serves: once, and again when a dropped plane's retry
         is due (then the new planes replace the old ones, which are closed)."""
         current, retry_at = self._planes, self._retry_at
-        if current is not None and (retry_at is None or time.monotonic() < retry_at):
+        settled = current is not None and (retry_at is None or time.monotonic() < retry_at)
+        if settled and self._node_checked:
+            return current
+        stats: pb.StatsResponse = yield Unary("Stats", pb.StatsRequest())
+        check_node(stats, self.settings.target)
+        self._node_checked = True
+        if settled:  # only the node needed checking (transport "grpc")
             return current
         self._retry_at = None
-        stats: pb.StatsResponse = yield Unary("Stats", pb.StatsRequest())
         known = bool(stats.host_id)  # a node that predates advertising planes sends no host id
         advertised = {p.name: PlaneInfo(p.name, p.address, p.tls) for p in stats.planes} if known else None
         same_host = is_loopback(self.settings.target) or (known and stats.host_id == host_id())

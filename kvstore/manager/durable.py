@@ -108,7 +108,14 @@ class DurableCopies:
                 self.note(slot, (hdr.namespace, hdr.hash))
         for slot, hdr in kept:
             entry = Entry(
-                hdr.namespace, hdr.hash, tier.kind, slot, hdr.payload_len, hdr.checksum, hdr.generation, hdr.layout
+                hdr.namespace,
+                hdr.hash,
+                tier.kind,
+                slot,
+                hdr.payload_len,
+                hdr.bound_checksum(),
+                hdr.generation,
+                hdr.layout,
             )
             table.publish(entry, tier.kind)
             table.saw_generation(hdr.generation)

@@ -31,14 +31,20 @@ CopyVerify = Callable[[memoryview, memoryview | None], int]  # checksum of a pay
 
 
 async def read_payload(
-    io: IoPool, medium: Medium, entry: Entry, view: memoryview, dest: memoryview | None, copy_verify: CopyVerify
+    io: IoPool,
+    medium: Medium,
+    entry: Entry,
+    view: memoryview,
+    dest: memoryview | None,
+    copy_verify: CopyVerify,
+    expected: int,
 ) -> tuple[memoryview, int]:
     """Read `entry`'s slot; return (payload, its XXH3-64 as read). `view` is a bounce buffer of
     `entry.used_len` bytes that holds the header block afterwards (check it with `header_matches`).
     The payload is a view of `dest` where the read landed there and verified, else of `view` (and
     copied into `dest`, when given, in the verifying pass).
     `copy_verify(payload, dest)` is the reader's one-pass copy-and-hash, used when the read cannot land
-    in `dest` directly."""
+    in `dest` directly; `expected` the payload's XXH3-64 as the page asked for (Entry.payload_checksum)."""
     n = entry.payload_len
     body = n // ALIGN * ALIGN  # what lands in dest directly; the partial last block goes through `view`
     if dest is not None and body and medium.scatter_reads and len(dest) >= n and _aligned(dest):
@@ -48,7 +54,7 @@ async def read_payload(
             parts.append(view[HEADER_BYTES : HEADER_BYTES + tail])
         payload = dest[:n]
         checksum = await io.read(medium, entry.slot, parts, partial(_finish, view, dest, body, n))
-        if checksum == entry.checksum:
+        if checksum == expected:
             return payload, checksum
         # NOTE: dest is the caller's memory, which the caller (another of its calls into the same buffer)
         # may write meanwhile: a mismatch there is confirmed by a read into the bounce buffer, which only

@@ -25,7 +25,7 @@ from kvstore.manager.io import IoPool
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, Tier
 from kvstore.names import Key, TierKind
-from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, payload_checksum
+from kvstore.pageformat import FORMAT_VERSION, HEADER_BYTES, HeaderError, PageHeader, payload_checksum
 from kvstore.scoping import tenant_of
 from kvstore.tiers.dram import BouncePool
 
@@ -147,6 +147,8 @@ class Mover:
                     entry.moving = None
                     await self.drop(entry, erase=True)
                     return
+                if verify:
+                    upgrade_header(entry, dst.medium.view(dst_slot))
             self.table.unpublish(entry)
             src.alloc.free(src_slot)
             if src is self.durable.tier:
@@ -207,10 +209,19 @@ class Mover:
 
 
 def verify_copy(entry: Entry, view: memoryview) -> bool:
-    """A slot copied out of a medium: its header must name this page, its payload match the checksum."""
+    """A slot copied out of a medium: its header must name this page, its payload match the checksum bound
+    to the page's identity."""
     if not header_matches(entry, view):
         return False
-    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum
+    return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.payload_checksum()
+
+
+def upgrade_header(entry: Entry, view: memoryview) -> None:
+    """Rewrite a host-memory slot's header in the current format when a move brought an older one (pageformat:
+    a page written by an older build is written anew in format 3 by the next write of it to NVMe)."""
+    if PageHeader.unpack(view[:HEADER_BYTES]).version < FORMAT_VERSION:
+        hdr = PageHeader(entry.namespace, entry.hash, entry.layout, entry.payload_len, entry.checksum, entry.generation)
+        view[:HEADER_BYTES] = hdr.pack()
 
 
 def header_matches(entry: Entry, view: memoryview) -> bool:

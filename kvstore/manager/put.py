@@ -27,7 +27,14 @@ from kvstore.manager.io import IoPool
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable, check_hash
 from kvstore.names import Key, TierKind
-from kvstore.pageformat import HEADER_BYTES, PageHeader, payload_checksum
+from kvstore.pageformat import (
+    HEADER_BYTES,
+    ChecksumForm,
+    PageHeader,
+    identity_digest,
+    node_side_digest,
+    payload_checksum,
+)
 from kvstore.scoping import tenant_of
 from kvstore.tiers.dram import BouncePool
 from kvstore.wire import PutOpen
@@ -102,7 +109,7 @@ class _Staged:
 
     hash: bytes
     slot: int  # -1 when `through` holds the page
-    declared: int  # checksum the client declared (0: none)
+    declared: int  # checksum the client declared, in the Put's ChecksumForm (0: none)
     parent: bytes | None
     through: mmap.mmap | None = None
 
@@ -223,6 +230,7 @@ class PutTxn:
         # admission refused (TierManager.begin_put checked that the node has that tier).
         self._through_only = self.target != staging.tier.kind and self.target == staging.through_kind
         self._chain = op.chain
+        self._form = op.checksums  # the form of the checksums the sender declares (pageformat.ChecksumForm)
         self._prev: bytes | None = op.parent  # the chain's block before the next page
         self._staged: list[_Staged] = []
         self._sums: list[int] = []  # checksums of the staged pages verified so far: a prefix of _staged
@@ -288,9 +296,11 @@ class PutTxn:
         return self.stored, self.already_present
 
     def _verify_staged(self) -> None:
-        """Checksum the staged pages not verified yet; a mismatch aborts the transaction (DataLoss)."""
+        """Checksum the staged pages not verified yet, bound to their identity (pageformat: the stored form);
+        a mismatch with what the sender declared aborts the transaction (DataLoss)."""
         st = self._staging
         plen = self.layout.page_bytes
+        node_side = node_side_digest(self.namespace, self.layout)
         try:
             for p in self._staged[len(self._sums) :]:
                 if p.through is None:
@@ -298,9 +308,17 @@ class PutTxn:
                 else:
                     with memoryview(p.through) as view:
                         actual = payload_checksum(view[HEADER_BYTES : HEADER_BYTES + plen])
-                if p.declared and p.declared != actual:
-                    raise DataLoss(f"page {p.hash.hex()}: payload checksum {actual:#x} != declared {p.declared:#x}")
-                self._sums.append(actual)
+                ident = identity_digest(self.namespace, p.hash, self.layout)
+                bound = actual ^ ident
+                if p.declared:
+                    # The declared checksum in the stored form: the node adds what the sender does not know.
+                    declared = p.declared ^ (node_side if self._form is ChecksumForm.KEYED else ident)
+                    if declared != bound:
+                        raise DataLoss(
+                            f"page {p.hash.hex()}: its bytes do not match the checksum its sender declared for "
+                            f"this namespace, key and layout ({actual:#x} hashed)"
+                        )
+                self._sums.append(bound)
         except BaseException:
             self.abort()
             raise

@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import mmap
 from collections import deque
@@ -32,8 +31,8 @@ from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
 from kvstore.manager.state import Entry, NodeCounters, PageTable
 from kvstore.names import Key, TierKind
-from kvstore.pageformat import HEADER_BYTES, checksum_in_steps, payload_checksum
-from kvstore.pointers import buffer_address
+from kvstore.pageformat import HEADER_BYTES, checksum_into, key_digest
+from kvstore.scoping import unscope
 from kvstore.tiers.dram import BouncePool
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class ReadLease:
 
     hash: bytes
     tier: TierKind
-    checksum: int
+    checksum: int  # the wire form (pageformat.ChecksumForm.KEYED) for the namespace and key asked for
     payload: memoryview
     _release: Callable[[], None] | None = None
     key: Key = ("", b"")
@@ -193,6 +192,10 @@ class Reader:
         entry = await self.mover.settled(key)
         if entry is None:
             return None
+        if entry.key != key:  # a record filed under another key (a broken table): never served as this one
+            self.table.tiers[entry.tier].counters.checksum_failures += 1
+            log.error("page %s is filed under %s: not served (a miss)", entry.hash.hex(), key[1].hex())
+            return None
         found = entry.tier  # hits are credited where the page was found, before any promotion
         if promote and entry.tier > self.promote_to:
             await self.mover.promote(entry, self.promote_to)
@@ -200,6 +203,10 @@ class Reader:
             if entry is None:
                 return None
         tier = self.table.tiers[entry.tier]
+        # What its payload must hash to as the page asked for: the key requested, in the namespace's layout
+        # (never the entry's own fields: a page filed under another key, tenant or layout fails here).
+        layout = self.table.layouts.get(key[0], entry.layout)
+        expected = entry.payload_checksum(key, layout)
         entry.readers += 1
         bounce: mmap.mmap | None = None
         view: memoryview | None = None
@@ -209,19 +216,19 @@ class Reader:
                 # NOTE: one pass per byte. A receiver that verifies covers this slot end to end; the copy
                 # into a caller's memory verifies as it copies; anything else is verified here.
                 if dest is not None and len(payload) <= INLINE_COPY_BYTES:  # a copy into a caller's memory
-                    ok = checksum_into(payload, dest) == entry.checksum
+                    ok = checksum_into(payload, dest) == expected
                 elif dest is not None:  # a large one: on a pool thread, pages side by side
-                    ok = await self.io.run(checksum_into, payload, dest) == entry.checksum
+                    ok = await self.io.run(checksum_into, payload, dest) == expected
                 elif not receiver_verifies:
-                    ok = checksum_into(payload, None) == entry.checksum
+                    ok = checksum_into(payload, None) == expected
                 else:
                     ok = True
             else:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
                 # Lands in dest directly where it can, hashed in the I/O thread (landing.py).
-                payload, checksum = await read_payload(self.io, tier.medium, entry, view, dest, checksum_into)
-                ok = header_matches(entry, view) and checksum == entry.checksum
+                payload, checksum = await read_payload(self.io, tier.medium, entry, view, dest, checksum_into, expected)
+                ok = header_matches(entry, view) and checksum == expected
         except BaseException:
             entry.readers -= 1
             raise
@@ -240,7 +247,8 @@ class Reader:
 
         ptr = tier.medium.device_pointer(entry.slot)
         device = None if ptr is None else DeviceBytes(ptr + HEADER_BYTES, entry.payload_len)
-        return ReadLease(entry.hash, found, entry.checksum, payload, release, key, entry.tier, device)
+        wire = expected ^ key_digest(unscope(key[0]), key[1])  # the client's form: it binds namespace and key
+        return ReadLease(entry.hash, found, wire, payload, release, key, entry.tier, device)
 
     async def corrupt(self, entry: Entry, found_by: str) -> None:
         """A page's bytes failed their checksum: count it on its tier, drop it with its durable copies."""
@@ -292,26 +300,3 @@ class Reader:
 # costs more than a small copy: inline was 1.9-2.2x the pool's GB/s at 256 KiB, 1.3x at 1 MiB, 1.04-1.15x at
 # 2 MiB; at 4 MiB the pool was 1.0-1.18x inline (pages copied side by side) and keeps the loop free longer.
 INLINE_COPY_BYTES = 2 << 20
-
-
-def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
-    """XXH3-64 of `payload` (the page checksum), copying it into `dest` in the same pass when given.
-
-    NOTE: one pass over memory instead of two: each chunk is copied, then hashed from cache
-    (pageformat.checksum_in_steps), rather than hashing the whole page and copying it again from RAM. The
-    hash is of the source, so it verifies the tier read; the copy is a memcpy of verified bytes.
-    """
-    if dest is None:
-        return payload_checksum(payload)
-    n = len(payload)
-    if len(dest) < n:
-        raise ValueError(f"destination of {len(dest)} bytes cannot hold a {n}-byte page")
-    # NOTE: memmove through ctypes releases the GIL (a memoryview slice assignment holds it), as XXH3 does,
-    # so copies of several pages run in parallel on the I/O pool's threads.
-    src, dst = buffer_address(payload), buffer_address(dest)
-
-    def copy(off: int, k: int) -> memoryview:
-        ctypes.memmove(dst + off, src + off, k)
-        return payload[off : off + k]
-
-    return checksum_in_steps(n, copy)

@@ -46,7 +46,7 @@ class Scrubber:
         """Whether a resident page of this tier still matches its checksum (hashed here, synchronously)."""
         view = self.tier.medium.view(entry.slot)
         try:
-            return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.checksum
+            return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.payload_checksum()
         finally:
             view.release()
 

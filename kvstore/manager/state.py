@@ -13,7 +13,7 @@ from kvstore.errors import InvalidArgument, LayoutMismatch, NamespaceNotFound
 from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
 from kvstore.layout import PageLayout
 from kvstore.names import Key, TierKind
-from kvstore.pageformat import HEADER_BYTES, align_up
+from kvstore.pageformat import HEADER_BYTES, align_up, identity_digest
 from kvstore.policy import EvictionPolicy
 from kvstore.scoping import tenant_of, unscope
 from kvstore.stats import TierCounters
@@ -33,7 +33,7 @@ class Entry:
     tier: TierKind
     slot: int
     payload_len: int
-    checksum: int
+    checksum: int  # stored form: bound to (namespace, hash, layout) (pageformat, DESIGN.md §8)
     generation: int
     layout: PageLayout
     pins: int = 0
@@ -48,6 +48,12 @@ class Entry:
     @property
     def key(self) -> Key:
         return (self.namespace, self.hash)
+
+    def payload_checksum(self, key: Key | None = None, layout: PageLayout | None = None) -> int:
+        """The XXH3-64 its payload must have to be this page as `key` in `layout` (by default its own identity):
+        `checksum` is stored bound to the identity (pageformat), so a page read as anything else fails."""
+        ns, h = self.key if key is None else key
+        return self.checksum ^ identity_digest(ns, h, self.layout if layout is None else layout)
 
     @property
     def pinned(self) -> bool:

@@ -22,9 +22,10 @@ from kvstore.node.drivers import drive_put, open_get
 from kvstore.node.interceptor import SERVICE_NAME
 from kvstore.node.limits import bounded
 from kvstore.node.planes.streams import PutStream
+from kvstore.pageformat import in_form
 from kvstore.stats import PlaneInfo
 from kvstore.wire import MAX_HASHES
-from kvstore.wire.streams import get_responses, stats_to_pb, tier_from_pb
+from kvstore.wire.streams import checksum_form_from_pb, get_responses, stats_to_pb, tier_from_pb
 
 
 class KVStoreServicer:
@@ -54,12 +55,14 @@ class KVStoreServicer:
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Responses leave serialized (see `handlers`): each chunk is copied once, from its slot."""
         hashes = bounded(request.hashes, self.max_pages, "hashes")
+        form = checksum_form_from_pb(request.checksum_form, "checksum_form")
         caller = current()
         async with open_get(
             caller, request.namespace, hashes, not request.no_promote, receiver_verifies=True
         ) as leases:
             async for lease in leases:
-                for msg in get_responses(lease.hash, lease.tier, lease.checksum, lease.payload):
+                checksum = in_form(lease.checksum, form, request.namespace, lease.hash)
+                for msg in get_responses(lease.hash, lease.tier, checksum, lease.payload):
                     yield msg
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:

@@ -127,6 +127,7 @@ class SegmentSurvey:
     size: int  # bytes on disk now
     slot_bytes: int
     counts: dict[SlotState, int] = field(default_factory=lambda: dict.fromkeys(SlotState, 0))
+    formats: dict[int, int] = field(default_factory=dict)  # page headers per format version (pageformat)
 
     @property
     def slots(self) -> int:
@@ -180,6 +181,9 @@ def survey(path: Path, geom: Geometry) -> list[SegmentSurvey]:
             for slot in range(-(-size // geom.slot_bytes)):
                 f.seek(slot * geom.slot_bytes)
                 block = f.read(HEADER_BYTES)
-                seg.counts[classify(block.ljust(HEADER_BYTES, b"\0"))[0]] += 1
+                state, hdr, _ = classify(block.ljust(HEADER_BYTES, b"\0"))
+                seg.counts[state] += 1
+                if hdr is not None:
+                    seg.formats[hdr.version] = seg.formats.get(hdr.version, 0) + 1
         out.append(seg)
     return out

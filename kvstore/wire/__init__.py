@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from kvstore.layout import PageLayout
 from kvstore.names import TierKind
+from kvstore.pageformat import ChecksumForm
 
 MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch call
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
@@ -29,7 +30,8 @@ class PutOpen:
 
     `target`: the tier new pages should land in (None: the node's default). With `chain`, page i's chain
     parent is page i-1 and the first page's is `parent` (prefix-aware policies evict a chain's tail before
-    its head); without it pages carry no parent and `parent` is ignored.
+    its head); without it pages carry no parent and `parent` is ignored. `checksums`: the form of the
+    checksums its pages declare (KEYED from this build's clients; PAYLOAD from older ones).
     """
 
     namespace: str
@@ -37,6 +39,7 @@ class PutOpen:
     target: TierKind | None = None
     parent: bytes | None = None
     chain: bool = False
+    checksums: ChecksumForm = ChecksumForm.KEYED  # what the pages' declared checksums cover (pageformat)
 
     def batch(self, hashes: Sequence[bytes], start: int) -> PutOpen:
         """The opening of the batch of `hashes` that starts at index `start`: its first page's parent is

@@ -17,7 +17,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
 from kvstore.layout import DType, PageEncoding, PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import payload_checksum, payload_hasher
+from kvstore.pageformat import ChecksumForm, key_digest, payload_hasher, wire_checksum
 from kvstore.security import redact_url
 from kvstore.stats import IndexStatus, KvEventsStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
 from kvstore.wire import CHUNK_BYTES, PutOpen
@@ -126,7 +126,16 @@ def put_open_to_pb(op: PutOpen) -> pb.PutOpen:
         target_tier=int(op.target or 0),
         parent_hash=op.parent or b"",
         chain=op.chain,
+        checksum_form=int(op.checksums),
     )
+
+
+def checksum_form_from_pb(value: int, field: str) -> ChecksumForm:
+    """The checksum form a request names; an unknown value is InvalidArgument naming `field`."""
+    try:
+        return ChecksumForm(value)
+    except ValueError:
+        raise InvalidArgument(field, f"unknown checksum form {value}") from None
 
 
 def put_open_from_pb(msg: pb.PutOpen, field: str = "open") -> PutOpen:
@@ -135,7 +144,12 @@ def put_open_from_pb(msg: pb.PutOpen, field: str = "open") -> PutOpen:
         None if msg.target_tier == pb.TIER_UNSPECIFIED else tier_from_pb(msg.target_tier, field=f"{field}.target_tier")
     )
     return PutOpen(
-        msg.namespace, layout_from_pb(msg.layout, f"{field}.layout"), target, msg.parent_hash or None, msg.chain
+        msg.namespace,
+        layout_from_pb(msg.layout, f"{field}.layout"),
+        target,
+        msg.parent_hash or None,
+        msg.chain,
+        checksum_form_from_pb(msg.checksum_form, f"{field}.checksum_form"),
     )
 
 
@@ -148,7 +162,7 @@ def put_requests(
     yield pb.PutRequest(open=put_open_to_pb(op)).SerializeToString()
     for h, page in zip(hashes, pages, strict=True):
         view = memoryview(page).cast("B")
-        header = pb.PutPage(hash=h, payload_bytes=len(view), checksum=payload_checksum(view))
+        header = pb.PutPage(hash=h, payload_bytes=len(view), checksum=wire_checksum(op.namespace, h, view))
         yield pb.PutRequest(page=header).SerializeToString()
         for off in range(0, len(view), chunk_bytes):
             yield frame_chunk(PUT_CHUNK_TAG, view[off : off + chunk_bytes])
@@ -257,15 +271,21 @@ class PageRef:
 
 
 class GetAssembler:
-    """Reassembles pages from a Get response stream and verifies each page's checksum.
+    """Reassembles pages from a Get response stream and verifies each page's checksum (KEYED: it binds the
+    namespace and key asked for, so a page served under another key fails like a damaged one).
 
     Feed every response to `feed`; `pages` holds the complete pages in order. `finish` raises when
     the stream ended in the middle of a page.
     """
 
     def __init__(
-        self, expected: Sequence[bytes], verify: bool = True, alloc: Callable[[int], memoryview | bytearray] = bytearray
+        self,
+        namespace: str,
+        expected: Sequence[bytes],
+        verify: bool = True,
+        alloc: Callable[[int], memoryview | bytearray] = bytearray,
     ) -> None:
+        self._namespace = namespace  # as the request named it: the checksums bind it (ChecksumForm.KEYED)
         self._expected = list(expected)
         self._verify = verify
         self._alloc = alloc  # where a page of n bytes is received (a pool block)
@@ -290,7 +310,8 @@ class GetAssembler:
                 raise StreamError(f"page {idx}: server sent an unexpected hash")
             self._cur = FetchedPage(msg.page.hash, TierKind(msg.page.tier), self._alloc(msg.page.payload_bytes))
             self._fill = 0
-            self._checksum = msg.page.checksum
+            # The payload's XXH3-64 this page must have to be the page asked for (its key digest taken out).
+            self._checksum = msg.page.checksum ^ key_digest(self._namespace, self._expected[idx])
             self._hasher.reset()
         elif kind == "chunk":
             self._add_chunk(memoryview(msg.chunk))
@@ -375,6 +396,7 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         host_id=stats.host_id,
         tenants=[_tenant_to_pb(t) for t in stats.tenants],
         kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
+        checksum_form=pb.CHECKSUM_FORM_KEYED,
     )
 
 

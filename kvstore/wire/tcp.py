@@ -1,4 +1,4 @@
-"""The bulk TCP data plane: what both ends agree on (frame format v1, pure: no I/O).
+"""The bulk TCP data plane: what both ends agree on (frame format v2, pure: no I/O).
 
 A client on another host moves page bytes over one or more persistent TCP connections to the node's
 TCP plane listener (advertised in Stats and the index record as DataPlaneInfo{name="tcp", address,
@@ -18,8 +18,8 @@ Kinds and their meta:
     PUT     c->n  target_tier u8 | chain u8 | has_parent u8 | npages u32 | parent 32 B | layout 20 B |
                   namespace_len u16 | namespace (UTF-8); then exactly `npages` PAGE frames follow
     GET     c->n  promote u8 | nhashes u32 | namespace_len u16 | namespace | hashes (32 B each)
-    PAGE    both  hash 32 B | checksum u64 (XXH3-64 of the body) | tier u8 (n->c; 0 from a client);
-                  body = the page payload
+    PAGE    both  hash 32 B | checksum u64 (of the body, in the connection's form: below) | tier u8 (n->c;
+                  0 from a client); body = the page payload
     DONE    n->c  a u32 | b u32: after a PUT (stored, already present); after a GET's PAGE frames
                   (pages sent, 0)
     ERROR   n->c  status_len u8 | status name (a kvstore.errors status, e.g. INVALID_ARGUMENT) | message
@@ -35,7 +35,13 @@ stream cannot be resynchronised. A connection that stalls in a handshake or in t
 frame for longer than the node's `tcp_timeout_seconds` is closed; whatever its request staged is
 freed (a PUT is atomic like a Put stream: nothing of it becomes visible).
 
-Checksums: every PAGE carries its XXH3-64, computed by the sender; the node verifies a PUT's pages
+Versions: a connection speaks the version of its HELLO, and every later frame of it (both ways) carries
+that version. They differ only in what a PAGE's checksum covers (kvstore/pageformat.py, ChecksumForm):
+version 2 the KEYED form (the payload's XXH3-64 bound to the request's namespace and the page's hash, so a
+page served under another key fails), version 1 the payload's XXH3-64 alone (clients that predate the
+binding; a node of this build still serves them).
+
+Checksums: every PAGE carries its checksum, computed by the sender; the node verifies a PUT's pages
 in its PutTxn (as for every Put), and the client verifies every received page unless it was built
 with verify=False. With the tier read's own verification that keeps the DESIGN rule: a page is
 verified when read from a tier and whenever it crossed a network. Where it is computed keeps it off
@@ -55,10 +61,12 @@ from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.layout import PageLayout
 from kvstore.names import TierKind
+from kvstore.pageformat import ChecksumForm
 from kvstore.wire import PutOpen
 
 MAGIC = b"KT"
-VERSION = 1
+VERSION = 2  # what this build's client speaks (module docstring)
+SPOKEN = (1, 2)  # what this build's node answers, each in its own version
 HEADER = struct.Struct("<2sBBIQ")  # magic, version, kind, meta_len, body_len
 HEADER_BYTES = HEADER.size  # 16
 LAYOUT_BYTES = 20
@@ -94,25 +102,34 @@ class Header:
     kind: Kind
     meta_len: int
     body_len: int
+    version: int = VERSION
 
 
-def pack_header(kind: Kind, meta_len: int, body_len: int = 0) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, kind, meta_len, body_len)
+def checksum_form(version: int) -> ChecksumForm:
+    """What a PAGE's checksum covers on a connection of `version` (module docstring)."""
+    return ChecksumForm.KEYED if version >= 2 else ChecksumForm.PAYLOAD
 
 
-def frame(kind: Kind, meta: bytes = b"") -> bytes:
+def pack_header(kind: Kind, meta_len: int, body_len: int = 0, version: int = VERSION) -> bytes:
+    return HEADER.pack(MAGIC, version, kind, meta_len, body_len)
+
+
+def frame(kind: Kind, meta: bytes = b"", version: int = VERSION) -> bytes:
     """A whole frame without a body: header and meta, one buffer."""
-    return pack_header(kind, len(meta)) + meta
+    return pack_header(kind, len(meta), 0, version) + meta
 
 
-def unpack_header(raw: bytes | bytearray | memoryview, *, meta_limit: int, body_limit: int) -> Header:
+def unpack_header(
+    raw: bytes | bytearray | memoryview, *, meta_limit: int, body_limit: int, spoken: tuple[int, ...] = (VERSION,)
+) -> Header:
     """Parse a 16-byte header and check it against the receiver's limits; raises FrameError naming the
-    field. Only PAGE frames may have a body."""
+    field. Only PAGE frames may have a body; `spoken`: the versions the receiver takes."""
     magic, version, kind, meta_len, body_len = HEADER.unpack(raw)
     if magic != MAGIC:
         raise FrameError("frame.magic", f"expected {MAGIC!r}, got {bytes(magic)!r} (not a kvstore TCP plane peer)")
-    if version != VERSION:
-        raise FrameError("frame.version", f"version {version} is not spoken here (this build speaks {VERSION})")
+    if version not in spoken:
+        said = ", ".join(map(str, spoken))
+        raise FrameError("frame.version", f"version {version} is not spoken here (this build speaks {said})")
     try:
         k = Kind(kind)
     except ValueError:
@@ -123,7 +140,7 @@ def unpack_header(raw: bytes | bytearray | memoryview, *, meta_limit: int, body_
         raise FrameError("frame.body_len", f"a {k.name} frame carries no body, got {body_len} bytes")
     if body_len > body_limit:
         raise FrameError("frame.body_len", f"a {body_len}-byte page; this side takes pages up to {body_limit} bytes")
-    return Header(k, meta_len, body_len)
+    return Header(k, meta_len, body_len, version)
 
 
 def expect_len(meta: bytes | memoryview, size: int, kind: Kind) -> None:
@@ -141,8 +158,8 @@ def hello(token: str | None) -> bytes:
     return frame(Kind.HELLO, raw)
 
 
-def welcome(role: int, max_page_bytes: int, max_pages: int) -> bytes:
-    return frame(Kind.WELCOME, _WELCOME.pack(role, max_page_bytes, max_pages))
+def welcome(role: int, max_page_bytes: int, max_pages: int, version: int = VERSION) -> bytes:
+    return frame(Kind.WELCOME, _WELCOME.pack(role, max_page_bytes, max_pages), version)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +203,9 @@ def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
     return int(npages)
 
 
-def parse_put(meta: bytes | memoryview) -> PutOpen:
-    """A PUT's metadata (its size already checked by put_npages); InvalidArgument names a bad field."""
+def parse_put(meta: bytes | memoryview, form: ChecksumForm = ChecksumForm.KEYED) -> PutOpen:
+    """A PUT's metadata (its size already checked by put_npages), its pages' checksums in `form` (the
+    connection's); InvalidArgument names a bad field."""
     target, chain, has_parent, _, parent, layout_raw, _ = _PUT.unpack_from(meta)
     namespace = _namespace(meta[_PUT.size :], "put.namespace")
     try:
@@ -198,7 +216,7 @@ def parse_put(meta: bytes | memoryview) -> PutOpen:
         tier = TierKind(target) if target else None
     except ValueError:
         raise InvalidArgument("put.target_tier", f"unknown tier {target}") from None
-    return PutOpen(namespace, layout, tier, bytes(parent) if has_parent else None, bool(chain))
+    return PutOpen(namespace, layout, tier, bytes(parent) if has_parent else None, bool(chain), form)
 
 
 # -- GET ---------------------------------------------------------------------------------------------
@@ -234,9 +252,9 @@ def get_meta_limit(max_pages: int) -> int:
 # -- PAGE / DONE / ERROR -----------------------------------------------------------------------------
 
 
-def page_header(h: bytes, checksum: int, nbytes: int, tier: TierKind | None = None) -> bytes:
+def page_header(h: bytes, checksum: int, nbytes: int, tier: TierKind | None = None, version: int = VERSION) -> bytes:
     """Header and meta of a PAGE frame; the `nbytes` payload bytes follow."""
-    return pack_header(Kind.PAGE, PAGE_META_BYTES, nbytes) + _PAGE.pack(h, checksum, int(tier) if tier else 0)
+    return pack_header(Kind.PAGE, PAGE_META_BYTES, nbytes, version) + _PAGE.pack(h, checksum, int(tier) if tier else 0)
 
 
 def parse_page(meta: bytes | memoryview) -> tuple[bytes, int, int]:
@@ -246,8 +264,8 @@ def parse_page(meta: bytes | memoryview) -> tuple[bytes, int, int]:
     return h, checksum, tier
 
 
-def done(a: int, b: int) -> bytes:
-    return frame(Kind.DONE, _DONE.pack(a, b))
+def done(a: int, b: int, version: int = VERSION) -> bytes:
+    return frame(Kind.DONE, _DONE.pack(a, b), version)
 
 
 def parse_done(meta: bytes | memoryview) -> tuple[int, int]:
@@ -256,9 +274,9 @@ def parse_done(meta: bytes | memoryview) -> tuple[int, int]:
     return a, b
 
 
-def error(status_name: str, message: str) -> bytes:
+def error(status_name: str, message: str, version: int = VERSION) -> bytes:
     status = status_name.encode()[:255]
-    return frame(Kind.ERROR, bytes((len(status),)) + status + message.encode()[:65536])
+    return frame(Kind.ERROR, bytes((len(status),)) + status + message.encode()[:65536], version)
 
 
 def parse_error(meta: bytes | memoryview) -> tuple[str, str]:

@@ -13,7 +13,7 @@ import pytest
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.pageformat import payload_checksum
+from kvstore.pageformat import payload_checksum, wire_checksum
 from kvstore.security import ClientSecurity
 from kvstore.wire import PutOpen, tcp
 from kvstore.wire.tcp import Kind
@@ -101,7 +101,7 @@ def put_open(n: int, ns: str = NS) -> bytes:
 
 def page_frame(h: bytes, data: bytes | None = None, checksum: int | None = None) -> bytes:
     data = page(h) if data is None else data
-    return tcp.page_header(h, payload_checksum(data) if checksum is None else checksum, len(data)) + data
+    return tcp.page_header(h, wire_checksum(NS, h, data) if checksum is None else checksum, len(data)) + data
 
 
 def held(kv: KVStoreClient) -> list[tuple[int, int, int]]:
@@ -124,9 +124,32 @@ def test_a_well_formed_raw_put_and_get(kv: KVStoreClient) -> None:
     assert kind is Kind.DONE and tcp.parse_done(meta) == (1, 0)
     raw.send(tcp.get(NS, [h, key(1, "raw")], True))
     kind, meta, body = raw.frame()
-    assert kind is Kind.PAGE and body == page(h) and tcp.parse_page(meta)[1] == payload_checksum(body)
+    assert kind is Kind.PAGE and body == page(h) and tcp.parse_page(meta)[1] == wire_checksum(NS, h, body)
     kind, meta, _ = raw.frame()
     assert kind is Kind.DONE and tcp.parse_done(meta) == (1, 0)  # the prefix ends at the missing page
+    raw.close()
+    kv.delete(NS, [h])
+
+
+def test_a_client_of_frame_version_1_is_served_with_payload_checksums(kv: KVStoreClient) -> None:
+    """Clients that predate keyed checksums speak version 1: the node answers them in version 1, with the
+    payload's XXH3-64 alone, both ways (wire/tcp.py)."""
+    raw = Raw(plane_port(kv), token=None)
+    raw.send(tcp.hello(WRITE)[:2] + bytes([1]) + tcp.hello(WRITE)[3:])  # the same HELLO, in version 1
+    head = tcp.HEADER.unpack(raw.exactly(tcp.HEADER_BYTES))
+    assert head[1] == 1 and Kind(head[2]) is Kind.WELCOME
+    raw.exactly(head[3])
+    h = key(0, "v1")
+    v1 = bytes([1])
+    opening = put_open(1)
+    frame_ = page_frame(h, checksum=payload_checksum(page(h)))
+    raw.send(opening[:2] + v1 + opening[3:], frame_[:2] + v1 + frame_[3:])
+    kind, meta, _ = raw.frame()
+    assert kind is Kind.DONE and tcp.parse_done(meta) == (1, 0)
+    get = tcp.get(NS, [h], True)
+    raw.send(get[:2] + v1 + get[3:])
+    kind, meta, body = raw.frame()
+    assert kind is Kind.PAGE and body == page(h) and tcp.parse_page(meta)[1] == payload_checksum(body)
     raw.close()
     kv.delete(NS, [h])
 
@@ -170,7 +193,7 @@ def test_a_checksum_mismatch_stores_nothing(kv: KVStoreClient) -> None:
     before = held(kv)
     raw = Raw(plane_port(kv))
     a, b = key(0, "sum"), key(1, "sum")
-    raw.send(put_open(2), page_frame(a), page_frame(b, checksum=payload_checksum(page(b)) ^ 1))
+    raw.send(put_open(2), page_frame(a), page_frame(b, checksum=wire_checksum(NS, b, page(b)) ^ 1))
     status, msg = raw.error()
     assert status == "DATA_LOSS" and "checksum" in msg
     assert held(kv) == before and kv.lookup(NS, [a, b]) == 0  # atomic: not even the good page

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from kvstore.manager.reads import checksum_into
-from kvstore.pageformat import HOT_CHUNK, checksum_in_steps, payload_checksum
+from kvstore.pageformat import HOT_CHUNK, checksum_in_steps, checksum_into, payload_checksum
 
 SIZES = [0, 1, HOT_CHUNK - 1, HOT_CHUNK, HOT_CHUNK + 1, 3 * HOT_CHUNK + 17, (4 << 20) + 3]
 

@@ -1,8 +1,9 @@
 """Page encodings in the layout and the page header (kvstore/layout.py, kvstore/pageformat.py).
 
 The compatibility promises pinned here: a raw layout packs to the bytes of the build before encodings
-(dtype u32 first), a raw page's header is still format 1, and a header block written by that build
-(a fixed vector) parses today, so NVMe files survive the upgrade.
+(dtype u32 first), and a header block written by that build (a fixed vector) parses today, so NVMe files
+survive the upgrade; every page is now written in format 3, whose checksum binds the page's identity (the
+digests are pinned as test vectors: the wire contract, like the prefix-hash contract).
 """
 
 from __future__ import annotations
@@ -13,7 +14,22 @@ import pytest
 import xxhash
 
 from kvstore.layout import DType, PageEncoding, PageLayout
-from kvstore.pageformat import FORMAT_VERSION, HEADER_BYTES, HeaderError, PageHeader
+from kvstore.pageformat import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    ChecksumForm,
+    HeaderError,
+    PageHeader,
+    identity_digest,
+    in_form,
+    key_digest,
+    layout_digest,
+    node_side_digest,
+    payload_checksum,
+    scope_digest,
+    wire_checksum,
+)
+from kvstore.scoping import scope
 
 RAW = PageLayout(DType.BFLOAT16, 4, 2, 64, 16)
 FP8 = RAW.with_encoding(PageEncoding.FP8_E4M3)
@@ -68,19 +84,74 @@ def test_layout_pack_round_trip_and_validation() -> None:
 
 def test_header_written_before_encodings_still_reads() -> None:
     h = PageHeader.unpack(V1_HEADER)
-    assert h == PageHeader("model@abc/bfloat16/tp1", bytes(range(32)), RAW, 32768, 0x0123456789ABCDEF, 7)
-    assert h.pack() == V1_HEADER  # and a raw page is still written exactly so (format 1)
+    assert h == PageHeader("model@abc/bfloat16/tp1", bytes(range(32)), RAW, 32768, 0x0123456789ABCDEF, 7, version=1)
+    assert h.pack() == V1_HEADER  # a repair can write it back exactly as it was
+    # Its checksum covers the payload alone: the bound form is derived from the header's own fields.
+    assert h.bound_checksum() == 0x0123456789ABCDEF ^ identity_digest(h.namespace, h.hash, RAW)
 
 
-def test_encoded_header_is_format_2_and_round_trips() -> None:
-    h = PageHeader("model@abc/bfloat16+fp8-e4m3/tp1", bytes(range(32)), FP8, FP8.page_bytes, 99, 8)
-    block = h.pack()
-    assert struct.unpack_from("<H", block, 4)[0] == FORMAT_VERSION == 2
-    assert PageHeader.unpack(block) == h
+def test_every_page_is_written_in_format_3_and_round_trips() -> None:
+    for layout, ns in ((FP8, "model@abc/bfloat16+fp8-e4m3/tp1"), (RAW, "model@abc/bfloat16/tp1")):
+        h = PageHeader(ns, bytes(range(32)), layout, layout.page_bytes, 99, 8)
+        block = h.pack()
+        assert struct.unpack_from("<H", block, 4)[0] == FORMAT_VERSION == 3
+        assert PageHeader.unpack(block) == h and h.bound_checksum() == 99  # format 3 stores the bound form
+
+
+# The identity binding (pageformat module docstring; the proto's "Checksums"), pinned: any client of any
+# language computes the same wire checksums.
+VECTOR_NS = "model@abc/bfloat16/tp1"
+VECTOR_KEY = bytes(range(32))
+VECTOR_PAYLOAD = bytes(range(256))
+
+
+def test_identity_digests_are_pinned() -> None:
+    assert key_digest(VECTOR_NS, VECTOR_KEY) == 0x4C2E82B90FA41F56
+    assert scope_digest("default") == 0x959DA93337D5FC2C and scope_digest("acme") == 0x5A8C5B0403918911
+    assert layout_digest(RAW) == 0x36EC76FCA6BA735D
+    assert identity_digest(VECTOR_NS, VECTOR_KEY, RAW) == 0xEF5F5D769ECB9027
+    assert payload_checksum(VECTOR_PAYLOAD) == 0x9408A4433B952D71
+    assert (
+        wire_checksum(VECTOR_NS, VECTOR_KEY, VECTOR_PAYLOAD)
+        == 0xD82626FA34313227
+        == 0x9408A4433B952D71 ^ 0x4C2E82B90FA41F56
+    )
+
+
+def test_the_binding_tells_every_part_of_the_identity_apart() -> None:
+    """A stored checksum read as any other namespace, key, tenant or layout does not verify."""
+    stored = payload_checksum(VECTOR_PAYLOAD) ^ identity_digest(VECTOR_NS, VECTOR_KEY, RAW)
+    same = stored ^ identity_digest(VECTOR_NS, VECTOR_KEY, RAW)
+    assert same == payload_checksum(VECTOR_PAYLOAD)
+    others = [
+        identity_digest(VECTOR_NS + "x", VECTOR_KEY, RAW),  # another namespace
+        identity_digest(VECTOR_NS, bytes(32), RAW),  # another key
+        identity_digest(scope(VECTOR_NS, "acme"), VECTOR_KEY, RAW),  # another tenant
+        identity_digest(VECTOR_NS, VECTOR_KEY, FP8),  # another encoding
+        identity_digest(VECTOR_NS, VECTOR_KEY, PageLayout(DType.BFLOAT16, 4, 2, 64, 32)),  # another block size
+        identity_digest(VECTOR_NS, VECTOR_KEY, PageLayout(DType.FLOAT16, 4, 2, 64, 16)),  # another dtype
+    ]
+    assert all(stored ^ other != payload_checksum(VECTOR_PAYLOAD) for other in others)
+    # The node's half and the client's half make the whole: wire form + node side = stored form.
+    wire = wire_checksum(VECTOR_NS, VECTOR_KEY, VECTOR_PAYLOAD)
+    assert wire ^ node_side_digest(VECTOR_NS, RAW) == stored
+    assert in_form(wire, ChecksumForm.PAYLOAD, VECTOR_NS, VECTOR_KEY) == payload_checksum(VECTOR_PAYLOAD)
+    assert in_form(wire, ChecksumForm.KEYED, VECTOR_NS, VECTOR_KEY) == wire
+
+
+def test_a_header_naming_another_page_fails_the_bound_check() -> None:
+    """Two headers whose keys were swapped (each re-sealed, as a metadata bug would write them): each slot's
+    checksum no longer matches the identity its header claims."""
+    a, b = bytes(32), bytes([1]) * 32
+    pa, pb = b"A" * 64, b"B" * 64
+    sa = payload_checksum(pa) ^ identity_digest(VECTOR_NS, a, RAW)
+    swapped = PageHeader.unpack(PageHeader(VECTOR_NS, b, RAW, 64, sa, 1).pack())  # slot of A claims key B
+    assert swapped.bound_checksum() ^ identity_digest(VECTOR_NS, b, RAW) != payload_checksum(pa)
+    assert swapped.bound_checksum() ^ identity_digest(VECTOR_NS, b, RAW) != payload_checksum(pb)
 
 
 def test_header_versions_outside_the_range_are_refused() -> None:
-    for version in (0, 3):
+    for version in (0, 4):
         block = bytearray(V1_HEADER)
         struct.pack_into("<H", block, 4, version)
         with pytest.raises(HeaderError, match=f"page format {version} is not supported"):
@@ -89,7 +160,7 @@ def test_header_versions_outside_the_range_are_refused() -> None:
 
 def test_format_1_header_with_encoding_bits_is_invalid() -> None:
     """Format 1 had no encoding: an fp8 layout under format 1 is a damaged header, never read as fp8."""
-    h = PageHeader("ns", bytes(32), FP8, FP8.page_bytes, 1, 1)
+    h = PageHeader("ns", bytes(32), FP8, FP8.page_bytes, 1, 1, version=2)
     block = bytearray(h.pack())
     struct.pack_into("<H", block, 4, 1)
     # Re-seal the header checksum so only the version rule can refuse it.

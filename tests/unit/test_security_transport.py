@@ -142,6 +142,7 @@ def test_a_refusing_plane_is_given_up_for_good_unless_insisted_on(mode: str) -> 
     core.mode = mode
     refusing, fallback = _Plane("shm", refuse=True), _Plane("grpc", refuse=False)
     core._planes = (refusing, fallback) if mode == "auto" else (refusing,)
+    core._node_checked = True  # no node here to ask for Stats
     if mode == "shm":
         with pytest.raises(PlaneUnavailable):
             _run(core.put(OPEN, [H], [b"x"]))

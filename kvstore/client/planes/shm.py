@@ -51,6 +51,7 @@ from kvstore.errors import (
     from_status,
 )
 from kvstore.names import Buffer, TierKind
+from kvstore.pageformat import checksum_into, key_digest, wire_checksum
 from kvstore.wire import PutOpen, shm
 from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
@@ -324,16 +325,17 @@ class ShmPlane(DataPlane):
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
         blocks = []
-        for page in pages:  # one copy into registered memory; the node copies it into its slot
+        sums = []
+        for h, page in zip(hashes, pages, strict=True):  # one copy into registered memory, hashed as it goes
             src = memoryview(page).cast("B")
             block = self.received.take(len(src))
-            block[:] = src
+            sums.append(checksum_into(src, block) ^ key_digest(op.namespace, h))
             blocks.append(block)
         placed = self._place(blocks, False, 0)
         assert placed is not None  # pool blocks are registered memory
         # NOTE: the blocks are lent to the node for the request: `blocks` keeps them out of the pool until the
         # node is done with them (released by dropping the list), also when this exchange is gone before that.
-        return (yield from self._put(op, hashes, placed, 0, blocks.clear))
+        return (yield from self._put(op, hashes, placed, sums, 0, blocks.clear))
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
@@ -343,12 +345,21 @@ class ShmPlane(DataPlane):
         placed = self._place(buffers, False, first)
         if placed is None:
             return (yield from self.put_batch(op, hashes, buffers))
-        return (yield from self._put(op, hashes, placed, first))
+        # NOTE: the writer declares every page's checksum (DESIGN.md §8): one read pass over the caller's pages,
+        # so a page changed while the node copies it, or copied from the wrong place, is refused, not stored.
+        sums = [wire_checksum(op.namespace, h, b) for h, b in zip(hashes, buffers, strict=True)]
+        return (yield from self._put(op, hashes, placed, sums, first))
 
     def _put(
-        self, op: PutOpen, hashes: Sequence[bytes], placed: list[Placed], first: int, lent: Release = _nothing
+        self,
+        op: PutOpen,
+        hashes: Sequence[bytes],
+        placed: list[Placed],
+        sums: list[int],
+        first: int,
+        lent: Release = _nothing,
     ) -> Exchange[tuple[int, int]]:
-        body = put_request(op, hashes, placed).SerializeToString()
+        body = put_request(op, hashes, placed, sums).SerializeToString()
         reply = yield self._blocking(Kind.PUT, body, placed, first, lent)
         res = pb.PutResponse.FromString(bytes(reply))
         return res.stored, res.already_present
@@ -380,7 +391,9 @@ class ShmPlane(DataPlane):
         first: int,
         lent: Release = _nothing,
     ) -> Exchange[list[pb.ShmSlice]]:
-        req = pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
+        req = pb.GetShmRequest(
+            namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
+        )
         for p in placed:
             req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
         body = req.SerializeToString()
@@ -416,11 +429,13 @@ class ShmPlane(DataPlane):
         return Blocking(call, abort)
 
 
-def put_request(op: PutOpen, hashes: Sequence[bytes], placed: Sequence[Placed]) -> pb.PutShmRequest:
-    """A PUT naming where each page lies. No checksums: the node takes them of the bytes in its slots."""
+def put_request(
+    op: PutOpen, hashes: Sequence[bytes], placed: Sequence[Placed], checksums: Sequence[int]
+) -> pb.PutShmRequest:
+    """A PUT naming where each page lies and the checksum the writer declares for it (op.checksums' form)."""
     req = pb.PutShmRequest(open=put_open_to_pb(op))
-    for h, p in zip(hashes, placed, strict=True):
-        req.pages.add(hash=h, offset=p.offset, payload_bytes=p.nbytes, buffer=p.buffer.id)
+    for h, p, c in zip(hashes, placed, checksums, strict=True):
+        req.pages.add(hash=h, offset=p.offset, payload_bytes=p.nbytes, buffer=p.buffer.id, checksum=c)
     return req
 
 

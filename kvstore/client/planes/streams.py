@@ -31,7 +31,9 @@ class GrpcStreams(DataPlane):
         return reply.stored, reply.already_present
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        asm = GetAssembler(hashes, self.verify, self.received.take)
-        request = pb.GetRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
+        asm = GetAssembler(namespace, hashes, self.verify, self.received.take)
+        request = pb.GetRequest(
+            namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
+        )
         yield ServerStream("Get", request, asm.feed)
         return asm.finish()

@@ -33,7 +33,7 @@ from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import checksum_in_steps, payload_checksum
+from kvstore.pageformat import checksum_in_steps, key_digest, wire_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import PlaneInfo
 from kvstore.wire import PutOpen, tcp
@@ -162,7 +162,10 @@ class Connection:
         the node's exception."""
         raw = bytearray(tcp.HEADER_BYTES)
         self.readinto(memoryview(raw))
-        head = tcp.unpack_header(raw, meta_limit=REPLY_META_LIMIT, body_limit=self.max_page_bytes or 0)
+        # NOTE: any version: a refusal before HELLO comes in version 1 (wire/tcp.py)
+        head = tcp.unpack_header(
+            raw, meta_limit=REPLY_META_LIMIT, body_limit=self.max_page_bytes or 0, spoken=tcp.SPOKEN
+        )
         meta = bytearray(head.meta_len)
         if head.meta_len:
             self.readinto(memoryview(meta))
@@ -177,7 +180,7 @@ class Connection:
         self.send(tcp.put(op, len(hashes)))
         for h, page in zip(hashes, pages, strict=True):
             view = memoryview(page).cast("B")
-            self.send(tcp.page_header(h, payload_checksum(view), len(view)), view)
+            self.send(tcp.page_header(h, wire_checksum(op.namespace, h, view), len(view)), view)
         head, meta = self.read_frame()
         if head.kind is not Kind.DONE:
             raise StreamError(f"the node answered PUT with {head.kind.name}")
@@ -212,7 +215,7 @@ class Connection:
             dst = sink(i, head.body_len)
             if not verify:
                 self.readinto(dst)
-            elif self.receive_hashed(dst) != checksum:
+            elif self.receive_hashed(dst) ^ key_digest(namespace, h) != checksum:  # bound to what was asked
                 raise PageCorrupt(i, h, out)
             out.append((h, TierKind(tier), dst))
 

@@ -40,7 +40,7 @@ from kvstore.client.planes.base import DataPlane
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import payload_checksum
+from kvstore.pageformat import wire_checksum
 from kvstore.stats import PlaneInfo
 from kvstore.wire import PutOpen
 from kvstore.wire import ucx as proto
@@ -319,7 +319,7 @@ class UcxPlane(DataPlane):
         req = pb.PutShmRequest(open=put_open_to_pb(op))
         for h, page in zip(hashes, pages, strict=True):
             view = memoryview(page).cast("B")
-            req.pages.add(hash=h, payload_bytes=len(view), checksum=payload_checksum(view))
+            req.pages.add(hash=h, payload_bytes=len(view), checksum=wire_checksum(op.namespace, h, view))
         abort = Abort()
         reply = yield Blocking(lambda: self._call(lambda c, d: c.put(req, pages, d), abort), abort)
         return reply.stored, reply.already_present
@@ -338,9 +338,9 @@ class UcxPlane(DataPlane):
                 if not size:  # NOTE: never a round that cannot hold the page: its read may promote it
                     rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
                 fresh = _Blocks(self.received, size or conn.max_page_bytes)
-                req = pb.GetShmRequest(namespace=namespace, hashes=rest, no_promote=not promote)
+                req = _get_request(namespace, rest, promote)
                 req.targets.extend(pb.ShmTarget(size=fresh.size) for _ in rest)
-                checked = _Checked(rest, fresh.views.__getitem__, self.verify)
+                checked = _Checked(namespace, rest, fresh.views.__getitem__, self.verify)
                 try:
                     _, bigger = conn.get(req, fresh, checked, deadline)
                 except PageCorrupt as exc:
@@ -369,11 +369,11 @@ class UcxPlane(DataPlane):
         """Pages received straight into the caller's buffers (no copy besides the network's); the node sends
         a page only into a buffer that holds it, else stops there and the call is a ValueError naming it."""
         dests = [memoryview(b).cast("B") for b in buffers]
-        req = pb.GetShmRequest(namespace=namespace, hashes=list(hashes), no_promote=not promote)
+        req = _get_request(namespace, hashes, promote)
         req.targets.extend(pb.ShmTarget(size=len(d)) for d in dests)
 
         def fetch(conn: UcxConnection, deadline: float) -> tuple[list[PageRef], int]:
-            checked = _Checked(hashes, dests.__getitem__, self.verify)
+            checked = _Checked(namespace, hashes, dests.__getitem__, self.verify)
             _, bigger = conn.get(req, dests.__getitem__, checked, deadline)
             return checked.refs, bigger
 
@@ -398,12 +398,21 @@ class UcxPlane(DataPlane):
             idle.pop().close()
 
 
+def _get_request(namespace: str, hashes: Sequence[bytes], promote: bool) -> pb.GetShmRequest:
+    return pb.GetShmRequest(
+        namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
+    )
+
+
 class _Checked:
     """Checks each page a GET reply lists, in order, as its bytes arrive: the hash asked for, a size its
-    receive held, and (with `verify`) its checksum; `refs` are the pages that passed. PageCorrupt at the
-    first that fails its checksum carries the ones before it."""
+    receive held, and (with `verify`) its checksum, bound to the namespace and hash asked for; `refs` are
+    the pages that passed. PageCorrupt at the first that fails its checksum carries the ones before it."""
 
-    def __init__(self, hashes: Sequence[bytes], dest: Callable[[int], memoryview], verify: bool) -> None:
+    def __init__(
+        self, namespace: str, hashes: Sequence[bytes], dest: Callable[[int], memoryview], verify: bool
+    ) -> None:
+        self.namespace = namespace
         self.hashes = hashes
         self.dest = dest
         self.verify = verify
@@ -415,7 +424,7 @@ class _Checked:
         dest = self.dest(i)
         if p.payload_bytes > len(dest):
             raise StreamError(f"page {i}: {p.payload_bytes} bytes announced, the receive held {len(dest)}")
-        if self.verify and payload_checksum(dest[: p.payload_bytes]) != p.checksum:
+        if self.verify and wire_checksum(self.namespace, self.hashes[i], dest[: p.payload_bytes]) != p.checksum:
             raise PageCorrupt(i, p.hash, list(self.refs))
         self.refs.append(PageRef(p.hash, TierKind(p.tier), p.payload_bytes))
 

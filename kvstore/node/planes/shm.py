@@ -42,11 +42,12 @@ from kvstore.hashing import HASH_BYTES
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
+from kvstore.pageformat import in_form
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
 from kvstore.wire import shm
 from kvstore.wire.shm import Kind, ProtocolError, default_socket_path
-from kvstore.wire.streams import put_open_from_pb
+from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +412,7 @@ class _Connection:
 
     async def _get(self, req: pb.GetShmRequest) -> bytes:
         caller = self._caller("Get")
+        form = checksum_form_from_pb(req.checksum_form, "checksum_form")
         hashes = list(req.hashes)
         if len(req.targets) != len(hashes):
             raise InvalidArgument("targets", f"{len(req.targets)} targets for {len(hashes)} hashes (one per hash)")
@@ -435,7 +437,7 @@ class _Connection:
                             hash=lease.hash,
                             offset=offset,
                             payload_bytes=len(lease.payload),
-                            checksum=lease.checksum,
+                            checksum=in_form(lease.checksum, form, req.namespace, lease.hash),
                             tier=int(lease.tier),
                             buffer=buf_id,
                         )

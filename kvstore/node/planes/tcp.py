@@ -38,6 +38,7 @@ from kvstore.node.planes.tcp_io import (
     tune,
 )
 from kvstore.node.planes.tcp_limits import ConnectionLimits, handshake_limit, tenant_limit
+from kvstore.pageformat import in_form
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
@@ -132,7 +133,8 @@ def _refuse_now(sock: socket.socket, why: str, tls: ssl.SSLContext | None) -> No
     try:
         if tls is None:
             sock.setblocking(False)
-            sock.send(tcp.error("UNAVAILABLE", f"{why}; retry later or use gRPC streams"))
+            # NOTE: version 1, which clients of every version read: nothing says which one this client speaks
+            sock.send(tcp.error("UNAVAILABLE", f"{why}; retry later or use gRPC streams", version=1))
     except OSError:
         pass
     finally:
@@ -150,6 +152,7 @@ class _Connection:
         self.token = ""
         self.cert_names: list[str] = []  # of the client's certificate (mutual TLS), for tenant binding
         self.busy = False
+        self.version = tcp.VERSION  # the HELLO's: every frame of the connection speaks it (wire/tcp.py)
         self.tenant: str | None = None  # set once admitted (counted in the plane's limits until closed)
         self._handshaking = True  # counted as a handshake until HELLO is answered or the connection ends
 
@@ -177,7 +180,9 @@ class _Connection:
                     if not await chan.wait_frame():
                         return
                 async with asyncio.timeout(self.timeout):
-                    head = await chan.read_header(meta_limit=self.server.meta_limit, body_limit=self.cfg.max_page_bytes)
+                    head = await chan.read_header(
+                        meta_limit=self.server.meta_limit, body_limit=self.cfg.max_page_bytes, spoken=(self.version,)
+                    )
                 if head is None:
                     return
                 self.busy = True
@@ -215,12 +220,13 @@ class _Connection:
         status = exc.status_name if isinstance(exc, KVStoreError) else "INTERNAL"
         with contextlib.suppress(Exception):
             async with asyncio.timeout(1.0):
-                await chan.send(tcp.error(status, str(exc)))
+                await chan.send(tcp.error(status, str(exc), self.version))
 
     async def _hello(self, chan: Channel) -> None:
-        head = await chan.read_header(meta_limit=tcp.MAX_TOKEN_BYTES, body_limit=0)
+        head = await chan.read_header(meta_limit=tcp.MAX_TOKEN_BYTES, body_limit=0, spoken=tcp.SPOKEN)
         if head is None:
             raise ConnectionClosed("closed before HELLO")
+        self.version = head.version
         if head.kind is not Kind.HELLO:
             raise FrameError("frame.kind", f"a connection starts with HELLO, got {head.kind.name}")
         meta = await chan.read(head.meta_len)
@@ -240,7 +246,7 @@ class _Connection:
             raise Unavailable(refusal)
         limits.admit(tenant)
         self.tenant = tenant
-        await chan.send(tcp.welcome(int(role), self.cfg.max_page_bytes, self.cfg.max_pages_per_request))
+        await chan.send(tcp.welcome(int(role), self.cfg.max_page_bytes, self.cfg.max_pages_per_request, self.version))
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
         return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
@@ -261,7 +267,7 @@ class _Connection:
             except (FrameError, ConnectionError, TimeoutError):
                 raise
             except KVStoreError as exc:
-                await chan.send(tcp.error(exc.status_name, str(exc)))
+                await chan.send(tcp.error(exc.status_name, str(exc), self.version))
         else:
             raise FrameError("frame.kind", f"a request starts with PUT or GET, got {head.kind.name}")
 
@@ -273,28 +279,30 @@ class _Connection:
         pages = _FramePages(self, chan, npages)
 
         def opening() -> tuple[Caller, PutOpen]:
-            return self._caller("Put"), tcp.parse_put(meta)
+            return self._caller("Put"), tcp.parse_put(meta, tcp.checksum_form(self.version))
 
         try:
             stored, present = await drive_put(opening, pages.heads(), pages, drain=True)
         except (FrameError, ConnectionError, TimeoutError):
             raise
         except KVStoreError as exc:
-            await chan.send(tcp.error(exc.status_name, str(exc)))
+            await chan.send(tcp.error(exc.status_name, str(exc), self.version))
             return
-        await chan.send(tcp.done(stored, present))
+        await chan.send(tcp.done(stored, present, self.version))
 
     async def _get(self, chan: Channel, meta: bytearray) -> None:
         """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""
         namespace, hashes, promote = tcp.parse_get(meta)
+        form, version = tcp.checksum_form(self.version), self.version
         sent = 0
         async with open_get(self._caller("Get"), namespace, hashes, promote, receiver_verifies=True) as leases:
             async for lease in leases:
                 payload = lease.payload
+                checksum = in_form(lease.checksum, form, namespace, lease.hash)
                 async with asyncio.timeout(self.timeout):
-                    await chan.send(tcp.page_header(lease.hash, lease.checksum, len(payload), lease.tier), payload)
+                    await chan.send(tcp.page_header(lease.hash, checksum, len(payload), lease.tier, version), payload)
                 sent += 1
-        await chan.send(tcp.done(sent, 0))
+        await chan.send(tcp.done(sent, 0, version))
 
 
 class _FramePages:
@@ -311,7 +319,9 @@ class _FramePages:
         conn, chan = self.conn, self.chan
         for _ in range(self.npages):
             async with asyncio.timeout(conn.timeout):
-                head = await chan.read_header(meta_limit=conn.server.meta_limit, body_limit=conn.cfg.max_page_bytes)
+                head = await chan.read_header(
+                    meta_limit=conn.server.meta_limit, body_limit=conn.cfg.max_page_bytes, spoken=(conn.version,)
+                )
                 if head is None:
                     raise ConnectionClosed("connection closed before the PUT's last page")
                 if head.kind is not Kind.PAGE:

@@ -89,12 +89,13 @@ class Channel:
         idle wait: the caller bounds it with its idle timeout, then the frame itself with the stall one."""
         return self._hi > self._lo or await self._fill(eof_ok=True)
 
-    async def read_header(self, *, meta_limit: int, body_limit: int) -> Header | None:
-        """The next frame's header, checked against the limits; None on a clean EOF between frames."""
+    async def read_header(self, *, meta_limit: int, body_limit: int, spoken: tuple[int, ...]) -> Header | None:
+        """The next frame's header, checked against the limits and the versions `spoken`; None on a clean
+        EOF between frames."""
         if not await self.wait_frame():
             return None
         raw = await self.read(HEADER_BYTES)
-        return unpack_header(raw, meta_limit=meta_limit, body_limit=body_limit)
+        return unpack_header(raw, meta_limit=meta_limit, body_limit=body_limit, spoken=spoken)
 
     async def discard(self, n: int) -> None:
         """Read and drop `n` bytes (the rest of a refused request), through the staging buffer."""

@@ -43,9 +43,10 @@ from kvstore.node.drivers import PageHead, TransferStuck, drive_put, open_get
 from kvstore.node.planes import ucx_device
 from kvstore.node.planes.base import NodeServices, PlaneServer
 from kvstore.node.planes.ucx_intake import Intake
+from kvstore.pageformat import in_form
 from kvstore.security import AUTH_HEADER
 from kvstore.stats import PlaneInfo
-from kvstore.wire.streams import put_open_from_pb
+from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
 from kvstore.wire.ucx import (
     CHALLENGE_TAG,
     FRAME,
@@ -379,6 +380,7 @@ class UcxPlaneServer(PlaneServer):
         try:
             try:
                 caller = self._caller(conn, "Get")
+                form = checksum_form_from_pb(req.checksum_form, "checksum_form")
                 async with open_get(
                     caller, req.namespace, list(req.hashes), not req.no_promote, receiver_verifies=True
                 ) as leases:
@@ -393,7 +395,7 @@ class UcxPlaneServer(PlaneServer):
                         out.pages.add(
                             hash=lease.hash,
                             payload_bytes=len(lease.payload),
-                            checksum=lease.checksum,
+                            checksum=in_form(lease.checksum, form, req.namespace, lease.hash),
                             tier=int(lease.tier),
                         )
                 reply = frame(Kind.OK, seq, pack_get_reply(bigger, out.SerializeToString()))

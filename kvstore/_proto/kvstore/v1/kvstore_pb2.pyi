@@ -21,6 +21,11 @@ class PageEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAGE_ENCODING_RAW: _ClassVar[PageEncoding]
     PAGE_ENCODING_FP8_E4M3: _ClassVar[PageEncoding]
 
+class ChecksumForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHECKSUM_FORM_PAYLOAD: _ClassVar[ChecksumForm]
+    CHECKSUM_FORM_KEYED: _ClassVar[ChecksumForm]
+
 class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     TIER_UNSPECIFIED: _ClassVar[Tier]
@@ -35,6 +40,8 @@ DTYPE_FLOAT8_E4M3: DType
 DTYPE_UINT8: DType
 PAGE_ENCODING_RAW: PageEncoding
 PAGE_ENCODING_FP8_E4M3: PageEncoding
+CHECKSUM_FORM_PAYLOAD: ChecksumForm
+CHECKSUM_FORM_KEYED: ChecksumForm
 TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
@@ -77,18 +84,20 @@ class LookupResponse(_message.Message):
     def __init__(self, matched_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., namespace_known: _Optional[bool] = ...) -> None: ...
 
 class PutOpen(_message.Message):
-    __slots__ = ("namespace", "layout", "target_tier", "parent_hash", "chain")
+    __slots__ = ("namespace", "layout", "target_tier", "parent_hash", "chain", "checksum_form")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: PageLayout
     target_tier: Tier
     parent_hash: bytes
     chain: bool
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., parent_hash: _Optional[bytes] = ..., chain: _Optional[bool] = ...) -> None: ...
+    checksum_form: ChecksumForm
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., parent_hash: _Optional[bytes] = ..., chain: _Optional[bool] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
 
 class PutPage(_message.Message):
     __slots__ = ("hash", "payload_bytes", "checksum")
@@ -119,14 +128,16 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote")
+    __slots__ = ("namespace", "hashes", "no_promote", "checksum_form")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ...) -> None: ...
+    checksum_form: ChecksumForm
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
 
 class GetPage(_message.Message):
     __slots__ = ("hash", "payload_bytes", "checksum", "tier")
@@ -279,7 +290,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events")
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -303,6 +314,7 @@ class StatsResponse(_message.Message):
     CORRUPT_CONFIRMED_FIELD_NUMBER: _ClassVar[int]
     SCRUBBED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     max_page_bytes: int
@@ -326,7 +338,8 @@ class StatsResponse(_message.Message):
     corrupt_confirmed: int
     scrubbed_bytes: int
     kv_events: KvEventsStats
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ...) -> None: ...
+    checksum_form: ChecksumForm
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("namespace", "hashes")
@@ -453,16 +466,18 @@ class PutShmRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
 
 class GetShmRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote", "targets")
+    __slots__ = ("namespace", "hashes", "no_promote", "targets", "checksum_form")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
     targets: _containers.RepeatedCompositeFieldContainer[ShmTarget]
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ...) -> None: ...
+    checksum_form: ChecksumForm
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
     __slots__ = ("offset", "size", "buffer")
