@@ -327,7 +327,7 @@ class KVStoreConnector(RemoteConnector):
         return out
 
     def _fetch_into(self, shape: EngineShape, ns: str, hashes: list[bytes]) -> list[MemoryObj]:
-        """Full chunks received straight into MemoryObjs from LMCache's CPU allocator (issue 20: one copy, by the
+        """Full chunks received straight into MemoryObjs from LMCache's CPU allocator (DESIGN.md §9.1: one copy, by the
         network or the node, and one verification); the objects past the stored prefix go back at once."""
         geo = shape.geometry
         objs: list[MemoryObj] = []
