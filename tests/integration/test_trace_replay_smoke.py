@@ -37,7 +37,7 @@ def test_smoke_suite_and_a_trace(tmp_path: Path) -> None:
         # any cache's prefix hits are block hits, and Belady bounds the block hits
         assert c["prefix_hit"] <= c["block_hit"] <= bound[(c["source"], c["config"])] + 1e-12
     assert len(doc["target"]) == len(bound)  # one verdict per workload and capacity
-    assert "Target (issues 14 and 22)" in (tmp_path / "trace_replay.md").read_text()
+    assert "Target (DESIGN.md §6.4)" in (tmp_path / "trace_replay.md").read_text()
 
 
 def test_another_seed_replays_other_requests_of_the_same_shapes(tmp_path: Path) -> None:
