@@ -120,7 +120,7 @@ def test_auth_unknown_token_and_read_token_on_put(tmp_path: Path) -> None:
     rw.write_text("write-token-0123456789\n")
     ro.write_text("read-token-0123456789\n")
     rw.chmod(0o600)
-    ro.chmod(0o600)  # token files must be private (issue 16)
+    ro.chmod(0o600)  # token files must be private (DESIGN.md §12)
     n = start_node(tmp_path, extra_args=["--ucx", "--auth-tokens-file", str(rw), "--auth-read-tokens-file", str(ro)])
     try:
         hs = [key(i, "auth") for i in range(3)]

@@ -1,4 +1,4 @@
-"""The UCX plane against real ucxx attackers (issue 24 items 2 and 3), each a process of its own that
+"""The UCX plane against real ucxx attackers (SECURITY.md, round 3, findings 2 and 3), each a process of its own that
 reaches a real node by its advertised worker address or its listener, as anyone on the fabric can:
 - nothing is accepted before HELLO: 200k unmatched tagged messages (random tags, the old protocol's
   HELLO and connection tags), and stream and active messages, cost the node no memory and no log flood,
