@@ -87,7 +87,7 @@ def test_round_trip_by_worker_address_and_by_listener(ucx_node: NodeProcess, con
         assert [bytes(p) for p in kv.get(NS, hs)] == [page(h) for h in hs]
         assert kv.plane == "ucx"
         bufs = [memoryview(bytearray(PAGE + 100)) for _ in hs]
-        refs = kv._run(kv._core._bulk(lambda p: p.get_into(NS, hs, bufs, True)))
+        refs = kv.get_into(NS, hs, bufs)
         assert [r.nbytes for r in refs] == [PAGE] * 6
         assert all(bytes(b[:PAGE]) == page(h) for b, h in zip(bufs, hs, strict=True))
 
