@@ -9,7 +9,8 @@
 Tiers (DESIGN.md §13): `./dev test` (CI) runs every test. The `fast` marker is the iteration tier
 (`./dev test --fast`, or `pytest -m fast`): every test under FAST_DIRS (unit tests and pure logic: no node,
 Redis, Ray, engine, fuzzing or benchmark run) plus the modules elsewhere that opt in with
-`pytestmark = pytest.mark.fast` because they are pure too. It must stay under 3 minutes on a busy 2-vCPU box.
+`pytestmark = pytest.mark.fast` because they are pure too (not the transformers oracle of tests/workers: half
+the tier's time on its own). It must stay under 3 minutes on a busy 2-vCPU box.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from devkit.engines import ENGINE_VENV, engine_python, engine_venv_ready
 
 REQUIRED = os.environ.get("KVSTORE_REQUIRE_ENGINES") == "1"  # set by ./dev test
 TESTS = Path(__file__).resolve().parent
-FAST_DIRS = frozenset({"unit", "kernels", "workers"})  # the fast tier, whole directories (see above)
+FAST_DIRS = frozenset({"unit", "kernels"})  # the fast tier, whole directories (see above)
 
 
 @pytest.fixture(scope="session")
