@@ -1,4 +1,4 @@
-"""What oversized requests cost a secured node in memory, with and without credentials (issue 16).
+"""What oversized requests cost a secured node in memory, with and without credentials (DESIGN.md §8.5).
 
 One real node with a read-write and a read-only token (DRAM only, loopback). Each scenario sends
 `--calls` concurrent Lookups, raw bytes on a plain gRPC channel (no client-side checks), and reads the

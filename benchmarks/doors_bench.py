@@ -1,4 +1,4 @@
-"""Engine doors (issue 21 items 4 and 6): what KV events cost the node, and the SGLang HiCache door's throughput.
+"""Engine doors (DESIGN.md §7.2, §9.1): what KV events cost the node, and the SGLang HiCache door's throughput.
 
 Part 1, KV events (kvstore/node/kv_events.py). One real node per mode, loopback, DRAM only and full, so every Put
 page evicts one (two events per page: a store and a removal). Modes, rotated per run so drift on a shared

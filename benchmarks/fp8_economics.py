@@ -1,4 +1,4 @@
-"""What fp8-e4m3 pages buy: bytes per token, hit rate at equal budgets, TTFT on a full hit (issue 23, item 4).
+"""What fp8-e4m3 pages buy: bytes per token, hit rate at equal budgets, TTFT on a full hit (DESIGN.md §4.1, §13).
 
 Three parts, raw pages as the reference in the same run:
 

@@ -1,4 +1,4 @@
-"""What fp8-e4m3 pages cost in model quality, against the uncompressed path (issue 23, item 3).
+"""What fp8-e4m3 pages cost in model quality, against the uncompressed path (DESIGN.md §4.1).
 
 Method (devkit/kv_quality.py): per model and prompt, the prompt's cached prefix (every full block but the
 one holding the last prompt token) comes back through the page codec, as a request that hits the cache

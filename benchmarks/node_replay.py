@@ -2,7 +2,7 @@
 
 `NodeReplayCache` implements `devkit.sim.ReplayCache` (and `ProbingCache`) on top of a node, so
 `devkit.sim.replay` drives a node exactly as it drives `TieredBlockCache`: the same hit counts prove
-the node runs the policy the simulation models (issue 4). Per request, mirroring
+the node runs the policy the simulation models (DESIGN.md §6). Per request, mirroring
 `TieredBlockCache.put`: the request's cached blocks are pinned (the simulator pins the request being
 served); then, in request order, a cached block is read (a one-page Get: the policy sees an access and
 the page's read count grows) and a missing block is put with its chain parent (a one-page Put: the

@@ -1,4 +1,4 @@
-"""A plain client, as a new user writes it, against LMCache's lm:// server, alternated in one run (issue 20).
+"""A plain client, as a new user writes it, against LMCache's lm:// server, alternated in one run (DESIGN.md §13).
 
 Method. Per page size (default 1 MiB and 4 MiB), `--rounds` rounds (default 2), each running, in turn:
 - kvstore: a *fresh process* doing what a new user writes: `KVStoreClient(addr, transport=T)`, put 16 random

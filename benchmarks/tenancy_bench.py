@@ -1,4 +1,4 @@
-"""What server-enforced tenancy costs (issue 15 item 5): the same node and workload with and without it, one run.
+"""What server-enforced tenancy costs (DESIGN.md §10): the same node and workload with and without it, one run.
 
 Modes (one real node each, DRAM only, full, so every Put evicts; loopback; a read-write token on every call):
     no-tenancy   tokens without tenants: every caller is the default tenant (the peer the others are compared with)

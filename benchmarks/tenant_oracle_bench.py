@@ -1,4 +1,4 @@
-"""Can a tenant time its way to another tenant's cache (issue 24 item 1)? Bob probes prefixes; some alice
+"""Can a tenant time its way to another tenant's cache (DESIGN.md §10; SECURITY.md, round 3, finding 1)? Bob probes prefixes; some alice
 cached ("cross": the miss bob gets is on a page alice holds), some nobody did ("cold"). Since the fix the
 request path only notes a miss and the cross-tenant check runs later, off the path; this measures what
 timing still tells bob, against the noise floor measured in the same run: two disjoint sets of cold
@@ -131,7 +131,7 @@ def main() -> None:
     sets = {k: chains(k, args.chains, 8) for k in KINDS}
     rows = {**over_a_node(args, sets), **in_process(args, sets)}
     lines = [
-        "### Cross-tenant timing (issue 24 item 1)",
+        "### Cross-tenant timing (DESIGN.md §10)",
         "",
         machine_line(),
         f"- {args.probes} probes of each kind over a node, {args.micro} in process; kinds interleaved at random",

@@ -1,5 +1,5 @@
 """Hit rates of every eviction policy on every workload of the suite and on any trace, against
-Belady's offline optimum, and the check of the default policy's target (issues 14 and 22).
+Belady's offline optimum, and the check of the default policy's target (DESIGN.md §6.4).
 
 What is measured
     Each request of a workload (its prompt's block ids, in arrival order) is served by a simulated
@@ -31,7 +31,7 @@ Reference (same run, same workload)
     hits any cache of that size can get; LRU, the baseline; and second-sight LRU (LRU admitting a
     block on its second sight, a ghost list of 4x the capacity remembering the refused ones).
 
-Target (issues 14 and 22)
+Target (DESIGN.md §6.4)
     At every workload and capacity, the default policy (--default, "adaptive") is within 5%
     (relative) of the best other policy on prefix hit rate, and never below LRU nor second-sight LRU.
     The summary table says, per cell, the best candidate, the default's ratio to it, its margins
@@ -82,8 +82,8 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "out"
 # NOTE: the order of the table's columns: the baseline first, the proposed default last.
 POLICY_ORDER = ("lru", "prefix-lru", "arc", "s3fifo", "prefix-arc", "tinylfu", "second-sight", "duel", "adaptive")
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3)
-TARGET_RATIO = 0.95  # issues 14 and 22: within 5% (relative) of the best candidate
-FLOORS = ("lru", "second-sight")  # issue 22: the default is never below these
+TARGET_RATIO = 0.95  # DESIGN.md §6.4: within 5% (relative) of the best candidate
+FLOORS = ("lru", "second-sight")  # DESIGN.md §6.4: the default is never below these
 
 
 @dataclass(slots=True)
@@ -351,7 +351,7 @@ def markdown(
         met = sum(v.met for v in checks)
         lines += [
             "",
-            f"Target (issues 14 and 22): `{checks[0].default}` within {1 - TARGET_RATIO:.0%} of the best other policy "
+            f"Target (DESIGN.md §6.4): `{checks[0].default}` within {1 - TARGET_RATIO:.0%} of the best other policy "
             f"on "
             f"prefix hit rate, and never below {' nor '.join(FLOORS)}: **met in {met} of {len(checks)} cells**.",
             "",

@@ -8,7 +8,7 @@ tokens puts those pages in the cache, then the measured request (max_new_tokens=
 prompt. TTFT = router arrival to first token (prefill's lookup + page fetch + compute of the uncached
 part; the put of new pages happens after the first token). Reported: median over repetitions, the
 per-phase split, and the ratio to the 0%-cached TTFT of the same length (the recompute baseline
-measured in the same run). Target (issue 6, CPU): a full-prefix hit at 2048 tokens in <= 0.2x the
+measured in the same run). Target (DESIGN.md §13, CPU): a full-prefix hit at 2048 tokens in <= 0.2x the
 recompute TTFT.
 
 Writes benchmarks/out/ttft_bench.{json,md}.

@@ -1,5 +1,5 @@
 """A node's memory under a flood of unmatched tagged UCX messages from an endpoint that never says HELLO
-(issue 24 item 2: 200k x 64 B took a node from 89 to 310 MiB, not released after 35 s).
+(SECURITY.md, round 3, finding 2: 200k x 64 B took a node from 89 to 310 MiB, not released after 35 s).
 
 Method: one real node (`--ucx`, UCX_NET_DEVICES=lo); its RSS once it settled; then an attacker process opens
 an endpoint to the node's advertised worker address (or its listener) and sends `--count` tagged messages of

@@ -674,6 +674,7 @@ def slow_consumers(workdir: Path, stalled: int = 8, silent: int = 8, seconds: fl
             "p50_ms_before": round(_pct(before, 0.5) * 1e3, 2), "p99_ms_before": round(_pct(before, 0.99) * 1e3, 2),
             "p50_ms_during": round(_pct(during, 0.5) * 1e3, 2), "p99_ms_during": round(_pct(during, 0.99) * 1e3, 2),
             "requests_after_release": len(after), "rss_growth_bytes": rss_during - rss_before,
+            "whole_ask_bytes": stalled * stream_pages * PAGE,  # what the stalled streams asked for in all
         }  # fmt: skip
         return res
     finally:

@@ -1,4 +1,4 @@
-"""The workload suite: seeded generators of request streams with the shapes users run (issue 14).
+"""The workload suite: seeded generators of request streams with the shapes users run (DESIGN.md §6.4).
 
 A request is the list of its prompt's block ids in order, as in the Mooncake trace format: ids are
 chained (`Chainer`), so two requests share a block id exactly where they share the whole prefix up

@@ -1,10 +1,10 @@
 """Process-wide allocator tuning for bulk transfer.
 
-Measured (benchmarks/RESULTS.md, 2026-11-22): every ~1 MiB chunk buffer is above glibc's dynamic
-mmap threshold, so each is mmap'd and unmapped, and freed heap is trimmed back to the kernel after each
-call: ~990 page faults and ~5 ms of CPU per 1 MiB get on the node. Raising the mmap and trim
-thresholds keeps those buffers in the heap for reuse. The node calls this at start; an engine process
-may call it too (it changes the whole process's malloc behaviour, so the client never does on its own).
+Measured (benchmarks/RESULTS-archive.md, the 2026-11-22 store_bench entries): every ~1 MiB chunk buffer
+is above glibc's dynamic mmap threshold, so each is mmap'd and unmapped, and freed heap is trimmed back to
+the kernel after each call: ~990 page faults and ~5 ms of CPU per 1 MiB get on the node. Raising the mmap
+and trim thresholds keeps those buffers in the heap for reuse. The node calls this at start; an engine
+process may call it too (it changes the whole process's malloc behaviour, so the client never does on its own).
 """
 
 from __future__ import annotations

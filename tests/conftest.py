@@ -5,6 +5,12 @@
   asks for it waits (bounded) for that build. Missing under `./dev test` (KVSTORE_REQUIRE_ENGINES=1) it is a
   failure naming the command that makes it; under a bare pytest, a skip with that reason.
 - Tests that use it run last (collection order), so that the build overlaps everything else.
+
+Tiers (DESIGN.md §13): `./dev test` (CI) runs every test. The `fast` marker is the iteration tier
+(`./dev test --fast`, or `pytest -m fast`): every test under FAST_DIRS (unit tests and pure logic: no node,
+Redis, Ray, engine, fuzzing or benchmark run) plus the modules elsewhere that opt in with
+`pytestmark = pytest.mark.fast` because they are pure too (not the transformers oracle of tests/workers: half
+the tier's time on its own). It must stay under 3 minutes on a busy 2-vCPU box.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ import pytest
 from devkit.engines import ENGINE_VENV, engine_python, engine_venv_ready
 
 REQUIRED = os.environ.get("KVSTORE_REQUIRE_ENGINES") == "1"  # set by ./dev test
+TESTS = Path(__file__).resolve().parent
+FAST_DIRS = frozenset({"unit", "kernels"})  # the fast tier, whole directories (see above)
 
 
 @pytest.fixture(scope="session")
@@ -31,6 +39,16 @@ def vllm_python() -> Path:
     return engine_python()
 
 
+def in_fast_dir(path: Path) -> bool:
+    """Whether a test file lies in a directory whose every test is in the fast tier."""
+    rel = path.resolve().relative_to(TESTS)
+    return len(rel.parts) > 1 and rel.parts[0] in FAST_DIRS
+
+
+@pytest.hookimpl(tryfirst=True)  # NOTE: before `-m` deselects, so `-m fast` sees the marks added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests on the engine venv last (a stable sort: every other order is kept)."""
+    """The fast tier marked; tests on the engine venv last (a stable sort: every other order is kept)."""
+    for item in items:
+        if in_fast_dir(item.path):
+            item.add_marker(pytest.mark.fast)
     items.sort(key=lambda item: "vllm_python" in getattr(item, "fixturenames", ()))

@@ -205,7 +205,7 @@ class KVStoreConnector(RemoteConnector):
         if self.settings.tune_malloc:
             # NOTE: the client allocates one buffer per fetched page; with glibc's default thresholds each
             # 1-32 MiB buffer is a fresh mmap, faulted in page by page and unmapped again. Measured on a
-            # 2-vCPU VM: 16 x 1 MiB of such buffers cost 18 ms untuned, 6 ms tuned (benchmarks/RESULTS.md).
+            # 2-vCPU VM: 16 x 1 MiB of such buffers cost 18 ms untuned, 6 ms tuned (benchmarks/RESULTS-archive.md).
             tune_malloc_for_bulk_io()
         self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"kvstore-{plugin_name}")
         self._closed = False
@@ -327,7 +327,7 @@ class KVStoreConnector(RemoteConnector):
         return out
 
     def _fetch_into(self, shape: EngineShape, ns: str, hashes: list[bytes]) -> list[MemoryObj]:
-        """Full chunks received straight into MemoryObjs from LMCache's CPU allocator (issue 20: one copy, by the
+        """Full chunks received straight into MemoryObjs from LMCache's CPU allocator (DESIGN.md §9.1: one copy, by the
         network or the node, and one verification); the objects past the stored prefix go back at once."""
         geo = shape.geometry
         objs: list[MemoryObj] = []

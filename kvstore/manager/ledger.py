@@ -4,7 +4,7 @@ The ledger never sees a request: the tenant views (kvstore/manager/views.py) cou
 Stats read it. Tenants are only ever added (a tier's `tenant_pages` keeps a tenant's key at 0 pages).
 
 Cross-tenant misses (a miss on a page only another tenant holds) are an operator's figure: a tenant that
-could read its own count would learn, one guess at a time, what another tenant caches (issue 24). So a
+could read its own count would learn, one guess at a time, what another tenant caches (DESIGN.md §10). So a
 miss is only *noted* on the request path (one append, the same whatever the cache holds) and checked
 later, off the path (`settle`: every second by the manager's housekeeping, and before every snapshot).
 """

@@ -60,7 +60,7 @@ class NodeConfig:
     nvme_segment_bytes: int = 1 << 30
     hbm_bytes: int = 0
     max_page_bytes: int = 2 << 20
-    policy: str = "adaptive"  # see kvstore/policy/adaptive.py and benchmarks/RESULTS.md (trace_replay, issue 22)
+    policy: str = "adaptive"  # see kvstore/policy/adaptive.py and benchmarks/RESULTS.md (trace_replay; DESIGN.md §6.1)
     io_threads: int = 4
     max_pages_per_request: int = 4096
     grace_seconds: float = 5.0

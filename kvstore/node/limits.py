@@ -1,6 +1,6 @@
 """Request limits: what a KVStore call must pass before its request is read: credentials, then size, then count.
 
-Order, and why (issue 16): an unauthenticated caller must not make the node allocate anything sized by
+Order, and why (DESIGN.md §8.5): an unauthenticated caller must not make the node allocate anything sized by
 its request. So
 1. the token is checked from the call's metadata (`ErrorInterceptor.intercept_service` sees it before
    gRPC reads a single request message); a refused call gets a handler that never reads its request:

@@ -17,7 +17,7 @@
     kvstore_tenant_hit_ratio{tenant}, kvstore_tenant_pages{tenant,tier}, kvstore_tenant_share_bytes{tenant,tier}
 
 No cross-tenant figure is exported: /metrics answers whoever the network admits, and a count of misses
-on pages another tenant holds would tell a prober which of its guesses another tenant caches (issue 24).
+on pages another tenant holds would tell a prober which of its guesses another tenant caches (DESIGN.md §10).
 The operator reads it in Stats (`kvctl stats` with a token of the default tenant).
 
 Counters are the node's own cumulative counters (they restart at 0 with the process, which Prometheus'

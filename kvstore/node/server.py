@@ -49,7 +49,7 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),  # the largest request a method accepts
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # NOTE: gRPC binds with SO_REUSEPORT by default, so a second node on a served port would start and
-    # share its connections with the first (issue 24 item 7); without it the bind fails and we say so.
+    # share its connections with the first (DESIGN.md §12: one node per port); without it the bind fails and we say so.
     ("grpc.so_reuseport", 0),
 ]
 

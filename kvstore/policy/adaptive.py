@@ -1,88 +1,54 @@
-"""The adaptive default: prefix-LRU's victims behind an admission threshold that moves online between
-"admit all", "admit on second sight" and "admit only if more frequent than the victim" (TinyLFU),
-chosen by three miniature simulations of the tier, one per threshold, on a sample of the keys.
+"""The adaptive default (DESIGN.md §6.1): prefix-LRU's victims behind an admission threshold that moves
+online between "admit all", "admit on second sight" and "admit only if more frequent than the victim"
+(TinyLFU), chosen by three miniature simulations of the tier, one per threshold, on a sample of the keys.
 
-Why three. Which pages deserve a place in a full tier depends on the traffic (benchmarks/RESULTS.md,
-issues 14 and 22): where reuse comes soon after a first sighting (document QA follow-ups, a chat's
-next turn within minutes) every page should enter; where most pages are seen once and the reused
-ones come back later than recency keeps them (production chat: uploads and one-off questions in
-front of long conversations, the Mooncake conversation trace) a page should enter on its second
-sight, so the one-offs never push out the conversations; where a few long prefixes are reused by a
-stream of one-off suffixes (agent loops, batch few-shot jobs) a page should enter only if it was
-referenced more often than the page it would replace. No fixed threshold is within 30% of the best
-on all three; the threshold follows the traffic.
+Why three: which pages deserve a place in a full tier depends on the traffic. Where reuse follows a first
+sighting soon (document QA follow-ups, a chat's next turn) every page should enter; where most pages are
+seen once and the reused ones come back later than recency keeps them (production chat) a page should
+enter on its second sight; where a few long prefixes are reused by a stream of one-off suffixes (agent
+loops, batch few-shot jobs) only a page referenced more often than its victim should.
 
-The ladder. The thresholds read one reference history (kvstore/policy/history.py: exact counts of
-the keys referenced recently, at most HISTORY_FACTOR x capacity of them, halved every
-WINDOW_FACTOR x capacity references) and one ghost list (admission.SecondSight: the keys refused
-lately, GHOST_FACTOR x capacity of them, kept as a second-sight tier would keep it whatever the
-threshold, so a move to SECOND starts warm):
+The ladder. The thresholds read one reference history (kvstore/policy/history.py: exact recent counts)
+and one ghost list (admission.SecondSight: the keys refused lately, kept as a second-sight tier would keep
+it whatever the threshold, so a move to SECOND starts warm):
     ALL        admit.
-    SECOND     admit a key the ghost remembers (refused before), and only if its chain parent is in
-               the tier.
+    SECOND     admit a key the ghost remembers, and only if its chain parent is in the tier.
     FREQUENT   admit a key whose count (this reference included) exceeds the victim's, and only if
                its chain parent is in the tier (TinyLFU's test, Einziger et al. 2017).
-The chain-parent rule: a block whose parent is missing cannot be matched by a longest-prefix
-lookup; admitting it would push out a useful page for nothing. The victims are prefix-LRU's at every
-threshold (behind a filter, ARC's protected class only holds stale keys longer: measured, issue 22).
+(A block whose parent is missing cannot be matched by a longest-prefix lookup: admitting it would push
+out a useful page for nothing.)
 
-How it moves (ghost-driven, as ARC and LeCaR move theirs, but against a full counterfactual).
-Three shadow caches replay a stable-hash sample of the tier's keys (miniature simulation,
-Waldspurger et al., ATC'17: the references to a sample of rate 2**-k of the keys, in a cache 2**k
-times smaller, behave like the full cache), one per threshold, each with its own ghost; a sampled
-key's parent there is the last sampled key of its chain, so sampled chains stay chains. Each shadow
-counts its prefix hits (a hit after a miss in the same request saves nothing). A reference all
-three shadows hit, or all three miss, says nothing about the thresholds and is skipped; on the
-others each score is decayed by 1 - 1/(MEMORY x shadow capacity) and raised by its shadow's hit. The
-memory is short (4 shadow capacities of contested references): which threshold is best changes as a
-tier's contents and the traffic change (agents' and tenants' mixes shift; a trace's evidence turns),
-and a long memory kept the tier at a threshold the recent references no longer favoured (measured on
-held-out draws, issue 22 round 4: memory 4 met more cells and more hits than 64; in a scratch table it
-also beat 8 and 16, and 1 was noise).
-The tier moves to the best score only when the lead over the current threshold is significant:
-more than SWITCH (5%) and MIN_LEAD hits, and more than Z standard deviations of the difference of
-two counts (Z x sqrt(a + b); Z_FREQUENT for a move to FREQUENT, which the small sampled shadows
-overrate: on the conversation workload and the Mooncake trace they showed it ahead of second sight
-by 3 deviations where the full tier did 10% worse with it); and among the thresholds within Z
-deviations of the best it takes the first of PREFER (the least strict), so noise never pushes it to
-a stricter one.
+The shadows. Three LRU lists replay a stable-hash sample of rate 2**-k of the tier's keys in caches 2**k
+times smaller (miniature simulation, Waldspurger et al., ATC'17), one per threshold, each with its own
+ghost; a sampled key's parent there is the last sampled key of its chain. Each counts its prefix hits. A
+reference all three hit, or all three miss, is skipped; on the others each score decays by
+1 - 1/(MEMORY x shadow capacity) and rises by its shadow's hit, so the memory is short and the threshold
+follows a traffic that changes. While the tier fills its high-water mark doubles and the sample thins (k
+grows, each sample a subset of the last): the shadows keep the keys of the new sample and the scores their
+evidence.
 
-Filling, then learning. While the tier has free space admission does not matter (admit() is never
-asked, nothing is evicted) and the shadows, sized to the tier's high-water mark, see hardly a
-contested reference (measured: scores of 0-10 when the tiers of the suite fill). So the fill is not
-counted (`moves` start at the first admit()), and the hysteresis above, which protects a threshold
-that has proven itself, has nothing to protect when the tier fills: at the first admit() the tier
-takes the least strict threshold within START_Z (1) deviations of the best score, and for the next
-LEARN x capacity references a move needs only Z_LEARN (2) deviations and MIN_LEAD_LEARN hits, no
-SWITCH margin (issue 22: learning from admit-all at the full hysteresis took ~9,000 references on
-the conversation workload, and the one-offs admitted meanwhile cost up to 2% of hit rate). LEARN is
-8 capacities: at the largest tiers of the conversation workload (a sample of 1/32 of the keys) the
-evidence for second sight only becomes significant 20-30% into the trace, after 4 capacities of
-references; measured on the four tables of issue 22 (seeds 0-2 and the Mooncake-format trace), 8
-met one cell more than 4 (89 of 98, +0.025 of summed hit rate) and lost hit rate only on one cell
-that was already missed (-0.0008); 6 and 7 met as many cells with fewer hits (+0.017, +0.021); 9, 10
-and 12 gained about as many hits but lost the seed-0 batch cell that sits on the second-sight floor.
-A fifth draw held out until after the choice (seed 3) was neutral: 28 of 30 cells either way.
-While the tier fills its high-water mark doubles and the sample thins (k grows, each sample a
-subset of the last): the shadows keep the keys of the new sample and the scores their evidence.
+Moves. The tier moves to the best score only on a significant lead over its current threshold: more than
+SWITCH and MIN_LEAD hits, and more than Z standard deviations of the difference of two counts (Z_FREQUENT
+for a move to FREQUENT, which small sampled shadows overrate); among the thresholds within Z deviations of
+the best it takes the first of PREFER (the least strict), so noise never makes it stricter. The fill is not
+counted (`moves` start at the first admit(): before it nothing is evicted): at the first admit() the tier
+takes the least strict threshold within START_Z deviations of the best, and for the next LEARN x capacity
+references a move needs only Z_LEARN deviations and MIN_LEAD_LEARN hits. A move from ALL to a stricter
+threshold undoes what ALL did, as far as it can without I/O: the pages ALL let into the full tier and not
+referenced since become the first victims (PrefixLRUPolicy.demote), and the pages ALL pushed out go to the
+second-sight ghost, so a stricter threshold lets them back on their next sighting.
 
-A move from ALL to a stricter threshold undoes what ALL did, as far as it can without I/O (LeCaR's
-regret, applied to the tier's contents instead of to weights): the pages ALL let into the full
-tier that were not referenced since would not be there under the new threshold, so they become the
-first victims (PrefixLRUPolicy.demote), before the older pages they pushed toward the end; and the
-pages ALL pushed out were seen, so they are remembered in the second-sight ghost and a stricter
-threshold lets them back on their next sighting. A move costs no page: only admit() and the victim
-order change.
+Invariants:
+- the victims are prefix-LRU's at every threshold: a move changes only admit() and that victim order, and
+  costs no page;
+- bounded cost: a shadow holds SHADOW_MIN..2 x SHADOW_MIN keys (the whole tier below that); per reference,
+  3 x 2**-k shadow updates and one history update; the probation list holds at most 2 x capacity + 64 keys;
+- pure and deterministic (stable hashing, no clocks): a simulation and a node that see the same keys make
+  the same decisions.
 
-Cost is bounded. A shadow is an LRU list (one OrderedDict operation per reference) of between
-SHADOW_MIN and 2 x SHADOW_MIN keys (the whole tier below that, seeing every reference), so the
-shadows cost 3 x 2 x SHADOW_MIN keys and, per reference, 3 x 2**-k list updates; the history is one
-dict update per reference; the probation list holds at most 2 x capacity + 64 keys (pruned to the
-pages still untouched). An LRU list stands in for prefix-LRU's leaf order in the shadows: they
-rank thresholds, and the two orders differ by under 2% on every workload of the suite.
-
-Everything is pure and deterministic (stable hashing, no clocks): a simulation and a node that see
-the same keys make the same decisions.
+Measured: the constants were chosen on the workload suite's seed 0 and checked on held-out draws; where the
+default stands against its target (DESIGN.md §6.4) is in benchmarks/RESULTS.md ("Policies"), and what was
+tried and not kept in benchmarks/RESULTS-archive.md.
 """
 
 from __future__ import annotations
@@ -244,9 +210,9 @@ class AdaptivePolicy(Admitted):
     SWITCH = 0.05  # a move needs a lead of 5% of the current threshold's score ...
     MIN_LEAD = 8.0  # ... and this many hits (no move on the first few references) ...
     Z = 3.0  # ... and this many standard deviations of the difference (noise never moves it)
-    Z_FREQUENT = 5.0  # ... 5 for a move to TinyLFU's test: the shadows overrate it (measured, issue 22)
+    Z_FREQUENT = 5.0  # ... 5 for a move to TinyLFU's test: the shadows overrate it (measured)
     PREFER = (ALL, SECOND, FREQUENT)  # among thresholds within Z deviations of the best, the first
-    START = ALL  # the threshold a new tier starts with (measured: the best start on the suite, issue 22)
+    START = ALL  # the threshold a new tier starts with (measured: the best start on the suite)
     # The first choice, when the tier fills, has no incumbent to protect (see the module docstring):
     START_Z = 1.0  # when the tier fills: the least strict threshold within START_Z deviations of the best
     LEARN = 8.0  # then for LEARN x capacity references a move needs only ...
@@ -320,10 +286,9 @@ class AdaptivePolicy(Admitted):
     def refuses(self, key: Key, parent: Key | None = None) -> bool:
         """True (the reference counted, as admit() counts a refusal) when admit() would refuse `key`
         whatever the victim: at SECOND an unseen key, at SECOND or FREQUENT a key whose chain parent
-        is gone. Most references a strict threshold sees are refused this way (measured, issue 22
-        round 5: without a victim query per refusal the conversation cells' bookkeeping per block
-        reference fell to 0.60-0.80 of what it was). At ALL, and before the tier first fills, always
-        False (admit() decides, and starts the learning phase)."""
+        is gone. Most references a strict threshold sees are refused this way, and choosing a victim
+        for each costs more than the rest of the question. At ALL, and before the tier first fills,
+        always False (admit() decides, and starts the learning phase)."""
         level = self.rule.level
         if level == ALL or not self._full:
             return False

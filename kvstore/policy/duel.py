@@ -1,9 +1,9 @@
-"""The duel (issue 14's default, kept as a candidate): prefix-arc's victims, with TinyLFU admission
+"""The duel (an earlier default, kept as a candidate): prefix-arc's victims, with TinyLFU admission
 switched on and off online by dueling two shadow simulations (set dueling for a fully associative
 cache). The adaptive default (adaptive.py) generalises it to three thresholds.
 
 Why. Admission is the strongest lever on some shapes and the worst choice on others (benchmarks/
-RESULTS.md, issue 14): where a few long prefixes are reused by a stream of one-off suffixes (agent
+RESULTS.md, "Policies"): where a few long prefixes are reused by a stream of one-off suffixes (agent
 loops, batch few-shot jobs) refusing first sightings keeps the shared prefixes and wins up to 25% of
 hits; where reuse comes soon after a first sighting (document QA follow-ups, the Mooncake trace) the
 same filter loses 40-60%. No fixed choice, and no per-deployment setting, holds up on both.
@@ -88,8 +88,8 @@ class ShadowCache:
 
 class DuelPolicy(Admitted):
     """prefix-arc behind a TinyLFU admission filter that is on only while a shadow with the filter
-    out-hits a shadow without it (see the module docstring). Config name "duel" (the default of
-    issue 14; "adaptive" replaced it).
+    out-hits a shadow without it (see the module docstring). Config name "duel" (the node's default
+    before "adaptive" replaced it).
 
     Invariants: as Admitted (the victim order is PrefixARCPolicy's, every event forwarded); both
     shadows have the same capacity, `high / 2**k` rounded, and see the same sampled references;

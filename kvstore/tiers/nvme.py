@@ -62,7 +62,7 @@ class NvmeSpaceError(RuntimeError):
 
 def check_private_dir(path: Path) -> None:
     """Refuse a tier directory other users may write into: they could plant a symlink where a segment
-    or the metadata file is about to be created and have the node write through it (issue 16). Group
+    or the metadata file is about to be created and have the node write through it (SECURITY.md, "The host"). Group
     write is accepted for the node's own group (Kubernetes fsGroup volumes)."""
     st = os.stat(path)
     if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()):

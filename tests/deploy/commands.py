@@ -22,7 +22,7 @@ FOREIGN = {
 # Flags the chart renders ahead of the code that takes them (a contract with work on another branch):
 # dropped before parsing only while the command lacks them, so once the option lands it is parsed for real.
 PENDING_FLAGS: dict[tuple[str, str], dict[str, str]] = {
-    ("kvstore", "serve"): {"--local-socket": "the same-host plane's socket (issue 25 item 2, node side on main)"},
+    ("kvstore", "serve"): {"--local-socket": "the same-host plane's socket (DESIGN.md §8.1)"},
 }
 _REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 

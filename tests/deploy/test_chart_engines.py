@@ -2,7 +2,7 @@
 the sidecar's command line parsed by LMCache's own parser and its --l2-adapter by LMCache's own adapter
 config loader; vLLM's kv_transfer_config aimed at that sidecar; the pod's shared pieces; and the chart and
 `kvstore up --values` building the same wiring (kvstore/cli/engines.py). vLLM's own parser checks the vLLM
-command line where vLLM's CPU build is installed (.engines/vllm, as issue 21's tests install it)."""
+command line where vLLM's CPU build is installed (.engines/vllm, as tests/engines install it)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The fast paths in the chart (issue 25): the UCX plane with RDMA devices, and the same-host socket
+"""The fast paths in the chart (DESIGN.md §8.1, §11): the UCX plane with RDMA devices, and the same-host socket
 that node and client pods share. Rendered by the real helm, validated against Kubernetes' schemas, and
 the pieces that run in a pod (the socket directory's permissions, the memlock check) run here for real."""
 
@@ -82,7 +82,7 @@ def validate_all(docs: list[dict[str, Any]]) -> None:
 def test_production_profile_shows_ucx_with_rdma_the_socket_in_node_and_workers_and_the_engines(
     tmp_path: Path,
 ) -> None:
-    """Issue 25's 'done when', read from `helm template` of deploy/values/production.yaml."""
+    """The fast paths of the production profile, read from `helm template` of deploy/values/production.yaml."""
     docs = render([PRODUCTION])
     _, spec = node_pod(docs)
     node = spec["containers"][0]

@@ -14,6 +14,8 @@ from kvstore.pageformat import slot_bytes_for
 from tests.deploy.cases import BAD_VALUES, names_value
 from tests.deploy.conftest import CHART, PROFILES
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 GiB = 1 << 30
 
 

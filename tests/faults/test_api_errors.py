@@ -1,4 +1,4 @@
-"""Regression tests for what was found from outside (issue 15): status codes of bad requests, Pin NaN,
+"""Regression tests for what was found from outside (DESIGN.md §8.6): status codes of bad requests, Pin NaN,
 the Redis-outage error class, and CLI help text that rich markup swallowed. Real nodes, real Redis."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""No single point of failure in the index (issue 24 item 8): Redis Sentinel, with real redis-server and
+"""No single point of failure in the index (DESIGN.md §7; SECURITY.md, round 3, finding 8): Redis Sentinel, with real redis-server and
 real `redis-server --sentinel` processes on loopback, and the master killed (SIGKILL) under the nodes.
 
 - Nodes publish and clients look up through redis+sentinel:// URLs with the same ACL users as one Redis

@@ -1,5 +1,5 @@
 """A node killed (SIGKILL) while it streams a Get, on every plane: the caller gets an error or a miss (a correct
-prefix), never wrong bytes, and never hangs past its timeout (issue 20)."""
+prefix), never wrong bytes, and never hangs past its timeout (DESIGN.md §8.4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""An auto-mode client comes back to the fast plane after a node restart (issue 24 item 7). The restarted
+"""An auto-mode client comes back to the fast plane after a node restart (DESIGN.md §8.1; SECURITY.md, round 3, finding 7e). The restarted
 node serves its TCP plane on a new port, so the client's plane fails (PlaneUnavailable) and its calls go
 over gRPC streams; it used to stay there for good. Now it negotiates again after a bounded interval
 (kvstore/client/core.py PLANE_RETRY_SECONDS) and is back on the TCP plane, with no call failing on the

@@ -274,7 +274,7 @@ def test_every_unusable_descriptor_gets_one_answer_and_maps_nothing(shm_node: No
 
 
 def test_what_the_node_maps_is_bounded_and_given_back_with_the_connection(shm_node: NodeProcess) -> None:
-    """Issue 24 item 6: a read-only token once had ~128 TiB of sealed memfds mapped into the node, then ENOMEM
+    """SECURITY.md, round 3, finding 6: a read-only token once had ~128 TiB of sealed memfds mapped into the node, then ENOMEM
     as INTERNAL. Now the node maps at most `shm_max_mapped_bytes` (1 TiB by default) of client memory in all: a
     memfd that does not fit is refused as RESOURCE_EXHAUSTED before it is mapped, the connection goes on, a
     client that finds no room falls back to the next plane, and a closed connection's mappings are given back."""

@@ -1,4 +1,4 @@
-"""The same-host plane across namespaces, as between two pods of one Kubernetes node (issue 25): the cache node
+"""The same-host plane across namespaces, as between two pods of one Kubernetes node (DESIGN.md §8.1): the cache node
 runs in its own PID and mount namespaces, with a /dev/shm of its own, so it can neither see the client's
 processes (/proc/<pid>/fd) nor its shared-memory files; the client reaches it only through the socket they
 both see. Pages still cross with one copy, through memory the client passed by descriptor."""

@@ -1,4 +1,4 @@
-"""Where a Put's pages land (issue 24 item 7): `target_tier=NVME` used to land in DRAM although the proto
+"""Where a Put's pages land (DESIGN.md §5.2; SECURITY.md, round 3, finding 7c): `target_tier=NVME` used to land in DRAM although the proto
 says "where new pages land". Now, on every data plane alike (the target is handled once, in the
 manager), NVMe-targeted pages are written through to NVMe without taking (or evicting for) a DRAM slot,
 are durable when the Put returns (a kill -9 right after loses none), and a node without an NVMe tier

@@ -62,12 +62,12 @@ def test_get_into_lands_pages_in_caller_buffers(tcp_node: NodeProcess) -> None:
         kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
         arena = bytearray(13 * PAGE)
         bufs = [memoryview(arena)[i * PAGE : (i + 1) * PAGE] for i in range(13)]
-        refs = kv._run(kv._core.active.get_into(NS, [*chain, key(0, "missing")], bufs, False))
+        refs = kv.get_into(NS, [*chain, key(0, "missing")], bufs, promote=False)
         assert [r.hash for r in refs] == chain and all(r.nbytes == PAGE for r in refs)
         assert [bytes(b) for b in bufs[:12]] == [page(h) for h in chain] and not any(bufs[12])
         small = [memoryview(bytearray(PAGE - 1))]
         with pytest.raises(ValueError, match="cannot hold"):
-            kv._run(kv._core.active.get_into(NS, chain[:1], small, False))
+            kv.get_into(NS, chain[:1], small, promote=False)
         assert [bytes(p) for p in kv.get(NS, chain[:2])] == [page(h) for h in chain[:2]]  # still serves
 
 

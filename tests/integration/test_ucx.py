@@ -87,7 +87,7 @@ def test_round_trip_by_worker_address_and_by_listener(ucx_node: NodeProcess, con
         assert [bytes(p) for p in kv.get(NS, hs)] == [page(h) for h in hs]
         assert kv.plane == "ucx"
         bufs = [memoryview(bytearray(PAGE + 100)) for _ in hs]
-        refs = kv._run(kv._core._bulk(lambda p: p.get_into(NS, hs, bufs, True)))
+        refs = kv.get_into(NS, hs, bufs)
         assert [r.nbytes for r in refs] == [PAGE] * 6
         assert all(bytes(b[:PAGE]) == page(h) for b, h in zip(bufs, hs, strict=True))
 
@@ -120,7 +120,7 @@ def test_auth_unknown_token_and_read_token_on_put(tmp_path: Path) -> None:
     rw.write_text("write-token-0123456789\n")
     ro.write_text("read-token-0123456789\n")
     rw.chmod(0o600)
-    ro.chmod(0o600)  # token files must be private (issue 16)
+    ro.chmod(0o600)  # token files must be private (DESIGN.md §12)
     n = start_node(tmp_path, extra_args=["--ucx", "--auth-tokens-file", str(rw), "--auth-read-tokens-file", str(ro)])
     try:
         hs = [key(i, "auth") for i in range(3)]

@@ -1,4 +1,4 @@
-"""`kvstore up` keeps its Redis (issue 24 item 7): a redis-server killed under it used to stay defunct,
+"""`kvstore up` keeps its Redis (SECURITY.md, round 3, finding 7b): a redis-server killed under it used to stay defunct,
 unnoticed, and the index stayed empty. Now `kvstore up` reaps it, starts it again on the same port with
 the same users (every URL stays valid), and the nodes republish their pages."""
 

@@ -12,6 +12,8 @@ from kvstore.integrations import lmcache_mapping as v1
 from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.layout import DType, PageLayout
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 LLAMA = v1.chunked_geometry("KV_2LTD", [(2, 32, 256, 1024)], ["bfloat16"], [2], 256, kv_heads=8, head_dim=128)
 P = "remote_storage_plugin.kvstore."
 

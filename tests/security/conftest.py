@@ -1,4 +1,4 @@
-"""Helpers of the security suite (issue 16): real nodes, a real redis-server, a fake node that records
+"""Helpers of the security suite (SECURITY.md): real nodes, a real redis-server, a fake node that records
 what it is sent, and RSS readings. Every process or server a test starts is stopped by that test."""
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_metrics_carry_no_namespace_key_token_or_credential(tmp_path: Path, clea
 
 
 def test_serve_help_lists_what_read_tokens_may_do() -> None:
-    """`kvstore serve --help` names exactly what a read-only token may call (issue 24 item 7: it listed
+    """`kvstore serve --help` names exactly what a read-only token may call (SECURITY.md, round 3, finding 7d: it listed
     Prefetch, which the node refuses to read tokens)."""
     import subprocess
     import sys

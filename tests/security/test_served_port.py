@@ -1,4 +1,4 @@
-"""A second node where one already serves (issue 24 item 7): gRPC binds with SO_REUSEPORT by default, so a
+"""A second node where one already serves (SECURITY.md, round 3, finding 7a): gRPC binds with SO_REUSEPORT by default, so a
 second `kvstore serve` on a served port used to start, log "serving" and share the port's connections
 with the first. Now it refuses, saying why, before it touches anything; and a second node on a served
 NVMe directory refuses too (two nodes writing one directory's segment files would overwrite each

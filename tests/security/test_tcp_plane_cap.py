@@ -1,4 +1,4 @@
-"""The TCP plane's connection cap under attack (issue 24 item 5), with raw sockets against real nodes.
+"""The TCP plane's connection cap under attack (SECURITY.md, round 3, finding 5), with raw sockets against real nodes.
 
 Before: 55 connections that never said HELLO against a cap of 50 turned every remote client away
 (Unavailable instead of a fallback to gRPC); at the default cap of 1,024, ~1,100 idle sockets failed

@@ -1,4 +1,4 @@
-"""Tenancy enforced by the server (issue 15 item 5, DESIGN.md §10), against real nodes on every plane:
+"""Tenancy enforced by the server (DESIGN.md §10), against real nodes on every plane:
 two tenants' equal namespaces and hashes never meet; a cross-tenant Lookup/Get is the cold miss a fresh
 tenant gets, and is counted; one tenant cannot plant pages another reads (cache poisoning); a restarted
 node keeps every page in its tenant's scope; shares hold under pressure, each tenant evicting its own
@@ -270,7 +270,7 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
                     pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
                 spy.hgetall(block_key(scope(NS, "tenant-a"), chain[0]))
         # ... the lookup script too: b's index user asking for a's entries is refused by Redis, which the
-        # reader answers as the miss it is for that user (issue 24 item 7), as does a cluster client.
+        # reader answers as the miss it is for that user (SECURITY.md, round 3, finding 7f), as does a cluster client.
         with IndexReader(r.url_for(acl.tenant_client_user("tenant-b")), tenant="tenant-a") as spy_index:
             assert spy_index.lookup(NS, chain).matched == 0
         with cluster(acl.tenant_client_user("tenant-b"), "tenant-a", TOK_A) as wrong_url:

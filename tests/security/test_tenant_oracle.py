@@ -1,4 +1,4 @@
-"""The cross-tenant oracle of issue 24 item 1, replayed against a real node: tenant bob, holding only a
+"""The cross-tenant oracle of SECURITY.md's round 3 (finding 1), replayed against a real node: tenant bob, holding only a
 read-only token, guesses whether tenant alice cached a prompt. Before the fix his own Stats row counted
 `cross_tenant_misses` exactly when the guess was right (gRPC Lookup and TCP GET alike), `kvctl stats`
 printed it to him and the unauthenticated /metrics showed it per tenant. Now everything bob can read

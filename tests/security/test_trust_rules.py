@@ -8,6 +8,8 @@ import pytest
 from kvstore.index.acl import CLIENT_RULES, acl_line, index_acl, node_rules
 from kvstore.security import ClientSecurity, InsecureChannel
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 TOKEN = "t" * 24
 
 

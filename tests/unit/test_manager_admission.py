@@ -1,4 +1,4 @@
-"""Admission in the TierManager (issue 14): what a full DRAM tier's policy refuses goes where the
+"""Admission in the TierManager (DESIGN.md §6.2): what a full DRAM tier's policy refuses goes where the
 contract says (written through to NVMe, or not stored without NVMe), promotions on read ask too,
 an explicit Prefetch does not, and policies without admit() behave as before."""
 

@@ -17,6 +17,8 @@ from devkit.hf import CheckpointWriter, TinyLlamaSpec, make_tiny_llama
 from workers.loader import CheckpointError, load_checkpoint, load_model, read_config
 from workers.model import CacheConfig, ModelConfig, RopeType, UnsupportedModelError
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 SPEC = TinyLlamaSpec(hidden=32, layers=2, heads=4, kv_heads=2, vocab=300, seed=5)
 
 

@@ -12,6 +12,8 @@ from workers.loader import load_model
 from workers.model import CacheConfig, PagedLlama
 from workers.paged_cache import CacheFullError, UnknownSequenceError
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 SPEC = TinyLlamaSpec(hidden=32, layers=2, heads=4, kv_heads=2, vocab=300, seed=8)
 
 

@@ -13,6 +13,8 @@ from kernels import FP8_REL_ERROR, FP8_SUBNORMAL_ABS_ERROR
 from kvstore.layout import DType, PageEncoding, PageLayout
 from workers.page_codec import PageCodec
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 DTYPES = {DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16, DType.FLOAT32: torch.float32}
 ULP = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}  # half an ulp, relative
 

@@ -20,6 +20,8 @@ from workers.paged_cache import (
     torch_dtype,
 )
 
+pytestmark = pytest.mark.fast  # pure: no process, node or network (tests/conftest.py)
+
 # ---------------------------------------------------------------------------------------- allocator
 
 
