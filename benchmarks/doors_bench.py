@@ -262,7 +262,7 @@ def accounting_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]
                     done = door.put("bench/full", layout, mixed, payload)
                     slow[who].append((time.perf_counter() - t0) * 1e3)
                     refused.append(len(done) - done.count)
-                    lookups.append(bare.stats().lookups - before - 1)  # this stats call's own lookup excluded
+                    lookups.append(bare.stats().lookups - before)  # Stats counts Lookup RPCs only
                 else:
                     bare.put("bench/full", layout, mixed, payload)
                     slow[who].append((time.perf_counter() - t0) * 1e3)
