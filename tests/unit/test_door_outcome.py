@@ -47,7 +47,9 @@ def test_never_reports_a_page_the_node_does_not_hold_past_the_lookup_budget() ->
     got = held_pages(64, 32, held_from)
     assert len(asked) == MAX_RESOLVE_LOOKUPS
     assert all(t or not g for g, t in zip(got, truth, strict=True))  # no page reported held that is not
-    assert got[: 2 * MAX_RESOLVE_LOOKUPS] == truth[: 2 * MAX_RESOLVE_LOOKUPS] and not any(got[2 * MAX_RESOLVE_LOOKUPS :])
+    assert got[: 2 * MAX_RESOLVE_LOOKUPS] == truth[: 2 * MAX_RESOLVE_LOOKUPS] and not any(
+        got[2 * MAX_RESOLVE_LOOKUPS :]
+    )
 
 
 def test_a_page_evicted_after_the_put_reads_as_failed() -> None:
