@@ -19,6 +19,7 @@ loads the pages bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
@@ -474,23 +475,20 @@ def test_every_identity_field_is_a_cold_miss(node: NodeProcess, monkeypatch: pyt
     base = {"interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": "grpc"}
     a_pool = MHAHostPool("page_first", 8)
     fill(a_pool, 9)
-    a = attach(create_backend(base), a_pool)
-    try:
+    with contextlib.ExitStack() as closing:
+        a = attach(create_backend(base), a_pool)
+        closing.callback(a.close)
         assert backup(a, keys, indices([0, 1, 2, 3]))
         same = attach(create_backend(base), MHAHostPool("page_first", 8))
+        closing.callback(same.close)
         if server_revision is not None:
             sglang_server_args(monkeypatch, server_revision)
         storage_cfg = {"storage_config": ForkStorageConfig} if "model_identity_hash" in cfg else {}
         b = attach(create_backend({**base, **extra}, **storage_cfg, **cfg), pool_of())
-        try:
-            assert b._seg_ns != a._seg_ns and b._flat_ns != a._flat_ns, (field, b._seg_ns)
-            assert b.batch_exists(keys) == 0, f"{field}: another identity must not find A's pages"
-            assert same.batch_exists(keys) == 4  # the control: the same identity hits
-        finally:
-            b.close()
-            same.close()
-    finally:
-        a.close()
+        closing.callback(b.close)
+        assert b._seg_ns != a._seg_ns and b._flat_ns != a._flat_ns, (field, b._seg_ns)
+        assert b.batch_exists(keys) == 0, f"{field}: another identity must not find A's pages"
+        assert same.batch_exists(keys) == 4  # the control: the same identity hits
 
 
 def test_fp8_kinds_are_apart_though_the_host_pool_holds_both_as_uint8(node: NodeProcess) -> None:
