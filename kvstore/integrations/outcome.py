@@ -6,7 +6,8 @@ neither. An engine asks per page (SGLang's `batch_set_v1` list, LMCache's store 
 notices, vLLM's store job), so a door must never answer "stored" for a page the node did not keep:
 
 - fast path: stored + already_present == pages in the call. Every page is held; nothing more is asked
-  (measured: a comparison and one tuple, ~1.5 us per call: benchmarks/doors_bench.py part 3, RESULTS.md);
+  (measured: a comparison and one tuple, about a microsecond per call: benchmarks/doors_bench.py part 3,
+  RESULTS.md);
 - refused pages: the counts say how many, not which. Prefix Lookups of the call's hashes find them: a
   Lookup from page i answers how many pages from i on are held, so the page after that run is one the node
   refused, and the next Lookup starts past it. At most MAX_RESOLVE_LOOKUPS of them per call; pages not
@@ -17,7 +18,10 @@ notices, vLLM's store job), so a door must never answer "stored" for a page the 
 
 A page evicted by other traffic between the Put and the Lookups reads as refused (reported failed), for the
 same reason. Lookups touch no recency on the node (TierManager.lookup), so resolving changes no eviction
-order.
+order. What the counts cannot show: a page the node stored and then evicted within the same Put (a Put larger
+than a DRAM-only node's DRAM, whose later pages push out its earlier ones) is counted as stored, so the fast
+path reports it held; a per-page answer from the node's Put would close that (the Put's response carries counts
+only today).
 """
 
 from __future__ import annotations
