@@ -1,4 +1,5 @@
-"""Engine doors (DESIGN.md §7.2, §9.1): what KV events cost the node, and the SGLang HiCache door's throughput.
+"""Engine doors (DESIGN.md §7.2, §9.1): what KV events cost the node, the SGLang HiCache door's throughput, and the
+doors' store accounting.
 
 Part 1, KV events (kvstore/node/kv_events.py). One real node per mode, loopback, DRAM only and full, so every Put
 page evicts one (two events per page: a store and a removal). Modes, rotated per run so drift on a shared
@@ -14,6 +15,14 @@ MHATokenToKVPoolHost `page_first` ([2, tokens, layers, heads, head_dim], bf16), 
 (Llama-3.1-8B's), --page-tokens tokens per page (two regions per page: K and V). Per plane: `batch_set_v1` and
 `batch_get_v1` of --sgl-batch pages (GB/s of page bytes, median of --runs), beside the client's own
 `put_from`/`get_into` of the same regions (what the door adds) and the machine's memcpy of one batch (its limit).
+Part 3, the per-page store accounting every door reports by (kvstore/integrations/outcome.py). Fast path (the Put's
+counts cover the call): RemoteStore's outcome of a --acct-batch page Put, in process (no I/O: what the accounting
+itself costs per call), and RemoteStore.put of --acct-batch x --page-kib KiB pages beside the bare KVStoreClient.put
+of the same pages on a roomy node, interleaved (gRPC plane), median ms per call. Slow path: a DRAM-only node that is
+full and refuses first sights (`--policy second-sight`); every call stores --acct-batch pages, every other one seen
+before (admitted) and the rest new (refused), so half are refused in an alternating pattern, the worst case for
+the Lookups that find them: RemoteStore.put (which finds them) beside the bare client's put of the same pattern
+(which cannot), and the node's own count of Lookups per call.
 Writes benchmarks/out/doors_bench.{json,md}.
 """
 
@@ -21,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import logging
 import statistics
 import sys
 import time
@@ -176,7 +186,7 @@ def sglang_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
                 ns, lay = be._segments()
                 store = be.store
                 t0 = time.perf_counter()
-                assert store.put_from(ns, lay, hs, views) is not None
+                assert store.put_from(ns, lay, hs, views).ok
                 cw.append(n * page_bytes / (time.perf_counter() - t0) / 1e9)
                 t0 = time.perf_counter()
                 assert len(store.get_into(ns, hs, be._region_views(dst, n))) == len(hs)
@@ -193,6 +203,92 @@ def sglang_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     return lines, out
 
 
+def accounting_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    import timeit
+
+    from kvstore.client.core import PutResult
+    from kvstore.integrations.lmcache_mapping import PluginSettings, Target
+    from kvstore.integrations.remote import RemoteStore
+
+    layout = PageLayout(DType.UINT8, 1, 1, args.page_kib * 512, 1)
+    n, payload = args.acct_batch, [bytes(layout.page_bytes)] * args.acct_batch
+    slot = slot_bytes_for(layout.page_bytes)
+    quiet = logging.getLogger("doors_bench.accounting")
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    out: dict[str, Any] = {}
+    roomy = NodeProcess(dram_bytes=(args.runs * args.iters * 2 + 8) * n * slot, max_page_bytes=layout.page_bytes,
+                        node_id="acct-roomy").start()  # fmt: skip
+    full = NodeProcess(dram_bytes=n * slot, max_page_bytes=layout.page_bytes, node_id="acct-full",
+                       extra_args=["--policy", "second-sight"]).start()  # fmt: skip
+    try:
+        door = RemoteStore(PluginSettings(Target(addr=roomy.addr), timeout=60, transport="grpc"), quiet)
+        hs0 = page_keys("outcome", n)
+        res = PutResult(n, 0)
+        per_call = min(timeit.repeat(lambda: door._outcome("bench/acct", hs0, (None, res)), number=10000, repeat=5))
+        out["outcome_us"] = per_call / 10000 * 1e6
+        bare = KVStoreClient(roomy.addr, timeout=60, transport="grpc")
+        ms: dict[str, list[float]] = {"door": [], "bare": []}
+        seq = 0
+        for run in range(args.runs):
+            for who in ("door", "bare") if run % 2 == 0 else ("bare", "door"):
+                for _ in range(args.iters):
+                    hs = page_keys(f"acct-{seq}", n)
+                    seq += 1
+                    t0 = time.perf_counter()
+                    if who == "door":
+                        assert door.put("bench/acct", layout, hs, payload).ok
+                    else:
+                        assert bare.put("bench/acct", layout, hs, payload).stored == n
+                    ms[who].append((time.perf_counter() - t0) * 1e3)
+        door.close()
+        bare.close()
+        fast = {k: statistics.median(v) for k, v in ms.items()}
+        out["fast_ms"] = fast
+
+        door = RemoteStore(PluginSettings(Target(addr=full.addr), timeout=60, transport="grpc"), quiet)
+        bare = KVStoreClient(full.addr, timeout=60, transport="grpc")
+        bare.put("bench/full", layout, page_keys("fill", 2 * n), payload * 2)  # DRAM full (the rest refused)
+        slow: dict[str, list[float]] = {"door": [], "bare": []}
+        lookups, refused = [], []
+        for run in range(args.runs * args.iters):
+            for who in ("door", "bare"):
+                seen = page_keys(f"seen-{who}-{run}", n // 2)
+                assert bare.put("bench/full", layout, seen, payload[: n // 2]).stored == 0  # first sight: refused
+                new = page_keys(f"new-{who}-{run}", n // 2)
+                mixed = [h for pair in zip(seen, new, strict=True) for h in pair]
+                before = bare.stats().lookups
+                t0 = time.perf_counter()
+                if who == "door":
+                    done = door.put("bench/full", layout, mixed, payload)
+                    slow[who].append((time.perf_counter() - t0) * 1e3)
+                    refused.append(len(done) - done.count)
+                    lookups.append(bare.stats().lookups - before)  # Stats counts Lookup RPCs only
+                else:
+                    bare.put("bench/full", layout, mixed, payload)
+                    slow[who].append((time.perf_counter() - t0) * 1e3)
+        door.close()
+        bare.close()
+        slow_med = {k: statistics.median(v) for k, v in slow.items()}
+        out.update(slow_ms=slow_med, lookups=lookups, refused=refused)
+    finally:
+        roomy.close()
+        full.close()
+    lines = [
+        "| path | door (RemoteStore.put) ms | bare client put ms | door - bare | Lookups per call | pages reported failed |",
+        "|---|--:|--:|--:|--:|--:|",
+        f"| fast: every page stored ({n} pages) | {fast['door']:.2f} | {fast['bare']:.2f} | "
+        f"{fast['door'] - fast['bare']:+.2f} | 0 | 0 |",
+        f"| slow: every other page refused ({n} pages) | {slow_med['door']:.2f} | {slow_med['bare']:.2f} | "
+        f"{slow_med['door'] - slow_med['bare']:+.2f} | {statistics.median(lookups):.0f} | "
+        f"{statistics.median(refused):.0f} |",
+        "",
+        f"- the accounting itself on the fast path (RemoteStore._outcome of a {n}-page Put, in process): "
+        f"{out['outcome_us']:.2f} us per call",
+    ]  # fmt: skip
+    return lines, out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-kib", type=int, default=64)
@@ -201,21 +297,34 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--page-tokens", type=int, default=16, help="SGLang page size (tokens)")
     ap.add_argument("--sgl-batch", type=int, default=32, help="pages per SGLang batch call")
+    ap.add_argument("--acct-batch", type=int, default=32, help="pages per store call in the accounting part")
+    ap.add_argument("--only", choices=["events", "sglang", "accounting"], help="run one part")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = ap.parse_args()
     t0 = time.time()
-    ev_lines, ev = events_part(args)
-    sgl_lines, sgl = sglang_part(args)
-    text = "\n".join([
-        machine_line(),
-        f"- KV events: Put of {args.batch} x {args.page_kib} KiB pages into a full DRAM tier (every page evicts one), "
-        f"{args.iters} calls x {args.runs} runs per mode, gRPC plane",
-        "", *ev_lines, "",
-        f"- SGLang door: page_first pool, 32 layers x 8 KV heads x 128, bf16, {args.page_tokens}-token pages "
-        f"({2 * 32 * args.page_tokens * 8 * 128 * 2 >> 10} KiB, 2 regions), {args.sgl_batch} pages per call, median of {args.runs}",
-        "", *sgl_lines, "", f"- wall {time.time() - t0:.0f} s",
-    ])  # fmt: skip
-    save_results(args.out, "doors_bench", text, args, events=ev, sglang=sgl)
+    parts: list[str] = [machine_line()]
+    payload: dict[str, Any] = {}
+    if args.only in (None, "events"):
+        ev_lines, payload["events"] = events_part(args)
+        parts += [
+            f"- KV events: Put of {args.batch} x {args.page_kib} KiB pages into a full DRAM tier (every page evicts "
+            f"one), {args.iters} calls x {args.runs} runs per mode, gRPC plane", "", *ev_lines, "",
+        ]  # fmt: skip
+    if args.only in (None, "sglang"):
+        sgl_lines, payload["sglang"] = sglang_part(args)
+        parts += [
+            f"- SGLang door: page_first pool, 32 layers x 8 KV heads x 128, bf16, {args.page_tokens}-token pages "
+            f"({2 * 32 * args.page_tokens * 8 * 128 * 2 >> 10} KiB, 2 regions), {args.sgl_batch} pages per call, "
+            f"median of {args.runs}", "", *sgl_lines, "",
+        ]  # fmt: skip
+    if args.only in (None, "accounting"):
+        acct_lines, payload["accounting"] = accounting_part(args)
+        parts += [
+            f"- Store accounting (every door): {args.acct_batch} x {args.page_kib} KiB pages per call, gRPC plane, "
+            f"median of {args.runs} x {args.iters} calls per path", "", *acct_lines, "",
+        ]  # fmt: skip
+    text = "\n".join([*parts, f"- wall {time.time() - t0:.0f} s"])
+    save_results(args.out, "doors_bench", text, args, **payload)
     return 0
 
 

@@ -8,6 +8,7 @@
 - `remote.py`: one node or a Redis-indexed cluster behind one small blocking interface, with the
   error policy an engine needs (a failure is a logged miss, never an exception into the engine).
 - `health.py`: outage tracking and log rate limiting (pure, clock injected).
+- `outcome.py`: which pages of a store the node kept, the one rule every door reports to its engine by (pure).
 
 Nothing else in `kvstore` imports this package. It stands on the public client API only (the clients,
 their errors, layouts, security and wire types) and never reaches into the node's internals.

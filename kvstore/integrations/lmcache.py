@@ -17,7 +17,9 @@ Other settings (`remote_storage_plugin.kvstore.<name>`, all optional): timeout, 
 transport (auto|grpc|shm|tcp|ucx), token, token_file, tls_ca, tls_cert, tls_key, tls_server_name (default:
 the KVSTORE_* environment), namespace_prefix (a tenant's or deployment's salt), local_node (a
 cluster's node on this host, preferred for stores), threads, down_backoff, pin_lease, prefetch,
-tune_malloc (default true: raise glibc's mmap/trim thresholds in the engine process). A
+tune_malloc (default true: raise glibc's mmap/trim thresholds in the engine process), model_revision (the
+weights' revision or digest: LMCache's keys carry only the model's name, so weights changed under the same name
+need it to be a cold miss). A
 plugin named `kvstore.<instance>` reads `remote_storage_plugin.kvstore.<instance>.<name>`.
 
 Why `remote_storage_plugins` (a RemoteConnector behind LMCache's RemoteBackend) and not
@@ -73,12 +75,14 @@ from kvstore.integrations.lmcache_mapping import (
     PluginSettings,
     chunked_geometry,
     layerwise_geometry,
+    model_part,
     namespace_for,
     pack_tail,
     page_key,
     parse_settings,
     tail_tokens,
 )
+from kvstore.integrations.outcome import Stored
 from kvstore.integrations.remote import RemoteStore, call_slices
 from kvstore.layout import PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
@@ -209,6 +213,9 @@ class KVStoreConnector(RemoteConnector):
             tune_malloc_for_bulk_io()
         self._pool = ThreadPoolExecutor(self.settings.threads, thread_name_prefix=f"kvstore-{plugin_name}")
         self._closed = False
+        # What the node kept of this plugin's stores (LMCache 0.5.6's batched_put has no result to report into).
+        self.counts = {"stores": 0, "stored_chunks": 0, "unstored_chunks": 0}
+        self._counts_lock = threading.Lock()
         logger.info(
             "kvstore plugin %r: %s, namespace %r, pages of %s, partial chunks %s",
             plugin_name,
@@ -269,7 +276,8 @@ class KVStoreConnector(RemoteConnector):
         k = (model, world_size, worker_id, dtype)
         pair = shape.namespaces.get(k)
         if pair is None:
-            args = (self.settings.namespace_prefix, model, world_size, worker_id, dtype, shape.geometry)
+            named = model_part(model, self.settings.model_revision)
+            args = (self.settings.namespace_prefix, named, world_size, worker_id, dtype, shape.geometry)
             pair = (namespace_for(*args), namespace_for(*args, tail=True))
             shape.namespaces[k] = pair
         return pair
@@ -389,8 +397,10 @@ class KVStoreConnector(RemoteConnector):
             out.append(obj)
         return out
 
-    def _store(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> None:
-        """Put full chunks into their namespace and partial ones into its tail, one chain per namespace."""
+    def _store(self, keys: Sequence[CacheEngineKey], objs: Sequence[MemoryObj]) -> Stored:
+        """Put full chunks into their namespace and partial ones into its tail, one chain per namespace; per
+        chunk put (full chunks first, then tails, in key order within each), whether the node holds it now.
+        A chunk a full node refused is counted (`counts`) and logged, and stays a miss to LMCache's lookups."""
         shape = self._current()
         geo = shape.geometry
         batches: dict[str, tuple[list[bytes], list[Buffer]]] = {}
@@ -433,9 +443,19 @@ class KVStoreConnector(RemoteConnector):
                         tokens,
                     )
             start += len(hashes)
+        outcome = Stored(())
         for ns, (hashes, pages) in batches.items():
             for a, b in call_slices(len(hashes), shape.layout.page_bytes):
-                self.store.put(ns, shape.layout, hashes[a:b], pages[a:b], parent_chain=hashes[:a])
+                done = self.store.put(ns, shape.layout, hashes[a:b], pages[a:b], parent_chain=hashes[:a])
+                outcome += done
+                if not done.ok:  # the rest of this chain would hang off a gap no lookup gets past
+                    outcome += Stored.failed(len(hashes) - b)
+                    break
+        with self._counts_lock:
+            self.counts["stores"] += 1
+            self.counts["stored_chunks"] += outcome.count
+            self.counts["unstored_chunks"] += len(keys) - outcome.count
+        return outcome
 
     def _pin(self, keys: Sequence[CacheEngineKey]) -> int:
         pinned = 0
@@ -477,7 +497,7 @@ class KVStoreConnector(RemoteConnector):
         return (await self._run(self._fetch, [key], miss=[None]))[0]
 
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
-        await self._run(self._store, [key], [memory_obj], miss=None)
+        await self._run(self._store, [key], [memory_obj], miss=Stored.failed(1))
 
     async def list(self) -> list[str]:
         raise NotImplementedError("kvstore holds 32-byte digests of LMCache keys; it cannot list the keys themselves")
@@ -503,7 +523,7 @@ class KVStoreConnector(RemoteConnector):
         return True
 
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
-        await self._run(self._store, keys, memory_objs, miss=None)
+        await self._run(self._store, keys, memory_objs, miss=Stored.failed(len(keys)))
 
     def support_batched_contains(self) -> bool:
         return True

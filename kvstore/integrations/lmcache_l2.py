@@ -71,6 +71,7 @@ from kvstore.integrations.lmcache_l2_mapping import (
     l2_salt_part,
     parse_l2_params,
 )
+from kvstore.integrations.lmcache_mapping import model_part
 from kvstore.integrations.remote import RemoteStore, call_slices
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats
@@ -168,6 +169,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             for k in (
                 "stores",
                 "stored_pages",
+                "unstored_pages",
                 "store_failures",
                 "bytes_stored",
                 "store_seconds",
@@ -324,36 +326,47 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return task_id
 
     def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
-        ok, sent = True, 0
+        """Store the objects; the task succeeds only when the node holds every one afterwards, and only the keys
+        it holds are announced to LMCache as stored (outcome.py: a key a full node refused is a failure, so
+        LMCache keeps its L1 copy and its L2 accounting never counts it)."""
+        ok, sent, unstored = True, 0, 0
         stored: list[ObjectKey] = []
         sizes: list[int] = []
         for ns, idx, size in self._runs(keys, lambda k: None, objects):
             if ns is None:
                 ok = False
+                unstored += len(idx)
                 continue
             try:
                 layout = l2_page_layout(size)
             except MappingError as exc:
                 self.store.say("bad-object", logging.ERROR, "kvstore L2 adapter: not stored: %s", exc)
                 ok = False
+                unstored += len(idx)
                 continue
             hashes = [self._hash(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
             for a, b in call_slices(len(idx), size):
-                new = self.store.put(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
-                if new is None:
+                done = self.store.put(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
+                sent += done.count * size
+                # NOTE: a Put says how many pages were new, not which: a chain's pages already present are
+                # usually its leading ones (a shared prefix), so the last `new` held pages of the call count as
+                # this adapter's bytes (LMCache's usage), the others as 0.
+                held = [j for j, h in enumerate(done.held) if h]
+                first_new = len(held) - done.new
+                for n, j in enumerate(held):
+                    stored.append(keys[idx[a + j]])
+                    sizes.append(size if n >= first_new else 0)
+                if not done.ok:
                     ok = False
-                    break
-                sent += (b - a) * size
-                # A chain's pages already present are its leading ones (the shared prefix): the last
-                # `new` pages of the call are counted as this adapter's bytes.
-                stored += [keys[i] for i in idx[a:b]]
-                sizes += [size if j >= b - new else 0 for j in range(a, b)]
+                    unstored += (b - a) - done.count + (len(idx) - b)
+                    break  # the rest of this row would hang off a gap: not sent
         if stored:
             self._notify_keys_stored(stored, sizes)
         with self._lock:
             self.counters["stores"] += 1
             self.counters["stored_pages"] += sum(1 for n in sizes if n)
+            self.counters["unstored_pages"] += unstored
             self.counters["bytes_stored"] += sent
             self.counters["store_failures"] += 0 if ok else 1
         return L2StoreResult(ok, sent)
@@ -489,8 +502,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             return None
         if key.cache_salt:
             self._salts.setdefault(l2_salt_part(key.cache_salt), key.cache_salt)
+        model = model_part(key.model_name, self.settings.revision_of(key.model_name))
         return _namespace_of(
-            self.settings.namespace_prefix, key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, tag
+            self.settings.namespace_prefix, model, key.kv_rank, key.object_group_id, key.cache_salt, tag
         )
 
     def _desc_tag(self, key: ObjectKey, descs: Mapping[int, MemoryLayoutDesc]) -> str | None:

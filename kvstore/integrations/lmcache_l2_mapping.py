@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvstore.hashing import HashContractError, validate_namespace
@@ -22,6 +22,7 @@ from kvstore.integrations.lmcache_mapping import (
     _boolean,
     _bounded_namespace,
     _positive,
+    revision_setting,
 )
 from kvstore.layout import DType, PageLayout
 
@@ -33,7 +34,9 @@ from kvstore.layout import DType, PageLayout
 #   key:       SHA-256(b"kvstore-lmcache-l2/v1\x00" || utf8(LMCache's own key string)), the string being
 #              `model@kv_rank (8 hex)@group (hex)@chunk hash (hex)[@salt]` as LMCache's native L2
 #              connectors and fs adapter write it, so every identity field is in the key;
-#   namespace: `{prefix}/l2v1/{model}/r{kv_rank hex}/g{group}/{layout}[/s={salt}]` where layout lists each
+#   namespace: `{prefix}/l2v1/{model}/r{kv_rank hex}/g{group}/{layout}[/s={salt}]` where model is the key's
+#              model name, `@{revision}` appended when adapter_params.model_revision gives one (an ObjectKey
+#              carries no revision: lmcache_mapping.model_part), and layout lists each
 #              tensor's shape and dtype (`2x2x256x128:bfloat16`, '+' between tensors): a chunk of another
 #              layout, dtype or chunk size is another namespace, so a cold miss, never wrong KV. A salt
 #              that is not plain ([A-Za-z0-9._:=+-], at most 64) is written `s~` + 32 hex of its SHA-256.
@@ -117,6 +120,12 @@ class L2Settings:
     lock: bool = True  # lookup-and-lock pins the pages found (with a lease) until unlock
     usage_interval: float = 10.0  # seconds between the node Stats that usage reports are read from
     max_capacity_bytes: int = 0  # capacity reported when the caller has no tenant share (0: unknown)
+    model_revision: str | None = None  # the weights' revision of every model served (model_part), or per model:
+    model_revisions: Mapping[str, str] = field(default_factory=dict)  # model name -> its revision
+
+    def revision_of(self, model: str) -> str | None:
+        """The weights' revision the namespace of `model`'s keys carries (None: the model name alone)."""
+        return self.model_revisions.get(model, self.model_revision)
 
 
 # adapter_params: name -> (what it is, for messages and `help`)
@@ -141,6 +150,7 @@ L2_PARAMS: dict[str, str] = {
     "down_backoff_s": "after the node failed to answer: misses without trying, this long (default 2)",
     "usage_interval_s": "seconds between the node Stats usage reports read (default 10)",
     "max_capacity_gb": "capacity to report when the token has no tenant share (default 0: unknown)",
+    "model_revision": "the weights' revision or digest: one string for every model, or {model name: revision}",
 }
 
 
@@ -207,6 +217,16 @@ def parse_l2_params(params: Mapping[str, object] | None) -> L2Settings:
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0:
             raise MappingError(f"adapter_params.max_capacity_gb: a number >= 0, got {cap!r}")
         kw["max_capacity_bytes"] = int(cap * (1 << 30))
+    if "model_revision" in raw:
+        rev = raw["model_revision"]
+        if isinstance(rev, Mapping):
+            if not rev or not all(isinstance(m, str) and m for m in rev):
+                raise MappingError("adapter_params.model_revision: an object of model name -> revision, non-empty")
+            kw["model_revisions"] = {
+                m: revision_setting(r, f"adapter_params.model_revision.{m}") for m, r in rev.items()
+            }
+        else:
+            kw["model_revision"] = revision_setting(rev, "adapter_params.model_revision")
     return L2Settings(**kw)  # type: ignore[arg-type]
 
 

@@ -11,7 +11,9 @@ never wrong KV handed to a model (DESIGN.md §3):
 
 `shapes` lists each KV group's MemoryObj shape with the token dimension written `T` and its dtype,
 e.g. `2x32xTx1024:bfloat16` (vLLM, Llama-3-8B, TP 1). The model name comes from the key (so
-LMCache's MLA "read rank 0's copy" mode maps to worker 0's namespace, as it should); a model name that
+LMCache's MLA "read rank 0's copy" mode maps to worker 0's namespace, as it should), followed by
+`@{revision}` when the plugin's `model_revision` setting gives the weights' revision (LMCache's keys and
+metadata carry none: `model_part`); a model name that
 would push the namespace past 256 bytes is shortened to its first 48 characters plus 16 hex digits of
 its SHA-256.
 
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +56,7 @@ TAIL_SUFFIX = "/tail"
 TAIL_TRAILER = struct.Struct("<8sII")  # magic, tokens, reserved (0)
 TAIL_MAGIC = b"KVSLMCT1"
 _MODEL_KEEP = 48  # characters of a too-long model name kept before its digest
+_PLAIN_REVISION = re.compile(r"[A-Za-z0-9._+=-]{1,40}")  # a git sha, a tag, a short digest: written as is
 
 # LMCache's dtype names (lmcache.utils.TORCH_DTYPE_TO_STR_DTYPE) that have a kvstore DType.
 _DTYPES: dict[str, DType] = {
@@ -224,6 +228,18 @@ def _bounded_namespace(head: str, model: str, rest: str, hint: str) -> str:
     return ns
 
 
+def model_part(model: str, revision: str | None = None) -> str:
+    """The model component of a door's namespace: `model`, or `model@revision` where the weights' revision (or
+    digest) is known, so other weights under the same name are a cold miss. A revision that is not plain
+    ([A-Za-z0-9._+=-], at most 40 characters) is written `@~` + 16 hex of its SHA-256. Every door uses this
+    one rule; no revision leaves the namespace as it was (mapping v1 and l2v1 vectors hold)."""
+    if not revision:
+        return model
+    if _PLAIN_REVISION.fullmatch(revision):
+        return f"{model}@{revision}"
+    return f"{model}@~{hashlib.sha256(revision.encode()).hexdigest()[:16]}"
+
+
 def page_key(key_string: str) -> bytes:
     """The 32-byte kvstore key of an LMCache key (its `to_string()`)."""
     return hashlib.sha256(KEY_TAG + key_string.encode()).digest()
@@ -305,11 +321,13 @@ class PluginSettings:
     pin_lease: float = 30.0  # lease of pins taken for LMCache's pinned async lookups
     prefetch: bool = True  # lookups ask the node to promote the matched pages toward DRAM
     tune_malloc: bool = True  # raise glibc's mmap/trim thresholds in the engine (kvstore.memtune)
+    model_revision: str | None = None  # the weights' revision or digest, where the engine does not say (model_part)
 
 
 _LMCACHE_FIELDS = {"module_path", "class_name"}  # LMCache's own plugin-loading keys
 _FLOATS = {"timeout", "lookup_timeout", "down_backoff", "pin_lease"}
 _STRINGS = {"token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "local_node"}
+_REVISION_MAX = 256
 _TRANSPORTS = TRANSPORTS  # every plane a client speaks
 
 
@@ -343,9 +361,19 @@ def parse_settings(extra: Mapping[str, object] | None, plugin_name: str, default
             kw[name] = text
         elif name in _STRINGS:
             kw[name] = str(value)
+        elif name == "model_revision":
+            kw[name] = revision_setting(value, key)
     if (kw.get("tls_cert") is None) != (kw.get("tls_key") is None):
         raise MappingError(f"{prefix}tls_cert / {prefix}tls_key: give both or neither")
     return PluginSettings(**kw)  # type: ignore[arg-type]
+
+
+def revision_setting(value: object, key: str) -> str:
+    """A `model_revision` setting: 1-256 printable characters (a commit, a tag, a weights digest)."""
+    text = value if isinstance(value, str) else None
+    if not text or len(text) > _REVISION_MAX or any(ord(c) < 0x20 or ord(c) == 0x7F for c in text):
+        raise MappingError(f"{key}: 1-{_REVISION_MAX} printable characters (a commit, tag or digest), got {value!r}")
+    return text
 
 
 def _positive(value: object, key: str, kind: type) -> float:

@@ -5,7 +5,7 @@ policy an engine needs: every failure is a logged miss (or a dropped store), nev
     n = store.lookup(ns, hashes)                # leading blocks held; 0 when the remote fails
     pages = store.get(ns, hashes[:n])           # checksum-verified pages of the longest prefix
     sizes = store.get_into(ns, hashes[:n], bufs)  # the same, received straight into the caller's buffers
-    store.put(ns, layout, hashes, pages)        # stored count, or None when the remote refused
+    done = store.put(ns, layout, hashes, pages)  # Stored: per page, held by the node or not (outcome.py)
 
 Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds):
 - the remote does not answer (node down, Redis down, no live node, deadline): one ERROR on the edge,
@@ -14,7 +14,12 @@ Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL 
 - a wrong or read-only token: ERROR naming the setting to fix;
 - a page the node refuses (size or layout not the namespace's, larger than its max_page_bytes): ERROR;
 - a page that fails its checksum after the transfer: ERROR, and a miss from that page on;
-- the node is full of pinned or in-flight pages: WARNING, the store is dropped.
+- the node is full of pinned or in-flight pages: WARNING, the store is dropped;
+- the node answered a store but did not keep some pages (full DRAM that did not admit them and no NVMe to
+  write them through): WARNING, and those pages are failures in the `Stored` the door reports to its engine.
+
+Stores report per page (kvstore/integrations/outcome.py: the counts of the Put, and prefix Lookups on the
+node that took it only when they fall short), so no door tells its engine it stored a page the node refused.
 
 Thread-safety: every method may be called from any thread. One node: a data client (transport per
 settings) and a control client (gRPC, short deadline) shared by all threads (KVStoreClient is
@@ -38,7 +43,7 @@ from typing import TypeVar
 import grpc
 import redis
 
-from kvstore.client import KVStoreClient
+from kvstore.client import KVStoreClient, PutResult
 from kvstore.client.cluster import ClusterClient, NoLiveNode
 from kvstore.errors import (
     DataLoss,
@@ -55,6 +60,7 @@ from kvstore.errors import (
 )
 from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.integrations.lmcache_mapping import PluginSettings
+from kvstore.integrations.outcome import Stored, held_pages
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity, read_token_file
 from kvstore.stats import NodeStats
@@ -164,22 +170,22 @@ class RemoteStore:
         parent_chain: Sequence[bytes] = (),
         *,
         chain: bool = True,
-    ) -> int | None:
+    ) -> Stored:
         """`put` of pages lying in the engine's memory (each exactly layout.page_bytes): sent straight from it
-        (or copied out of it by the node on the same-host plane); None when nothing was stored. `chain` False:
-        the pages are independent blocks (no parent hints)."""
+        (or copied out of it by the node on the same-host plane). `chain` False: the pages are independent
+        blocks (no parent hints)."""
         if not hashes:
-            return 0
+            return Stored(())
         if self._data is not None:
             data, parent = self._data, (parent_chain[-1] if parent_chain else None)
             res = self._guard(
                 "put", ns, lambda: data.put_from(ns, layout, hashes, views, parent=parent, chain=chain), None
             )
-        else:
-            res = self._guard(
-                "put", ns, lambda: self._cluster().put(ns, layout, hashes, views, parent_chain=parent_chain)[1], None
-            )
-        return None if res is None else res.stored
+            return self._outcome(ns, hashes, None if res is None else (None, res))
+        placed = self._guard(
+            "put", ns, lambda: self._cluster().put(ns, layout, hashes, views, parent_chain=parent_chain), None
+        )
+        return self._outcome(ns, hashes, placed)
 
     @property
     def plane(self) -> str | None:
@@ -216,19 +222,19 @@ class RemoteStore:
         hashes: Sequence[bytes],
         pages: Sequence[Buffer],
         parent_chain: Sequence[bytes] = (),
-    ) -> int | None:
-        """Store pages as one chain continuing `parent_chain`; returns how many were new, None when
-        nothing was stored. A cluster places it next to its parent (ClusterClient's prefix affinity)."""
+    ) -> Stored:
+        """Store pages as one chain continuing `parent_chain`; per page, whether the node holds it now
+        (outcome.py). A cluster places it next to its parent (ClusterClient's prefix affinity)."""
         if not hashes:
-            return 0
+            return Stored(())
         if self._data is not None:
             data, parent = self._data, (parent_chain[-1] if parent_chain else None)
             res = self._guard("put", ns, lambda: data.put(ns, layout, hashes, pages, parent=parent), None)
-        else:
-            res = self._guard(
-                "put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain)[1], None
-            )
-        return None if res is None else res.stored
+            return self._outcome(ns, hashes, None if res is None else (None, res))
+        placed = self._guard(
+            "put", ns, lambda: self._cluster().put(ns, layout, hashes, pages, parent_chain=parent_chain), None
+        )
+        return self._outcome(ns, hashes, placed)
 
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
         """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
@@ -274,6 +280,41 @@ class RemoteStore:
             with self._lock:
                 self._clusters.append(cc)
         return cc
+
+    def _outcome(self, ns: str, hashes: Sequence[bytes], answer: tuple[str | None, PutResult] | None) -> Stored:
+        """Per page, what the node that took a Put holds (outcome.held_pages): the Put's counts, and prefix
+        Lookups on that node (its control client; a cluster's node by id) only when they fall short."""
+        n = len(hashes)
+        if answer is None:
+            return Stored.failed(n)  # the call failed: logged by _guard
+        node, res = answer
+        reported = res.stored + res.already_present
+        if reported >= n:
+            return Stored((True,) * n, res.stored)  # the fast path: one comparison
+
+        def held_from(i: int) -> int | None:
+            rest = list(hashes[i:])
+            if node is None:
+                assert self._ctl is not None
+                ctl = self._ctl
+                return self._guard("lookup", ns, lambda: ctl.lookup(ns, rest), None)
+            on_node = node
+            cc = self._cluster()
+            return self._guard("lookup", ns, lambda: cc.call_node(on_node, lambda c: c.lookup(ns, rest)), None)
+
+        held = held_pages(n, reported, held_from)
+        missing = n - sum(held)
+        self.say(
+            "not-stored",
+            logging.WARNING,
+            "%s did not keep %d of %d pages of a store in namespace %r (its full memory tier did not admit them "
+            "and it could not write them through to NVMe): the engine is told they failed",
+            self.where,
+            missing,
+            n,
+            ns,
+        )
+        return Stored(tuple(held), min(res.stored, sum(held)))
 
     def _control(
         self, op: str, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]

@@ -22,15 +22,20 @@ SGLang calls the older `batch_get` / `batch_set` with one flat tensor per page (
 Other keys (all optional, as for the LMCache plugin): `url` (required: `kvstore://host:port`, or
 `kvstore+redis://host:port/db` for a cluster), `namespace_prefix` (default `sglang`), `timeout`,
 `lookup_timeout`, `transport`, `token`, `token_file`, `tls_ca`, `tls_cert`, `tls_key`, `tls_server_name`,
-`local_node`, `down_backoff`.
+`local_node`, `down_backoff`, `model_revision`.
 
 Mapping (v1):
-- namespace: `{prefix}/sgl1/{model}/{pool class}/{layout}/{dtype}/{geometry}/p{page}/{rank}/{mode}` where
-  rank is `tp{r}of{n}` (`mla` for MLA models: every TP rank holds the same KV, one rank writes), plus pp/cp
-  when used, and mode is `seg{n}x{bytes}` (zero-copy: each page as its n contiguous regions in the host
-  pool, one kvstore page each) or `flat{bytes}` (the older calls: one kvstore page per flat page). A model,
-  layout or shape mismatch is therefore a cold miss, never wrong KV; a namespace longer than the node's
-  limit keeps its readable head and a 16-hex digest of the rest.
+- namespace: `{prefix}/sgl1/{model}[@{revision}]/{pool class}/{layout}/{kv dtype}/{geometry}/p{page}/{rank}/{mode}`
+  where revision is the weights' identity where it is known (`engine_revision`: the extra config's
+  `model_revision`, else the storage config's `model_identity_hash` in SGLang builds that have one, else the
+  server's `--revision`), kv dtype the device pool's KV dtype (the host pool keeps fp8 as uint8), rank is
+  `tp{r}of{n}` (`mla` for MLA models: every TP rank holds the same KV, one rank writes), plus pp/cp/dcp when
+  used, and mode is `seg{n}x{bytes}` (zero-copy: each page as its n contiguous regions in the host pool, one
+  kvstore page each) or `flat{bytes}` (the older calls: one kvstore page per flat page). A model, revision,
+  layout, dtype, page size, shape or rank mismatch is therefore a cold miss, never wrong KV; a namespace longer
+  than the node's limit keeps its readable head and a 16-hex digest of the rest. SGLang 0.5.23 hands storage
+  no cache salt or LoRA id (its page keys hash the tokens alone): `namespace_prefix` per deployment, or a
+  kvstore tenant per token, keeps those apart.
 - hashes: SGLang's page key is the hex SHA-256 of the token prefix (`get_hash_str`): region 0 of a page
   is stored under those 32 bytes, region j > 0 under SHA-256(b"kvstore-sglang/v1\\x00" || key || u32le(j)).
   A key that is not 64 hex digits is hashed first. The regions of a batch form one chain, continuing the
@@ -39,8 +44,10 @@ Mapping (v1):
   regions); `batch_get_v1` answers True for the pages of the longest stored prefix, False after it.
 
 Failures (node down, wrong token, a namespace bound to another layout, a full node): a logged miss
-(`batch_exists` 0, `get` None, `batch_get_v1` False) or a dropped store (`batch_set_v1` False), never an
-exception into SGLang's storage threads (kvstore/integrations/remote.py says which line each logs).
+(`batch_exists` 0, `get` None, `batch_get_v1` False) or a failed store, never an exception into SGLang's
+storage threads (kvstore/integrations/remote.py says which line each logs). `batch_set_v1` answers per page
+what the node holds afterwards (kvstore/integrations/outcome.py): a page a full node did not admit is False,
+so SGLang never moves its backup past a page the node did not keep.
 """
 
 from __future__ import annotations
@@ -56,7 +63,8 @@ import numpy as np
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import byte_view, engine_settings, opaque_layout
-from kvstore.integrations.lmcache_mapping import PluginSettings
+from kvstore.integrations.lmcache_mapping import PluginSettings, model_part
+from kvstore.integrations.outcome import pages_held
 from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
 
@@ -130,10 +138,13 @@ class PoolGeometry:
             ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
             regions, region_bytes = len(ptrs), (sizes[0] if len(set(sizes)) == 1 else -1)
         flat = pool.get_dummy_flat_data_page().numel() * pool.dtype.itemsize
+        # NOTE: SGLang's host pool holds fp8 KV as uint8 (`dtype = device_pool.store_dtype`), so e4m3 and e5m2
+        # pools look alike there; the device pool's `dtype` is the KV dtype itself.
+        kv_dtype = getattr(getattr(pool, "device_pool", None), "dtype", None) or pool.dtype
         return cls(
             type(pool).__name__,
             str(pool.layout),
-            str(pool.dtype).removeprefix("torch."),
+            str(kv_dtype).removeprefix("torch."),
             page,
             "x".join(dims) or "opaque",
             regions,
@@ -142,15 +153,35 @@ class PoolGeometry:
         )
 
 
-def namespace_for(prefix: str, model: str | None, geom: PoolGeometry, rank: str, mode: str) -> str:
+def namespace_for(
+    prefix: str, model: str | None, geom: PoolGeometry, rank: str, mode: str, revision: str | None = None
+) -> str:
     """The namespace of one pool's pages (module docstring); shortened with a digest when too long."""
-    model_part = (model or "model").replace(" ", "_")
+    named = model_part((model or "model").replace(" ", "_"), revision)
     pool = f"{geom.pool_class}/{geom.layout}/{geom.dtype}/{geom.shape}/p{geom.page_size}"
-    ns = f"{prefix}/sgl1/{model_part}/{pool}/{rank}/{mode}"
+    ns = f"{prefix}/sgl1/{named}/{pool}/{rank}/{mode}"
     if len(ns.encode()) <= MAX_NAMESPACE_BYTES:
         return ns
     digest = hashlib.sha256(ns.encode()).hexdigest()[:_DIGEST_HEX]
-    return f"{prefix}/sgl1/{model_part[:48]}/{digest}/{mode}"[:MAX_NAMESPACE_BYTES]
+    return f"{prefix}/sgl1/{named[:48]}/{digest}/{mode}"[:MAX_NAMESPACE_BYTES]
+
+
+def engine_revision(storage_config: Any, settings: PluginSettings) -> str | None:
+    """The weights' identity SGLang knows, first found of: the `model_revision` key of the extra config (the
+    operator's), the storage config's `model_identity_hash` (SGLang builds that carry one), the server's
+    `--revision` (SGLang's process-global ServerArgs, set in the scheduler process that runs HiCache)."""
+    if settings.model_revision:
+        return settings.model_revision
+    identity = getattr(storage_config, "model_identity_hash", None)
+    if identity:
+        return str(identity)
+    try:
+        from sglang.srt.server_args import get_global_server_args
+
+        revision = getattr(get_global_server_args(), "revision", None)
+    except (ImportError, ValueError, AttributeError):  # not SGLang, or its server args are not set in this process
+        return None
+    return str(revision) if revision else None
 
 
 class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
@@ -166,6 +197,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.store = RemoteStore(self.settings, log, setting_prefix="extra_config ")
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
         self.rank = self._rank_part(storage_config)
+        self.revision = engine_revision(storage_config, self.settings)
         self.writer = bool(
             getattr(storage_config, "is_storage_writer", (not self.is_mla) or storage_config.tp_rank == 0)
         )
@@ -197,12 +229,12 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
         g = self.geometry = PoolGeometry.of(mem_pool_host)
-        model = getattr(self.config, "model_name", None)
-        self._flat_ns = namespace_for(self.settings.namespace_prefix, model, g, self.rank, f"flat{g.page_bytes}")
+        model, prefix = getattr(self.config, "model_name", None), self.settings.namespace_prefix
+        self._flat_ns = namespace_for(prefix, model, g, self.rank, f"flat{g.page_bytes}", self.revision)
         self._flat_layout = opaque_layout(g.page_bytes)
         if g.regions > 0 and g.region_bytes > 0:
             mode = f"seg{g.regions}x{g.region_bytes}"
-            self._seg_ns = namespace_for(self.settings.namespace_prefix, model, g, self.rank, mode)
+            self._seg_ns = namespace_for(prefix, model, g, self.rank, mode, self.revision)
             self._seg_layout = opaque_layout(g.region_bytes)
         log.info(
             "kvstore HiCache storage: pool %s %s, page %d tokens, %d region(s) of %d bytes; namespace %s",
@@ -260,8 +292,9 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         return [i < full for i in range(len(keys))]
 
     def batch_set_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
-        """Pages straight out of the host pool; all True when stored (or already held), all False when the
-        node refused or could not be reached (nothing is half-stored within one call)."""
+        """Pages straight out of the host pool; per page, True only when the node holds every region of it
+        (stored now or already held), False for a page it refused (a full node that did not admit it) or could
+        not be reached for. A call that failed a page ends the batch: the pages after it are False, not sent."""
         if not keys:
             return []
         if not self.writer:
@@ -271,15 +304,15 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         per = len(views) // len(keys)
         hashes = [h for k in keys for h in region_hashes(k, per)]
         parent = self._parent(extra_info, per)
-        ok = True
+        held: list[bool] = []
         for a, b in self._calls(len(keys), per):
             first_parent = parent if a == 0 else hashes[a - 1]
-            res = self.store.put_from(ns, layout, hashes[a:b], views[a:b], [first_parent] if first_parent else ())
-            if res is None:
-                ok = False
+            done = self.store.put_from(ns, layout, hashes[a:b], views[a:b], [first_parent] if first_parent else ())
+            held += done.held
+            if not done.ok:
                 break
-        n_ok = len(keys) if ok else (a // per)
-        return [i < n_ok for i in range(len(keys))]
+        held += [False] * (len(hashes) - len(held))
+        return pages_held(held, per)
 
     # -- the older interface (flat pages; SGLang still calls it without interface_v1)
 
@@ -316,7 +349,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 layout.page_bytes,
             )
             return False
-        return self.store.put_from(ns, layout, [key_bytes(k) for k in keys], views) is not None
+        return self.store.put_from(ns, layout, [key_bytes(k) for k in keys], views).ok  # every page held
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

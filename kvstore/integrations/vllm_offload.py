@@ -17,18 +17,27 @@ Tier settings (besides vLLM's `type`, `module_path`, `locality`, `backpressure`)
 `lookup_timeout`, `transport`, `token`, `token_file`, `tls_*`, `local_node`, `down_backoff`, `threads`
 (transfer threads, default 4) — the LMCache plugin's names and rules (kvstore/integrations/direct.py).
 
-Mapping (v1): one kvstore page per CPU-tier chunk row (all workers' bytes of `blocks_per_chunk` blocks, as
-vLLM lays them in its shared offload region). Namespace `{prefix}/vllm1/{model}/{kv dtype}/{kv layout}/
-t{tokens per block}x{blocks per chunk}/{parallelism}/r{row bytes}` (`any` for parallelism when vLLM says
-the bytes are parallelism-agnostic), shortened with a digest past the node's limit. Hash: the key's vLLM
-block hash itself when it is 32 bytes (sha256 prefix caching) and the group is 0, so the node and its KV
-events (kvstore/node/kv_events.py) name blocks as vLLM does; else SHA-256(b"kvstore-vllm/v1\\x00" || key).
+Mapping (vllm2): one kvstore page per CPU-tier chunk row (all workers' bytes of `blocks_per_chunk` blocks, in
+rank order, as vLLM lays them in its shared offload region: so no rank in the namespace). Namespace
+`{prefix}/vllm2/{model}[@{revision}]/{kv dtype}/{kv layout}/t{tokens per block}h{tokens per hash}x{blocks per
+chunk}/g{groups}~{digest of the groups' ids, block sizes and layer names}/{parallelism}[-rep]/r{row bytes}`,
+everything from vLLM's OffloadingConfig: kv dtype is vLLM's cache dtype (the model's when `auto`), kv layout the
+resolved KVCacheLayout (`nhd`, `hnd`, ...; `canonical-v1-nhd` for the canonical host layout: vLLM's own format
+id), parallelism `ws{world}tp{tp}pp{pp}pcp{pcp}dcp{dcp}` (`any` when vLLM says the bytes are
+parallelism-agnostic; `-rep` for its single-copy replicated layout); the revision is the tier setting
+`model_revision` (vLLM's offloading config carries the model's name only). Shortened with a digest past the
+node's limit. vllm1 (before) named neither the layers nor the resolved layout: its pages are a cold miss.
+Hash: the key's vLLM block hash itself when it is 32 bytes (sha256 prefix caching) and the group is 0, so the
+node and its KV events (kvstore/node/kv_events.py) name blocks as vLLM does; else
+SHA-256(b"kvstore-vllm/v1\\x00" || key). vLLM's block hash already covers the request's cache salt, LoRA and
+multimodal inputs, so the key carries them.
 
 Non-blocking: lookups go through vLLM's own `AsyncLookupManager` (one batched kvstore Lookup per engine step,
 RETRY meanwhile); stores and loads run on this tier's threads, straight between the CPU tier's rows and the
 node (RemoteStore.get_into / put_from, kvstore/integrations/remote.py), and finish through
-`get_finished_jobs`. A failed load marks its keys missing (no promotion livelock); a failed store is reported
-as such. Every remote failure is a logged miss, never an exception into the scheduler.
+`get_finished_jobs`. A failed load marks its keys missing (no promotion livelock); a store job succeeds only when
+the node holds every chunk of it afterwards (a chunk a full node did not admit fails the job:
+kvstore/integrations/outcome.py). Every remote failure is a logged miss, never an exception into the scheduler.
 
 Why not the engine test here: vLLM 0.32's CPU build refuses the offloading worker
 (`CPUOffloadingSpec.get_worker`: "CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"),
@@ -39,6 +48,7 @@ TieringOffloadingManager (real objects, real shared offload region) with the GPU
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import queue
 import threading
@@ -62,12 +72,16 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import ConfigError, engine_settings, opaque_layout
+from kvstore.integrations.lmcache_mapping import model_part
 from kvstore.integrations.remote import RemoteStore
 
 log = logging.getLogger("kvstore.vllm")
 
 VLLM_RELEASE = "0.32.0"
+MAPPING = "vllm2"  # the namespace's version: vllm1 named neither the layers nor the resolved KV cache layout
 KEY_TAG = b"kvstore-vllm/v1\x00"
+_LAYOUT_FAMILY = {"LBNHC": "nhd", "LBHNC": "hnd"}  # vLLM's historical names (canonical_mapping.canonical_format_id)
+_GROUPS_HEX = 12
 _VLLM_KEYS = {"type", "module_path", "locality", "backpressure", "threads"}  # vLLM's (and ours, not the store's)
 _MAX_KEYS_PER_LOOKUP = 4096
 
@@ -80,26 +94,48 @@ def page_hash(key: bytes) -> bytes:
     return hashlib.sha256(KEY_TAG + bytes(key)).digest()
 
 
-def namespace_for(prefix: str, spec: Any, row_bytes: int) -> str:
+def layout_part(kv_cache_layout: str | None, canonical: bool) -> str:
+    """How the bytes of a row are laid out: vLLM's resolved KV cache layout (`nhd` / `hnd`, vLLM's own spellings
+    of LBNHC / LBHNC, else the layout's name) and, for the canonical host layout, vLLM's canonical format id
+    (its version and family); `unresolved` where vLLM has not resolved the layout (the engine core always has
+    by the time an offloading tier exists; tests that build a config by hand may not)."""
+    if kv_cache_layout is None:
+        return "unresolved"
+    family = _LAYOUT_FAMILY.get(kv_cache_layout, kv_cache_layout.lower())
+    if not canonical:
+        return family
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+
+    return f"canonical-{canonical_format_id(kv_cache_layout)}"
+
+
+def groups_part(groups: Any) -> str:
+    """Which layers a row holds, in which order, per KV cache group (id, tokens per block, layer names): another
+    model, a hybrid model's other groups or a pipeline stage's other layers is another namespace."""
+    spec = [(g.group_id, g.tokens_per_block, list(g.layer_names)) for g in groups or ()]
+    digest = hashlib.sha256(json.dumps(spec, separators=(",", ":")).encode()).hexdigest()[:_GROUPS_HEX]
+    return f"g{len(spec)}~{digest}"
+
+
+def namespace_for(prefix: str, spec: Any, row_bytes: int, revision: str | None = None) -> str:
     """The namespace of one engine configuration's chunks (see the module docstring)."""
-    cfg = getattr(spec, "config", None)
-    model = getattr(getattr(cfg, "model", None), "name", None) or "model"
-    dtype = getattr(getattr(cfg, "model", None), "dtype", None) or "dtype"
-    layout = (getattr(cfg, "kv_cache_layout", None) or "default") + (
-        "-canonical" if getattr(cfg, "canonical_layout", False) else ""
-    )
-    tokens = "x".join(str(t) for t in getattr(spec, "tokens_per_block", ()) or ()) or "t"
-    chunk = getattr(spec, "blocks_per_chunk", 1)
-    par = getattr(cfg, "parallel", None)
-    if par is None or getattr(par, "is_parallelism_agnostic", False):
+    cfg = spec.config
+    model = model_part(str(cfg.model.name), revision)
+    layout = layout_part(cfg.kv_cache_layout, bool(cfg.canonical_layout))
+    tokens = "x".join(str(t) for t in spec.tokens_per_block) or "t"
+    par = cfg.parallel
+    if par.is_parallelism_agnostic:
         parallel = "any"
     else:
         parallel = f"ws{par.world_size}tp{par.tp_size}pp{par.pp_size}pcp{par.pcp_size}dcp{par.dcp_size}"
-    ns = f"{prefix}/vllm1/{model}/{dtype}/{layout}/t{tokens}x{chunk}/{parallel}/r{row_bytes}"
+    if cfg.replicated_layout:
+        parallel += "-rep"  # one copy of the (identical) bytes of every worker per row
+    tail = f"{cfg.model.dtype}/{layout}/t{tokens}h{cfg.cache.tokens_per_hash}x{spec.blocks_per_chunk}"
+    ns = f"{prefix}/{MAPPING}/{model}/{tail}/{groups_part(cfg.groups)}/{parallel}/r{row_bytes}"
     if len(ns.encode()) <= MAX_NAMESPACE_BYTES:
         return ns
     digest = hashlib.sha256(ns.encode()).hexdigest()[:16]
-    return f"{prefix}/vllm1/{str(model)[:48]}/{digest}"
+    return f"{prefix}/{MAPPING}/{model[:48]}/{digest}"
 
 
 class _Lookups(AsyncLookupManager):
@@ -163,7 +199,9 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self.rows = np.asarray(primary_kv_view)  # (num_chunks, row bytes), shares the CPU tier's memory
         self.row_bytes = int(self.rows.shape[1]) if self.rows.ndim == 2 else self.block_size_bytes
         self.layout = opaque_layout(self.row_bytes)
-        self.namespace = namespace_for(self.settings.namespace_prefix, offloading_spec, self.row_bytes)
+        self.namespace = namespace_for(
+            self.settings.namespace_prefix, offloading_spec, self.row_bytes, self.settings.model_revision
+        )
         self.store = RemoteStore(self.settings, log, setting_prefix="secondary_tiers[kvstore].")
         self.lookups = _Lookups(self)
         self._pool = ThreadPoolExecutor(max_workers=int(threads), thread_name_prefix="kvstore-tier")
@@ -254,9 +292,10 @@ class KVStoreSecondaryTier(SecondaryTierManager):
     def _store(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)
         views = [self.rows[int(c)] for c in job.chunk_ids]
-        stored = self.store.put_from(self.namespace, self.layout, [page_hash(k) for k in keys], views, chain=False)
-        ok = stored is not None
-        return JobResult(job_id=job.job_id, success=ok, transfer_bytes=len(keys) * self.row_bytes if ok else 0)
+        done = self.store.put_from(self.namespace, self.layout, [page_hash(k) for k in keys], views, chain=False)
+        # NOTE: vLLM reads `successful_keys` of promotion jobs only; a store job is a success only when the node
+        # holds every chunk (outcome.py: a chunk a full node refused fails the job, and lookups miss it).
+        return JobResult(job_id=job.job_id, success=done.ok, transfer_bytes=done.count * self.row_bytes)
 
     def _load(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)

@@ -22,11 +22,13 @@ from devkit.engines import engine_env
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
+from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
 
 DRIVER = ROOT / "tests" / "engines" / "vllm_offload_driver.py"
-# What the tier computes for the driver's engine (tiny-llama, bf16, 16-token blocks, 32 KiB chunk rows).
-TIER_NAMESPACE = "vllm/vllm1/tiny-llama/bfloat16/default/t16x1/ws1tp1pp1pcp1dcp1/r32768"
+# What the tier computes for the driver's engine (tiny-llama, bf16, layout not resolved by hand-built configs,
+# 16-token blocks and hashes, one block per chunk, layers l0 and l1 in group 0, TP 1, 32 KiB chunk rows).
+TIER_NAMESPACE = "vllm/vllm2/tiny-llama/bfloat16/unresolved/t16h16x1/g1~e1f109098b3f/ws1tp1pp1pcp1dcp1/r32768"
 
 
 TOKEN = "tier-token-0123456789abcdef"
@@ -36,20 +38,32 @@ Nodes = dict[str, NodeProcess]
 @pytest.fixture(scope="module")
 def results(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, Any], Nodes]]:
     """One driver run (importing vLLM is the slow part) against a live node, a dead address, a node that
-    wants a token the tier lacks, and a node whose tier namespace another writer bound to another layout."""
+    wants a token the tier lacks, a node whose tier namespace another writer bound to another layout, a full
+    node, and a node for the identity scenario."""
     tokens = tmp_path_factory.mktemp("tier") / "tokens"
     tokens.write_text(TOKEN + "\n")
     tokens.chmod(0o600)
-    node = NodeProcess(dram_bytes="32MiB", max_page_bytes=64 << 10, node_id="vllm-tier").start()
-    auth = NodeProcess(dram_bytes="8MiB", max_page_bytes=64 << 10, node_id="auth",
-                       extra_args=["--auth-tokens-file", str(tokens)]).start()  # fmt: skip
-    bound = NodeProcess(dram_bytes="8MiB", max_page_bytes=64 << 10, node_id="bound").start()
+    nodes: Nodes = {}
+    specs = {
+        "node": NodeProcess(dram_bytes="32MiB", max_page_bytes=64 << 10, node_id="vllm-tier"),
+        "auth": NodeProcess(dram_bytes="8MiB", max_page_bytes=64 << 10, node_id="auth",
+                            extra_args=["--auth-tokens-file", str(tokens)]),
+        "bound": NodeProcess(dram_bytes="8MiB", max_page_bytes=64 << 10, node_id="bound"),
+        # A DRAM-only node of 4 rows refusing first sights (second sight: a deterministic refusal pattern).
+        "full": NodeProcess(dram_bytes=4 * slot_bytes_for(64 << 10), max_page_bytes=64 << 10, node_id="full",
+                            extra_args=["--policy", "second-sight"]),
+        "identity": NodeProcess(dram_bytes="8MiB", max_page_bytes=64 << 10, node_id="identity"),
+    }  # fmt: skip
     try:
+        for name, n in specs.items():
+            nodes[name] = n.start()
+        node, auth, bound, full, ident = (nodes[k] for k in ("node", "auth", "bound", "full", "identity"))
         with KVStoreClient(bound.addr, transport="grpc") as kv:  # the namespace the tier will compute
             other = PageLayout(DType.FLOAT16, 1, 1, 64, 16)
             kv.put(TIER_NAMESPACE, other, [b"\x01" * 32], [bytes(other.page_bytes)])
         cmd = [str(vllm_python), str(DRIVER), "--url", f"kvstore://{node.addr}", "--down-url", "kvstore://127.0.0.1:9",
-               "--auth-url", f"kvstore://{auth.addr}", "--bound-url", f"kvstore://{bound.addr}"]  # fmt: skip
+               "--auth-url", f"kvstore://{auth.addr}", "--bound-url", f"kvstore://{bound.addr}",
+               "--full-url", f"kvstore://{full.addr}", "--identity-url", f"kvstore://{ident.addr}"]  # fmt: skip
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=280, env=engine_env(), cwd=ROOT)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         assert proc.returncode == 0 and line, (
@@ -57,9 +71,9 @@ def results(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         )
         res = json.loads(line.removeprefix("RESULT "))
         res["log"] = proc.stderr
-        yield res, {"node": node, "auth": auth, "bound": bound}
+        yield res, nodes
     finally:
-        for n in (node, auth, bound):
+        for n in nodes.values():
             n.close()
 
 
@@ -100,6 +114,32 @@ def test_refused_store_is_a_failed_job_and_stores_nothing(results: tuple[dict[st
         assert kv.lookup(TIER_NAMESPACE, [bytes.fromhex(h) for h in res["hashes"]]) == 0
     said = "refused put" if case == "wrong_token" else "rejected put"  # one log line naming what to fix
     assert said in results[0]["log"], results[0]["log"][-3000:]
+
+
+def test_a_full_node_fails_the_store_job_and_lookups_miss_what_it_refused(
+    results: tuple[dict[str, Any], Nodes],
+) -> None:
+    """A DRAM-only node of 4 rows, full, refusing what it has not seen before (second sight: a deterministic
+    pattern). A store job succeeds only when the node keeps every chunk of it (vLLM's backpressure and metrics
+    read it); a fresh engine's lookups find exactly what the node kept."""
+    res = results[0]["full"]
+    assert res["fill"] == [True]
+    assert res["first_sight"] == [False]  # before: True, though the node kept none of it
+    assert res["mixed"] == [False]  # p's chunks kept on second sight, q's refused
+    assert res["lookups"] == {"p": ["HIT"] * 3, "q": ["MISS"] * 3}
+
+
+def test_every_identity_field_is_a_cold_miss(results: tuple[dict[str, Any], Nodes]) -> None:
+    res = results[0]["identity"]
+    assert res["base"] == TIER_NAMESPACE
+    assert res["same"] == {"namespace": TIER_NAMESPACE, "lookup": ["HIT"] * 4}  # the control
+    seen = {TIER_NAMESPACE}
+    for field, got in res["fields"].items():
+        assert got["lookup"] == ["MISS"], (field, got)
+        assert got["namespace"] not in seen, (field, got["namespace"])
+        seen.add(got["namespace"])
+    nhd, hnd = res["layouts"]
+    assert "/nhd/" in nhd and "/hnd/" in hnd
 
 
 def test_bad_tier_settings_are_refused_naming_the_key(results: tuple[dict[str, Any], Nodes]) -> None:

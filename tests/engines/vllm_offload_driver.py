@@ -1,7 +1,7 @@
 """Drive kvstore's vLLM secondary tier through vLLM 0.32's own offloading objects (run in the vLLM venv).
 
     python tests/engines/vllm_offload_driver.py --url kvstore://H:P --down-url kvstore://H:P2 --auth-url kvstore://H:P3 \
-        --bound-url kvstore://H:P4
+        --bound-url kvstore://H:P4 --full-url kvstore://H:P5 --identity-url kvstore://H:P6
 
 vLLM's CPU build refuses the offloading worker (GPU <-> CPU copies), so this script stands in for the
 worker alone: it writes each stored chunk's bytes into the CPU tier's row, as the worker's GPU->CPU copy
@@ -42,20 +42,48 @@ BLOCK_TOKENS = 16
 KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK_TOKENS * 4 * 64 * 2  # 2 layers, K+V, 16 tokens, 4 heads, dim 64, bf16
 
 
-def make_spec(url: str, **tier: Any) -> TieringOffloadingSpec:
-    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 1024 * KV_BYTES_PER_BLOCK // 16,
+def make_spec(url: str, *, engine: dict[str, Any] | None = None, **tier: Any) -> TieringOffloadingSpec:
+    """vLLM's TieringOffloadingSpec over a hand-built OffloadingConfig (what vLLM derives from its VllmConfig):
+    tiny-llama, bf16, 16-token blocks, 2 layers, TP 1. `engine` changes one identity field (IDENTITY_FIELDS)."""
+    e = {"model": "tiny-llama", "dtype": "bfloat16", "kv_cache_layout": None, "canonical_layout": False,
+         "tokens_per_block": BLOCK_TOKENS, "tokens_per_hash": BLOCK_TOKENS, "blocks_per_chunk": 1,
+         "layers": ("l0", "l1"), "kv_bytes": KV_BYTES_PER_BLOCK, "world_size": 1, "tp_size": 1, "pp_size": 1,
+         "agnostic": False, "replicated_layout": False, **(engine or {})}  # fmt: skip
+    extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 1024 * e["kv_bytes"] // 16,
              "secondary_tiers": [{"type": "KVStoreSecondaryTier", "module_path": "kvstore.integrations.vllm_offload",
                                   "url": url, "timeout": 5, "lookup_timeout": 2, **tier}]}  # fmt: skip
     cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=BLOCK_TOKENS, layer_names=("l0", "l1"), group_id=0),),
-        worker_kv_bytes_per_block=KV_BYTES_PER_BLOCK, enable_kv_cache_events=False, extra_config=extra,
-        engine_id=f"kvstore-test-{uuid.uuid4().hex[:8]}", model=OffloadingModelConfig(name="tiny-llama", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_TOKENS, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-                                          is_parallelism_agnostic=False),
+        groups=(OffloadingGroupConfig(tokens_per_block=e["tokens_per_block"], layer_names=e["layers"], group_id=0),),
+        worker_kv_bytes_per_block=e["kv_bytes"], enable_kv_cache_events=False, extra_config=extra,
+        engine_id=f"kvstore-test-{uuid.uuid4().hex[:8]}", model=OffloadingModelConfig(name=e["model"], dtype=e["dtype"]),
+        cache=OffloadingCacheConfig(tokens_per_hash=e["tokens_per_hash"], blocks_per_chunk=e["blocks_per_chunk"]),
+        parallel=OffloadingParallelConfig(rank=0, world_size=e["world_size"], tp_size=e["tp_size"],
+                                          pp_size=e["pp_size"], pcp_size=1, dcp_size=1, data_parallel_index=0,
+                                          data_parallel_size=1, data_parallel_rank_local=None,
+                                          is_parallelism_agnostic=e["agnostic"]),
+        replicated_layout=e["replicated_layout"], canonical_layout=e["canonical_layout"],
+        kv_cache_layout=e["kv_cache_layout"],
     )  # fmt: skip
     return TieringOffloadingSpec(cfg)
+
+
+# One field of the engine's identity changed at a time (what vLLM's OffloadingConfig carries, and the tier's
+# model_revision): each must be a cold miss for what the base engine stored.
+IDENTITY_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (engine fields, tier settings)
+    "model": ({"model": "tiny-llama-2"}, {}),
+    "revision (tier setting)": ({}, {"model_revision": "0e9e39f"}),
+    "kv dtype (same size)": ({"dtype": "float16"}, {}),
+    "kv layout NHD": ({"kv_cache_layout": "LBNHC"}, {}),
+    "block size": ({"tokens_per_block": 2 * BLOCK_TOKENS, "tokens_per_hash": 2 * BLOCK_TOKENS}, {}),
+    "tokens per hash": ({"tokens_per_hash": BLOCK_TOKENS // 2}, {}),
+    "blocks per chunk": ({"blocks_per_chunk": 2, "kv_bytes": KV_BYTES_PER_BLOCK // 2}, {}),
+    "layers (another model or pp stage)": ({"layers": ("l1", "l2")}, {}),
+    "tp size": ({"world_size": 2, "tp_size": 2, "kv_bytes": KV_BYTES_PER_BLOCK // 2}, {}),
+    "pp size": ({"world_size": 2, "pp_size": 2, "kv_bytes": KV_BYTES_PER_BLOCK // 2}, {}),
+    "parallelism-agnostic bytes": ({"agnostic": True}, {}),
+    "namespace_prefix (a deployment's salt)": ({}, {"namespace_prefix": "tenant-b"}),
+}
+LAYOUT_PAIRS = {"LBNHC": "LBHNC"}  # NHD against HND: the same bytes per block, another order
 
 
 def keys_for(n: int, salt: bytes) -> list[OffloadKey]:
@@ -199,6 +227,74 @@ def refused(url: str, **tier: Any) -> dict[str, Any]:
             "hashes": [bytes(k[:32]).hex() for k in keys]}  # fmt: skip
 
 
+def full(url: str) -> dict[str, Any]:
+    """A DRAM-only node, full, whose policy refuses what it has not seen before (second sight): a store job
+    succeeds only when the node keeps every chunk of it; lookups miss what it refused."""
+    mgr = make_spec(url).get_manager()
+    t = mgr.secondary_tiers[0]
+    jobs = record_jobs(t)
+    req = ReqContext(req_id="F")
+    mgr.on_new_request(req)
+    rows: dict[str, list[OffloadKey]] = {"fill": keys_for(4, b"fill"), "p": keys_for(3, b"p"), "q": keys_for(3, b"q")}
+    data = {k: bytes(t.row_bytes) for ks in rows.values() for k in ks}
+    out: dict[str, Any] = {}
+    for name, ks in (("fill", rows["fill"]), ("first_sight", rows["p"])):
+        store(mgr, ks, req, data)
+        settle(mgr, lambda: not t.has_pending_work())
+        out[name] = [j.success for j in jobs]
+        jobs.clear()
+    mixed = [k for pair in zip(rows["p"], rows["q"], strict=True) for k in pair]
+    store(mgr, mixed, req, data)  # one job: p's chunks admitted on second sight, q's refused
+    settle(mgr, lambda: not t.has_pending_work())
+    out["mixed"] = [j.success for j in jobs]
+    mgr.on_request_finished(req)
+    mgr.shutdown()
+    fresh = make_spec(url).get_manager()  # another engine: its CPU tier empty, so lookups reach the node
+    out["lookups"] = {}
+    for name in ("p", "q"):
+        req = ReqContext(req_id=f"L{name}")
+        fresh.on_new_request(req)
+        out["lookups"][name] = [lookup_all(fresh, [k], req)[0] for k in rows[name]]
+        fresh.on_request_finished(req)
+    fresh.shutdown()
+    return out
+
+
+def identity(url: str) -> dict[str, Any]:
+    """A base engine stores a prompt; an engine that differs in one identity field misses it (its own
+    namespace), an engine with the same identity hits. And NHD against HND."""
+    keys = keys_for(4, b"identity")
+    base = make_spec(url).get_manager()
+    t = base.secondary_tiers[0]
+    req = ReqContext(req_id="I")
+    base.on_new_request(req)
+    store(base, keys, req, {k: bytes([7]) * t.row_bytes for k in keys})
+    settle(base, lambda: not t.has_pending_work() and not base.has_pending_work())
+    base.on_request_finished(req)
+    out: dict[str, Any] = {"base": t.namespace, "fields": {}}
+    base.shutdown()
+
+    def probe(engine: dict[str, Any], tier: dict[str, Any]) -> dict[str, Any]:
+        mgr = make_spec(url, engine=engine, **tier).get_manager()
+        r = ReqContext(req_id="P")
+        mgr.on_new_request(r)
+        looked = lookup_all(mgr, keys, r)
+        mgr.on_request_finished(r)
+        ns = mgr.secondary_tiers[0].namespace
+        mgr.shutdown()
+        return {"namespace": ns, "lookup": looked}
+
+    for name, (engine, tier) in IDENTITY_FIELDS.items():
+        out["fields"][name] = probe(engine, tier)
+    out["same"] = probe({}, {})
+    for a, b in LAYOUT_PAIRS.items():
+        out["layouts"] = [
+            probe({"kv_cache_layout": a}, {})["namespace"],
+            probe({"kv_cache_layout": b}, {})["namespace"],
+        ]
+    return out
+
+
 def bad_config(url: str) -> dict[str, str]:
     """A bad tier setting refuses the manager at start, naming the key."""
     out = {}
@@ -228,10 +324,13 @@ def main() -> int:
     ap.add_argument("--down-url", required=True, help="where no node answers")
     ap.add_argument("--auth-url", required=True, help="a node that wants a token (this one is wrong)")
     ap.add_argument("--bound-url", required=True, help="a node whose namespace for this tier has another layout")
+    ap.add_argument("--full-url", required=True, help="a DRAM-only node, small, refusing first sights")
+    ap.add_argument("--identity-url", required=True, help="a node for the identity scenario alone")
     args = ap.parse_args()  # one process for every scenario: importing vLLM is the slow part
     res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
            "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
-           "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url)}  # fmt: skip
+           "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url),
+           "full": full(args.full_url), "identity": identity(args.identity_url)}  # fmt: skip
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 

@@ -113,12 +113,15 @@ def test_tenancy_bench_quick_run(tmp_path: Path) -> None:
 def test_doors_bench_quick_run(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "doors_bench.py"), "--runs", "1", "--iters", "2", "--batch", "4",
-         "--sgl-batch", "2", "--page-tokens", "4", "--out", str(tmp_path)],
+         "--sgl-batch", "2", "--page-tokens", "4", "--acct-batch", "4", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads((tmp_path / "doors_bench.json").read_text())
     assert set(data["events"]["rates"]) == {"off", "on", "stuck"} and set(data["sglang"]) >= {"tcp", "shm"}
+    acct = data["accounting"]
+    assert acct["outcome_us"] > 0 and set(acct["fast_ms"]) == set(acct["slow_ms"]) == {"door", "bare"}
+    assert set(acct["refused"]) == {2}  # every other page of 4 refused, and the door found each
 
 
 def test_fp8_quality_quick_run(tmp_path: Path) -> None:

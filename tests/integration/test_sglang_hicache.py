@@ -19,11 +19,15 @@ loads the pages bit-exact.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,7 @@ from kvstore.client import KVStoreClient
 from kvstore.integrations.direct import ConfigError
 from kvstore.integrations.sglang_hicache import KVStoreHiCacheStorage, region_hashes
 from kvstore.layout import DType, PageLayout
+from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
 
 PAGE = 16  # tokens per page
@@ -64,58 +69,71 @@ class HiCacheStorageConfig:  # SGLang 0.5.23's fields
 
 
 @dataclass
+class ForkStorageConfig(HiCacheStorageConfig):  # SGLang builds that name the weights (model_identity_hash)
+    model_identity_hash: str | None = None
+
+
+@dataclass
 class HiCacheStorageExtraInfo:
     prefix_keys: list[str] | None = None
     extra_info: dict[str, Any] | None = None
 
 
 class MHAHostPool:
-    """SGLang 0.5.23's MHATokenToKVPoolHost buffers and the page methods HiCache storage uses."""
+    """SGLang 0.5.23's MHATokenToKVPoolHost buffers and the page methods HiCache storage uses. `kv_dtype`: the
+    device pool's KV dtype where it differs from what the host pool stores (SGLang keeps fp8 KV as uint8 there:
+    `dtype = device_pool.store_dtype`)."""
 
-    def __init__(self, layout: str, pages: int, dtype: torch.dtype = torch.bfloat16) -> None:
-        self.layout, self.page_size, self.dtype = layout, PAGE, dtype
-        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = LAYERS, HEADS, DIM, DIM
-        self.page_num, self.size = pages, pages * PAGE
-        dims = {"layer_first": (2, LAYERS, self.size, HEADS, DIM), "page_first": (2, self.size, LAYERS, HEADS, DIM),
-                "page_first_direct": (2, pages, LAYERS, PAGE, HEADS, DIM)}[layout]  # fmt: skip
+    def __init__(self, layout: str, pages: int, dtype: torch.dtype = torch.bfloat16, *, page: int = PAGE,
+                 heads: int = HEADS, kv_dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        self.layout, self.page_size, self.dtype = layout, page, dtype
+        self.layer_num, self.head_num, self.head_dim, self.v_head_dim = LAYERS, heads, DIM, DIM
+        self.page_num, self.size = pages, pages * page
+        if kv_dtype is not None:
+            self.device_pool = SimpleNamespace(dtype=kv_dtype, store_dtype=dtype)
+        dims = {"layer_first": (2, LAYERS, self.size, heads, DIM), "page_first": (2, self.size, LAYERS, heads, DIM),
+                "page_first_direct": (2, pages, LAYERS, page, heads, DIM)}[layout]  # fmt: skip
         self.kv_buffer = torch.zeros(dims, dtype=dtype)
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
-        assert len(indices) % self.page_size == 0
+        page, heads = self.page_size, self.head_num
+        assert len(indices) % page == 0
         item, base, idx = self.dtype.itemsize, self.kv_buffer.data_ptr(), indices.tolist()
-        v_offset = self.layer_num * self.size * self.head_num * self.head_dim * item
+        v_offset = self.layer_num * self.size * heads * self.head_dim * item
         ptrs: list[int] = []
         if self.layout == "layer_first":
-            for i in range(0, len(idx), PAGE):
+            for i in range(0, len(idx), page):
                 for layer in range(self.layer_num):
-                    k = base + idx[i] * HEADS * DIM * item + layer * self.size * HEADS * DIM * item
+                    k = base + idx[i] * heads * DIM * item + layer * self.size * heads * DIM * item
                     ptrs += [k, k + v_offset]
-            return ptrs, [item * PAGE * HEADS * DIM] * len(ptrs)
-        for i in range(0, len(idx), PAGE):
-            k = base + idx[i] * LAYERS * HEADS * DIM * item
+            return ptrs, [item * page * heads * DIM] * len(ptrs)
+        for i in range(0, len(idx), page):
+            k = base + idx[i] * LAYERS * heads * DIM * item
             ptrs += [k, k + v_offset]
-        return ptrs, [LAYERS * item * PAGE * HEADS * DIM] * len(ptrs)
+        return ptrs, [LAYERS * item * page * heads * DIM] * len(ptrs)
 
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self.page_size
         if self.layout == "layer_first":
-            page = self.kv_buffer[:, :, index : index + PAGE]
+            data = self.kv_buffer[:, :, index : index + page]
         elif self.layout == "page_first":
-            page = self.kv_buffer[:, index : index + PAGE]
+            data = self.kv_buffer[:, index : index + page]
         else:
-            page = self.kv_buffer[:, index // PAGE : index // PAGE + 1]
-        return page.flatten() if flat else page
+            data = self.kv_buffer[:, index // page : index // page + 1]
+        return data.flatten() if flat else data
 
     def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros((2, LAYERS, PAGE, HEADS, DIM), dtype=self.dtype).flatten()
+        return torch.zeros((2, LAYERS, self.page_size, self.head_num, DIM), dtype=self.dtype).flatten()
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        page, heads = self.page_size, self.head_num
         if self.layout == "layer_first":
-            self.kv_buffer[:, :, index : index + PAGE] = data_page.reshape(2, LAYERS, PAGE, HEADS, DIM)
+            self.kv_buffer[:, :, index : index + page] = data_page.reshape(2, LAYERS, page, heads, DIM)
         elif self.layout == "page_first":
-            self.kv_buffer[:, index : index + PAGE] = data_page.reshape(2, PAGE, LAYERS, HEADS, DIM)
+            self.kv_buffer[:, index : index + page] = data_page.reshape(2, page, LAYERS, heads, DIM)
         else:
-            p = index // PAGE
-            self.kv_buffer[:, p : p + 1] = data_page.reshape(2, 1, LAYERS, PAGE, HEADS, DIM)
+            p = index // page
+            self.kv_buffer[:, p : p + 1] = data_page.reshape(2, 1, LAYERS, page, heads, DIM)
 
 
 class MLAHostPool:
@@ -148,14 +166,16 @@ def page_keys(tokens: list[int]) -> list[str]:
     return keys
 
 
-def create_backend(extra: dict[str, Any], **cfg: Any) -> KVStoreHiCacheStorage:
+def create_backend(
+    extra: dict[str, Any], storage_config: type = HiCacheStorageConfig, **cfg: Any
+) -> KVStoreHiCacheStorage:
     """StorageBackendFactory._create_dynamic_backend, then attach_storage_backend's registration."""
     extra = {"backend_name": "kvstore", "module_path": "kvstore.integrations.sglang_hicache",
              "class_name": "KVStoreHiCacheStorage", **extra}  # fmt: skip
     for name in ("backend_name", "module_path", "class_name"):
         assert name in extra
     cls = getattr(importlib.import_module(extra["module_path"]), extra["class_name"])
-    return cls(HiCacheStorageConfig(extra_config=extra, **cfg), {})
+    return cls(storage_config(extra_config=extra, **cfg), {})
 
 
 def attach(backend: KVStoreHiCacheStorage, pool: Any) -> KVStoreHiCacheStorage:
@@ -380,3 +400,108 @@ def test_region_hashes_keep_sglang_keys() -> None:
     hs = region_hashes(k, 3)
     assert hs[0] == bytes.fromhex(k) and len(set(hs)) == 3 and all(len(h) == 32 for h in hs)
     assert region_hashes("not-hex", 1)[0] == hashlib.sha256(b"not-hex").digest()
+
+
+REGION = LAYERS * 2 * PAGE * HEADS * DIM  # one page_first region (K or V of a page), bf16
+
+
+def test_a_full_node_reports_false_for_every_page_it_did_not_keep(caplog: pytest.LogCaptureFixture) -> None:
+    """A DRAM-only node whose DRAM is full and whose policy refuses what it has not seen before (second sight,
+    for a deterministic pattern; the default policy refuses by its learned threshold): `batch_set_v1` is True
+    exactly for the pages whose every region the node holds afterwards, and `batch_exists` agrees."""
+    n = NodeProcess(dram_bytes=16 * slot_bytes_for(16 << 10), max_page_bytes=16 << 10, node_id="full",
+                    extra_args=["--policy", "second-sight"]).start()  # fmt: skip
+    try:
+        pool = MHAHostPool("page_first", 32)
+        fill(pool, 6)
+        extra = {"interface_v1": 1, "url": f"kvstore://{n.addr}", "transport": "tcp"}
+        b = attach(create_backend(extra), pool)
+        try:
+            filler = page_keys([7, *range(PAGE * 8)])
+            assert backup(b, filler, indices(list(range(8))))  # fills DRAM exactly (16 slots: 8 pages of 2 regions)
+            p = page_keys([8, *range(PAGE * 3)])
+            q = page_keys([9, *range(PAGE * 3)])
+            with caplog.at_level(logging.WARNING, logger="kvstore.sglang"):
+                assert b.batch_set_v1(p, indices([12, 13, 14])) == [False] * 3  # first sight: none admitted
+            assert b.batch_exists(p) == 0
+            assert any("did not keep 6 of 6 pages" in r.getMessage() for r in caplog.records)
+            # Second sight of p's pages admits them; q's are new: refused. Interleaved in one batch.
+            mixed = [k for pair in zip(p, q, strict=True) for k in pair]
+            got = b.batch_set_v1(mixed, indices([12, 20, 13, 21, 14, 22]))
+            assert got == [True, False] * 3, got  # before: all True (the node's counts were not read)
+            assert [b.batch_exists([k]) for k in mixed] == [int(x) for x in got]
+            assert b.batch_exists(p) == 3
+            # The older (flat) call: one bool for the batch, False when any page was refused.
+            assert not b.batch_set(q[:1], [pool.get_data_page(20 * PAGE)])
+        finally:
+            b.close()
+    finally:
+        n.close()
+
+
+def sglang_server_args(monkeypatch: pytest.MonkeyPatch, revision: str | None) -> None:
+    """SGLang's process-global server args (`sglang.srt.server_args.get_global_server_args`), as the scheduler
+    process that runs HiCache has them: only `revision` is read."""
+    mods = {name: SimpleNamespace(__path__=[]) for name in ("sglang", "sglang.srt")}
+    mods["sglang.srt.server_args"] = SimpleNamespace(get_global_server_args=lambda: SimpleNamespace(revision=revision))
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+Variant = tuple[dict[str, Any], dict[str, Any], Callable[[], Any], str | None]
+BASE_POOL: Callable[[], Any] = lambda: MHAHostPool("page_first", 8)  # noqa: E731
+VARIANTS: dict[str, Variant] = {  # field -> (storage config overrides, extra config, host pool, server --revision)
+    "model": ({"model_name": "meta-llama/Llama-3.1-70B-Instruct"}, {}, BASE_POOL, None),
+    "revision (extra config)": ({}, {"model_revision": "0e9e39f"}, BASE_POOL, None),
+    "revision (server --revision)": ({}, {}, BASE_POOL, "0e9e39f"),
+    "weights digest (model_identity_hash)": ({"model_identity_hash": "abc123def456"}, {}, BASE_POOL, None),
+    "kv layout": ({}, {}, lambda: MHAHostPool("page_first_direct", 8), None),
+    "dtype (same size)": ({}, {}, lambda: MHAHostPool("page_first", 8, torch.float16), None),
+    "page size": ({}, {}, lambda: MHAHostPool("page_first", 8, page=32), None),
+    "kv heads (tp shard)": ({}, {}, lambda: MHAHostPool("page_first", 8, heads=1), None),
+    "tp rank": ({"tp_rank": 1, "tp_size": 2}, {}, BASE_POOL, None),
+    "tp size": ({"tp_rank": 0, "tp_size": 2}, {}, BASE_POOL, None),
+    "pp rank": ({"pp_rank": 1, "pp_size": 2}, {}, BASE_POOL, None),
+    "namespace_prefix (a deployment's salt)": ({}, {"namespace_prefix": "tenant-b"}, BASE_POOL, None),
+}
+
+
+@pytest.mark.parametrize("field", list(VARIANTS))
+def test_every_identity_field_is_a_cold_miss(node: NodeProcess, monkeypatch: pytest.MonkeyPatch, field: str) -> None:
+    """Engine A (Llama-3.1-8B, bf16 page_first, TP 1, no revision) stores a prompt; an engine that differs in
+    one field of its identity gets its own namespace, so a miss, never A's bytes; the same identity hits."""
+    cfg, extra, pool_of, server_revision = VARIANTS[field]
+    keys = page_keys([sum(map(ord, field)), *range(PAGE * 4)])
+    base = {"interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": "grpc"}
+    a_pool = MHAHostPool("page_first", 8)
+    fill(a_pool, 9)
+    with contextlib.ExitStack() as closing:
+        a = attach(create_backend(base), a_pool)
+        closing.callback(a.close)
+        assert backup(a, keys, indices([0, 1, 2, 3]))
+        same = attach(create_backend(base), MHAHostPool("page_first", 8))
+        closing.callback(same.close)
+        if server_revision is not None:
+            sglang_server_args(monkeypatch, server_revision)
+        storage_cfg = {"storage_config": ForkStorageConfig} if "model_identity_hash" in cfg else {}
+        b = attach(create_backend({**base, **extra}, **storage_cfg, **cfg), pool_of())
+        closing.callback(b.close)
+        assert b._seg_ns != a._seg_ns and b._flat_ns != a._flat_ns, (field, b._seg_ns)
+        assert b.batch_exists(keys) == 0, f"{field}: another identity must not find A's pages"
+        assert same.batch_exists(keys) == 4  # the control: the same identity hits
+
+
+def test_fp8_kinds_are_apart_though_the_host_pool_holds_both_as_uint8(node: NodeProcess) -> None:
+    keys = page_keys([77, *range(PAGE * 2)])
+    extra = {"interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": "grpc"}
+    e4m3 = MHAHostPool("page_first", 4, torch.uint8, kv_dtype=torch.float8_e4m3fn)
+    fill(e4m3, 10)
+    a = attach(create_backend(extra), e4m3)
+    b = attach(create_backend(extra), MHAHostPool("page_first", 4, torch.uint8, kv_dtype=torch.float8_e5m2))
+    try:
+        assert "/float8_e4m3fn/" in a._seg_ns and "/float8_e5m2/" in b._seg_ns
+        assert backup(a, keys, indices([0, 1]))
+        assert a.batch_exists(keys) == 2 and b.batch_exists(keys) == 0
+    finally:
+        a.close()
+        b.close()

@@ -37,7 +37,9 @@ pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test 
 
 import torch
 from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.internal_api import L2AdapterListener
 from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
 from lmcache.v1.distributed.l2_adapters.config import (
     add_l2_adapters_args,
     parse_args_to_l2_adapters_config,
@@ -383,6 +385,8 @@ def test_a_cluster_through_the_redis_index_bit_exact(tmp_path: Path, adapters: C
     ({"target": "127.0.0.1:1", "tls_cert": "c.pem"}, "adapter_params.tls_cert / adapter_params.tls_key"),
     ({"target": "127.0.0.1:1", "tokenfile": "x"}, "adapter_params.tokenfile: unknown parameter"),
     ({"target": "127.0.0.1:1", "token_file": "/nonexistent/kvstore.token"}, "/nonexistent/kvstore.token"),
+    ({"target": "127.0.0.1:1", "model_revision": ""}, "adapter_params.model_revision"),
+    ({"target": "127.0.0.1:1", "model_revision": {"m": 7}}, "adapter_params.model_revision.m"),
 ])  # fmt: skip
 def test_bad_adapter_params_are_refused_naming_the_field(params: dict[str, object], named: str) -> None:
     with pytest.raises(ValueError, match="kvstore L2 adapter") as err:
@@ -393,3 +397,65 @@ def test_bad_adapter_params_are_refused_naming_the_field(params: dict[str, objec
             parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)])).adapters[0]
         )
     assert named in str(err.value), str(err.value)
+
+
+class Announced(L2AdapterListener):
+    """What LMCache's own listeners (its L2 eviction controller) hear from the adapter."""
+
+    def __init__(self) -> None:
+        self.stored: list[ObjectKey] = []
+
+    def on_l2_keys_stored(self, keys: list[ObjectKey], sizes: list[int]) -> None:
+        self.stored += keys
+
+    def on_l2_keys_accessed(self, keys: list[ObjectKey]) -> None:
+        pass
+
+    def on_l2_keys_deleted(self, keys: list[ObjectKey]) -> None:
+        pass
+
+
+def test_a_full_node_fails_the_store_and_announces_only_what_it_kept(tmp_path: Path, adapters: Callable[..., Any],
+                                                                     log: Records) -> None:  # fmt: skip
+    """A DRAM-only node, full, whose policy refuses what it has not seen before (second sight: a deterministic
+    pattern; the default policy refuses by its learned threshold). A store task succeeds only when the node
+    holds every key afterwards (else LMCache would drop its L1 copy of a chunk nobody holds), and only the keys
+    it holds reach LMCache's listeners and its usage accounting."""
+    n = start_node(tmp_path, "full", dram_pages=8, nvme_pages=0, extra_args=["--policy", "second-sight"])
+    try:
+        a = adapters(target=n.addr)
+        heard = Announced()
+        a.register_listener(heard)
+        fill = keys(8, 100)
+        assert store(a, fill, objects(8, seed=20)).is_successful()  # DRAM exactly full
+        assert L2AdapterInterface.get_usage(a).total_bytes_used == 8 * CHUNK_BYTES
+        p, q = keys(3, 200), keys(3, 300)
+        res = store(a, p, objects(3, seed=21))  # first sight: none admitted
+        assert not res.is_successful()
+        assert a.report_status()["unstored_pages"] == 3
+        assert lookup(a, p) == [] and heard.stored == fill
+        assert "did not keep 3 of 3 pages" in log.text()
+        # Second sight admits p's pages; q's are new and refused. Interleaved in one task, one Put.
+        heard.stored.clear()
+        mixed = [k for pair in zip(p, q, strict=True) for k in pair]
+        res = store(a, mixed, objects(6, seed=22))
+        assert not res.is_successful()  # before: a success, and all six announced as stored
+        assert heard.stored == p, "exactly the keys the node holds are announced"
+        assert lookup(a, p) == [0, 1, 2] and lookup(a, mixed) == [0]
+        assert [lookup(a, [k]) for k in q] == [[], [], []]
+        assert L2AdapterInterface.get_usage(a).total_bytes_used == 11 * CHUNK_BYTES
+    finally:
+        n.close()
+
+
+def test_a_weights_revision_is_its_own_namespace(node: NodeProcess, adapters: Callable[..., Any]) -> None:
+    """LMCache's ObjectKey carries the model's name only: `adapter_params.model_revision` (one for every model,
+    or per model) names the weights, so a server on other weights under the same name is a cold miss."""
+    ks, src = keys(3, 400), objects(3, seed=30)
+    assert store(adapters(target=node.addr, model_revision="0e9e39f"), ks, src).is_successful()
+    same = adapters(target=node.addr, model_revision={MODEL: "0e9e39f", "other/model": "x"})
+    assert lookup(same, ks) == [0, 1, 2]
+    for other in ({}, {"model_revision": "1f2a3b4"}, {"model_revision": {"other/model": "0e9e39f"}}):
+        assert lookup(adapters(target=node.addr, **other), ks) == [], other
+    names = {ns for ns, _, _ in node_stats(node).namespaces}
+    assert l2_namespace("lmcache", f"{MODEL}@0e9e39f", RANK, 0, "", TAG) in names

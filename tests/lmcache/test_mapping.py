@@ -51,6 +51,19 @@ def test_namespace_vectors_carry_everything_that_makes_pages_incompatible() -> N
     assert len(variants) == 5 and ns not in variants
 
 
+def test_a_weights_revision_joins_the_model_and_none_changes_nothing() -> None:
+    assert v1.model_part("m/x") == "m/x" and v1.model_part("m/x", None) == "m/x"  # the v1 vectors above hold
+    assert v1.model_part("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f") == "meta-llama/Llama-3.1-8B-Instruct@0e9e39f"
+    # Not plain (a path, a long digest): 16 hex of its SHA-256, so still one namespace component.
+    assert v1.model_part("m", "sha256:" + "ab" * 32) == "m@~7b28e61bc1d29223"
+    assert v1.model_part("m", "refs/pr/1") == "m@~da766fe49863bbae" != v1.model_part("m", "refs/pr/2")
+    ns = v1.namespace_for("lmcache", v1.model_part("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f"), 2, 1, "bfloat16",
+                          LLAMA)  # fmt: skip
+    assert ns == "lmcache/v1/meta-llama/Llama-3.1-8B-Instruct@0e9e39f/ws2/w1/bfloat16/kv_2ltd/2x32xTx1024:bfloat16/c256"
+    s = v1.parse_settings({P + "url": "kvstore://h:1", P + "model_revision": "0e9e39f"}, "kvstore", 1.0)
+    assert s.model_revision == "0e9e39f"
+
+
 def test_layouts_real_dims_when_known_else_bytes_of_the_same_size() -> None:
     assert LLAMA.page_layout() == PageLayout(DType.BFLOAT16, 32, 8, 128, 256)
     assert LLAMA.page_layout().page_bytes == LLAMA.chunk_bytes == 32 << 20
@@ -143,6 +156,8 @@ def test_settings_validation_names_the_key() -> None:
         ({P + "url": "kvstore://h:1", P + "namespace_prefix": "a b"}, P + "namespace_prefix"),
         ({P + "url": "kvstore://h:1", P + "tls_cert": "c.pem"}, P + "tls_cert"),
         ({P + "url": "kvstore://h:1", P + "tokne": "x"}, P + "tokne: unknown setting"),
+        ({P + "url": "kvstore://h:1", P + "model_revision": ""}, P + "model_revision"),
+        ({P + "url": "kvstore://h:1", P + "model_revision": "a\nb"}, P + "model_revision"),
     ]
     for extra, what in bad:
         with pytest.raises(v1.MappingError) as err:

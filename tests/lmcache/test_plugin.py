@@ -397,3 +397,48 @@ def test_kv_layer_groups_registered_after_start_change_the_geometry(
         assert layout.page_bytes == 2 * CHUNK * 3 * hidden * 2  # both groups' K and V, fp16
     finally:
         node.close()
+
+
+def test_a_full_node_keeps_what_it_admits_and_the_plugin_counts_the_rest(
+        tmp_path: Path, storage_managers: Callable[..., Any], plugin_log: Records) -> None:  # fmt: skip
+    """A DRAM-only node, full, whose policy refuses what it has not seen before (second sight: a deterministic
+    pattern). LMCache 0.5.6's batched_put reads no result, so what LMCache sees is its lookups: a chunk the node
+    did not keep is a miss; the plugin counts it (`counts`) and logs it, and never claims it."""
+    full = start_node(tmp_path, "full", dram_pages=4, nvme_pages=0, extra_args=["--policy", "second-sight"])
+    try:
+        sm = storage_managers(plugin_config(f"kvstore://{full.addr}"))
+        conn = sm.storage_backends[REMOTE].connection.getWrappedConnector()
+        objs, _ = chunks(sm, 4, seed=40)
+        put_and_wait(sm, [key(i) for i in range(4)], objs)  # DRAM exactly full
+        release(objs)
+        assert conn.counts == {"stores": 1, "stored_chunks": 4, "unstored_chunks": 0}
+        p, q = [key(100 + i) for i in range(3)], [key(200 + i) for i in range(3)]
+        objs, _ = chunks(sm, 3, seed=41)
+        put_and_wait(sm, p, objs)  # first sight: none admitted
+        release(objs)
+        assert conn.counts["unstored_chunks"] == 3 and sm.batched_contains(p)[0] == 0
+        assert "did not keep 3 of 3 pages" in plugin_log.text()
+        mixed = [k for pair in zip(p, q, strict=True) for k in pair]  # p's admitted on second sight, q's refused
+        objs, _ = chunks(sm, 6, seed=42)
+        put_and_wait(sm, mixed, objs)
+        release(objs)
+        assert conn.counts == {"stores": 3, "stored_chunks": 7, "unstored_chunks": 6}
+        assert sm.batched_contains(p)[0] == 3 and sm.batched_contains(mixed)[0] == 1
+        assert all(sm.batched_contains([k])[0] == 0 for k in q)
+    finally:
+        full.close()
+
+
+def test_a_weights_revision_is_its_own_namespace(node: NodeProcess, storage_managers: Callable[..., Any]) -> None:
+    """LMCache's keys and metadata carry the model's name only: `model_revision` names the weights, so an
+    engine on other weights under the same name is a cold miss, never the first one's KV."""
+    writer = storage_managers(plugin_config(f"kvstore://{node.addr}", model_revision="0e9e39f"))
+    keys = [key(300 + i) for i in range(3)]
+    objs, _ = chunks(writer, 3, seed=43)
+    put_and_wait(writer, keys, objs)
+    release(objs)
+    assert writer.batched_contains(keys)[0] == 3
+    for other in ({}, {"model_revision": "1f2a3b4"}):
+        assert storage_managers(plugin_config(f"kvstore://{node.addr}", **other)).batched_contains(keys)[0] == 0
+    names = {ns for ns, _, _ in stats(node).namespaces}
+    assert NS.replace(f"/{MODEL}/", f"/{MODEL}@0e9e39f/") in names
