@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -76,6 +77,7 @@ class Node:
         self.kv_events: KvEventPublisher | None = None  # the KV-event feed for routers, when configured
         self.planes: list[PlaneInfo] = []  # what Stats and the index advertise, filled as planes start
         self.plane_servers: list[PlaneServer] = build_plane_servers(config)
+        self._started_planes: list[PlaneServer] = []
         self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
         self._stopped = asyncio.Event()
 
@@ -96,6 +98,18 @@ class Node:
                 f"cannot serve on {bind}: the port is in use (another kvstore node, or another program, "
                 "is serving it) or the address is not this host's; choose another --port or stop the other one"
             )
+        try:
+            await self._start_serving()
+        except BaseException:
+            # NOTE: a refusal past the port (a plane's port in use, the event feed's endpoint, ...) stops what
+            # started, the gRPC server included: left running, grpc.aio's Server.__del__ would schedule its
+            # shutdown on the closed loop and print "Exception ignored" under the refusal.
+            await self._abandon()
+            raise
+        return self.port
+
+    async def _start_serving(self) -> None:
+        cfg = self.config
         await self.manager.start()
         if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
             self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
@@ -115,6 +129,7 @@ class Node:
         await self.server.start()
         services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0], self.port)
         for plane in self.plane_servers:
+            self._started_planes.append(plane)  # stopped by _abandon even if its start fails half-way
             self.planes.append(await plane.start(services))
         if self.config.redis_url:
             self.index = IndexPublisher(
@@ -148,7 +163,27 @@ class Node:
             if self.metrics_port is not None
             else "off",
         )
-        return self.port
+
+    async def _abandon(self) -> None:
+        """Stop what a failed start started (each step bounded and on its own: one failing does not keep
+        the others from running), so the process exits with only the refusal to show."""
+        steps: list[Callable[[], Awaitable[object]]] = [lambda: self.server.stop(0)]
+        steps += [plane.stop for plane in reversed(self._started_planes)]
+        if self.index is not None:
+            index = self.index
+            steps.append(lambda: index.close(deregister=True))
+        if self.kv_events is not None:
+            events = self.kv_events
+            steps.append(lambda: asyncio.to_thread(events.close))
+        steps.append(self.manager.close)
+        if self.metrics is not None:
+            metrics = self.metrics
+            steps.append(lambda: asyncio.to_thread(metrics.close))
+        for step in steps:
+            try:
+                await asyncio.wait_for(step(), timeout=10.0)
+            except Exception:  # the start's own error is the one to report
+                log.debug("cleanup after a failed start", exc_info=True)
 
     async def stop(self) -> None:
         if self._stopped.is_set():
