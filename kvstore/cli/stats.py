@@ -61,7 +61,8 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
     )
     console.print(
         f"corruption: reported by clients {stats.corrupt_reports} (confirmed here and dropped "
-        f"{stats.corrupt_confirmed}), DRAM scrubbed {human_bytes(stats.scrubbed_bytes)}"
+        f"{stats.corrupt_confirmed}, unconfirmed {stats.corrupt_unconfirmed} of which unchecked "
+        f"{stats.corrupt_unchecked}: past the reporter's rate), DRAM scrubbed {human_bytes(stats.scrubbed_bytes)}"
     )
     if stats.index is not None:
         i = stats.index

@@ -8,7 +8,7 @@
     kvstore_tier_{capacity,used}_bytes, kvstore_tier_{pages,slots_used,slots_total}
     kvstore_{lookups,lookup_blocks,lookup_matched_blocks,put_rejected}_total
     kvstore_prefetch_{issued,completed,used,wasted}_total, kvstore_pinned_pages,
-    kvstore_corrupt_{reported,confirmed}_total, kvstore_scrub_bytes_total
+    kvstore_corrupt_{reported,confirmed,unconfirmed,unchecked}_total, kvstore_scrub_bytes_total
     kvstore_index_{connected,queued,lag_seconds}, kvstore_index_{flushed,resyncs,overflows,errors}_total
     kvstore_kv_events_{sent_events,sent_batches,dropped_events,snapshots}_total, kvstore_kv_events_{queued,
     subscribers}                                     the KV-event feed for routers (when the node publishes one)
@@ -120,6 +120,8 @@ class NodeMetrics:
             "kvstore.prefetch.wasted": lambda s: s.prefetch_wasted,
             "kvstore.corrupt.reported": lambda s: s.corrupt_reports,
             "kvstore.corrupt.confirmed": lambda s: s.corrupt_confirmed,
+            "kvstore.corrupt.unconfirmed": lambda s: s.corrupt_unconfirmed,
+            "kvstore.corrupt.unchecked": lambda s: s.corrupt_unchecked,
             "kvstore.scrub.bytes": lambda s: s.scrubbed_bytes,
             "kvstore.index.flushed": lambda s: s.index and s.index.flushed,
             "kvstore.index.resyncs": lambda s: s.index and s.index.resyncs,
