@@ -10,6 +10,7 @@ warm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.addresses import host_id
 from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
-from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.memtune import HeapTrimmer, bound_arenas, tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
 from kvstore.node.config import NodeConfig
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
@@ -78,6 +79,8 @@ class Node:
         self.planes: list[PlaneInfo] = []  # what Stats and the index advertise, filled as planes start
         self.plane_servers: list[PlaneServer] = build_plane_servers(config)
         self._started_planes: list[PlaneServer] = []
+        self.heap_trimmer = HeapTrimmer()  # bounds the free memory malloc keeps (kvstore/memtune.py)
+        self._trimming: asyncio.Task[None] | None = None
         self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
         self._stopped = asyncio.Event()
 
@@ -110,6 +113,7 @@ class Node:
 
     async def _start_serving(self) -> None:
         cfg = self.config
+        self._trimming = asyncio.get_running_loop().create_task(self.heap_trimmer.run())
         await self.manager.start()
         if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
             self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
@@ -167,7 +171,7 @@ class Node:
     async def _abandon(self) -> None:
         """Stop what a failed start started (each step bounded and on its own: one failing does not keep
         the others from running), so the process exits with only the refusal to show."""
-        steps: list[Callable[[], Awaitable[object]]] = [lambda: self.server.stop(0)]
+        steps: list[Callable[[], Awaitable[object]]] = [lambda: self.server.stop(0), self._stop_trimming]
         steps += [plane.stop for plane in reversed(self._started_planes)]
         if self.index is not None:
             index = self.index
@@ -205,7 +209,15 @@ class Node:
         if self.metrics is not None:
             # The scrape thread asks this loop for snapshots: stop it from a worker thread.
             await asyncio.to_thread(self.metrics.close)
+        await self._stop_trimming()
         log.info("stopped")
+
+    async def _stop_trimming(self) -> None:
+        if self._trimming is not None:
+            self._trimming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._trimming
+            self._trimming = None
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -235,6 +247,7 @@ class Node:
 async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
     """Run a node until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
     tune_malloc_for_bulk_io()
+    bound_arenas()  # before gRPC's threads allocate: what they keep is bounded (kvstore/memtune.py)
     node = Node(config)
     await node.start()
     loop = asyncio.get_running_loop()
