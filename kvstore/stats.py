@@ -93,6 +93,8 @@ class KvEventsStatus:
     snapshots: int = 0  # full states sent (start, a new subscriber, after drops)
     subscribers: int = 0  # subscriptions seen and not withdrawn
     send_errors: int = 0
+    refused: int = 0  # subscriptions refused: keys not listed (CURVE), or topics outside the key's tenant
+    curve: bool = False  # only listed subscribers may connect (CURVE)
 
 
 @dataclass(frozen=True, slots=True)

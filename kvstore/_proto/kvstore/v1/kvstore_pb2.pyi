@@ -351,7 +351,7 @@ class ReportResponse(_message.Message):
     def __init__(self, dropped: _Optional[int] = ..., intact: _Optional[int] = ..., unchecked: _Optional[int] = ...) -> None: ...
 
 class KvEventsStats(_message.Message):
-    __slots__ = ("endpoint", "queued", "sent_events", "sent_batches", "dropped_events", "snapshots", "subscribers", "send_errors")
+    __slots__ = ("endpoint", "queued", "sent_events", "sent_batches", "dropped_events", "snapshots", "subscribers", "send_errors", "refused", "curve")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_FIELD_NUMBER: _ClassVar[int]
     SENT_EVENTS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +360,8 @@ class KvEventsStats(_message.Message):
     SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBERS_FIELD_NUMBER: _ClassVar[int]
     SEND_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CURVE_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     queued: int
     sent_events: int
@@ -368,7 +370,9 @@ class KvEventsStats(_message.Message):
     snapshots: int
     subscribers: int
     send_errors: int
-    def __init__(self, endpoint: _Optional[str] = ..., queued: _Optional[int] = ..., sent_events: _Optional[int] = ..., sent_batches: _Optional[int] = ..., dropped_events: _Optional[int] = ..., snapshots: _Optional[int] = ..., subscribers: _Optional[int] = ..., send_errors: _Optional[int] = ...) -> None: ...
+    refused: int
+    curve: bool
+    def __init__(self, endpoint: _Optional[str] = ..., queued: _Optional[int] = ..., sent_events: _Optional[int] = ..., sent_batches: _Optional[int] = ..., dropped_events: _Optional[int] = ..., snapshots: _Optional[int] = ..., subscribers: _Optional[int] = ..., send_errors: _Optional[int] = ..., refused: _Optional[int] = ..., curve: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
     __slots__ = ("tenant", "tiers", "lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
