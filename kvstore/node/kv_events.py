@@ -450,6 +450,7 @@ class KvEventPublisher:
         self._loop = loop
         # NOTE: a context of its own: the ZAP handler binds inproc://zeromq.zap.01, one per context.
         self._ctx = zmq.Context()
+        sock: zmq.Socket | None = None
         try:
             sock = self._ctx.socket(zmq.XPUB)
             sock.setsockopt(zmq.SNDHWM, self.send_hwm)
@@ -465,7 +466,7 @@ class KvEventPublisher:
                 sock.zap_domain = ZAP_DOMAIN.encode()
             sock.bind(self.endpoint)
         except (zmq.ZMQError, OSError, ValueError) as exc:
-            self._close_zmq(sock if "sock" in locals() else None)
+            self._close_zmq(sock)
             if isinstance(exc, zmq.ZMQError):
                 raise OSError(f"kv_events_endpoint: cannot bind {self.endpoint!r}: {exc}") from None
             raise
