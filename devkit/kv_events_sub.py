@@ -1,6 +1,7 @@
 """A KV-event subscriber for tests and for looking at a node's feed by hand.
 
     python -m devkit.kv_events_sub tcp://127.0.0.1:5557 [ENDPOINT ...] [--classes vllm] [--seconds 10] [--until-quiet 1.0]
+        [--curve-server-key keys/node.key --curve-key keys/indexer.key_secret]   # a feed with CURVE keys
 
 Connects a ZMQ SUB socket (to every endpoint given), decodes each message with vLLM's own classes (`--classes vllm`, in a venv that
 has vLLM: `vllm.distributed.kv_events.KVEventBatch`) or as plain msgpack, and prints one JSON line per
@@ -20,6 +21,7 @@ from typing import Any
 
 import msgspec
 import zmq
+import zmq.auth
 
 _FIELDS = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
@@ -99,11 +101,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--until-quiet", type=float, default=0.0)
     ap.add_argument("--max-messages", type=int, default=1_000_000)
+    ap.add_argument("--curve-server-key", help="the node's public certificate (NAME.key), for a CURVE feed")
+    ap.add_argument("--curve-key", help="this subscriber's certificate with its secret key (NAME.key_secret)")
     args = ap.parse_args(argv)
+    if (args.curve_server_key is None) != (args.curve_key is None):
+        ap.error("--curve-server-key and --curve-key go together")
     decode = decoder(args.classes)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
+    if args.curve_key is not None:
+        sock.curve_serverkey, _ = zmq.auth.load_certificate(args.curve_server_key)
+        sock.curve_publickey, sock.curve_secretkey = zmq.auth.load_certificate(args.curve_key)
     for endpoint in args.endpoints:
         sock.connect(endpoint)
     sock.setsockopt_string(zmq.SUBSCRIBE, args.topic)

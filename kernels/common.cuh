@@ -74,6 +74,15 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// max that propagates NaN (fmaxf returns the other operand): a NaN anywhere makes the result NaN.
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+__device__ __forceinline__ float warp_max_nan(float v) {
+#pragma unroll
+  for (int off = kWarpSize / 2; off > 0; off /= 2) v = nan_max(v, __shfl_xor_sync(kFullMask, v, off));
+  return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = kWarpSize / 2; off > 0; off /= 2) v += __shfl_xor_sync(kFullMask, v, off);
@@ -91,6 +100,20 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
   float r = scratch[0];
 #pragma unroll
   for (int w = 1; w < kWarps; ++w) r = fmaxf(r, scratch[w]);
+  __syncthreads();
+  return r;
+}
+
+// block_max, NaN-propagating (nan_max): a NaN in any thread's v makes every thread's result NaN.
+template <int NUM_THREADS>
+__device__ __forceinline__ float block_max_nan(float v, float* scratch) {
+  constexpr int kWarps = NUM_THREADS / kWarpSize;
+  v = warp_max_nan(v);
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = v;
+  __syncthreads();
+  float r = scratch[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) r = nan_max(r, scratch[w]);
   __syncthreads();
   return r;
 }

@@ -5,7 +5,12 @@
 // [num_layers, 2, block_size, num_kv_heads, head_dim], DESIGN.md section 4). Each (plane, head) slab,
 // block_size x head_dim values, gets
 //   scale = absmax / 448,   q = e4m3(x * (448 / absmax)) rounded to nearest even, saturating,
-// and dequantizes as x' = float(q) * scale. An all-zero slab gets scale 0 and q 0.
+// and dequantizes as x' = float(q) * scale. An all-zero slab gets scale 0 and q 0, and so does a slab
+// whose absmax is below kFp8MinAbsmax (2^-119, where 448 / absmax would overflow fp32 and turn its zeros
+// into NaN; such values, bf16 / fp32 only, decode as 0, off by less than 2^-119).
+// Non-finite input is not quantized: a NaN or inf anywhere in a slab makes its absmax, and so its scale,
+// NaN or inf (the max below propagates NaN, unlike fmaxf), and the launcher (kernels/ops.py) refuses the
+// pages when any scale is not finite. The values written for such a slab are meaningless.
 //
 // The e4m3 values and the scales are addressed per page through a page stride, so they can live in
 // separate contiguous tensors (q [num_pages, ...], scales [num_pages, num_layers, 2, num_kv_heads]) or
@@ -23,6 +28,7 @@ namespace kvstore {
 constexpr int kQuantThreads = 128;
 constexpr int kDequantThreads = 256;
 constexpr float kFp8E4m3Max = 448.0f;
+constexpr float kFp8MinAbsmax = 0x1p-119f;  // smallest absmax with a finite 448 / absmax (FP8_MIN_ABSMAX)
 constexpr int kFp8Group = 8;  // fp8 values per dequant step: one 8-byte load, kFp8Group outputs
 
 // Grid:  x = num_planes * num_kv_heads; block x handles plane x / num_kv_heads, head x % num_kv_heads;
@@ -65,15 +71,15 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_fp8_kernel(
     float f[kVec];
     Traits::unpack(__ldg(reinterpret_cast<const uint4*>(pages + base + token * row_stride + col)), f);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) amax = fmaxf(amax, fabsf(f[e]));
+    for (int e = 0; e < kVec; ++e) amax = nan_max(amax, fabsf(f[e]));
   }
-  amax = block_max<kQuantThreads>(amax, s_scratch);
+  amax = block_max_nan<kQuantThreads>(amax, s_scratch);
   // IEEE division (not the reciprocal approximation): the torch reference computes the same quotient,
-  // so the CUDA and reference bits agree exactly.
-  const float inv = amax > 0.0f ? kFp8E4m3Max / amax : 0.0f;
+  // so the CUDA and reference bits agree exactly. A NaN absmax fails both tests: inv 0, scale NaN.
+  const float inv = amax >= kFp8MinAbsmax ? kFp8E4m3Max / amax : 0.0f;
   if (threadIdx.x == 0) {
     scales[page * scales_page_stride + static_cast<long long>(plane_in_page) * num_kv_heads + head] =
-        amax / kFp8E4m3Max;
+        amax < kFp8MinAbsmax ? 0.0f : amax / kFp8E4m3Max;
   }
 
   for (int i = threadIdx.x; i < num_vecs; i += kQuantThreads) {

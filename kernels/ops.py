@@ -31,13 +31,15 @@ from collections.abc import Sequence
 import torch
 
 from kernels import planning, reference
-from kernels.reference import FP8_E4M3_MAX, KVCaches
+from kernels.reference import FP8_E4M3_MAX, FP8_MIN_ABSMAX, KVCaches
 
 __all__ = [
     "FP8_E4M3_MAX",
+    "FP8_MIN_ABSMAX",
     "FP8_REL_ERROR",
     "FP8_SUBNORMAL_ABS_ERROR",
     "KVCaches",
+    "NonFiniteKV",
     "dequantize_fp8",
     "gather_pages",
     "paged_attention_decode",
@@ -57,6 +59,31 @@ CUDA_ALIGN = 16  # bytes: the kernels move data in 16-byte vectors
 # values (|x / s| >= 2^-6); below that the subnormal step is 2^-9, so the error is within 2^-10 * s.
 FP8_REL_ERROR = 2.0**-4
 FP8_SUBNORMAL_ABS_ERROR = 2.0**-10
+
+
+class NonFiniteKV(ValueError):
+    """fp8 pages refused: a (page, layer, K/V, kv head) slab holds NaN or inf (quantizing), or its stored
+    scale is not a finite, non-negative number (dequantizing). `page`, `layer`, `kv` (0: K, 1: V) and
+    `head` locate the first such slab.
+
+    NOTE: refused, not clamped. One inf makes the slab's absmax, hence its scale, inf, and every value of
+    the slab then decodes as NaN or 0; clamping instead would store KV the engine never computed under the
+    prompt's hash, served as a hit to every later request with that prefix. Non-finite KV is the engine's
+    own fault (its raw pages are what it computed); the cache refuses to spread it."""
+
+    def __init__(self, what: str, page: int, layer: int, kv: int, head: int, why: str) -> None:
+        self.page, self.layer, self.kv, self.head = page, layer, kv, head
+        super().__init__(f"{what}[{page}] layer {layer} {'KV'[kv]} kv head {head}: {why}")
+
+
+def check_fp8_scales(what: str, scales: torch.Tensor, why: str) -> None:
+    """NonFiniteKV naming the first (page, layer, K/V, head) whose scale is not finite or is negative.
+    scales: [num_pages, num_layers, 2, num_kv_heads]. On CUDA this costs one synchronization."""
+    bad = ~torch.isfinite(scales) | (scales < 0)
+    if not bool(bad.any()):
+        return
+    page, layer, kv, head = (int(i) for i in bad.nonzero()[0])
+    raise NonFiniteKV(what, page, layer, kv, head, f"{why} (scale {float(scales[page, layer, kv, head])})")
 
 
 # ---------------------------------------------------------------------------------------- checking
@@ -413,8 +440,10 @@ def quantize_fp8(
     pages: [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim], fp16 / bf16 / fp32.
     Returns (q, scales): q float8_e4m3fn of the same shape (`q.view(torch.uint8)` gives the bytes);
     scales fp32 [num_pages, num_layers, 2, num_kv_heads] with scale = absmax / 448 over the slab's
-    block_size x head_dim values (0 for an all-zero slab). Round-trip error: see FP8_REL_ERROR.
-    Inputs must be finite.
+    block_size x head_dim values (0 for an all-zero slab, or one below FP8_MIN_ABSMAX). Round-trip error:
+    see FP8_REL_ERROR. NaN or inf in pages is refused: NonFiniteKV naming the first such (page, layer,
+    K/V, kv head); on CPU out and out_scales are then unchanged, on CUDA they hold meaningless values (the
+    kernel writes as it goes; the check reads only the scales, one synchronization).
 
     out, out_scales (both or neither): where to write q (float8_e4m3fn or uint8) and the scales, on the
     pages' device; each page's part contiguous, pages at any stride, e.g. views into packed encoded
@@ -441,7 +470,10 @@ def quantize_fp8(
     device = _device_of([("pages", pages), ("out", out), ("out_scales", out_scales)])
     q = out.view(torch.float8_e4m3fn)
     if device.type == "cpu":
-        reference.quantize_fp8(pages, q, out_scales)
+        q_new, scales_new = reference.quantize_fp8(pages)
+        check_fp8_scales("pages", scales_new, NON_FINITE)
+        q.copy_(q_new)
+        out_scales.copy_(scales_new)
         return q, out_scales
     vec = 16 // pages.element_size()
     if pages.shape[-1] % vec:
@@ -452,7 +484,11 @@ def quantize_fp8(
     from kernels import cuda
 
     cuda.quantize_fp8(pages, q, out_scales)
+    check_fp8_scales("pages", out_scales, NON_FINITE)
     return q, out_scales
+
+
+NON_FINITE = "holds NaN or inf; fp8 quantization refuses non-finite KV"
 
 
 def _page_stride_aligned(name: str, t: torch.Tensor, align: int) -> None:
@@ -466,7 +502,10 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     q: [num_pages, num_layers, 2, block_size, num_kv_heads, head_dim], float8_e4m3fn or its uint8 bytes;
     scales: fp32 [num_pages, num_layers, 2, num_kv_heads] on the same device. Each page's part of q and
     of scales contiguous, pages at any stride (views into packed encoded pages work). Returns a new
-    contiguous tensor. On CUDA, q and its page stride must be 8-byte aligned.
+    contiguous tensor. On CUDA, q and its page stride must be 8-byte aligned. A scale that is not finite
+    or is negative (no quantize_fp8 writes one: another writer's page, or damage) is refused with
+    NonFiniteKV naming its (page, layer, K/V, kv head), one synchronization on CUDA; the e4m3 values are
+    not checked (the NaN bytes 0x7f / 0xff decode as NaN).
     """
     q = _paged("q", q, 6, FP8_DTYPES)
     scales = _paged("scales", scales, 4, (torch.float32,))
@@ -484,6 +523,7 @@ def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
             f"scales has shape {tuple(scales.shape)}; expected {(num_pages, num_layers, 2, num_kv_heads)} for q"
         )
     device = _device_of([("q", q), ("scales", scales)])
+    check_fp8_scales("q", scales, "has a scale that is not a finite, non-negative number; fp8 pages need one")
     if device.type == "cpu":
         return reference.dequantize_fp8(q, scales, dtype)
     from kernels import cuda

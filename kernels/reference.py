@@ -22,6 +22,9 @@ from collections.abc import Sequence
 import torch
 
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+# Smallest absmax whose 448 / absmax is finite in fp32 (kFp8MinAbsmax in fp8.cu): a slab below it (bf16 or
+# fp32 values under 1.5e-36) is stored as zeros (scale 0), where 448 / absmax would turn its zeros into NaN.
+FP8_MIN_ABSMAX = 2.0**-119
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -131,7 +134,8 @@ def quantize_fp8(
     """e4m3 pages with one scale per (page, layer, K/V, kv head): scale = absmax / 448.
 
     Returns (q float8_e4m3fn, same shape as pages; scales fp32 [num_pages, num_layers, 2, num_kv_heads]),
-    written into `q` and `scales` when given (views at any page stride work).
+    written into `q` and `scales` when given (views at any page stride work). A slab holding NaN or inf
+    gets a non-finite scale (amax propagates NaN), which `kernels.ops.quantize_fp8` refuses.
     """
     num_pages, num_layers, two, block_size, num_kv_heads, head_dim = pages.shape
     planes = pages.reshape(-1, block_size, num_kv_heads, head_dim).float()
@@ -140,10 +144,12 @@ def quantize_fp8(
     # a scalar into multiplication by its reciprocal, which can round differently from the IEEE
     # division the CUDA kernel does. Equal shapes keep the two bit-identical.
     fp8_max = torch.full_like(amax, FP8_E4M3_MAX)
-    inv = torch.where(amax > 0, fp8_max / amax, torch.zeros_like(amax))
+    zeros = torch.zeros_like(amax)
+    inv = torch.where(amax >= FP8_MIN_ABSMAX, fp8_max / amax, zeros)  # NaN fails the test: 0
     scaled = (planes * inv[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q_new = scaled.to(torch.float8_e4m3fn).reshape(pages.shape)
-    scales_new = (amax / fp8_max).reshape(num_pages, num_layers, two, num_kv_heads)
+    scales_new = torch.where(amax < FP8_MIN_ABSMAX, zeros, amax / fp8_max)  # NaN passes: a NaN scale
+    scales_new = scales_new.reshape(num_pages, num_layers, two, num_kv_heads)
     if q is None or scales is None:
         return q_new, scales_new
     q.copy_(q_new)

@@ -13,7 +13,9 @@ head_dim]` of `dtype` values, stored in one of two encodings:
       [.., page_bytes)                  zero padding to a 16-byte boundary
 
   Decoding gives `float(q) * scale`, rounded to `dtype`, within |x' - x| <= 2^-4 |x| + 2^-10 scale
-  of the original (kernels/README.md, "Numerics"). The 16-byte boundaries let the CUDA kernels read
+  of the original (kernels/README.md, "Numerics"). Every scale is finite and >= 0: the encoder refuses
+  pages holding NaN or inf (kernels.NonFiniteKV) rather than clamp them, and decoders refuse a page
+  whose scale is not (it is no page of this format). The 16-byte boundaries let the CUDA kernels read
   and write encoded pages in place with vector loads; they cost at most 30 bytes a page.
 
 The encoding is a property of the page, not of its key: the prefix-hash contract does not change, and

@@ -21,6 +21,15 @@ class LookupResult:
 
 
 @dataclass(slots=True)
+class ReportResult:
+    """What a node did with a report of damaged pages (distinct pages: a hash named twice counts once)."""
+
+    dropped: int  # its copy failed its checksum too: dropped
+    intact: int  # its copy is intact: the damage happened on the way
+    unchecked: int  # not verified: past the reporting caller's rate (kvstore/node/report_budget.py)
+
+
+@dataclass(slots=True)
 class TierCounters:
     hits: int = 0
     misses: int = 0
@@ -84,6 +93,8 @@ class KvEventsStatus:
     snapshots: int = 0  # full states sent (start, a new subscriber, after drops)
     subscribers: int = 0  # subscriptions seen and not withdrawn
     send_errors: int = 0
+    refused: int = 0  # subscriptions refused: keys not listed (CURVE), or topics outside the key's tenant
+    curve: bool = False  # only listed subscribers may connect (CURVE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +187,8 @@ class NodeStats:
     tenants: list[TenantStats] = field(default_factory=list)  # the caller's own (every one for the default tenant)
     corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival (Report)
     corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
+    corrupt_unconfirmed: int = 0  # the others: intact here, not held here, or unchecked
+    corrupt_unchecked: int = 0  # of the unconfirmed, pages not verified: past the reporting caller's rate
     scrubbed_bytes: int = 0  # DRAM payload bytes the background scrubber verified
     kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
 
@@ -227,6 +240,8 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "put_rejected": stats.put_rejected,
         "corrupt_reports": stats.corrupt_reports,
         "corrupt_confirmed": stats.corrupt_confirmed,
+        "corrupt_unconfirmed": stats.corrupt_unconfirmed,
+        "corrupt_unchecked": stats.corrupt_unchecked,
         "scrubbed_bytes": stats.scrubbed_bytes,
         "index": None if stats.index is None else {f.name: getattr(stats.index, f.name) for f in fields(stats.index)},
         "planes": [{"name": p.name, "address": p.address, "tls": p.tls} for p in stats.planes],

@@ -8,7 +8,9 @@ A worker's model holds its KV in its own dtype; the cache stores pages in the de
   offsets the layout gives) on the pages' device, the CUDA kernel on a GPU and the torch reference on
   CPU; only the packed, half-size bytes then cross to the host. Decoding moves the packed bytes to the
   model's device first (half the transfer) and dequantizes there with `kernels.dequantize_fp8`. A
-  decoded value is within the bound of kernels/README.md ("Numerics") of the original.
+  decoded value is within the bound of kernels/README.md ("Numerics") of the original. Pages holding NaN
+  or inf are refused when encoded, and stored pages whose scales are not finite when decoded
+  (`kernels.NonFiniteKV`, which names the first such page: the pages before it are usable).
 
 Invariant: `encode` then `decode` gives the input exactly for raw, within that bound for fp8, and the
 bytes `encode` produces are a function of the pages alone (padding is zero), so equal pages give equal

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kernels import NonFiniteKV
 from kvstore.client.cluster import ClusterClient
 from kvstore.errors import KVStoreError
 from kvstore.hashing import prefix_hashes
@@ -38,6 +40,8 @@ from kvstore.layout import PageEncoding
 from workers.loader import load_checkpoint
 from workers.model import CacheConfig, PagedLlama
 from workers.page_codec import PageCodec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -145,7 +149,12 @@ class _Engine:
         if tiers is not None:
             for p in got:
                 tiers[p.tier.label] = tiers.get(p.tier.label, 0) + 1
-        return self.codec.decode([p.data for p in got], device=self.model.device)
+        data = [p.data for p in got]
+        try:
+            return self.codec.decode(data, device=self.model.device)
+        except NonFiniteKV as exc:  # a stored page this encoder would never write: a miss from there on
+            log.warning("cached page unusable, prefix cut at page %d: %s", exc.page, exc)
+            return self.codec.decode(data[: exc.page], device=self.model.device) if exc.page else None
 
     def _local_match(self, hashes: Sequence[bytes], index_matched: int) -> int:
         """The local node's own longest match when the index shows less than the whole chain.
@@ -206,11 +215,20 @@ class PrefillEngine(_Engine):
             stored = 0
             if new:
                 out = self.model.export_pages(seq, list(new))
-                blobs = self.codec.encode_buffers(out)
-                stored_on, res = self.cache.put(
-                    self.cfg.namespace, self.layout, hashes[cached:], blobs, parent_chain=hashes[:cached]
-                )
-                stored = res.stored
+                try:
+                    blobs = self.codec.encode_buffers(out)
+                except NonFiniteKV as exc:  # NaN/inf KV is not cached: the pages before it still are
+                    log.warning("not caching pages from block %d on: %s", cached + exc.page, exc)
+                    blobs = self.codec.encode_buffers(out[: exc.page]) if exc.page else []
+                if blobs:
+                    stored_on, res = self.cache.put(
+                        self.cfg.namespace,
+                        self.layout,
+                        hashes[cached : cached + len(blobs)],
+                        blobs,
+                        parent_chain=hashes[:cached],
+                    )
+                    stored = res.stored
             t4 = time.perf_counter()
         finally:
             self.model.free(seq)

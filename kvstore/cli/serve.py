@@ -81,7 +81,11 @@ def serve(  # noqa: PLR0913
     ] = None,
     kv_events_endpoint: Annotated[
         str | None,
-        typer.Option(help="publish KV events for routers (vLLM format, ZMQ PUB) here, e.g. tcp://0.0.0.0:5557"),
+        typer.Option(
+            help="publish KV events for routers (vLLM format, ZMQ PUB) here: a port (5557: on --host, loopback "
+            "by default) or tcp://HOST:PORT; an address other hosts reach needs --kv-events-curve-secret-file "
+            "or --kv-events-allow-open"
+        ),
     ] = None,
     kv_events_topic: Annotated[
         str | None, typer.Option(help="topic prefix: PREFIX@NODE@NAMESPACE (default kv)")
@@ -91,6 +95,24 @@ def serve(  # noqa: PLR0913
     ] = None,
     kv_events_encoding: Annotated[
         str | None, typer.Option(help="events as vLLM 0.32's maps ('map', default) or the older arrays ('array')")
+    ] = None,
+    kv_events_curve_secret_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="CURVE for the feed: the node's certificate with its secret key (pyzmq's NAME.key_secret, mode "
+            "600); with --kv-events-subscribers-file"
+        ),
+    ] = None,
+    kv_events_subscribers_file: Annotated[
+        Path | None,
+        typer.Option(help="who may subscribe: lines 'PUBLIC_KEY' (every topic) or 'PUBLIC_KEY TENANT' (its own)"),
+    ] = None,
+    kv_events_allow_open: Annotated[
+        bool | None,
+        typer.Option(
+            "--kv-events-allow-open/--no-kv-events-allow-open",
+            help="publish without CURVE on an address other hosts reach (a network only the indexer reaches)",
+        ),
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file with a \\[node] table")] = None,
     ready_file: Annotated[Path | None, typer.Option(help="write {port, pid} JSON here once serving")] = None,
@@ -134,6 +156,9 @@ def serve(  # noqa: PLR0913
         kv_events_topic=kv_events_topic,
         kv_events_hash_format=kv_events_hash_format,
         kv_events_encoding=kv_events_encoding,
+        kv_events_curve_secret_file=_path(kv_events_curve_secret_file),
+        kv_events_subscribers_file=_path(kv_events_subscribers_file),
+        kv_events_allow_open=kv_events_allow_open,
     )
     setup_logging(cfg.log_level)
     asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))

@@ -61,7 +61,8 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
     )
     console.print(
         f"corruption: reported by clients {stats.corrupt_reports} (confirmed here and dropped "
-        f"{stats.corrupt_confirmed}), DRAM scrubbed {human_bytes(stats.scrubbed_bytes)}"
+        f"{stats.corrupt_confirmed}, unconfirmed {stats.corrupt_unconfirmed} of which unchecked "
+        f"{stats.corrupt_unchecked}: past the reporter's rate), DRAM scrubbed {human_bytes(stats.scrubbed_bytes)}"
     )
     if stats.index is not None:
         i = stats.index
@@ -75,7 +76,8 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
         e = stats.kv_events
         console.print(
             f"kv events {e.endpoint}: {e.subscribers} subscriber(s), sent {e.sent_events} in {e.sent_batches} "
-            f"messages, queued {e.queued}, dropped {e.dropped_events}, snapshots {e.snapshots}"
+            f"messages, queued {e.queued}, dropped {e.dropped_events}, snapshots {e.snapshots}, "
+            + (f"CURVE (listed keys only), refused {e.refused}" if e.curve else "open (no authentication)")
         )
     for ns, layout, pages in stats.namespaces:
         console.print(f"namespace [cyan]{ns}[/]: {pages} pages, encoding {layout.encoding.label}, {layout.describe()}")

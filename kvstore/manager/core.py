@@ -50,7 +50,15 @@ from kvstore.manager.state import (
 from kvstore.names import Key, TierKind
 from kvstore.node.config import NodeConfig
 from kvstore.policy import make_policy
-from kvstore.stats import IndexStatus, KvEventsStatus, LookupResult, NodeStats, TierStats, copy_counters
+from kvstore.stats import (
+    IndexStatus,
+    KvEventsStatus,
+    LookupResult,
+    NodeStats,
+    ReportResult,
+    TierStats,
+    copy_counters,
+)
 from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.dram import BouncePool, DramTier
 from kvstore.tiers.hbm import HbmTier
@@ -259,22 +267,31 @@ class TierManager:
             raise InvalidArgument("into", f"{len(into)} destinations for {len(hashes)} hashes")
         return self.reader.get([(namespace, h) for h in hashes], promote, into, receiver_verifies)
 
-    async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
+    async def report_corrupt(
+        self, namespace: str, hashes: list[bytes], allow: Callable[[int], int] | None = None
+    ) -> ReportResult:
         """Clients received these pages with bytes that failed their checksum: verify this node's copy of
         each; a copy that fails is dropped and counted, one that passes stays (the damage was on the way).
-        Returns (dropped, intact); pages not stored count as neither."""
+        A hash named twice is one page (verified once, counted once). `allow(n)` says how many of the n
+        distinct pages the reporting caller may have verified (its rate; None: all); the rest are counted,
+        not read. Pages not stored count as neither dropped nor intact."""
         self.layout_of(namespace)
         check_hashes(hashes, "hashes", MAX_HASHES)
+        distinct = list(dict.fromkeys(hashes))  # NOTE: first-seen order: the client's order of reading
+        checked = len(distinct) if allow is None else max(0, min(len(distinct), allow(len(distinct))))
         dropped = intact = 0
-        for h in hashes:
-            self.counters.corrupt_reports += 1
+        for h in distinct[:checked]:
             ok = await self.reader.verify((namespace, h))
             if ok is False:
                 dropped += 1
-                self.counters.corrupt_confirmed += 1
             elif ok:
                 intact += 1
-        return dropped, intact
+        c = self.counters
+        c.corrupt_reports += len(distinct)
+        c.corrupt_confirmed += dropped
+        c.corrupt_unconfirmed += len(distinct) - dropped
+        c.corrupt_unchecked += len(distinct) - checked
+        return ReportResult(dropped, intact, len(distinct) - checked)
 
     # ------------------------------------------------------------------ mutations
 
@@ -420,6 +437,8 @@ class TierManager:
             put_rejected=c.put_rejected,
             corrupt_reports=c.corrupt_reports,
             corrupt_confirmed=c.corrupt_confirmed,
+            corrupt_unconfirmed=c.corrupt_unconfirmed,
+            corrupt_unchecked=c.corrupt_unchecked,
             scrubbed_bytes=c.scrubbed_bytes,
             index=self.index_status() if self.index_status is not None else None,
             tenants=self.tenants.snapshot(self.config.slot_bytes),

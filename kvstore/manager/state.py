@@ -81,8 +81,10 @@ class NodeCounters:
     prefetch_used: int = 0  # prefetched pages a Get then read
     prefetch_wasted: int = 0  # prefetched pages that left their tier (or the node) unread
     put_rejected: int = 0  # Put transactions aborted
-    corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival
+    corrupt_reports: int = 0  # pages clients reported failing their checksum on arrival (distinct per report)
     corrupt_confirmed: int = 0  # of those, pages whose copy here failed too (dropped)
+    corrupt_unconfirmed: int = 0  # the others: intact here, not held here, or unchecked
+    corrupt_unchecked: int = 0  # of the unconfirmed, pages not verified: past the reporting caller's rate
     scrubbed_bytes: int = 0  # DRAM payload bytes the scrubber verified
 
     def prefetch_fate(self, entry: Entry, used: bool) -> None:

@@ -17,7 +17,7 @@ Above the manager (it takes a TierManager); the node builds one view per tenant 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from kvstore.errors import InvalidArgument, NamespaceNotFound
@@ -29,7 +29,7 @@ from kvstore.manager.put import PutTxn
 from kvstore.manager.reads import ReadLease
 from kvstore.names import TierKind
 from kvstore.scoping import DEFAULT_TENANT, scope, split
-from kvstore.stats import LookupResult, NodeStats
+from kvstore.stats import LookupResult, NodeStats, ReportResult
 from kvstore.wire import PutOpen
 
 _MAX_REMEMBERED = 1024  # client namespaces a view remembers as valid (beyond, each call validates again)
@@ -111,8 +111,10 @@ class TenantView:
         if self.tenant != DEFAULT_TENANT:
             self.manager.tenants.note_miss(namespace, h, self.tenant)
 
-    async def report_corrupt(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
-        return await self.manager.report_corrupt(self.ns(namespace), hashes)
+    async def report_corrupt(
+        self, namespace: str, hashes: list[bytes], allow: Callable[[int], int] | None = None
+    ) -> ReportResult:
+        return await self.manager.report_corrupt(self.ns(namespace), hashes, allow)
 
     async def delete(self, namespace: str, hashes: list[bytes]) -> tuple[int, int, int]:
         return await self.manager.delete(self.ns(namespace), hashes)
@@ -148,4 +150,5 @@ class TenantView:
         if self.tenant != DEFAULT_TENANT:
             stats.tenants = [replace(t, cross_tenant_misses=0) for t in stats.tenants if t.tenant == self.tenant]
             stats.corrupt_reports = stats.corrupt_confirmed = stats.scrubbed_bytes = 0
+            stats.corrupt_unconfirmed = stats.corrupt_unchecked = 0
         return stats

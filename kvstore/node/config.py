@@ -9,6 +9,7 @@ File (`--config FILE`): a `[node]` table with the field names below. Environment
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import socket
@@ -121,11 +122,18 @@ class NodeConfig:
     # in the token files; without either, every caller is the default tenant (no change).
     tenants_file: str | None = None
     # KV events for routers (kvstore/node/kv_events.py): vLLM's KV-event format over ZMQ PUB; None = off.
-    kv_events_endpoint: str | None = None  # e.g. tcp://0.0.0.0:5557 (a subscriber connects here)
+    # Where subscribers connect: tcp://HOST:PORT, ipc://PATH, or just a PORT (or tcp://:PORT): the gRPC host's.
+    kv_events_endpoint: str | None = None
     kv_events_topic: str = "kv"  # topics are {kv_events_topic}@{node_id}@{namespace}
     kv_events_hash_format: str = "bytes"  # "bytes": the 32-byte keys; "u64": their last 8 bytes, big-endian
     kv_events_max_queue: int = 100_000  # changes waiting to be sent; beyond it they are dropped and counted
     kv_events_encoding: str = "map"  # "map": vLLM 0.32's events; "array": the older array form (llm-d's decoder)
+    # CURVE (ZMQ's authentication and encryption): the node's certificate with its secret key (pyzmq's
+    # zmq.auth.create_certificates writes NAME.key_secret; private: mode 0600), and who may subscribe: lines
+    # `PUBLIC_KEY` (z85, 40 characters: every topic) or `PUBLIC_KEY TENANT` (that tenant's topics only).
+    kv_events_curve_secret_file: str | None = None
+    kv_events_subscribers_file: str | None = None
+    kv_events_allow_open: bool = False  # a feed without CURVE on an address other hosts reach: refused unless set
 
     def __post_init__(self) -> None:
         for name in _SIZE_FIELDS:
@@ -177,12 +185,19 @@ class NodeConfig:
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
         if self.kv_events_endpoint is not None:
+            self.kv_events_endpoint = events_endpoint(self.kv_events_endpoint, self.host)
             check_events_config(
                 self.kv_events_endpoint,
                 self.kv_events_hash_format,
                 self.kv_events_max_queue,
                 self.kv_events_topic,
                 self.kv_events_encoding,
+            )
+            check_events_access(
+                self.kv_events_endpoint,
+                self.kv_events_curve_secret_file,
+                self.kv_events_subscribers_file,
+                self.kv_events_allow_open,
             )
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
             raise ValueError("nvme_segment_bytes must hold at least one slot")
@@ -227,6 +242,47 @@ def check_events_config(endpoint: str, hash_format: str, max_queue: int, topic: 
         raise ValueError(f"kv_events_topic must be non-empty and without '@', got {topic!r}")
     if encoding not in ("map", "array"):
         raise ValueError(f"kv_events_encoding must be 'map' or 'array', got {encoding!r}")
+
+
+def events_endpoint(value: str, grpc_host: str) -> str:
+    """The KV-event endpoint `value` names: a bare PORT or tcp://:PORT binds the gRPC host (so the feed is as
+    reachable as the node's API, loopback by default); anything else is taken as written."""
+    port = value.removeprefix("tcp://:") if value.startswith("tcp://:") else value
+    if port.isdigit():
+        host = f"[{grpc_host}]" if ":" in grpc_host else grpc_host
+        return f"tcp://{host or '0.0.0.0'}:{port}"
+    return value
+
+
+def events_endpoint_is_local(endpoint: str) -> bool:
+    """Whether only this host can reach a ZMQ endpoint: ipc:// and inproc://, or tcp:// on a loopback address."""
+    if not endpoint.startswith("tcp://"):
+        return True
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name or an interface ("*", "eth0"): other hosts may reach it
+
+
+def check_events_access(endpoint: str, secret_file: str | None, subscribers_file: str | None, allow_open: bool) -> None:
+    """ValueError naming the field unless the feed is authenticated (both CURVE files), or reachable from this
+    host only, or opened on purpose (`kv_events_allow_open`): it names tenants, namespaces and the hashes
+    they hold, so a subscriber that can compute a prompt's hashes learns whether a tenant cached it."""
+    if (secret_file is None) != (subscribers_file is None):
+        raise ValueError("kv_events_curve_secret_file and kv_events_subscribers_file go together (CURVE)")
+    for name, path in (("kv_events_curve_secret_file", secret_file), ("kv_events_subscribers_file", subscribers_file)):
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"{name}: no such file {path!r}")
+    if secret_file is None and not allow_open and not events_endpoint_is_local(endpoint):
+        raise ValueError(
+            f"kv_events_endpoint: {endpoint} would publish every tenant's namespaces and block hashes to anyone "
+            "who reaches it; give the feed CURVE keys (kv_events_curve_secret_file and kv_events_subscribers_file), "
+            "bind it to loopback (a bare port binds the gRPC host), or set kv_events_allow_open on a network "
+            "only the router's indexer reaches"
+        )
 
 
 def _coerce(cls: type[NodeConfig], name: str, raw: str) -> Any:

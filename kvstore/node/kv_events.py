@@ -30,29 +30,53 @@ Block hashes are the 32-byte keys (msgpack bin, as vLLM sends its own sha256 has
 `kv_events_hash_format = "u64"` their last 8 bytes as a big-endian unsigned int (the same number llm-d
 derives from the bytes; for indexers that take only integers).
 
+Who may subscribe (SECURITY.md, "The KV-event feed"). The feed names tenants, namespaces and the hashes
+each holds, so:
+- a bare port (`--kv-events-endpoint 5557`) binds the gRPC host, loopback by default; an address other hosts
+  reach is refused unless the feed is authenticated or `kv_events_allow_open` says the network is private;
+- with `kv_events_curve_secret_file` and `kv_events_subscribers_file` it is CURVE-authenticated and
+  encrypted (ZMQ's own mechanism, so a vLLM-style pyzmq or Go zmq4 SUB socket only sets three keys): the
+  ZAP handler admits the listed public keys, a key listed with a tenant gets that tenant's topics only
+  (`granted`: the socket is in XPUB_MANUAL mode, so the node decides what each connection is subscribed
+  to), a key without one every topic (the router's indexer).
+
 Invariants: `note()` (called by the manager on every placement change, on the node's event loop) is O(1)
 and never blocks: events wait in a bounded queue; beyond `max_queue` they are dropped and counted, and a
 snapshot is scheduled. One thread owns the socket: it batches, encodes and sends with NOBLOCK, so a slow or
 stuck subscriber costs ZMQ's per-subscriber buffer (messages past its high-water mark are dropped for it
-alone, which it sees as a sequence gap), never the node's time.
+alone, which it sees as a sequence gap), never the node's time. That buffer is bounded in bytes, not only
+in messages: at most `SEND_HWM` messages of at most `MAX_EVENTS_PER_BATCH` events each (about 36 MiB; the
+same messages are shared by every subscriber of the same topics, so 20 never-reading subscribers cost about
+what one does). A snapshot walks the page table on the loop in slices of `SNAPSHOT_SLICE` pages, so no
+request waits behind a whole walk, and snapshots come at most every `SNAPSHOT_MIN_SECONDS`, or
+`SNAPSHOT_COST_FACTOR` times the last one's cost if that is longer (up to `SNAPSHOT_MAX_SECONDS`, so a new
+indexer still gets the state soon): joins, however frequent, keep snapshots' share of the node's time under
+1/SNAPSHOT_COST_FACTOR, unless one snapshot costs more than SNAPSHOT_MAX_SECONDS / SNAPSHOT_COST_FACTOR.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
+import stat
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from kvstore.names import TierKind
 from kvstore.node.config import check_events_config
-from kvstore.scoping import DEFAULT_TENANT, tenant_of, unscope
+from kvstore.scoping import DEFAULT_TENANT, check_tenant, tenant_of, unscope
+from kvstore.security import check_private
 from kvstore.stats import KvEventsStatus
 
 if TYPE_CHECKING:
@@ -62,10 +86,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEDIUM = {TierKind.HBM: "GPU", TierKind.DRAM: "CPU", TierKind.NVME: "STORAGE"}  # vLLM's MEDIUM_* names
-MAX_EVENTS_PER_BATCH = 1024  # one message stays well under a subscriber's buffers
+# NOTE: a message of 256 events is at most ~36 KiB (a map-form BlockStored with one hash is ~135 bytes, a
+# hash in a chain 34): with SEND_HWM that bounds what a subscriber that never reads holds in the node.
+MAX_EVENTS_PER_BATCH = 256
 FLUSH_SECONDS = 0.01  # how long a change may wait before it is sent (vLLM sends once per engine step)
-SNAPSHOT_MIN_SECONDS = 1.0  # snapshots (O(pages held), on the node's loop) at most this often: joins share one
-SEND_HWM = 100_000  # messages ZMQ buffers per subscriber before dropping for that subscriber (vLLM's value)
+SNAPSHOT_MIN_SECONDS = 1.0  # snapshots (O(pages held)) at most this often: joins in between share one
+SNAPSHOT_COST_FACTOR = 20  # and no sooner than this many times the last one's cost (walk + encoding)...
+SNAPSHOT_MAX_SECONDS = 30.0  # ...but at most this long after a join: a new indexer gets the state within it
+SNAPSHOT_SLICE = 2048  # pages a snapshot reads per turn of the loop
+# NOTE: vLLM's publisher buffers 100,000 messages per subscriber; with 1,024-event messages a subscriber that
+# connected and never read held up to gigabytes (+160 MiB in an outside probe, kept after it left). 1,024
+# messages of <= 36 KiB: <= 36 MiB, and a snapshot of 260,000 pages still fits whole.
+SEND_HWM = 1024
+ZAP_DOMAIN = "kvstore-kv-events"
 
 # (namespace, hash, tier now or None, tier before or None, parent hash or None, block size)
 Change = tuple[str, bytes, TierKind | None, TierKind | None, bytes | None, int]
@@ -156,6 +189,98 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+def tenant_topics(prefix: str, node_id: str, tenant: str) -> str:
+    """The prefix every topic of `tenant`'s namespaces starts with (a tenant's subscription is cut to it)."""
+    return f"{prefix}@{node_id}/{tenant}@"
+
+
+def granted(requested: bytes, tenant: str | None, prefix: str, node_id: str) -> bytes | None:
+    """What a subscription to `requested` may receive: all of it for a subscriber bound to no tenant (no
+    CURVE, or a key listed without one: the default tenant's, the operator's), else the part inside its
+    tenant's topics, else None (refused). Pure."""
+    if tenant is None or tenant == DEFAULT_TENANT:
+        return requested
+    own = tenant_topics(prefix, node_id, tenant).encode()
+    if own.startswith(requested):
+        return own
+    if requested.startswith(own):
+        return requested
+    return None
+
+
+def read_subscribers_file(path: str) -> dict[bytes, str]:
+    """{z85 public key: tenant} of a subscribers file: lines `KEY` or `KEY TENANT` (no tenant: the default
+    tenant, every topic), blank lines and # comments skipped. ValueError naming the file and line for a
+    key that is not 40 z85 characters, a bad tenant name, or a file other users may write."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if stat.S_IMODE(st.st_mode) & 0o022:
+            raise ValueError(f"{path}: other users may write it (mode {stat.S_IMODE(st.st_mode):04o}): chmod 644")
+        text = f.read().decode()
+    keys: dict[bytes, str] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields or fields[0].startswith("#"):
+            continue
+        if len(fields) > 2 or len(fields[0]) != 40:
+            raise ValueError(f"{path}:{n}: a line is a CURVE public key (40 z85 characters), optionally its tenant")
+        try:
+            z85.decode(fields[0])
+        except ValueError:
+            raise ValueError(f"{path}:{n}: {fields[0]!r} is not z85") from None
+        keys[fields[0].encode()] = check_tenant(fields[1], f"{path}:{n}: tenant") if len(fields) > 1 else DEFAULT_TENANT
+    return keys
+
+
+def read_node_secret(path: str) -> tuple[bytes, bytes]:
+    """(public, secret) z85 keys of the node's certificate (pyzmq's NAME.key_secret format). ValueError
+    naming the file when it is readable by others or holds no secret key."""
+    with open(path, "rb") as f:
+        check_private(path, os.fstat(f.fileno()))
+    public, secret = zmq.auth.load_certificate(path)
+    if not secret:
+        raise ValueError(f"{path}: no secret key (give the NAME.key_secret file, not NAME.key)")
+    return public, secret
+
+
+class _SubscriberAuth(ThreadAuthenticator):
+    """ZAP for the feed's socket: admits the keys of the subscribers file (re-read when it changes; a file
+    that turns bad admits nobody until fixed) and tags each connection with its key's tenant (User-Id)."""
+
+    def __init__(self, ctx: zmq.Context, path: str) -> None:
+        super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
+        self.path = path
+        self.keys = read_subscribers_file(path)  # a bad file refuses the start
+        self._seen = self._stat()
+        self.refused = 0
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """pyzmq's credentials provider: whether `key` (z85) may connect."""
+        seen = self._stat()
+        if seen != self._seen:
+            self._seen = seen
+            try:
+                self.keys = read_subscribers_file(self.path)
+            except (OSError, ValueError, UnicodeDecodeError) as exc:
+                log.error("kv events: subscribers file %s: %s; no subscriber is admitted until it is fixed",
+                          self.path, exc)  # fmt: skip
+                self.keys = {}
+        if key in self.keys:
+            return True
+        self.refused += 1
+        return False
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.keys.get(z85.encode(client_public_key), DEFAULT_TENANT)
+
+
 def topic_of(prefix: str, node_id: str, namespace: str) -> str:
     """The topic of a stored (tenant-scoped) namespace's events."""
     tenant = tenant_of(namespace)
@@ -235,20 +360,25 @@ class Batcher:
 
 
 class _Snapshot:
-    """Queue marker: clear every topic, then store these holdings."""
+    """Queue marker: clear every topic, then store these holdings. Filled on the loop a slice at a time;
+    the sender thread sends nothing queued behind it until it is `complete`."""
 
-    __slots__ = ("changes", "namespaces")
+    __slots__ = ("changes", "complete", "namespaces", "started", "walk_seconds")
 
-    def __init__(self, changes: list[Change], namespaces: list[str]) -> None:
-        self.changes = changes
-        self.namespaces = namespaces
+    def __init__(self) -> None:
+        self.changes: list[Change] = []
+        self.namespaces: set[str] = set()
+        self.complete = False
+        self.started = time.monotonic()
+        self.walk_seconds = 0.0  # loop time spent reading the holdings
 
 
 class KvEventPublisher:
     """The node's KV-event publisher: `note()` from the manager (on the loop), a thread that sends.
 
-    Lifecycle: `start(loop)` binds the socket (a bad or busy endpoint raises here, so the node refuses
-    to start) and queues the first snapshot; `close()` sends `AllBlocksCleared` and stops the thread.
+    Lifecycle: `start(loop)` binds the socket (a bad or busy endpoint, or a bad key file, raises here, so the
+    node refuses to start) and queues the first snapshot; `close()` sends `AllBlocksCleared` and stops the
+    thread. With `curve_secret_file` and `subscribers_file` only listed keys may subscribe (CURVE).
     """
 
     # keyword-only tuning settings, each with a default
@@ -265,26 +395,37 @@ class KvEventPublisher:
         encoding: str = "map",
         flush_seconds: float = FLUSH_SECONDS,
         send_hwm: int = SEND_HWM,
+        curve_secret_file: str | None = None,
+        subscribers_file: str | None = None,
     ) -> None:
         check_events_config(endpoint, hash_format, max_queue, topic_prefix, encoding)
+        if (curve_secret_file is None) != (subscribers_file is None):
+            raise ValueError("kv_events_curve_secret_file and kv_events_subscribers_file go together (CURVE)")
         self._arrays = encoding == "array"
         self.endpoint = endpoint
+        self.node_id = node_id
+        self.topic_prefix = topic_prefix
         self.batcher = Batcher(topic_prefix, node_id, hash_format)
         self.max_queue = max_queue
         self.flush_seconds = flush_seconds
         self.send_hwm = send_hwm
-        self.status = KvEventsStatus(endpoint=endpoint)
+        self.curve_secret_file = curve_secret_file
+        self.subscribers_file = subscribers_file
+        self.status = KvEventsStatus(endpoint=endpoint, curve=curve_secret_file is not None)
         self._holdings = holdings
         self._describe = describe
         self._queue: deque[Change | _Snapshot] = deque()  # appended on the loop, drained by the thread
         self._known: set[str] = set()  # namespaces ever published (the thread's: what a clear covers)
-        self._snapshot_due = False  # set on the loop when one is queued or being built
+        self._snapshot_due = False  # set on the loop when one is scheduled or being built
+        self._snapshot_again = False  # changes were dropped while one was being built: another after it
         self._last_snapshot = -SNAPSHOT_MIN_SECONDS
+        self._last_cost = 0.0  # seconds the last snapshot cost (walk on the loop + encoding in the thread)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.Context | None = None
+        self._auth: _SubscriberAuth | None = None
         self._sock: zmq.Socket | None = None
         self._seq = 0
 
@@ -307,16 +448,28 @@ class KvEventPublisher:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._ctx = zmq.Context.instance()
-        sock = self._ctx.socket(zmq.XPUB)
-        sock.setsockopt(zmq.SNDHWM, self.send_hwm)
-        sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, so each new subscriber gets a snapshot
-        sock.setsockopt(zmq.LINGER, 500)
+        # NOTE: a context of its own: the ZAP handler binds inproc://zeromq.zap.01, one per context.
+        self._ctx = zmq.Context()
+        sock: zmq.Socket | None = None
         try:
+            sock = self._ctx.socket(zmq.XPUB)
+            sock.setsockopt(zmq.SNDHWM, self.send_hwm)
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)  # every (un)subscription comes here; granted() decides
+            sock.setsockopt(zmq.LINGER, 500)
+            if self.curve_secret_file is not None and self.subscribers_file is not None:
+                _, secret = read_node_secret(self.curve_secret_file)
+                self._auth = _SubscriberAuth(self._ctx, self.subscribers_file)
+                self._auth.start()
+                self._auth.configure_curve_callback(ZAP_DOMAIN, self._auth)
+                sock.curve_server = True
+                sock.curve_secretkey = secret
+                sock.zap_domain = ZAP_DOMAIN.encode()
             sock.bind(self.endpoint)
-        except zmq.ZMQError as exc:
-            sock.close(0)
-            raise OSError(f"kv_events_endpoint: cannot bind {self.endpoint!r}: {exc}") from None
+        except (zmq.ZMQError, OSError, ValueError) as exc:
+            self._close_zmq(sock)
+            if isinstance(exc, zmq.ZMQError):
+                raise OSError(f"kv_events_endpoint: cannot bind {self.endpoint!r}: {exc}") from None
+            raise
         self._sock = sock
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint  # tcp://...:0 -> the port
         self.status.endpoint = self.endpoint
@@ -332,7 +485,19 @@ class KvEventPublisher:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("kv events: sender thread did not stop within %.1fs", timeout)
+                return  # it still owns the socket; the process exits around it
             self._thread = None
+        self._close_zmq(None)
+
+    def _close_zmq(self, sock: zmq.Socket | None) -> None:
+        if sock is not None:
+            sock.close(0)
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
 
     def snapshot_status(self) -> KvEventsStatus:
         """A copy of the counters (read on the loop: Stats, /metrics)."""
@@ -346,35 +511,58 @@ class KvEventPublisher:
             s.snapshots,
             s.subscribers,
             s.send_errors,
+            s.refused + (self._auth.refused if self._auth is not None else 0),
+            s.curve,
         )
 
-    # -- snapshots (taken on the loop, so they are consistent with the changes queued around them)
+    # -- snapshots (read on the loop, a slice per turn, so they are consistent with the changes queued around
+    #    them: every change after the walk began is queued behind it)
+
+    def snapshot_interval(self) -> float:
+        """Seconds between snapshots now: joins in between share one."""
+        return max(SNAPSHOT_MIN_SECONDS, min(SNAPSHOT_MAX_SECONDS, SNAPSHOT_COST_FACTOR * self._last_cost))
 
     def _schedule_snapshot(self) -> None:
-        if self._snapshot_due or self._loop is None:
+        if self._loop is None:
+            return
+        if self._snapshot_due:
+            self._snapshot_again = True  # drops while one is built are not in it: another follows
             return
         self._snapshot_due = True
-        # Always called on the loop (the thread goes through call_soon_threadsafe). Rate-limited: a burst of
-        # joins (or a client reconnecting in a loop) costs the node one walk of its page table per interval.
-        wait = self._last_snapshot + SNAPSHOT_MIN_SECONDS - time.monotonic()
+        # Always called on the loop (the thread goes through call_soon_threadsafe).
+        wait = self._last_snapshot + self.snapshot_interval() - time.monotonic()
         if wait > 0:
-            self._loop.call_later(wait, self._take_snapshot)
+            self._loop.call_later(wait, self._begin_snapshot)
         else:
-            self._loop.call_soon(self._take_snapshot)
+            self._loop.call_soon(self._begin_snapshot)
 
-    def _take_snapshot(self) -> None:
+    def _begin_snapshot(self) -> None:
+        self._snapshot_again = False
         self._last_snapshot = time.monotonic()
-        changes: list[Change] = []
-        namespaces: set[str] = set()
-        for ns, h, tier in self._holdings():
-            parent, block_size = self._describe(ns, h)
-            changes.append((ns, h, tier, None, parent, block_size))
-            namespaces.add(ns)
-        # NOTE: the snapshot replaces what is queued: changes before it are part of the state it shows.
+        snap = _Snapshot()
+        # NOTE: the snapshot replaces what is queued: changes before it are part of the state it shows, and
+        # changes from now on are queued behind it, so a page that changes during the walk ends right.
         self._queue.clear()
-        self._queue.append(_Snapshot(changes, sorted(namespaces)))
+        self._queue.append(snap)
+        self._read_slice(snap, iter(self._holdings()))
+
+    def _read_slice(self, snap: _Snapshot, pages: Iterator[Holding]) -> None:
+        t0 = time.monotonic()
+        n = 0
+        for ns, h, tier in itertools.islice(pages, SNAPSHOT_SLICE):
+            parent, block_size = self._describe(ns, h)
+            snap.changes.append((ns, h, tier, None, parent, block_size))
+            snap.namespaces.add(ns)
+            n += 1
+        snap.walk_seconds += time.monotonic() - t0
+        if n == SNAPSHOT_SLICE and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon(self._read_slice, snap, pages)  # requests waiting on the loop go first
+            return
+        snap.complete = True
         self._snapshot_due = False
         self._wake.set()
+        if self._snapshot_again:
+            self._schedule_snapshot()
 
     # -- the sender thread (owns the socket)
 
@@ -386,7 +574,7 @@ class KvEventPublisher:
                 self._wake.clear()
                 self._read_subscriptions()
                 self._drain()
-            self._drain()
+            self._drain(final=True)
             self._send({t: [AllBlocksCleared()] for t in map(self.batcher.topic, sorted(self._known))})
         except Exception:  # the node must keep serving whatever happens to its event feed
             log.exception("kv events: sender thread failed; no more events are published")
@@ -394,22 +582,38 @@ class KvEventPublisher:
             self._sock.close()
 
     def _read_subscriptions(self) -> None:
+        """Subscribe each new subscription's connection to what `granted` allows it (XPUB_MANUAL: the socket
+        subscribes the connection the last message came from, so each is answered before the next is read)."""
         assert self._sock is not None
         joined = False
         for _ in range(1000):  # bounded: subscription messages are tiny and rare
             try:
-                msg = self._sock.recv(zmq.NOBLOCK)
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            msg = frame.bytes
+            try:
+                tenant = frame.get("User-Id") if self._auth is not None else None
+            except zmq.ZMQError:  # a closed connection's withdrawals carry no metadata: ZMQ dropped them
+                tenant = None
             if msg[:1] == b"\x01":
+                topic = granted(msg[1:], tenant, self.topic_prefix, self.node_id)
+                if topic is None:
+                    self.status.refused += 1
+                    log.info("kv events: a subscriber of tenant %r asked for %r: refused", tenant, msg[1:80])
+                    continue
+                self._sock.setsockopt(zmq.SUBSCRIBE, topic)
                 self.status.subscribers += 1
                 joined = True
             elif msg[:1] == b"\x00":
+                topic = granted(msg[1:], tenant, self.topic_prefix, self.node_id)
+                if topic is not None:
+                    self._sock.setsockopt(zmq.UNSUBSCRIBE, topic)
                 self.status.subscribers = max(0, self.status.subscribers - 1)
         if joined and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._schedule_snapshot)
 
-    def _drain(self) -> None:
+    def _drain(self, final: bool = False) -> None:
         while self._queue:
             run: list[Change] = []
             while self._queue and len(run) < MAX_EVENTS_PER_BATCH:
@@ -421,15 +625,23 @@ class KvEventPublisher:
                 self._known.update(c[0] for c in run)
                 self._send(self.batcher.batches(run))
                 continue
-            snap = self._queue.popleft()
+            snap = self._queue[0]
             assert isinstance(snap, _Snapshot)
+            if not snap.complete:
+                if final:  # stopping: what it read so far is not a snapshot; the final clears follow
+                    self._queue.popleft()
+                    continue
+                return  # the loop is still reading it; what is queued behind it waits
+            self._queue.popleft()
+            t0 = time.monotonic()
             self.status.snapshots += 1
-            cleared = [self.batcher.topic(ns) for ns in sorted(self._known | set(snap.namespaces))]
+            cleared = [self.batcher.topic(ns) for ns in sorted(self._known | snap.namespaces)]
             self._known.update(snap.namespaces)
             # A node that never held a page says so on its node topic, so a new subscriber hears it is live.
             self._send({t: [AllBlocksCleared()] for t in cleared or [self.batcher.node_topic]})
             for i in range(0, len(snap.changes), MAX_EVENTS_PER_BATCH):
                 self._send(self.batcher.batches(snap.changes[i : i + MAX_EVENTS_PER_BATCH]))
+            self._last_cost = snap.walk_seconds + time.monotonic() - t0
 
     def _send(self, per_topic: dict[str, list[BlockStored | BlockRemoved | AllBlocksCleared]]) -> None:
         assert self._sock is not None
@@ -467,20 +679,34 @@ def start_for_node(manager: TierManager, config: NodeConfig, loop: asyncio.Abstr
         parent = entry.parent[1] if entry.parent is not None and entry.parent[0] == namespace else None
         return parent, entry.layout.block_size
 
+    def holdings() -> Iterator[Holding]:
+        # NOTE: a copy of the table's entries (one C-level pass) read lazily, a slice per loop turn: an entry
+        # gone since is skipped, and every change since is queued behind the snapshot anyway.
+        entries = list(table)
+        for e in entries:
+            if table.get(e.key) is e:
+                yield e.namespace, e.hash, e.tier
+
     pub = KvEventPublisher(
         config.kv_events_endpoint,
         config.node_id,
-        manager.holdings,
+        holdings,
         describe,
         topic_prefix=config.kv_events_topic,
         hash_format=config.kv_events_hash_format,
         max_queue=config.kv_events_max_queue,
         encoding=config.kv_events_encoding,
+        curve_secret_file=config.kv_events_curve_secret_file,
+        subscribers_file=config.kv_events_subscribers_file,
     )
     pub.start(loop)
     manager.listen(pub.note)
     manager.kv_events_status = pub.snapshot_status
     log.info(
-        "kv events: publishing on %s (topics %s@%s@<namespace>)", pub.endpoint, config.kv_events_topic, config.node_id
+        "kv events: publishing on %s (topics %s@%s@<namespace>; %s)",
+        pub.endpoint,
+        config.kv_events_topic,
+        config.node_id,
+        "CURVE: listed subscribers only" if pub.status.curve else "open to whoever reaches it",
     )
     return pub

@@ -8,9 +8,9 @@
     kvstore_tier_{capacity,used}_bytes, kvstore_tier_{pages,slots_used,slots_total}
     kvstore_{lookups,lookup_blocks,lookup_matched_blocks,put_rejected}_total
     kvstore_prefetch_{issued,completed,used,wasted}_total, kvstore_pinned_pages,
-    kvstore_corrupt_{reported,confirmed}_total, kvstore_scrub_bytes_total
+    kvstore_corrupt_{reported,confirmed,unconfirmed,unchecked}_total, kvstore_scrub_bytes_total
     kvstore_index_{connected,queued,lag_seconds}, kvstore_index_{flushed,resyncs,overflows,errors}_total
-    kvstore_kv_events_{sent_events,sent_batches,dropped_events,snapshots}_total, kvstore_kv_events_{queued,
+    kvstore_kv_events_{sent_events,sent_batches,dropped_events,snapshots,refused}_total, kvstore_kv_events_{queued,
     subscribers}                                     the KV-event feed for routers (when the node publishes one)
     kvstore_rpc_duration_seconds{method,code}        histogram of every KVStore RPC, by gRPC status
     kvstore_tenant_{lookups,lookup_blocks,lookup_matched_blocks,get_pages,get_served_pages}_total{tenant}
@@ -120,6 +120,8 @@ class NodeMetrics:
             "kvstore.prefetch.wasted": lambda s: s.prefetch_wasted,
             "kvstore.corrupt.reported": lambda s: s.corrupt_reports,
             "kvstore.corrupt.confirmed": lambda s: s.corrupt_confirmed,
+            "kvstore.corrupt.unconfirmed": lambda s: s.corrupt_unconfirmed,
+            "kvstore.corrupt.unchecked": lambda s: s.corrupt_unchecked,
             "kvstore.scrub.bytes": lambda s: s.scrubbed_bytes,
             "kvstore.index.flushed": lambda s: s.index and s.index.flushed,
             "kvstore.index.resyncs": lambda s: s.index and s.index.resyncs,
@@ -129,6 +131,7 @@ class NodeMetrics:
             "kvstore.kv_events.sent_batches": lambda s: s.kv_events and s.kv_events.sent_batches,
             "kvstore.kv_events.dropped_events": lambda s: s.kv_events and s.kv_events.dropped_events,
             "kvstore.kv_events.snapshots": lambda s: s.kv_events and s.kv_events.snapshots,
+            "kvstore.kv_events.refused": lambda s: s.kv_events and s.kv_events.refused,
         }
         for name, get in node_counters.items():
             meter.create_observable_counter(name, [self._node_value(get)], description=name.replace(".", " "))

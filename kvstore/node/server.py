@@ -10,11 +10,13 @@ warm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -24,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from kvstore.addresses import host_id
 from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
-from kvstore.memtune import tune_malloc_for_bulk_io
+from kvstore.memtune import HeapTrimmer, bound_arenas, tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
 from kvstore.node.config import NodeConfig
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
@@ -76,6 +78,9 @@ class Node:
         self.kv_events: KvEventPublisher | None = None  # the KV-event feed for routers, when configured
         self.planes: list[PlaneInfo] = []  # what Stats and the index advertise, filled as planes start
         self.plane_servers: list[PlaneServer] = build_plane_servers(config)
+        self._started_planes: list[PlaneServer] = []
+        self.heap_trimmer = HeapTrimmer()  # bounds the free memory malloc keeps (kvstore/memtune.py)
+        self._trimming: asyncio.Task[None] | None = None
         self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
         self._stopped = asyncio.Event()
 
@@ -96,6 +101,19 @@ class Node:
                 f"cannot serve on {bind}: the port is in use (another kvstore node, or another program, "
                 "is serving it) or the address is not this host's; choose another --port or stop the other one"
             )
+        try:
+            await self._start_serving()
+        except BaseException:
+            # NOTE: a refusal past the port (a plane's port in use, the event feed's endpoint, ...) stops what
+            # started, the gRPC server included: left running, grpc.aio's Server.__del__ would schedule its
+            # shutdown on the closed loop and print "Exception ignored" under the refusal.
+            await self._abandon()
+            raise
+        return self.port
+
+    async def _start_serving(self) -> None:
+        cfg = self.config
+        self._trimming = asyncio.get_running_loop().create_task(self.heap_trimmer.run())
         await self.manager.start()
         if self.config.kv_events_endpoint:  # before serving: the first snapshot holds the recovered pages
             self.kv_events = start_kv_events(self.manager, self.config, asyncio.get_running_loop())
@@ -115,6 +133,7 @@ class Node:
         await self.server.start()
         services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0], self.port)
         for plane in self.plane_servers:
+            self._started_planes.append(plane)  # stopped by _abandon even if its start fails half-way
             self.planes.append(await plane.start(services))
         if self.config.redis_url:
             self.index = IndexPublisher(
@@ -148,7 +167,27 @@ class Node:
             if self.metrics_port is not None
             else "off",
         )
-        return self.port
+
+    async def _abandon(self) -> None:
+        """Stop what a failed start started (each step bounded and on its own: one failing does not keep
+        the others from running), so the process exits with only the refusal to show."""
+        steps: list[Callable[[], Awaitable[object]]] = [lambda: self.server.stop(0), self._stop_trimming]
+        steps += [plane.stop for plane in reversed(self._started_planes)]
+        if self.index is not None:
+            index = self.index
+            steps.append(lambda: index.close(deregister=True))
+        if self.kv_events is not None:
+            events = self.kv_events
+            steps.append(lambda: asyncio.to_thread(events.close))
+        steps.append(self.manager.close)
+        if self.metrics is not None:
+            metrics = self.metrics
+            steps.append(lambda: asyncio.to_thread(metrics.close))
+        for step in steps:
+            try:
+                await asyncio.wait_for(step(), timeout=10.0)
+            except Exception:  # the start's own error is the one to report
+                log.debug("cleanup after a failed start", exc_info=True)
 
     async def stop(self) -> None:
         if self._stopped.is_set():
@@ -170,7 +209,15 @@ class Node:
         if self.metrics is not None:
             # The scrape thread asks this loop for snapshots: stop it from a worker thread.
             await asyncio.to_thread(self.metrics.close)
+        await self._stop_trimming()
         log.info("stopped")
+
+    async def _stop_trimming(self) -> None:
+        if self._trimming is not None:
+            self._trimming.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._trimming
+            self._trimming = None
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -200,6 +247,7 @@ class Node:
 async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
     """Run a node until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
     tune_malloc_for_bulk_io()
+    bound_arenas()  # before gRPC's threads allocate: what they keep is bounded (kvstore/memtune.py)
     node = Node(config)
     await node.start()
     loop = asyncio.get_running_loop()

@@ -9,12 +9,13 @@ status code. Values are validated by the manager; Put and Get run the node's one
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.addresses import host_id
+from kvstore.addresses import host_id, target_host
 from kvstore.errors import InvalidArgument, PermissionDenied
 from kvstore.names import TierKind
 from kvstore.node.callers import current
@@ -22,6 +23,7 @@ from kvstore.node.drivers import drive_put, open_get
 from kvstore.node.interceptor import SERVICE_NAME
 from kvstore.node.limits import bounded
 from kvstore.node.planes.streams import PutStream
+from kvstore.node.report_budget import ReportBudget
 from kvstore.pageformat import in_form
 from kvstore.stats import PlaneInfo
 from kvstore.wire import MAX_HASHES
@@ -34,6 +36,7 @@ class KVStoreServicer:
     def __init__(self, max_pages: int, planes: list[PlaneInfo]) -> None:
         self.max_pages = max_pages  # pages one Get may ask for
         self.planes = planes
+        self.report_budget = ReportBudget()  # pages each caller may have verified by its reports
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         caller = current()
@@ -89,8 +92,13 @@ class KVStoreServicer:
 
     async def Report(self, request: pb.ReportRequest, context: grpc.aio.ServicerContext) -> pb.ReportResponse:
         hashes = bounded(request.hashes, MAX_HASHES, "hashes")
-        dropped, intact = await current().view.report_corrupt(request.namespace, hashes)
-        return pb.ReportResponse(dropped=dropped, intact=intact)
+        caller = current()
+        # NOTE: a token's subject, else the peer's host (its port changes with every connection).
+        who = caller.principal.subject if caller.principal is not None else f"peer:{target_host(context.peer())}"
+        res = await caller.view.report_corrupt(
+            request.namespace, hashes, lambda n: self.report_budget.take(who, n, time.monotonic())
+        )
+        return pb.ReportResponse(dropped=res.dropped, intact=res.intact, unchecked=res.unchecked)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = current().view.stats()

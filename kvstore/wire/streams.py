@@ -385,6 +385,8 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         prefetch_wasted=stats.prefetch_wasted,
         corrupt_reports=stats.corrupt_reports,
         corrupt_confirmed=stats.corrupt_confirmed,
+        corrupt_unconfirmed=stats.corrupt_unconfirmed,
+        corrupt_unchecked=stats.corrupt_unchecked,
         scrubbed_bytes=stats.scrubbed_bytes,
         index=None
         if stats.index is None
@@ -456,6 +458,8 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         prefetch_wasted=msg.prefetch_wasted,
         corrupt_reports=msg.corrupt_reports,
         corrupt_confirmed=msg.corrupt_confirmed,
+        corrupt_unconfirmed=msg.corrupt_unconfirmed,
+        corrupt_unchecked=msg.corrupt_unchecked,
         scrubbed_bytes=msg.scrubbed_bytes,
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index")

@@ -173,3 +173,26 @@ def test_fp8_packed_pages_match_reference(in_dtype: torch.dtype) -> None:
     for out_dtype in DTYPES:
         expected = reference.dequantize_fp8(q_ref, scales_ref, out_dtype)
         assert torch.equal(kernels.dequantize_fp8(q, scales, out_dtype).cpu(), expected), out_dtype
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=_ids)
+def test_fp8_refuses_non_finite_pages_like_the_reference(in_dtype: torch.dtype, bad: float) -> None:
+    """The kernel's absmax propagates NaN (fmaxf would drop it), so a NaN or inf anywhere in a slab gives a
+    non-finite scale and the launcher refuses the pages, naming the same slab as on CPU."""
+    pages = make_fp8_pages((3, 2, 2, 16, 4, 128), in_dtype, seed=5)
+    pages[1, 1, 0, 9, 2, 100] = bad
+    with pytest.raises(kernels.NonFiniteKV, match=r"pages\[1\] layer 1 K kv head 2: holds NaN or inf"):
+        kernels.quantize_fp8(pages)
+    with pytest.raises(kernels.NonFiniteKV, match=r"pages\[1\] layer 1 K kv head 2: holds NaN or inf"):
+        kernels.quantize_fp8(pages.to(DEVICE))
+
+
+def test_fp8_tiny_slab_is_zeros_bit_for_bit_with_the_reference() -> None:
+    pages = make_fp8_pages((2, 2, 2, 16, 4, 128), torch.bfloat16, seed=6)
+    pages[0, 1] = 0
+    pages[0, 1, 0, 0, 0, 0] = 1e-40  # 448 / absmax overflows fp32
+    q_ref, scales_ref = reference.quantize_fp8(pages)
+    q, scales = kernels.quantize_fp8(pages.to(DEVICE))
+    assert torch.equal(scales.cpu(), scales_ref) and scales_ref[0, 1, 0, 0] == 0
+    assert torch.equal(q.cpu().view(torch.uint8), q_ref.view(torch.uint8))

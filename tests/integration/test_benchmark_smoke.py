@@ -91,7 +91,16 @@ def test_auth_memory_bench_quick_run(tmp_path: Path) -> None:
                           str(tmp_path)], capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "auth_memory_bench.json").read_text())["rows"]
-    assert [list(r["codes"]) for r in rows] == [["UNAUTHENTICATED"], ["INVALID_ARGUMENT"], ["OK"]]
+    assert [list(r["codes"]) for r in rows] == [["UNAUTHENTICATED"], ["INVALID_ARGUMENT"], ["OK"], ["UNAUTHENTICATED"]]
+    assert rows[-1]["calls"] == 4 and rows[-1]["rss_settled"] > 0  # the flood: 2 rounds of 2, then settled
+
+
+def test_kv_events_abuse_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kv_events_abuse_bench.py"), "--quick", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads((tmp_path / "kv_events_abuse_bench.json").read_text())["rows"][0]
+    assert row["snapshots"] >= 1 and row["loaded"]["n"] > 0 and row["rss_peak"] >= row["rss_before"]
 
 
 def test_tenancy_bench_quick_run(tmp_path: Path) -> None:

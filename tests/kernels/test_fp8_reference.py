@@ -125,3 +125,43 @@ def test_out_arguments_checked() -> None:
     overlapping = torch.empty(SHAPE[1:], dtype=torch.uint8).expand(SHAPE)
     with pytest.raises(ValueError, match="each page contiguously"):
         kernels.dequantize_fp8(overlapping, scales)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("in_dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_non_finite_values_are_refused_naming_the_slab_and_change_nothing(in_dtype: torch.dtype, bad: float) -> None:
+    """One non-finite activation used to be stored with a NaN or inf scale, decoding its whole (layer, K/V,
+    head) plane as NaN or 0. Now quantization refuses it, saying where, and leaves `out` as it was."""
+    pages = make_fp8_pages(SHAPE, in_dtype, seed=21)
+    pages[2, 1, 1, 5, 3, 7] = bad  # page 2, layer 1, V, token 5, kv head 3
+    out = torch.full(SHAPE, 7, dtype=torch.uint8)
+    out_scales = torch.full((3, 2, 2, 4), -1.0)
+    with pytest.raises(kernels.NonFiniteKV, match=r"pages\[2\] layer 1 V kv head 3: holds NaN or inf") as err:
+        kernels.quantize_fp8(pages, out=out, out_scales=out_scales)
+    assert (err.value.page, err.value.layer, err.value.kv, err.value.head) == (2, 1, 1, 3)
+    assert bool((out == 7).all()) and bool((out_scales == -1).all())
+    with pytest.raises(kernels.NonFiniteKV):
+        kernels.quantize_fp8(pages)
+
+
+def test_a_slab_too_small_to_scale_is_stored_as_zeros_not_nan() -> None:
+    """bf16 and fp32 hold magnitudes below 448 / FLT_MAX, where 448 / absmax overflows: the slab's zeros
+    became NaN (0 * inf). Such a slab is now stored as zeros, off by less than FP8_MIN_ABSMAX."""
+    for dtype in (torch.bfloat16, torch.float32):
+        pages = torch.zeros(SHAPE, dtype=dtype)
+        pages[0, 0, 0, 0, 0, 0] = 1e-40
+        pages[1] = make_fp8_pages(SHAPE, dtype, seed=22)[1]
+        q, scales = kernels.quantize_fp8(pages)
+        assert not bool(torch.isnan(q.float()).any()), dtype
+        assert scales[0, 0, 0, 0] == 0
+        back = kernels.dequantize_fp8(q, scales, dtype)
+        assert bool(torch.isfinite(back).all()) and float(back[0].abs().max()) < kernels.FP8_MIN_ABSMAX
+        assert torch.equal(back[1], kernels.dequantize_fp8(*kernels.quantize_fp8(pages[1:2]), dtype)[0])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0], ids=["nan", "inf", "negative"])
+def test_dequantize_refuses_a_scale_no_quantizer_writes(bad: float) -> None:
+    q, scales = kernels.quantize_fp8(make_fp8_pages(SHAPE, torch.float16, seed=23))
+    scales[1, 0, 1, 2] = bad
+    with pytest.raises(kernels.NonFiniteKV, match=r"q\[1\] layer 0 V kv head 2: has a scale that is not a finite"):
+        kernels.dequantize_fp8(q, scales, torch.float16)

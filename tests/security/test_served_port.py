@@ -6,6 +6,7 @@ other's pages). The first node keeps serving, its pages intact."""
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,28 @@ def test_a_second_node_on_a_served_port_or_directory_refuses_and_the_first_serve
             assert kv.stats().node_id == "first"
     finally:
         first.close()
+
+
+def test_a_served_tcp_plane_port_is_refused_by_name_with_nothing_else_printed(tmp_path: Path) -> None:
+    """Another program serves the port given as --tcp-port: the node refuses, naming the plane, the address
+    and the flag, and prints nothing past that one line (it used to say only "[Errno 98] Address already in
+    use", then "Exception ignored in Server.__del__" with a traceback: the gRPC server it had started was
+    never stopped)."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    node = NodeProcess(dram_bytes=8 * SLOT, max_page_bytes=LAYOUT.page_bytes, node_id="plane-port",
+                       extra_args=["--tcp-port", str(port), "--no-shm"])  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="node exited with 1"):
+            node.start()
+        said = node.log_path.read_text(errors="replace")
+    finally:
+        node.close()
+        taken.close()
+    flat = " ".join(said.split())
+    assert f"cannot serve the TCP data plane on 127.0.0.1:{port}: the port is in use" in flat, said
+    assert "choose another --tcp-port" in flat, said
+    for stray in ("Errno", "Exception ignored", "Traceback", "RuntimeWarning", "never awaited"):
+        assert stray not in said, f"{stray!r} in the node's output:\n{said}"

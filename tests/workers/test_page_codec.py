@@ -96,3 +96,27 @@ def test_empty_and_bad_input() -> None:
         PageCodec(layout, "int4")
     with pytest.raises(ValueError, match="encodes float16, bfloat16, float32"):
         PageCodec(PageLayout(DType.FLOAT8_E4M3, 2, 2, 64, 16), "fp8")
+
+
+def test_fp8_non_finite_pages_are_refused_on_encode_and_bad_scales_on_decode() -> None:
+    """NaN or inf KV is never stored in fp8 (its whole plane would decode as NaN); a stored page whose
+    scale is not finite (another writer's, or damaged) is refused on decode, naming the page, so a worker
+    uses the pages before it."""
+    import numpy as np
+
+    import kernels
+
+    layout = PageLayout(DType.BFLOAT16, 2, 2, 64, 16)
+    codec = PageCodec(layout, "fp8")
+    pages = pages_for(layout, 3, seed=4)
+    pages[1, 0, 1, 2, 0, 3] = float("inf")
+    with pytest.raises(kernels.NonFiniteKV, match=r"pages\[1\] layer 0 V kv head 0") as err:
+        codec.encode_buffers(pages)
+    assert err.value.page == 1
+    bufs = [bytearray(b) for b in codec.encode_buffers(pages[:1])] * 3
+    bufs[2] = bytearray(bufs[2])
+    np.frombuffer(bufs[2], dtype=np.float32, count=1)[:] = float("nan")  # the first scale of page 2
+    with pytest.raises(kernels.NonFiniteKV, match=r"q\[2\] layer 0 K kv head 0") as err:
+        codec.decode(bufs)
+    assert err.value.page == 2
+    assert codec.decode(bufs[:2]).shape == (2, *layout.page_shape)

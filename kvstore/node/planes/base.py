@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import errno
 import logging
 import socket
 from collections.abc import Callable
@@ -59,3 +60,19 @@ async def accept_forever(listener: socket.socket, admit: Callable[[socket.socket
             await asyncio.sleep(0.1)
             continue
         admit(sock)
+
+
+def port_refusal(what: str, host: str, port: int, flag: str, exc: OSError) -> str:
+    """The one-line refusal of a plane whose listener cannot bind `host:port`: what, where, why (from the
+    OS error, in words) and what to do, naming the flag that sets the port."""
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if exc.errno == errno.EADDRINUSE:
+        why = "the port is in use (another kvstore node, or another program, is serving it)"
+    elif exc.errno == errno.EADDRNOTAVAIL:
+        why = "the address is not this host's"
+    elif exc.errno == errno.EACCES:
+        why = "binding it needs privileges this process does not have"
+    else:
+        why = exc.strerror or str(exc)
+    todo = f"choose another {flag} (0 picks a free one) or stop the other one"
+    return f"cannot serve the {what} on {where}: {why}; {todo}"

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
-from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
+from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever, port_refusal
 from kvstore.node.planes.tcp_io import (
     Channel,
     ConnectionClosed,
@@ -76,7 +76,10 @@ class TcpPlaneServer(PlaneServer):
             handshake_limit(cap, cfg.tcp_max_handshakes),
             tenant_limit(cap, cfg.tcp_max_connections_per_tenant),
         )
-        self._listener = listen_socket(cfg.host, cfg.tcp_port)
+        try:
+            self._listener = listen_socket(cfg.host, cfg.tcp_port)
+        except OSError as exc:
+            raise OSError(port_refusal("TCP data plane", cfg.host, cfg.tcp_port, "--tcp-port", exc)) from None
         port = self._listener.getsockname()[1]
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
         host = services.advertise_host
