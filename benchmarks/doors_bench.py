@@ -206,7 +206,7 @@ def sglang_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
 def accounting_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     import timeit
 
-    from kvstore.client.core import PutResult
+    from kvstore.client import PutResult
     from kvstore.integrations.lmcache_mapping import PluginSettings, Target
     from kvstore.integrations.remote import RemoteStore
 

@@ -23,7 +23,7 @@ from typing import TypeVar
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id, is_loopback
 from kvstore.client.exchange import Exchange, Unary
-from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import check_buffers
 from kvstore.client.planes.choice import TRANSPORTS, choose_planes
 from kvstore.client.planes.pool import ReceivePool
@@ -47,12 +47,6 @@ T = TypeVar("T")
 DEFAULT_PAGES_PER_STREAM = 256
 PLANE_RETRY_SECONDS = 2.0  # after a plane refused a call, negotiate again this much later (auto mode)...
 PLANE_RETRY_MAX_SECONDS = 60.0  # ...doubling while it keeps refusing, up to this
-
-
-@dataclass(slots=True)
-class PutResult:
-    stored: int
-    already_present: int
 
 
 @dataclass(slots=True)
@@ -256,8 +250,7 @@ class ClientCore:
     def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
-        stored, present = yield from self._bulk(lambda p: p.put(op, hashes, pages))
-        return PutResult(stored, present)
+        return (yield from self._bulk(lambda p: p.put(op, hashes, pages)))
 
     def get_pages(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         if not hashes:
@@ -280,9 +273,8 @@ class ClientCore:
         """Put pages that lie in `buffers` (one per hash, each exactly a page of op.layout: checked first)."""
         check_buffers(buffers, len(hashes), writable=False, nbytes=op.layout.page_bytes)
         if not hashes:
-            return PutResult(0, 0)
-        stored, present = yield from self._bulk(lambda p: p.put_from(op, hashes, buffers))
-        return PutResult(stored, present)
+            return PutResult(0, 0, [])
+        return (yield from self._bulk(lambda p: p.put_from(op, hashes, buffers)))
 
     # -- control
 

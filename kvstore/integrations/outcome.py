@@ -1,9 +1,12 @@
 """Which pages of one store the node actually holds afterwards: the rule every engine door reports by. Pure.
 
-A Put answers with counts for the whole call (`stored` new pages, `already_present` ones), and a page the
-node refused (full DRAM whose policy did not admit it, with no NVMe to write it through; no room at all) is
-neither. An engine asks per page (SGLang's `batch_set_v1` list, LMCache's store result and its L2 usage
-notices, vLLM's store job), so a door must never answer "stored" for a page the node did not keep:
+A Put answers per page whether the node holds it (`PutResult.held`, the node's own answer: a page it refused,
+or that the same Put stored and then evicted, is not held), and the doors report exactly that. What follows is
+the rule for a node that predates that answer: its Put answers with counts for the whole call (`stored` new
+pages, `already_present` ones), and a page the node refused (full DRAM whose policy did not admit it, with no
+NVMe to write it through; no room at all) is neither. An engine asks per page (SGLang's `batch_set_v1` list,
+LMCache's store result and its L2 usage notices, vLLM's store job), so a door must never answer "stored" for
+a page the node did not keep:
 
 - fast path: stored + already_present == pages in the call. Every page is held; nothing more is asked
   (measured: a comparison and one tuple, about a microsecond per call: benchmarks/doors_bench.py part 3,
@@ -20,8 +23,7 @@ A page evicted by other traffic between the Put and the Lookups reads as refused
 same reason. Lookups touch no recency on the node (TierManager.lookup), so resolving changes no eviction
 order. What the counts cannot show: a page the node stored and then evicted within the same Put (a Put larger
 than a DRAM-only node's DRAM, whose later pages push out its earlier ones) is counted as stored, so the fast
-path reports it held; a per-page answer from the node's Put would close that (the Put's response carries counts
-only today).
+path reports it held; the per-page answer of this release's nodes closes that.
 """
 
 from __future__ import annotations

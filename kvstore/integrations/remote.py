@@ -288,7 +288,11 @@ class RemoteStore:
         if answer is None:
             return Stored.failed(n)  # the call failed: logged by _guard
         node, res = answer
-        reported = res.stored + res.already_present
+        if res.held is not None and len(res.held) == n:  # the node's own per-page answer
+            if not all(res.held):
+                self._not_kept(ns, n - sum(res.held), n)
+            return Stored(tuple(res.held), res.stored)
+        reported = res.stored + res.already_present  # an older node: its counts, then Lookups
         if reported >= n:
             return Stored((True,) * n, res.stored)  # the fast path: one comparison
 
@@ -303,18 +307,20 @@ class RemoteStore:
             return self._guard("lookup", ns, lambda: cc.call_node(on_node, lambda c: c.lookup(ns, rest)), None)
 
         held = held_pages(n, reported, held_from)
-        missing = n - sum(held)
+        self._not_kept(ns, n - sum(held), n)
+        return Stored(tuple(held), min(res.stored, sum(held)))
+
+    def _not_kept(self, ns: str, missing: int, n: int) -> None:
         self.say(
             "not-stored",
             logging.WARNING,
             "%s did not keep %d of %d pages of a store in namespace %r (its full memory tier did not admit them "
-            "and it could not write them through to NVMe): the engine is told they failed",
+            "and it could not write them through to NVMe, or the store outgrew it): the engine is told they failed",
             self.where,
             missing,
             n,
             ns,
         )
-        return Stored(tuple(held), min(res.stored, sum(held)))
 
     def _control(
         self, op: str, ns: str, hashes: Sequence[bytes], fn: Callable[[KVStoreClient, list[bytes]], int]

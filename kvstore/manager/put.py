@@ -235,6 +235,7 @@ class PutTxn:
         self._staged: list[_Staged] = []
         self._sums: list[int] = []  # checksums of the staged pages verified so far: a prefix of _staged
         self._seen: set[bytes] = set()
+        self._announced: list[bytes] = []  # every page's hash, in the order the sender announced them
         self._slots_held = 0  # staged pages holding a host-memory slot
         self.stored = 0
         self.already_present = 0
@@ -255,6 +256,7 @@ class PutTxn:
             )
         if len(self._seen) + self.already_present + self.not_admitted >= st.max_pages:
             raise InvalidArgument("pages", f"more than {st.max_pages} pages in one stream")
+        self._announced.append(h)
         # NOTE: the previous page is complete now (the contract above), so it is verified here, while the
         # sender is still streaming this one, rather than all at once at commit with the sender idle.
         self._verify_staged()
@@ -294,6 +296,14 @@ class PutTxn:
         self.done = True
         self._staging.after_commit([(self.namespace, h) for h in self._seen], self.target)
         return self.stored, self.already_present
+
+    def held(self) -> list[bool]:
+        """Per page announced, in order: whether the node holds it now (stored, or already present). Asked after
+        commit, it is what the Put answers per page, so no sender is told of a store it did not get: a page
+        refused by admission with nowhere to go, or stored and then evicted by this same stream (a stream
+        larger than its tier), is not held."""
+        st = self._staging
+        return [st.has((self.namespace, h)) for h in self._announced]
 
     def _verify_staged(self) -> None:
         """Checksum the staged pages not verified yet, bound to their identity (pageformat: the stored form);

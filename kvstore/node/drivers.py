@@ -42,6 +42,15 @@ class PageHead:
     checksum: int
 
 
+@dataclass(frozen=True, slots=True)
+class PutDone:
+    """What a Put answers: counts, and per page announced whether the node holds it now (PutTxn.held)."""
+
+    stored: int
+    present: int
+    held: list[bool]
+
+
 class TransferStuck(DataLoss):
     """A plane could not make sure a receive into a page view has finished: the view must never be reused."""
 
@@ -58,8 +67,8 @@ class PagePlane(Protocol):
 
 async def drive_put(
     opening: Callable[[], tuple[Caller, PutOpen]], pages: AsyncIterable[PageHead], plane: PagePlane, *, drain: bool
-) -> tuple[int, int]:
-    """Run one Put: (stored, already present). See the module docstring for the invariants."""
+) -> PutDone:
+    """Run one Put. See the module docstring for the invariants."""
     failure: KVStoreError | None = None
     txn: PutTxn | None = None
     stuck = False
@@ -98,7 +107,8 @@ async def drive_put(
             if index == 0:
                 raise InvalidArgument("pages", "a Put with no pages")
             try:
-                return await txn.commit()
+                stored, present = await txn.commit()
+                return PutDone(stored, present, txn.held())
             except KVStoreError as exc:
                 if not drain:
                     raise

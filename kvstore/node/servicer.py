@@ -26,7 +26,7 @@ from kvstore.node.planes.streams import PutStream
 from kvstore.node.report_budget import ReportBudget
 from kvstore.pageformat import in_form
 from kvstore.stats import PlaneInfo
-from kvstore.wire import MAX_HASHES
+from kvstore.wire import MAX_HASHES, pack_held
 from kvstore.wire.streams import checksum_form_from_pb, get_responses, stats_to_pb, tier_from_pb
 
 
@@ -52,8 +52,8 @@ class KVStoreServicer:
         caller = current()
         stream = PutStream(request_iterator)
         op = await stream.open()
-        stored, present = await drive_put(lambda: (caller, op), stream.heads(), stream, drain=False)
-        return pb.PutResponse(stored=stored, already_present=present)
+        done = await drive_put(lambda: (caller, op), stream.heads(), stream, drain=False)
+        return pb.PutResponse(stored=done.stored, already_present=done.present, held=pack_held(done.held))
 
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         """Responses leave serialized (see `handlers`): each chunk is copied once, from its slot."""

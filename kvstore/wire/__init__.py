@@ -47,3 +47,20 @@ class PutOpen:
         if not self.chain:
             return self if self.parent is None else replace(self, parent=None)
         return self if start == 0 else replace(self, parent=hashes[start - 1])
+
+
+def pack_held(held: Sequence[bool]) -> bytes:
+    """A Put's per-page answer as a bitmap: bit i (least significant first, byte i // 8) set when page i is held."""
+    out = bytearray((len(held) + 7) // 8)
+    for i, h in enumerate(held):
+        if h:
+            out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def unpack_held(raw: bytes | memoryview, pages: int) -> list[bool] | None:
+    """The per-page answer of a Put of `pages` pages; None when the node sent none (an older node) or a bitmap
+    of the wrong size (then the caller falls back to the counts)."""
+    if len(raw) != (pages + 7) // 8 or pages == 0:
+        return None
+    return [bool(raw[i >> 3] >> (i & 7) & 1) for i in range(pages)]

@@ -264,14 +264,22 @@ def parse_page(meta: bytes | memoryview) -> tuple[bytes, int, int]:
     return h, checksum, tier
 
 
-def done(a: int, b: int, version: int = VERSION) -> bytes:
-    return frame(Kind.DONE, _DONE.pack(a, b), version)
+def done(a: int, b: int, version: int = VERSION, held: bytes = b"") -> bytes:
+    """DONE; after a PUT, on a version 2 connection, `held` (wire.pack_held) follows the two counts."""
+    return frame(Kind.DONE, _DONE.pack(a, b) + held, version)
 
 
 def parse_done(meta: bytes | memoryview) -> tuple[int, int]:
-    expect_len(meta, _DONE.size, Kind.DONE)
-    a, b = _DONE.unpack(meta)
+    """The two counts of a DONE (a PUT's per-page answer, if any, follows them: `done_held`)."""
+    if len(meta) < _DONE.size:
+        expect_len(meta, _DONE.size, Kind.DONE)
+    a, b = _DONE.unpack_from(meta)
     return a, b
+
+
+def done_held(meta: bytes | memoryview) -> bytes | memoryview:
+    """What follows a DONE's counts: a PUT's per-page bitmap on a version 2 connection (empty otherwise)."""
+    return meta[_DONE.size :]
 
 
 def error(status_name: str, message: str, version: int = VERSION) -> bytes:

@@ -8,7 +8,7 @@ import pytest
 
 from kvstore.addresses import is_loopback
 from kvstore.client.core import ClientCore, ClientSettings, transport_mode
-from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.choice import choose_planes
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
@@ -117,7 +117,7 @@ class _Plane(DataPlane):
     def put_batch(self, *args: object):  # type: ignore[no-untyped-def, override]
         if self.refuse:
             raise PlaneUnavailable("no")
-        return 0, 0  # stored nothing, without any operation
+        return PutResult(0, 0, [False])  # stored nothing, without any operation
         yield
 
     def get_batch(self, *args: object):  # type: ignore[no-untyped-def, override]

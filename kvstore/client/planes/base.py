@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
@@ -24,6 +25,17 @@ from kvstore.wire.streams import FetchedPage, PageRef
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PutResult:
+    """What a Put answered. `held`: per page of the call, in order, whether the node holds it as it answered
+    (stored, or already present); a page it refused, or that the same Put stored and then evicted, is False.
+    None from a node that predates the per-page answer (then only the counts are known)."""
+
+    stored: int
+    already_present: int
+    held: list[bool] | None = None
 
 
 def batches(n: int, size: int) -> list[tuple[int, int]]:
@@ -49,8 +61,8 @@ class DataPlane(abc.ABC):
     # -- one batch: what a plane implements
 
     @abc.abstractmethod
-    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
-        """Store one batch (`op` already chained to it); (stored, already present)."""
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
+        """Store one batch (`op` already chained to it)."""
 
     @abc.abstractmethod
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
@@ -86,7 +98,7 @@ class DataPlane(abc.ABC):
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         """`put_batch` of pages lying in the caller's buffers; a plane that reads caller memory in place
         (the same-host plane) overrides it."""
         return (yield from self.put_batch(op, hashes, buffers))
@@ -102,15 +114,15 @@ class DataPlane(abc.ABC):
 
     # -- whole calls: the template every plane shares
 
-    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
-        """Store pages, one atomic batch per call; (stored, already present)."""
+    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
+        """Store pages, one atomic batch per call."""
         ranges = batches(len(hashes), self.pages_per_call)
         return (yield from self._puts(op, hashes, ranges, lambda o, a, b: self.put_batch(o, hashes[a:b], pages[a:b])))
 
-    def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+    def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[PutResult]:
         """`put` of pages that lie in the caller's buffers (checked by the client: one per hash, each a page)."""
 
-        def one(o: PutOpen, a: int, b: int) -> Exchange[tuple[int, int]]:
+        def one(o: PutOpen, a: int, b: int) -> Exchange[PutResult]:
             return self.put_from_batch(o, hashes[a:b], buffers[a:b], a)
 
         return (yield from self._puts(op, hashes, self.runs(buffers, writable=False), one))
@@ -138,14 +150,15 @@ class DataPlane(abc.ABC):
         op: PutOpen,
         hashes: Sequence[bytes],
         ranges: list[tuple[int, int]],
-        put: Callable[[PutOpen, int, int], Exchange[tuple[int, int]]],
-    ) -> Exchange[tuple[int, int]]:
-        stored = present = 0
+        put: Callable[[PutOpen, int, int], Exchange[PutResult]],
+    ) -> Exchange[PutResult]:
+        total = PutResult(0, 0, [])
         for a, b in ranges:
-            s, p = yield from put(op.batch(hashes, a), a, b)
-            stored += s
-            present += p
-        return stored, present
+            r = yield from put(op.batch(hashes, a), a, b)
+            total.stored += r.stored
+            total.already_present += r.already_present
+            total.held = None if total.held is None or r.held is None else total.held + r.held
+        return total
 
     @staticmethod
     def _prefix(

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Abort, Blocking, Exchange
-from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import buffer_span
 from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
@@ -52,7 +52,7 @@ from kvstore.errors import (
 )
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import checksum_into, key_digest, wire_checksum
-from kvstore.wire import PutOpen, shm
+from kvstore.wire import PutOpen, shm, unpack_held
 from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
 
@@ -323,7 +323,7 @@ class ShmPlane(DataPlane):
 
     # -- the DataPlane
 
-    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         blocks = []
         sums = []
         for h, page in zip(hashes, pages, strict=True):  # one copy into registered memory, hashed as it goes
@@ -339,7 +339,7 @@ class ShmPlane(DataPlane):
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         """The node copies each page straight out of the caller's registered memory (none on the client);
         buffers elsewhere are copied into registered memory first."""
         placed = self._place(buffers, False, first)
@@ -358,11 +358,11 @@ class ShmPlane(DataPlane):
         sums: list[int],
         first: int,
         lent: Release = _nothing,
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         body = put_request(op, hashes, placed, sums).SerializeToString()
         reply = yield self._blocking(Kind.PUT, body, placed, first, lent)
         res = pb.PutResponse.FromString(bytes(reply))
-        return res.stored, res.already_present
+        return PutResult(res.stored, res.already_present, unpack_held(res.held, len(hashes)))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         """Pages straight into blocks of the receive pool: the node copies and verifies each one in place."""

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import ClientStream, Exchange, ServerStream
-from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.names import Buffer
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, unpack_held
 from kvstore.wire.streams import FetchedPage, GetAssembler, put_requests
 
 
@@ -26,9 +26,9 @@ class GrpcStreams(DataPlane):
         self.verify = verify
         self.received = ReceivePool() if received is None else received  # where a get's pages land
 
-    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         reply = yield ClientStream("Put", put_requests(op, hashes, pages))
-        return reply.stored, reply.already_present
+        return PutResult(reply.stored, reply.already_present, unpack_held(reply.held, len(hashes)))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         asm = GetAssembler(namespace, hashes, self.verify, self.received.take)

@@ -27,7 +27,7 @@ from typing import TypeVar
 
 from kvstore.addresses import split_address, target_host
 from kvstore.client.exchange import Abort, Blocking, Exchange
-from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import page_sink
 from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
@@ -36,7 +36,7 @@ from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import checksum_in_steps, key_digest, wire_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import PlaneInfo
-from kvstore.wire import PutOpen, tcp
+from kvstore.wire import PutOpen, tcp, unpack_held
 from kvstore.wire.streams import FetchedPage, PageRef
 from kvstore.wire.tcp import Header, Kind
 
@@ -175,7 +175,7 @@ class Connection:
 
     # -- requests
 
-    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> tuple[int, int]:
+    def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> PutResult:
         self.replied = False
         self.send(tcp.put(op, len(hashes)))
         for h, page in zip(hashes, pages, strict=True):
@@ -184,7 +184,8 @@ class Connection:
         head, meta = self.read_frame()
         if head.kind is not Kind.DONE:
             raise StreamError(f"the node answered PUT with {head.kind.name}")
-        return tcp.parse_done(meta)
+        stored, present = tcp.parse_done(meta)
+        return PutResult(stored, present, unpack_held(tcp.done_held(meta), len(hashes)))
 
     def get(
         self,
@@ -319,7 +320,7 @@ class TcpPlane(DataPlane):
 
     # -- the DataPlane
 
-    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         abort = Abort()
         return (yield Blocking(lambda: self._pool.call(lambda c: c.put(op, hashes, pages), abort), abort))
 

@@ -36,13 +36,13 @@ from typing import Any
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Abort, Blocking, Exchange
-from kvstore.client.planes.base import DataPlane
+from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import wire_checksum
 from kvstore.stats import PlaneInfo
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, unpack_held
 from kvstore.wire import ucx as proto
 from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
 from kvstore.wire.ucx import Hello, HelloOk, Kind, Lane, ProtocolError, SessionTags, UcxAddress
@@ -315,14 +315,14 @@ class UcxPlane(DataPlane):
             forget()
             self._release(conn)
 
-    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[tuple[int, int]]:
+    def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         req = pb.PutShmRequest(open=put_open_to_pb(op))
         for h, page in zip(hashes, pages, strict=True):
             view = memoryview(page).cast("B")
             req.pages.add(hash=h, payload_bytes=len(view), checksum=wire_checksum(op.namespace, h, view))
         abort = Abort()
         reply = yield Blocking(lambda: self._call(lambda c, d: c.put(req, pages, d), abort), abort)
-        return reply.stored, reply.already_present
+        return PutResult(reply.stored, reply.already_present, unpack_held(reply.held, len(hashes)))
 
     def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
         """Pages received into fresh buffers of the namespace's page size. Until that is known (the first

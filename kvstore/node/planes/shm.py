@@ -45,7 +45,7 @@ from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
 from kvstore.pageformat import in_form
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
-from kvstore.wire import shm
+from kvstore.wire import pack_held, shm
 from kvstore.wire.shm import Kind, ProtocolError, default_socket_path
 from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
 
@@ -407,8 +407,10 @@ class _Connection:
             places.append((buf, p.offset))
         op = put_open_from_pb(req.open)
         with _using(b for b, _ in places):
-            stored, present = await drive_put(lambda: (caller, op), _heads(slices), _BufferPages(places), drain=False)
-        return pb.PutResponse(stored=stored, already_present=present).SerializeToString()
+            done = await drive_put(lambda: (caller, op), _heads(slices), _BufferPages(places), drain=False)
+        return pb.PutResponse(
+            stored=done.stored, already_present=done.present, held=pack_held(done.held)
+        ).SerializeToString()
 
     async def _get(self, req: pb.GetShmRequest) -> bytes:
         caller = self._caller("Get")

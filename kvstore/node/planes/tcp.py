@@ -42,7 +42,7 @@ from kvstore.pageformat import in_form
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
-from kvstore.wire import PutOpen, tcp
+from kvstore.wire import PutOpen, pack_held, tcp
 from kvstore.wire.tcp import FrameError, Header, Kind
 
 log = logging.getLogger(__name__)
@@ -285,13 +285,14 @@ class _Connection:
             return self._caller("Put"), tcp.parse_put(meta, tcp.checksum_form(self.version))
 
         try:
-            stored, present = await drive_put(opening, pages.heads(), pages, drain=True)
+            done = await drive_put(opening, pages.heads(), pages, drain=True)
         except (FrameError, ConnectionError, TimeoutError):
             raise
         except KVStoreError as exc:
             await chan.send(tcp.error(exc.status_name, str(exc), self.version))
             return
-        await chan.send(tcp.done(stored, present, self.version))
+        held = pack_held(done.held) if self.version >= 2 else b""  # version 1 clients read 8 bytes of DONE
+        await chan.send(tcp.done(done.stored, done.present, self.version, held))
 
     async def _get(self, chan: Channel, meta: bytearray) -> None:
         """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""

@@ -46,6 +46,7 @@ from kvstore.node.planes.ucx_intake import Intake
 from kvstore.pageformat import in_form
 from kvstore.security import AUTH_HEADER
 from kvstore.stats import PlaneInfo
+from kvstore.wire import pack_held
 from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
 from kvstore.wire.ucx import (
     CHALLENGE_TAG,
@@ -357,8 +358,10 @@ class UcxPlaneServer(PlaneServer):
                 raise InvalidArgument(f"pages[{i}].checksum", "required on the UCX plane")
         op = put_open_from_pb(req.open)
         pages = _TaggedPages(self, conn, conn.tags.tag(Lane.PUT_PAGES, seq))
-        stored, present = await drive_put(lambda: (caller, op), _heads(slices), pages, drain=False)
-        return pb.PutResponse(stored=stored, already_present=present).SerializeToString()
+        done = await drive_put(lambda: (caller, op), _heads(slices), pages, drain=False)
+        return pb.PutResponse(
+            stored=done.stored, already_present=done.present, held=pack_held(done.held)
+        ).SerializeToString()
 
     async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, respond: Respond) -> None:
         """Answer every receive the client posted (page i, or an empty message), then respond; the leases

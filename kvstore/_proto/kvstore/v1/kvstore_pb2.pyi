@@ -120,12 +120,14 @@ class PutRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., page: _Optional[_Union[PutPage, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "already_present")
+    __slots__ = ("stored", "already_present", "held")
     STORED_FIELD_NUMBER: _ClassVar[int]
     ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     stored: int
     already_present: int
-    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ...) -> None: ...
+    held: bytes
+    def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., held: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "no_promote", "checksum_form")
