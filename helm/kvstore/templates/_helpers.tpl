@@ -168,14 +168,14 @@ node_rules("*") and CLIENT_RULES (tests/deploy compares them).
 {{- define "kvstore.redisNodeUser" -}}kvnode{{- end -}}
 {{- define "kvstore.redisClientUser" -}}kvclient{{- end -}}
 {{- define "kvstore.redisNodeRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset %R~kvs:v1:* ~kvs:v1:alive:* ~kvs:v1:epoch:* ~kvs:v1:node:* +get +set +incr +incrby +del +expire +hset +hgetall +hdel +smembers +scan +evalsha +script|load (~kvs:v1:b:* +hset +hdel +hgetall) (~kvs:v1:t:* +hset +hdel +hgetall) (~kvs:v1:nodes +sadd)
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:* ~kvs:v2:{n}:alive:* ~kvs:v2:{n}:epoch:* ~kvs:v2:{n}:node:* +get +mget +set +incr +incrby +del +expire +exists +hset +hgetall +hmget +hscan +smembers +scan +info +script|load (~kvs:v2:b:* +evalsha +hget +hset +hdel) (~kvs:v2:t:* +evalsha +hget +hset +hdel) (~kvs:v2:{n}:nodes +sadd)
 {{- end -}}
 {{- /* A tenant's read-only index user: kvstore/index/acl.py tenant_client_rules(name). */ -}}
 {{- define "kvstore.redisTenantRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset ~kvs:v1:alive:* ~kvs:v1:node:* ~kvs:v1:nodes ~kvs:v1:epoch:* ~kvs:v1:t:{{ . }}:* +get +hgetall +smembers +evalsha
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:{n}:* %R~kvs:v2:t:{{ . }}:* +get +mget +hgetall +hmget +smembers
 {{- end -}}
 {{- define "kvstore.redisClientRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset ~kvs:v1:alive:* ~kvs:v1:node:* ~kvs:v1:nodes ~kvs:v1:epoch:* ~kvs:v1:b:* +get +hgetall +smembers +evalsha
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:{n}:* %R~kvs:v2:b:* +get +mget +hgetall +hmget +smembers
 {{- end -}}
 
 {{/*
