@@ -198,13 +198,32 @@ class IndexReader:
 
     def _fan_out(self, commands: list[tuple[str, ...]]) -> list[Any]:
         """Send each command (its key at [1]) to the master serving the key's slot, every command written
-        before any reply is read; per command its reply or the exception it met. No retries and no
-        redirections followed: a lookup must stay one round trip, and a miss is its answer to a cluster
-        that is changing (the slot map is refreshed before the next call, at most once per MAP_REFRESH_S).
+        before any reply is read; per command its reply or the exception it met. Redirections are not
+        followed: a miss is a lookup's answer to a cluster that is changing. A command that met a change
+        is sent once more, to where a fresh slot map says, only when the map is due for a refresh (at most
+        once per MAP_REFRESH_S: a client that slept through a failover does not miss on its first call).
         Raises ConnectionError when no master answered at all."""
         rc = self._redis
         assert isinstance(rc, RedisCluster)
         self._refresh_map_if_due(rc)
+        out = self._send_all(rc, commands)
+        failed = [i for i, o in enumerate(out) if isinstance(o, _MOVING)]
+        if failed:
+            self._map_stale = True
+            if self._refresh_map_if_due(rc):
+                for i, o in zip(failed, self._send_all(rc, [commands[i] for i in failed]), strict=True):
+                    out[i] = o
+        if any(isinstance(o, _MOVING) for o in out):
+            self._map_stale = True
+            self.misses_on_change += 1
+            if all(isinstance(o, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
+                   for o in out):  # fmt: skip
+                raise redis.exceptions.ConnectionError("no master of the Redis Cluster answered")
+        return out
+
+    def _send_all(self, rc: RedisCluster, commands: list[tuple[str, ...]]) -> list[Any]:
+        """One round trip: every command written to its slot's master (as the cached map says) before
+        any reply is read; per command its reply or the exception it met."""
         out: list[Any] = [None] * len(commands)
         by_node: dict[str, tuple[Any, list[int]]] = {}
         for i, cmd in enumerate(commands):
@@ -248,27 +267,25 @@ class IndexReader:
                 if pending:
                     conn.disconnect()  # never handed out again with replies still on the way
                 pool.release(conn)
-        if any(isinstance(o, _MOVING) for o in out):
-            self._map_stale = True
-            self.misses_on_change += 1
-            if all(isinstance(o, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
-                   for o in out):  # fmt: skip
-                raise redis.exceptions.ConnectionError("no master of the Redis Cluster answered")
         return out
 
-    def _refresh_map_if_due(self, rc: RedisCluster) -> None:
+    def _refresh_map_if_due(self, rc: RedisCluster) -> bool:
+        """Ask the cluster for its slot map when a call met a change and the last ask is MAP_REFRESH_S
+        old; True when the map was refreshed now."""
         now = time.monotonic()
         if not self._map_stale or now - self._map_at < MAP_REFRESH_S:
-            return
+            return False
         with self._lock:
             if not self._map_stale:
-                return
+                return False
             self._map_stale, self._map_at = False, now
         try:
             rc.nodes_manager.initialize()
         except _MOVING as exc:  # no server answered: the commands themselves will say so
             self._map_stale = True
             log.info("index at %s: Redis Cluster slot map refresh failed: %s", redact_url(self.url), exc)
+            return False
+        return True
 
     # -- who is alive
 
