@@ -53,7 +53,7 @@ CLIENT_RULES = f"{_RESET} {_CONNECT} {_NODE_RECORDS} %R~{PREFIX}b:* {_CLIENT_COM
 def tenant_client_rules(tenant: str) -> str:
     """ACL rules of tenant `tenant`'s index client (`kvclient-<tenant>`): node records and that tenant's
     block entries only, so its lookups through the index see no other tenant's pages (Redis answers
-    NOPERM for another tenant's keys, and the lookup script's reads are checked the same way)."""
+    NOPERM for another tenant's keys)."""
     check_tenant(tenant, "tenant of an index client")
     return f"{_RESET} {_CONNECT} {_NODE_RECORDS} %R~{tenant_prefix(tenant)}* {_CLIENT_COMMANDS}"
 

@@ -97,10 +97,8 @@ def parse_cluster_url(url: str) -> ClusterTarget:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in CLUSTER_SCHEMES:
         raise ValueError(f"index URL: not a Redis Cluster URL (redis+cluster:// or rediss+cluster://): {scheme}://...")
-    netloc, _, tail = rest.partition("/")
-    path, _, query = tail.partition("?")
-    if "?" in netloc:  # redis+cluster://h:1?ssl_ca_certs=... (no slash before the query)
-        netloc, _, query = netloc.partition("?")
+    rest, _, query = rest.partition("?")  # NOTE: first: the query may hold a path (ssl_ca_certs=/ca)
+    netloc, _, path = rest.partition("/")
     hosts, username, password = _userinfo(netloc)
     nodes = tuple(_host_port(h, DEFAULT_REDIS_PORT, "server") for h in hosts.split(",") if h)
     if not nodes:

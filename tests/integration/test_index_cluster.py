@@ -274,19 +274,59 @@ def test_a_master_killed_under_lookups_is_a_miss_never_an_error(
         assert [bytes(p.data) for p in cc.get_pages(NS, chain)] == [page(h) for h in chain]
 
 
-def test_bad_cluster_urls_name_what_is_wrong() -> None:
-    from kvstore.index.connect import parse_cluster_url
+@pytest.mark.parametrize("where", ["one Redis", "Redis Cluster"])
+def test_garbage_collection_drops_only_holders_that_can_never_count_again(
+    where: str, cluster: tuple[RedisClusterGroup, list[NodeProcess]]
+) -> None:
+    """gc_step's rule (kvstore/index/publisher.py), on one Redis and on the cluster: a holder superseded by
+    its node's later epoch goes; a node that is not alive but still has its record keeps its holders (it
+    may be restarting); once its record is gone too, its holders go."""
+    import asyncio
 
-    for url, words in (
-        ("redis+cluster:///", "at least one server"),
-        ("redis+cluster://h:1/3", "only database 0"),
-        ("redis+cluster://h:x", "is not host:port"),
-        ("redis+cluster://h:1/?ssl_ca_cert=/ca", "unknown Redis Cluster URL parameters"),
-        ("redis://h:1/0", "not a Redis Cluster URL"),
-    ):
-        with pytest.raises(ValueError, match=words):
-            parse_cluster_url(url)
-    t = parse_cluster_url("rediss+cluster://u:p%40ss@a:1,[::1]:2,b/?ssl_ca_certs=/ca")
-    assert t.nodes == (("a", 1), ("::1", 2), ("b", 6379)) and t.tls and t.ssl_ca_certs == "/ca"
-    assert (t.username, t.password) == ("u", "p@ss")
-    assert parse_cluster_url("redis+cluster://h:7000").nodes == (("h", 7000),)
+    from kvstore.index.keys import entry_of, holders_of, node_key
+    from kvstore.index.publisher import IndexPublisher
+    from kvstore.names import TierKind
+
+    one = RedisProcess(password=ADMIN).start() if where == "one Redis" else None
+    url = one.url if one is not None else cluster[0].url
+    pages = [key(i, f"gc-{where}") for i in range(6)]
+
+    async def scenario() -> None:
+        held = {"g0": list(pages), "g1": list(pages)}
+        pubs = {n: IndexPublisher(url, n, "127.0.0.1:1", lambda n=n: [(NS, h, TierKind.DRAM) for h in held[n]],
+                                  lambda: {}, ttl_seconds=30.0) for n in held}  # fmt: skip
+        for p in pubs.values():
+            await p.start()
+            assert await p.wait_registered(30)
+        admin = pubs["g0"]._redis
+
+        async def holders(h: bytes) -> dict[str, int]:
+            return {n: e for n, e, _ in holders_of(await admin.hget(*entry_of(NS, h)) or b"")}
+
+        async def sweep() -> None:  # a full round over every stripe of every master
+            for _ in range(400):
+                await pubs["g0"].gc_step(count=1000)
+                if not pubs["g0"]._gc_keys and not any(pubs["g0"]._gc_scan.values()) and not pubs["g0"]._gc_servers:
+                    return
+            raise AssertionError("the sweep did not come round")
+
+        first = pubs["g0"].status().epoch
+        held["g0"] = pages[:2]  # g0 republishes under a new epoch, holding only two of the pages now
+        pubs["g0"]._need_resync = True
+        pubs["g0"]._wake.set()
+        await asyncio.to_thread(wait_for, lambda: pubs["g0"].status().epoch > first, 10, "g0's new epoch")
+        await pubs["g1"].close(deregister=True)  # not alive; its record stays (it may come back)
+        assert (await holders(pages[4]))["g0"] == first
+        await sweep()
+        assert set(await holders(pages[0])) == {"g0", "g1"} and set(await holders(pages[4])) == {"g1"}
+        await admin.delete(node_key("g1"))  # its record expired: gone for good
+        await sweep()
+        assert await holders(pages[0]) == {"g0": pubs["g0"].status().epoch}
+        assert await admin.hget(*entry_of(NS, pages[4])) is None  # no holder left: the field is gone
+        await pubs["g0"].close(deregister=True)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        if one is not None:
+            one.close()
