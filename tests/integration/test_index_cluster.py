@@ -161,6 +161,10 @@ def test_nodes_register_publish_and_a_client_finds_a_chain_across_them(
         assert set(found.holders[0]) == {"n0", "n2"} and set(found.holders[8]) == {"n0"}
         assert found.plan() == [("n0", 0, 32), ("n1", 32, 64), ("n2", 64, 96)]
         assert [bytes(p.data) for p in cc.get_pages(NS, chain)] == [page(h) for h in chain]
+        tail = [key(i, "split-tail") for i in range(4)]  # a put placed through the index: to the chain's holder
+        node, res = cc.put(NS, LAYOUT, tail, [page(h) for h in tail], parent_chain=chain)
+        assert node == "n0" and res.stored == 4
+        wait_for(lambda: cc.lookup(NS, chain + tail).matched == 100, 30, "the put's pages in the index")
     # The namespace's entries spread over every master (32 stripes, each a slot of its own).
     masters = group.masters_now()
     assert len(masters) == 3
