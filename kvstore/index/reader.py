@@ -142,7 +142,11 @@ class IndexReader:
         alive is due for a refresh)."""
         if not hashes:
             return ClusterLookup(0, [], {})
-        live = self._live_view()
+        try:
+            live = self._live_view()
+        except redis.exceptions.NoPermissionError as exc:  # a Redis user that may not read node records
+            self._no_permission(exc)
+            return ClusterLookup(0, [], {})
         if not live:
             return ClusterLookup(0, [], {})  # nobody is alive: nothing to read
         scoped = scope(namespace, self.tenant)
@@ -166,9 +170,9 @@ class IndexReader:
     def _no_permission(self, exc: BaseException) -> None:
         if self._noperm_logged:
             return
-        # Redis refused this user the tenant's entries: its URL is another tenant's index user, or
-        # KVSTORE_TENANT names a tenant it may not read. Nothing it may see is a miss (the same answer as
-        # an empty index), said once so the misconfiguration is visible.
+        # Redis refused this user the tenant's entries (or the node records): its URL is another tenant's
+        # index user, or KVSTORE_TENANT names a tenant it may not read. Nothing it may see is a miss (the
+        # same answer as an empty index), said once so the misconfiguration is visible.
         self._noperm_logged = True
         log.warning(
             "index at %s: this Redis user may not read tenant %r's entries (%s); every lookup is a miss: use "
