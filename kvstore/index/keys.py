@@ -20,8 +20,8 @@ ALIVE_PREFIX = f"{PREFIX}{NODE_TAG}:alive:"
 # STRIPES hashes (one HMGET each, all sent before any reply is read). A page's stripe is its hash's
 # first byte modulo STRIPES: the chain hash is uniform, and a node knows a page's hash and namespace,
 # never its place in a chain, so nothing else could be shared by writer and reader. 32: a 280-block
-# lookup is 32 commands (measured against 16 and 64 in benchmarks/RESULTS.md: the same Redis CPU
-# within noise), and a stripe of a namespace of P pages holds P/32 entries.
+# lookup is 32 commands (16 and 64 stripes cost the same Redis CPU within this VM's noise, in a scratch
+# run), and a stripe of a namespace of P pages holds P/32 entries.
 STRIPES = 32
 # An entry's field: the block hash's first 28 hex digits (112 bits). A collision costs a miss (the node
 # is asked by the full hash and says no), never a wrong page; 28 digits keep a field in a 32-byte
