@@ -32,7 +32,9 @@ log = logging.getLogger(__name__)
 _MOVING = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError,
            redis.exceptions.AskError, redis.exceptions.TryAgainError, redis.exceptions.ReadOnlyError,
            RedisClusterException, OSError)  # fmt: skip
+_UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 LIVE_REFRESH_S = 0.5  # how old the reader's view of who is alive may get (a lookup past it asks again)
+UNREACHABLE_S = 30.0  # a Redis Cluster silent this long (no view of who is alive either) is down, not failing over
 MAP_REFRESH_S = 1.0  # at most one slot-map refresh per this long, however many lookups found it stale
 
 
@@ -84,9 +86,11 @@ class IndexReader:
     dead node stops matching within its heartbeat TTL plus LIVE_REFRESH_S.
 
     On a Redis Cluster, a master that does not answer, or answers that its slot moved, is a miss for the
-    blocks it holds (the prefix ends before the first of them) and the slot map is refreshed; the lookup
-    raises IndexUnavailable only when nothing of the cluster answered. Thread-safe: each call takes
-    its own connections; the alive view and the slot map are shared under a lock.
+    blocks it holds (the prefix ends before the first of them) and the slot map is refreshed; a master
+    that did not answer is not asked again for MAP_REFRESH_S (one lookup per period waits out a dead or
+    hung server's timeout). A lookup raises IndexUnavailable only when nothing of the cluster answered
+    for UNREACHABLE_S. Thread-safe: each call takes its own connections; the alive view and the slot map
+    are shared under a lock.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class IndexReader:
         self._live_tried = -1e18
         self._map_stale = False
         self._map_at = -1e18
+        self._down: dict[str, float] = {}  # master -> until when it is not asked (it did not answer)
         self._noperm_logged = False
         self.misses_on_change = 0  # lookups cut short by a Redis Cluster changing under them (counted)
 
@@ -154,9 +159,15 @@ class IndexReader:
         for i, h in enumerate(hashes):
             stripes.setdefault(stripe_of(h), []).append(i)
         reads = [(stripe_key(scoped, s), [entry_field(hashes[i]) for i in pos]) for s, pos in stripes.items()]
+        answers = self._read_stripes(reads)
+        # A master failing over is a miss; a cluster of which nothing answered for UNREACHABLE_S (not even
+        # who is alive) is down, and says so.
+        silent = time.monotonic() - self._live_at > UNREACHABLE_S
+        if self._cluster and silent and all(isinstance(a, _UNREACHABLE) for a in answers):
+            raise redis.exceptions.ConnectionError(f"no server of the Redis Cluster answered: {answers[0]}")
         values: list[bytes | None] = [None] * len(hashes)
         cut = len(hashes)  # NOTE: a stripe not read is not a wrong answer but a shorter one: the prefix ends there
-        for pos, answer in zip(stripes.values(), self._read_stripes(reads), strict=True):
+        for pos, answer in zip(stripes.values(), answers, strict=True):
             if isinstance(answer, redis.exceptions.NoPermissionError):
                 self._no_permission(answer)
                 return ClusterLookup(0, [], {})
@@ -205,8 +216,7 @@ class IndexReader:
         before any reply is read; per command its reply or the exception it met. Redirections are not
         followed: a miss is a lookup's answer to a cluster that is changing. A command that met a change
         is sent once more, to where a fresh slot map says, only when the map is due for a refresh (at most
-        once per MAP_REFRESH_S: a client that slept through a failover does not miss on its first call).
-        Raises ConnectionError when no master answered at all."""
+        once per MAP_REFRESH_S: a client that slept through a failover does not miss on its first call)."""
         rc = self._redis
         assert isinstance(rc, RedisCluster)
         self._refresh_map_if_due(rc)
@@ -220,9 +230,6 @@ class IndexReader:
         if any(isinstance(o, _MOVING) for o in out):
             self._map_stale = True
             self.misses_on_change += 1
-            if all(isinstance(o, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError))
-                   for o in out):  # fmt: skip
-                raise redis.exceptions.ConnectionError("no master of the Redis Cluster answered")
         return out
 
     def _send_all(self, rc: RedisCluster, commands: list[tuple[str, ...]]) -> list[Any]:
@@ -237,7 +244,15 @@ class IndexReader:
                 out[i] = exc
                 continue
             by_node.setdefault(node.name, (node, []))[1].append(i)
-        sent: list[list[Any]] = []  # [pool, connection, its commands, replies still pending]
+        now = time.monotonic()
+        for name, (_, idx) in list(by_node.items()):
+            # NOTE: a master that did not answer is not asked again for MAP_REFRESH_S: one lookup per
+            # period waits out its timeout (a dead or hung server), the others miss at once.
+            if self._down.get(name, 0.0) > now:
+                for i in idx:
+                    out[i] = redis.exceptions.ConnectionError(f"{name} did not answer lately")
+                del by_node[name]
+        sent: list[list[Any]] = []  # [pool, connection, its commands, replies still pending, master]
         try:
             for node, idx in by_node.values():
                 pool = conn = None
@@ -246,13 +261,14 @@ class IndexReader:
                     conn = pool.get_connection()
                     conn.send_packed_command(conn.pack_commands([commands[i] for i in idx]), check_health=False)
                 except _MOVING as exc:
+                    self._mark_down(node.name, exc)
                     for i in idx:
                         out[i] = exc
                     if conn is not None:
                         conn.disconnect()
                         pool.release(conn)  # type: ignore[union-attr]
                     continue
-                sent.append([pool, conn, idx, True])
+                sent.append([pool, conn, idx, True, node.name])
             for entry in sent:
                 conn, idx = entry[1], entry[2]
                 for n, i in enumerate(idx):
@@ -261,17 +277,22 @@ class IndexReader:
                     except redis.exceptions.ResponseError as exc:  # an error reply: the connection is in step
                         out[i] = exc
                     except _MOVING as exc:  # the connection is not: dropped below
+                        self._mark_down(entry[4], exc)
                         for j in idx[n:]:
                             out[j] = exc
                         break
                 else:
                     entry[3] = False
         finally:
-            for pool, conn, _, pending in sent:
+            for pool, conn, _, pending, _ in sent:
                 if pending:
                     conn.disconnect()  # never handed out again with replies still on the way
                 pool.release(conn)
         return out
+
+    def _mark_down(self, name: str, exc: BaseException) -> None:
+        if isinstance(exc, _UNREACHABLE):
+            self._down[name] = time.monotonic() + MAP_REFRESH_S
 
     def _refresh_map_if_due(self, rc: RedisCluster) -> bool:
         """Ask the cluster for its slot map when a call met a change and the last ask is MAP_REFRESH_S
@@ -285,6 +306,7 @@ class IndexReader:
             self._map_stale, self._map_at = False, now
         try:
             rc.nodes_manager.initialize()
+            self._down = {n: t for n, t in self._down.items() if rc.nodes_manager.get_node(node_name=n) is not None}
         except _MOVING as exc:  # no server answered: the commands themselves will say so
             self._map_stale = True
             log.info("index at %s: Redis Cluster slot map refresh failed: %s", redact_url(self.url), exc)

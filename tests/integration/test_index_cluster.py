@@ -204,9 +204,10 @@ def test_a_killed_node_stops_being_named_within_its_ttl(cluster: tuple[RedisClus
         assert {n.node_id: n.alive for n in cc.nodes()} == {"n0": True, "n1": True, "n2": False}
 
 
-def _migrate(group: RedisClusterGroup, slot: int) -> tuple[RedisProcess, RedisProcess]:
+def _migrate(group: RedisClusterGroup, slot: int, half_moved: Callable[[], None]) -> tuple[RedisProcess, RedisProcess]:
     """Move `slot` to another master by hand, as `redis-cli --cluster reshard` does: IMPORTING on the
-    target, MIGRATING on the source, every key MIGRATEd, then the slot's owner set everywhere."""
+    target, MIGRATING on the source, every key MIGRATEd (then `half_moved()`: lookups meet ASK), then
+    the slot's owner set everywhere."""
     src = group.master_for_slot(slot)
     assert src is not None
     dst = next(m for m in group.masters_now() if m is not src)
@@ -219,7 +220,7 @@ def _migrate(group: RedisClusterGroup, slot: int) -> tuple[RedisProcess, RedisPr
             if not keys:
                 break
             s.execute_command("MIGRATE", dst.host, dst.port, "", 0, 5000, "AUTH2", "default", ADMIN, "KEYS", *keys)
-            time.sleep(0.2)  # lookups meet the slot half moved (ASK) for a while
+        half_moved()
         for m in group.masters_now():
             with admin(m) as a:
                 a.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
@@ -238,7 +239,12 @@ def test_a_slot_moved_under_lookups_is_a_miss_never_an_error(
         wait_for(lambda: cc.lookup(NS, chain).matched == 48, 30, "the chain in the index")
         with Lookups(url, chain) as run:
             time.sleep(0.3)
-            src, dst = _migrate(group, slot)
+
+            def half_moved() -> None:  # the slot's keys moved, its owner not yet changed: a few lookups then
+                seen = len(run.matched)
+                wait_for(lambda: len(run.matched) >= seen + 3, 20, "lookups while the slot is half moved")
+
+            src, dst = _migrate(group, slot, half_moved)
             wait_for(lambda: run.matched[-5:] == [48] * 5, 30, "whole lookups after the move")
         assert run.errors == [], run.errors[:3]
         assert group.master_for_slot(slot) is dst and dst is not src
@@ -334,3 +340,36 @@ def test_garbage_collection_drops_only_holders_that_can_never_count_again(
     finally:
         if one is not None:
             one.close()
+
+
+def test_a_hung_master_costs_one_slow_lookup_per_second_not_one_each(
+    fresh_cluster: tuple[RedisClusterGroup, list[NodeProcess]],
+) -> None:
+    """A master stopped (SIGSTOP: it accepts nothing and answers nothing) under lookups: the reader waits
+    out its timeout once, then skips it for a second (a miss at once), until the cluster fails it over."""
+    import os
+    import signal
+
+    group, nodes = fresh_cluster
+    chain = [key(i, "hung") for i in range(64)]
+    put_direct(nodes[0].addr, chain)
+    url = group.url_for(acl.CLIENT_USER)
+    victim = group.master_for_slot(key_slot(stripe_key(NS, stripe_of(chain[0])).encode()))
+    assert victim is not None and victim.proc is not None
+    with IndexReader(url, socket_timeout=1.5) as index:
+        wait_for(lambda: index.lookup(NS, chain).matched == 64, 30, "the chain in the index")
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            took: list[float] = []
+            matched: list[int] = []
+            t_end = time.monotonic() + 3.0
+            while time.monotonic() < t_end and len(took) < 1000:
+                t0 = time.monotonic()
+                matched.append(index.lookup(NS, chain).matched)  # never raises
+                took.append(time.monotonic() - t0)
+            slow = [t for t in took if t >= 1.0]
+            assert min(matched) < 64  # a miss from the stopped master's first block (until a failover)
+            assert len(took) > 10 and 1 <= len(slow) <= 4, (len(took), slow)  # not one timeout per lookup
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        wait_for(lambda: index.lookup(NS, chain).matched == 64, 60, "whole lookups after the master came back")
