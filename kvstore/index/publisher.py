@@ -283,8 +283,16 @@ class IndexPublisher:
     async def _load_scripts(self) -> None:
         """Load the entry scripts (on every master of a Redis Cluster): Redis does not replicate them, so a
         promoted replica or a restarted master lacks them until the next resync."""
-        for script in (UPDATE_SCRIPT, PRUNE_SCRIPT):
-            await self._redis.script_load(script)
+        try:
+            for script in (UPDATE_SCRIPT, PRUNE_SCRIPT):
+                await self._redis.script_load(script)
+        except redis.exceptions.NoPermissionError:
+            log.error(
+                "index at %s: this node's Redis user may not load the entry scripts (SCRIPT LOAD); it cannot "
+                "publish: give it kvstore.index.acl.node_rules (SECURITY.md)",
+                self.stats.url,
+            )
+            raise
 
     async def _write_entries(self, epoch: int, changes: Iterable[tuple[str, bytes, TierKind | None]]) -> None:
         """Set this node's entry of each page to (epoch, tier), or drop it (tier None): one UPDATE_SCRIPT
