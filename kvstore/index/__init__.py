@@ -24,7 +24,7 @@ An entry lists every holder of the page: several nodes may hold one page. Nodes 
 holder in an entry, through one Lua script per stripe (keys.UPDATE_SCRIPT: atomic, so two nodes writing
 the same page never lose each other's holder).
 
-Measured (benchmarks/RESULTS.md, "The index on a Redis Cluster"): against one HASH per page (the v1
+Measured (benchmarks/RESULTS.md, "The Redis index"): against one HASH per page (the v1
 layout, read by a Lua script), about half the Redis memory per indexed page and several times fewer
 Redis CPU seconds per lookup of a long chain.
 
