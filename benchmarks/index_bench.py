@@ -1,19 +1,27 @@
-"""Benchmark of the Redis prefix-hash index (kvstore/index.py) against a real redis-server on loopback.
+"""Benchmark of the Redis prefix-hash index (kvstore/index/) on one Redis and on a Redis Cluster of 3
+masters, all on loopback: what one shard sustains and what the cluster does.
 
 Method:
-- A private redis-server (no persistence) on a free loopback port. Three publishers (node ids), each
-  a real `IndexPublisher` on an asyncio loop, hold chains of 16, 64 and 256 blocks; every chain's
-  first half is held by two nodes, so lookups return several holders per block.
-- Lookup latency: `IndexReader.lookup` (one EVALSHA) over each chain length, N calls after warmup,
-  p50/p99. Round trips are counted at the Redis client's socket send (a counting connection class), so
-  "round trips per lookup" is exact, not inferred.
-- References in the same run: a naive client-side lookup (one HGETALL per block until the first miss,
-  then a pipelined GET of its holders' alive keys: two round trips per block), and a bare PING
-  round trip (the floor for any one-round-trip lookup on this machine).
-- Update throughput: `IndexPublisher.note()` for M distinct pages, timed until the publisher reports
-  all of them flushed (pipelined HSETs in batches).
+- Deployments, each fresh: one redis-server; a Redis Cluster of 3 masters (no replicas: a replica
+  costs its master CPU for writes only, and this machine has 2 cores); and, as the reference measured
+  in the same run, one redis-server holding the layout before this change (v1: one HASH per page,
+  node -> "epoch:tier", read by one Lua script that walks the chain and checks each holder's alive key),
+  written and read exactly as kvstore did at git 3ca0c07 (the script and keys are copied below).
+- Entries are published by real `IndexPublisher`s (v2) on an asyncio loop: n0 holds every chain, n1
+  also holds the "2 holders" chains. 64 distinct chains per (length, holders), lookups cycle over them.
+- Lookups: `IndexReader.lookup` with its defaults, one client thread, for `--seconds` per cell, of
+  chains of 16, 64 and 280 blocks, fully indexed (hit) or never published (cold). Per cell: client
+  latency p50/p99, round trips per lookup (counted in the reader: the view of who is alive is re-read
+  every 0.5 s, so a little over 1), and **Redis CPU per lookup**: the servers' own CPU time (INFO cpu,
+  used_cpu_user + used_cpu_sys, summed over the masters) over the cell, divided by the lookups. Redis
+  runs one thread per server, so 1 / (CPU per lookup) is the lookups per second one server core
+  sustains; a cluster's masters share the load evenly (a namespace's entries are spread over 32
+  slots), so the cluster sustains about masters times that.
+- Memory: `--pages` pages published by one node, then the same pages by a second node; the growth of
+  used_memory (summed over the masters) per page, for the first holder and for a second one.
+- Update throughput: `IndexPublisher.note()` for `--updates` distinct pages, timed until flushed.
 
-Writes benchmarks/out/index_bench.{json,md}; prints the table.
+Writes benchmarks/out/index_bench.{json,md}; prints the tables.
 """
 
 from __future__ import annotations
@@ -27,28 +35,128 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import redis
 from machine import cpu_model
 
-from kvstore.cli.redis_procs import RedisProcess
-from kvstore.index import ALIVE_PREFIX, IndexReader, block_key
+from kvstore.cli.redis_procs import RedisClusterGroup, RedisProcess
+from kvstore.index import IndexReader
 from kvstore.index.publisher import IndexPublisher
 from kvstore.names import TierKind
 
 NS = "bench/index"
-CHAINS = (16, 64, 256)
+MEM_NS = "bench/index-memory"
+CHAINS = (16, 64, 280)
+VARIANTS = 64  # distinct chains per (length, holders)
+
+# -- the v1 layout, as kvstore wrote and read it at git 3ca0c07 (the reference)
+
+V1_PREFIX = "kvs:v1:"
+V1_LOOKUP = """
+local alive_prefix = ARGV[1]
+local epochs = {}
+local out = {}
+for i = 1, #KEYS do
+  local fields = redis.call('HGETALL', KEYS[i])
+  local holders = {}
+  for j = 1, #fields, 2 do
+    local node = fields[j]
+    local ep = epochs[node]
+    if ep == nil then
+      ep = redis.call('GET', alive_prefix .. node) or false
+      epochs[node] = ep
+    end
+    if ep then
+      local sep = string.find(fields[j + 1], ':', 1, true)
+      if sep and string.sub(fields[j + 1], 1, sep - 1) == ep then
+        holders[#holders + 1] = node
+        holders[#holders + 1] = string.sub(fields[j + 1], sep + 1)
+      end
+    end
+  end
+  if #holders == 0 then break end
+  out[#out + 1] = holders
+end
+return out
+"""
 
 
-class CountingConnection(redis.Connection):
-    """Counts commands (or pipelines) sent: one send = one network round trip for a blocking client."""
+def v1_key(namespace: str, h: bytes) -> str:
+    return f"{V1_PREFIX}b:{hashlib.sha256(namespace.encode()).hexdigest()[:16]}:{h.hex()}"
 
-    sends = 0
 
-    def send_packed_command(self, command: object, check_health: bool = True) -> None:
-        CountingConnection.sends += 1
-        super().send_packed_command(command, check_health)
+class V1Index:
+    """The v1 index on one Redis: HSET per (page, node) to write, one EVALSHA per lookup to read."""
+
+    def __init__(self, url: str) -> None:
+        self.r = redis.Redis.from_url(url, socket_timeout=10)
+        self.script = self.r.register_script(V1_LOOKUP)
+        self.trips = 0
+
+    def publish(self, node: str, namespace: str, hashes: Sequence[bytes]) -> None:
+        self.r.set(f"{V1_PREFIX}alive:{node}", "1")
+        for start in range(0, len(hashes), 2000):
+            pipe = self.r.pipeline(transaction=False)
+            for h in hashes[start : start + 2000]:
+                pipe.hset(v1_key(namespace, h), node, f"1:{int(TierKind.DRAM)}")
+            pipe.execute()
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes]) -> int:
+        self.trips += 1
+        return len(self.script(keys=[v1_key(namespace, h) for h in hashes], args=[f"{V1_PREFIX}alive:"]))
+
+
+class CountingReader(IndexReader):
+    """An IndexReader that counts its round trips (each `_round_trip` writes every request before it
+    reads any reply: one round trip to one Redis, or to every master it needs at once)."""
+
+    trips = 0
+
+    def _round_trip(self, commands: list[tuple[str, ...]]) -> list[Any]:
+        self.trips += 1
+        return super()._round_trip(commands)
+
+
+# -- servers
+
+
+def server_cpu(servers: Sequence[RedisProcess]) -> float:
+    """CPU seconds the servers have used so far (their own account: INFO cpu)."""
+    total = 0.0
+    for s in servers:
+        with redis.Redis(s.host, s.port, username="default", password=s.password, socket_timeout=10) as c:
+            info = c.info("cpu")
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
+
+
+def used_memory(servers: Sequence[RedisProcess]) -> int:
+    total = 0
+    for s in servers:
+        with redis.Redis(s.host, s.port, username="default", password=s.password, socket_timeout=10) as c:
+            total += int(c.info("memory")["used_memory"])
+    return total
+
+
+@contextmanager
+def deployment(kind: str) -> Iterator[tuple[str, list[RedisProcess]]]:
+    """(admin URL, the servers that hold data) of a fresh deployment of `kind`."""
+    if kind == "cluster":
+        group = RedisClusterGroup("bench-" + "p" * 20, masters=3, replicas=0, node_timeout_ms=5000).start()
+        try:
+            yield group.url, group.masters
+        finally:
+            group.close()
+    else:
+        server = RedisProcess(password="bench-" + "p" * 20).start()
+        try:
+            yield server.url, [server]
+        finally:
+            server.close()
 
 
 def chain(n: int, tag: str) -> list[bytes]:
@@ -60,130 +168,207 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
-async def populate(url: str, chains: dict[int, list[bytes]]) -> list[IndexPublisher]:
-    """Three publishers: n0 holds every chain, n1 the first half of each, n2 nothing (alive only)."""
-    holdings = {
-        "n0": [(NS, h, TierKind.DRAM) for c in chains.values() for h in c],
-        "n1": [(NS, h, TierKind.NVME) for c in chains.values() for h in c[: len(c) // 2]],
-        "n2": [],
-    }
+# -- measurements
+
+
+async def publish(url: str, holdings: dict[str, list[tuple[str, bytes, TierKind]]]) -> list[IndexPublisher]:
+    """One IndexPublisher per node id, each holding its list; returned once all are registered."""
     pubs = []
     for node, held in holdings.items():
         pub = IndexPublisher(url, node, f"127.0.0.1:{len(pubs) + 1}", lambda held=held: held, lambda: {},
-                             ttl_seconds=30.0)  # fmt: skip
+                             ttl_seconds=600.0)  # fmt: skip
         await pub.start()
         pubs.append(pub)
-    for _ in range(400):  # bounded: resyncs finish in well under a second here
-        if all(p.status().epoch and not p.status().resync_pending for p in pubs):
-            break
-        await asyncio.sleep(0.01)
+    for pub in pubs:
+        assert await pub.wait_registered(600), pub.status()
     return pubs
 
 
-def naive_lookup(r: redis.Redis, hashes: list[bytes]) -> int:
-    """Client-side walk: per block, HGETALL then the holders' alive keys (pipelined): two round trips each."""
-    matched = 0
-    for h in hashes:
-        fields = r.hgetall(block_key(NS, h))
-        if not fields:
-            break
-        pipe = r.pipeline(transaction=False)
-        for node in fields:
-            pipe.get(ALIVE_PREFIX.encode() + node)
-        epochs = pipe.execute()
-        live = any(ep is not None and v.split(b":", 1)[0] == ep for v, ep in zip(fields.values(), epochs, strict=True))
-        if not live:
-            break
-        matched += 1
-    return matched
-
-
-def time_calls(fn, n: int) -> tuple[list[float], float]:  # type: ignore[no-untyped-def]
-    """Latencies of n calls and the round trips per call."""
-    before = CountingConnection.sends
-    lat = []
-    for _ in range(n):
+def measure(
+    fn: Callable[[list[bytes]], int],
+    chains: list[list[bytes]],
+    expect: int,
+    seconds: float,
+    servers: Sequence[RedisProcess],
+    trips: Callable[[], int],
+) -> dict[str, float]:
+    """Lookups of `chains` in turn for `seconds`: latency, round trips and Redis CPU per lookup."""
+    for c in chains[:8]:  # warm up (connections, the view of who is alive)
+        assert fn(c) == expect, (fn(c), expect)
+    lat: list[float] = []
+    t0_trips, cpu0 = trips(), server_cpu(servers)
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline:
+        c = chains[i % len(chains)]
         t0 = time.perf_counter()
-        fn()
+        got = fn(c)
         lat.append(time.perf_counter() - t0)
-    return lat, (CountingConnection.sends - before) / n
+        assert got == expect, (got, expect)
+        i += 1
+    cpu = server_cpu(servers) - cpu0
+    n = len(lat)
+    return {"lookups": n, "p50_ms": statistics.median(lat) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
+            "round_trips": (trips() - t0_trips) / n, "redis_cpu_us": cpu / n * 1e6,
+            "lookups_per_redis_core": n / cpu if cpu > 0 else float("inf")}  # fmt: skip
 
 
-async def update_throughput(url: str, pages: int) -> dict[str, float]:
-    pub = IndexPublisher(url, "writer", "127.0.0.1:9", lambda: [], lambda: {}, ttl_seconds=30.0, batch=2000)
+async def update_throughput(url: str, pages: int, servers: Sequence[RedisProcess]) -> dict[str, float]:
+    pub = IndexPublisher(url, "writer", "127.0.0.1:9", lambda: [], lambda: {}, ttl_seconds=600.0, batch=2000)
     await pub.start()
-    for _ in range(400):
-        if pub.status().epoch and not pub.status().resync_pending:
-            break
-        await asyncio.sleep(0.01)
+    assert await pub.wait_registered(60)
     hashes = chain(pages, "upd")
+    cpu0 = server_cpu(servers)
     t0 = time.perf_counter()
     for h in hashes:
         pub.note(NS, h, TierKind.DRAM)
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while pub.status().flushed < pages and time.monotonic() < deadline:
         await asyncio.sleep(0.001)
     dt_s = time.perf_counter() - t0
+    cpu = server_cpu(servers) - cpu0
     flushed = pub.status().flushed
     await pub.close()
-    return {"pages": pages, "flushed": flushed, "seconds": dt_s, "updates_per_s": flushed / dt_s}
+    return {"pages": pages, "flushed": flushed, "seconds": dt_s, "updates_per_s": flushed / dt_s,
+            "redis_cpu_us_per_update": cpu / max(1, flushed) * 1e6}  # fmt: skip
+
+
+def run_v2(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": kind, "cells": []}
+    loop = asyncio.new_event_loop()
+    with deployment(kind) as (url, servers):
+        # Memory: one holder, then a second one, of the same pages (a namespace of their own).
+        mem_pages = [(MEM_NS, h, TierKind.DRAM) for h in chain(args.pages, "mem")]
+        base = used_memory(servers)
+        pubs = loop.run_until_complete(publish(url, {"m0": mem_pages}))
+        one = used_memory(servers)
+        pubs += loop.run_until_complete(publish(url, {"m1": mem_pages}))
+        two = used_memory(servers)
+        out["memory"] = {"pages": args.pages, "bytes_per_page": (one - base) / args.pages,
+                         "bytes_per_second_holder": (two - one) / args.pages}  # fmt: skip
+        chains = {(n, k): [chain(n, f"c{n}-{k}-{v}") for v in range(VARIANTS)] for n in CHAINS for k in (1, 2)}
+        held0 = [(NS, h, TierKind.DRAM) for cs in chains.values() for c in cs for h in c]
+        held1 = [(NS, h, TierKind.NVME) for (_, k), cs in chains.items() if k == 2 for c in cs for h in c]
+        pubs += loop.run_until_complete(publish(url, {"n0": held0, "n1": held1}))
+        reader = CountingReader(url)
+        for (n, k), cs in chains.items():
+            cell = measure(lambda c: reader.lookup(NS, c).matched, cs, n, args.seconds, servers,
+                           lambda: reader.trips)  # fmt: skip
+            out["cells"].append({"chain": n, "holders": k, "hit": True, **cell})
+        for n in CHAINS:
+            cold = [chain(n, f"cold{n}-{v}") for v in range(VARIANTS)]
+            cell = measure(lambda c: reader.lookup(NS, c).matched, cold, 0, args.seconds / 2, servers,
+                           lambda: reader.trips)  # fmt: skip
+            out["cells"].append({"chain": n, "holders": 0, "hit": False, **cell})
+        reader.close()
+        out["updates"] = loop.run_until_complete(update_throughput(url, args.updates, servers))
+        for p in pubs:
+            loop.run_until_complete(p.close(deregister=False))
+    loop.close()
+    out["masters"] = len(servers)
+    return out
+
+
+def run_v1(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": "v1 (reference)", "cells": []}
+    with deployment("one") as (url, servers):
+        v1 = V1Index(url)
+        upd = chain(args.updates, "upd")
+        cpu0, t0 = server_cpu(servers), time.perf_counter()
+        v1.publish("writer", NS, upd)
+        dt_s, cpu = time.perf_counter() - t0, server_cpu(servers) - cpu0
+        out["updates"] = {"pages": args.updates, "flushed": args.updates, "seconds": dt_s,
+                          "updates_per_s": args.updates / dt_s, "redis_cpu_us_per_update": cpu / args.updates * 1e6}  # fmt: skip
+        mem = chain(args.pages, "mem")
+        base = used_memory(servers)
+        v1.publish("m0", MEM_NS, mem)
+        one = used_memory(servers)
+        v1.publish("m1", MEM_NS, mem)
+        two = used_memory(servers)
+        out["memory"] = {"pages": args.pages, "bytes_per_page": (one - base) / args.pages,
+                         "bytes_per_second_holder": (two - one) / args.pages}  # fmt: skip
+        chains = {(n, k): [chain(n, f"c{n}-{k}-{v}") for v in range(VARIANTS)] for n in CHAINS for k in (1, 2)}
+        for (_, k), cs in chains.items():
+            for c in cs:
+                v1.publish("n0", NS, c)
+                if k == 2:
+                    v1.publish("n1", NS, c)
+        for (n, k), cs in chains.items():
+            cell = measure(lambda c: v1.lookup(NS, c), cs, n, args.seconds, servers, lambda: v1.trips)
+            out["cells"].append({"chain": n, "holders": k, "hit": True, **cell})
+        for n in CHAINS:
+            cold = [chain(n, f"cold{n}-{v}") for v in range(VARIANTS)]
+            cell = measure(lambda c: v1.lookup(NS, c), cold, 0, args.seconds / 2, servers, lambda: v1.trips)
+            out["cells"].append({"chain": n, "holders": 0, "hit": False, **cell})
+        v1.r.close()
+    out["masters"] = 1
+    return out
+
+
+def report(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        f"- Machine: {meta['date']} | {meta['cpu']}, {meta['cpus']} CPUs | {meta['platform']} | python "
+        f"{meta['python']}, redis-py {meta['redis_py']}, {meta['redis_version']} | load average before "
+        f"{meta['load_before']}",
+        f"- {meta['seconds']} s of lookups per cell (half that for cold ones), one client thread, {VARIANTS} "
+        "distinct chains per cell; Redis CPU = the servers' own CPU time (INFO cpu) per lookup, summed over "
+        "the masters; lookups/s per Redis core = 1 / that",
+        "",
+        "| index | chain | holders | Redis CPU µs / lookup | lookups/s per Redis core | whole index, lookups/s "
+        "(cores × that) | p50 ms | p99 ms | round trips / lookup |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for run in runs:
+        for c in run["cells"]:
+            holders = str(c["holders"]) if c["hit"] else "cold (0)"
+            lines.append(
+                f"| {run['kind']} | {c['chain']} | {holders} | {c['redis_cpu_us']:.0f} | "
+                f"{c['lookups_per_redis_core']:,.0f} | {c['lookups_per_redis_core'] * run['masters']:,.0f} | "
+                f"{c['p50_ms']:.3f} | {c['p99_ms']:.3f} | {c['round_trips']:.3f} |"
+            )
+    lines += ["", "| index | Redis memory per indexed page (1 holder) | per second holder | pages | index "
+              "updates/s (one node) | Redis CPU µs / update |", "|---|--:|--:|--:|--:|--:|"]  # fmt: skip
+    for run in runs:
+        m, u = run["memory"], run["updates"]
+        lines.append(f"| {run['kind']} | {m['bytes_per_page']:.0f} B | {m['bytes_per_second_holder']:.0f} B | "
+                     f"{m['pages']:,} | {u['updates_per_s']:,.0f} | {u['redis_cpu_us_per_update']:.1f} |")  # fmt: skip
+    lines.append("")
+    lines.append(
+        "Updates: v2 through `IndexPublisher.note()` until flushed (one script call per stripe and batch); "
+        "v1 as its publisher wrote them (pipelined HSETs, batches of 2000), without the publisher's queue."
+    )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lookups", type=int, default=500, help="timed lookups per chain length (default 500)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="seconds of lookups per cell (default 3)")
+    ap.add_argument("--pages", type=int, default=100_000, help="pages published for the memory figure")
     ap.add_argument("--updates", type=int, default=100_000, help="pages for the update-throughput run")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 20 lookups, 5000 updates")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 0.2 s per cell, 5000 pages and updates")
+    ap.add_argument("--no-v1", action="store_true", help="skip the v1 reference")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
-    n_lookups, n_updates = (20, 5000) if args.quick else (args.lookups, args.updates)
-    cpu = cpu_model()
-    meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu, "cpus": os.cpu_count(),
-            "platform": platform.platform(), "python": platform.python_version(), "redis_py": redis.__version__}  # fmt: skip
-    rows = []
-    with RedisProcess() as server:
-        meta["redis_server"] = server.binary
-        chains = {n: chain(n, f"c{n}") for n in CHAINS}
-        loop = asyncio.new_event_loop()
-        pubs = loop.run_until_complete(populate(server.url, chains))
-        pool = redis.ConnectionPool.from_url(server.url, connection_class=CountingConnection)
-        client = redis.Redis(connection_pool=pool)
-        reader = IndexReader(server.url, client=client)
-        ping_lat, _ = time_calls(client.ping, n_lookups)
-        for n, hashes in chains.items():
-            res = reader.lookup(NS, hashes)  # warm up (first call may load the script)
-            assert res.matched == n and len(res.holders[0]) == 2, (n, res.matched)
-            for _ in range(10):
-                reader.lookup(NS, hashes)
-            lat, rt = time_calls(lambda hashes=hashes: reader.lookup(NS, hashes), n_lookups)
-            nlat, nrt = time_calls(lambda hashes=hashes: naive_lookup(client, hashes), max(5, n_lookups // 10))
-            assert naive_lookup(client, hashes) == n
-            rows.append({"chain": n, "p50_ms": statistics.median(lat) * 1e3, "p99_ms": pct(lat, 99) * 1e3,
-                         "round_trips": rt, "naive_p50_ms": statistics.median(nlat) * 1e3,
-                         "naive_round_trips": nrt, "ping_p50_ms": statistics.median(ping_lat) * 1e3})  # fmt: skip
-        upd = loop.run_until_complete(update_throughput(server.url, n_updates))
-        for p in pubs:
-            loop.run_until_complete(p.close())
-        loop.close()
-        reader.close()
-        pool.disconnect()
-    lines = [f"- Machine: {meta['date']} | {meta['cpu']}, {meta['cpus']} CPUs | {meta['platform']} | "
-             f"python {meta['python']}, redis-py {meta['redis_py']}, {meta['redis_server']}",
-             f"- {n_lookups} timed lookups per chain (after warmup), 3 nodes, first half of each chain on 2 nodes; "
-             f"naive = HGETALL then a pipelined GET of the holders' alive keys, per block (2 round trips per block); PING p50 {rows[0]['ping_p50_ms']:.3f} ms (round-trip floor)", "",
-             "| chain (blocks) | lookup p50 ms | lookup p99 ms | round trips / lookup | naive p50 ms "
-             "| naive round trips | p50 vs naive |", "|--:|--:|--:|--:|--:|--:|--:|"]  # fmt: skip
-    for r in rows:
-        lines.append(f"| {r['chain']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['round_trips']:.2f} | "
-                     f"{r['naive_p50_ms']:.3f} | {r['naive_round_trips']:.0f} | "
-                     f"{r['naive_p50_ms'] / r['p50_ms']:.1f}x faster |")  # fmt: skip
-    lines += ["", f"Index updates: {upd['flushed']:.0f} of {upd['pages']} placement changes written in "
-                  f"{upd['seconds']:.2f} s = **{upd['updates_per_s']:,.0f} updates/s** (pipelined, batches of 2000)"]  # fmt: skip
-    md = "\n".join(lines)
+    if args.quick:
+        args.seconds, args.pages, args.updates = 0.2, 5000, 5000
+    with RedisProcess() as probe, redis.Redis(probe.host, probe.port) as c:
+        version = f"redis-server {c.info('server')['redis_version']}"
+    meta = {"date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), "cpu": cpu_model(),
+            "cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "redis_py": redis.__version__, "redis_version": version, "seconds": args.seconds,
+            "load_before": " ".join(f"{x:.1f}" for x in os.getloadavg())}  # fmt: skip
+    runs = [
+        run_v2("one Redis", args) | {"kind": "v2, one Redis"},
+        run_v2("cluster", args) | {"kind": "v2, Redis Cluster of 3"},
+    ]
+    if not args.no_v1:
+        runs.append(run_v1(args))
+    meta["load_after"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    md = report(runs, meta)
     print(md)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "index_bench.md").write_text(md + "\n")
-    (args.out / "index_bench.json").write_text(json.dumps({"meta": meta, "lookups": rows, "updates": upd}, indent=2))
+    (args.out / "index_bench.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
     return 0
 
 

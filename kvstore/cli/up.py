@@ -53,6 +53,15 @@ def up(  # noqa: PLR0913
     nvme_root: Annotated[Path | None, typer.Option(help="NVMe directories go here (default: a temp dir)")] = None,
     max_page_bytes: Annotated[str, typer.Option(help="largest page a node accepts")] = "2MiB",
     redis_url: Annotated[str | None, typer.Option(help="use this Redis instead of starting one")] = None,
+    redis_cluster: Annotated[
+        int,
+        typer.Option(
+            help="start a local Redis Cluster of this many masters instead of one redis-server (0: off)", min=0, max=16
+        ),
+    ] = 0,
+    redis_cluster_replicas: Annotated[
+        int, typer.Option(help="replicas per master of --redis-cluster", min=0, max=4)
+    ] = 1,
     index_ttl: Annotated[float, typer.Option(help="index heartbeat TTL, seconds")] = 10.0,
     metrics: Annotated[bool, typer.Option(help="serve Prometheus /metrics per node on a free port")] = True,
     values: Annotated[
@@ -77,7 +86,14 @@ def up(  # noqa: PLR0913
             v = load_values(list(values), chart or chart_from_env())
             stack.start_from_plan(plan(v, root), v)
         else:
-            stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics)
+            if redis_cluster and redis_url:
+                raise typer.BadParameter("give --redis-url or --redis-cluster, not both", param_hint="--redis-cluster")
+            cluster = None
+            if redis_cluster:
+                from kvstore.cli.values import ClusterPlan
+
+                cluster = ClusterPlan(redis_cluster, redis_cluster_replicas, 2000)
+            stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics, cluster)
         if ready_file is not None:
             _write_ready(ready_file, stack)
         console.print(
@@ -117,11 +133,20 @@ class Stack:
     vllm: subprocess.Popen[bytes] | None = None
     engine_urls: dict[str, str] = field(default_factory=dict)
     redis_restarts: int = 0
+    _dead_since: dict[int, float] = field(default_factory=dict)  # a cluster server's death, first seen
 
     def start_simple(
-        self, n: int, dram: str, nvme: str, page: str, redis_url: str | None, ttl: float, metrics: bool
+        self,
+        n: int,
+        dram: str,
+        nvme: str,
+        page: str,
+        redis_url: str | None,
+        ttl: float,
+        metrics: bool,
+        cluster: object = None,
     ) -> None:
-        self._start_redis(redis_url, [f"node-{i}" for i in range(n)])
+        self._start_redis(redis_url, [f"node-{i}" for i in range(n)], cluster=cluster)
         for i in range(n):
             self._start_node(
                 i, dram, nvme, page, ["--index-ttl", str(ttl), *(["--metrics-port", "0"] if metrics else [])]
@@ -134,7 +159,11 @@ class Stack:
         for note in plan.notes:
             console.print(f"[yellow]note[/]: {note}")
         self._start_redis(
-            plan.redis_external_url, [f"node-{i}" for i in range(plan.nodes)], plan.tenants, plan.redis_sentinel
+            plan.redis_external_url,
+            [f"node-{i}" for i in range(plan.nodes)],
+            plan.tenants,
+            plan.redis_sentinel,
+            plan.redis_cluster,
         )
         extra: list[str] = []
         if plan.auth_tokens:
@@ -207,12 +236,18 @@ class Stack:
         return [str(Path(self.socket_dir.name) / f"node-{i}.sock") for i in range(plan.nodes)]
 
     def _start_redis(
-        self, external: str | None, node_ids: list[str], tenants: tuple[str, ...] = (), sentinel: object = None
+        self,
+        external: str | None,
+        node_ids: list[str],
+        tenants: tuple[str, ...] = (),
+        sentinel: object = None,
+        cluster: object = None,
     ) -> None:
         """The index: the operator's (`external`), else a private redis-server, or with `sentinel` (a
-        values.SentinelPlan) a private Sentinel group (kvstore/cli/redis_procs.py SentinelGroup)."""
-        from kvstore.cli.redis_procs import RedisProcess, SentinelGroup
-        from kvstore.cli.values import SentinelPlan
+        values.SentinelPlan) a private Sentinel group, or with `cluster` (a values.ClusterPlan) a private
+        Redis Cluster (kvstore/cli/redis_procs.py SentinelGroup, RedisClusterGroup)."""
+        from kvstore.cli.redis_procs import RedisClusterGroup, RedisProcess, SentinelGroup
+        from kvstore.cli.values import ClusterPlan, SentinelPlan
         from kvstore.index.acl import (
             CLIENT_RULES,
             CLIENT_USER,
@@ -230,8 +265,20 @@ class Stack:
             users = {CLIENT_USER: (secrets.token_hex(20), CLIENT_RULES)}
             users |= {node_user(n): (secrets.token_hex(20), node_rules(n)) for n in node_ids}
             users |= {tenant_client_user(t): (secrets.token_hex(20), tenant_client_rules(t)) for t in tenants}
-            proc: RedisProcess | SentinelGroup
-            if isinstance(sentinel, SentinelPlan):
+            proc: RedisProcess | SentinelGroup | RedisClusterGroup
+            if isinstance(cluster, ClusterPlan):
+                proc = RedisClusterGroup(
+                    secrets.token_hex(20),
+                    users,
+                    masters=cluster.masters,
+                    replicas=cluster.replicas,
+                    node_timeout_ms=cluster.node_timeout_ms,
+                ).start(timeout=120)
+                console.print(
+                    f"redis: Redis Cluster of {cluster.masters} master(s), {cluster.replicas} replica(s) each "
+                    "(every server carries the ACL users)"
+                )
+            elif isinstance(sentinel, SentinelPlan):
                 proc = SentinelGroup(
                     secrets.token_hex(20),
                     users,
@@ -375,9 +422,11 @@ class Stack:
             "metrics": {f"node-{i}": p.metrics_port for i, p in enumerate(self.nodes)},
             "env": self.env,
         }
-        from kvstore.cli.redis_procs import SentinelGroup
+        from kvstore.cli.redis_procs import RedisClusterGroup, SentinelGroup
 
-        if isinstance(self.redis, SentinelGroup):  # the private Sentinel group (for operators and fault tests)
+        if isinstance(self.redis, RedisClusterGroup):  # the private Redis Cluster (for operators and fault tests)
+            out["redis_pids"] = [p.proc.pid for p in self.redis.processes() if p.proc is not None]
+        elif isinstance(self.redis, SentinelGroup):  # the private Sentinel group (for operators and fault tests)
             out["redis_pids"] = [p.proc.pid for p in (self.redis.master, *self.redis.replicas) if p.proc is not None]
             out["sentinel_pids"] = [p.proc.pid for p in self.redis.sentinels if p.proc is not None]
         elif self.redis is not None:  # the private redis-server (for operators and fault tests)
@@ -397,15 +446,29 @@ class Stack:
         again on the same port with the same users, so every URL stays valid. One Redis comes back empty:
         the nodes find their records gone at their next heartbeat and republish every page (within a third
         of the index TTL). In a Sentinel group the sentinels have meanwhile failed over to a replica (the
-        nodes republish there), and turn the restarted Redis into a replica. Returns why the stack must
-        stop when a process cannot be restarted, else None."""
-        from kvstore.cli.redis_procs import RedisProcess, SentinelGroup
+        nodes republish there), and turn the restarted Redis into a replica. A Redis Cluster's server is
+        restarted only once the cluster has had time to fail it over (twice its node timeout): it then
+        rejoins, from its kept cluster state, as a replica, rather than as an empty master whose replica
+        would copy its emptiness. Returns why the stack must stop when a process cannot be restarted,
+        else None."""
+        from kvstore.cli.redis_procs import RedisClusterGroup, RedisProcess, SentinelGroup
 
         redis = self.redis
-        procs = redis.processes() if isinstance(redis, SentinelGroup) else [redis] if redis is not None else []
+        procs = (
+            redis.processes()
+            if isinstance(redis, (SentinelGroup, RedisClusterGroup))
+            else [redis]
+            if redis is not None
+            else []
+        )
         for p in procs:
             if p.proc is None or p.proc.poll() is None:  # type: ignore[attr-defined]
                 continue
+            if isinstance(redis, RedisClusterGroup):
+                died = self._dead_since.setdefault(id(p), time.monotonic())
+                if time.monotonic() - died < 2 * redis.node_timeout_ms / 1000:
+                    continue
+                self._dead_since.pop(id(p))
             what = "redis-server" if isinstance(p, RedisProcess) else "redis sentinel"
             code = p.proc.returncode  # type: ignore[attr-defined]  # poll() reaped it: nothing left defunct
             console.print(f"[yellow]{what} exited with {code}[/]: restarting it on port {p.port}")  # type: ignore[attr-defined]

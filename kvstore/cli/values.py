@@ -64,6 +64,15 @@ class SentinelPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterPlan:
+    """redis.cluster: a Redis Cluster of `masters` masters, each with `replicas` replicas, as the chart runs."""
+
+    masters: int
+    replicas: int
+    node_timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class LocalPlan:
     nodes: int
     node: NodePlan | None  # None: node.enabled is false
@@ -77,6 +86,7 @@ class LocalPlan:
     engines: EnginesPlan | None = None  # the chart's engines (vLLM + LMCache), where vLLM's CPU build is here
     local_socket: bool = False  # node.localSocket: each node serves the same-host socket (where serve can)
     redis_sentinel: SentinelPlan | None = None  # redis.sentinel.enabled: Redis replicas and sentinels
+    redis_cluster: ClusterPlan | None = None  # redis.cluster.enabled: a Redis Cluster
 
 
 def merge(base: Any, override: Any) -> Any:
@@ -222,6 +232,22 @@ def check_rules(v: Mapping[str, Any]) -> None:
             raise ValueError(
                 "redis.sentinel.enabled needs redis.auth.enabled: sentinels anyone may reconfigure could point "
                 "every node at a Redis of their own"
+            )
+    if (redis.get("cluster") or {}).get("enabled"):
+        if not redis["enabled"]:
+            raise ValueError(
+                "redis.cluster.enabled runs a Redis Cluster as the chart's Redis, but redis.enabled is false: for "
+                "an external Redis Cluster, give its redis+cluster:// URL in redis.external.url"
+            )
+        if sentinel.get("enabled"):
+            raise ValueError(
+                "redis.cluster.enabled and redis.sentinel.enabled: choose one (a Redis Cluster fails its masters "
+                "over by itself)"
+            )
+        if not redis["auth"]["enabled"]:
+            raise ValueError(
+                "redis.cluster.enabled needs redis.auth.enabled: anyone who can reach a cluster's servers could "
+                "reconfigure them (CLUSTER commands) and redirect every node"
             )
 
 
@@ -457,6 +483,12 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
             int(sentinel["downAfterMilliseconds"]),
             int(sentinel["failoverTimeoutMilliseconds"]),
         )
+    cluster = v["redis"].get("cluster") or {}
+    cluster_plan = None
+    if v["redis"]["enabled"] and cluster.get("enabled"):
+        cluster_plan = ClusterPlan(
+            int(cluster["masters"]), int(cluster["replicasPerMaster"]), int(cluster["nodeTimeoutMilliseconds"])
+        )
     return LocalPlan(
         n,
         node_plan,
@@ -470,6 +502,7 @@ def plan(v: Mapping[str, Any], root: Path, mem_available: int | None = None) -> 
         engines,
         local_socket,
         sentinel_plan,
+        cluster_plan,
     )
 
 

@@ -2,14 +2,21 @@
 
 Roles (SECURITY.md):
 - a node (`kvnode-<node id>`) reads the whole index and writes only its own records: its alive, epoch
-  and node keys, its field in block entries (HSET/HDEL only: a block key cannot be deleted) and its
-  id in the node set (SADD only). Redis cannot restrict hash *fields*, so a node could still claim or
-  drop another node's block entries: that costs a miss (clients ask the real node, which says no),
-  never a page from the wrong node.
-- a client (`kvclient`: workers, routers, kvctl) only reads, and may run only scripts a node loaded
-  (EVALSHA, no EVAL / SCRIPT LOAD), so it cannot write or run Lua of its own; it reads the node records
-  and the default tenant's block entries. A tenant's client (`kvclient-<tenant>`) reads the node
-  records and that tenant's block entries only (`tenant_client_rules`).
+  and node keys, its holder in entries (through the entry scripts it loads, keys.UPDATE_SCRIPT and
+  PRUNE_SCRIPT, whose own calls may only HGET/HSET/HDEL a stripe: a stripe cannot be deleted) and its
+  id in the node set (SADD only). Redis cannot restrict what a script writes inside a hash, so a node
+  could still claim or drop another node's holders: that costs a miss (clients ask the real node, which
+  says no), never a page from the wrong node.
+- a client (`kvclient`: workers, routers, kvctl) only reads, with plain read commands: no script at all
+  (no EVAL, EVALSHA or SCRIPT LOAD), so it cannot write or run Lua of its own; it reads the node records
+  and the default tenant's entries. A tenant's client (`kvclient-<tenant>`) reads the node records and
+  that tenant's entries only (`tenant_client_rules`).
+- on a Redis Cluster every user may also ask for the slot map (CLUSTER SLOTS), the command table
+  (COMMAND: redis-py reads it when it connects) and follow an ASK redirection (ASKING); nodes may read
+  INFO (the masters' run ids tell a node that its entries may be gone, kvstore/index/connect.py).
+  Redis Cluster does not propagate ACL users: every server of the cluster, replicas included (any may
+  become a master), carries the same users (`kvstore up` and the chart write them into every server's
+  configuration).
 - `default` is the administrator (all commands), for the operator and the Redis pod's probes.
 - with Sentinel, the sentinels have their own users: `default` (their administrator) and `kvsentinel`
   (`SENTINEL_CLIENT_RULES`: where is the master, nothing more), shared by nodes and clients.
@@ -24,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import re
 
-from kvstore.index.keys import ALIVE_PREFIX, NODES_KEY, PREFIX, epoch_key, node_key, tenant_prefix
+from kvstore.index.keys import NODE_TAG, NODES_KEY, PREFIX, alive_key, epoch_key, node_key, tenant_prefix
 from kvstore.scoping import check_tenant
 
 NODE_USER_PREFIX = "kvnode-"
@@ -32,25 +39,23 @@ SHARED_NODE_USER = "kvnode"
 CLIENT_USER = "kvclient"
 _NODE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")  # no glob characters: ids become key patterns
 
-# What any index connection needs: redis-py's handshake (AUTH/HELLO, SELECT; it ignores a refused CLIENT SETINFO).
-_CONNECT = "+ping +hello +auth +select +client|setname +client|id +echo +reset"
+# What any index connection needs: redis-py's handshake (AUTH/HELLO, SELECT; it ignores a refused CLIENT
+# SETINFO), and on a Redis Cluster its discovery (the slot map, the command table) and ASK redirections.
+_CONNECT = "+ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking"
 _RESET = "resetkeys resetchannels nocommands"
 
-# NOTE: `~` rather than `%R~`: EVALSHA declares its keys read-write whatever the script does. The
-# commands keep the client read-only: only read commands, and EVALSHA of scripts a node loaded, whose
-# own calls Redis checks against these same command rules.
-_NODE_RECORDS = f"~{ALIVE_PREFIX}* ~{PREFIX}node:* ~{NODES_KEY} ~{PREFIX}epoch:*"  # where nodes are, who is alive
-_CLIENT_COMMANDS = "+get +hgetall +smembers +evalsha"
-# The default tenant's client: node records and the default tenant's block entries, no other tenant's.
-CLIENT_RULES = f"{_RESET} {_CONNECT} {_NODE_RECORDS} ~{PREFIX}b:* {_CLIENT_COMMANDS}"
+_NODE_RECORDS = f"%R~{PREFIX}{NODE_TAG}:*"  # where nodes are, who is alive (read only)
+_CLIENT_COMMANDS = "+get +mget +hgetall +hmget +smembers"
+# The default tenant's client: node records and the default tenant's entries, no other tenant's.
+CLIENT_RULES = f"{_RESET} {_CONNECT} {_NODE_RECORDS} %R~{PREFIX}b:* {_CLIENT_COMMANDS}"
 
 
 def tenant_client_rules(tenant: str) -> str:
     """ACL rules of tenant `tenant`'s index client (`kvclient-<tenant>`): node records and that tenant's
     block entries only, so its lookups through the index see no other tenant's pages (Redis answers
-    NOPERM for another tenant's keys, and the lookup script's reads are checked the same way)."""
+    NOPERM for another tenant's keys)."""
     check_tenant(tenant, "tenant of an index client")
-    return f"{_RESET} {_CONNECT} {_NODE_RECORDS} ~{tenant_prefix(tenant)}* {_CLIENT_COMMANDS}"
+    return f"{_RESET} {_CONNECT} {_NODE_RECORDS} %R~{tenant_prefix(tenant)}* {_CLIENT_COMMANDS}"
 
 
 def tenant_client_user(tenant: str) -> str:
@@ -73,11 +78,14 @@ def node_rules(node_id: str) -> str:
     shares. Raises ValueError for an id that is not a plain name (it becomes part of key patterns)."""
     if node_id != "*" and not _NODE_ID_RE.match(node_id):
         raise ValueError(f"node id {node_id!r}: a per-node Redis user needs [A-Za-z0-9._-] only")
-    own = f"~{ALIVE_PREFIX}{node_id} ~{epoch_key(node_id)} ~{node_key(node_id)}"
+    own = f"~{alive_key(node_id)} ~{epoch_key(node_id)} ~{node_key(node_id)}"
+    # NOTE: a selector per kind of stripe: EVALSHA declares its keys read-write whatever the script does,
+    # and the scripts' own HGET/HSET/HDEL are checked against these same rules.
+    stripe = "+evalsha +hget +hset +hdel"
     return (
-        f"{_RESET} {_CONNECT} %R~{PREFIX}* {own} +get +set +incr +incrby +del +expire +hset +hgetall +hdel "
-        f"+smembers +scan +evalsha +script|load "
-        f"(~{PREFIX}b:* +hset +hdel +hgetall) (~{PREFIX}t:* +hset +hdel +hgetall) (~{NODES_KEY} +sadd)"
+        f"{_RESET} {_CONNECT} %R~{PREFIX}* {own} +get +mget +set +incr +incrby +del +expire +exists +hset +hgetall "
+        f"+hmget +hscan +smembers +scan +info +script|load "
+        f"(~{PREFIX}b:* {stripe}) (~{PREFIX}t:* {stripe}) (~{NODES_KEY} +sadd)"
     )
 
 

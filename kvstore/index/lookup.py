@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvstore.index.keys import holders_of
 from kvstore.names import TierKind
 
 
@@ -52,12 +53,27 @@ class ClusterLookup:
         return out
 
 
-def summarize(raw: Sequence[Sequence[bytes | str]]) -> ClusterLookup:
-    """Turn the Lua script's reply into a ClusterLookup (pure)."""
+def from_entries(values: Sequence[bytes | str | None], live: Mapping[str, int]) -> ClusterLookup:
+    """What a chain's entries say (pure): values[i] is block i's entry (None: none, or unknown), `live` the
+    current epoch of each live node. A holder counts only for a live node at its current epoch; the
+    prefix ends at the first block with no holder that counts."""
     holders: list[dict[str, TierKind]] = []
-    for flat in raw:
-        items = [x.decode() if isinstance(x, bytes) else str(x) for x in flat]
-        holders.append({items[j]: TierKind(int(items[j + 1])) for j in range(0, len(items), 2)})
+    for value in values:
+        block: dict[str, TierKind] = {}
+        for node, epoch, tier in holders_of(value) if value else ():
+            if live.get(node) == epoch and tier in _TIERS:
+                block[node] = TierKind(tier)
+        if not block:
+            break
+        holders.append(block)
+    return summarize(holders)
+
+
+_TIERS = frozenset(int(t) for t in TierKind)
+
+
+def summarize(holders: list[dict[str, TierKind]]) -> ClusterLookup:
+    """The ClusterLookup of a matched prefix, given who holds each of its blocks (pure)."""
     nodes: dict[str, NodeShare] = {}
     for i, block in enumerate(holders):
         for node, tier in block.items():

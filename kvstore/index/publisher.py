@@ -5,22 +5,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 
 import redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from kvstore import __version__
 from kvstore.index.connect import async_client
 from kvstore.index.keys import (
-    ALIVE_PREFIX,
-    BLOCK_KEYS_GLOB,
-    LOOKUP_SCRIPT,
     NODES_KEY,
+    PRUNE_SCRIPT,
+    STRIPE_KEYS_GLOB,
+    UPDATE_SCRIPT,
     alive_key,
-    block_key,
+    check_node_id,
+    entry_of,
     epoch_key,
+    holders_of,
     node_key,
 )
 from kvstore.names import TierKind
@@ -30,6 +35,11 @@ from kvstore.stats import IndexStatus
 log = logging.getLogger(__name__)
 
 Holding = tuple[str, bytes, TierKind]
+# What any index call may raise: redis-py's errors, and a Redis Cluster client's own (not RedisError).
+INDEX_ERRORS = (redis.RedisError, RedisClusterException, OSError)
+_UPDATE_SHA = hashlib.sha1(UPDATE_SCRIPT.encode()).hexdigest()
+_PRUNE_SHA = hashlib.sha1(PRUNE_SCRIPT.encode()).hexdigest()
+FIELDS_PER_CALL = 500  # (field, tier) pairs per UPDATE_SCRIPT call: bounded work per script run
 
 
 class IndexPublisher:
@@ -57,7 +67,7 @@ class IndexPublisher:
         gc_interval: float = 60.0,
     ) -> None:
         self.url = url
-        self.node_id = node_id
+        self.node_id = check_node_id(node_id)  # it is listed in entries: ValueError naming node_id
         self.addr = addr
         self._holdings = holdings
         self._node_info = node_info
@@ -69,13 +79,16 @@ class IndexPublisher:
         # A stuck Redis call must give up well before the next heartbeat is due (every ttl/3).
         timeout = max(0.25, ttl_seconds / 4)
         self._redis, self._master = async_client(url, timeout)  # one Redis or Sentinel (index/connect.py)
-        self._published_to: tuple[str, int] | None = None  # the master the last resync wrote to (Sentinel)
+        self._published_to: object = None  # the master(s) the last resync wrote to (MasterWatch.where)
         self._pending: dict[tuple[str, bytes], TierKind | None] = {}
         self._oldest_pending: float | None = None
         self._need_resync = True
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._gc_cursor = 0
+        self._gc_keys: list[bytes] = []  # stripes found by the last SCAN page, not yet swept
+        self._gc_scan: dict[str, int] = {}  # SCAN cursor per server ("" for one Redis)
+        self._gc_servers: list[str] = []  # the cluster's masters still to scan this round
+        self._gc_field_cursor = 0  # HSCAN cursor in the stripe at the head of _gc_keys
         self._registered = asyncio.Event()  # set once the first full publish has landed
         self.stats = IndexStatus(url=redact_url(url))  # live counters (no password: Stats shows them)
 
@@ -137,7 +150,7 @@ class IndexPublisher:
                     await self._flush_once()
                 async with asyncio.timeout(self.ttl_seconds):
                     await self._redis.delete(alive_key(self.node_id))
-            except (redis.RedisError, OSError, TimeoutError) as exc:
+            except (*INDEX_ERRORS, TimeoutError) as exc:
                 log.info("index deregistration skipped: %s", exc)
         await self._redis.aclose()
         await self._master.aclose()
@@ -161,7 +174,7 @@ class IndexPublisher:
                 backoff = self.flush_interval
                 if talked:
                     self._connected(True)
-            except (redis.RedisError, OSError) as exc:
+            except INDEX_ERRORS as exc:
                 self._failed(exc)
                 backoff = min(2.0, max(backoff * 2, 0.1))
 
@@ -175,7 +188,7 @@ class IndexPublisher:
             try:
                 await self._heartbeat()
                 self._connected(True)
-            except (redis.RedisError, OSError) as exc:
+            except INDEX_ERRORS as exc:
                 self._failed(exc)
 
     async def _gc_loop(self) -> None:
@@ -183,7 +196,7 @@ class IndexPublisher:
             await asyncio.sleep(self.gc_interval)
             try:
                 await self.gc_step()
-            except (redis.RedisError, OSError) as exc:
+            except INDEX_ERRORS as exc:
                 log.debug("index gc step failed: %s", exc)
 
     # -- steps
@@ -191,9 +204,10 @@ class IndexPublisher:
     async def _heartbeat(self) -> None:
         master = await self._master.where()
         if master != self._published_to:
-            # Sentinel failed the index over to another master since the last resync: the new master has
-            # what had been replicated to it, not necessarily every recent write. Republish everything
-            # under a new epoch, so no entry is missing for longer than this one republish.
+            # Sentinel failed the index over to another master since the last resync, or a Redis Cluster's
+            # masters changed (a failover, a master restarted empty, one added): a new master has what had
+            # been replicated to it, not necessarily every recent write, and none of the scripts. Republish
+            # everything under a new epoch, so no entry is missing for longer than this one republish.
             log.warning("index: the master is now %s (was %s); full resync", master, self._published_to)
             self._need_resync = True
             self._wake.set()
@@ -236,26 +250,26 @@ class IndexPublisher:
         await pipe.execute()
 
     async def _resync(self) -> None:
-        """New epoch, then every holding of the node; queued updates after the snapshot still apply."""
+        """New epoch, then every holding of the node; queued updates after the snapshot still apply.
+
+        Order (the garbage collector's safety rests on it, see gc_step): the node's record is written
+        first, then the epoch taken, then the entries, and the alive key last, so this epoch's entries
+        become visible at once (lookups match entries to the alive value)."""
         self._pending.clear()
         self._oldest_pending = None
         self._need_resync = False
         try:
-            # Where these writes go (Sentinel: asked first, so a failover during the resync is seen as a
-            # move at the next heartbeat and republished again).
+            # Where these writes go (Sentinel, Redis Cluster: asked first, so a failover during the resync
+            # is seen as a move at the next heartbeat and republished again).
             self._published_to = await self._master.where()
-            # Nodes load the lookup script: read-only clients may only run it (EVALSHA), see acl.py. An
-            # operator's Redis user without SCRIPT LOAD leaves that to clients allowed to load it.
-            with contextlib.suppress(redis.exceptions.NoPermissionError):
-                await self._redis.script_load(LOOKUP_SCRIPT)
+            await self._load_scripts()
+            await self._write_node_info()
             epoch = int(await self._redis.incr(epoch_key(self.node_id)))
             snapshot = list(self._holdings())
             for start in range(0, len(snapshot), self.batch):
-                pipe = self._redis.pipeline(transaction=False)
-                for ns, h, tier in snapshot[start : start + self.batch]:
-                    pipe.hset(block_key(ns, h), self.node_id, f"{epoch}:{int(tier)}")
-                await pipe.execute()
-            # Only now do this epoch's entries become visible: lookups match entries to the alive value.
+                await self._write_entries(
+                    epoch, ((ns, h, tier) for ns, h, tier in snapshot[start : start + self.batch])
+                )
             await self._redis.set(alive_key(self.node_id), str(epoch), px=int(self.ttl_seconds * 1000))
         except BaseException:
             self._need_resync = True
@@ -265,6 +279,49 @@ class IndexPublisher:
         await self._write_node_info()
         self._registered.set()
         log.info("index: published %d page(s) under epoch %d", len(snapshot), epoch)
+
+    async def _load_scripts(self) -> None:
+        """Load the entry scripts (on every master of a Redis Cluster): Redis does not replicate them, so a
+        promoted replica or a restarted master lacks them until the next resync."""
+        try:
+            for script in (UPDATE_SCRIPT, PRUNE_SCRIPT):
+                await self._redis.script_load(script)
+        except redis.exceptions.NoPermissionError:
+            log.error(
+                "index at %s: this node's Redis user may not load the entry scripts (SCRIPT LOAD); it cannot "
+                "publish: give it kvstore.index.acl.node_rules (SECURITY.md)",
+                self.stats.url,
+            )
+            raise
+
+    async def _write_entries(self, epoch: int, changes: Iterable[tuple[str, bytes, TierKind | None]]) -> None:
+        """Set this node's entry of each page to (epoch, tier), or drop it (tier None): one UPDATE_SCRIPT
+        call per stripe (and FIELDS_PER_CALL pages), pipelined. A server that lost the script (a failover,
+        a restart) gets it again and the batch once more (it is idempotent)."""
+        by_stripe: dict[str, list[str]] = {}
+        for ns, h, tier in changes:
+            key, field = entry_of(ns, h)
+            by_stripe.setdefault(key, []).extend((field, "" if tier is None else str(int(tier))))
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            for key, args in by_stripe.items():
+                for start in range(0, len(args), 2 * FIELDS_PER_CALL):
+                    pipe.execute_command(
+                        "EVALSHA",
+                        _UPDATE_SHA,
+                        1,
+                        key,
+                        self.node_id,
+                        str(epoch),
+                        *args[start : start + 2 * FIELDS_PER_CALL],
+                    )
+            try:
+                await pipe.execute()
+                return
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                await self._load_scripts()
 
     async def _flush_once(self) -> None:
         if not self._pending or self._need_resync:
@@ -276,13 +333,9 @@ class IndexPublisher:
         try:
             items = list(batch.items())
             for start in range(0, len(items), self.batch):
-                pipe = self._redis.pipeline(transaction=False)
-                for (ns, h), tier in items[start : start + self.batch]:
-                    if tier is None:
-                        pipe.hdel(block_key(ns, h), self.node_id)
-                    else:
-                        pipe.hset(block_key(ns, h), self.node_id, f"{self.stats.epoch}:{int(tier)}")
-                await pipe.execute()
+                await self._write_entries(
+                    self.stats.epoch, ((ns, h, t) for (ns, h), t in items[start : start + self.batch])
+                )
         except BaseException:
             # Put the batch back under anything newer that arrived meanwhile (newer wins).
             batch.update(self._pending)
@@ -291,32 +344,82 @@ class IndexPublisher:
             raise
         self.stats.flushed += len(batch)
 
+    # -- garbage collection
+
     async def gc_step(self, count: int = 1000) -> int:
-        """Remove up to one SCAN page of dead or stale fields; returns how many fields were removed."""
-        cursor, keys = await self._redis.scan(self._gc_cursor, match=BLOCK_KEYS_GLOB, count=count)
-        self._gc_cursor = int(cursor)
-        if not keys:
+        """Sweep up to `count` entries of one stripe (one HSCAN page) for holders that can never count
+        again; returns how many holders were dropped. Stripes are found by SCAN, a page at a time (on
+        each master of a Redis Cluster in turn).
+
+        A holder (node, epoch) is dropped when the node is live at a later epoch (superseded: a node never
+        writes an older epoch again), or when the node is neither alive nor has a record (gone for longer
+        than the record's expiry) and the epoch is at most its epoch counter as read *before* the alive
+        key and the record. Why that is safe: a node that starts writes its record before it takes a new
+        epoch (_resync), so a record missing after the counter was read means that any new epoch was taken
+        after that read, above the bound. A node that is not alive but has a record is left alone."""
+        key = await self._next_gc_stripe(count)
+        if key is None:
             return 0
-        pipe = self._redis.pipeline(transaction=False)
-        for k in keys:
-            pipe.hgetall(k)
-        contents = await pipe.execute()
-        nodes = {n for c in contents for n in c}
-        pipe = self._redis.pipeline(transaction=False)
+        cursor, fields = await self._redis.hscan(key, self._gc_field_cursor, count=count)
+        self._gc_field_cursor = int(cursor)
+        if not self._gc_field_cursor:
+            self._gc_keys.pop(0)
+        held = {f: list(holders_of(v)) for f, v in fields.items()}
+        nodes = sorted({n for hs in held.values() for n, _, _ in hs})
+        if not nodes:
+            return 0
+        pipe = self._redis.pipeline(transaction=False)  # NOTE: Redis runs these in order: counters first
         for n in nodes:
-            pipe.get(ALIVE_PREFIX.encode() + n)
-        epochs = dict(zip(nodes, await pipe.execute(), strict=True))
-        pipe = self._redis.pipeline(transaction=False)
-        removed = 0
-        for k, c in zip(keys, contents, strict=True):
-            for n, v in c.items():
-                ep = epochs[n]
-                if ep is None or v.split(b":", 1)[0] != ep:
-                    pipe.hdel(k, n)
-                    removed += 1
-        if removed:
-            await pipe.execute()
-        return removed
+            pipe.get(epoch_key(n))
+        for n in nodes:
+            pipe.get(alive_key(n))
+            pipe.exists(node_key(n))
+        res = await pipe.execute()
+        bound: dict[str, int] = {}
+        for k, n in enumerate(nodes):
+            counter, alive, record = res[k], res[len(nodes) + 2 * k], res[len(nodes) + 2 * k + 1]
+            if alive is not None and alive.isdigit():
+                bound[n] = int(alive)
+            elif not record and counter is not None and counter.isdigit():
+                bound[n] = int(counter) + 1
+        stale = [f for f, hs in held.items() if any(n in bound and e < bound[n] for n, e, _ in hs)]
+        if not stale:
+            return 0
+        flat = [x for n, b in bound.items() for x in (n, str(b))]
+        try:
+            return int(await self._redis.evalsha(_PRUNE_SHA, 1, key, str(len(bound)), *flat, *stale))
+        except redis.exceptions.NoScriptError:
+            await self._load_scripts()
+            return 0
+
+    async def _next_gc_stripe(self, count: int) -> bytes | None:
+        """The stripe to sweep now: the head of the last SCAN page, or the first of the next page."""
+        if self._gc_keys:
+            return self._gc_keys[0]
+        self._gc_field_cursor = 0
+        if not isinstance(self._redis, RedisCluster):
+            cursor, keys = await self._redis.scan(self._gc_scan.get("", 0), match=STRIPE_KEYS_GLOB, count=count)
+            self._gc_scan[""] = int(cursor)
+        else:
+            if not self._gc_servers:  # a new round over the masters there are now
+                self._gc_servers = [n.name for n in self._redis.get_primaries()]
+            name = self._gc_servers[0]
+            node = self._redis.get_node(node_name=name)
+            if node is None:  # gone since the round began
+                self._gc_servers.pop(0)
+                self._gc_scan.pop(name, None)
+                return None
+            res = await self._redis.execute_command(
+                "SCAN", self._gc_scan.get(name, 0), "MATCH", STRIPE_KEYS_GLOB, "COUNT", count, target_nodes=node
+            )
+            cursor, keys = res
+            if isinstance(cursor, dict):  # redis-py names a cluster's cursor by its server
+                cursor = next(iter(cursor.values()), 0)
+            self._gc_scan[name] = int(cursor)
+            if not int(cursor):
+                self._gc_servers.pop(0)
+        self._gc_keys = list(keys)
+        return self._gc_keys[0] if self._gc_keys else None
 
     def _connected(self, ok: bool) -> None:
         if ok and not self.stats.connected:

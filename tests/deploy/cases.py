@@ -169,6 +169,27 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str]] = [
         {"redis": {"enabled": False, "external": {"url": "redis+sentinel://h:26379/m/0?sentinel_password=x"}}},
         "redis.external.url",
     ),
+    (
+        "cluster-without-redis-auth",
+        {"redis": {"cluster": {"enabled": True}, "auth": {"enabled": False}}},
+        "redis.auth.enabled",
+    ),
+    (
+        "cluster-and-sentinel",
+        {"redis": {"cluster": {"enabled": True}, "sentinel": {"enabled": True}}},
+        "redis.sentinel.enabled",
+    ),
+    (
+        "cluster-with-external-redis",
+        {"redis": {"enabled": False, "cluster": {"enabled": True}, "external": {"url": "redis://h:6379/0"}}},
+        "redis.external.url",
+    ),
+    ("cluster-of-two-masters", {"redis": {"cluster": {"enabled": True, "masters": 2}}}, "redis.cluster.masters"),
+    (
+        "cluster-url-with-credentials",
+        {"redis": {"enabled": False, "external": {"url": "redis+cluster://u:p@h:6379/"}}},
+        "redis.external.url",
+    ),
 ]
 
 

@@ -188,7 +188,7 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
     import redis
 
     from kvstore.cli.waits import free_port
-    from kvstore.index.keys import NODES_KEY, alive_key, block_key, node_key
+    from kvstore.index.keys import NODES_KEY, alive_key, entry_of, holder, node_key
     from kvstore.scoping import scope
 
     docs = render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true", "auth.tenants[0].name=alice"])
@@ -235,11 +235,11 @@ def test_rendered_redis_conf_runs_on_a_real_redis_server(tmp_path: Path) -> None
             with pytest.raises(redis.exceptions.NoPermissionError):
                 write()
         alice = redis.Redis(port=port, username="kvclient-alice", password=pw["TENANT0"], socket_timeout=5)
-        mine, default = block_key(scope("ns", "alice"), b"\1" * 32), block_key("ns", b"\1" * 32)
-        node.hset(mine, "n0", "1:2")
-        node.hset(default, "n0", "1:2")
-        assert alice.hgetall(mine) == {b"n0": b"1:2"} and client.hgetall(default) == {b"n0": b"1:2"}
-        for spy in (lambda: alice.hgetall(default), lambda: client.hgetall(mine), lambda: alice.hset(mine, "x", "1")):
+        mine, default = entry_of(scope("ns", "alice"), b"\1" * 32), entry_of("ns", b"\1" * 32)
+        node.hset(*mine, holder("n0", 1, 2))
+        node.hset(*default, holder("n0", 1, 2))
+        assert alice.hmget(*mine) == [b"n0=1:2"] and client.hmget(*default) == [b"n0=1:2"]
+        for spy in (lambda: alice.hmget(*default), lambda: client.hmget(*mine), lambda: alice.hset(*mine, "x")):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 spy()
         for c in (admin, node, client, alice):

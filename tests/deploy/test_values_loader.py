@@ -120,3 +120,15 @@ def test_local_workers_take_the_kv_encoding(tmp_path: Path) -> None:
         v = load_values([write(tmp_path, local)], CHART)
         workers = plan(v, tmp_path, mem_available=64 * GiB).workers
         assert workers is not None and workers.kv_encoding == expect
+
+
+def test_redis_cluster_values_plan_a_local_redis_cluster(tmp_path: Path) -> None:
+    """production.yaml with redis.cluster on: `kvstore up --values` starts a Redis Cluster of the same shape
+    (the chart's masters and replicas per master) instead of the Sentinel group."""
+    prod = CHART.parents[1] / "deploy" / "values" / "production.yaml"
+    on = write(tmp_path, {"redis": {"cluster": {"enabled": True, "masters": 4, "replicasPerMaster": 2},
+                                    "sentinel": {"enabled": False}}})  # fmt: skip
+    p = plan(load_values([prod, on], CHART), tmp_path, mem_available=64 * GiB)
+    assert p.redis_sentinel is None and p.redis_cluster is not None
+    assert (p.redis_cluster.masters, p.redis_cluster.replicas, p.redis_cluster.node_timeout_ms) == (4, 2, 5000)
+    assert plan(load_values([prod], CHART), tmp_path, mem_available=64 * GiB).redis_cluster is None

@@ -20,7 +20,7 @@ from kvstore.cli.launch import NodeProcess
 from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
-from kvstore.index import IndexReader, block_key
+from kvstore.index import IndexReader, alive_key, entry_of, holder
 from kvstore.names import TierKind
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
 
@@ -192,8 +192,8 @@ def test_stale_entry_costs_one_miss_not_an_error(cluster: tuple[RedisProcess, li
     with ClusterClient(r.url) as cc:
         wait_for(lambda: cc.lookup(NS, chain).matched == 2, what="index")
         rd = redis.Redis.from_url(r.url)
-        epoch = rd.get("kvs:v1:alive:n1").decode()
-        rd.hset(block_key(NS, chain[2]), "n1", f"{epoch}:{int(TierKind.DRAM)}")  # a lie: n1 lacks it
+        epoch = int(rd.get(alive_key("n1")))
+        rd.hset(*entry_of(NS, chain[2]), holder("n1", epoch, int(TierKind.DRAM)))  # a lie: n1 lacks it
         rd.close()
         assert cc.lookup(NS, chain).matched == 3
         pages = cc.get_pages(NS, chain)

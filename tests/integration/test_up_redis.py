@@ -114,3 +114,41 @@ def test_up_values_with_sentinel_survives_a_killed_master(tmp_path: Path) -> Non
     finally:
         code = terminate(up, 120.0)
     assert code == 0, log.read_text()
+
+
+def test_up_with_a_redis_cluster_survives_a_killed_master(tmp_path: Path) -> None:
+    """`kvstore up --redis-cluster 3`: a local Redis Cluster (3 masters, a replica each, every server with
+    the ACL users), every URL a redis+cluster:// one; a SIGKILLed master is failed over by the cluster,
+    the nodes republish, and `kvstore up` restarts the killed server once the cluster had time to fail
+    it over (it rejoins as a replica)."""
+    from redis.crc import key_slot
+
+    from kvstore.index.connect import is_cluster, sync_cluster
+    from kvstore.index.keys import stripe_key, stripe_of
+
+    up, ready_file, log = start_up(tmp_path, "--nodes", "2", "--redis-cluster", "3", "--index-ttl", "3",
+                                   "--no-metrics", "--dram-bytes", "16MiB", "--nvme-bytes", "0", "--max-page-bytes", "64KiB")  # fmt: skip
+    try:
+        ready = wait_for(lambda: ready_file.exists() and json.loads(ready_file.read_text()), timeout=120,
+                         what=f"kvstore up ready:\n{log.read_text()}")  # fmt: skip
+        assert is_cluster(ready["redis_url"]) and len(ready["redis_pids"]) == 6
+        admin = sync_cluster((tmp_path / "nvme" / "redis-admin.url").read_text().strip(), 2)
+        chain = [key(i, "up-cluster") for i in range(16)]
+        with KVStoreClient(ready["nodes"]["node-1"], timeout=30) as kv:
+            kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
+        with IndexReader(ready["redis_url"], socket_timeout=2) as index:
+            wait_for(lambda: index.lookup(NS, chain).matched == 16, what="the pages in the index")
+            node = admin.nodes_manager.get_node_from_slot(key_slot(stripe_key(NS, stripe_of(chain[0])).encode()))
+            master_pid = int(admin.info("server", target_nodes=node)["process_id"])
+            admin.close()
+            assert master_pid in ready["redis_pids"]
+            os.kill(master_pid, signal.SIGKILL)
+            wait_for(lambda: index.lookup(NS, chain).matched == 16, timeout=60,
+                     what=f"the pages in the index after the failover:\n{log.read_text()}")  # fmt: skip
+        renewed = wait_for(lambda: (r := json.loads(ready_file.read_text()))["redis_pids"] != ready["redis_pids"] and r,
+                           timeout=60, what=f"the killed Redis restarted:\n{log.read_text()}")  # fmt: skip
+        assert master_pid not in renewed["redis_pids"] and _zombie_or_alive(master_pid) is None
+        assert up.poll() is None
+    finally:
+        code = terminate(up, 120.0)
+    assert code == 0, log.read_text()

@@ -17,7 +17,7 @@ from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.errors import Unauthenticated
 from kvstore.index import IndexReader
-from kvstore.index.keys import block_key
+from kvstore.index.keys import entry_of
 from kvstore.names import TierKind
 from kvstore.security import ClientSecurity
 from workers.tiny import TinyLlamaSpec, make_tiny_llama
@@ -96,7 +96,7 @@ def test_up_values_starts_the_chart_roles_with_redis_auth_and_tokens(tmp_path: P
         assert row.tenant == "alice" and row.quota_bytes[TierKind.DRAM] >= int(32 * (1 << 30) * 0.0002) - (3 << 20)
         alice_url = (tmp_path / "nvme" / "redis-tenant-alice.url").read_text().strip()
         with redis.Redis.from_url(alice_url) as r, pytest.raises(redis.exceptions.NoPermissionError):
-            r.hgetall(block_key("ns", b"\0" * 32))  # the default tenant's entries
+            r.hmget(*entry_of("ns", b"\0" * 32))  # the default tenant's entries
     finally:
         code = up.stop()
     assert code == 0, up.log.read_text()

@@ -20,7 +20,8 @@ from kvstore.cli.redis_procs import RedisProcess
 from kvstore.cli.up import terminate
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
-from kvstore.index import NODES_KEY, alive_key, block_key, node_key
+from kvstore.index import NODES_KEY, alive_key, entry_of, node_key
+from kvstore.index import holder as entry_holder
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 from tests.security.conftest import READ, WRITE, FakeNode, token_args, wait_for
@@ -33,7 +34,9 @@ def register_fake(url: str, node_id: str, addr: str, hashes: list[bytes]) -> Non
     r.hset(node_key(node_id), mapping={"addr": addr, "epoch": 1})
     r.sadd(NODES_KEY, node_id)
     for h in hashes:
-        r.hset(block_key(NS, h), node_id, "1:1")
+        key, field = entry_of(NS, h)
+        others = (r.hget(key, field) or b"").decode()  # the holders already listed stay listed
+        r.hset(key, field, ",".join(x for x in (others, entry_holder(node_id, 1, 1)) if x))
     r.close()
 
 
@@ -55,7 +58,8 @@ def holder(tmp_path: Path, url: str, name: str, chain: list[bytes], extra: list[
         with KVStoreClient(node.addr, timeout=10, security=sec) as kv:
             kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
         with redis.Redis.from_url(url) as r:
-            wait_for(lambda: all(name.encode() in r.hgetall(block_key(NS, h)) for h in chain), what="index entries")
+            wait_for(lambda: all(f"{name}=".encode() in (r.hget(*entry_of(NS, h)) or b"") for h in chain),
+                     what="index entries")  # fmt: skip
     except BaseException:
         node.close()
         raise
@@ -170,7 +174,7 @@ def test_a_node_user_writes_only_its_own_records(tmp_path: Path, cleanup: ExitSt
     n1 = redis.Redis.from_url(r.url_for(node_user("n1")), socket_timeout=5)
     cleanup.callback(n1.close)
     for write in (lambda: n1.set(alive_key("n0"), "1"), lambda: n1.hset(node_key("n0"), "addr", "127.0.0.1:1"),
-                  lambda: n1.delete(block_key(NS, chain[0])), lambda: n1.srem(NODES_KEY, "n0"),
+                  lambda: n1.delete(entry_of(NS, chain[0])[0]), lambda: n1.srem(NODES_KEY, "n0"),
                   n1.flushall, lambda: n1.config_set("protected-mode", "no")):  # fmt: skip
         with pytest.raises(redis.exceptions.NoPermissionError):
             write()

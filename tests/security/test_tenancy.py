@@ -231,7 +231,7 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
     from kvstore.cli.redis_procs import RedisProcess
     from kvstore.client.cluster import ClusterClient
     from kvstore.index import acl
-    from kvstore.index.keys import block_key
+    from kvstore.index.keys import PREFIX, entry_of
     from kvstore.index.reader import IndexReader
     from kvstore.scoping import scope
     from tests.security.conftest import wait_for
@@ -249,9 +249,9 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
         cs(TOK_A).put(NS, LAYOUT, chain, [page(h) for h in chain])
         cs(TOK_B).put(NS, LAYOUT, chain[:2], [other_page(h) for h in chain[:2]])
         admin = redis.Redis.from_url(r.url, socket_timeout=5)
-        wait_for(lambda: all(admin.exists(block_key(scope(NS, t), h)) for t, n in (("tenant-a", 4), ("tenant-b", 2))
+        wait_for(lambda: all(admin.hexists(*entry_of(scope(NS, t), h)) for t, n in (("tenant-a", 4), ("tenant-b", 2))
                              for h in chain[:n]), what="index entries")  # fmt: skip
-        assert admin.keys("kvs:v1:t:tenant-a:b:*") and not admin.keys("kvs:v1:b:*")  # no entry in the default scope
+        assert admin.keys(f"{PREFIX}t:tenant-a:b:*") and not admin.keys(f"{PREFIX}b:*")  # none in the default scope
 
         def cluster(user: str, tenant: str | None, token: str) -> ClusterClient:
             sec = ClientSecurity(token=token, allow_plaintext_token=True)  # loopback only
@@ -268,8 +268,8 @@ def test_index_entries_are_per_tenant_and_redis_acls_keep_tenants_apart(tmp_path
         for user in (acl.tenant_client_user("tenant-b"), acl.CLIENT_USER):
             with redis.Redis.from_url(r.url_for(user), socket_timeout=5) as spy, \
                     pytest.raises(redis.exceptions.NoPermissionError):  # fmt: skip
-                spy.hgetall(block_key(scope(NS, "tenant-a"), chain[0]))
-        # ... the lookup script too: b's index user asking for a's entries is refused by Redis, which the
+                spy.hmget(*entry_of(scope(NS, "tenant-a"), chain[0]))
+        # ... a lookup too: b's index user asking for a's entries is refused by Redis, which the
         # reader answers as the miss it is for that user (SECURITY.md, round 3, finding 7f), as does a cluster client.
         with IndexReader(r.url_for(acl.tenant_client_user("tenant-b")), tenant="tenant-a") as spy_index:
             assert spy_index.lookup(NS, chain).matched == 0

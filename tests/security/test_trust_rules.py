@@ -55,8 +55,9 @@ def test_allow_plaintext_token_is_an_explicit_environment_opt_in() -> None:
 
 def test_acl_rules_confine_each_node_to_its_own_keys() -> None:
     rules = node_rules("gpu-host-3")
-    assert "~kvs:v1:alive:gpu-host-3 " in rules and "~kvs:v1:node:gpu-host-3 " in rules and "+flushall" not in rules
-    assert "+set" not in CLIENT_RULES and "+eval " not in CLIENT_RULES + " " and "+evalsha" in CLIENT_RULES
+    assert "~kvs:v2:{n}:alive:gpu-host-3 " in rules and "~kvs:v2:{n}:node:gpu-host-3 " in rules
+    assert "+flushall" not in rules and "+del " in rules and "+del" not in rules.split("(", 1)[1]  # own keys only
+    assert "+set" not in CLIENT_RULES and "+eval" not in CLIENT_RULES and "+script" not in CLIENT_RULES  # no Lua
     for bad in ("a*", "n[0]", "n 0", "", "x?"):  # glob characters would widen the key patterns
         with pytest.raises(ValueError, match="node id"):
             node_rules(bad)

@@ -117,6 +117,21 @@ headless Service; clients reach the sentinels through the Redis Service's sentin
 {{- define "kvstore.redisSentinel" -}}
 {{- if and .Values.redis.enabled .Values.redis.sentinel.enabled -}}true{{- end -}}
 {{- end -}}
+{{- /* Redis Cluster (redis.cluster.enabled, the chart's own Redis): pods' DNS names under the headless
+Service too (each announces its own); clients ask the Redis Service for the slot map. */ -}}
+{{- define "kvstore.redisCluster" -}}
+{{- if and .Values.redis.enabled .Values.redis.cluster.enabled -}}true{{- end -}}
+{{- end -}}
+{{- /* How many Redis pods the StatefulSet runs. */ -}}
+{{- define "kvstore.redisPods" -}}
+{{- if include "kvstore.redisCluster" . -}}
+{{- mul .Values.redis.cluster.masters (add 1 .Values.redis.cluster.replicasPerMaster) -}}
+{{- else if include "kvstore.redisSentinel" . -}}
+{{- .Values.redis.sentinel.replicas -}}
+{{- else -}}
+1
+{{- end -}}
+{{- end -}}
 {{- define "kvstore.redisHeadless" -}}{{ include "kvstore.redisService" . }}-headless{{- end -}}
 {{- define "kvstore.redisPodDomain" -}}{{ include "kvstore.redisHeadless" . }}.{{ .Release.Namespace }}.svc{{- end -}}
 {{- /* The sentinels' read-only user: kvstore/index/acl.py SENTINEL_CLIENT_USER / SENTINEL_CLIENT_RULES. */ -}}
@@ -168,14 +183,14 @@ node_rules("*") and CLIENT_RULES (tests/deploy compares them).
 {{- define "kvstore.redisNodeUser" -}}kvnode{{- end -}}
 {{- define "kvstore.redisClientUser" -}}kvclient{{- end -}}
 {{- define "kvstore.redisNodeRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset %R~kvs:v1:* ~kvs:v1:alive:* ~kvs:v1:epoch:* ~kvs:v1:node:* +get +set +incr +incrby +del +expire +hset +hgetall +hdel +smembers +scan +evalsha +script|load (~kvs:v1:b:* +hset +hdel +hgetall) (~kvs:v1:t:* +hset +hdel +hgetall) (~kvs:v1:nodes +sadd)
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:* ~kvs:v2:{n}:alive:* ~kvs:v2:{n}:epoch:* ~kvs:v2:{n}:node:* +get +mget +set +incr +incrby +del +expire +exists +hset +hgetall +hmget +hscan +smembers +scan +info +script|load (~kvs:v2:b:* +evalsha +hget +hset +hdel) (~kvs:v2:t:* +evalsha +hget +hset +hdel) (~kvs:v2:{n}:nodes +sadd)
 {{- end -}}
 {{- /* A tenant's read-only index user: kvstore/index/acl.py tenant_client_rules(name). */ -}}
 {{- define "kvstore.redisTenantRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset ~kvs:v1:alive:* ~kvs:v1:node:* ~kvs:v1:nodes ~kvs:v1:epoch:* ~kvs:v1:t:{{ . }}:* +get +hgetall +smembers +evalsha
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:{n}:* %R~kvs:v2:t:{{ . }}:* +get +mget +hgetall +hmget +smembers
 {{- end -}}
 {{- define "kvstore.redisClientRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset ~kvs:v1:alive:* ~kvs:v1:node:* ~kvs:v1:nodes ~kvs:v1:epoch:* ~kvs:v1:b:* +get +hgetall +smembers +evalsha
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:{n}:* %R~kvs:v2:b:* +get +mget +hgetall +hmget +smembers
 {{- end -}}
 
 {{/*
@@ -209,6 +224,17 @@ read-only user's, both from the Secret; validate.yaml requires redis.auth.enable
       key: {{ $v.redis.auth.sentinelClientPasswordKey }}
 - name: KVSTORE_REDIS_URL
   value: "{{ ternary "rediss" "redis" $tls }}+sentinel://{{ .user }}:$(REDIS_USER_PASSWORD)@{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.sentinel.port }}/{{ $v.redis.sentinel.masterName }}/0?sentinel_username={{ include "kvstore.sentinelClientUser" .ctx }}&sentinel_password=$(REDIS_SENTINEL_PASSWORD){{ ternary "&ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls }}"
+{{- else if and $v.redis.enabled (include "kvstore.redisCluster" .ctx) }}
+{{- /* A Redis Cluster (kvstore/index/connect.py): the Service answers for the slot map, the pods by
+their own names after that; validate.yaml requires redis.auth.enabled here. */ -}}
+{{- $tls := eq (include "kvstore.redisTls" .ctx) "true" }}
+- name: REDIS_USER_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "kvstore.redisSecret" .ctx }}
+      key: {{ .key }}
+- name: KVSTORE_REDIS_URL
+  value: "{{ ternary "rediss" "redis" $tls }}+cluster://{{ .user }}:$(REDIS_USER_PASSWORD)@{{ include "kvstore.redisService" .ctx }}:{{ $v.redis.port }}/{{ ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls }}"
 {{- else if $v.redis.enabled }}
 {{- /* With TLS, the CA every client mounts with the cache plane's (kvstore.clientVolumes, node.yaml). */ -}}
 {{- $scheme := ternary "rediss" "redis" (eq (include "kvstore.redisTls" .ctx) "true") }}
@@ -553,6 +579,8 @@ refuses that target where the URL would need a password (the chart's Redis with 
 {{- $tls := eq (include "kvstore.redisTls" .) "true" -}}
 {{- if include "kvstore.redisSentinel" . -}}
 {{- printf "%s+sentinel://%s:%d/%s/0%s" (ternary "rediss" "redis" $tls) (include "kvstore.redisService" .) (int $v.redis.sentinel.port) $v.redis.sentinel.masterName (ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls) -}}
+{{- else if include "kvstore.redisCluster" . -}}
+{{- printf "%s+cluster://%s:%d/%s" (ternary "rediss" "redis" $tls) (include "kvstore.redisService" .) (int $v.redis.port) (ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls) -}}
 {{- else -}}
 {{- printf "%s://%s:%d/0%s" (ternary "rediss" "redis" $tls) (include "kvstore.redisService" .) (int $v.redis.port) (ternary "?ssl_ca_certs=/etc/kvstore/tls/ca.crt" "" $tls) -}}
 {{- end -}}
