@@ -362,14 +362,21 @@ def test_a_hung_master_costs_one_slow_lookup_per_second_not_one_each(
         try:
             took: list[float] = []
             matched: list[int] = []
-            t_end = time.monotonic() + 3.0
-            while time.monotonic() < t_end and len(took) < 1000:
+            start = time.monotonic()
+            # Bounded: at least 3 s and 20 lookups (a loaded machine may spend the first seconds in timeouts),
+            # at most 15 s or 1,000 lookups.
+            while (time.monotonic() - start < 3.0 or len(took) < 20) and time.monotonic() - start < 15.0:
+                if len(took) >= 1000:
+                    break
                 t0 = time.monotonic()
                 matched.append(index.lookup(NS, chain).matched)  # never raises
                 took.append(time.monotonic() - t0)
+            elapsed = time.monotonic() - start
             slow = [t for t in took if t >= 1.0]
             assert min(matched) < 64  # a miss from the stopped master's first block (until a failover)
-            assert len(took) > 10 and 1 <= len(slow) <= 4, (len(took), slow)  # not one timeout per lookup
+            # Not one timeout per lookup: at most about one slow lookup per second (MAP_REFRESH_S), however
+            # many lookups ran meanwhile.
+            assert len(took) >= 20 and 1 <= len(slow) <= elapsed / 1.0 + 2, (len(took), elapsed, slow)
         finally:
             os.kill(victim.proc.pid, signal.SIGCONT)
         wait_for(lambda: index.lookup(NS, chain).matched == 64, 60, "whole lookups after the master came back")
