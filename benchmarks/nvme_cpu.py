@@ -28,10 +28,10 @@ from pathlib import Path
 
 from machine import machine_line
 
+from kvstore.config import NodeConfig
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
 from kvstore.wire import PutOpen

@@ -54,8 +54,8 @@ from devkit.pki import make_dev_pki
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.client import core as client_core
+from kvstore.config import parse_size
 from kvstore.layout import DType, PageLayout
-from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
 from kvstore.wire.ucx import ucxx_installed

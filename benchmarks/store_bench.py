@@ -81,11 +81,11 @@ from machine import cpu_model
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
+from kvstore.config import parse_size
 from kvstore.errors import KVStoreError
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
-from kvstore.node.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
 from kvstore.wire.shm import shm_available

@@ -29,12 +29,12 @@ from machine import machine_line, save_results
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.manager.views import TenantView
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
 from kvstore.wire import PutOpen

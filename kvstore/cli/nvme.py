@@ -17,7 +17,7 @@ from typing import Annotated
 import typer
 
 from kvstore.cli.common import friendly_errors
-from kvstore.node.config import NodeConfig, parse_size
+from kvstore.config import NodeConfig, parse_size
 from kvstore.pageformat import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for
 from kvstore.tiers import nvme_meta as nm
 

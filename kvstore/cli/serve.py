@@ -10,7 +10,7 @@ import typer
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.cli.common import friendly_errors, setup_logging
-from kvstore.node.config import NodeConfig, parse_size
+from kvstore.config import NodeConfig, parse_size
 from kvstore.security import WRITE_METHODS
 
 SizeOpt = Annotated[str | None, typer.Option(help="bytes, or with a unit: 64MiB, 2G", show_default=False)]

@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from kvstore.cli.engines import EnginesPlan, check_python, find_python, plan_engines
-from kvstore.node.config import parse_size
+from kvstore.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 
 # Where the chart lives in a source checkout (kvstore/cli/values.py -> repo root / helm / kvstore).

@@ -25,6 +25,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any
 
+from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, ResourceExhausted, Unavailable
 from kvstore.layout import PageLayout
 from kvstore.manager.durable import DurableCopies
@@ -48,7 +49,6 @@ from kvstore.manager.state import (
     check_namespace,
 )
 from kvstore.names import Key, TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.policy import make_policy
 from kvstore.stats import (
     IndexStatus,

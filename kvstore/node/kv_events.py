@@ -73,15 +73,15 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
+from kvstore.config import check_events_config
 from kvstore.names import TierKind
-from kvstore.node.config import check_events_config
 from kvstore.scoping import DEFAULT_TENANT, check_tenant, tenant_of, unscope
 from kvstore.security import check_private
 from kvstore.stats import KvEventsStatus
 
 if TYPE_CHECKING:
+    from kvstore.config import NodeConfig
     from kvstore.manager import TierManager
-    from kvstore.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 

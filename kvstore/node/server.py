@@ -24,11 +24,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvstore.addresses import host_id
+from kvstore.config import NodeConfig
 from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import HeapTrimmer, bound_arenas, tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
-from kvstore.node.config import NodeConfig
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
 from kvstore.node.kv_events import KvEventPublisher
 from kvstore.node.kv_events import start_for_node as start_kv_events

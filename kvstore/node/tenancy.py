@@ -28,9 +28,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvstore.config import parse_size
 from kvstore.errors import PermissionDenied
 from kvstore.names import TierKind
-from kvstore.node.config import parse_size
 from kvstore.scoping import check_tenant
 from kvstore.security import Principal, Role
 

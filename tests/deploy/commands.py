@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from kvstore.node.config import parse_size
+from kvstore.config import parse_size
 
 # Programs in the chart that are not ours: what may run them, and why the test leaves them alone.
 FOREIGN = {

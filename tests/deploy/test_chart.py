@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvstore.node.config import NodeConfig, parse_size
+from kvstore.config import NodeConfig, parse_size
 from kvstore.policy import POLICIES
 from tests.deploy.cases import BAD_VALUES, names_value
 from tests.deploy.commands import FOREIGN, argvs, container_env, parse, pod_specs

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kvstore.node.config import NodeConfig
+from kvstore.config import NodeConfig
 from tests.deploy.commands import container_env, pod_specs
 from tests.deploy.conftest import ROOT, render
 from tests.deploy.schemas import raycluster_errors

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstore.node.config import NodeConfig
+from kvstore.config import NodeConfig
 from tests.deploy.conftest import render
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from kvstore.cli.values import load_values, merge, plan
-from kvstore.node.config import parse_size
+from kvstore.config import parse_size
 from kvstore.pageformat import slot_bytes_for
 from tests.deploy.cases import BAD_VALUES, names_value
 from tests.deploy.conftest import CHART, PROFILES

@@ -24,8 +24,8 @@ import pytest
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.node.server import Node
 from kvstore.pageformat import HEADER_BYTES, PageHeader, identity_digest
 from kvstore.tiers.nvme_meta import META_NAME, SEGMENT_RE, SlotState, classify, decode_meta

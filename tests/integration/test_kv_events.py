@@ -22,9 +22,9 @@ import zmq
 
 from devkit.kv_events_sub import decode_plain, replay_state
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.hashing import prefix_hashes
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.node.kv_events import MEDIUM, Batcher, KvEventPublisher, topic_of
 from kvstore.scoping import scope
 from tests.integration.conftest import LAYOUT, NS, page, start_node

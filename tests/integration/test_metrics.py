@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

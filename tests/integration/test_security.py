@@ -16,8 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from devkit.pki import DevPki, make_dev_pki
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.errors import PermissionDenied, Unauthenticated, Unavailable
-from kvstore.node.config import NodeConfig
 from kvstore.security import ClientSecurity, TokenAuthenticator
 from tests.integration.conftest import LAYOUT, NS, key, page, start_node
 

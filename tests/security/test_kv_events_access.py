@@ -25,10 +25,10 @@ import zmq.auth
 
 from devkit.kv_events_sub import decode_plain
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.hashing import prefix_hashes
 from kvstore.names import TierKind
 from kvstore.node import kv_events
-from kvstore.node.config import NodeConfig
 from kvstore.node.kv_events import KvEventPublisher, granted
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, page, start_node

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import NodeConfig
 from kvstore.errors import DataLoss, InvalidArgument, LayoutMismatch, NamespaceNotFound, ResourceExhausted
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.pageformat import HEADER_BYTES
 from kvstore.tiers.nvme import NvmeFormatError
 from kvstore.wire import PutOpen

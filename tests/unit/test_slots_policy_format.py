@@ -2,8 +2,8 @@
 
 import pytest
 
+from kvstore.config import NodeConfig, parse_size
 from kvstore.layout import DType, PageLayout
-from kvstore.node.config import NodeConfig, parse_size
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, slot_bytes_for
 from kvstore.policy import LRUPolicy, first_usable, make_policy
 from kvstore.tiers.slots import SlotAllocator

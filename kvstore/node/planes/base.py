@@ -16,8 +16,8 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvstore.config import NodeConfig
 from kvstore.node.callers import Callers
-from kvstore.node.config import NodeConfig
 from kvstore.stats import PlaneInfo
 
 log = logging.getLogger(__name__)
