@@ -84,12 +84,24 @@ class NodeConfig:
     metrics_port: int | None = None
     metrics_host: str | None = None  # address to bind it to (default: host)
     # Same-host plane (kvstore/wire/shm.py): pages cross through client memory (memfds passed over a Unix
-    # socket). local_socket: where the socket is (None: the runtime directory, one name per gRPC port; in
-    # Kubernetes a hostPath the workers' pods mount too). shm_max_mapped_bytes: client memory the node maps
-    # at most, all connections together (a registration past it is RESOURCE_EXHAUSTED).
+    # socket). local_socket: where the socket is (None: kvstore-<uid>/node-<port>.sock in the runtime directory;
+    # in Kubernetes a hostPath the workers' pods mount too). What callers may hold on it
+    # (kvstore/node/planes/shm_limits.py): at most shm_max_connections authenticated connections, at most
+    # shm_max_connections_per_tenant of them one tenant's and one caller's (0: half), and besides them at most
+    # shm_max_handshakes before their HELLO (0: an eighth of shm_max_connections, at least 8), each given
+    # shm_hello_timeout_seconds to send it; a connection idle (between requests) for shm_idle_seconds is closed.
+    # Client memory mapped: at most shm_max_registrations buffers (each one mapping in the node) and
+    # shm_max_mapped_bytes in all, half of each at most one caller's and one tenant's (past it:
+    # RESOURCE_EXHAUSTED, and the client uses another plane).
     shm_enabled: bool = True
     local_socket: str | None = None
     shm_max_mapped_bytes: int = 1 << 40
+    shm_max_registrations: int = 16384
+    shm_max_connections: int = 1024
+    shm_max_connections_per_tenant: int = 0
+    shm_max_handshakes: int = 0
+    shm_hello_timeout_seconds: float = 3.0
+    shm_idle_seconds: float = 120.0
     # Bulk TCP data plane (kvstore/wire/tcp): on by default on a free port, advertised in Stats and
     # the index record, so clients on other hosts move pages over it instead of gRPC streams.
     tcp_enabled: bool = True
@@ -161,6 +173,12 @@ class NodeConfig:
             raise ValueError("tcp_hello_timeout_seconds and tcp_idle_seconds must be > 0")
         if self.tcp_max_connections_per_tenant < 0 or self.tcp_max_handshakes < 0:
             raise ValueError("tcp_max_connections_per_tenant and tcp_max_handshakes must be >= 0 (0: the default)")
+        if self.shm_max_connections < 1 or self.shm_max_registrations < 1:
+            raise ValueError("shm_max_connections and shm_max_registrations must be >= 1")
+        if self.shm_max_connections_per_tenant < 0 or self.shm_max_handshakes < 0:
+            raise ValueError("shm_max_connections_per_tenant and shm_max_handshakes must be >= 0 (0: the default)")
+        if self.shm_hello_timeout_seconds <= 0 or self.shm_idle_seconds <= 0:
+            raise ValueError("shm_hello_timeout_seconds and shm_idle_seconds must be > 0")
         if self.metrics_port is not None and not 0 <= int(self.metrics_port) <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

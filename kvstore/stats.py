@@ -99,11 +99,13 @@ class KvEventsStatus:
 
 @dataclass(frozen=True, slots=True)
 class PlaneInfo:
-    """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS."""
+    """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS, and for
+    the same-host plane the user id its socket answers as (None: not said, a node that predates it)."""
 
     name: str
     address: str = ""
     tls: bool = False
+    uid: int | None = None
 
 
 def planes_to_json(planes: list[PlaneInfo]) -> str:
@@ -115,7 +117,13 @@ def planes_from_json(text: str) -> list[PlaneInfo]:
     """Advertised planes from an index record; [] when absent or unreadable (a stale or foreign record)."""
     try:
         return [
-            PlaneInfo(str(p["name"]), str(p.get("address", "")), bool(p.get("tls", False))) for p in json.loads(text)
+            PlaneInfo(
+                str(p["name"]),
+                str(p.get("address", "")),
+                bool(p.get("tls", False)),
+                None if p.get("uid") is None else int(p["uid"]),
+            )
+            for p in json.loads(text)
         ]
     except (ValueError, TypeError, KeyError, AttributeError):
         return []

@@ -52,8 +52,8 @@ def serve(  # noqa: PLR0913
     local_socket: Annotated[
         str | None,
         typer.Option(
-            help="the same-host plane's Unix socket (default: $XDG_RUNTIME_DIR or /tmp, kvstore-node-PORT.sock); "
-            "in Kubernetes a hostPath the workers' pods mount too"
+            help="the same-host plane's Unix socket (default: kvstore-UID/node-PORT.sock in $XDG_RUNTIME_DIR or "
+            "/tmp, a directory only the node's user may write); in Kubernetes a hostPath the workers' pods mount too"
         ),
     ] = None,
     tcp: Annotated[

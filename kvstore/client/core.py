@@ -28,7 +28,7 @@ from kvstore.client.planes.buffers import check_buffers
 from kvstore.client.planes.choice import TRANSPORTS, choose_planes
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
-from kvstore.client.planes.shm import ShmPlane, plane_path
+from kvstore.client.planes.shm import ShmPlane, plane_path, plane_uid
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
 from kvstore.client.planes.ucx import UcxPlane
@@ -38,7 +38,7 @@ from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
 from kvstore.wire import PutOpen
 from kvstore.wire.shm import shm_available
-from kvstore.wire.streams import FetchedPage, PageRef, stats_from_pb
+from kvstore.wire.streams import FetchedPage, PageRef, plane_from_pb, stats_from_pb
 from kvstore.wire.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
 from kvstore.wire.ucx import ucxx_installed
 
@@ -100,6 +100,7 @@ PLANES: dict[str, PlaneSpec] = {
             s.received,
             s.security.token,
             s.timeout,
+            plane_uid(info.uid if info is not None else None),
         ),
         usable=shm_available,
     ),
@@ -196,7 +197,7 @@ class ClientCore:
             return current
         self._retry_at = None
         known = bool(stats.host_id)  # a node that predates advertising planes sends no host id
-        advertised = {p.name: PlaneInfo(p.name, p.address, p.tls) for p in stats.planes} if known else None
+        advertised = {p.name: plane_from_pb(p) for p in stats.planes} if known else None
         same_host = is_loopback(self.settings.target) or (known and stats.host_id == host_id())
         names = choose_planes(self.mode, same_host=same_host, advertised=advertised, client_can=usable_planes())
         planes = tuple(p for n in names if (p := self._make(n, (advertised or {}).get(n))) is not None)

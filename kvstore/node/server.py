@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
 from kvstore.memtune import HeapTrimmer, bound_arenas, tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
+from kvstore.node.fds import fit_caps, raise_soft_limit, reserve_for
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
 from kvstore.node.kv_events import KvEventPublisher
 from kvstore.node.kv_events import start_for_node as start_kv_events
@@ -37,6 +39,7 @@ from kvstore.node.metrics import NodeMetrics
 from kvstore.node.planes.base import NodeServices, PlaneServer
 from kvstore.node.planes.shm import ShmPlaneServer
 from kvstore.node.planes.tcp import TcpPlaneServer
+from kvstore.node.planes.tcp_limits import handshake_limit
 from kvstore.node.servicer import KVStoreServicer
 from kvstore.node.tenancy import TenantBinder, load_tenants_file, share_slots
 from kvstore.security import TokenAuthenticator, redact_url, server_credentials
@@ -131,7 +134,8 @@ class Node:
             )
             self.interceptor.observe = self.metrics.observe_rpc
         await self.server.start()
-        services = NodeServices(self.callers, cfg, self.advertise_addr.rsplit(":", 1)[0], self.port)
+        planes_cfg = fit_descriptors(cfg, raise_soft_limit())
+        services = NodeServices(self.callers, planes_cfg, self.advertise_addr.rsplit(":", 1)[0], self.port)
         for plane in self.plane_servers:
             self._started_planes.append(plane)  # stopped by _abandon even if its start fails half-way
             self.planes.append(await plane.start(services))
@@ -262,6 +266,29 @@ async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
         os.replace(tmp, ready_file)
     await node.wait()
     await asyncio.gather(*stop_task)
+
+
+def fit_descriptors(config: NodeConfig, limit: int) -> NodeConfig:
+    """`config` with the data planes' connection caps (connections and handshakes of the TCP and same-host
+    planes it serves) fitted under the descriptor `limit` less the node's reserve (kvstore/node/fds.py);
+    `config` itself when they fit."""
+    caps: dict[str, int] = {}
+    for plane, on in (("tcp", config.tcp_enabled), ("shm", config.shm_enabled and shm_available())):
+        if on:
+            cap = getattr(config, f"{plane}_max_connections")
+            caps[f"{plane}_max_connections"] = cap
+            caps[f"{plane}_max_handshakes"] = handshake_limit(cap, getattr(config, f"{plane}_max_handshakes"))
+    fitted = fit_caps(limit, caps)
+    if fitted == caps:
+        return config
+    log.warning(
+        "the descriptor limit (%d, RLIMIT_NOFILE) cannot hold the data planes' connection caps with %d kept for "
+        "gRPC, files and Redis: lowered to %s (raise the limit, e.g. LimitNOFILE= or ulimit -n, to keep them)",
+        limit,
+        reserve_for(limit),
+        ", ".join(f"{k}={v}" for k, v in fitted.items()),
+    )
+    return dataclasses.replace(config, **fitted)
 
 
 def build_plane_servers(config: NodeConfig) -> list[PlaneServer]:

@@ -1,5 +1,6 @@
 """The same-host plane: page bytes cross through the client's own memory, control through a node-local
-Unix socket that passes memory by file descriptor (what both sides agree on; pure but `shm_available`).
+Unix socket that passes memory by file descriptor (what both sides agree on; pure but `shm_available` and
+`peer_credentials`).
 
 Why a socket with fd passing (issues 20, 24, 25): a client on the node's host wants its pages moved with
 one memcpy, no gRPC round trip per batch, and the node must never open another process's files to get
@@ -7,6 +8,13 @@ there. So the node listens on a Unix socket (AF_UNIX, SOCK_SEQPACKET: one messag
 alongside with SCM_RIGHTS), at a path the operator chooses (`--local-socket`; in Kubernetes a hostPath both
 the node's and the workers' pods mount: fd passing works across PID and mount namespaces, where
 /proc/<pid>/fd and /dev/shm do not).
+
+Who answers (DESIGN.md §12): a path is not an identity, since another local user may bind it while the node is
+down, or rename the node's socket where the directory lets it. So before it sends anything (its token, a
+descriptor) a client compares the credentials of the socket it reached (SO_PEERCRED: the user that bound and
+listens on it) with the user id the node advertises for this plane over gRPC (Stats; DataPlaneInfo.uid),
+and sends nothing to any other user. A node's default socket lives in a directory of its own user's
+(`default_socket_path`), which nobody else may write.
 
 Conversation (one request at a time per connection; a client keeps a few connections):
 
@@ -36,7 +44,10 @@ from __future__ import annotations
 
 import enum
 import os
+import socket
 import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 MAGIC = b"KL"
@@ -98,11 +109,33 @@ def parse_error(body: bytes | memoryview) -> tuple[str, str]:
     return raw[1 : 1 + n].decode(errors="replace") or "UNKNOWN", raw[1 + n :].decode(errors="replace")
 
 
-def default_socket_path(port: int) -> str:
-    """Where a node serving gRPC on `port` puts its socket when none is configured: the runtime directory
-    (XDG_RUNTIME_DIR, else the temporary directory), one name per port."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("TMPDIR") or "/tmp"
-    return str(Path(base) / f"kvstore-node-{port}.sock")
+def default_socket_path(port: int, env: Mapping[str, str] | None = None) -> str:
+    """Where a node serving gRPC on `port` puts its socket when none is configured: in a directory of the node's
+    user (`kvstore-<uid>`, which the node makes and checks: kvstore/node/planes/shm_socket.py) under the
+    runtime directory (XDG_RUNTIME_DIR, else the temporary directory), one name per port. Only the node's user
+    may write that directory, so no other user can bind the path while the node is down."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_RUNTIME_DIR") or env.get("TMPDIR") or "/tmp"
+    return str(Path(base) / f"kvstore-{os.geteuid()}" / f"node-{port}.sock")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerCredentials:
+    """Who is at the other end of a connected Unix socket (SO_PEERCRED): the process that bound or connected
+    it, as this process's namespaces see it (pid 0: a process of another PID namespace)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+_UCRED = struct.Struct("3i")
+
+
+def peer_credentials(sock: socket.socket) -> PeerCredentials:
+    """The credentials the kernel recorded for `sock`'s peer when it listened (a client's view of the node) or
+    connected (the node's view of a client); they cannot be forged by what the peer sends."""
+    return PeerCredentials(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
 
 
 def shm_available() -> bool:

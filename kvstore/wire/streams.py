@@ -347,6 +347,15 @@ class GetAssembler:
 _COUNTER_FIELDS = [f.name for f in fields(TierCounters)]
 
 
+def plane_to_pb(p: PlaneInfo) -> pb.DataPlaneInfo:
+    return pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls, uid=p.uid)
+
+
+def plane_from_pb(msg: pb.DataPlaneInfo) -> PlaneInfo:
+    """An advertised plane; `uid` None when the node did not say it (the field's presence, not its value)."""
+    return PlaneInfo(msg.name, msg.address, msg.tls, msg.uid if msg.HasField("uid") else None)
+
+
 def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
     tiers = [
         pb.TierStats(
@@ -394,7 +403,7 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
             **{f.name: getattr(stats.index, f.name) for f in fields(IndexStatus) if f.name != "url"},
             url=redact_url(stats.index.url),
         ),
-        planes=[pb.DataPlaneInfo(name=p.name, address=p.address, tls=p.tls) for p in stats.planes],
+        planes=[plane_to_pb(p) for p in stats.planes],
         host_id=stats.host_id,
         tenants=[_tenant_to_pb(t) for t in stats.tenants],
         kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
@@ -464,7 +473,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index")
         else None,
-        planes=[PlaneInfo(p.name, p.address, p.tls) for p in msg.planes],
+        planes=[plane_from_pb(p) for p in msg.planes],
         host_id=msg.host_id,
         tenants=[_tenant_from_pb(t) for t in msg.tenants],
         kv_events=KvEventsStatus(**{f.name: getattr(msg.kv_events, f.name) for f in fields(KvEventsStatus)})

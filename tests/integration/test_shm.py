@@ -275,9 +275,10 @@ def test_every_unusable_descriptor_gets_one_answer_and_maps_nothing(shm_node: No
 
 def test_what_the_node_maps_is_bounded_and_given_back_with_the_connection(shm_node: NodeProcess) -> None:
     """SECURITY.md, round 3, finding 6: a read-only token once had ~128 TiB of sealed memfds mapped into the node, then ENOMEM
-    as INTERNAL. Now the node maps at most `shm_max_mapped_bytes` (1 TiB by default) of client memory in all: a
-    memfd that does not fit is refused as RESOURCE_EXHAUSTED before it is mapped, the connection goes on, a
-    client that finds no room falls back to the next plane, and a closed connection's mappings are given back."""
+    as INTERNAL. Now the node maps at most `shm_max_mapped_bytes` (1 TiB by default) of client memory in all, and
+    one caller at most half of it (round 4, finding 5): a memfd that does not fit is refused as
+    RESOURCE_EXHAUSTED before it is mapped, the connection goes on, a client that finds no room falls back to the
+    next plane while another caller still has room, and a closed connection's mappings are given back."""
     path = socket_of(shm_node)
     huge = 128 << 30  # virtual: a memfd costs nothing until written
     raw = Raw(path, READ)
@@ -299,10 +300,13 @@ def test_what_the_node_maps_is_bounded_and_given_back_with_the_connection(shm_no
             buf_id += 1
             if raw.call(Kind.REGISTER, shm.REGISTER.pack(buf_id), [fds[-1]])[0] is not Kind.OK:
                 size //= 2
-        # A client that finds no room for its memory carries on over the next plane (auto mode).
+        # A client that finds no room for its memory carries on over the next plane (auto mode); another caller
+        # still has room of its own.
         h = key(0, "no-room")
         with KVStoreClient(shm_node.addr, transport="auto", security=ClientSecurity(token=WRITE)) as kv:
             kv.put(NS, LAYOUT, [h], [page(h)])
+            assert kv.plane == "shm"
+        with KVStoreClient(shm_node.addr, transport="auto", security=ClientSecurity(token=READ)) as kv:
             assert bytes(kv.get(NS, [h])[0]) == page(h)
             assert kv.plane != "shm"
     finally:

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from kvstore.node.planes.shm import MappedBuffer, _Windows
+from kvstore.node.planes.shm import _Windows
+from kvstore.node.planes.shm_memory import MappedBuffer
 from kvstore.wire import shm
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="needs memfd_create")

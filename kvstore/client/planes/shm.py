@@ -9,8 +9,11 @@ copies it into its slot. Nothing crosses a network, so the client verifies nothi
 
 Connections: a pool of SEQPACKET connections (one request at a time each), opened on demand with HELLO and
 the client's token; each registers a SharedBuffer (passing its memfd with SCM_RIGHTS) the first time a
-request names it. A node that cannot be reached (no socket, another host, the plane off) is PlaneUnavailable
-before anything was sent: the client falls back to the next plane.
+request names it. Before HELLO a connection checks who answers (kvstore/wire/shm.py): the socket's peer must be
+the user the node advertised over gRPC (or KVSTORE_LOCAL_SOCKET_UID), else nothing is sent. A node that cannot
+be reached (no socket, another host, the plane off), a socket another user serves, and a node that refuses the
+connection (its plane full: ERROR UNAVAILABLE in answer to HELLO) are PlaneUnavailable before anything but
+the HELLO was sent: the client falls back to the next plane.
 
 Memory a request names is the node's to read or write until the node is done with it (DESIGN.md §8): its
 reply says so, and so does its close of the connection after the client hung up (the node cancels a request
@@ -159,15 +162,17 @@ def _wait_closed(sock: socket.socket, seconds: float) -> bool:
 
 
 class Connection:
-    """One connection to the node's socket: HELLO'd, with the buffers registered on it. One call at a time."""
+    """One connection to the node's socket: HELLO'd, with the buffers registered on it. One call at a time.
+    Invariant: nothing is sent on it unless its peer is the user `uid` (checked once connected)."""
 
-    def __init__(self, path: str, token: str | None, timeout: float) -> None:
+    def __init__(self, path: str, token: str | None, timeout: float, uid: int) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             sock.settimeout(timeout)
             for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
                 sock.setsockopt(socket.SOL_SOCKET, opt, shm.SOCKET_BUFFER_BYTES)
             sock.connect(path)
+            check_peer(sock, path, uid)
         except BaseException:
             sock.close()
             raise
@@ -260,6 +265,21 @@ class Connection:
             self.registered.add(buf.id)
 
 
+def check_peer(sock: socket.socket, path: str, uid: int) -> None:
+    """PlaneUnavailable (logged: someone else may be posing as the node) unless the process serving `sock` runs
+    as `uid`, the node's user. Called before anything is sent on it."""
+    peer = shm.peer_credentials(sock)
+    if peer.uid != uid:
+        msg = (
+            f"the same-host socket {path} is served by uid {peer.uid} (pid {peer.pid or 'not visible here'}), "
+            f"not by the node's user (uid {uid}: what the node advertises over gRPC, or KVSTORE_LOCAL_SOCKET_UID): "
+            "nothing was sent to it. Another local user may have bound the path while the node was down, or "
+            "replaced the node's socket in a directory others may write"
+        )
+        log.warning("%s", msg)
+        raise PlaneUnavailable(msg)
+
+
 class ShmPlane(DataPlane):
     """Pages cross through this client's memory on the node's host. Thread-safe: concurrent calls use
     different connections. Each PUT of at most `pages_per_call` pages is atomic, like a Put stream."""
@@ -274,10 +294,17 @@ class ShmPlane(DataPlane):
         received: ReceivePool,
         token: str | None,
         timeout: float,
+        uid: int | None,
     ) -> None:
         if not path:
             raise PlaneUnavailable("the node advertises no same-host socket")
+        if uid is None:
+            raise PlaneUnavailable(
+                "the node does not say which user serves its same-host socket (a node of an older release): this "
+                "client sends nothing to a socket it cannot check; upgrade the node, or set KVSTORE_LOCAL_SOCKET_UID"
+            )
         self.path = path
+        self.uid = uid
         self.pages_per_call = min(pages_per_call, shm.MAX_PAGES_PER_CALL)
         self.buffers = buffers
         self.received = received
@@ -290,7 +317,9 @@ class ShmPlane(DataPlane):
 
     def _open(self) -> Connection:
         try:
-            return Connection(self.path, self.token, self.timeout)
+            return Connection(self.path, self.token, self.timeout, self.uid)
+        except Unavailable as exc:  # the node refused the connection (its plane is full, or it is stopping)
+            raise PlaneUnavailable(f"the same-host plane at {self.path} refused a connection: {exc}") from None
         except KVStoreError:
             raise
         except (OSError, StreamError, ValueError) as exc:
@@ -454,3 +483,18 @@ def plane_path(advertised: str) -> str:
     """The socket to use: KVSTORE_LOCAL_SOCKET when set (a pod mounts the node's socket at a path of its
     own), else what the node advertises."""
     return os.environ.get("KVSTORE_LOCAL_SOCKET") or advertised
+
+
+def plane_uid(advertised: int | None) -> int | None:
+    """The user the node's socket must answer as: KVSTORE_LOCAL_SOCKET_UID when set (where the client sees the
+    node's user under another id: a user namespace), else what the node advertises over gRPC."""
+    raw = os.environ.get("KVSTORE_LOCAL_SOCKET_UID")
+    if not raw:
+        return advertised
+    try:
+        uid = int(raw)
+    except ValueError:
+        raise ValueError(f"KVSTORE_LOCAL_SOCKET_UID: not a user id: {raw!r}") from None
+    if uid < 0:
+        raise ValueError(f"KVSTORE_LOCAL_SOCKET_UID: not a user id: {raw!r}")
+    return uid

@@ -9,11 +9,17 @@ What a caller can and cannot make the node do:
 - the node maps only memory whose descriptor the caller handed it (SCM_RIGHTS): it never opens a path, a
   /proc entry or a device, so nothing it maps is a file the caller could not already write, and no tty can
   become its controlling terminal;
-- it maps a descriptor only if it is a memfd sealed against shrinking and growing and not against writes
-  (so a mapped page can never vanish under a copy), and answers one message for every other descriptor,
-  whatever it is (socket, pipe, file, tty, a memfd sealed otherwise), so the answer tells nothing;
-- what a connection maps is bounded (MAX_BUFFERS buffers, the node's `shm_max_mapped_bytes` in all), and a
-  mapping failure is RESOURCE_EXHAUSTED, never an internal error;
+- it maps a descriptor only if it is a tmpfs memfd sealed against shrinking and growing and not against
+  writes, so no fault in that memory can kill the node, and keeps no descriptor for it (shm_memory.py); it
+  answers one message for every other descriptor, whatever it is (socket, pipe, file, tty, a hugetlbfs
+  memfd, a memfd sealed otherwise), so the answer tells nothing;
+- what callers hold is bounded and shared out (shm_limits.py): handshakes in a room of their own with a
+  deadline, authenticated connections (idle ones expire), registrations and mapped bytes, each node-wide and
+  per caller and per tenant, registrations per connection too; a refusal is UNAVAILABLE at HELLO and
+  RESOURCE_EXHAUSTED at REGISTER, before anything is taken, so the client falls back to another plane; a
+  mapping failure is RESOURCE_EXHAUSTED too, never an internal error;
+- the node's socket is where only its user may put one (shm_socket.py), and clients check that its user
+  answers there (kvstore/wire/shm.py);
 - credentials, roles and tenants are those of every plane (kvstore/node/callers.py), checked at HELLO and
   again on every request.
 """
@@ -23,103 +29,33 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import fcntl
 import itertools
 import logging
-import mmap
 import os
 import socket
-import stat
 from collections.abc import AsyncIterator, Coroutine, Sequence
-from pathlib import Path
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated
+from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated, Unavailable
 from kvstore.hashing import HASH_BYTES
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
+from kvstore.node.planes.shm_limits import Holder, ShmLimits
+from kvstore.node.planes.shm_memory import MappedBuffer, usable_size
+from kvstore.node.planes.shm_socket import BoundSocket, bind_node_socket
 from kvstore.pageformat import in_form
+from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
 from kvstore.wire import pack_held, shm
-from kvstore.wire.shm import Kind, ProtocolError, default_socket_path
+from kvstore.wire.shm import Kind, ProtocolError
 from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
 
 log = logging.getLogger(__name__)
-
-SOCKET_MODE = 0o660  # owner and group: in Kubernetes the node's and the workers' pods share a group
-
-
-class Unusable(KVStoreError):
-    """The one answer for a descriptor this node will not map (see the module docstring)."""
-
-    status_name = "INVALID_ARGUMENT"
-
-    def __init__(self) -> None:
-        super().__init__(
-            "register: the descriptor is not usable (the node maps only memfds sealed with F_SEAL_SHRINK and "
-            "F_SEAL_GROW and not against writes)"
-        )
-
-
-class MappedBuffer:
-    """A client's registered memfd, mapped by the node. Invariant: the mapping stays until every window given
-    out is released and the buffer was dropped (`users` counts the requests using it)."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.size = size
-        self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-        self.view = memoryview(self.map)
-        self.users = 0
-        self.dropped = False
-
-    def check(self, offset: int, length: int, field: str) -> None:
-        """InvalidArgument naming `field` unless [offset, offset + length) lies inside the buffer."""
-        if offset < 0 or length < 0 or offset + length > self.size:
-            raise InvalidArgument(field, f"[{offset}, {offset + length}) runs past the buffer's {self.size} bytes")
-
-    def window(self, offset: int, n: int) -> memoryview:
-        return self.view[offset : offset + n]
-
-    def drop(self) -> None:
-        self.dropped = True
-        if self.users == 0:
-            self._close()
-
-    def release(self) -> None:
-        self.users -= 1
-        if self.dropped and self.users == 0:
-            self._close()
-
-    def _close(self) -> None:
-        self.view.release()
-        with contextlib.suppress(BufferError):  # a window still exported: the mapping goes with it
-            self.map.close()
-
-
-def map_descriptor(fd: int, room: int) -> MappedBuffer:
-    """Map a descriptor a client passed; Unusable for anything but a memfd sealed as the module docstring says,
-    ResourceExhausted (before anything is mapped) when it is larger than `room` bytes. The descriptor is the
-    caller's to close."""
-    try:
-        st = os.fstat(fd)
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if stat.S_ISREG(st.st_mode) else 0
-    except OSError:
-        raise Unusable() from None
-    need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-    write_seals = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
-    if not stat.S_ISREG(st.st_mode) or seals & need != need or seals & write_seals or st.st_size <= 0:
-        raise Unusable()
-    if st.st_size > room:
-        raise ResourceExhausted(f"register: {st.st_size} bytes more would pass the node's shm_max_mapped_bytes")
-    try:
-        return MappedBuffer(fd, st.st_size)
-    except OSError as exc:  # ENOMEM and the like: the node is out of address space, not broken
-        raise ResourceExhausted(f"register: the node cannot map {st.st_size} more bytes ({exc.strerror})") from None
 
 
 def recv_fds(sock: socket.socket, max_bytes: int) -> tuple[bytes, list[int]]:
@@ -134,91 +70,73 @@ def recv_fds(sock: socket.socket, max_bytes: int) -> tuple[bytes, list[int]]:
 
 class ShmPlaneServer(PlaneServer):
     """The same-host plane's listener (kvstore/wire/shm.py). `start` binds the node's local socket and returns
-    the PlaneInfo the node advertises (its path); `stop` closes every connection and removes the socket."""
+    the PlaneInfo the node advertises (its path, and the user it answers as); `stop` closes every connection
+    and removes the socket."""
 
     name = "shm"
 
     def __init__(self, path: str | None) -> None:
         self.path = path  # None: the default path for the node's gRPC port
-        self._sock: socket.socket | None = None
+        self._bound: BoundSocket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
-        self.mapped_bytes = 0
 
     async def start(self, services: NodeServices) -> PlaneInfo:
         self.services = services
-        path = self.path or default_socket_path(services.port)
-        self.path = path
-        self._sock = listen_unix(path)
+        cfg = services.config
+        self.limits = ShmLimits.build(
+            max_connections=cfg.shm_max_connections,
+            per_tenant_connections=cfg.shm_max_connections_per_tenant,
+            max_handshakes=cfg.shm_max_handshakes,
+            max_registrations=cfg.shm_max_registrations,
+            max_mapped_bytes=cfg.shm_max_mapped_bytes,
+            shared=services.callers.auth is not None,
+        )
+        self._bound = bind_node_socket(self.path, services.port)
+        self.path = self._bound.path
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
-        log.info("same-host plane on unix:%s", path)
-        return PlaneInfo(self.name, path)
+        log.info("same-host plane on unix:%s (uid %d)", self.path, os.geteuid())
+        return PlaneInfo(self.name, self.path, uid=os.geteuid())
 
     async def stop(self) -> None:
         if self._accepting is not None:
             self._accepting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._accepting
-        if self._sock is not None:
-            self._sock.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.path)  # type: ignore[arg-type]
+        if self._bound is not None:
+            self._bound.close()
         for task in list(self._conns):
             task.cancel()
         if self._conns:
             await asyncio.wait(list(self._conns), timeout=5.0)
 
     async def _accept(self) -> None:
-        assert self._sock is not None
-        await accept_forever(self._sock, self._admit, "same-host plane")
+        assert self._bound is not None
+        await accept_forever(self._bound.sock, self._admit, "same-host plane")
 
     def _admit(self, sock: socket.socket) -> None:
+        if not self.limits.can_start_handshake():
+            # Full of connections that have not said HELLO: this one goes at once, told why, so the room kept
+            # for authenticated callers is never theirs (its client falls back to another plane).
+            with contextlib.suppress(OSError):
+                sock.setblocking(False)
+                why = "this node's same-host plane has too many connections in their handshake; retry later"
+                sock.send(shm.frame(Kind.ERROR, 0, shm.error_body("UNAVAILABLE", why)))
+            sock.close()
+            return
         sock.setblocking(False)
         for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
             sock.setsockopt(socket.SOL_SOCKET, opt, shm.SOCKET_BUFFER_BYTES)
-        if len(self._conns) >= self.services.config.tcp_max_connections:
-            with contextlib.suppress(OSError):
-                sock.send(shm.frame(Kind.ERROR, 0, shm.error_body("UNAVAILABLE", "too many connections")))
-            sock.close()
-            return
+        self.limits.start_handshake()
         task = asyncio.get_running_loop().create_task(_Connection(self, sock).serve())
         self._conns.add(task)
         task.add_done_callback(self._conns.discard)
 
 
-def listen_unix(path: str) -> socket.socket:
-    """A listening SEQPACKET socket at `path`. A stale socket file (nobody listening) is replaced; a socket
-    another process serves, or any other file, is refused with a message naming the path."""
-    p = Path(path)
-    if p.exists() or p.is_symlink():
-        if not stat.S_ISSOCK(p.lstat().st_mode):
-            raise OSError(f"--local-socket {path}: exists and is not a socket; remove it or choose another path")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            probe.connect(path)
-        except ConnectionRefusedError:
-            p.unlink()  # stale: its node is gone
-        except OSError as exc:
-            raise OSError(f"--local-socket {path}: cannot tell whether another node serves it: {exc}") from None
-        else:
-            raise OSError(f"--local-socket {path}: another node serves this socket; choose another path")
-        finally:
-            probe.close()
-    p.parent.mkdir(parents=True, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        sock.bind(path)
-        os.chmod(path, SOCKET_MODE)
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 class _Connection:
-    """One client connection: HELLO, then registrations and requests, one at a time, until EOF or stop."""
+    """One client connection: HELLO, then registrations and requests, one at a time, until EOF, an idle spell of
+    `shm_idle_seconds` between requests, or stop. Counted as a handshake until HELLO is answered, then (once
+    admitted) as a connection of its holder, with what it registered, until it ends (shm_limits.py)."""
 
     def __init__(self, server: ShmPlaneServer, sock: socket.socket) -> None:
         self.server = server
@@ -227,6 +145,8 @@ class _Connection:
         self.token = ""
         self.buffers: dict[int, MappedBuffer] = {}
         self.loop = asyncio.get_running_loop()
+        self.holder: Holder | None = None  # set once admitted (holds a connection until the end)
+        self._handshaking = True  # counted as a handshake until HELLO is answered or the connection ends
 
     async def recv(self) -> tuple[bytes, list[int]]:
         """The next message and any descriptors with it; EOF is (b"", [])."""
@@ -248,11 +168,18 @@ class _Connection:
         await self.loop.sock_sendall(self.sock, shm.frame(kind, seq, body))
 
     async def serve(self) -> None:
+        limits = self.server.limits
         try:
-            async with asyncio.timeout(self.cfg.tcp_timeout_seconds):
-                await self._hello()
+            try:
+                async with asyncio.timeout(self.cfg.shm_hello_timeout_seconds):
+                    await self._hello()
+            finally:
+                self._end_handshake()
             while True:
-                msg, fds = await self.recv()
+                # NOTE: between requests nothing of the client's memory is in use, so an idle connection may go:
+                # the client reopens one (its pool retries a call once on a fresh connection).
+                async with asyncio.timeout(self.cfg.shm_idle_seconds):
+                    msg, fds = await self.recv()
                 if not msg:
                     return
                 try:
@@ -262,7 +189,7 @@ class _Connection:
                 finally:
                     for fd in fds:
                         os.close(fd)
-        except (ProtocolError, Unauthenticated) as exc:
+        except (ProtocolError, KVStoreError) as exc:  # refused at HELLO (token, room), or out of protocol
             with contextlib.suppress(Exception):
                 status = exc.status_name if isinstance(exc, KVStoreError) else "INVALID_ARGUMENT"
                 await self.send(Kind.ERROR, 0, shm.error_body(status, str(exc)))
@@ -274,10 +201,20 @@ class _Connection:
             log.exception("same-host plane connection failed unexpectedly")
         finally:
             for buf in self.buffers.values():
-                self.server.mapped_bytes -= buf.size
+                if self.holder is not None:
+                    limits.buffers.give(self.holder)
+                    limits.mapped.give(self.holder, buf.size)
                 buf.drop()
             self.buffers.clear()
+            if self.holder is not None:
+                limits.connections.give(self.holder)
+                self.holder = None
             self.sock.close()
+
+    def _end_handshake(self) -> None:
+        if self._handshaking:
+            self._handshaking = False
+            self.server.limits.end_handshake()
 
     async def _watched(self, request: Coroutine[Any, Any, None]) -> bool:
         """Run one request while watching the socket: a client that gave up on it hangs up (shuts down its
@@ -336,8 +273,18 @@ class _Connection:
             self.token = bytes(body).decode()
         except UnicodeDecodeError:
             raise Unauthenticated("the token is not valid UTF-8") from None
-        auth = self.server.services.callers.auth
-        role = Role.WRITE if auth is None else auth.role_of(self._metadata())
+        callers = self.server.services.callers
+        who = None if callers.auth is None else callers.auth.identify(self._metadata())
+        bound = callers.bind(who, None)  # no certificate on this plane
+        role = Role.WRITE if bound is None else bound.role
+        holder = Holder(DEFAULT_TENANT, "") if bound is None else Holder(bound.scope, bound.subject)
+        self._end_handshake()
+        connections = self.server.limits.connections
+        refusal = connections.refusal(holder)
+        if refusal is not None:
+            raise Unavailable(f"{refusal}; close idle ones, retry later or use another plane")
+        connections.take(holder)
+        self.holder = holder
         max_pages = min(self.cfg.max_pages_per_request, shm.MAX_PAGES_PER_CALL)
         welcome = shm.WELCOME.pack(self.cfg.max_page_bytes, max_pages, role)
         await self.send(Kind.WELCOME, 0, welcome)
@@ -372,8 +319,15 @@ class _Connection:
             raise InvalidArgument("register", f"buffer {buf_id} is registered already on this connection")
         if len(self.buffers) >= shm.MAX_BUFFERS:
             raise ResourceExhausted(f"register: a connection registers at most {shm.MAX_BUFFERS} buffers")
-        buf = map_descriptor(fds[0], self.cfg.shm_max_mapped_bytes - self.server.mapped_bytes)
-        self.server.mapped_bytes += buf.size
+        size = usable_size(fds[0])
+        limits, holder = self.server.limits, self.holder
+        assert holder is not None  # admitted at HELLO
+        refusal = limits.buffers.refusal(holder) or limits.mapped.refusal(holder, size)
+        if refusal is not None:
+            raise ResourceExhausted(f"register: {refusal}")
+        buf = MappedBuffer(fds[0], size)  # keeps no descriptor: the caller's is closed after this request
+        limits.buffers.take(holder)
+        limits.mapped.take(holder, size)
         self.buffers[buf_id] = buf
 
     def _layout(self, body: memoryview) -> bytes:

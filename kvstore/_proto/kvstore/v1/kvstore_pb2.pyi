@@ -420,14 +420,16 @@ class TenantTier(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., quota_bytes: _Optional[int] = ...) -> None: ...
 
 class DataPlaneInfo(_message.Message):
-    __slots__ = ("name", "address", "tls")
+    __slots__ = ("name", "address", "tls", "uid")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     name: str
     address: str
     tls: bool
-    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tls: _Optional[bool] = ...) -> None: ...
+    uid: int
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., tls: _Optional[bool] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class IndexStats(_message.Message):
     __slots__ = ("url", "connected", "epoch", "queued", "lag_seconds", "flushed", "resyncs", "overflows", "errors", "resync_pending")
