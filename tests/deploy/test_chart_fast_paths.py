@@ -241,7 +241,9 @@ def test_socket_directory_lets_the_node_serve_and_only_the_socket_group_connect(
 ) -> None:
     """The node pod's init container, run for real on a directory as root (the kubelet creates the
     hostPath root-owned): then the node's user binds a socket in it, a client of another user in the
-    socket group connects, and a user outside the group cannot even reach the socket."""
+    socket group connects but can neither rename the node's socket nor bind one of its own there (SECURITY.md,
+    round 4, finding 1: with mode 2770 another tenant's client replaced the socket), and a user outside the
+    group cannot even reach the socket."""
     docs = render(sets=["node.localSocket.group=3456"])
     _, spec = node_pod(docs)
     init = next(c for c in spec["initContainers"] if c["name"] == "local-socket-permissions")
@@ -254,7 +256,7 @@ def test_socket_directory_lets_the_node_serve_and_only_the_socket_group_connect(
     caps = "-all," + ",".join("+" + c.lower() for c in init["securityContext"]["capabilities"]["add"])
     subprocess.run(["setpriv", f"--bounding-set={caps}", *init["command"][:3], str(hostdir)], check=True, timeout=30)
     st = hostdir.stat()
-    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (10001, 3456, "0o2770")
+    assert (st.st_uid, st.st_gid, oct(st.st_mode & 0o7777)) == (10001, 3456, "0o2750")
     sock = hostdir / "node.sock"
     serve = ("import socket, os, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o660);"
              "s.listen(); print('ready', flush=True); c, _ = s.accept(); c.sendall(b'ok'); c.close()")  # fmt: skip
@@ -271,6 +273,14 @@ def test_socket_directory_lets_the_node_serve_and_only_the_socket_group_connect(
         engine = subprocess.run([*_as(20002, 20002, [3456]), PYTHON, "-c", connect, str(sock)],
                                 check=False, capture_output=True, text=True, timeout=30)  # fmt: skip
         assert engine.returncode == 0 and engine.stdout.strip() == "ok", engine.stderr
+        squat = ("import os, socket, sys; d = sys.argv[1]\n"
+                 "for act in (lambda: os.rename(d + '/node.sock', d + '/moved.sock'),\n"
+                 "            lambda: socket.socket(socket.AF_UNIX).bind(d + '/other.sock')):\n"
+                 "    try:\n        act(); print('done')\n    except PermissionError:\n        print('denied')")  # fmt: skip
+        tenant = subprocess.run([*_as(20003, 20003, [3456]), PYTHON, "-c", squat, str(hostdir)],
+                                check=False, capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert tenant.stdout.split() == ["denied", "denied"], (tenant.stdout, tenant.stderr)
+        assert sock.exists() and not (hostdir / "other.sock").exists()
         assert node.wait(10) == 0
     finally:
         if node.poll() is None:
