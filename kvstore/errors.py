@@ -89,6 +89,15 @@ class StreamError(KVStoreError):
     status_name = "DATA_LOSS"
 
 
+class ProtocolError(StreamError):
+    """A peer broke its plane's protocol (a message that does not parse; a wrong magic, version, kind, size or
+    sequence): the connection cannot go on and is closed, after an ERROR where the peer can still read one.
+    The same-host and UCX planes raise it (the TCP plane's `FrameError` is its counterpart there, an
+    InvalidArgument naming the frame's field)."""
+
+    status_name = "INVALID_ARGUMENT"
+
+
 class PageCorrupt(StreamError):
     """A received page failed its checksum (DESIGN.md §8: the party that receives the bytes verifies them).
     Raised inside a client's data plane with the pages of the batch verified before it (`good`); the client

@@ -125,8 +125,12 @@ class KVStoreClient(_Client):
         self._core.close()
 
     def wait_ready(self, timeout: float = 10.0) -> None:
-        """Block until the channel connects (raises grpc.FutureTimeoutError after timeout)."""
-        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        """Block until the channel connects; Unavailable (a KVStoreError, like every error of this client)
+        when it has not within `timeout` seconds."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise Unavailable(f"{self.target}: no connection within {timeout:g} s") from None
 
     def _run(self, exchange: Exchange[T]) -> T:
         """Perform each operation the exchange yields; errors are thrown back into it at the yield."""

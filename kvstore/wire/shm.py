@@ -50,6 +50,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.errors import ProtocolError
+
 MAGIC = b"KL"
 VERSION = 1
 FRAME = struct.Struct("<2sBBII")  # magic, version, kind, seq, body length
@@ -72,10 +74,6 @@ class Kind(enum.IntEnum):
     OK = 6
     ERROR = 7
     LAYOUT = 8
-
-
-class ProtocolError(ValueError):
-    """A message broke the frame format: the connection cannot go on."""
 
 
 def frame(kind: Kind, seq: int, body: bytes = b"") -> bytes:

@@ -48,6 +48,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
+from kvstore.errors import ProtocolError
+
 MAGIC = b"KVUX"
 VERSION = 2
 FRAME = struct.Struct("<4sBBHII")  # magic, version, kind, flags, seq, total length (header + body)
@@ -87,10 +89,6 @@ class Kind(enum.IntEnum):
 
 
 HELLO_FLAG_ERROR_HANDLING = 1  # the client's endpoint reports peer failures (UCP_ERR_HANDLING_MODE_PEER)
-
-
-class ProtocolError(Exception):
-    """A control message that is not what this protocol says (wrong magic, version, kind or size)."""
 
 
 def frame(kind: Kind, seq: int, body: bytes = b"", flags: int = 0) -> bytes:

@@ -305,6 +305,8 @@ class _Connection:
         except DecodeError as exc:
             await self.send(Kind.ERROR, seq, shm.error_body("INVALID_ARGUMENT", f"body: not a {kind.name}: {exc}"))
             return
+        except ProtocolError:
+            raise  # the connection cannot go on: `serve` answers and closes it
         except KVStoreError as exc:
             await self.send(Kind.ERROR, seq, shm.error_body(exc.status_name, str(exc)))
             return
