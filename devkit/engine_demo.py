@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from devkit.engines import CHUNK, LMCacheServer, ensure_engine_venv, kvstore_l2, make_model, prompt, run_engine
+from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.launch import NodeProcess
 from kvstore.pageformat import slot_bytes_for
 
 LAYERS, KV_HEADS, HEAD_DIM = 16, 2, 64
