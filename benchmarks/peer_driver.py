@@ -25,6 +25,7 @@ removed after each put call, untimed: a put on an existing key is a silent no-op
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -280,9 +281,13 @@ class Mooncake:
         self.store.close()
 
 
-def main() -> None:
-    peer = sys.argv[1]
-    logdir = sys.argv[2] if len(sys.argv) > 2 else tempfile.mkdtemp(prefix="peer-driver-")
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="peer_driver.py", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("peer", choices=["lmcache", "mooncake-remote", "mooncake-local"], help="which peer's client")
+    ap.add_argument("logdir", nargs="?", help="where the peer servers' logs go (default: a new temporary folder)")
+    args = ap.parse_args(argv)
+    peer = args.peer
+    logdir = args.logdir or tempfile.mkdtemp(prefix="peer-driver-")
     children = Children(logdir)
     out = sys.stdout
     sys.stdout = sys.stderr  # libraries print; only replies go to the real stdout

@@ -17,14 +17,17 @@ packages are vLLM's, not the project's.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 import time
 
 
-def main() -> None:
-    with open(sys.argv[1]) as f:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python devkit/vllm_driver.py", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("config", help="the run's JSON config (module docstring)")
+    args = ap.parse_args(argv)
+    with open(args.config) as f:
         cfg = json.load(f)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
