@@ -75,6 +75,7 @@ class RequestResult:
     prefill: Timings = field(default_factory=Timings)
     decode: Timings = field(default_factory=Timings)
     queued_s: float = 0.0
+    logprobs: list[float] = field(default_factory=list)  # of each of `tokens` under the model, in order
 
 
 @ray.remote(num_cpus=0)
@@ -160,4 +161,5 @@ class Router:
             prefill=pre.timings,
             decode=stats.timings if stats else Timings(),
             queued_s=queued,
+            logprobs=[pre.first_logprob, *(stats.logprobs if stats else [])][: len(tokens)],
         )

@@ -104,6 +104,7 @@ def generate(
                 {
                     "prompt_ids": ids,
                     "tokens": r.tokens,
+                    "logprobs": r.logprobs,
                     "cached_blocks": r.cached_blocks,
                     "timings": timings,
                     "text": tok.decode(r.tokens) if tok else None,

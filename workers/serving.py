@@ -83,6 +83,7 @@ class PrefillResult:
     stored_on: str | None  # node the new pages went to
     timings: Timings = field(default_factory=Timings)
     cached_tiers: dict[str, int] = field(default_factory=dict)  # tier label -> cached blocks found there
+    first_logprob: float = 0.0  # log-probability of first_token under the model (greedy: the largest)
 
 
 @dataclass(slots=True)
@@ -90,23 +91,41 @@ class DecodeStats:
     fetched_blocks: int
     recomputed_tokens: int
     timings: Timings
+    logprobs: list[float] = field(default_factory=list)  # of each token decoded after the first, in order
 
 
-def namespace_for(model_dir: str | Path, dtype: str, tp: str = "tp1", encoding: str | PageEncoding = "raw") -> str:
+def token_logprob(logits: torch.Tensor, token: int) -> float:
+    """log softmax(logits)[token], in float32 (what engines report as a token's log-probability)."""
+    return float(torch.log_softmax(logits.float(), dim=-1)[token])
+
+
+BLOCK_SIZE_UNNAMED = 16  # the block size a namespace does not name (namespace_for's NOTE)
+
+
+def namespace_for(
+    model_dir: str | Path,
+    dtype: str,
+    tp: str = "tp1",
+    encoding: str | PageEncoding = "raw",
+    block_size: int = BLOCK_SIZE_UNNAMED,
+) -> str:
     """A namespace naming everything that makes pages incompatible (DESIGN.md §3): the checkpoint
-    (name and a digest of its config and weight file names and sizes), the KV dtype, the TP shard and,
-    for an encoded deployment, the page encoding.
+    (name and a digest of its config and weight file names and sizes), the KV dtype, the TP shard, the
+    block size (tokens per page) and, for an encoded deployment, the page encoding.
 
-    NOTE: raw namespaces are what they were before encodings (pages cached by earlier builds still hit);
-    an encoding gets its own namespace because a namespace holds one encoding, so raw and fp8 workers of
-    one model can share a node (during a rollout, say) instead of having every Put of one refused."""
+    NOTE: a node binds a namespace to one page layout, so each of these gets its own namespace: workers of
+    one model with another encoding or block size can share a node (during a rollout, say) and miss, instead
+    of having every Put of one refused. The keys of two block sizes differ anyway (the hash root holds it).
+    Namespaces of raw pages of 16-token blocks are what they were before either was named, so pages cached
+    by earlier builds still hit."""
     d = Path(model_dir)
     h = hashlib.sha256((d / "config.json").read_bytes())
     for f in sorted(d.glob("*.safetensors")):
         h.update(f.name.encode() + str(f.stat().st_size).encode())
     enc = PageEncoding.parse(encoding)
+    block = "" if block_size == BLOCK_SIZE_UNNAMED else f"/b{block_size}"
     suffix = "" if enc is PageEncoding.RAW else f"/{enc.label}"
-    return f"{d.name}@{h.hexdigest()[:12]}/{dtype}/{tp}{suffix}"
+    return f"{d.name}@{h.hexdigest()[:12]}/{dtype}/{tp}{block}{suffix}"
 
 
 class _Engine:
@@ -207,9 +226,10 @@ class PrefillEngine(_Engine):
             start = cached * self.cfg.block_size
             logits = self.model.prefill(seq, prompt[start:], start_pos=start)
             first = int(torch.argmax(logits))
+            first_lp = token_logprob(logits, first)
             t3 = time.perf_counter()
             t.lookup_s, t.fetch_s, t.compute_s = t1 - t0, t2 - t1, t3 - t2
-            yield PrefillResult(request_id, len(prompt), first, hashes, cached, 0, None, t, tiers)
+            yield PrefillResult(request_id, len(prompt), first, hashes, cached, 0, None, t, tiers, first_lp)
             new = range(cached, len(hashes))
             stored_on = None
             stored = 0
@@ -233,7 +253,7 @@ class PrefillEngine(_Engine):
         finally:
             self.model.free(seq)
         t.put_s = t4 - t3
-        yield PrefillResult(request_id, len(prompt), first, hashes, cached, stored, stored_on, t, tiers)
+        yield PrefillResult(request_id, len(prompt), first, hashes, cached, stored, stored_on, t, tiers, first_lp)
 
 
 class DecodeEngine(_Engine):
@@ -263,12 +283,15 @@ class DecodeEngine(_Engine):
             self.model.prefill(seq, prompt[start:], start_pos=start)  # the part no page covers
             t2 = time.perf_counter()
             t.fetch_s, t.compute_s = t1 - t0, t2 - t1
+            ds = DecodeStats(fetched, len(prompt) - start, t)
             if stats is not None:
-                stats.append(DecodeStats(fetched, len(prompt) - start, t))
+                stats.append(ds)  # NOTE: the caller may keep it now; ds.logprobs fills in as tokens are made
             token = prefill.first_token
             yield token
             for _ in range(max_new_tokens - 1):
-                token = int(torch.argmax(self.model.decode([seq], [token])[0]))
+                logits = self.model.decode([seq], [token])[0]
+                token = int(torch.argmax(logits))
+                ds.logprobs.append(token_logprob(logits, token))
                 yield token
         finally:
             self.model.free(seq)
