@@ -220,7 +220,7 @@ def pd_serve(  # noqa: PLR0913
         cfg = WorkerConfig(
             model_dir=str(model),
             redis_url=redis_url,
-            namespace=namespace_for(model, dtype, encoding=kv_encoding.value),
+            namespace=namespace_for(model, dtype, encoding=kv_encoding.value, block_size=block_size),
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=dtype,

@@ -50,6 +50,8 @@ class LocalStack:
     node: NodeProcess | None = None
     router: object | None = None
     namespace: str = ""
+    workers: list[object] = field(default_factory=list)  # the prefill and decode actors
+    _index_url: str = ""
     _tmp: tempfile.TemporaryDirectory[str] | None = None
     _env_before: dict[str, str | None] = field(default_factory=dict)
     _ray_started: bool = False
@@ -68,7 +70,6 @@ class LocalStack:
         return self
 
     def _start(self, cfg: StackConfig, run: Path) -> None:
-        self.namespace = namespace_for(cfg.model_dir, cfg.dtype, encoding=cfg.kv_encoding)
         # Redis with a password and ACL users, as `kvstore up` runs it: only node-0 writes its records,
         # the workers and the router only read (kvstore/index/acl.py), so no local user can redirect them.
         users = {
@@ -76,7 +77,7 @@ class LocalStack:
             node_user("node-0"): (secrets.token_hex(20), node_rules("node-0")),
         }
         self.redis = RedisProcess(password=secrets.token_hex(20), users=users).start()
-        index_url = self.redis.url_for(CLIENT_USER)
+        self._index_url = self.redis.url_for(CLIENT_USER)
         page_bytes = self.page_bytes(cfg)
         self.node = NodeProcess(
             dram_bytes=cfg.dram_bytes,
@@ -102,10 +103,14 @@ class LocalStack:
             configure_logging=False,
         )
         self._ray_started = True
+        self._start_workers(cfg)
+
+    def _start_workers(self, cfg: StackConfig) -> None:
+        self.namespace = namespace_for(cfg.model_dir, cfg.dtype, encoding=cfg.kv_encoding, block_size=cfg.block_size)
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= cfg.num_prefill + cfg.num_decode else 0
         wcfg = WorkerConfig(
             model_dir=cfg.model_dir,
-            redis_url=index_url,
+            redis_url=self._index_url,
             namespace=self.namespace,
             num_blocks=cfg.num_blocks,
             block_size=cfg.block_size,
@@ -117,16 +122,31 @@ class LocalStack:
         # Actors take no CPU reservation: on a 2-core host prefill, decode and the router must coexist.
         prefill = [PrefillWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_prefill)]
         decode = [DecodeWorker.options(num_cpus=0, num_gpus=gpus).remote(wcfg) for _ in range(cfg.num_decode)]
+        self.workers = [*prefill, *decode]
         ray.get([w.info.remote() for w in prefill])  # fail fast if a worker cannot load the model
         self.router = Router.remote(
             prefill,
             decode,
-            index_url,
+            self._index_url,
             self.namespace,
             cfg.block_size,
             ["node-0"] * cfg.num_prefill,
             max_inflight=cfg.max_inflight,
         )
+
+    def restart_workers(self, *, block_size: int | None = None, dtype: str | None = None) -> None:
+        """Replace the prefill and decode workers and the router with fresh actors (new processes: empty KV
+        caches, the model loaded again), optionally with another block size or dtype; Redis and the node keep
+        running. The namespace follows the new settings (`namespace_for`)."""
+        assert self.router is not None, "stack not started"
+        for actor in [*self.workers, self.router]:
+            ray.kill(actor)  # type: ignore[arg-type]
+        self.workers, self.router = [], None
+        if block_size is not None:
+            self.config.block_size = block_size
+        if dtype is not None:
+            self.config.dtype = dtype
+        self._start_workers(self.config)
 
     @staticmethod
     def page_bytes(cfg: StackConfig) -> int:
