@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstore.cli.waits import START_POLL_S
@@ -88,6 +89,18 @@ class NodeProcess:
             time.sleep(START_POLL_S)
         self.kill()
         raise TimeoutError(f"node not serving after {timeout}s:\n{self.log_tail()}")
+
+    def restart(self, timeout: float = 30.0, edit: Callable[[], object] | None = None) -> NodeProcess:
+        """Stop gracefully (a SIGTERM: DRAM pages spill to NVMe) and start again on the same gRPC port, so
+        clients keep their address; what comes back is what the NVMe tier recovers. `edit` runs while the
+        node is down (tests and fault runs change its files there)."""
+        if self.proc is None or not self.port:
+            raise RuntimeError("restart() needs a started node")
+        self.stop()
+        if edit is not None:
+            edit()
+        self.args[self.args.index("--port") + 1] = str(self.port)
+        return self.start(timeout)
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM, wait for the graceful shutdown (bounded), SIGKILL if it overruns; returns exit code."""
