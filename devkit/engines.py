@@ -201,7 +201,7 @@ class Engine(GroupProcess):
     `pause=True` waits for `go(name)`, so the caller can change things between two requests."""
 
     def __init__(self, python: Path, model: Path, requests: Sequence[dict], log: Path, *,
-                 connector_port: int | None = None, hold_s: float = 0.0) -> None:  # fmt: skip
+                 connector_port: int | None = None, hold_s: float = 0.0, dtype: str = "bfloat16") -> None:  # fmt: skip
         self.dir = Path(tempfile.mkdtemp(prefix="engine-", dir=log.parent))
         reqs = []
         for req in requests:
@@ -209,7 +209,7 @@ class Engine(GroupProcess):
             if r.pop("pause", False):
                 r["wait_file"] = str(self.dir / f"go-{r['name']}")
             reqs.append(r)
-        cfg = {"model": str(model), "requests": reqs, "hold_s": hold_s,
+        cfg = {"model": str(model), "requests": reqs, "hold_s": hold_s, "dtype": dtype,
                "connector": {"host": "127.0.0.1", "port": connector_port} if connector_port else None}  # fmt: skip
         (self.dir / "config.json").write_text(json.dumps(cfg))
         super().__init__([str(python), str(DRIVER), str(self.dir / "config.json")], log, engine_env())
@@ -256,9 +256,9 @@ class Engine(GroupProcess):
 
 
 def run_engine(python: Path, model: Path, requests: Sequence[dict], log: Path, *, connector_port: int | None = None,
-               timeout: float = 600, hold_s: float = 0.0) -> EngineRun:  # fmt: skip
+               timeout: float = 600, hold_s: float = 0.0, dtype: str = "bfloat16") -> EngineRun:  # fmt: skip
     """One fresh engine serving `requests` in order, then stopped with its whole process group."""
-    engine = Engine(python, model, requests, log, connector_port=connector_port, hold_s=hold_s)
+    engine = Engine(python, model, requests, log, connector_port=connector_port, hold_s=hold_s, dtype=dtype)
     try:
         return engine.finish(timeout)
     finally:

@@ -2,8 +2,9 @@
 
     python devkit/vllm_driver.py CONFIG.json
 
-CONFIG: {"model": DIR, "connector": null | {"host": "127.0.0.1", "port": P}, "max_model_len": 4096,
-"requests": [{"name": "B", "tokens": [...], "max_tokens": 4, "logprobs": 5, "wait_file": PATH}, ...]}.
+CONFIG: {"model": DIR, "dtype": "bfloat16", "connector": null | {"host": "127.0.0.1", "port": P}, "max_model_len": 4096,
+"requests": [{"name": "B", "tokens": [...], "max_tokens": 4, "logprobs": 5, "wait_file": PATH,
+"cache_salt": "..."}, ...]} (`cache_salt`: vLLM's per-request salt, which LMCache keys and namespaces carry).
 A request with `wait_file` starts only once that file exists (the orchestrator's "go": it damages a
 page, clears LMCache's memory, ... between two requests of one engine). With a connector the
 engine uses LMCache's multiprocess connector (LMCacheMPConnector) against an `lmcache server` on that
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = {"model": cfg["model"], "skip_tokenizer_init": True, "dtype": "bfloat16",
+    kw = {"model": cfg["model"], "skip_tokenizer_init": True, "dtype": cfg.get("dtype", "bfloat16"),
           "max_model_len": cfg.get("max_model_len", 4096), "enable_prefix_caching": False, "enforce_eager": True,
           "max_num_batched_tokens": cfg.get("max_model_len", 4096), "max_num_seqs": 4, "disable_log_stats": False}  # fmt: skip
     conn = cfg.get("connector")
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         sp = SamplingParams(max_tokens=int(req.get("max_tokens", 4)), temperature=0.0, detokenize=False,
                             logprobs=int(req.get("logprobs", 5)) or None)  # fmt: skip
         t = time.monotonic()
-        out = llm.generate([TokensPrompt(prompt_token_ids=list(req["tokens"]))], sp, use_tqdm=False)[0]
+        salt = {"cache_salt": req["cache_salt"]} if req.get("cache_salt") else {}
+        out = llm.generate([TokensPrompt(prompt_token_ids=list(req["tokens"]), **salt)], sp, use_tqdm=False)[0]
         wall = time.monotonic() - t
         comp = out.outputs[0]
         lps = [float(d[tok].logprob) for d, tok in zip(comp.logprobs or [], comp.token_ids, strict=False)]
