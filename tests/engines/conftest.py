@@ -8,6 +8,9 @@ Fixtures for every test here:
   at teardown.
 - `engine_model`: a small random-weight Llama (INIT_RANGE 0.3, so a wrong KV cache changes outputs),
   made once per session by the engine venv's transformers.
+- `vllm_conformance`: the vLLM door's conformance flow (devkit/conformance.py: five engines, one of them
+  serving the engine-restart, node-restart, damaged, misfiled and control requests in turn), run once per
+  session; test_conformance.py asserts its rows, test_vllm_lmcache_l2.py what the adapter and node did.
 Starting engines and LMCache servers: devkit/engines.py (Engine, LMCacheServer, run_engine): each one
 runs in a session of its own and is stopped with its whole process group.
 """
@@ -20,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from devkit.conformance import DoorRun, vllm_l2_door
 from devkit.engines import make_model
 from kvstore.cli.launch import NodeProcess
 from kvstore.pageformat import slot_bytes_for
@@ -30,6 +34,14 @@ MODEL_DIMS = {"hidden": 256, "layers": 4, "intermediate": 512}  # engine_model's
 @pytest.fixture(scope="session")
 def engine_model(vllm_python: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(vllm_python, tmp_path_factory.mktemp("engine-model") / "llama", init_range=0.3, **MODEL_DIMS)
+
+
+@pytest.fixture(scope="session")
+def vllm_conformance(vllm_python: Path, engine_model: Path, tmp_path_factory: pytest.TempPathFactory) -> DoorRun:
+    run = vllm_l2_door(vllm_python, engine_model, tmp_path_factory.mktemp("conformance-vllm"), prefix_chunks=4,
+                       max_tokens=4, log=lambda line: print(f"conformance: {line}", flush=True))  # fmt: skip
+    print("\nvLLM conformance timings (s):", {k: round(v, 1) for k, v in run.seconds.items()})
+    return run
 
 
 def kv_bytes_per_token() -> int:
