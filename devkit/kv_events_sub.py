@@ -93,8 +93,8 @@ def replay_state(messages: list[dict[str, Any]]) -> dict[str, dict[Any, set[str]
     return state
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("endpoints", nargs="+")
     ap.add_argument("--classes", choices=["vllm", "plain"], default="plain")
     ap.add_argument("--topic", default="")
@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-messages", type=int, default=1_000_000)
     ap.add_argument("--curve-server-key", help="the node's public certificate (NAME.key), for a CURVE feed")
     ap.add_argument("--curve-key", help="this subscriber's certificate with its secret key (NAME.key_secret)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     if (args.curve_server_key is None) != (args.curve_key is None):
         ap.error("--curve-server-key and --curve-key go together")
