@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import subprocess
 from pathlib import Path
-
-import pytest
+from typing import Any
 
 from devkit.engines import REPO, engine_env
-from devkit.readme import Command, all_commands
+from devkit.readme import all_commands
 
 VLLM = [c for c in all_commands() if c.program == "vllm"]
 LMCACHE = [c for c in all_commands() if c.program == "lmcache"]
@@ -26,12 +25,14 @@ import json, sys
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 from vllm.config import KVTransferConfig
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
-model, *rest = sys.argv[1:]
-args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *rest])
-ktc = args.kv_transfer_config
-cfg = ktc if isinstance(ktc, KVTransferConfig) else KVTransferConfig(**json.loads(ktc))
-print(json.dumps({"model": args.model, "connector": cfg.kv_connector, "role": cfg.kv_role,
-                  "extra": cfg.kv_connector_extra_config}))
+out = []
+for model, *rest in json.loads(sys.argv[1]):
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", model, *rest])
+    ktc = args.kv_transfer_config
+    cfg = ktc if isinstance(ktc, KVTransferConfig) else KVTransferConfig(**json.loads(ktc))
+    out.append({"model": args.model, "connector": cfg.kv_connector, "role": cfg.kv_role,
+                "extra": cfg.kv_connector_extra_config})
+print(json.dumps(out))
 """
 
 LMCACHE_PROBE = """
@@ -51,7 +52,7 @@ print(json.dumps({"port": args.port, "chunk_size": args.chunk_size,
 """
 
 
-def probe(python: Path, code: str, argv: list[str], env: dict[str, str]) -> dict[str, object]:
+def probe(python: Path, code: str, argv: list[str], env: dict[str, str]) -> Any:
     r = subprocess.run([str(python), "-c", code, *argv], cwd=REPO, env=engine_env(**env), capture_output=True,
                        text=True, timeout=300, check=False)  # fmt: skip
     assert r.returncode == 0, f"{' '.join(argv)[:200]}:\n{r.stderr[-3000:]}"
@@ -63,24 +64,26 @@ def test_the_readme_has_these_commands() -> None:
     assert all(c.env.get("PYTHONHASHSEED") == "0" for c in VLLM + LMCACHE)  # the README's own rule
 
 
-@pytest.mark.parametrize("cmd", VLLM, ids=lambda c: f"L{c.line}")
-def test_vllm_serve_commands_parse_with_vllm(vllm_python: Path, cmd: Command) -> None:
-    assert cmd.argv[1] == "serve"
-    got = probe(vllm_python, VLLM_PROBE, cmd.argv[2:], cmd.env)
-    assert got["model"] == "meta-llama/Llama-3.1-8B-Instruct" and got["role"] == "kv_both"
-    extra = got["extra"] or {}
-    if got["connector"] == "LMCacheMPConnector":  # its port is the README's lmcache server's
-        port = LMCACHE[0].argv[LMCACHE[0].argv.index("--port") + 1]
-        assert extra["lmcache.mp.port"] == int(port)  # type: ignore[index]
-    elif got["connector"] == "OffloadingConnector":
-        (tier,) = extra["secondary_tiers"]  # type: ignore[index]
-        assert tier["module_path"] == "kvstore.integrations.vllm_offload" and tier["type"] == "KVStoreSecondaryTier"
-    else:
-        assert got["connector"] == "LMCacheConnectorV1"
+def test_vllm_serve_commands_parse_with_vllm(vllm_python: Path) -> None:
+    """All of them in one process (importing vLLM costs seconds)."""
+    assert all(c.argv[1] == "serve" for c in VLLM)
+    got = probe(vllm_python, VLLM_PROBE, [json.dumps([c.argv[2:] for c in VLLM])], {"PYTHONHASHSEED": "0"})
+    assert isinstance(got, list) and len(got) == len(VLLM)
+    lmcache_port = int(LMCACHE[0].argv[LMCACHE[0].argv.index("--port") + 1])
+    for cmd, parsed in zip(VLLM, got, strict=True):
+        assert parsed["model"] == "meta-llama/Llama-3.1-8B-Instruct" and parsed["role"] == "kv_both", cmd.text
+        extra = parsed["extra"] or {}
+        if parsed["connector"] == "LMCacheMPConnector":  # its port is the README's lmcache server's
+            assert extra["lmcache.mp.port"] == lmcache_port, cmd.text
+        elif parsed["connector"] == "OffloadingConnector":
+            (tier,) = extra["secondary_tiers"]
+            assert (tier["module_path"], tier["type"]) == ("kvstore.integrations.vllm_offload", "KVStoreSecondaryTier")
+        else:
+            assert parsed["connector"] == "LMCacheConnectorV1", cmd.text
 
 
 def test_lmcache_server_command_parses_with_lmcache_and_the_adapter(vllm_python: Path) -> None:
     (cmd,) = LMCACHE
     got = probe(vllm_python, LMCACHE_PROBE, cmd.argv[1:], cmd.env)
-    assert got["adapters"][0][1:] == ["kvstore.integrations.lmcache_l2", "KVStoreL2Adapter"], got  # type: ignore[index]
+    assert got["adapters"][0][1:] == ["kvstore.integrations.lmcache_l2", "KVStoreL2Adapter"], got
     assert got["targets"] == ["10.0.0.5:50051"] and got["chunk_size"] == 256, got
