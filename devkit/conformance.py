@@ -184,19 +184,19 @@ def node_delta(before: NodeStats, after: NodeStats) -> str:
     return f"node served {sum(hits.values())} pages ({by_tier or 'none'}), checksum failures {bad}"
 
 
-def _pages_in(st: NodeStats, part: str) -> int:
-    return sum(n for ns, _, n in st.namespaces if part in ns)
+def _pages_in(st: NodeStats, which: Callable[[str], bool]) -> int:
+    return sum(n for ns, _, n in st.namespaces if which(ns))
 
 
-def wait_pages(addr: str, part: str, n: int, timeout: float = SETTLE_S) -> int:
-    """Wait (bounded) until the node holds at least n pages in namespaces containing `part`."""
+def wait_pages(addr: str, n: int, which: Callable[[str], bool], what: str, timeout: float = SETTLE_S) -> int:
+    """Wait (bounded) until the node holds at least n pages in the namespaces `which` accepts."""
     deadline = time.monotonic() + timeout
     while True:
-        have = _pages_in(node_stats(addr), part)
+        have = _pages_in(node_stats(addr), which)
         if have >= n:
             return have
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the node holds {have} pages under '{part}' after {timeout:g}s, expected {n}")
+            raise TimeoutError(f"the node holds {have} pages of {what} after {timeout:g}s, expected {n}")
         time.sleep(0.2)
 
 
@@ -302,13 +302,19 @@ def vllm_l2_door(python: Path, model: Path, work: Path, *, prefix_chunks: int = 
         stored = run_engine(python, model, [warm, _req("A", req_a, 1), _req("O", req_o, 1, cache_salt=OTHER_SALT)],
                             work / "engine-store.log", connector_port=s.port)  # fmt: skip
         run.results["store"] = stored.results["A"]
-        run.facts["pages_after_store"] = wait_pages(node.addr, L2_NAMESPACE_PART, 2 * prefix_chunks)
+        run.facts["pages_after_store"] = wait_pages(node.addr, 2 * prefix_chunks, lambda ns: L2_NAMESPACE_PART in ns,
+                                                    "the L2 adapter's namespaces")  # fmt: skip
         s.stop()
         names = [n for n, _, _ in node_stats(node.addr).namespaces if L2_NAMESPACE_PART in n]
         main_ns = next(n for n in names if "/s=" not in n)
         other_ns = next(n for n in names if f"/s={OTHER_SALT}" in n)
         run.facts["namespaces"] = {"prefix": main_ns, "other request": other_ns}
         run.seconds["store: server + engine"] = time.monotonic() - t
+
+        def settle() -> None:
+            """Wait for what the last request recomputed to be stored again (LMCache stores behind the engine).
+            Only the prefix's namespace: a node may have dropped the other request's misfiled page for good."""
+            wait_pages(node.addr, prefix_chunks, lambda ns: ns == main_ns, "the prefix")
 
         t = time.monotonic()
         log("engine #2 (fresh, with a fresh LMCache server) loads the prefix; then the node restarts under it")
@@ -323,7 +329,7 @@ def vllm_l2_door(python: Path, model: Path, work: Path, *, prefix_chunks: int = 
 
         def after_node_restart(scenario: Scenario, expect: Expect, edit: Callable[[], str] | None) -> None:
             t = time.monotonic()
-            wait_pages(node.addr, L2_NAMESPACE_PART, 2 * prefix_chunks)  # what the last request recomputed, re-stored
+            settle()
             note = ""
 
             def offline() -> None:
@@ -357,7 +363,7 @@ def vllm_l2_door(python: Path, model: Path, work: Path, *, prefix_chunks: int = 
         after_node_restart(Scenario.MISFILED, Expect.RECOMPUTED, misfiled)
 
         t = time.monotonic()
-        wait_pages(node.addr, L2_NAMESPACE_PART, 2 * prefix_chunks)
+        settle()
         node.restart()  # every page on NVMe, where live_pages finds it
         a, b = pages(main_ns)[1], pages(other_ns)[1]  # pages the misfile left alone (it may have dropped [0])
         refile_through_api(node.addr, b, a)
