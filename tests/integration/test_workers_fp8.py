@@ -55,7 +55,7 @@ def expected_tokens(model: PagedLlama, prompt: list[int], n: int) -> list[int]:
 
 
 def test_fp8_pages_through_prefill_and_decode(stack: LocalStack, reference: PagedLlama) -> None:
-    assert stack.namespace.endswith("/tp1/fp8-e4m3")
+    assert stack.namespace.endswith(f"/tp1/b{BLOCK}/fp8-e4m3")  # block size and encoding named (namespace_for)
     rng = random.Random(5)
     p = [rng.randrange(3, SPEC.vocab) for _ in range(5 * BLOCK + 3)]
     first = stack.generate("fp8-0", p, 10)
