@@ -60,9 +60,9 @@ from kvstore.stats import NodeStats
 
 # Tolerances on |logprob(cache) - logprob(recompute)| per generated token.
 # NOTE: a prefix loaded from the cache holds the same KV bytes, but prefilling the suffix over loaded KV and
-# prefilling the whole prompt may sum in other orders. Measured here: 0 for vLLM 0.32's CPU build in bf16 and
-# at most ~2e-6 for the workers in fp32; the bounds leave room for other kernels (vLLM: bf16 rounding), while a
-# wrong page moves log-probabilities by 0.5 to 1.5 on these models (the control rows).
+# prefilling the whole prompt may sum in other orders. Measured here (vLLM 0.32's CPU build, bf16): 0 on a full
+# hit, up to 6e-4 when the prefix is partly recomputed; the workers (fp32): at most ~2e-6. The bounds leave room
+# for other kernels, while a wrong page moves log-probabilities by 0.7 to 1.5 on these models (the control rows).
 VLLM_LOGPROB_TOL = 0.02
 WORKERS_LOGPROB_TOL = 1e-3
 L2_NAMESPACE_PART = "/l2v1/"  # what every namespace of the L2 adapter's derived mapping contains
