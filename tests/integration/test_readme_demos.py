@@ -51,7 +51,7 @@ def test_kvstore_demo_runs() -> None:
 
 
 def test_the_client_snippet_runs_as_written(tmp_path: Path) -> None:
-    (snippet,) = [b.text for b in blocks() if b.lang == "python"]
+    (snippet,) = [b.text for b in blocks() if b.lang == "python" and "KVStoreClient" in b.text]
     assert 'KVStoreClient("127.0.0.1:50051")' in snippet
     from kvstore.layout import DType, PageLayout
 

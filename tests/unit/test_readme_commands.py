@@ -7,7 +7,9 @@ it is written. What each kind gets:
   commands do is the subject of tests/integration (serve, up, nvme, stats, nodes, top, tenants, TLS, tokens);
 - `./dev demo`: runs `kvstore pd-demo`, which tests/integration/test_readme_demos.py runs; `./dev test` is
   what CI runs; `./dev demo --engine vllm` (prose) runs the module tests/engines/test_engine_demo.py runs;
-- `printf ... > tenants.toml`: run by bash, and the file it writes loaded by the node's tenants loader;
+- `printf ... > tenants.toml`: run by bash, and the file it writes loaded by the node's tenants loader; the
+  KV-event feed's CURVE key setup (`mkdir`, `python -c ...`, `chmod`, `grep | cut > subscribers`) likewise, its files
+  loaded by the node's own checks and its Python subscriber lines run on them;
 - `curl .../metrics | grep NAME`: the metric is scraped from a real node by tests/integration/test_metrics.py;
 - `helm install`: the same values and `--set`s rendered offline by `helm template`, and the names the next
   lines use (`ds/kv-kvstore-node`, container `node`) found in the render; `helm test`: the chart's test hook
@@ -31,7 +33,7 @@ from typing import Any
 import pytest
 import yaml
 
-from devkit.readme import README, Command, all_commands, blocks
+from devkit.readme import README, Command, all_commands, blocks, commands
 from tests.deploy.commands import parse
 
 REPO = README.parent
@@ -53,7 +55,20 @@ def by_program(*names: str) -> list[Command]:
 
 def test_the_readme_has_the_commands_this_file_checks() -> None:
     """Every command's program is one this file knows how to check; nothing is left out by a parse slip."""
-    known = {"./dev", "kvstore", "kvctl", "printf", "curl", "helm", "kubectl", "python", *ELSEWHERE}
+    known = {
+        "./dev",
+        "kvstore",
+        "kvctl",
+        "printf",
+        "mkdir",
+        "chmod",
+        "grep",
+        "curl",
+        "helm",
+        "kubectl",
+        "python",
+        *ELSEWHERE,
+    }
     assert not [c.text for c in COMMANDS if c.program not in known]
     assert len(by_program("kvstore", "kvctl")) >= 10 and by_program("./dev") and by_program("helm")
     assert {b.lang for b in blocks()} <= {"bash", "python", "yaml"}
@@ -129,8 +144,43 @@ def test_kv_events_sub_command_parses() -> None:
     (cmd,) = [c for c in by_program("python") if "devkit/kv_events_sub.py" in c.argv]
     args = parser().parse_args(cmd.argv[2:])
     assert args.endpoints == ["tcp://127.0.0.1:5557"]
-    sub_endpoint = next(c for c in by_program("kvstore") if "--kv-events-endpoint" in c.argv)
-    assert sub_endpoint.argv[sub_endpoint.argv.index("--kv-events-endpoint") + 1].endswith(":5557")
+    serve = next(c for c in by_program("kvstore") if "--kv-events-endpoint" in c.argv)
+    assert serve.argv[serve.argv.index("--kv-events-endpoint") + 1] == "5557"  # a bare port: the gRPC host
+
+
+def test_the_kv_events_curve_setup_works_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The key commands run by bash (`python` being this interpreter), then: the node accepts the files its
+    command line names, and the README's pyzmq subscriber lines load the keys."""
+    import sys
+
+    import zmq
+    import zmq.auth  # the README lines call zmq.auth.load_certificate
+
+    from kvstore.node.config import check_events_access
+    from kvstore.node.kv_events import read_subscribers_file
+    from kvstore.scoping import DEFAULT_TENANT
+
+    (block,) = [b for b in blocks() if b.lang == "bash" and "create_certificates" in b.text]
+    setup = [c for c in commands(block) if c.program != "kvstore"]
+    assert [c.program for c in setup] == ["mkdir", "python", "chmod", "grep"]
+    for c in setup:
+        line = re.sub(r"^python ", f"{sys.executable} ", c.text.split("    #")[0])
+        subprocess.run(["bash", "-c", line], cwd=tmp_path, check=True, timeout=60)
+    (serve,) = [c for c in commands(block) if c.program == "kvstore"]
+    parse([serve.program, *serve.argv[1:]], serve.env, monkeypatch)
+    opt = {a: serve.argv[i + 1] for i, a in enumerate(serve.argv) if a.startswith("--kv-events-")}
+    secret, subscribers = (tmp_path / opt[k] for k in ("--kv-events-curve-secret-file", "--kv-events-subscribers-file"))
+    check_events_access(f"tcp://0.0.0.0:{opt['--kv-events-endpoint']}", str(secret), str(subscribers), False)
+    assert list(read_subscribers_file(str(subscribers)).values()) == [DEFAULT_TENANT]  # the indexer: every topic
+    (sub_lines,) = [b.text for b in blocks() if b.lang == "python" and "curve_serverkey" in b.text]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        monkeypatch.chdir(tmp_path)
+        exec(compile(sub_lines, "README.md", "exec"), {"sub": sub, "zmq": zmq})  # loads both keys, sets them
+    finally:
+        sub.close(0)
+        ctx.term()
 
 
 def test_sglang_hicache_extra_config_is_one_the_backend_takes() -> None:
