@@ -156,7 +156,7 @@ def test_the_kv_events_curve_setup_works_as_written(tmp_path: Path, monkeypatch:
     import zmq
     import zmq.auth  # the README lines call zmq.auth.load_certificate
 
-    from kvstore.node.config import check_events_access
+    from kvstore.config import check_events_access
     from kvstore.node.kv_events import read_subscribers_file
     from kvstore.scoping import DEFAULT_TENANT
 
