@@ -68,6 +68,7 @@ WORKERS_LOGPROB_TOL = 1e-3
 L2_NAMESPACE_PART = "/l2v1/"  # what every namespace of the L2 adapter's derived mapping contains
 OTHER_SALT = "conformance-other"  # the other request's cache salt
 SETTLE_S = 120.0  # the longest to wait for LMCache's background stores to reach the node
+ADAPTER_TIMEOUT_S = 30.0  # the L2 adapter's lookup and data-call timeouts in these runs (see server() below)
 
 
 class Scenario(enum.StrEnum):
@@ -280,7 +281,11 @@ def vllm_l2_door(python: Path, model: Path, work: Path, *, prefix_chunks: int = 
     engine: Engine | None = None
 
     def server(name: str) -> LMCacheServer:
-        servers.append(LMCacheServer(python, work / f"server-{name}.log", [kvstore_l2(node.addr)], l1_size_gb=0.5))
+        # NOTE: generous adapter timeouts: this flow asks what is served, not how fast. With the defaults (1 s for
+        # lookups and pins) a pin right after a node restart on a loaded 2-core box ran out once, and the request
+        # was a (correct) miss where the row needs a hit.
+        spec = kvstore_l2(node.addr, lookup_timeout_s=ADAPTER_TIMEOUT_S, timeout_s=ADAPTER_TIMEOUT_S)
+        servers.append(LMCacheServer(python, work / f"server-{name}.log", [spec], l1_size_gb=0.5))
         return servers[-1]
 
     def record(scenario: Scenario, expect: Expect, got: dict[str, Any], before: NodeStats, note: str = "",
