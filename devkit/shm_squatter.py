@@ -12,6 +12,7 @@ this project's virtual environment.
 
 from __future__ import annotations
 
+import argparse
 import array
 import contextlib
 import json
@@ -27,9 +28,13 @@ def _say(**event: object) -> None:
     print(json.dumps(event), flush=True)
 
 
-def main() -> int:
-    path, reply = sys.argv[1], bytes.fromhex(sys.argv[2])
-    lifetime = float(sys.argv[3]) if len(sys.argv) > 3 else 120.0
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="shm_squatter.py", description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("path", help="the socket path to serve")
+    ap.add_argument("reply_hex", type=bytes.fromhex, help="the bytes answered to every message, in hex")
+    ap.add_argument("lifetime", type=float, nargs="?", default=120.0, help="seconds before it stops by itself")
+    args = ap.parse_args(argv)
+    path, reply, lifetime = args.path, args.reply_hex, args.lifetime
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
