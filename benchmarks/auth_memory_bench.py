@@ -4,7 +4,7 @@ One real node with a read-write and a read-only token (DRAM only, loopback). Eac
 `--calls` concurrent Lookups, raw bytes on a plain gRPC channel (no client-side checks), and reads the
 node's RSS (VmRSS) and peak RSS (VmHWM) from /proc before and after:
 
-    no-token 8MiB      well-formed 8 MiB Lookups of 2-byte hashes, no token (the issue's experiment)
+    no-token 8MiB      well-formed 8 MiB Lookups of 2-byte hashes, no token (SECURITY.md round 3's experiment)
     read-token 8MiB    the same with a read-only token (refused by the per-method size limit)
     read-token max     legitimate Lookups of 65,536 32-byte hashes (the largest allowed), read token
     no-token flood     `--flood` rounds of the first scenario back to back (4,800 Lookups by default), then

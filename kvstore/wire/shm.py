@@ -2,7 +2,7 @@
 Unix socket that passes memory by file descriptor (what both sides agree on; pure but `shm_available` and
 `peer_credentials`).
 
-Why a socket with fd passing (issues 20, 24, 25): a client on the node's host wants its pages moved with
+Why a socket with fd passing (DESIGN.md §8.1, §12): a client on the node's host wants its pages moved with
 one memcpy, no gRPC round trip per batch, and the node must never open another process's files to get
 there. So the node listens on a Unix socket (AF_UNIX, SOCK_SEQPACKET: one message per send, fds passed
 alongside with SCM_RIGHTS), at a path the operator chooses (`--local-socket`; in Kubernetes a hostPath both

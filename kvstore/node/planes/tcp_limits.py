@@ -2,8 +2,8 @@
 
 A connection is first a *handshake* (accepted, TLS and HELLO not done yet), then, once its token is
 checked, an *authenticated* connection of one tenant. The two are counted apart, so callers that never
-authenticate cannot take the room of those who do (issue 24 item 5: 55 idle sockets against a cap of 50
-used to turn every client away):
+authenticate cannot take the room of those who do (SECURITY.md, review round 3, finding 5: 55 idle sockets
+against a cap of 50 used to turn every client away):
 
 - at most `max_handshakes` handshakes at once; one more is closed as soon as it is accepted (the node
   also gives each handshake only a short deadline, `tcp_hello_timeout_seconds`);
