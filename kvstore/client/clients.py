@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.client.bundles import Parts
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, ClientSettings, PinResult, PutResult
 from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
@@ -220,6 +221,45 @@ class KVStoreClient(_Client):
         and checksums it there; the client touches no byte. Elsewhere it is `put`."""
         return self._run(self._core.put_from(PutOpen(namespace, layout, target_tier, parent, chain), hashes, buffers))
 
+    def put_bundle(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        *,
+        target_tier: TierKind | None = None,
+        parent: bytes | None = None,
+        chain: bool = True,
+    ) -> PutResult:
+        """Store multi-part pages (DESIGN.md §4.3): `layout` a bundle (PageLayout.bundle), pages[i] a mapping of
+        every part name to its buffer (or list of regions, in order). Each page, all of its parts, is stored or
+        not at all; the node checks the parts against the namespace's (LayoutMismatch naming the part) and
+        counts the page once. Bad parts raise ValueError naming `pages[i][part]` before anything is sent."""
+        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        return self._run(self._core.put_bundle(op, hashes, pages))
+
+    def get_bundle(
+        self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], *, promote: bool = True
+    ) -> list[dict[str, memoryview]]:
+        """Multi-part pages of the longest stored prefix of `hashes`, each as {part name: view of its bytes}
+        (verified; no copy). A namespace holding another bundle is LayoutMismatch naming the part."""
+        return [parts for _, parts in self._run(self._core.get_bundle(namespace, layout, hashes, promote))]
+
+    def get_bundle_into(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        *,
+        promote: bool = True,
+    ) -> list[PageRef]:
+        """Multi-part pages of the longest stored prefix of `hashes`, each part written into pages[i][part] (a
+        writable buffer or list of regions); returns what landed, in order. All parts of a page land, or the
+        page is not in the result."""
+        return self._run(self._core.get_bundle_into(namespace, layout, hashes, pages, promote))
+
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return self._run(self._core.delete(namespace, hashes))
 
@@ -340,6 +380,39 @@ class AsyncKVStoreClient(_Client):
         """See KVStoreClient.put_from."""
         op = PutOpen(namespace, layout, target_tier, parent, chain)
         return await self._run(self._core.put_from(op, hashes, buffers))
+
+    async def put_bundle(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        *,
+        target_tier: TierKind | None = None,
+        parent: bytes | None = None,
+        chain: bool = True,
+    ) -> PutResult:
+        """See KVStoreClient.put_bundle."""
+        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        return await self._run(self._core.put_bundle(op, hashes, pages))
+
+    async def get_bundle(
+        self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], *, promote: bool = True
+    ) -> list[dict[str, memoryview]]:
+        """See KVStoreClient.get_bundle."""
+        return [parts for _, parts in await self._run(self._core.get_bundle(namespace, layout, hashes, promote))]
+
+    async def get_bundle_into(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        *,
+        promote: bool = True,
+    ) -> list[PageRef]:
+        """See KVStoreClient.get_bundle_into."""
+        return await self._run(self._core.get_bundle_into(namespace, layout, hashes, pages, promote))
 
     async def delete(self, namespace: str, hashes: Sequence[bytes]) -> pb.DeleteResponse:
         return await self._run(self._core.delete(namespace, hashes))

@@ -15,6 +15,7 @@ the next call negotiates again). A new plane is one entry in PLANES.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id, is_loopback
+from kvstore.client.bundles import Parts, check_bundle_layout, gather, part_regions, scatter
 from kvstore.client.exchange import Exchange, Unary
 from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import check_buffers
@@ -33,7 +35,9 @@ from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
 from kvstore.client.planes.ucx import UcxPlane
 from kvstore.errors import IncompatibleNode, PlaneUnavailable
+from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
+from kvstore.pageformat import align_up
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo
 from kvstore.wire import PutOpen
@@ -119,6 +123,44 @@ PLANES: dict[str, PlaneSpec] = {
 }
 
 
+class Staging:
+    """Registered memory a bundle put gathers its pages into, kept for the next put (registering a buffer with
+    the same-host plane costs a round trip). Thread-safe. Invariant: a buffer is in the free list only while no
+    call uses it; one whose call failed is closed instead (its memory may still be read by the node)."""
+
+    KEEP = 4  # free buffers kept; more are closed
+
+    def __init__(self, buffers: SharedBuffers) -> None:
+        self._buffers = buffers
+        self._free: list[SharedBuffer] = []
+        self._lock = threading.Lock()
+
+    def take(self, page_bytes: int, count: int) -> SharedBuffer:
+        need = align_up(page_bytes) * count
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= need]
+            if fits:
+                buf = min(fits, key=lambda b: b.nbytes)
+                self._free.remove(buf)
+                return buf
+        return self._buffers.allocate(need)
+
+    def give(self, buf: SharedBuffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.nbytes)
+            extra = self._free[: -self.KEEP] if len(self._free) > self.KEEP else []
+            del self._free[: len(extra)]
+        for b in extra:
+            b.close()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for b in free:
+            b.close()
+
+
 def transport_mode(transport: str | None) -> str:
     """The transport asked for: the argument, else KVSTORE_TRANSPORT, else "auto"; validated."""
     mode = (transport or os.environ.get("KVSTORE_TRANSPORT") or "auto").lower()
@@ -154,6 +196,7 @@ class ClientCore:
 
     def __init__(self, settings: ClientSettings, transport: str | None) -> None:
         self.settings = settings
+        self._staging = Staging(settings.buffers)
         self.mode = transport_mode(transport)
         self._node_checked = False  # the node's Stats said it speaks what this client needs (check_node)
         self._planes: tuple[DataPlane, ...] | None = None
@@ -176,6 +219,7 @@ class ClientCore:
     def close(self) -> None:
         for p in self._planes or ():
             p.close()
+        self._staging.close()
         self.settings.buffers.close()
         self.settings.received.close()
 
@@ -253,10 +297,14 @@ class ClientCore:
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
         return (yield from self._bulk(lambda p: p.put(op, hashes, pages)))
 
-    def get_pages(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+    def get_pages(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
+        """Pages of the longest stored prefix; `expect`: the layout the caller reads them as (checked by the node
+        against the namespace's before any page: LayoutMismatch naming the difference)."""
         if not hashes:
             return []
-        return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote)))
+        return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote, expect)))
 
     def get_into(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
@@ -276,6 +324,54 @@ class ClientCore:
         if not hashes:
             return PutResult(0, 0, [])
         return (yield from self._bulk(lambda p: p.put_from(op, hashes, buffers)))
+
+    # -- bundles (multi-part pages: DESIGN.md §4.3, kvstore/client/bundles.py)
+
+    def put_bundle(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Parts]) -> Exchange[PutResult]:
+        """Store multi-part pages (`op.layout` a bundle with named parts; pages[i] maps each part name to its
+        buffer or regions): each page's parts are gathered into one page of registered staging memory (the one
+        copy), then put from there, so each page, every part of it, is stored atomically or not at all."""
+        regions = part_regions(op.layout, pages, writable=False)
+        if len(hashes) != len(pages):
+            raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        if not hashes:
+            return PutResult(0, 0)
+        staging = self._staging.take(op.layout.page_bytes, len(hashes))
+        try:
+            views = staging.pages(op.layout.page_bytes, len(hashes))
+            for page, view in zip(regions, views, strict=True):
+                gather(page, view)
+            result = yield from self.put_from(op, hashes, views)
+        except BaseException:
+            staging.close()  # NOTE: memory lent to a call that failed is never reused (DESIGN.md §8.4)
+            raise
+        self._staging.give(staging)
+        return result
+
+    def get_bundle(
+        self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], promote: bool
+    ) -> Exchange[list[tuple[FetchedPage, dict[str, memoryview]]]]:
+        """Multi-part pages of the longest stored prefix, each with views of its parts (no copy: they lie in
+        the page's received bytes); the node checks `layout` against the namespace's first."""
+        check_bundle_layout(layout)
+        pages = yield from self.get_pages(namespace, hashes, promote, layout)
+        return [(p, layout.split(p.data)) for p in pages]
+
+    def get_bundle_into(
+        self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Parts], promote: bool
+    ) -> Exchange[list[PageRef]]:
+        """Multi-part pages of the longest stored prefix, each part copied into the caller's buffer(s) for it
+        (pages[i][name]: checked before anything is sent). The page lands once (verified, in the receive
+        pool; on the same host the node writes it there), then its parts are copied out: one copy."""
+        regions = part_regions(layout, pages, writable=True)
+        if len(hashes) != len(pages):
+            raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
+        got = yield from self.get_pages(namespace, hashes, promote, layout)
+        out = []
+        for page, parts in zip(got, regions, strict=False):
+            scatter(memoryview(page.data), parts)
+            out.append(PageRef(page.hash, page.tier, len(page.data)))
+        return out
 
     # -- control
 

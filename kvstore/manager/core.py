@@ -234,6 +234,7 @@ class TierManager:
                 f"page size {layout.page_bytes} B exceeds this node's max_page_bytes {self.config.max_page_bytes} B",
             )
         self.table.check_layout(op.namespace, layout)
+        self.table.learn_parts(op.namespace, layout)
         if op.parent is not None:
             check_hash(op.parent, "open.parent_hash")
         if self.staging.tier.alloc.num_slots == 0:
@@ -255,13 +256,18 @@ class TierManager:
         promote: bool = True,
         into: Sequence[memoryview] | None = None,
         receiver_verifies: bool = False,
+        expect: PageLayout | None = None,
     ) -> AsyncIterator[ReadLease]:
         """Yield a lease per page, in order, stopping at the first missing or corrupt page (Reader.get).
         With `into` (one writable view per hash, each a page long), page i is copied into into[i] as it is
         verified. `receiver_verifies`: whoever receives the bytes checks them (a client across a network
-        plane), so DRAM pages are not re-hashed (DESIGN.md §8). Arguments are checked before the first
-        page is read."""
+        plane), so DRAM pages are not re-hashed (DESIGN.md §8). `expect`: the layout the caller will read its
+        pages as (a bundle's parts): LayoutMismatch naming the part when the namespace holds another. Arguments
+        are checked before the first page is read."""
         self.layout_of(namespace)
+        if expect is not None:
+            self.table.check_read_layout(namespace, expect)
+            self.table.learn_parts(namespace, expect)
         check_hashes(hashes, "hashes", self.config.max_pages_per_request)
         if into is not None and len(into) != len(hashes):
             raise InvalidArgument("into", f"{len(into)} destinations for {len(hashes)} hashes")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument, LayoutMismatch, NamespaceNotFound
 from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
-from kvstore.layout import PageLayout
+from kvstore.layout import PageLayout, bundle_difference
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import HEADER_BYTES, align_up, identity_digest
 from kvstore.policy import EvictionPolicy
@@ -264,11 +264,36 @@ class PageTable:
                 f"open.layout.encoding: namespace {unscope(namespace)!r} holds {bound.encoding.label} pages; "
                 f"this Put sends {layout.encoding.label} pages (a namespace holds one encoding)"
             )
+        if bound is not None and bound.is_bundle and bound.has_parts and layout.has_parts:
+            differs = bundle_difference(bound, layout)
+            if differs is not None:  # NOTE: named part by part, the packed digests would only say "differs"
+                raise LayoutMismatch(f"open.layout.{differs} (namespace {unscope(namespace)!r})")
         if bound is not None and bound != layout:
             raise LayoutMismatch(
                 f"open.layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "
                 f"this Put sends {layout.describe()}"
             )
+
+    def check_read_layout(self, namespace: str, layout: PageLayout) -> None:
+        """A Get's expected layout (what the caller will split its pages by) against its namespace's: the same
+        rule as a Put's, worded for a read; a namespace this node never held is NamespaceNotFound."""
+        bound = self.layout_of(namespace)
+        if bound.is_bundle and bound.has_parts and layout.has_parts:
+            differs = bundle_difference(bound, layout)
+            if differs is not None:
+                raise LayoutMismatch(f"layout.{differs} (namespace {unscope(namespace)!r})")
+        if bound != layout:
+            raise LayoutMismatch(
+                f"layout: namespace {unscope(namespace)!r} holds pages of layout {bound.describe()}; "
+                f"this Get expects {layout.describe()}"
+            )
+
+    def learn_parts(self, namespace: str, layout: PageLayout) -> None:
+        """Keep a bundle's part names once a call named them (a namespace recovered from NVMe headers knows only
+        its bundle's packed fields). Call after the layout was checked equal."""
+        bound = self.layouts.get(namespace)
+        if bound is not None and bound.is_bundle and not bound.has_parts and layout.has_parts and bound == layout:
+            self.layouts[namespace] = layout
 
     def layout_of(self, namespace: str) -> PageLayout:
         check_namespace(namespace)

@@ -80,10 +80,11 @@ class TenantView:
         promote: bool = True,
         into: Sequence[memoryview] | None = None,
         receiver_verifies: bool = False,
+        expect: PageLayout | None = None,
     ) -> AsyncIterator[ReadLease]:
         """TierManager.get in this tenant's scope (arguments checked now, before the first page)."""
         try:
-            leases = self.manager.get(self.ns(namespace), hashes, promote, into, receiver_verifies)
+            leases = self.manager.get(self.ns(namespace), hashes, promote, into, receiver_verifies, expect)
         except NamespaceNotFound:  # cold for this tenant: refused, and counted only if another tenant has it
             if hashes:
                 self._missed(namespace, hashes[0])

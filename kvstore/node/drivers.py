@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
+from kvstore.layout import PageLayout
 from kvstore.manager.put import PutTxn
 from kvstore.manager.reads import ReadLease
 from kvstore.node.callers import Caller
@@ -129,14 +130,16 @@ async def open_get(
     *,
     into: Sequence[memoryview] | None = None,
     receiver_verifies: bool,
+    expect: PageLayout | None = None,
 ) -> AsyncIterator[AsyncIterator[ReadLease]]:
     """The leases of one Get, in order, stopping at the first missing page; closed (every lease released)
     when the block ends, however it ends. Promotes only for a caller that may move pages; with `into`,
     page i is copied into into[i] in the pass that verifies it (the same-host plane). `receiver_verifies`:
     the plane's receiver checks every page against its checksum (a client across a network plane), so the
     node does not hash DRAM pages again (DESIGN.md §8); a plane whose receiver trusts the node says False.
-    The manager checks the arguments (namespace, at most max_pages_per_request hashes) first."""
-    leases = caller.view.get(namespace, hashes, promote and caller.may_move, into, receiver_verifies)
+    `expect`: the layout the request says it reads (a bundle's parts), checked against the namespace's.
+    The manager checks the arguments (namespace, layout, at most max_pages_per_request hashes) first."""
+    leases = caller.view.get(namespace, hashes, promote and caller.may_move, into, receiver_verifies, expect)
     try:
         yield leases
     finally:

@@ -27,7 +27,7 @@ from kvstore.node.report_budget import ReportBudget
 from kvstore.pageformat import in_form
 from kvstore.stats import PlaneInfo
 from kvstore.wire import MAX_HASHES, pack_held
-from kvstore.wire.streams import checksum_form_from_pb, get_responses, stats_to_pb, tier_from_pb
+from kvstore.wire.streams import checksum_form_from_pb, get_responses, layout_from_pb, stats_to_pb, tier_from_pb
 
 
 class KVStoreServicer:
@@ -60,8 +60,9 @@ class KVStoreServicer:
         hashes = bounded(request.hashes, self.max_pages, "hashes")
         form = checksum_form_from_pb(request.checksum_form, "checksum_form")
         caller = current()
+        expect = layout_from_pb(request.layout, "layout") if request.HasField("layout") else None
         async with open_get(
-            caller, request.namespace, hashes, not request.no_promote, receiver_verifies=True
+            caller, request.namespace, hashes, not request.no_promote, receiver_verifies=True, expect=expect
         ) as leases:
             async for lease in leases:
                 checksum = in_form(lease.checksum, form, request.namespace, lease.hash)

@@ -15,7 +15,7 @@ from google.protobuf.message import DecodeError, Message
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
-from kvstore.layout import DType, PageEncoding, PageLayout
+from kvstore.layout import MAX_PARTS, DType, PageEncoding, PageLayout, PagePart
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import ChecksumForm, key_digest, payload_hasher, wire_checksum
 from kvstore.security import redact_url
@@ -92,18 +92,33 @@ def layout_to_pb(layout: PageLayout) -> pb.PageLayout:
         head_dim=layout.head_dim,
         block_size=layout.block_size,
         encoding=int(layout.encoding),
+        parts=[pb.PagePart(name=p.name, layout=layout_to_pb(p.layout)) for p in layout.parts],
     )
 
 
 def layout_from_pb(msg: pb.PageLayout, field: str = "open.layout") -> PageLayout:
+    """The typed layout of a message (a bundle with its parts); InvalidArgument naming the field that is bad."""
     if msg.dtype == pb.DTYPE_UNSPECIFIED:
         raise InvalidArgument(f"{field}.dtype", "must be set")
     try:
         encoding = PageEncoding(msg.encoding)
     except ValueError:
         raise InvalidArgument(f"{field}.encoding", f"unknown page encoding {msg.encoding}") from None
+    if len(msg.parts) > MAX_PARTS:
+        raise InvalidArgument(f"{field}.parts", f"{len(msg.parts)} parts; a bundle has at most {MAX_PARTS}")
+    parts = []
+    for i, part in enumerate(msg.parts):
+        where = f"{field}.parts[{i}]"
+        if part.layout.encoding == pb.PAGE_ENCODING_BUNDLE or part.layout.parts:
+            raise InvalidArgument(f"{where}.layout", "a bundle's part cannot itself be a bundle")
+        try:
+            parts.append(PagePart(part.name, layout_from_pb(part.layout, f"{where}.layout")))
+        except ValueError as exc:
+            raise InvalidArgument(f"{where}.name", str(exc)) from None
     try:
-        return PageLayout(DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, encoding)
+        return PageLayout(
+            DType(msg.dtype), msg.num_layers, msg.num_kv_heads, msg.head_dim, msg.block_size, encoding, tuple(parts)
+        )
     except ValueError as exc:
         raise InvalidArgument(field, str(exc)) from None
 

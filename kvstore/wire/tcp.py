@@ -16,8 +16,12 @@ Kinds and their meta:
     HELLO   c->n  token (UTF-8, empty when none); the first frame of a connection (after TLS if on)
     WELCOME n->c  role u8 (1 read, 2 read-write) | max_page_bytes u64 | max_pages u32
     PUT     c->n  target_tier u8 | chain u8 | has_parent u8 | npages u32 | parent 32 B | layout 20 B |
-                  namespace_len u16 | namespace (UTF-8); then exactly `npages` PAGE frames follow
+                  namespace_len u16 | namespace (UTF-8) [| part table]; then exactly `npages` PAGE frames
+                  follow. The part table (kvstore/layout.py `pack_part_table`) names a bundle's parts; it is
+                  there when the meta is longer than the namespace needs, and only for a bundle layout
     GET     c->n  promote u8 | nhashes u32 | namespace_len u16 | namespace | hashes (32 B each)
+                  [| layout 20 B | part table]: the layout the client expects (a bundle and its parts),
+                  checked by the node against the namespace's before any page
     PAGE    both  hash 32 B | checksum u64 (of the body, in the connection's form: below) | tier u8 (n->c;
                   0 from a client); body = the page payload
     DONE    n->c  a u32 | b u32: after a PUT (stored, already present); after a GET's PAGE frames
@@ -59,7 +63,7 @@ from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
-from kvstore.layout import PageLayout
+from kvstore.layout import MAX_PART_NAME_BYTES, MAX_PARTS, PageLayout, unpack_part_table
 from kvstore.names import TierKind
 from kvstore.pageformat import ChecksumForm
 from kvstore.wire import PutOpen
@@ -80,6 +84,8 @@ MAX_TOKEN_BYTES = 4096
 # autotuning alone).
 SOCKET_BUFFER_BYTES = 4 << 20
 PAGE_META_BYTES = _PAGE.size  # 41
+MAX_TABLE_BYTES = 1 + MAX_PARTS * (1 + MAX_PART_NAME_BYTES + LAYOUT_BYTES)  # the largest part table
+_LAYOUT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding")
 
 
 class Kind(enum.IntEnum):
@@ -179,6 +185,7 @@ def parse_welcome(meta: bytes | memoryview) -> Welcome:
 
 def put(op: PutOpen, npages: int) -> bytes:
     ns = op.namespace.encode()
+    table = op.layout.part_table() if op.layout.has_parts else b""
     fixed = _PUT.pack(
         int(op.target) if op.target else 0,
         op.chain,
@@ -188,7 +195,7 @@ def put(op: PutOpen, npages: int) -> bytes:
         op.layout.pack(),
         len(ns),
     )
-    return frame(Kind.PUT, fixed + ns)
+    return frame(Kind.PUT, fixed + ns + table)
 
 
 def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
@@ -197,7 +204,8 @@ def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
     if len(meta) < _PUT.size:
         raise FrameError("frame.meta_len", f"PUT metadata is at least {_PUT.size} bytes, got {len(meta)}")
     *_, npages, _, _, ns_len = _PUT.unpack_from(meta)
-    expect_len(meta, _PUT.size + ns_len, Kind.PUT)
+    if len(meta) < _PUT.size + ns_len:
+        raise FrameError("frame.meta_len", f"PUT metadata is {len(meta)} bytes, short of its {ns_len}-byte namespace")
     if not 1 <= npages <= max_pages:
         raise FrameError("put.npages", f"{npages} pages in one PUT; this node takes 1 to {max_pages}")
     return int(npages)
@@ -206,12 +214,9 @@ def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
 def parse_put(meta: bytes | memoryview, form: ChecksumForm = ChecksumForm.KEYED) -> PutOpen:
     """A PUT's metadata (its size already checked by put_npages), its pages' checksums in `form` (the
     connection's); InvalidArgument names a bad field."""
-    target, chain, has_parent, _, parent, layout_raw, _ = _PUT.unpack_from(meta)
-    namespace = _namespace(meta[_PUT.size :], "put.namespace")
-    try:
-        layout = PageLayout.unpack(bytes(layout_raw))
-    except ValueError as exc:
-        raise InvalidArgument("put.layout", str(exc)) from None
+    target, chain, has_parent, _, parent, layout_raw, ns_len = _PUT.unpack_from(meta)
+    namespace = _namespace(meta[_PUT.size : _PUT.size + ns_len], "put.namespace")
+    layout = _layout(layout_raw, meta[_PUT.size + ns_len :], "put.layout")
     try:
         tier = TierKind(target) if target else None
     except ValueError:
@@ -222,31 +227,65 @@ def parse_put(meta: bytes | memoryview, form: ChecksumForm = ChecksumForm.KEYED)
 # -- GET ---------------------------------------------------------------------------------------------
 
 
-def get(namespace: str, hashes: list[bytes], promote: bool) -> bytes:
+def get(namespace: str, hashes: list[bytes], promote: bool, expect: PageLayout | None = None) -> bytes:
     ns = namespace.encode()
     if any(len(h) != HASH_BYTES for h in hashes):
         raise ValueError(f"a block hash is {HASH_BYTES} bytes")
-    return frame(Kind.GET, _GET.pack(promote, len(hashes), len(ns)) + ns + b"".join(hashes))
+    tail = b"" if expect is None else expect.pack() + (expect.part_table() if expect.has_parts else b"")
+    return frame(Kind.GET, _GET.pack(promote, len(hashes), len(ns)) + ns + b"".join(hashes) + tail)
 
 
-def parse_get(meta: bytes | memoryview) -> tuple[str, list[bytes], bool]:
-    """(namespace, hashes, promote) of a GET; FrameError when the sizes do not add up."""
+@dataclass(frozen=True, slots=True)
+class GetArgs:
+    """A GET's request: its namespace, hashes, whether to promote, and the layout it expects (None: any)."""
+
+    namespace: str
+    hashes: list[bytes]
+    promote: bool
+    expect: PageLayout | None = None
+
+
+def parse_get(meta: bytes | memoryview) -> GetArgs:
+    """A GET's arguments; FrameError when the sizes do not add up, InvalidArgument for a bad layout."""
     if len(meta) < _GET.size:
         raise FrameError("frame.meta_len", f"GET metadata is at least {_GET.size} bytes, got {len(meta)}")
     promote, n, ns_len = _GET.unpack_from(meta)
-    expect_len(meta, _GET.size + ns_len + n * HASH_BYTES, Kind.GET)
-    namespace = _namespace(meta[_GET.size : _GET.size + ns_len], "get.namespace")
     base = _GET.size + ns_len
-    return (
+    end = base + n * HASH_BYTES
+    if len(meta) != end and len(meta) < end + LAYOUT_BYTES:
+        raise FrameError(
+            "frame.meta_len", f"GET metadata is {end} bytes, or {end + LAYOUT_BYTES}+ with a layout; got {len(meta)}"
+        )
+    namespace = _namespace(meta[_GET.size : base], "get.namespace")
+    expect = None
+    if len(meta) > end:
+        expect = _layout(meta[end : end + LAYOUT_BYTES], meta[end + LAYOUT_BYTES :], "get.layout")
+    return GetArgs(
         namespace,
         [bytes(meta[base + i * HASH_BYTES : base + (i + 1) * HASH_BYTES]) for i in range(n)],
         bool(promote),
+        expect,
     )
 
 
 def get_meta_limit(max_pages: int) -> int:
-    """The largest metadata a node accepts: a GET of `max_pages` hashes (every other kind is smaller)."""
-    return _GET.size + MAX_NAMESPACE_BYTES + max_pages * HASH_BYTES + MAX_TOKEN_BYTES
+    """The largest metadata a node accepts: a GET of `max_pages` hashes and a bundle's layout (every other kind
+    is smaller)."""
+    return _GET.size + MAX_NAMESPACE_BYTES + max_pages * HASH_BYTES + LAYOUT_BYTES + MAX_TABLE_BYTES + MAX_TOKEN_BYTES
+
+
+def _layout(packed: bytes | memoryview, table: bytes | memoryview, field: str) -> PageLayout:
+    """A layout from its 20 packed bytes and, for a bundle, its part table (may be empty)."""
+    try:
+        layout = PageLayout.unpack(bytes(packed))
+        if len(table):
+            if not layout.is_bundle:
+                raise ValueError("only a bundle layout is followed by a part table")
+            parts = unpack_part_table(table)
+            layout = PageLayout(*(getattr(layout, f) for f in _LAYOUT_FIELDS), parts)
+    except ValueError as exc:
+        raise InvalidArgument(field, str(exc)) from None
+    return layout
 
 
 # -- PAGE / DONE / ERROR -----------------------------------------------------------------------------

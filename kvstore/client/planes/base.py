@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Exchange, Unary
 from kvstore.errors import KVStoreError, PageCorrupt
+from kvstore.layout import PageLayout
 from kvstore.names import Buffer
 from kvstore.wire import PutOpen
 from kvstore.wire.streams import FetchedPage, PageRef
@@ -65,11 +66,20 @@ class DataPlane(abc.ABC):
         """Store one batch (`op` already chained to it)."""
 
     @abc.abstractmethod
-    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
-        """The pages of the longest stored prefix of one batch of hashes."""
+    def get_batch(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
+        """The pages of the longest stored prefix of one batch of hashes. `expect`: the layout the caller reads
+        them as (a bundle's parts), sent with the request: the node refuses a namespace that holds another."""
 
     def get_into_batch(
-        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        promote: bool,
+        first: int,
+        expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
         """`get_batch`, page i written into buffers[i] (`first`: buffers[0]'s index in the caller's call, to
         name it in errors). This default copies each page once, after checking that every page fits, so a
@@ -77,7 +87,7 @@ class DataPlane(abc.ABC):
         caller memory overrides it."""
         corrupt: PageCorrupt | None = None
         try:
-            pages = yield from self.get_batch(namespace, hashes, promote)
+            pages = yield from self.get_batch(namespace, hashes, promote, expect)
         except PageCorrupt as exc:
             corrupt, pages = exc, exc.good  # type: ignore[assignment]
         for i, page in enumerate(pages):
@@ -127,21 +137,30 @@ class DataPlane(abc.ABC):
 
         return (yield from self._puts(op, hashes, self.runs(buffers, writable=False), one))
 
-    def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+    def get(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
         """Pages of the longest stored prefix of `hashes`, in order, verified."""
         ranges = batches(len(hashes), self.pages_per_call)
         return (
-            yield from self._prefix(namespace, ranges, lambda a, b: self.get_batch(namespace, hashes[a:b], promote))
+            yield from self._prefix(
+                namespace, ranges, lambda a, b: self.get_batch(namespace, hashes[a:b], promote, expect)
+            )
         )
 
     def get_into(
-        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        promote: bool,
+        expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
         """Pages of the longest stored prefix of `hashes` written into the caller's `buffers` (page i into
         buffers[i]; checked by the client: one per hash, writable, contiguous, not overlapping)."""
 
         def one(a: int, b: int) -> Exchange[list[PageRef]]:
-            return self.get_into_batch(namespace, hashes[a:b], buffers[a:b], promote, a)
+            return self.get_into_batch(namespace, hashes[a:b], buffers[a:b], promote, a, expect)
 
         return (yield from self._prefix(namespace, self.runs(buffers, writable=True), one))
 

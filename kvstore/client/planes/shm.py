@@ -53,11 +53,12 @@ from kvstore.errors import (
     Unavailable,
     from_status,
 )
+from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import checksum_into, key_digest, wire_checksum
 from kvstore.wire import PutOpen, shm, unpack_held
 from kvstore.wire.shm import Kind
-from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
+from kvstore.wire.streams import FetchedPage, PageRef, layout_to_pb, put_open_to_pb
 
 log = logging.getLogger(__name__)
 
@@ -393,22 +394,30 @@ class ShmPlane(DataPlane):
         res = pb.PutResponse.FromString(bytes(reply))
         return PutResult(res.stored, res.already_present, unpack_held(res.held, len(hashes)))
 
-    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+    def get_batch(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
         """Pages straight into blocks of the receive pool: the node copies and verifies each one in place."""
         n = yield Blocking(lambda: self.page_bytes(namespace, hashes[0]))
         with self.received.reserve(n, len(hashes)) as blocks:
-            got = yield from self._get(namespace, hashes, promote, blocks.placed, 0, blocks.hold())
+            got = yield from self._get(namespace, hashes, promote, blocks.placed, 0, blocks.hold(), expect)
             return [FetchedPage(p.hash, TierKind(p.tier), blocks.claim(i)) for i, p in enumerate(got)]
 
     def get_into_batch(
-        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        promote: bool,
+        first: int,
+        expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
         """The node writes page i straight into buffers[i] when they are registered memory (SharedBuffer or a
         pool block); other buffers get their pages through the receive pool, one copy more."""
         placed = self._place(buffers, True, first)
         if placed is None:
-            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first))
-        got = yield from self._get(namespace, hashes, promote, placed, first)
+            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first, expect))
+        got = yield from self._get(namespace, hashes, promote, placed, first, expect=expect)
         return [PageRef(p.hash, TierKind(p.tier), p.payload_bytes) for p in got]
 
     def _get(
@@ -419,10 +428,13 @@ class ShmPlane(DataPlane):
         placed: list[Placed],
         first: int,
         lent: Release = _nothing,
+        expect: PageLayout | None = None,
     ) -> Exchange[list[pb.ShmSlice]]:
         req = pb.GetShmRequest(
             namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
         )
+        if expect is not None:
+            req.layout.CopyFrom(layout_to_pb(expect))
         for p in placed:
             req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
         body = req.SerializeToString()

@@ -11,9 +11,10 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import ClientStream, Exchange, ServerStream
 from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.pool import ReceivePool
+from kvstore.layout import PageLayout
 from kvstore.names import Buffer
 from kvstore.wire import PutOpen, unpack_held
-from kvstore.wire.streams import FetchedPage, GetAssembler, put_requests
+from kvstore.wire.streams import FetchedPage, GetAssembler, layout_to_pb, put_requests
 
 
 class GrpcStreams(DataPlane):
@@ -30,10 +31,14 @@ class GrpcStreams(DataPlane):
         reply = yield ClientStream("Put", put_requests(op, hashes, pages))
         return PutResult(reply.stored, reply.already_present, unpack_held(reply.held, len(hashes)))
 
-    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+    def get_batch(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
         asm = GetAssembler(namespace, hashes, self.verify, self.received.take)
         request = pb.GetRequest(
             namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
         )
+        if expect is not None:
+            request.layout.CopyFrom(layout_to_pb(expect))
         yield ServerStream("Get", request, asm.feed)
         return asm.finish()

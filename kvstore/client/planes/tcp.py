@@ -32,6 +32,7 @@ from kvstore.client.planes.buffers import page_sink
 from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
+from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import checksum_in_steps, key_digest, wire_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
@@ -194,11 +195,12 @@ class Connection:
         promote: bool,
         verify: bool,
         sink: Callable[[int, int], memoryview],
+        expect: PageLayout | None = None,
     ) -> list[tuple[bytes, TierKind, memoryview]]:
         """Send a GET and receive its pages in order: page i's `n` bytes land in `sink(i, n)`. Returns
         (hash, tier, filled view) per page, each checked against its checksum when `verify`."""
         self.replied = False
-        self.send(tcp.get(namespace, list(hashes), promote))
+        self.send(tcp.get(namespace, list(hashes), promote, expect))
         out: list[tuple[bytes, TierKind, memoryview]] = []
         while True:
             head, meta = self.read_frame()
@@ -324,16 +326,24 @@ class TcpPlane(DataPlane):
         abort = Abort()
         return (yield Blocking(lambda: self._pool.call(lambda c: c.put(op, hashes, pages), abort), abort))
 
-    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+    def get_batch(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
         take = self.received.take
-        return (yield from self._get(namespace, hashes, promote, lambda i, n: take(n), FetchedPage))
+        return (yield from self._get(namespace, hashes, promote, lambda i, n: take(n), FetchedPage, expect))
 
     def get_into_batch(
-        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        promote: bool,
+        first: int,
+        expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
         """Pages received straight into the caller's buffers (one copy: kernel -> buffer), verified."""
         sink = page_sink(buffers, first)
-        return (yield from self._get(namespace, hashes, promote, sink, lambda h, t, v: PageRef(h, t, len(v))))
+        return (yield from self._get(namespace, hashes, promote, sink, lambda h, t, v: PageRef(h, t, len(v)), expect))
 
     def _get(
         self,
@@ -342,13 +352,15 @@ class TcpPlane(DataPlane):
         promote: bool,
         sink: Callable[[int, int], memoryview],
         result: Callable[[bytes, TierKind, memoryview], T],
+        expect: PageLayout | None = None,
     ) -> Exchange[list[T]]:
         """One GET on a pooled connection: page i lands in sink(i, n); `result` makes what the caller gets
         of each page (a PageCorrupt carries the ones before the bad page, made alike)."""
         abort = Abort()
         try:
             got = yield Blocking(
-                lambda: self._pool.call(lambda c: c.get(namespace, hashes, promote, self.verify, sink), abort), abort
+                lambda: self._pool.call(lambda c: c.get(namespace, hashes, promote, self.verify, sink, expect), abort),
+                abort,
             )
         except PageCorrupt as exc:
             raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None

@@ -39,12 +39,13 @@ from kvstore.client.exchange import Abort, Blocking, Exchange
 from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
+from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import wire_checksum
 from kvstore.stats import PlaneInfo
 from kvstore.wire import PutOpen, unpack_held
 from kvstore.wire import ucx as proto
-from kvstore.wire.streams import FetchedPage, PageRef, put_open_to_pb
+from kvstore.wire.streams import FetchedPage, PageRef, layout_to_pb, put_open_to_pb
 from kvstore.wire.ucx import Hello, HelloOk, Kind, Lane, ProtocolError, SessionTags, UcxAddress
 from kvstore.wire.ucx_progress import UcxClosed, UcxTimeout, wait_blocking
 
@@ -324,7 +325,9 @@ class UcxPlane(DataPlane):
         reply = yield Blocking(lambda: self._call(lambda c, d: c.put(req, pages, d), abort), abort)
         return PutResult(reply.stored, reply.already_present, unpack_held(reply.held, len(hashes)))
 
-    def get_batch(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[FetchedPage]]:
+    def get_batch(
+        self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+    ) -> Exchange[list[FetchedPage]]:
         """Pages received into fresh buffers of the namespace's page size. Until that is known (the first
         get of a namespace), a first round asks for as many pages as FIRST_ROUND_BYTES of receives sized
         for the node's largest page hold, and learns it; a reply saying the next page is bigger than the
@@ -338,7 +341,7 @@ class UcxPlane(DataPlane):
                 if not size:  # NOTE: never a round that cannot hold the page: its read may promote it
                     rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
                 fresh = _Blocks(self.received, size or conn.max_page_bytes)
-                req = _get_request(namespace, rest, promote)
+                req = _get_request(namespace, rest, promote, expect)
                 req.targets.extend(pb.ShmTarget(size=fresh.size) for _ in rest)
                 checked = _Checked(namespace, rest, fresh.views.__getitem__, self.verify)
                 try:
@@ -364,12 +367,18 @@ class UcxPlane(DataPlane):
         return (yield Blocking(lambda: self._call(fetch, abort), abort))
 
     def get_into_batch(
-        self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool, first: int
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        buffers: Sequence[Buffer],
+        promote: bool,
+        first: int,
+        expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
         """Pages received straight into the caller's buffers (no copy besides the network's); the node sends
         a page only into a buffer that holds it, else stops there and the call is a ValueError naming it."""
         dests = [memoryview(b).cast("B") for b in buffers]
-        req = _get_request(namespace, hashes, promote)
+        req = _get_request(namespace, hashes, promote, expect)
         req.targets.extend(pb.ShmTarget(size=len(d)) for d in dests)
 
         def fetch(conn: UcxConnection, deadline: float) -> tuple[list[PageRef], int]:
@@ -398,10 +407,15 @@ class UcxPlane(DataPlane):
             idle.pop().close()
 
 
-def _get_request(namespace: str, hashes: Sequence[bytes], promote: bool) -> pb.GetShmRequest:
-    return pb.GetShmRequest(
+def _get_request(
+    namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
+) -> pb.GetShmRequest:
+    req = pb.GetShmRequest(
         namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
     )
+    if expect is not None:
+        req.layout.CopyFrom(layout_to_pb(expect))
+    return req
 
 
 class _Checked:

@@ -53,7 +53,7 @@ from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
 from kvstore.wire import pack_held, shm
 from kvstore.wire.shm import Kind, ProtocolError
-from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
+from kvstore.wire.streams import checksum_form_from_pb, layout_from_pb, put_open_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +375,7 @@ class _Connection:
         if len(req.targets) != len(hashes):
             raise InvalidArgument("targets", f"{len(req.targets)} targets for {len(hashes)} hashes (one per hash)")
         page_bytes = caller.view.layout_of(req.namespace).page_bytes
+        expect = layout_from_pb(req.layout, "layout") if req.HasField("layout") else None
         # NOTE: the targets' fields read once into tuples: a protobuf field read costs more than the check itself
         targets = [(t.buffer, t.offset, t.size) for t in req.targets]
         bufs = [self._buffer(t[0], f"targets[{i}].buffer") for i, t in enumerate(targets)]
@@ -387,7 +388,7 @@ class _Connection:
             promote = not req.no_promote
             try:
                 async with open_get(
-                    caller, req.namespace, hashes, promote, into=windows, receiver_verifies=False
+                    caller, req.namespace, hashes, promote, into=windows, receiver_verifies=False, expect=expect
                 ) as ls:
                     async for lease in ls:
                         buf_id, offset, _ = targets[len(out.pages)]

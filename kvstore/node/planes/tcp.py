@@ -296,10 +296,13 @@ class _Connection:
 
     async def _get(self, chan: Channel, meta: bytearray) -> None:
         """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""
-        namespace, hashes, promote = tcp.parse_get(meta)
+        args = tcp.parse_get(meta)
+        namespace, hashes = args.namespace, args.hashes
         form, version = tcp.checksum_form(self.version), self.version
         sent = 0
-        async with open_get(self._caller("Get"), namespace, hashes, promote, receiver_verifies=True) as leases:
+        async with open_get(
+            self._caller("Get"), namespace, hashes, args.promote, receiver_verifies=True, expect=args.expect
+        ) as leases:
             async for lease in leases:
                 payload = lease.payload
                 checksum = in_form(lease.checksum, form, namespace, lease.hash)

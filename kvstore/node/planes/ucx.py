@@ -47,7 +47,7 @@ from kvstore.pageformat import in_form
 from kvstore.security import AUTH_HEADER
 from kvstore.stats import PlaneInfo
 from kvstore.wire import pack_held
-from kvstore.wire.streams import checksum_form_from_pb, put_open_from_pb
+from kvstore.wire.streams import checksum_form_from_pb, layout_from_pb, put_open_from_pb
 from kvstore.wire.ucx import (
     CHALLENGE_TAG,
     FRAME,
@@ -384,8 +384,9 @@ class UcxPlaneServer(PlaneServer):
             try:
                 caller = self._caller(conn, "Get")
                 form = checksum_form_from_pb(req.checksum_form, "checksum_form")
+                expect = layout_from_pb(req.layout, "layout") if req.HasField("layout") else None
                 async with open_get(
-                    caller, req.namespace, list(req.hashes), not req.no_promote, receiver_verifies=True
+                    caller, req.namespace, list(req.hashes), not req.no_promote, receiver_verifies=True, expect=expect
                 ) as leases:
                     async for lease in leases:
                         i = len(out.pages)

@@ -20,6 +20,7 @@ class PageEncoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PAGE_ENCODING_RAW: _ClassVar[PageEncoding]
     PAGE_ENCODING_FP8_E4M3: _ClassVar[PageEncoding]
+    PAGE_ENCODING_BUNDLE: _ClassVar[PageEncoding]
 
 class ChecksumForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -40,6 +41,7 @@ DTYPE_FLOAT8_E4M3: DType
 DTYPE_UINT8: DType
 PAGE_ENCODING_RAW: PageEncoding
 PAGE_ENCODING_FP8_E4M3: PageEncoding
+PAGE_ENCODING_BUNDLE: PageEncoding
 CHECKSUM_FORM_PAYLOAD: ChecksumForm
 CHECKSUM_FORM_KEYED: ChecksumForm
 TIER_UNSPECIFIED: Tier
@@ -48,20 +50,30 @@ TIER_DRAM: Tier
 TIER_NVME: Tier
 
 class PageLayout(_message.Message):
-    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding")
+    __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding", "parts")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     ENCODING_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     encoding: PageEncoding
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., encoding: _Optional[_Union[PageEncoding, str]] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[PagePart]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., encoding: _Optional[_Union[PageEncoding, str]] = ..., parts: _Optional[_Iterable[_Union[PagePart, _Mapping]]] = ...) -> None: ...
+
+class PagePart(_message.Message):
+    __slots__ = ("name", "layout")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    layout: PageLayout
+    def __init__(self, name: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "prefetch")
@@ -130,16 +142,18 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., already_present: _Optional[int] = ..., held: _Optional[bytes] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote", "checksum_form")
+    __slots__ = ("namespace", "hashes", "no_promote", "checksum_form", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
     checksum_form: ChecksumForm
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
+    layout: PageLayout
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ...) -> None: ...
 
 class GetPage(_message.Message):
     __slots__ = ("hash", "payload_bytes", "checksum", "tier")
@@ -480,18 +494,20 @@ class PutShmRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
 
 class GetShmRequest(_message.Message):
-    __slots__ = ("namespace", "hashes", "no_promote", "targets", "checksum_form")
+    __slots__ = ("namespace", "hashes", "no_promote", "targets", "checksum_form", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
     NO_PROMOTE_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
     targets: _containers.RepeatedCompositeFieldContainer[ShmTarget]
     checksum_form: ChecksumForm
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
+    layout: PageLayout
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
     __slots__ = ("offset", "size", "buffer")
