@@ -65,7 +65,9 @@ def test_bundles_round_trip_whole_on_every_plane(node: NodeProcess, plane: str) 
         # into the caller's own buffers, one part split over two regions
         dest = [{p.name: np.zeros(p.layout.page_bytes, np.uint8) for p in BUNDLE.parts} for _ in hashes]
         into = [{**d, "kv": [d["kv"][:100], d["kv"][100:]]} for d in dest]
-        refs = kv.get_bundle_into(ns, BUNDLE, [*hashes, key(99, ns)], [*into, {n: bytearray(v) for n, v in parts_of(b"x").items()}])
+        refs = kv.get_bundle_into(
+            ns, BUNDLE, [*hashes, key(99, ns)], [*into, {n: bytearray(v) for n, v in parts_of(b"x").items()}]
+        )
         assert len(refs) == 6  # the stored prefix: the 7th page is not stored
         assert [{n: a.tobytes() for n, a in d.items()} for d in dest] == [parts_of(h) for h in hashes]
 
