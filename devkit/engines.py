@@ -41,6 +41,27 @@ ENGINE_STAMP = ENGINE_VENV / ".kvstore-engine-installed"  # tools/vllm_venv.sh w
 ENGINE_LOCK = ENGINE_VENV.parent / f".{ENGINE_VENV.name}.lock"
 
 
+SGLANG_VENV = REPO / ".engines" / "sglang"  # tools/sglang_venv.sh: SGLang 0.5.23 (no CUDA packages), CPU torch
+SGLANG_STAMP = SGLANG_VENV / ".kvstore-sglang-installed"
+SGLANG_LOCK = SGLANG_VENV.parent / f".{SGLANG_VENV.name}.lock"
+SGLANG_SCRIPT = REPO / "tools" / "sglang_venv.sh"
+# `./dev test` builds the SGLang venv after the vLLM one; this file says it is queued or running (removed after).
+SGLANG_PENDING = SGLANG_VENV.parent / ".sglang.pending"
+
+
+def sglang_python() -> Path:
+    """The SGLang venv's python (it may not exist yet: `./dev test` builds it in the background)."""
+    return SGLANG_VENV / "bin" / "python"
+
+
+def sglang_venv_ready(wait_s: float = 1800.0) -> bool:
+    """Whether the SGLang venv is complete, after waiting (at most `wait_s`) for an install running now."""
+    deadline = time.monotonic() + wait_s
+    while SGLANG_PENDING.exists() and time.monotonic() < deadline:
+        time.sleep(1.0)  # queued behind the vLLM venv's build, or building
+    return _venv_ready(SGLANG_LOCK, sglang_python(), SGLANG_STAMP, max(0.0, deadline - time.monotonic()))
+
+
 def engine_python() -> Path:
     """The engine venv's python (it may not exist yet: see ensure_engine_venv)."""
     return ENGINE_VENV / "bin" / "python"
@@ -49,10 +70,15 @@ def engine_python() -> Path:
 def engine_venv_ready(wait_s: float = 1800.0) -> bool:
     """Whether the engine venv is complete, after waiting (at most `wait_s`) for an install that is running
     now (`./dev test` builds it in the background while the other tests run) to finish."""
-    if ENGINE_LOCK.exists():
+    return _venv_ready(ENGINE_LOCK, engine_python(), ENGINE_STAMP, wait_s)
+
+
+def _venv_ready(lock_path: Path, python: Path, stamp: Path, wait_s: float) -> bool:
+    """A venv script's venv is complete (its stamp written), once no install holds its lock (bounded wait)."""
+    if lock_path.exists():
         import fcntl
 
-        with open(ENGINE_LOCK, "rb") as lock:
+        with open(lock_path, "rb") as lock:
             deadline = time.monotonic() + wait_s
             while True:
                 try:
@@ -63,7 +89,7 @@ def engine_venv_ready(wait_s: float = 1800.0) -> bool:
                     if time.monotonic() > deadline:
                         return False
                     time.sleep(1.0)
-    return engine_python().exists() and ENGINE_STAMP.exists()
+    return python.exists() and stamp.exists()
 
 
 def ensure_engine_venv(log: Path | None = None) -> Path:

@@ -4,7 +4,9 @@
   tools/vllm_venv.sh). `./dev test` builds it in the background while the other tests run, so a test that
   asks for it waits (bounded) for that build. Missing under `./dev test` (KVSTORE_REQUIRE_ENGINES=1) it is a
   failure naming the command that makes it; under a bare pytest, a skip with that reason.
-- Tests that use it run last (collection order), so that the build overlaps everything else.
+- `sglang_python`: the SGLang venv's python (SGLang 0.5.23 without its CUDA packages, the CPU torch and this
+  checkout; made by tools/sglang_venv.sh), built and waited for the same way.
+- Tests that use either run last (collection order), so that the builds overlap everything else.
 
 Tiers (DESIGN.md §13): `./dev test` (CI) runs every test. The `fast` marker is the iteration tier
 (`./dev test --fast`, or `pytest -m fast`): every test under FAST_DIRS (unit tests and pure logic: no node,
@@ -20,11 +22,13 @@ from pathlib import Path
 
 import pytest
 
-from devkit.engines import ENGINE_VENV, engine_python, engine_venv_ready
+from devkit.engines import ENGINE_VENV, SGLANG_VENV, engine_python, engine_venv_ready, sglang_venv_ready
+from devkit.engines import sglang_python as sglang_python_path
 
 REQUIRED = os.environ.get("KVSTORE_REQUIRE_ENGINES") == "1"  # set by ./dev test
 TESTS = Path(__file__).resolve().parent
 FAST_DIRS = frozenset({"unit", "kernels"})  # the fast tier, whole directories (see above)
+ENGINE_FIXTURES = frozenset({"vllm_python", "sglang_python"})  # tests on a side venv: run last
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +43,18 @@ def vllm_python() -> Path:
     return engine_python()
 
 
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    if not sglang_venv_ready():
+        msg = (f"the SGLang venv {SGLANG_VENV} is missing or incomplete: run tools/sglang_venv.sh (./dev test does, "
+               "in the background; about 7 minutes and 2.6 GB the first time; its output is in "
+               f"{SGLANG_VENV.parent / 'sglang-setup.log'} under ./dev test)")  # fmt: skip
+        if REQUIRED:
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg)
+    return sglang_python_path()
+
+
 def in_fast_dir(path: Path) -> bool:
     """Whether a test file lies in a directory whose every test is in the fast tier."""
     rel = path.resolve().relative_to(TESTS)
@@ -51,4 +67,4 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if in_fast_dir(item.path):
             item.add_marker(pytest.mark.fast)
-    items.sort(key=lambda item: "vllm_python" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: bool(ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))))

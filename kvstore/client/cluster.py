@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvstore.client import KVStoreClient, PutResult
+from kvstore.client.bundles import Parts
 from kvstore.errors import KVStoreError, NamespaceNotFound, Unavailable
 from kvstore.index import ClusterLookup, IndexReader, NodeInfo
 from kvstore.layout import PageLayout
@@ -173,6 +174,31 @@ class ClusterClient:
         self._walk(namespace, hashes, fetch, prefer_node, found)
         return out
 
+    def get_bundle_into(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        *,
+        prefer_node: str | None = None,
+        found: ClusterLookup | None = None,
+    ) -> list[PageRef]:
+        """`get_into` of multi-part pages: each part into pages[i][part] (as KVStoreClient.get_bundle_into)."""
+        if len(pages) != len(hashes):
+            raise ValueError(f"pages: {len(pages)} pages for {len(hashes)} hashes (one mapping of parts per hash)")
+        out: list[PageRef] = []
+
+        def fetch(node: str, a: int, b: int) -> int:
+            got = self._fetch(
+                node, namespace, hashes[a:b], lambda c, hs: c.get_bundle_into(namespace, layout, hs, pages[a:b])
+            )
+            out.extend(got)
+            return len(got)
+
+        self._walk(namespace, hashes, fetch, prefer_node, found)
+        return out
+
     def _walk(
         self,
         namespace: str,
@@ -284,6 +310,20 @@ class ClusterClient:
         node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None
         return node, self.call_node(node, lambda c: c.put(namespace, layout, hashes, pages, parent=parent))
+
+    def put_bundle(
+        self,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        *,
+        parent_chain: Sequence[bytes] = (),
+    ) -> tuple[str, PutResult]:
+        """`put` of multi-part pages (as KVStoreClient.put_bundle) on the node choose_node picks."""
+        node = self.choose_node(namespace, parent_chain)
+        parent = parent_chain[-1] if parent_chain else None
+        return node, self.call_node(node, lambda c: c.put_bundle(namespace, layout, hashes, pages, parent=parent))
 
 
 def _free_slots(n: NodeInfo) -> int:

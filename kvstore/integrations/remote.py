@@ -44,6 +44,7 @@ import grpc
 import redis
 
 from kvstore.client import KVStoreClient, PutResult
+from kvstore.client.bundles import Parts
 from kvstore.client.cluster import ClusterClient, NoLiveNode
 from kvstore.errors import (
     DataLoss,
@@ -186,6 +187,41 @@ class RemoteStore:
             "put", ns, lambda: self._cluster().put(ns, layout, hashes, views, parent_chain=parent_chain), None
         )
         return self._outcome(ns, hashes, placed)
+
+    def put_bundle(
+        self,
+        ns: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        pages: Sequence[Parts],
+        parent_chain: Sequence[bytes] = (),
+        *,
+        chain: bool = True,
+    ) -> Stored:
+        """Multi-part pages (each part's bytes in the engine's memory: pages[i][part], a buffer or its regions),
+        one atomic page each (DESIGN.md §4.3); per page, whether the node holds it now."""
+        if not hashes:
+            return Stored(())
+        if self._data is not None:
+            data, parent = self._data, (parent_chain[-1] if parent_chain else None)
+            res = self._guard(
+                "put", ns, lambda: data.put_bundle(ns, layout, hashes, pages, parent=parent, chain=chain), None
+            )
+            return self._outcome(ns, hashes, None if res is None else (None, res))
+        placed = self._guard(
+            "put", ns, lambda: self._cluster().put_bundle(ns, layout, hashes, pages, parent_chain=parent_chain), None
+        )
+        return self._outcome(ns, hashes, placed)
+
+    def get_bundle_into(self, ns: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Parts]) -> int:
+        """How many leading pages of `hashes` landed whole, every part in pages[i][part] (0 on failure: a miss).
+        The node checks `layout` against the namespace's (a part it never held, or one left out, is logged)."""
+        if not hashes:
+            return 0
+        if self._data is not None:
+            data = self._data
+            return self._guard("get", ns, lambda: len(data.get_bundle_into(ns, layout, hashes, pages)), 0)
+        return self._guard("get", ns, lambda: len(self._cluster().get_bundle_into(ns, layout, hashes, pages)), 0)
 
     @property
     def plane(self) -> str | None:

@@ -4,8 +4,10 @@ Written against SGLang 0.5.23 (PyPI wheel `sglang-0.5.23-cp311-cp311-manylinux_2
 `python/sglang/srt/mem_cache/hicache_storage.py` (sha256 96b044b8...d67ed), the dynamic loader in
 `storage/backend_factory.py` and the calls of `managers/cache_controller.py`; cross-checked against
 sgl-project/sglang@001067ff (main, same interface). SGLang itself does not install on this machine (it pins
-CUDA packages), so the tests reproduce its call sequence and host memory pool shapes against a real node
-(tests/integration/test_sglang_hicache.py); no SGLang engine has run against this module.
+CUDA packages), but its HiCache code does without them: tests/engines/test_sglang_hicache_real.py runs SGLang's
+own factory, host pools and HiCacheController (v1 and v2 calls) in a side venv (tools/sglang_venv.sh);
+tests/integration/test_sglang_hicache.py reproduces the same call sequence in the project's venv. No SGLang
+engine has run against this module (its CPU engine needs sgl-kernel's CPU build, which PyPI does not carry).
 
 Launch (kvstore node on this host at 127.0.0.1:50051):
 
@@ -43,6 +45,20 @@ Mapping (v1):
 - `batch_exists` = the longest prefix of pages whose every region is held (one Lookup per <= 1024
   regions); `batch_get_v1` answers True for the pages of the longest stored prefix, False after it.
 
+v2 (hybrid models: `register_mem_host_pool_v2`, `batch_set_v2` / `batch_get_v2` / `batch_exists_v2` over
+SGLang's `PoolTransfer`s): each page of a call is one bundle (DESIGN.md §4.3) holding every pool's part that
+the call names for its key (the KV pool `kv` too when the call names it), stored and loaded as one kvstore page:
+all of a page's pools commit, or none; a get lands them all, or the page is a miss. A pool's part is its page's
+`get_page_buffer_meta` regions in order (zero copy), or for a pool without regions its flat page
+(`get_data_page` / `set_from_flat_data_page`, one copy). Namespaces: `{prefix}/sgl2/{model}[@{revision}]/{tp
+rank}/{pool+pool...}/{digest of every part's geometry}` (the TP rank always: a Mamba state is TP-sharded even
+beside replicated MLA KV). SGLang groups a call's pools by how many trailing keys they carry
+(`_trailing_chain_groups`) in both directions, so a page's bundle is read with the pools it was written with;
+`batch_exists_v2` reads the same groups: ALL_PAGES by one prefix Lookup, TRAILING_PAGES by probing the last N
+pages before each length, longest first (MAX_TRAILING_PROBES Lookups per pool; a length not probed is not
+restorable: the safe side); BLOCK_GROUPS never gates the hit. A transfer naming a pool no host pool provides,
+or host indices that do not cover its keys, stores and loads nothing of the call (logged, all False).
+
 Failures (node down, wrong token, a namespace bound to another layout, a full node): a logged miss
 (`batch_exists` 0, `get` None, `batch_get_v1` False) or a failed store, never an exception into SGLang's
 storage threads (kvstore/integrations/remote.py says which line each logs). `batch_set_v1` answers per page
@@ -52,17 +68,19 @@ so SGLang never moves its backup past a page the node did not keep.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import struct
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
-from kvstore.integrations.direct import byte_view, engine_settings, opaque_layout
+from kvstore.integrations.direct import ConfigError, byte_view, engine_settings, opaque_layout
 from kvstore.integrations.lmcache_mapping import PluginSettings, model_part
 from kvstore.integrations.outcome import pages_held
 from kvstore.integrations.remote import RemoteStore
@@ -175,13 +193,157 @@ def engine_revision(storage_config: Any, settings: PluginSettings) -> str | None
     identity = getattr(storage_config, "model_identity_hash", None)
     if identity:
         return str(identity)
-    try:
-        from sglang.srt.server_args import get_global_server_args
-
-        revision = getattr(get_global_server_args(), "revision", None)
-    except (ImportError, ValueError, AttributeError):  # not SGLang, or its server args are not set in this process
-        return None
+    revision = getattr(_server_args(), "revision", None)
     return str(revision) if revision else None
+
+
+def _server_args() -> Any:
+    """The server's ServerArgs in this process, or None (not SGLang, or not set here).
+
+    NOTE: SGLang 0.5.23 retired `server_args.get_global_server_args()` (it raises RuntimeError pointing at
+    `runtime_context.get_server_args()`); older builds have only the former. Found by running SGLang's own
+    HiCacheController in tests/engines/test_sglang_hicache_real.py."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+    except (ImportError, AttributeError):
+        try:
+            from sglang.srt.server_args import get_global_server_args as get_server_args
+        except (ImportError, AttributeError):
+            return None
+    try:
+        return get_server_args()
+    except (ValueError, AttributeError, RuntimeError, LookupError):
+        return None
+
+
+POOL_KV = "kv"  # SGLang's PoolName.KV: the anchor pool (register_mem_pool_host)
+MODE_REGIONS = "regions"  # a pool page's bytes: its get_page_buffer_meta regions, in order (zero copy)
+MODE_FLAT = "flat"  # its get_data_page(flat=True) bytes (pools without regions: one copy, as SGLang's file backend)
+# NOTE: a TRAILING_PAGES pool (a Mamba state at node boundaries) is present at a few prefix lengths only, and a
+# Lookup answers prefixes, not single pages: one Lookup per length probed (~0.3 ms on loopback), longest first.
+MAX_TRAILING_PROBES = 16
+
+
+def pool_name(name: Any) -> str:
+    """SGLang's PoolName (a str Enum) or a plain string, as the string it stands for."""
+    return str(getattr(name, "value", name))
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPart:
+    """How one page of an SGLang host pool is one part of a bundle: its bytes (regions or flat), its size, and
+    the geometry that makes two pools' pages byte-compatible (named in the namespace)."""
+
+    name: str
+    geometry: PoolGeometry
+    mode: str
+    nbytes: int
+    page_size: int
+
+    @classmethod
+    def of(cls, name: str, pool: Any) -> PoolPart:
+        import torch
+
+        geom = PoolGeometry.of(pool)
+        page = int(getattr(pool, "page_size", 1) or 1)
+        try:
+            _, sizes = pool.get_page_buffer_meta(torch.arange(page, dtype=torch.int64))
+            mode, nbytes = MODE_REGIONS, int(sum(sizes))
+        except (NotImplementedError, ValueError, AssertionError, AttributeError):
+            mode, nbytes = MODE_FLAT, geom.page_bytes  # NOTE: SGLang says which pools have no regions by raising
+        opaque_layout(nbytes)  # ConfigError for a size no page can have
+        return cls(name, geom, mode, nbytes, page)
+
+    def describe(self) -> str:
+        g = self.geometry
+        return f"{self.name}={g.pool_class}/{g.layout}/{g.dtype}/{g.shape}/p{g.page_size}/{self.mode}{self.nbytes}"
+
+
+def bundle_layout(parts: list[PoolPart]) -> PageLayout:
+    """The bundle of these pools' parts, in order, each opaque bytes (the geometry is in the namespace)."""
+    return PageLayout.bundle({p.name: opaque_layout(p.nbytes) for p in parts}, block_size=1)
+
+
+def bundle_namespace(prefix: str, model: str | None, parts: list[PoolPart], rank: str, revision: str | None) -> str:
+    """`{prefix}/sgl2/{model}[@{revision}]/{rank}/{pool+pool...}/{digest}`: the digest (16 hex) covers every
+    part's geometry and mode, so a change in any is a cold miss."""
+    named = model_part((model or "model").replace(" ", "_"), revision)
+    digest = hashlib.sha256(";".join(p.describe() for p in parts).encode()).hexdigest()[:_DIGEST_HEX]
+    pools = "+".join(p.name for p in parts)
+    ns = f"{prefix}/sgl2/{named}/{rank}/{pools}/{digest}"
+    if len(ns.encode()) <= MAX_NAMESPACE_BYTES:
+        return ns
+    return f"{prefix}/sgl2/{named[:48]}/{rank}/{hashlib.sha256(ns.encode()).hexdigest()[:_DIGEST_HEX]}"[
+        :MAX_NAMESPACE_BYTES
+    ]
+
+
+@dataclass(slots=True)
+class _Group:
+    """One bundle run of a v2 call: consecutive keys each named by exactly `pools` (sorted), with each pool's
+    host indices per key and where each transfer's keys sit in the run."""
+
+    pools: tuple[str, ...]
+    keys: list[str]
+    indices: dict[str, list[Any]]
+    members: list[tuple[Any, list[int]]]
+
+
+def _groups(transfers: list[Any]) -> list[_Group]:
+    """Runs of keys (in order of first appearance) that the same pools name; pure."""
+    order: list[str] = []
+    where: dict[str, list[tuple[int, int]]] = {}  # key -> (transfer index, position in its keys)
+    for ti, t in enumerate(transfers):
+        for pos, k in enumerate(t.keys or ()):
+            if k not in where:
+                order.append(k)
+                where[k] = []
+            where[k].append((ti, pos))
+    groups: list[_Group] = []
+    for k in order:
+        pools = tuple(sorted(pool_name(transfers[ti].name) for ti, _ in where[k]))
+        if not groups or groups[-1].pools != pools:
+            groups.append(_Group(pools, [], {p: [] for p in pools}, []))
+        g = groups[-1]
+        g.keys.append(k)
+        for ti, pos in where[k]:
+            t = transfers[ti]
+            name = pool_name(t.name)
+            size = len(t.host_indices) // max(1, len(t.keys))
+            g.indices[name].append(t.host_indices[pos * size : (pos + 1) * size])
+            member = next((m for m in g.members if m[0] is t), None)
+            if member is None:
+                member = (t, [])
+                g.members.append(member)
+            member[1].append(pos)
+    return groups
+
+
+def _exists_groups(transfers: list[Any], span: int) -> list[tuple[tuple[str, ...], list[Any]]]:
+    """The pool sets an exists query reads, as SGLang groups its v2 calls: transfers with the same number of
+    trailing keys (a transfer without keys covers the whole span) travel together (`_trailing_chain_groups`)."""
+    by_len: dict[int, list[Any]] = {}
+    for t in transfers:
+        by_len.setdefault(len(t.keys) if t.keys else span, []).append(t)
+    return [(tuple(sorted(pool_name(t.name) for t in ts)), ts) for ts in by_len.values()]
+
+
+def _bytes_at(address: int, nbytes: int) -> np.ndarray:
+    """A writable uint8 view of `nbytes` of an engine's host memory at `address` (SGLang's page buffer meta)."""
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(address))
+
+
+def _policy(transfer: Any) -> str:
+    return str(getattr(transfer.hit_policy, "value", transfer.hit_policy or "all_pages"))
+
+
+def _transfer_result(kv_hit_pages: int, hits: dict[Any, int], restorable: list[int]) -> Any:
+    """SGLang's PoolTransferResult where SGLang is installed, else the same fields in a plain object."""
+    try:
+        from sglang.srt.mem_cache.hicache_storage import PoolTransferResult
+    except ImportError:
+        return SimpleNamespace(kv_hit_pages=kv_hit_pages, extra_pool_hit_pages=hits, restorable_prefix_pages=restorable)
+    return PoolTransferResult(kv_hit_pages, hits, restorable)
 
 
 class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
@@ -206,6 +368,8 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self._seg_ns = self._flat_ns = ""
         self._seg_layout: PageLayout | None = None
         self._flat_layout: PageLayout | None = None
+        self.parts: dict[str, PoolPart] = {}  # v2: pool name -> how its page is a part of a bundle
+        self.rank_v2 = self._rank_part(storage_config, sharded=True)
         log.info(
             "kvstore HiCache storage: %s, %s (SGLang interface %s)",
             self.settings.target.describe(),
@@ -214,8 +378,11 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         )
 
     @staticmethod
-    def _rank_part(cfg: Any) -> str:
-        parts = ["mla"] if getattr(cfg, "is_mla_model", False) else [f"tp{cfg.tp_rank}of{cfg.tp_size}"]
+    def _rank_part(cfg: Any, *, sharded: bool = False) -> str:
+        """The rank in a namespace: `mla` for an MLA model's replicated KV (v1), else `tp{r}of{n}`; `sharded`: the
+        TP rank always (v2 bundles: a Mamba state is TP-sharded even beside replicated MLA KV)."""
+        mla = getattr(cfg, "is_mla_model", False) and not sharded
+        parts = ["mla"] if mla else [f"tp{cfg.tp_rank}of{cfg.tp_size}"]
         if getattr(cfg, "pp_size", 1) > 1:
             parts.append(f"pp{cfg.pp_rank}of{cfg.pp_size}")
         if getattr(cfg, "attn_cp_size", 1) > 1:
@@ -228,6 +395,8 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
+        with contextlib.suppress(ConfigError, ValueError, TypeError):  # the v1 calls still serve it as before
+            self.parts[POOL_KV] = PoolPart.of(POOL_KV, mem_pool_host)  # the anchor: `kv` in v2 calls
         g = self.geometry = PoolGeometry.of(mem_pool_host)
         model, prefix = getattr(self.config, "model_name", None), self.settings.namespace_prefix
         self._flat_ns = namespace_for(prefix, model, g, self.rank, f"flat{g.page_bytes}", self.revision)
@@ -247,10 +416,22 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         )
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Extra pools (Mamba, SWA, indexer) are not stored: their v2 calls are not implemented."""
+        """A host pool the v2 calls name (`kv`, `mamba`, `swa`, `indexer`, DeepSeek V4's, ...): how one page of it
+        becomes one part of a bundle (PoolPart). A pool whose page cannot be stored is logged and left out: a
+        v2 call naming it stores nothing and answers False (its pages are recomputed)."""
         if not hasattr(self, "registered_pools"):
             self.registered_pools: dict[Any, Any] = {}
         self.registered_pools[host_pool_name] = host_pool
+        name = pool_name(host_pool_name)
+        try:
+            self.parts[name] = PoolPart.of(name, host_pool)
+        except (ConfigError, ValueError, TypeError) as exc:
+            self.parts.pop(name, None)
+            log.error(
+                "kvstore HiCache storage: host pool %r cannot be stored (%s); its v2 calls store nothing", name, exc
+            )
+            return
+        log.info("kvstore HiCache storage: v2 pool %s", self.parts[name].describe())
 
     def on_host_pools_registered(self) -> None:
         if self.mem_pool_host is None:
@@ -313,6 +494,143 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                 break
         held += [False] * (len(hashes) - len(held))
         return pages_held(held, per)
+
+    # -- v2: a page's pools as one bundle (DESIGN.md §4.3)
+
+    def batch_set_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Per transfer, per key: True only when the node holds that page's bundle, every pool's part of it (the
+        pools of this call that name the key, one atomic page). A transfer of a pool this backend cannot store,
+        or whose host indices do not match its keys, stores nothing of the call (logged, all False)."""
+        out = {t.name: [False] * len(t.keys or ()) for t in transfers}
+        plan = self._plan(transfers, "batch_set_v2")
+        if plan is None:
+            return out
+        parent = self._parent(extra_info, 1)
+        for group in plan:
+            ns, layout = self._bundle(group.pools)
+            pages = [{name: self._part_buffers(group, name, j, for_write=False) for name in group.pools}
+                     for j in range(len(group.keys))]  # fmt: skip
+            chain = [parent] if parent else []
+            done = self.store.put_bundle(ns, layout, [key_bytes(k) for k in group.keys], pages, chain)
+            for t, positions in group.members:
+                for j, pos in enumerate(positions):
+                    out[t.name][pos] = done.held[j]
+        return out
+
+    def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
+        """Per transfer, per key: True for the pages of the longest stored prefix, every pool's part of each
+        landed in its host pool (all of a page's pools or none of them), False after it."""
+        out = {t.name: [False] * len(t.keys or ()) for t in transfers}
+        plan = self._plan(transfers, "batch_get_v2")
+        if plan is None:
+            return out
+        for group in plan:
+            ns, layout = self._bundle(group.pools)
+            pages = [{name: self._part_buffers(group, name, j, for_write=True) for name in group.pools}
+                     for j in range(len(group.keys))]  # fmt: skip
+            landed = self.store.get_bundle_into(ns, layout, [key_bytes(k) for k in group.keys], pages)
+            for j in range(landed):
+                self._settle_flat(group, j, pages[j])
+            for t, positions in group.members:
+                for j, pos in enumerate(positions):
+                    out[t.name][pos] = j < landed
+        return out
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[Any] | None = None, extra_info: Any = None) -> Any:
+        """SGLang's PoolTransferResult: the KV prefix (as `batch_exists`), each pool's hit boundary under its hit
+        policy, and the prefix lengths every pool can restore (ALL_PAGES: a prefix Lookup; TRAILING_PAGES: the
+        last N pages before a length, probed from the longest down, at most MAX_TRAILING_PROBES Lookups per
+        pool: a length not probed is reported not restorable, the safe side)."""
+        transfers = list(pool_transfers or ())
+        kv_pages = self.batch_exists(keys, extra_info) if keys else 0
+        hits: dict[Any, int] = {POOL_KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        hashes = [key_bytes(k) for k in keys[:kv_pages]]
+        for pools, members in _exists_groups(transfers, len(keys)):
+            if any(p not in self.parts for p in pools):
+                unknown = next(p for p in pools if p not in self.parts)
+                self.store.say("v2-pool", logging.ERROR, "kvstore HiCache storage: batch_exists_v2 names pool %r, "
+                               "which no registered host pool provides: no hit", unknown)  # fmt: skip
+                return _transfer_result(0, {}, [])
+            ns, _ = self._bundle(pools)
+            for t in members:
+                policy = _policy(t)
+                if policy == "all_pages":
+                    boundary = self.store.lookup(ns, hashes)
+                    pool_ok = set(range(1, boundary + 1))
+                elif policy == "trailing_pages":
+                    pool_ok = self._trailing(ns, hashes, max(1, len(t.keys or ())))
+                    boundary = max(pool_ok, default=0)
+                else:  # BLOCK_GROUPS: its verdict never gates the KV hit (SGLang's PoolHitPolicy)
+                    continue
+                if boundary:
+                    hits[t.name] = boundary
+                restorable &= pool_ok
+        ordered = sorted(restorable)
+        return _transfer_result(ordered[-1] if ordered else 0, hits, ordered)
+
+    def _trailing(self, ns: str, hashes: list[bytes], n: int) -> set[int]:
+        """Prefix lengths p whose last n pages (pages [p - n, p)) are all held, probed from the longest down."""
+        found: set[int] = set()
+        for p in range(len(hashes), 0, -1)[:MAX_TRAILING_PROBES]:
+            window = hashes[max(0, p - n) : p]
+            if self.store.lookup(ns, window) == len(window):
+                found.add(p)
+        return found
+
+    def _plan(self, transfers: list[Any], op: str) -> list[_Group] | None:
+        """The bundles of one v2 call: runs of consecutive keys named by the same pools; None (logged) when a
+        pool is unknown or a transfer's host indices do not cover its keys."""
+        for t in transfers:
+            name = pool_name(t.name)
+            if name not in self.parts or name not in self._pools():
+                self.store.say("v2-pool", logging.ERROR, "kvstore HiCache storage: %s names pool %r, which no "
+                               "registered host pool provides: nothing stored or loaded", op, name)  # fmt: skip
+                return None
+            want = len(t.keys or ()) * self.parts[name].page_size
+            got = 0 if t.host_indices is None else int(t.host_indices.numel())
+            if got != want:
+                self.store.say("v2-indices", logging.ERROR, "kvstore HiCache storage: %s pool %r: %d host indices "
+                               "for %d keys (%d expected): nothing stored or loaded", op, name, got,
+                               len(t.keys or ()), want)  # fmt: skip
+                return None
+        return _groups(transfers)
+
+    def _pools(self) -> dict[str, Any]:
+        pools = {pool_name(k): v for k, v in getattr(self, "registered_pools", {}).items()}
+        if self.mem_pool_host is not None:
+            pools.setdefault(POOL_KV, self.mem_pool_host)
+        return pools
+
+    def _bundle(self, pools: tuple[str, ...]) -> tuple[str, PageLayout]:
+        """The namespace and bundle layout of pages made of these pools' parts (in this order)."""
+        parts = [self.parts[p] for p in pools]
+        model, prefix = getattr(self.config, "model_name", None), self.settings.namespace_prefix
+        return bundle_namespace(prefix, model, parts, self.rank_v2, self.revision), bundle_layout(parts)
+
+    def _part_buffers(self, group: _Group, name: str, j: int, *, for_write: bool) -> Any:
+        """The host memory of key j's page in pool `name`: its regions (zero copy), or for a pool without them
+        a flat page (SGLang's get_data_page when storing; a scratch page to set from when loading)."""
+        part, pool = self.parts[name], self._pools()[name]
+        index = group.indices[name][j]
+        if part.mode == MODE_REGIONS:
+            ptrs, sizes = pool.get_page_buffer_meta(index)
+            return [
+                np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(a)) for a, n in zip(ptrs, sizes, strict=True)
+            ]
+        if for_write:
+            return byte_view(pool.get_dummy_flat_data_page())
+        return byte_view(pool.get_data_page(int(index[0]), flat=True).contiguous())
+
+    def _settle_flat(self, group: _Group, j: int, parts: dict[str, Any]) -> None:
+        """Pools without zero-copy regions: copy the landed flat page into the pool (SGLang's own call)."""
+        for name in group.pools:
+            if self.parts[name].mode == MODE_FLAT:
+                import torch
+
+                self._pools()[name].set_from_flat_data_page(
+                    int(group.indices[name][j][0]), torch.from_numpy(parts[name])
+                )
 
     # -- the older interface (flat pages; SGLang still calls it without interface_v1)
 
@@ -392,7 +710,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         if len(ptrs) % pages or (self.geometry and len(ptrs) != pages * self.geometry.regions):
             raise ValueError(f"host_indices: {len(ptrs)} regions for {pages} pages")
-        return [np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(p)) for p, n in zip(ptrs, sizes, strict=True)]
+        return [_bytes_at(p, n) for p, n in zip(ptrs, sizes, strict=True)]
 
     @staticmethod
     def _calls(pages: int, per: int) -> list[tuple[int, int]]:

@@ -440,10 +440,11 @@ def test_a_full_node_reports_false_for_every_page_it_did_not_keep(caplog: pytest
 
 
 def sglang_server_args(monkeypatch: pytest.MonkeyPatch, revision: str | None) -> None:
-    """SGLang's process-global server args (`sglang.srt.server_args.get_global_server_args`), as the scheduler
-    process that runs HiCache has them: only `revision` is read."""
+    """SGLang's process-global server args (0.5.23: `sglang.srt.runtime_context.get_server_args`), as the scheduler
+    process that runs HiCache has them: only `revision` is read. (tests/engines/test_sglang_hicache_real.py runs
+    SGLang's own.)"""
     mods = {name: SimpleNamespace(__path__=[]) for name in ("sglang", "sglang.srt")}
-    mods["sglang.srt.server_args"] = SimpleNamespace(get_global_server_args=lambda: SimpleNamespace(revision=revision))
+    mods["sglang.srt.runtime_context"] = SimpleNamespace(get_server_args=lambda: SimpleNamespace(revision=revision))
     for name, mod in mods.items():
         monkeypatch.setitem(sys.modules, name, mod)
 
