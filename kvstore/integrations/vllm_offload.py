@@ -32,6 +32,13 @@ node and its KV events (kvstore/node/kv_events.py) name blocks as vLLM does; els
 SHA-256(b"kvstore-vllm/v1\\x00" || key). vLLM's block hash already covers the request's cache salt, LoRA and
 multimodal inputs, so the key carries them.
 
+Hybrid models (several KV cache groups; vLLM's OffloadKey is a block hash and a group index): the chunks of one
+block hash that one job or lookup carries, one per group, are one bundle (DESIGN.md §4.3,
+kvstore/integrations/groups.py): a part `g{i}` per group, each a row, stored and loaded together (a block's
+groups all land in the CPU tier, or none). Its namespace is the one above with `/{g0+g1...}` (the groups it
+holds) and its hash the block hash (as above, with the group left out). A model with one group keeps the pages
+above, unchanged.
+
 Non-blocking: lookups go through vLLM's own `AsyncLookupManager` (one batched kvstore Lookup per engine step,
 RETRY meanwhile); stores and loads run on this tier's threads, straight between the CPU tier's rows and the
 node (RemoteStore.get_into / put_from, kvstore/integrations/remote.py), and finish through
@@ -72,8 +79,10 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import ConfigError, engine_settings, opaque_layout
+from kvstore.integrations.groups import groups_label, part_name, runs
 from kvstore.integrations.lmcache_mapping import model_part
 from kvstore.integrations.remote import RemoteStore
+from kvstore.layout import PageLayout
 
 log = logging.getLogger("kvstore.vllm")
 
@@ -138,6 +147,21 @@ def namespace_for(prefix: str, spec: Any, row_bytes: int, revision: str | None =
     return f"{prefix}/{MAPPING}/{model[:48]}/{digest}"
 
 
+def block_hash(key: bytes) -> bytes:
+    """The kvstore hash of a bundle of a block's groups: the block hash itself when it is 32 bytes, else its
+    SHA-256 under this mapping's tag (the group is in the bundle, not in the key)."""
+    block = bytes(key[:-4])
+    return block if len(block) == 32 else hashlib.sha256(KEY_TAG + block).digest()
+
+
+def bundle_namespace(base: str, groups: tuple[int, ...]) -> str:
+    """The namespace of bundles holding exactly `groups`: `{base}/{g0+g1...}`, shortened with a digest."""
+    ns = f"{base}/{groups_label(groups)}"
+    if len(ns.encode()) <= MAX_NAMESPACE_BYTES:
+        return ns
+    return f"{base[: MAX_NAMESPACE_BYTES - 18]}/{hashlib.sha256(ns.encode()).hexdigest()[:16]}"
+
+
 class _Lookups(AsyncLookupManager):
     """vLLM's async lookup state machine; the batch is one kvstore Lookup (longest stored prefix)."""
 
@@ -147,6 +171,14 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         found = [False] * len(keys)
+        if self._tier.hybrid:  # a block's groups in one bundle: found together
+            for run in runs([(block_hash(k), int.from_bytes(k[-4:], "big")) for k in keys]):
+                ns, _ = self._tier.bundle(run.groups)
+                n = self._tier.store.lookup(ns, list(run.chunks))  # type: ignore[arg-type]
+                for items in run.items[:n]:
+                    for i in items.values():
+                        found[i] = True
+            return found
         hashes = [page_hash(k) for k in keys]
         for a in range(0, len(hashes), _MAX_KEYS_PER_LOOKUP):
             part = hashes[a : a + _MAX_KEYS_PER_LOOKUP]
@@ -202,6 +234,8 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self.namespace = namespace_for(
             self.settings.namespace_prefix, offloading_spec, self.row_bytes, self.settings.model_revision
         )
+        self.hybrid = len(offloading_spec.config.groups or ()) > 1
+        self.block_tokens = int(offloading_spec.config.cache.tokens_per_hash)
         self.store = RemoteStore(self.settings, log, setting_prefix="secondary_tiers[kvstore].")
         self.lookups = _Lookups(self)
         self._pool = ThreadPoolExecutor(max_workers=int(threads), thread_name_prefix="kvstore-tier")
@@ -289,8 +323,30 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         with self._lock:
             self._inflight[job.job_id] = (self._pool.submit(run), job)
 
+    def bundle(self, groups: tuple[int, ...]) -> tuple[str, PageLayout]:
+        """Namespace and layout of bundles holding exactly these groups' rows."""
+        layout = PageLayout.bundle({part_name(g): self.layout for g in groups}, block_size=self.block_tokens)
+        return bundle_namespace(self.namespace, groups), layout
+
+    def _bundles(self, job: TransferJob) -> list[tuple[str, PageLayout, list[bytes], list[dict[str, Any]], list]]:
+        """A hybrid job's keys as bundle calls: (namespace, layout, hashes, each hash's rows by part, each
+        hash's key indices)."""
+        keys = list(job.keys)
+        out = []
+        for run in runs([(block_hash(k), int.from_bytes(k[-4:], "big")) for k in keys]):
+            ns, layout = self.bundle(run.groups)
+            rows = [{part_name(g): self.rows[int(job.chunk_ids[i])] for g, i in items.items()} for items in run.items]
+            out.append((ns, layout, list(run.chunks), rows, [list(items.values()) for items in run.items]))
+        return out
+
     def _store(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)
+        if self.hybrid:
+            ok, held = True, 0
+            for ns, layout, hashes, rows, _ in self._bundles(job):
+                done = self.store.put_bundle(ns, layout, hashes, rows, chain=False)
+                ok, held = ok and done.ok, held + done.count * len(layout.parts)
+            return JobResult(job_id=job.job_id, success=ok, transfer_bytes=held * self.row_bytes)
         views = [self.rows[int(c)] for c in job.chunk_ids]
         done = self.store.put_from(self.namespace, self.layout, [page_hash(k) for k in keys], views, chain=False)
         # NOTE: vLLM reads `successful_keys` of promotion jobs only; a store job is a success only when the node
@@ -299,6 +355,16 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
     def _load(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)
+        if self.hybrid:
+            landed: list[int] = []
+            for ns, layout, hashes, rows, where in self._bundles(job):
+                n = self.store.get_bundle_into(ns, layout, hashes, rows)
+                landed += [i for idx in where[:n] for i in idx]
+            ok = len(landed) == len(keys)
+            kept = None if ok else [keys[i] for i in sorted(landed)]
+            return JobResult(
+                job_id=job.job_id, success=ok, successful_keys=kept, transfer_bytes=len(landed) * self.row_bytes
+            )
         views = [self.rows[int(c)] for c in job.chunk_ids]
         got = len(self.store.get_into(self.namespace, [page_hash(k) for k in keys], views))
         return JobResult(

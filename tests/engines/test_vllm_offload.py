@@ -156,3 +156,22 @@ def test_vllm_cpu_build_refuses_the_offloading_worker(results: tuple[dict[str, A
     res = results[0]["worker"]
     assert res["platform"] == "cpu"
     assert res["error"] == "Exception: CPU Offloading is currently only supported on CUDA-alike and XPU GPUs"
+
+
+def test_a_hybrid_models_groups_are_one_bundle_per_block(results: tuple[dict[str, Any], Nodes]) -> None:
+    """Two KV cache groups (vLLM's OffloadKey: block hash + group index): each block's groups are stored as one
+    page (a bundle of parts g0, g1) and come back together into a fresh engine's CPU tier, bit-exact; a lookup
+    of one group alone is a miss, never half a block."""
+    res, nodes = results
+    h = res["hybrid"]
+    assert h["stored"] and h["parts"] == ["g0", "g1"]
+    assert h["alone"] == ["MISS"]
+    assert h["second"] == ["HIT"] * h["keys"]
+    assert h["exact"] == h["keys"] == 16
+    assert h["namespace"].endswith("/g0+g1") and "/g2~" in h["namespace"]
+    with KVStoreClient(nodes["node"].addr, transport="grpc") as kv:
+        pages = {ns: n for ns, _, n in kv.stats().namespaces}
+        layouts = {ns: lay for ns, lay, _ in kv.stats().namespaces}
+    assert pages[h["namespace"]] == 8  # one page per block, both groups in it
+    assert layouts[h["namespace"]].is_bundle
+    assert h["plain_namespace"] not in pages  # no row stored as a page of its own

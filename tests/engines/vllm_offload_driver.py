@@ -48,12 +48,14 @@ def make_spec(url: str, *, engine: dict[str, Any] | None = None, **tier: Any) ->
     e = {"model": "tiny-llama", "dtype": "bfloat16", "kv_cache_layout": None, "canonical_layout": False,
          "tokens_per_block": BLOCK_TOKENS, "tokens_per_hash": BLOCK_TOKENS, "blocks_per_chunk": 1,
          "layers": ("l0", "l1"), "kv_bytes": KV_BYTES_PER_BLOCK, "world_size": 1, "tp_size": 1, "pp_size": 1,
-         "agnostic": False, "replicated_layout": False, **(engine or {})}  # fmt: skip
+         "agnostic": False, "replicated_layout": False, "groups": 1, **(engine or {})}  # fmt: skip
     extra = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 1024 * e["kv_bytes"] // 16,
              "secondary_tiers": [{"type": "KVStoreSecondaryTier", "module_path": "kvstore.integrations.vllm_offload",
                                   "url": url, "timeout": 5, "lookup_timeout": 2, **tier}]}  # fmt: skip
     cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=e["tokens_per_block"], layer_names=e["layers"], group_id=0),),
+        groups=(OffloadingGroupConfig(tokens_per_block=e["tokens_per_block"], layer_names=e["layers"], group_id=0),
+                *(OffloadingGroupConfig(tokens_per_block=e["tokens_per_block"], layer_names=(f"sw{g}",), group_id=g)
+                  for g in range(1, e["groups"]))),
         worker_kv_bytes_per_block=e["kv_bytes"], enable_kv_cache_events=False, extra_config=extra,
         engine_id=f"kvstore-test-{uuid.uuid4().hex[:8]}", model=OffloadingModelConfig(name=e["model"], dtype=e["dtype"]),
         cache=OffloadingCacheConfig(tokens_per_hash=e["tokens_per_hash"], blocks_per_chunk=e["blocks_per_chunk"]),
@@ -307,6 +309,42 @@ def bad_config(url: str) -> dict[str, str]:
     return out
 
 
+def hybrid(url: str) -> dict[str, Any]:
+    """A hybrid model (two KV cache groups): each block's two groups are one bundle on the node; a fresh engine
+    gets both back; a lookup of one group alone is a miss (never one group of a block without the other)."""
+    rng = np.random.default_rng(1)
+    a, b = make_spec(url, engine={"groups": 2}).get_manager(), make_spec(url, engine={"groups": 2}).get_manager()
+    tier_a, tier_b = a.secondary_tiers[0], b.secondary_tiers[0]
+    blocks = [bytes(k[:32]) for k in keys_for(8, b"hybrid")]
+    keys = [make_offload_key(h, g) for h in blocks for g in (0, 1)]
+    data = {k: rng.integers(0, 256, tier_a.row_bytes, dtype=np.uint8).tobytes() for k in keys}
+    req_a = ReqContext(req_id="HA")
+    a.on_new_request(req_a)
+    store(a, keys, req_a, data)
+    stored = settle(a, lambda: not tier_a.has_pending_work() and not a.has_pending_work())
+    a.on_request_finished(req_a)
+    req_x = ReqContext(req_id="HX")  # a request asking for group 0 alone (its lookup state is its own)
+    b.on_new_request(req_x)
+    alone = lookup_all(b, [make_offload_key(h, 0) for h in blocks[:2]], req_x)
+    b.on_request_finished(req_x)
+    req_b = ReqContext(req_id="HB")
+    b.on_new_request(req_b)
+    lookup_all(b, keys, req_b)
+    settle(b, lambda: not tier_b.has_pending_work() and not b.has_pending_work())
+    second = lookup_all(b, keys, req_b)
+    spec = b.prepare_load(keys, req_b)
+    rows = np.asarray(b.primary_tier.get_kv_memoryview())
+    exact = sum(rows[int(c)].tobytes() == data[k] for k, c in zip(keys, spec.chunk_ids, strict=True))
+    del rows
+    b.complete_load(keys, req_b)
+    b.on_request_finished(req_b)
+    ns, layout = tier_b.bundle((0, 1))
+    for m in (a, b):
+        m.shutdown()
+    return {"stored": stored, "alone": alone, "second": second, "exact": exact, "keys": len(keys),
+            "namespace": ns, "plain_namespace": tier_b.namespace, "parts": list(layout.part_names)}  # fmt: skip
+
+
 def worker(url: str) -> dict[str, Any]:
     """What the engine's worker does at start on this platform: ask the spec for its GPU<->CPU worker."""
     from vllm.platforms import current_platform
@@ -330,7 +368,7 @@ def main() -> int:
     res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
            "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
            "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url),
-           "full": full(args.full_url), "identity": identity(args.identity_url)}  # fmt: skip
+           "full": full(args.full_url), "identity": identity(args.identity_url), "hybrid": hybrid(args.url)}  # fmt: skip
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
