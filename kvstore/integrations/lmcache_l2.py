@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -58,6 +59,8 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
+from kvstore.hashing import MAX_NAMESPACE_BYTES
+from kvstore.integrations.groups import Run, groups_label, part_name, runs
 from kvstore.integrations.lmcache_l2_mapping import (
     L2_MAPPING_VERSION,
     L2_PARAMS,
@@ -73,6 +76,7 @@ from kvstore.integrations.lmcache_l2_mapping import (
 )
 from kvstore.integrations.lmcache_mapping import model_part
 from kvstore.integrations.remote import RemoteStore, call_slices
+from kvstore.layout import PageLayout
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats
 
@@ -325,7 +329,126 @@ class KVStoreL2Adapter(L2AdapterInterface):
             done.finish(task_id, failed)
         return task_id
 
+    # -- object groups: a chunk's groups in one task are one bundle (DESIGN.md §4.3, integrations/groups.py)
+
     def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
+        plain, bundled = self._grouped(keys)
+        if not bundled:
+            return self._store_rows(keys, objects)
+        res = self._store_rows([keys[i] for i in plain], [objects[i] for i in plain]) if plain else None
+        ok, sent = (True, 0) if res is None else (res.is_successful(), res.bytes_transferred())
+        stored: list[ObjectKey] = []
+        sizes: list[int] = []
+        for run in bundled:
+            named = self._bundle_call(keys, run, {g: _object_tag(objects[i]) for g, i in run.items[0].items()})
+            if named is None:
+                ok = False
+                continue
+            ns, hashes = named
+            parts = {g: objects[i].get_size() for g, i in run.items[0].items()}
+            try:
+                layout = PageLayout.bundle({part_name(g): l2_page_layout(n) for g, n in parts.items()}, block_size=1)
+            except (MappingError, ValueError) as exc:
+                self.store.say("bad-object", logging.ERROR, "kvstore L2 adapter: not stored: %s", exc)
+                ok = False
+                continue
+            pages = [{part_name(g): objects[i].byte_array for g, i in items.items()} for items in run.items]
+            done = self.store.put_bundle(ns, layout, hashes, pages)
+            sent += done.count * layout.page_bytes
+            ok = ok and done.ok
+            for j, held in enumerate(done.held):
+                if held:
+                    stored += [keys[i] for i in run.items[j].values()]
+                    sizes += [parts[g] for g in run.items[j]]
+        if stored:
+            self._notify_keys_stored(stored, sizes)
+        return L2StoreResult(ok, sent)
+
+    def _lookup(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
+        plain, bundled = self._grouped(keys)
+        if not bundled:
+            return self._lookup_rows(keys, descs)
+        bitmap = Bitmap(len(keys))
+        if plain:
+            for j in self._lookup_rows([keys[i] for i in plain], descs).get_indices_list():
+                bitmap.set(plain[j])
+        now = time.monotonic()
+        for run in bundled:
+            tags = {g: self._desc_tag(keys[i], descs) for g, i in run.items[0].items()}
+            named = None if None in tags.values() else self._bundle_call(keys, run, tags)  # type: ignore[arg-type]
+            if named is None:
+                continue
+            ns, hashes = named
+            n = self._find(ns, hashes)
+            if n and self.settings.lock:  # one pin per chunk, held by its first group's key (unlock releases it)
+                first = [min(items.values()) for items in run.items[:n]]
+                self._hold(keys, first, ns, hashes[:n], now + self.settings.remote.pin_lease)
+            for items in run.items[:n]:
+                for i in items.values():
+                    bitmap.set(i)
+        return bitmap
+
+    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
+        plain, bundled = self._grouped(keys)
+        if not bundled:
+            return self._load_rows(keys, objects)
+        bitmap = Bitmap(len(keys))
+        if plain:
+            for j in self._load_rows([keys[i] for i in plain], [objects[i] for i in plain]).get_indices_list():
+                bitmap.set(plain[j])
+        loaded: list[ObjectKey] = []
+        for run in bundled:
+            named = self._bundle_call(keys, run, {g: _object_tag(objects[i]) for g, i in run.items[0].items()})
+            if named is None:
+                continue
+            ns, hashes = named
+            sizes = {g: objects[i].get_size() for g, i in run.items[0].items()}
+            try:
+                layout = PageLayout.bundle({part_name(g): l2_page_layout(n) for g, n in sizes.items()}, block_size=1)
+            except (MappingError, ValueError):
+                continue
+            pages = [{part_name(g): objects[i].byte_array for g, i in items.items()} for items in run.items]
+            n = self.store.get_bundle_into(ns, layout, hashes, pages)
+            for items in run.items[:n]:
+                for i in items.values():
+                    bitmap.set(i)
+                    loaded.append(keys[i])
+        if loaded:
+            self._notify_keys_accessed(loaded)
+        return bitmap
+
+    def _grouped(self, keys: Sequence[ObjectKey]) -> tuple[list[int], list[Run]]:
+        """The keys of chunks this task carries with one object group (`plain`: the rows above), and the runs of
+        chunks it carries with several (each chunk one bundle of its groups)."""
+        all_runs = runs(
+            [((k.model_name, k.kv_rank, k.cache_salt, bytes(k.chunk_hash)), k.object_group_id) for k in keys]
+        )
+        plain = [i for r in all_runs if len(r.groups) == 1 for items in r.items for i in items.values()]
+        return sorted(plain), [r for r in all_runs if len(r.groups) > 1]
+
+    def _bundle_call(
+        self, keys: Sequence[ObjectKey], run: Run, tags: Mapping[int, str]
+    ) -> tuple[str, list[bytes]] | None:
+        """(namespace, hashes) of a run's bundles: the namespace of its first group's row, then the groups and a
+        digest of every group's layout tag; a chunk's hash is its group-0 page key (None: unnamed, logged)."""
+        first = keys[run.items[0][run.groups[0]]]
+        try:
+            base = self._namespace(first, tags[run.groups[0]])
+        except MappingError as exc:
+            self.store.say("mapping", logging.ERROR, "kvstore L2 adapter: key of model %r cannot be mapped: %s; "
+                           "treated as a miss", first.model_name, exc)  # fmt: skip
+            return None
+        if base is None:
+            return None
+        digest = hashlib.sha256(";".join(f"{g}={tags[g]}" for g in run.groups).encode()).hexdigest()[:12]
+        ns = f"{base}/{groups_label(run.groups)}~{digest}"
+        if len(ns.encode()) > MAX_NAMESPACE_BYTES:
+            ns = f"{base[: MAX_NAMESPACE_BYTES - 30]}/{hashlib.sha256(ns.encode()).hexdigest()[:24]}"
+        hashes = [l2_page_key(k.model_name, k.kv_rank, 0, k.chunk_hash, k.cache_salt)
+                  for k in (keys[items[run.groups[0]]] for items in run.items)]  # fmt: skip
+        return ns, hashes
+
+    def _store_rows(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
         """Store the objects; the task succeeds only when the node holds every one afterwards, and only the keys
         it holds are announced to LMCache as stored (outcome.py: a key a full node refused is a failure, so
         LMCache keeps its L1 copy and its L2 accounting never counts it)."""
@@ -371,7 +494,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self.counters["store_failures"] += 0 if ok else 1
         return L2StoreResult(ok, sent)
 
-    def _lookup(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
+    def _lookup_rows(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
         bitmap = Bitmap(len(keys))
         hits = 0
         now = time.monotonic()
@@ -391,7 +514,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self.counters["lookup_hits"] += hits
         return bitmap
 
-    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
+    def _load_rows(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
         bitmap = Bitmap(len(keys))
         loaded: list[ObjectKey] = []
         nbytes = 0

@@ -459,3 +459,34 @@ def test_a_weights_revision_is_its_own_namespace(node: NodeProcess, adapters: Ca
         assert lookup(adapters(target=node.addr, **other), ks) == [], other
     names = {ns for ns, _, _ in node_stats(node).namespaces}
     assert l2_namespace("lmcache", f"{MODEL}@0e9e39f", RANK, 0, "", TAG) in names
+
+
+def test_a_chunks_object_groups_are_one_bundle_stored_and_loaded_together(
+    tmp_path: Path, adapters: Callable[..., Any]
+) -> None:
+    """LMCache's object groups (a hybrid model's full-attention and sliding-window KV of one chunk, each its own
+    ObjectKey and MemoryObj) that one task carries are one page on the node, stored and loaded together; a task
+    asking for one group alone is a miss, never one group of a chunk without the other."""
+    node = start_node(tmp_path, max_page_bytes=2 * CHUNK_BYTES)  # a bundle holds both groups' bytes
+    try:
+        a = adapters(target=node.addr)
+        small = (2, 1, 16, 128)  # the second group's objects: another shape, another size
+        ks = keys(4, 40, group=0) + keys(4, 40, group=1)  # group-major, as LMCache orders a task's keys
+        src = objects(4, seed=7) + objects(4, seed=8, shape=small)
+        res = store(a, ks, src)
+        assert res.is_successful() and res.bytes_transferred() == 4 * (CHUNK_BYTES + CHUNK_BYTES // 2)
+        bundles = [(ns, lay, n) for ns, lay, n in node_stats(node).namespaces if lay.is_bundle]
+        assert len(bundles) == 1 and bundles[0][2] == 4  # one page per chunk, both groups in it
+        assert bundles[0][0].startswith(NS) and "/g0+g1~" in bundles[0][0]
+
+        descs = {**DESC, 1: MemoryLayoutDesc(shapes=[torch.Size(small)], dtypes=[torch.float16])}
+        assert lookup(a, ks, descs) == list(range(8))
+        assert node_stats(node).pinned_pages == 4  # one pin per chunk
+        dst = objects(4) + objects(4, shape=small)
+        assert load(a, ks, dst) == list(range(8))
+        assert raw(dst) == raw(src)
+        a.submit_unlock(ks)
+        wait_for(lambda: node_stats(node).pinned_pages == 0, what="the unlock to release the bundles' pins")
+        assert lookup(a, ks[:4], descs) == []  # group 0 alone: not stored as a page of its own
+    finally:
+        node.close()
