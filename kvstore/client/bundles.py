@@ -101,3 +101,9 @@ def scatter(payload: memoryview, page: list[Regions]) -> None:
 def _address(view: memoryview) -> int:
     addr, _ = buffer_span(view, "page", writable=False)
     return addr
+
+
+def region_views(page: list[Regions]) -> list[memoryview]:
+    """One page's regions as writable byte views, in order (for a plane that moves them without a copy). The
+    caller's buffers they lie in must outlive the call (they do: the caller holds them)."""
+    return [memoryview((ctypes.c_uint8 * n).from_address(addr)).cast("B") for part in page for addr, n in part]

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id, is_loopback
-from kvstore.client.bundles import Parts, check_bundle_layout, gather, part_regions, scatter
+from kvstore.client.bundles import Parts, Regions, check_bundle_layout, gather, part_regions, region_views, scatter
 from kvstore.client.exchange import Exchange, Unary
 from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import check_buffers
@@ -329,19 +329,32 @@ class ClientCore:
 
     def put_bundle(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Parts]) -> Exchange[PutResult]:
         """Store multi-part pages (`op.layout` a bundle with named parts; pages[i] maps each part name to its
-        buffer or regions): each page's parts are gathered into one page of registered staging memory (the one
-        copy), then put from there, so each page, every part of it, is stored atomically or not at all."""
+        buffer or regions), each page, every part of it, atomically or not at all. A plane that `scatters` (TCP)
+        sends the parts straight from their regions; on the others each page is gathered into one page of
+        registered staging memory (the one copy) and put from there."""
         regions = part_regions(op.layout, pages, writable=False)
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
         if not hashes:
             return PutResult(0, 0)
+
+        def on(p: DataPlane) -> Exchange[tuple[int, int]]:
+            if p.scatters:
+                return p.put_regions(op, hashes, [region_views(page) for page in regions])
+            return self._put_staged(p, op, hashes, regions)
+
+        stored, present = yield from self._bulk(on)
+        return PutResult(stored, present)
+
+    def _put_staged(
+        self, plane: DataPlane, op: PutOpen, hashes: Sequence[bytes], regions: list[list[Regions]]
+    ) -> Exchange[tuple[int, int]]:
         staging = self._staging.take(op.layout.page_bytes, len(hashes))
         try:
             views = staging.pages(op.layout.page_bytes, len(hashes))
             for page, view in zip(regions, views, strict=True):
                 gather(page, view)
-            result = yield from self.put_from(op, hashes, views)
+            result = yield from plane.put_from(op, hashes, views)
         except BaseException:
             staging.close()  # NOTE: memory lent to a call that failed is never reused (DESIGN.md §8.4)
             raise
@@ -360,13 +373,33 @@ class ClientCore:
     def get_bundle_into(
         self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Parts], promote: bool
     ) -> Exchange[list[PageRef]]:
-        """Multi-part pages of the longest stored prefix, each part copied into the caller's buffer(s) for it
-        (pages[i][name]: checked before anything is sent). The page lands once (verified, in the receive
-        pool; on the same host the node writes it there), then its parts are copied out: one copy."""
+        """Multi-part pages of the longest stored prefix, each part into the caller's buffer(s) for it (pages[i]
+        [name]: checked before anything is sent). A plane that `scatters` (TCP) receives each part straight into
+        its regions; on the others the page lands once (verified, in the receive pool; on the same host the node
+        writes it there) and its parts are copied out: one copy."""
         regions = part_regions(layout, pages, writable=True)
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
-        got = yield from self.get_pages(namespace, hashes, promote, layout)
+        if not hashes:
+            return []
+
+        def on(p: DataPlane) -> Exchange[list[PageRef]]:
+            if p.scatters:
+                return p.get_regions(namespace, hashes, [region_views(page) for page in regions], promote, layout)
+            return self._get_copied(p, namespace, layout, hashes, regions, promote)
+
+        return (yield from self._bulk(on))
+
+    @staticmethod
+    def _get_copied(
+        plane: DataPlane,
+        namespace: str,
+        layout: PageLayout,
+        hashes: Sequence[bytes],
+        regions: list[list[Regions]],
+        promote: bool,
+    ) -> Exchange[list[PageRef]]:
+        got = yield from plane.get(namespace, hashes, promote, layout)
         out = []
         for page, parts in zip(got, regions, strict=False):
             scatter(memoryview(page.data), parts)

@@ -113,6 +113,54 @@ class DataPlane(abc.ABC):
         (the same-host plane) overrides it."""
         return (yield from self.put_batch(op, hashes, buffers))
 
+    # -- bundles' parts (DESIGN.md §4.3): a plane that can move a page as several regions of caller memory
+
+    scatters = False  # True: put_regions_batch / get_regions_batch move parts without a copy
+
+    def put_regions_batch(
+        self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
+    ) -> Exchange[tuple[int, int]]:
+        """Store one batch of pages, page i the concatenation of pages[i]'s regions (only where `scatters`)."""
+        raise NotImplementedError(f"the {self.name} plane does not move pages as regions")
+
+    def get_regions_batch(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        pages: Sequence[list[memoryview]],
+        promote: bool,
+        first: int,
+        expect: PageLayout | None = None,
+    ) -> Exchange[list[PageRef]]:
+        """`get_into_batch` with page i received into pages[i]'s regions, in order (only where `scatters`)."""
+        raise NotImplementedError(f"the {self.name} plane does not move pages as regions")
+
+    def put_regions(
+        self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
+    ) -> Exchange[tuple[int, int]]:
+        """`put` of pages made of regions, one atomic batch per call."""
+        ranges = batches(len(hashes), self.pages_per_call)
+        return (
+            yield from self._puts(
+                op, hashes, ranges, lambda o, a, b: self.put_regions_batch(o, hashes[a:b], pages[a:b])
+            )
+        )
+
+    def get_regions(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        pages: Sequence[list[memoryview]],
+        promote: bool,
+        expect: PageLayout | None = None,
+    ) -> Exchange[list[PageRef]]:
+        """Pages of the longest stored prefix, page i into pages[i]'s regions."""
+
+        def one(a: int, b: int) -> Exchange[list[PageRef]]:
+            return self.get_regions_batch(namespace, hashes[a:b], pages[a:b], promote, a, expect)
+
+        return (yield from self._prefix(namespace, batches(len(hashes), self.pages_per_call), one))
+
     def runs(self, buffers: Sequence[Buffer], writable: bool) -> list[tuple[int, int]]:
         """The batches of a get_into / put_from over `buffers` (already checked by the client); a plane
         whose batches must not cross some boundary of caller memory overrides it."""

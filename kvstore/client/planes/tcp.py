@@ -34,7 +34,7 @@ from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import checksum_in_steps, key_digest, wire_checksum
+from kvstore.pageformat import HOT_CHUNK, checksum_in_steps, key_digest, payload_hasher, wire_checksum
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import PlaneInfo
 from kvstore.wire import PutOpen, tcp, unpack_held
@@ -158,6 +158,34 @@ class Connection:
 
         return checksum_in_steps(len(dst), receive)
 
+    def receive_regions(self, regions: list[memoryview], verify: bool) -> int:
+        """Fill `regions` in order from the socket (one page's parts); their payload checksum when `verify`, each
+        chunk hashed as soon as it is in (as receive_hashed), else 0."""
+        h = payload_hasher()
+        for region in regions:
+            for off in range(0, len(region), HOT_CHUNK):
+                chunk = region[off : off + HOT_CHUNK]
+                self.readinto(chunk)
+                if verify:
+                    h.update(chunk)
+        return h.intdigest() if verify else 0
+
+    def put_regions(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]) -> tuple[int, int]:
+        """`put` of pages each made of regions in caller memory (a bundle's parts): hashed in one read pass, then
+        sent straight from the regions (sendmsg gathers them: no copy)."""
+        self.replied = False
+        self.send(tcp.put(op, len(hashes)))
+        for h, regions in zip(hashes, pages, strict=True):
+            hasher = payload_hasher()
+            for r in regions:
+                hasher.update(r)
+            n = sum(len(r) for r in regions)
+            self.send(tcp.page_header(h, hasher.intdigest() ^ key_digest(op.namespace, h), n), *regions)
+        head, meta = self.read_frame()
+        if head.kind is not Kind.DONE:
+            raise StreamError(f"the node answered PUT with {head.kind.name}")
+        return tcp.parse_done(meta)
+
     def read_frame(self) -> tuple[Header, bytearray]:
         """The next frame's header and metadata (its body, if any, is still to be read); ERROR raises
         the node's exception."""
@@ -216,9 +244,14 @@ class Connection:
             if i >= len(hashes) or h != hashes[i]:
                 raise StreamError(f"page {i}: the node sent an unexpected hash")
             dst = sink(i, head.body_len)
-            if not verify:
+            if isinstance(dst, list):  # a bundle's parts, each straight into its own region (no copy)
+                got = self.receive_regions(dst, verify)
+            elif not verify:
                 self.readinto(dst)
-            elif self.receive_hashed(dst) ^ key_digest(namespace, h) != checksum:  # bound to what was asked
+                got = None
+            else:
+                got = self.receive_hashed(dst)
+            if verify and got ^ key_digest(namespace, h) != checksum:  # bound to what was asked
                 raise PageCorrupt(i, h, out)
             out.append((h, TierKind(tier), dst))
 
@@ -345,6 +378,31 @@ class TcpPlane(DataPlane):
         sink = page_sink(buffers, first)
         return (yield from self._get(namespace, hashes, promote, sink, lambda h, t, v: PageRef(h, t, len(v)), expect))
 
+    scatters = True  # a bundle's parts move straight between the socket and their regions
+
+    def put_regions_batch(
+        self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
+    ) -> Exchange[tuple[int, int]]:
+        abort = Abort()
+        return (yield Blocking(lambda: self._pool.call(lambda c: c.put_regions(op, hashes, pages), abort), abort))
+
+    def get_regions_batch(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        pages: Sequence[list[memoryview]],
+        promote: bool,
+        first: int,
+        expect: PageLayout | None = None,
+    ) -> Exchange[list[PageRef]]:
+        def sink(i: int, n: int) -> list[memoryview]:
+            have = sum(len(r) for r in pages[i])
+            if have != n:
+                raise ValueError(f"pages[{first + i}]: its parts hold {have} bytes, the node sent a {n}-byte page")
+            return pages[i]
+
+        return (yield from self._get(namespace, hashes, promote, sink, _ref, expect))  # type: ignore[arg-type]
+
     def _get(
         self,
         namespace: str,
@@ -365,6 +423,10 @@ class TcpPlane(DataPlane):
         except PageCorrupt as exc:
             raise PageCorrupt(exc.index, exc.hash, [result(*g) for g in exc.good]) from None
         return [result(*g) for g in got]
+
+
+def _ref(h: bytes, tier: TierKind, dst: memoryview | list[memoryview]) -> PageRef:
+    return PageRef(h, tier, sum(len(r) for r in dst) if isinstance(dst, list) else len(dst))
 
 
 def client_tls_context(security: ClientSecurity) -> ssl.SSLContext:
