@@ -336,19 +336,18 @@ class ClientCore:
         if len(hashes) != len(pages):
             raise ValueError(f"{len(hashes)} hashes but {len(pages)} pages")
         if not hashes:
-            return PutResult(0, 0)
+            return PutResult(0, 0, [])
 
-        def on(p: DataPlane) -> Exchange[tuple[int, int]]:
+        def on(p: DataPlane) -> Exchange[PutResult]:
             if p.scatters:
                 return p.put_regions(op, hashes, [region_views(page) for page in regions])
             return self._put_staged(p, op, hashes, regions)
 
-        stored, present = yield from self._bulk(on)
-        return PutResult(stored, present)
+        return (yield from self._bulk(on))
 
     def _put_staged(
         self, plane: DataPlane, op: PutOpen, hashes: Sequence[bytes], regions: list[list[Regions]]
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         staging = self._staging.take(op.layout.page_bytes, len(hashes))
         try:
             views = staging.pages(op.layout.page_bytes, len(hashes))

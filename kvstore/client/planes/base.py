@@ -119,7 +119,7 @@ class DataPlane(abc.ABC):
 
     def put_regions_batch(
         self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         """Store one batch of pages, page i the concatenation of pages[i]'s regions (only where `scatters`)."""
         raise NotImplementedError(f"the {self.name} plane does not move pages as regions")
 
@@ -137,7 +137,7 @@ class DataPlane(abc.ABC):
 
     def put_regions(
         self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         """`put` of pages made of regions, one atomic batch per call."""
         ranges = batches(len(hashes), self.pages_per_call)
         return (

@@ -170,7 +170,7 @@ class Connection:
                     h.update(chunk)
         return h.intdigest() if verify else 0
 
-    def put_regions(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]) -> tuple[int, int]:
+    def put_regions(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]) -> PutResult:
         """`put` of pages each made of regions in caller memory (a bundle's parts): hashed in one read pass, then
         sent straight from the regions (sendmsg gathers them: no copy)."""
         self.replied = False
@@ -184,7 +184,8 @@ class Connection:
         head, meta = self.read_frame()
         if head.kind is not Kind.DONE:
             raise StreamError(f"the node answered PUT with {head.kind.name}")
-        return tcp.parse_done(meta)
+        stored, present = tcp.parse_done(meta)
+        return PutResult(stored, present, unpack_held(tcp.done_held(meta), len(hashes)))
 
     def read_frame(self) -> tuple[Header, bytearray]:
         """The next frame's header and metadata (its body, if any, is still to be read); ERROR raises
@@ -382,7 +383,7 @@ class TcpPlane(DataPlane):
 
     def put_regions_batch(
         self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
-    ) -> Exchange[tuple[int, int]]:
+    ) -> Exchange[PutResult]:
         abort = Abort()
         return (yield Blocking(lambda: self._pool.call(lambda c: c.put_regions(op, hashes, pages), abort), abort))
 
