@@ -93,5 +93,7 @@ class BouncePool:
 
     def close(self) -> None:
         for buf in self._idle:
-            buf.close()
+            # A finished I/O work item may still hold a view for a moment (as in `give`): GC closes it later.
+            with contextlib.suppress(BufferError):
+                buf.close()
         self._idle.clear()
