@@ -6,33 +6,37 @@ from kvstore.config import NodeConfig, parse_size
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import HEADER_BYTES, HeaderError, PageHeader, slot_bytes_for
 from kvstore.policy import LRUPolicy, first_usable, make_policy
-from kvstore.tiers.slots import SlotAllocator
+from kvstore.tiers.slots import SizeClassAllocator
 
 
 def test_allocator_hands_out_each_slot_once() -> None:
-    a = SlotAllocator(4)
-    got = [a.allocate() for _ in range(4)]
-    assert sorted(got) == [0, 1, 2, 3] and got[0] == 0
-    assert not a.can_allocate() and a.used_count == 4
+    a = SizeClassAllocator(4, 8192)  # one size, the chunk's: a slot per chunk, as before size classes
+    got = [a.allocate(8192).offset for _ in range(4)]
+    assert got == [0, 8192, 16384, 24576]  # front to back
+    assert not a.can_allocate(8192) and a.used_count == 4 and a.used_bytes == 4 * 8192
     with pytest.raises(MemoryError):
-        a.allocate()
-    a.free(2)
-    assert a.allocate() == 2  # LIFO reuse
+        a.allocate(8192)
+    a.free(16384)
+    assert a.allocate(8192).offset == 16384
 
 
 def test_allocator_rejects_double_free_and_bad_claims() -> None:
-    a = SlotAllocator(3)
-    s = a.allocate()
+    a = SizeClassAllocator(3, 8192)
+    s = a.allocate(8192).offset
     a.free(s)
     with pytest.raises(ValueError, match="not allocated"):
         a.free(s)
-    a.claim(1)
+    a.claim(8192, 8192)
     with pytest.raises(ValueError, match="not free"):
-        a.claim(1)
-    a.claim_many([0, 2])
-    assert a.free_count == 0 and a.is_allocated(2)
-    with pytest.raises(ValueError):
-        a.claim_many([5])
+        a.claim(8192, 8192)
+    a.claim(0, 4096)  # a free chunk takes the claimed slot's size
+    with pytest.raises(ValueError, match="8192 B slots, not 4096"):
+        a.claim(12288, 4096)
+    with pytest.raises(ValueError, match="not a slot"):
+        a.claim(5 * 8192, 8192)
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        a.allocate(5000)
+    assert a.is_allocated(8192) and a.is_allocated(0) and not a.is_allocated(4096)
 
 
 def test_lru_order_and_skip() -> None:
