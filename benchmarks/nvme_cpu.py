@@ -60,7 +60,7 @@ async def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[str
         on_nvme = [k for k in keys if (e := mgr.entry(NS, k)) is not None and e.tier is TierKind.NVME][: args.batch]
         if len(on_nvme) < args.batch:
             raise RuntimeError(f"only {len(on_nvme)} pages reached NVMe")
-        slots = [e.slot for k in on_nvme if (e := mgr.entry(NS, k)) is not None]
+        slots = [e.slot for k in on_nvme if (e := mgr.entry(NS, k)) is not None]  # byte offsets in the tier
         segment = mgr.nvme_slot_location(0)[0]
         fd = os.open(segment, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
         bufs = [mmap.mmap(-1, slot) for _ in slots]
@@ -69,7 +69,7 @@ async def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[str
         loop = asyncio.get_running_loop()
 
         def disk_reads() -> None:
-            for f in [pool.submit(os.preadv, fd, [bufs[i]], s * slot) for i, s in enumerate(slots)]:
+            for f in [pool.submit(os.preadv, fd, [bufs[i]], s) for i, s in enumerate(slots)]:
                 if f.result() != slot:
                     raise OSError("short read")
 

@@ -218,11 +218,12 @@ class NodeConfig:
                 self.kv_events_allow_open,
             )
         if self.nvme_segment_bytes < self.slot_bytes and self.nvme_bytes:
-            raise ValueError("nvme_segment_bytes must hold at least one slot")
+            raise ValueError("nvme_segment_bytes must hold at least one chunk (a 4 KiB header + max_page_bytes)")
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes per slot in every tier: a 4 KiB header block plus max_page_bytes, 4 KiB aligned."""
+        """The largest slot, and every tier's chunk: a 4 KiB header block plus max_page_bytes, 4 KiB aligned. A
+        smaller page takes a slot of its own size (kvstore/tiers/slots.py), many to a chunk."""
         return slot_bytes_for(self.max_page_bytes)
 
     @classmethod

@@ -29,7 +29,13 @@ def serve(  # noqa: PLR0913
     nvme_path: Annotated[Path | None, typer.Option(help="directory for NVMe segment files")] = None,
     nvme_bytes: SizeOpt = None,
     hbm_bytes: SizeOpt = None,
-    max_page_bytes: SizeOpt = None,
+    max_page_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="the largest page accepted, e.g. 2MiB (default); smaller pages take slots of their own size",
+            show_default=False,
+        ),
+    ] = None,
     node_id: Annotated[str | None, typer.Option(help="node name in stats (default: hostname)")] = None,
     policy: Annotated[str | None, typer.Option(help="eviction and admission policy (default adaptive)")] = None,
     redis_url: Annotated[str | None, typer.Option(help="join a cluster: publish to this Redis index")] = None,

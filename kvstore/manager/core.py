@@ -71,16 +71,17 @@ _PIN_SWEEP_SECONDS = 1.0
 
 
 def build_media(config: NodeConfig) -> list[Medium]:
-    """The node's media, from its config: HBM (when CUDA is here), the DRAM slab, NVMe segment files."""
-    sb = config.slot_bytes
-    dram = DramTier(config.dram_bytes, sb)
-    hbm = HbmTier(config.hbm_bytes, sb)
+    """The node's media, from its config: HBM (when CUDA is here), the DRAM slab, NVMe segment files; each
+    cut into chunks of the largest slot (`config.slot_bytes`), which hold pages of any size up to it."""
+    chunk = config.slot_bytes
+    dram = DramTier(config.dram_bytes, chunk)
+    hbm = HbmTier(config.hbm_bytes, chunk)
     if hbm.available:
         dram.try_pin()
     if config.nvme_bytes:
-        nvme: Medium = NvmeTier(config.nvme_path, config.nvme_bytes, sb, config.nvme_segment_bytes)
+        nvme: Medium = NvmeTier(config.nvme_path, config.nvme_bytes, chunk, config.nvme_segment_bytes)
     else:
-        nvme = Absent(TierKind.NVME, sb, "no --nvme-path / --nvme-bytes configured")
+        nvme = Absent(TierKind.NVME, chunk, "no --nvme-path / --nvme-bytes configured")
     return [hbm, dram, nvme]
 
 
@@ -93,7 +94,7 @@ class TierManager:
         media: list[Medium] | None = None,
         shares: dict[str, dict[TierKind, int]] | None = None,
     ) -> None:
-        """`shares`: tenant -> tier -> most slots its pages may hold there (kvstore/manager/quotas.py)."""
+        """`shares`: tenant -> tier -> most bytes its pages' slots may hold there (kvstore/manager/quotas.py)."""
         self.config = config
         self._started = time.monotonic()
         self.io = IoPool(config.io_threads)
@@ -169,7 +170,7 @@ class TierManager:
             medium = self.durable.tier.medium
             found = await self.io.run(lambda: list(medium.scan()))
             self.durable.tier.counters.checksum_failures += medium.scan_failures
-            self.recovered_pages = self.durable.recover(found, self.config.max_page_bytes)
+            self.recovered_pages = self.durable.recover(found, self.config.max_page_bytes, medium.chunk_classes)
         self._spawn(self._pin_sweeper())
         if self.scrubber is not None:
             self._spawn(self.scrubber.run())
@@ -237,8 +238,10 @@ class TierManager:
         self.table.learn_parts(op.namespace, layout)
         if op.parent is not None:
             check_hash(op.parent, "open.parent_hash")
-        if self.staging.tier.alloc.num_slots == 0:
-            raise ResourceExhausted("this node has no DRAM slots (dram_bytes smaller than one slot)")
+        if self.staging.tier.alloc.num_chunks == 0:
+            raise ResourceExhausted(
+                "this node has no DRAM slots (dram_bytes smaller than one chunk: a 4 KiB header + max_page_bytes)"
+            )
         return PutTxn(self.staging, op)
 
     def _after_commit(self, keys: list[Key], target: TierKind) -> None:
@@ -414,10 +417,10 @@ class TierManager:
                     tier=kind,
                     available=t.available,
                     detail=t.medium.detail,
-                    capacity_bytes=t.alloc.num_slots * t.medium.slot_bytes if t.available else 0,
+                    capacity_bytes=t.alloc.capacity_bytes if t.available else 0,
                     used_bytes=t.used_bytes,
-                    slot_bytes=t.medium.slot_bytes,
-                    slots_total=t.alloc.num_slots if t.available else 0,
+                    slot_bytes=t.medium.chunk_bytes,
+                    slots_total=t.slots_total if t.available else 0,
                     slots_used=t.alloc.used_count,
                     pages=t.pages,
                     counters=copy_counters(t.counters),
@@ -447,6 +450,6 @@ class TierManager:
             corrupt_unchecked=c.corrupt_unchecked,
             scrubbed_bytes=c.scrubbed_bytes,
             index=self.index_status() if self.index_status is not None else None,
-            tenants=self.tenants.snapshot(self.config.slot_bytes),
+            tenants=self.tenants.snapshot(),
             kv_events=self.kv_events_status() if self.kv_events_status is not None else None,
         )

@@ -88,7 +88,7 @@ class TenantLedger:
             self._known, self._known_seen = tuple(sorted(names)), seen
         return self._known
 
-    def snapshot(self, slot_bytes: int) -> list[TenantStats]:
+    def snapshot(self) -> list[TenantStats]:
         """Every tenant's row, as the operator sees them (kvstore/manager/views.py narrows it for a tenant)."""
         self.settle()
         out = []
@@ -100,7 +100,7 @@ class TenantLedger:
                 TenantStats(
                     name,
                     {k: t.tenant_pages.get(name, 0) for k, t in tiers.items() if t.available},
-                    {k: n * slot_bytes for k, n in caps.get(name, {}).items()},
+                    dict(caps.get(name, {})),
                     **{f.name: getattr(c, f.name) for f in fields(TenantCounters)},
                 )
             )

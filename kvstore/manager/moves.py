@@ -107,7 +107,7 @@ class Mover:
             return False
         victim = None
         if admission and self.table.tiers[kind].medium.host_memory:
-            admitted, victim = self.placement.admit(kind, entry.key, entry.parent)
+            admitted, victim = self.placement.admit(kind, entry.key, entry.parent, entry.used_len)
             if not admitted:
                 return False
         try:
@@ -132,14 +132,14 @@ class Mover:
             if dst is self.durable.tier and entry.shadow is not None:
                 # Clean demotion: the durable copy from before its promotion is still intact.
                 dst_slot = entry.shadow
-                self.durable.adopt(dst_slot)
+                self.durable.adopt(dst_slot, entry.used_len)
             else:
                 dst_slot = await self.placement.allocate(
-                    dst_kind, wait=demotion, victim=victim, tenant=tenant_of(entry.namespace)
+                    dst_kind, entry.used_len, wait=demotion, victim=victim, tenant=tenant_of(entry.namespace)
                 )  # its share
                 await self.copy(entry, src, src_slot, dst, dst_slot)
                 verify = dst.medium.host_memory and not src.medium.host_memory
-                if verify and not verify_copy(entry, dst.medium.view(dst_slot)[: entry.used_len]):
+                if verify and not verify_copy(entry, dst.medium.view(dst_slot, entry.used_len)):
                     src.counters.checksum_failures += 1
                     dst.alloc.free(dst_slot)
                     dst_slot = None
@@ -148,11 +148,11 @@ class Mover:
                     await self.drop(entry, erase=True)
                     return
                 if verify:
-                    upgrade_header(entry, dst.medium.view(dst_slot))
+                    upgrade_header(entry, dst.medium.view(dst_slot, HEADER_BYTES))
             self.table.unpublish(entry)
             src.alloc.free(src_slot)
             if src is self.durable.tier:
-                self.durable.note(src_slot, entry.key)
+                self.durable.note(src_slot, entry.key, entry.used_len)
                 entry.shadow = src_slot
             entry.tier, entry.slot = dst_kind, dst_slot
             dst_slot = None
@@ -173,13 +173,13 @@ class Mover:
             self.placement.space_changed()
 
     async def copy(self, entry: Entry, src: Tier, src_slot: int, dst: Tier, dst_slot: int) -> None:
-        """The used bytes of a slot, from one medium to another: straight when either side is host
-        memory, else through a bounce buffer."""
+        """A page's slot (its size is the same in every tier), from one medium to another: one aligned copy,
+        straight when either side is host memory, else through a bounce buffer."""
         n = entry.used_len
         if src.medium.host_memory:
-            await self.io.run(dst.medium.write, dst_slot, src.medium.view(src_slot)[:n])
+            await self.io.run(dst.medium.write, dst_slot, src.medium.view(src_slot, n))
         elif dst.medium.host_memory:
-            await self.io.read(src.medium, src_slot, dst.medium.view(dst_slot)[:n])  # batched with its peers
+            await self.io.read(src.medium, src_slot, dst.medium.view(dst_slot, n))  # batched with its peers
         else:
             buf = self.bounce.take()
             view = memoryview(buf)[:n]
@@ -200,11 +200,11 @@ class Mover:
         entry.shadow = None
         if erase:
             if tier.medium.persistent:
-                await self.io.run(tier.medium.invalidate, entry.slot)
+                await self.io.run(tier.medium.invalidate, entry.slot, entry.used_len)
             await self.durable.erase(entry.key)
         tier.alloc.free(entry.slot)
         if tier is self.durable.tier and not erase:
-            self.durable.note(entry.slot, entry.key)
+            self.durable.note(entry.slot, entry.key, entry.used_len)
         self.placement.space_changed()
 
 

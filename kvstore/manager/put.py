@@ -34,6 +34,7 @@ from kvstore.pageformat import (
     identity_digest,
     node_side_digest,
     payload_checksum,
+    slot_bytes_for,
 )
 from kvstore.scoping import tenant_of
 from kvstore.tiers.dram import BouncePool
@@ -75,11 +76,15 @@ class WriteThrough:
         tier = self.tier
         if tier is None or (namespace, h) in self.table:
             return False
-        try:
-            slot = await self.placement.allocate(tier.kind, wait=False, tenant=tenant_of(namespace))  # its share
-        except ResourceExhausted:
-            return False
         plen = layout.page_bytes
+        try:  # its share; OSError: laying out a chunk for this page's size failed (disk full, I/O error)
+            slot = await self.placement.allocate(
+                tier.kind, slot_bytes_for(plen), wait=False, tenant=tenant_of(namespace)
+            )
+        except (ResourceExhausted, OSError) as exc:
+            if isinstance(exc, OSError):
+                log.error("writing %s through to %s failed (%s): not stored", h.hex(), tier.kind.label, exc)
+            return False
         entry = Entry(namespace, h, tier.kind, slot, plen, checksum, self.table.next_generation(), layout)
         entry.parent = parent
         view = memoryview(buf)
@@ -93,7 +98,7 @@ class WriteThrough:
         finally:
             view.release()
         if (namespace, h) in self.table:  # another stream published it while this one was writing
-            await self.io.run(tier.medium.invalidate, slot)
+            await self.io.run(tier.medium.invalidate, slot, entry.used_len)
             tier.alloc.free(slot)
             return False
         self.table.layouts.setdefault(namespace, layout)
@@ -140,20 +145,24 @@ class Staging:
         self.after_commit = after_commit
         self.through = through
 
-    def admit(self, key: Key, parent: Key | None) -> tuple[bool, Entry | None]:
-        """Whether a new page may take a slot of the full staging tier (Placement.admit)."""
-        return self.placement.admit(self.tier.kind, key, parent)
+    def admit(self, key: Key, parent: Key | None, nbytes: int) -> tuple[bool, Entry | None]:
+        """Whether a new page (a slot of `nbytes`) may take room in the full staging tier (Placement.admit)."""
+        return self.placement.admit(self.tier.kind, key, parent, nbytes)
 
     def has(self, key: Key) -> bool:
         return key in self.table
 
-    async def reserve(self, held: int, wait: bool, victim: Entry | None = None, tenant: str | None = None) -> int:
-        """A slot for the next page (of `tenant`: its share); `held` slots are already staged by the caller
-        (see Placement.allocate)."""
-        return await self.placement.allocate(self.tier.kind, reserve=held, wait=wait, victim=victim, tenant=tenant)
+    async def reserve(
+        self, nbytes: int, held: int, wait: bool, victim: Entry | None = None, tenant: str | None = None
+    ) -> int:
+        """A slot of `nbytes` for the next page (of `tenant`: its share); `held` bytes of slots are already
+        staged by the caller (see Placement.allocate)."""
+        return await self.placement.allocate(
+            self.tier.kind, nbytes, reserve=held, wait=wait, victim=victim, tenant=tenant
+        )
 
     def payload_view(self, slot: int, length: int) -> memoryview:
-        return self.tier.medium.view(slot)[HEADER_BYTES : HEADER_BYTES + length]
+        return self.tier.medium.view(slot + HEADER_BYTES, length)
 
     def checksum(self, slot: int, length: int) -> int:
         return payload_checksum(self.payload_view(slot, length))
@@ -171,7 +180,7 @@ class Staging:
         self.table.layouts.setdefault(namespace, layout)
         plen = layout.page_bytes
         gen = self.table.next_generation()
-        self.tier.medium.view(slot)[:HEADER_BYTES] = PageHeader(namespace, h, layout, plen, checksum, gen).pack()
+        self.tier.medium.view(slot, HEADER_BYTES)[:] = PageHeader(namespace, h, layout, plen, checksum, gen).pack()
         entry = Entry(namespace, h, self.tier.kind, slot, plen, checksum, gen, layout)
         entry.parent = parent
         self.table.publish(entry, self.tier.kind)
@@ -266,7 +275,8 @@ class PutTxn:
             self.already_present += 1
             return None
         key_parent = (self.namespace, parent) if parent is not None else None
-        admitted, victim = (False, None) if self._through_only else st.admit((self.namespace, h), key_parent)
+        nbytes = slot_bytes_for(payload_len)
+        admitted, victim = (False, None) if self._through_only else st.admit((self.namespace, h), key_parent, nbytes)
         if not admitted:
             # NOTE: staged in a bounce buffer even with nowhere to write it through: a refused page is
             # verified like any other (a wrong checksum is DataLoss), then counted not admitted at publish.
@@ -276,13 +286,13 @@ class PutTxn:
             return memoryview(buf)[HEADER_BYTES : HEADER_BYTES + payload_len]
         try:
             slot = await st.reserve(
-                held=self._slots_held, wait=not self._slots_held, victim=victim, tenant=self._tenant
+                nbytes, held=self._slots_held * nbytes, wait=not self._slots_held, victim=victim, tenant=self._tenant
             )
         except ResourceExhausted:
             if not self._slots_held:
                 raise
             await self._publish_staged()  # the stream outgrew the staging tier: commit what it staged so far
-            slot = await st.reserve(held=0, wait=True, tenant=self._tenant)
+            slot = await st.reserve(nbytes, held=0, wait=True, tenant=self._tenant)
         self._seen.add(h)
         self._staged.append(_Staged(h, slot, checksum, parent))
         self._slots_held += 1

@@ -212,7 +212,7 @@ class Reader:
         view: memoryview | None = None
         try:
             if tier.medium.host_memory:
-                payload = tier.medium.view(entry.slot)[HEADER_BYTES : HEADER_BYTES + entry.payload_len]
+                payload = tier.medium.view(entry.slot + HEADER_BYTES, entry.payload_len)
                 # NOTE: one pass per byte. A receiver that verifies covers this slot end to end; the copy
                 # into a caller's memory verifies as it copies; anything else is verified here.
                 if dest is not None and len(payload) <= INLINE_COPY_BYTES:  # a copy into a caller's memory

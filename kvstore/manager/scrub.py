@@ -44,9 +44,9 @@ class Scrubber:
 
     def check(self, entry: Entry) -> bool:
         """Whether a resident page of this tier still matches its checksum (hashed here, synchronously)."""
-        view = self.tier.medium.view(entry.slot)
+        view = self.tier.medium.view(entry.slot + HEADER_BYTES, entry.payload_len)
         try:
-            return payload_checksum(view[HEADER_BYTES : HEADER_BYTES + entry.payload_len]) == entry.payload_checksum()
+            return payload_checksum(view) == entry.payload_checksum()
         finally:
             view.release()
 

@@ -13,12 +13,12 @@ from kvstore.errors import InvalidArgument, LayoutMismatch, NamespaceNotFound
 from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
 from kvstore.layout import PageLayout, bundle_difference
 from kvstore.names import Key, TierKind
-from kvstore.pageformat import HEADER_BYTES, align_up, identity_digest
+from kvstore.pageformat import identity_digest, slot_bytes_for
 from kvstore.policy import EvictionPolicy
 from kvstore.scoping import tenant_of, unscope
 from kvstore.stats import TierCounters
 from kvstore.tiers.base import Medium
-from kvstore.tiers.slots import SlotAllocator
+from kvstore.tiers.slots import SizeClassAllocator
 
 # (namespace, hash, tier now or None: gone from the node, tier before or None: new on the node)
 ChangeListener = Callable[[str, bytes, TierKind | None, TierKind | None], None]
@@ -26,7 +26,8 @@ ChangeListener = Callable[[str, bytes, TierKind | None, TierKind | None], None]
 
 @dataclass(slots=True, eq=False)
 class Entry:
-    """One visible page. `tier`/`slot` change only inside a move, while `moving` is set."""
+    """One visible page. `tier`/`slot` change only inside a move, while `moving` is set; `slot` is the byte
+    offset of its slot in its tier's medium, a slot of `used_len` bytes (kvstore/tiers/slots.py)."""
 
     namespace: str
     hash: bytes
@@ -65,8 +66,8 @@ class Entry:
 
     @property
     def used_len(self) -> int:
-        """Bytes of the slot that carry data: header block plus payload rounded to 4 KiB."""
-        return HEADER_BYTES + align_up(self.payload_len)
+        """Its slot's size, in every tier: header block plus payload rounded to 4 KiB."""
+        return slot_bytes_for(self.payload_len)
 
 
 @dataclass(slots=True)
@@ -100,20 +101,25 @@ class NodeCounters:
 class Tier:
     """A medium with its slot allocator, eviction policy and counters.
 
-    Invariant: `alloc.used_count >= pages`; the difference is slots held by pages not visible here (staged
-    by Put streams, or the destination of a move in flight).
+    Invariants: `alloc.used_count >= pages` and `alloc.used_bytes >= held_bytes` (the slots of the visible
+    pages); the difference is slots held by pages not visible here (staged by Put streams, or the
+    destination of a move in flight). `at[offset]` is the visible page whose slot starts there, for
+    every visible page of the tier (what emptying a chunk evicts: kvstore/manager/placement.py).
     """
 
     def __init__(self, medium: Medium, policy: EvictionPolicy) -> None:
         self.kind = medium.kind
         self.medium = medium
-        self.alloc = SlotAllocator(medium.num_slots if medium.available else 0)
+        self.alloc = SizeClassAllocator(medium.num_chunks if medium.available else 0, medium.chunk_bytes)
         self.policy = policy
-        self.available = medium.available and self.alloc.num_slots > 0
+        self.available = medium.available and self.alloc.num_chunks > 0
         self.counters = TierCounters()
         self.pages = 0
-        self.used_bytes = 0
+        self.used_bytes = 0  # payload bytes of the visible pages
+        self.held_bytes = 0  # slot bytes of the visible pages (header and rounding included)
+        self.at: dict[int, Entry] = {}
         self.tenant_pages: dict[str, int] = {}  # visible pages per tenant (quotas, Stats)
+        self.tenant_bytes: dict[str, int] = {}  # slot bytes of them per tenant (what shares count)
         # With tenant shares in this tier (use_groups): one more policy per share group (a tenant
         # with a share, or POOL for the rest), fed the same events, so a group's victim is found directly.
         self.groups: dict[str, EvictionPolicy] | None = None
@@ -145,8 +151,14 @@ class Tier:
 
     @property
     def in_transit(self) -> int:
-        """Slots held by pages not (yet) visible in this tier."""
-        return self.alloc.used_count - self.pages
+        """Slot bytes held by pages not (yet) visible in this tier."""
+        return self.alloc.used_bytes - self.held_bytes
+
+    @property
+    def slots_total(self) -> int:
+        """Slots of this tier now: those of the chunks holding a class, plus one per free chunk (a slot of
+        the largest size; it takes more of smaller ones). Equals the chunks when every page is the largest."""
+        return self.alloc.slots_assigned + self.alloc.free_chunks
 
 
 def _same(tenant: str) -> str:
@@ -157,8 +169,9 @@ class PageTable:
     """Every visible page of the node and the tier it is in.
 
     Invariants:
-    - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key
-      and its `pages`/`used_bytes` include it (exclusive tiers: capacities add up);
+    - an entry in the table is counted in exactly one tier, its `tier`: that tier's policy holds its key,
+      its `pages`/`used_bytes`/`held_bytes` include it and `at[entry.slot]` is it (exclusive tiers:
+      capacities add up);
     - `ns_pages[ns]` is the number of entries of namespace ns (a tier's `tenant_pages[t]`, of tenant t's
       entries in it); a namespace's layout, its encoding included, is bound by its first
       page and never changes while the node runs;
@@ -214,8 +227,11 @@ class PageTable:
             gp.on_insert(entry.key, parent=entry.parent, reads=entry.reads)  # type: ignore[call-arg]
         tier.pages += 1
         tier.used_bytes += entry.payload_len
+        tier.held_bytes += entry.used_len
+        tier.at[entry.slot] = entry
         t = tenant_of(entry.namespace)
         tier.tenant_pages[t] = tier.tenant_pages.get(t, 0) + 1
+        tier.tenant_bytes[t] = tier.tenant_bytes.get(t, 0) + entry.used_len
         for listener in self.listeners:
             listener(entry.namespace, entry.hash, kind, previous)
 
@@ -228,7 +244,11 @@ class PageTable:
             gp.on_remove(entry.key)
         tier.pages -= 1
         tier.used_bytes -= entry.payload_len
-        tier.tenant_pages[tenant_of(entry.namespace)] -= 1
+        tier.held_bytes -= entry.used_len
+        del tier.at[entry.slot]
+        t = tenant_of(entry.namespace)
+        tier.tenant_pages[t] -= 1
+        tier.tenant_bytes[t] -= entry.used_len
 
     def remove(self, entry: Entry) -> None:
         """Entry leaves the node (its slot is the caller's to free)."""
@@ -314,7 +334,7 @@ class PageTable:
         for kind, t in self.tiers.items():
             out[f"pages_{kind.label}"] = t.pages
             out[f"slots_used_{kind.label}"] = t.alloc.used_count
-            out[f"slots_total_{kind.label}"] = t.alloc.num_slots if t.available else 0
+            out[f"slots_total_{kind.label}"] = t.slots_total if t.available else 0
         return out
 
 

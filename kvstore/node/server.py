@@ -41,7 +41,7 @@ from kvstore.node.planes.shm import ShmPlaneServer
 from kvstore.node.planes.tcp import TcpPlaneServer
 from kvstore.node.planes.tcp_limits import handshake_limit
 from kvstore.node.servicer import KVStoreServicer
-from kvstore.node.tenancy import TenantBinder, load_tenants_file, share_slots
+from kvstore.node.tenancy import TenantBinder, load_tenants_file, share_bytes
 from kvstore.security import TokenAuthenticator, redact_url, server_credentials
 from kvstore.stats import PlaneInfo, planes_to_json
 from kvstore.wire import MAX_MESSAGE_BYTES
@@ -65,7 +65,7 @@ class Node:
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
         tenants = load_tenants_file(config.tenants_file) if config.tenants_file else {}
-        self.manager = TierManager(config, shares=share_slots(tenants, config.slot_bytes))
+        self.manager = TierManager(config, shares=share_bytes(tenants))
         auth = None
         if config.auth_tokens_file or config.auth_read_tokens_file:
             auth = TokenAuthenticator(config.auth_tokens_file, config.auth_read_tokens_file)

@@ -31,6 +31,7 @@ from pathlib import Path
 from kvstore.config import parse_size
 from kvstore.errors import PermissionDenied
 from kvstore.names import TierKind
+from kvstore.pageformat import slot_bytes_for
 from kvstore.scoping import check_tenant
 from kvstore.security import Principal, Role
 
@@ -91,17 +92,19 @@ def load_tenants_file(path: str | os.PathLike[str]) -> dict[str, TenantSpec]:
     return specs
 
 
-def share_slots(specs: Mapping[str, TenantSpec], slot_bytes: int) -> dict[str, dict[TierKind, int]]:
-    """Shares in slots (what placement counts); ValueError for a share smaller than one slot."""
+def share_bytes(specs: Mapping[str, TenantSpec]) -> dict[str, dict[TierKind, int]]:
+    """Shares in bytes of slots (what placement counts); ValueError for a share smaller than the smallest
+    slot (a 4 KiB header and one 4 KiB block), which no page could ever fit."""
+    smallest = slot_bytes_for(1)
     out: dict[str, dict[TierKind, int]] = {}
     for spec in specs.values():
         for kind, nbytes in spec.shares.items():
-            if nbytes < slot_bytes:
+            if nbytes < smallest:
                 raise ValueError(
                     f"tenant {spec.name}: its {kind.label} share of {nbytes} B is smaller than one "
-                    f"slot ({slot_bytes} B: a 4 KiB header + max_page_bytes)"
+                    f"slot ({smallest} B: a 4 KiB header and a page of at least 1 B, rounded to 4 KiB)"
                 )
-            out.setdefault(spec.name, {})[kind] = nbytes // slot_bytes
+            out.setdefault(spec.name, {})[kind] = nbytes
     return out
 
 

@@ -1,4 +1,4 @@
-"""DRAM tier: one preallocated anonymous mmap cut into fixed-size slots."""
+"""DRAM tier: one preallocated anonymous mmap cut into chunks (of slots of one size each)."""
 
 from __future__ import annotations
 
@@ -14,46 +14,46 @@ log = logging.getLogger(__name__)
 
 
 class DramTier(Medium):
-    """`num_slots` slots of `slot_bytes` in one mapping; slot i starts at i * slot_bytes.
+    """`num_chunks` chunks of `chunk_bytes` in one mapping; offset o is byte o of the mapping.
 
-    Invariant: the mapping is page aligned and slot_bytes is a multiple of 4096, so every slot start is
-    O_DIRECT aligned and can be the buffer of an NVMe read or write without a bounce copy. When CUDA is
-    present the slab is registered (pinned) so host<->device copies run at full PCIe speed.
+    Invariant: the mapping is page aligned and every slot offset and size is a multiple of 4096
+    (kvstore/tiers/slots.py), so every slot start is O_DIRECT aligned and can be the buffer of an NVMe read
+    or write without a bounce copy. When CUDA is present the slab is registered (pinned) so host<->device
+    copies run at full PCIe speed.
     """
 
     kind = TierKind.DRAM
     host_memory = True
 
-    def __init__(self, capacity_bytes: int, slot_bytes: int) -> None:
-        if slot_bytes <= 0 or slot_bytes % 4096:
-            raise ValueError("slot_bytes must be a positive multiple of 4096")
-        self.slot_bytes = slot_bytes
-        self.num_slots = capacity_bytes // slot_bytes
-        size = max(self.num_slots * slot_bytes, mmap.PAGESIZE)
+    def __init__(self, capacity_bytes: int, chunk_bytes: int) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % 4096:
+            raise ValueError("chunk_bytes must be a positive multiple of 4096")
+        self.chunk_bytes = chunk_bytes
+        self.num_chunks = capacity_bytes // chunk_bytes
+        self.chunk_classes = {}
+        size = max(self.num_chunks * chunk_bytes, mmap.PAGESIZE)
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
         self.pinned = False
         self.detail = "anonymous mmap slab"
 
-    def view(self, slot: int) -> memoryview:
-        """Writable view of a whole slot (header block + payload area)."""
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"DRAM slot {slot} out of range")
-        start = slot * self.slot_bytes
-        return self._view[start : start + self.slot_bytes]
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        """Writable view of `nbytes` at `offset` (a slot, or part of one: its header block, its payload)."""
+        self.check_range(offset, nbytes)
+        return self._view[offset : offset + nbytes]
 
-    def read(self, slot: int, into: memoryview) -> None:
-        into[:] = self.view(slot)[: len(into)]
+    def read(self, offset: int, into: memoryview) -> None:
+        into[:] = self.view(offset, len(into))
 
-    def write(self, slot: int, src: memoryview) -> None:
-        self.view(slot)[: len(src)] = src
+    def write(self, offset: int, src: memoryview) -> None:
+        self.view(offset, len(src))[:] = src
 
     def try_pin(self) -> None:
         """Page-lock the slab with CUDA when available (best effort; logged, never fatal)."""
         try:
             import cupy
 
-            if not cupy.cuda.is_available() or self.num_slots == 0:
+            if not cupy.cuda.is_available() or self.num_chunks == 0:
                 return
             cupy.cuda.runtime.hostRegister(buffer_address(self._map), len(self._map), 0)
             self.pinned = True

@@ -1,14 +1,20 @@
-"""NVMe tier: preallocated segment files of fixed-size, O_DIRECT-aligned slots.
+"""NVMe tier: preallocated segment files of chunks, each holding O_DIRECT-aligned slots of one size.
 
 Methods here block (pread/pwrite/fdatasync); the manager calls them from its I/O thread pool, never on
 the event loop. `read_many` keeps up to `queue_depth` O_DIRECT requests in flight (a thread each: preadv
 releases the GIL, and a device only reaches its bandwidth with a deep queue); ops of a batch that read
-adjacent slots go out as one preadv (up to RUN_BYTES), and a read may scatter one slot over several
+neighbouring slots go out as one preadv (up to RUN_BYTES), and a read may scatter one slot over several
 buffers, so a payload lands in its final place (measured in benchmarks/RESULTS.md). Durability rule: `write`
 returns only after the slot's header and payload are on stable storage (fdatasync), and the manager
 makes a page visible only after that, so whatever a restarted node finds with a valid header was durably
 and completely written. `write_many` writes every
 slot first and then syncs each touched segment file once: same rule, one flush per file.
+
+Where headers are (kvstore/tiers/nvme_meta.py): a chunk's first block names its class (a page header or
+a chunk marker), and its other header blocks sit at multiples of that class; recovery reads only those.
+Two rules keep that true: a chunk taken for another class has every header position of the new class
+erased before any slot of it is written (`format`), and erasing a chunk's first slot leaves a marker of
+its class there, never zeros, so the chunk's other pages stay findable (`invalidate`).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -36,9 +43,14 @@ from kvstore.tiers.nvme_meta import (
     NvmeFormatError,
     SegmentSurvey,
     SlotState,
+    chunk_class,
     classify,
     decode_meta,
     foreign_message,
+    grid,
+    pack_marker,
+    segment_names,
+    slot_state,
     write_meta,
 )
 
@@ -48,7 +60,7 @@ log = logging.getLogger(__name__)
 
 _MAX_IO_RETRIES = 64  # a short read/write is retried; this bounds the loop on a misbehaving device
 QUEUE_DEPTH = 16  # reads kept in flight by read_many: what NVMe devices need to approach their bandwidth
-# read_many reads adjacent slots of a batch with one preadv, up to this many bytes (not counting the
+# read_many reads neighbouring slots of a batch with one preadv, up to this many bytes (not counting the
 # slots' header blocks, so two 4 MiB pages make one request) and slots per call:
 # fewer syscalls and thread handoffs per page, and large requests the device serves at full speed, while
 # a batch of large pages still keeps several requests in flight.
@@ -90,40 +102,51 @@ def lock_dir(path: Path) -> int:
 
 
 class NvmeTier(Medium):
-    """`num_slots` slots of `slot_bytes`, striped over segment files of `slots_per_segment` slots."""
+    """`num_chunks` chunks of `chunk_bytes`, striped over segment files of `chunks_per_segment` chunks; offset
+    o is byte o % segment_bytes of segment file o // segment_bytes.
+
+    The directory's own geometry wins when it has one (its metadata file) and its chunks hold this node's
+    largest slot: a node restarted with a smaller `--max-page-bytes` or another segment size keeps its
+    pages; one whose largest slot no longer fits a chunk is refused (NvmeFormatError)."""
 
     kind = TierKind.NVME
     persistent = True
     queue_depth = QUEUE_DEPTH
     scatter_reads = True
 
-    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, slot_bytes: int, segment_bytes: int) -> None:
-        if slot_bytes % ALIGN:
-            raise ValueError("slot_bytes must be a multiple of 4096")
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, chunk_bytes: int, segment_bytes: int) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+            raise ValueError("chunk_bytes must be a positive multiple of 4096")
         self.path = Path(path)
-        self.slot_bytes = slot_bytes
-        self.slots_per_segment = max(1, segment_bytes // slot_bytes)
-        self.num_slots = capacity_bytes // slot_bytes
         self.path.mkdir(parents=True, exist_ok=True)
         check_private_dir(self.path)
         self._lock_fd = lock_dir(self.path)
         self._fds: list[int] = []
+        self.chunk_classes = {}
         try:
-            self._meta_damage = self._check_meta()  # what was wrong with the metadata file, if anything
+            want = Geometry(chunk_bytes, max(1, segment_bytes // chunk_bytes))
+            # the directory's geometry, and what was wrong with its metadata file (if anything)
+            self.geometry, self._meta_damage = self._check_meta(want)
+            self.chunk_bytes = self.geometry.chunk_bytes
+            self.chunks_per_segment = self.geometry.chunks_per_segment
+            self.segment_bytes = self.geometry.segment_bytes
+            self.num_chunks = capacity_bytes // self.chunk_bytes
             self.direct_io = True
             self._readers: ThreadPoolExecutor | None = None  # read_many's threads, started on first use
             self._readers_lock = threading.Lock()
             self.write_errors = 0
-            n_segments = -(-self.num_slots // self.slots_per_segment)
+            n_segments = -(-self.num_chunks // self.chunks_per_segment)
             sizes = [
-                min(self.slots_per_segment, self.num_slots - seg * self.slots_per_segment) * slot_bytes
+                min(self.chunks_per_segment, self.num_chunks - seg * self.chunks_per_segment) * self.chunk_bytes
                 for seg in range(n_segments)
             ]
             self._check_space(sizes)
-            self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for invalidation (O_DIRECT needs it)
-            # Where read_many drops the unused end of a slot it reads through to the next one. Several threads
-            # may read into it at once: nobody ever reads it back.
-            self._gap = mmap.mmap(-1, self.slot_bytes)
+            self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for erasing (O_DIRECT needs it)
+            self._block = mmap.mmap(-1, HEADER_BYTES)  # where markers are built (aligned); I/O pool only
+            self._block_lock = threading.Lock()
+            # Where read_many drops the unread bytes between two slots it reads as one request. Several
+            # threads may read into it at once: nobody ever reads it back.
+            self._gap = mmap.mmap(-1, self.chunk_bytes)
             for seg, size in enumerate(sizes):
                 self._fds.append(self._open_segment(seg, size))
         except BaseException:
@@ -135,15 +158,18 @@ class NvmeTier(Medium):
         )
         self.detail = self._detail
 
-    def _check_meta(self) -> str | None:
-        """Check the metadata file against this node's geometry. Returns None when it is sound (or new),
-        else what is wrong with it: the scan at recovery then checks the segment files against the
-        node's geometry and rewrites it (refusing files that are not ours)."""
+    def _check_meta(self, want: Geometry) -> tuple[Geometry, str | None]:
+        """The geometry to run with, and None when the metadata file is sound (or the directory new), else
+        what is wrong with it: the scan at recovery then checks the segment files against `want` and
+        rewrites it (refusing files that are not ours). An older build's file (format 1, 2) is sound: its
+        geometry comes back `legacy`, and the scan adopts it."""
         meta_path = self.path / META_NAME
-        want = Geometry(self.slot_bytes, self.slots_per_segment)
         if not meta_path.exists():
-            write_meta(self.path, want)
-            return None
+            if not segment_names(self.path):
+                write_meta(self.path, want)
+                return want, None
+            log.warning("NVMe metadata %s is missing; rebuilding it from the segment files", meta_path)
+            return want, "missing"
         try:
             have = decode_meta(meta_path.read_bytes())
         except MetaDamaged as exc:
@@ -154,20 +180,22 @@ class NvmeTier(Medium):
                 exc,
                 want,
             )
-            return str(exc)
+            return want, str(exc)
         except OSError as exc:
             raise NvmeFormatError(
                 f"{meta_path}: unreadable ({exc}); fix the file's permissions or disk, "
                 f"or run `{REPAIR_HINT.format(path=self.path)}`"
             ) from None
-        if have != want:
+        if have.chunk_bytes < want.chunk_bytes:
             raise NvmeFormatError(
-                f"{self.path} was formatted with {have.as_dict()}, this node wants {want.as_dict()}: start with "
-                "the same --max-page-bytes and segment size, or point --nvme-path at an empty directory"
+                f"{self.path} was formatted with chunks of {have.chunk_bytes} B ({have.as_dict()}): pages up to "
+                f"{have.chunk_bytes - HEADER_BYTES} B; this node takes pages up to "
+                f"{want.chunk_bytes - HEADER_BYTES} B. Start with --max-page-bytes {have.chunk_bytes - HEADER_BYTES} "
+                "or less, or point --nvme-path at an empty directory"
             )
-        if b'"checksum"' not in meta_path.read_bytes():
-            write_meta(self.path, want)  # format 1: add the checksum
-        return None
+        if not have.same_layout(want):
+            log.info("NVMe tier %s keeps its own geometry %s (this node's would be %s)", self.path, have, want)
+        return have, None
 
     def _check_space(self, sizes: list[int]) -> None:
         """Refuse to start when the filesystem cannot hold the segment files: better now, with the numbers,
@@ -185,8 +213,8 @@ class NvmeTier(Medium):
             have = sum(sizes) - need + free
             raise NvmeSpaceError(
                 f"--nvme-bytes {sum(sizes)} does not fit in {self.path}: its filesystem has {free} bytes free and "
-                f"the segment files need {need} more. Lower --nvme-bytes to at most {have} ({have // self.slot_bytes} "
-                "slots), or free space there"
+                f"the segment files need {need} more. Lower --nvme-bytes to at most {have} ({have // self.chunk_bytes} "
+                "chunks), or free space there"
             )
 
     def _open_segment(self, seg: int, size: int) -> int:
@@ -227,30 +255,47 @@ class NvmeTier(Medium):
             )
             if old_size < size:
                 os.ftruncate(fd, size)
-        if old_size % self.slot_bytes and old_size < size:
-            # Truncated mid-slot (a whole-slot cut cannot be told from a tier that grew, and loses only
-            # what blank slots would): pages wholly before the cut are intact, the one cut in two is erased.
-            cut = old_size // self.slot_bytes
+        if old_size % self.chunk_bytes and old_size < size:
+            # Truncated mid-chunk (a whole-chunk cut cannot be told from a tier that grew, and loses only what
+            # blank chunks would): pages wholly before the cut are intact, the one cut in two is erased.
             log.warning(
-                "%s was truncated to %d bytes (inside slot %d): slots from there on are empty now; "
+                "%s was truncated to %d bytes (inside chunk %d): what followed is empty now; "
                 "the page cut in two is erased",
                 name,
                 old_size,
-                cut,
+                old_size // self.chunk_bytes,
             )
-            self._pwrite_all(fd, memoryview(self._zero), cut * self.slot_bytes)
-            os.fdatasync(fd)
+            self._erase_cut(fd, old_size)
         return fd
 
-    def _locate(self, slot: int) -> tuple[int, int]:
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"NVMe slot {slot} out of range")
-        seg, idx = divmod(slot, self.slots_per_segment)
-        return self._fds[seg], idx * self.slot_bytes
+    def _erase_cut(self, fd: int, cut: int) -> None:
+        """Erase the header of the slot a truncation at file offset `cut` went through, found by the class
+        its chunk's first block names (nothing to erase when the cut is on a slot boundary or the chunk
+        holds no class)."""
+        base = cut // self.chunk_bytes * self.chunk_bytes
+        with memoryview(self._block) as view:
+            self._preadv_all(fd, [view], base, f"the chunk at {base} of a truncated segment")
+            state, hdr, _ = classify(view)
+            cls = chunk_class(state, hdr, view, self.chunk_bytes)
+        if not cls or (cut - base) % cls == 0 or (cut - base) // cls >= self.chunk_bytes // cls:
+            return
+        at = base + (cut - base) // cls * cls
+        block = pack_marker(cls, self.chunk_bytes) if at == base else None
+        self._pwrite_block(fd, at, block)
+        os.fdatasync(fd)
 
-    def write(self, slot: int, src: memoryview) -> None:
-        """Durably write `src` (header block + payload, aligned length, aligned buffer) to a slot."""
-        self.write_many([(slot, src)])
+    def _locate(self, offset: int, nbytes: int = HEADER_BYTES) -> tuple[int, int]:
+        """(segment fd, offset in that file) of a range, which must lie inside one chunk of the medium (a
+        read of neighbouring slots checks its own range)."""
+        self.check_range(offset, nbytes)
+        if nbytes and offset // self.chunk_bytes != (offset + nbytes - 1) // self.chunk_bytes:
+            raise IndexError(f"NVMe range [{offset}, +{nbytes}) crosses a chunk boundary")
+        seg, off = divmod(offset, self.segment_bytes)
+        return self._fds[seg], off
+
+    def write(self, offset: int, src: memoryview) -> None:
+        """Durably write `src` (a whole slot: header block + payload, aligned length, aligned buffer)."""
+        self.write_many([(offset, src)])
 
     def write_many(self, ops: Sequence[SlotIO]) -> None:
         """Write every slot, then make them durable with one fdatasync per segment file touched.
@@ -258,37 +303,37 @@ class NvmeTier(Medium):
         On failure (ENOSPC, EIO) the slots of the batch are erased, best effort, so a restart never finds
         a half-written page there, and the error is raised (the manager drops or keeps the pages)."""
         try:
-            for fd in {self._write_one(slot, src) for slot, src in ops}:
+            for fd in {self._write_one(offset, src) for offset, src in ops}:
                 os.fdatasync(fd)
         except OSError as exc:
             self.write_errors += 1
             self.detail = f"{self._detail}; {self.write_errors} failed write(s), last: {exc.strerror or exc}"
-            for slot, _ in ops:
+            for offset, src in ops:
                 # A header block that cannot be rewritten either fails its checksum at recovery instead.
-                with contextlib.suppress(OSError):
-                    self.invalidate(slot)
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    self.invalidate(offset, len(src))
             raise
 
-    def _write_one(self, slot: int, data: memoryview) -> int:
-        if len(data) % ALIGN or len(data) > self.slot_bytes:
-            raise ValueError("write length must be aligned and fit the slot")
-        fd, off = self._locate(slot)
+    def _write_one(self, offset: int, data: memoryview) -> int:
+        if len(data) % ALIGN or not 0 < len(data) <= self.chunk_bytes:
+            raise ValueError("write length must be aligned and fit a chunk")
+        fd, off = self._locate(offset, len(data))
         self._pwrite_all(fd, data, off)
         return fd
 
-    def read(self, slot: int, into: Into) -> None:
-        """Read from the start of a slot into an aligned buffer, or a list of them filled in order (a
-        scatter read: one preadv, so a payload lands in its final buffer and only the header block in
-        another); lengths are multiples of 4096."""
-        fd, off = self._locate(slot)
-        self._preadv_all(fd, _parts(into), off, f"NVMe slot {slot}")
+    def read(self, offset: int, into: Into) -> None:
+        """Read from a slot into an aligned buffer, or a list of them filled in order (a scatter read: one
+        preadv, so a payload lands in its final buffer and only the header block in another); lengths are
+        multiples of 4096."""
+        fd, off = self._locate(offset, _read_len(into))
+        self._preadv_all(fd, _parts(into), off, f"NVMe slot at {offset}")
 
     def read_many(self, ops: Sequence[SlotRead], done: Callable[[int], None] | None = None) -> None:
-        """Read every (slot, destination) with up to `queue_depth` reads in flight, calling `done(i)` in
+        """Read every (offset, destination) with up to `queue_depth` reads in flight, calling `done(i)` in
         the thread that read ops[i] as soon as it completed (so a caller's follow-up, such as verifying
         the page, runs there too, beside the other reads); returns once all ended and every `done` call
         returned, and then raises the first error if any failed (so no buffer is still being written on
-        return). Ops that follow each other in adjacent slots are read with one preadv (`RUN_BYTES`);
+        return). Ops that follow each other in neighbouring slots are read with one preadv (`RUN_BYTES`);
         when it fails, every op of it fails (the caller may retry them one by one)."""
         runs = self._runs(ops)
 
@@ -296,16 +341,18 @@ class NvmeTier(Medium):
             if len(run) == 1:
                 self.read(*ops[run[0]])
             else:
-                fd, off = self._locate(ops[run[0]][0])
+                first, last = ops[run[0]][0], ops[run[-1]][0]
+                fd, off = self._locate(first, 0)
+                self.check_range(last, _read_len(ops[run[-1]][1]))
                 parts: list[memoryview] = []
-                for i in run[:-1]:
+                for i, nxt in itertools.pairwise(run):
                     got = _parts(ops[i][1])
                     parts += got
-                    gap = self.slot_bytes - sum(p.nbytes for p in got)
+                    gap = ops[nxt][0] - ops[i][0] - sum(p.nbytes for p in got)
                     if gap:
                         parts.append(memoryview(self._gap)[:gap])
                 parts += _parts(ops[run[-1]][1])
-                self._preadv_all(fd, parts, off, f"NVMe slots {ops[run[0]][0]}-{ops[run[-1]][0]}")
+                self._preadv_all(fd, parts, off, f"NVMe slots at {first}-{last}")
             if done is not None:
                 for i in run:
                     done(i)
@@ -326,19 +373,20 @@ class NvmeTier(Medium):
             raise first
 
     def _runs(self, ops: Sequence[SlotRead]) -> list[list[int]]:
-        """The batch's ops grouped into requests: an op joins the previous one's when it reads the next
-        slot of the same segment file, the previous op leaves at most 1/8 of its slot unread (read into
-        `_gap`) and the request stays within RUN_BYTES (plus its header blocks) and RUN_SLOTS."""
+        """The batch's ops grouped into requests: an op joins the previous one's when it starts after the
+        previous read ends, in the same segment file, the bytes left unread between them (read into `_gap`:
+        the end of the previous slot, the end of a chunk) are at most 1/8 of the distance between the two
+        starts, and the request stays within RUN_BYTES (plus its header blocks) and RUN_SLOTS."""
         runs: list[list[int]] = []
-        size = last_slot = last_len = 0
-        for i, (slot, into) in enumerate(ops):
+        size = last_off = last_len = 0
+        for i, (offset, into) in enumerate(ops):
             n = _read_len(into)
-            gap = self.slot_bytes - last_len  # the unread end of the previous slot
+            gap = offset - last_off - last_len  # unread bytes after the previous read
             if (
                 runs
-                and slot == last_slot + 1
-                and slot % self.slots_per_segment  # the same segment file
-                and gap * 8 <= self.slot_bytes
+                and gap >= 0
+                and offset // self.segment_bytes == last_off // self.segment_bytes  # the same segment file
+                and gap * 8 <= offset - last_off
                 and size + gap + n <= RUN_BYTES + (len(runs[-1]) + 1) * HEADER_BYTES  # header blocks extra
                 and len(runs[-1]) < RUN_SLOTS
             ):
@@ -347,7 +395,7 @@ class NvmeTier(Medium):
             else:
                 runs.append([i])
                 size = n
-            last_slot, last_len = slot, n
+            last_off, last_len = offset, n
         return runs
 
     def _preadv_all(self, fd: int, parts: list[memoryview], off: int, what: str) -> None:
@@ -370,61 +418,152 @@ class NvmeTier(Medium):
                 self._readers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvstore-nvme")
             return self._readers
 
-    def invalidate(self, slot: int) -> None:
-        """Durably erase a slot's header so recovery never resurrects its page."""
-        fd, off = self._locate(slot)
-        self._pwrite_all(fd, memoryview(self._zero), off)
+    def invalidate(self, offset: int, slot_bytes: int) -> None:
+        """Durably erase a slot's header so recovery never resurrects its page. A chunk's first slot gets a
+        marker of the chunk's class instead of zeros: the chunk's other slots stay findable."""
+        fd, off = self._locate(offset)
+        marker = pack_marker(slot_bytes, self.chunk_bytes) if offset % self.chunk_bytes == 0 else None
+        self._pwrite_block(fd, off, marker)
         os.fdatasync(fd)
 
-    def scan(self) -> Iterator[tuple[int, PageHeader]]:
-        """Yield (slot, header) for every slot holding a valid header (recovery after restart).
+    def format(self, chunk_offset: int, slot_bytes: int) -> None:
+        """Lay a free chunk out for slots of `slot_bytes`: erase every header position of that class after
+        the first (durably, so no old bytes there are read as a page header after a restart), then mark the
+        class at the chunk's start (made durable by the first write into the chunk, which follows)."""
+        if chunk_offset % self.chunk_bytes:
+            raise ValueError(f"offset {chunk_offset} is not a chunk start")
+        fd, off = self._locate(chunk_offset)
+        positions = grid(self.chunk_bytes, slot_bytes)
+        for rel in positions:
+            self._pwrite_block(fd, off + rel, None)
+        if positions:
+            os.fdatasync(fd)
+        self._pwrite_block(fd, off, pack_marker(slot_bytes, self.chunk_bytes))
 
-        Counts the slots whose header fails its check in `scan_failures`. After the last slot: a segment
-        file that holds no page and mostly other data is refused (NvmeFormatError naming it); otherwise
-        the failed headers are erased (so they are counted once) and a damaged metadata file is
-        rewritten, since the segment files checked out."""
+    def _pwrite_block(self, fd: int, off: int, block: bytes | None) -> None:
+        """Write one header block at a file offset: `block` (4 KiB), or zeros when None."""
+        if block is None:
+            self._pwrite_all(fd, memoryview(self._zero), off)
+            return
+        with self._block_lock, memoryview(self._block) as view:  # O_DIRECT needs an aligned buffer
+            view[:] = block
+            self._pwrite_all(fd, view, off)
+
+    def scan(self) -> Iterator[tuple[int, PageHeader]]:
+        """Yield (offset, header) for every slot holding a valid page header (recovery after restart), and
+        fill `chunk_classes`.
+
+        Two passes: every chunk's first block (its class), then the header positions of each chunk's class.
+        Counts the header blocks that fail their check in `scan_failures`. After the last one: a segment
+        file that holds nothing of ours and mostly other data is refused (NvmeFormatError naming it);
+        otherwise the failed headers are erased (so they are counted once) and a damaged, missing or older
+        metadata file is rewritten, since the segment files checked out. An older build's directory
+        (`Geometry.legacy`, or a rebuilt one with no chunk marker anywhere: it cannot be told apart) is
+        adopted: each chunk keeps the page at its start, the other header positions of its class are
+        erased (they may hold an older, longer page's payload)."""
         buf = mmap.mmap(-1, HEADER_BYTES)
         view = memoryview(buf)
         self.scan_failures = 0
-        bad: list[int] = []
-        surveys = [SegmentSurvey(SEGMENT_FMT.format(seg), 0, self.slot_bytes) for seg in range(len(self._fds))]
+        self.chunk_classes = {}
+        bad: list[int] = []  # header blocks to erase after the scan
+        surveys = [SegmentSurvey(SEGMENT_FMT.format(seg), 0, self.chunk_bytes) for seg in range(len(self._fds))]
+
+        def look(offset: int) -> tuple[SlotState, PageHeader | None] | None:
+            """Read and classify one header block (None: unreadable, counted)."""
+            try:
+                self.read(offset, view)
+            except OSError as exc:
+                surveys[offset // self.segment_bytes].counts[SlotState.UNREADABLE] += 1
+                log.warning("NVMe header at %d unreadable during recovery: %s", offset, exc)
+                return None
+            state, hdr, why = classify(view)
+            if why:
+                log.warning("NVMe header at %d ignored during recovery: %s", offset, why)
+            return state, hdr
+
         try:
-            for slot in range(self.num_slots):
-                seg = surveys[slot // self.slots_per_segment]
-                try:
-                    self.read(slot, view)
-                except OSError as exc:
-                    seg.counts[SlotState.UNREADABLE] += 1
-                    log.warning("NVMe slot %d unreadable during recovery: %s", slot, exc)
+            markers = False
+            for chunk in range(self.num_chunks):  # pass 1: what each chunk holds
+                base = chunk * self.chunk_bytes
+                seg = surveys[base // self.segment_bytes]
+                seg.chunks += 1
+                got = look(base)
+                if got is None:
                     continue
-                state, hdr, why = classify(view)
-                seg.counts[state] += 1
-                if hdr is not None:
-                    yield slot, hdr
+                state, hdr = got
+                cls = chunk_class(state, hdr, view, self.chunk_bytes)
+                if state in (SlotState.PAGE, SlotState.CHUNK) and not cls:
+                    log.warning("NVMe chunk %d: its first block names slots that do not fit it; ignored", chunk)
+                    state = SlotState.TORN
+                seg.note(state, hdr)
+                markers = markers or state is SlotState.CHUNK
+                if cls:
+                    self.chunk_classes[chunk] = cls
+                    if hdr is not None:
+                        yield base, hdr
                 elif state is not SlotState.BLANK:
-                    bad.append(slot)
-                    log.warning("NVMe slot %d ignored during recovery: %s", slot, why)
+                    bad.append(base)
+            legacy = self.geometry.legacy or (self._meta_damage is not None and not markers)
+            adopted: list[int] = []  # header positions of an older build's chunk tails, erased as it is adopted
+            for chunk, cls in self.chunk_classes.items():  # pass 2: the rest of each chunk's grid
+                base = chunk * self.chunk_bytes
+                if legacy:
+                    adopted += [base + rel for rel in grid(self.chunk_bytes, cls)]
+                    continue
+                seg = surveys[base // self.segment_bytes]
+                for rel in grid(self.chunk_bytes, cls):
+                    got = look(base + rel)
+                    if got is None:
+                        continue
+                    state = slot_state(got[0], got[1], cls)
+                    seg.note(state, got[1])
+                    if state is SlotState.PAGE and got[1] is not None:
+                        yield base + rel, got[1]
+                    elif state is not SlotState.BLANK:
+                        bad.append(base + rel)
         finally:
             view.release()
             buf.close()
         self.scan_failures = sum(s.failures for s in surveys)
         if self.scan_failures:
-            log.warning("NVMe recovery ignored %d slot(s) with invalid headers", self.scan_failures)
+            log.warning("NVMe recovery ignored %d header block(s) that failed their check", self.scan_failures)
         for seg in surveys:
             if seg.foreign:
                 raise NvmeFormatError(foreign_message(self.path, seg))
-        for slot in bad:  # counted once: erased, so the next restart does not count them again
-            with contextlib.suppress(OSError):
-                self.invalidate(slot)
-        if self._meta_damage is not None:
-            write_meta(self.path, Geometry(self.slot_bytes, self.slots_per_segment))
+        # Counted once: erased, so the next restart does not count them again. Best effort: a block that
+        # cannot be erased fails its check again next time.
+        with contextlib.suppress(OSError):
+            self._erase(bad)
+        if legacy and adopted:
+            self._erase(adopted)
             log.warning(
-                "NVMe metadata %s rebuilt (%s) from %d segment file(s)",
-                self.path / META_NAME,
-                self._meta_damage,
-                len(surveys),
+                "NVMe tier %s adopted from an older build: %d chunk(s) keep their first page, %d header "
+                "position(s) after them erased",
+                self.path,
+                len(self.chunk_classes),
+                len(adopted),
             )
+        if self._meta_damage is not None or self.geometry.legacy:
+            self.geometry = Geometry(self.chunk_bytes, self.chunks_per_segment)
+            write_meta(self.path, self.geometry)
+            if self._meta_damage is not None:
+                log.warning(
+                    "NVMe metadata %s rebuilt (%s) from %d segment file(s)",
+                    self.path / META_NAME,
+                    self._meta_damage,
+                    len(surveys),
+                )
             self._meta_damage = None
+
+    def _erase(self, offsets: list[int]) -> None:
+        """Zero the header blocks at `offsets`, then sync each segment file touched once."""
+        touched = set()
+        for offset in offsets:
+            fd, off = self._locate(offset)
+            self._pwrite_block(fd, off, None)
+            touched.add(fd)
+        for fd in touched:
+            os.fdatasync(fd)
 
     def _pwrite_all(self, fd: int, data: memoryview, off: int) -> None:
         done = 0
@@ -437,10 +576,10 @@ class NvmeTier(Medium):
             done += n
         raise OSError(f"short write at offset {off}: {done}/{len(data)} bytes")
 
-    def slot_location(self, slot: int) -> tuple[str, int]:
+    def slot_location(self, offset: int) -> tuple[str, int]:
         """(segment file, byte offset) of a slot: for operators and corruption tests."""
-        seg, idx = divmod(slot, self.slots_per_segment)
-        return str(self.path / SEGMENT_FMT.format(seg)), idx * self.slot_bytes
+        seg, off = divmod(offset, self.segment_bytes)
+        return str(self.path / SEGMENT_FMT.format(seg)), off
 
     def close(self) -> None:
         if self._readers is not None:
@@ -449,6 +588,7 @@ class NvmeTier(Medium):
             os.close(fd)
         self._fds.clear()
         self._zero.close()
+        self._block.close()
         with contextlib.suppress(BufferError):  # a view may live on for a moment in a finished request
             self._gap.close()
         if self._lock_fd >= 0:

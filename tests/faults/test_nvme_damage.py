@@ -53,11 +53,12 @@ def test_metadata_checksum_round_trip_and_damage_is_named() -> None:
     raw[3] = 0xF6  # the byte of the outside report: was a bare UnicodeDecodeError
     with pytest.raises(MetaDamaged, match="not UTF-8"):
         decode_meta(bytes(raw))
-    tampered = encode_meta(geom).replace(b'"slots_per_segment": 64', b'"slots_per_segment": 65')
+    tampered = encode_meta(geom).replace(b'"chunks_per_segment": 64', b'"chunks_per_segment": 65')
     with pytest.raises(MetaDamaged, match="checksum"):
         decode_meta(tampered)
-    legacy = json.dumps({"format": 1, "slot_bytes": geom.slot_bytes, "slots_per_segment": 64}).encode()
-    assert decode_meta(legacy) == geom  # format 1 (no checksum) is still read
+    legacy = json.dumps({"format": 1, "slot_bytes": geom.chunk_bytes, "slots_per_segment": 64}).encode()
+    # format 1 (no checksum) is still read: an older build's fixed slots, a chunk each (adopted at start)
+    assert decode_meta(legacy) == Geometry(geom.chunk_bytes, 64, legacy=True)
 
 
 def test_damaged_metadata_is_rebuilt_and_every_page_served(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ def _slots(nvme: Path) -> dict[bytes, tuple[Path, int, PageHeader]]:
     out = {}
     for seg in sorted(p for p in nvme.iterdir() if SEGMENT_RE.fullmatch(p.name)):
         data = seg.read_bytes()
-        for off in range(0, len(data) - HEADER_BYTES + 1, geom.slot_bytes):
+        for off in range(0, len(data) - HEADER_BYTES + 1, geom.chunk_bytes):  # pages of one size: a chunk each
             state, hdr, _ = classify(data[off : off + HEADER_BYTES])
             if state is SlotState.PAGE and hdr is not None:
                 out[hdr.hash] = (seg, off, hdr)

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
 from kvstore.hashing import prefix_hashes
+from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
@@ -79,6 +80,35 @@ def test_restart_recovers_nvme_pages(tmp_path: Path) -> None:
             assert 12 <= recovered <= 20
             got = kv.get(NS, hs)
             assert all(bytes(p) == page(h) for p, h in zip(got, hs, strict=False))
+    finally:
+        n.close()
+
+
+def test_a_node_for_2mib_pages_keeps_64kib_pages_at_their_own_size(tmp_path: Path) -> None:
+    """The outside report's case: a node started with --max-page-bytes 2MiB receives a 64-page store of
+    64 KiB regions beside 2 MiB pages. Each page takes its own size (64 KiB pages 30 to a chunk), nothing is
+    evicted, every page comes back, and a restart recovers them all from NVMe (DESIGN.md §5.3)."""
+    small = PageLayout(DType.BFLOAT16, 1, 8, 128, 16)  # 64 KiB: one layer of a 16-token page
+    big = PageLayout(DType.BFLOAT16, 32, 8, 128, 16)  # 2 MiB: all 32 layers
+    chunk = HEADER_BYTES + big.page_bytes
+    n = NodeProcess(dram_bytes=8 * chunk, nvme_path=tmp_path / "nvme", nvme_bytes=16 * chunk,
+                    max_page_bytes="2MiB", node_id="sizes").start()  # fmt: skip
+    hs_small, hs_big = [key(i, "small") for i in range(64)], [key(i, "big") for i in range(4)]
+    try:
+        with KVStoreClient(n.addr, timeout=60) as kv:
+            assert kv.put("it/small", small, hs_small, [page(h, small.page_bytes) for h in hs_small]).stored == 64
+            assert kv.put("it/big", big, hs_big, [page(h, big.page_bytes) for h in hs_big]).stored == 4
+            dram = {t.tier: t for t in kv.stats().tiers}[TierKind.DRAM]
+            assert (dram.pages, dram.slots_used, dram.counters.evictions) == (68, 68, 0)
+            assert dram.used_bytes == 64 * small.page_bytes + 4 * big.page_bytes
+            assert [bytes(p) for p in kv.get("it/small", hs_small)] == [page(h, small.page_bytes) for h in hs_small]
+            assert [bytes(p) for p in kv.get("it/big", hs_big)] == [page(h, big.page_bytes) for h in hs_big]
+        assert n.stop() == 0  # graceful: spilled to NVMe, into chunks of each size
+        n.start()
+        with KVStoreClient(n.addr, timeout=60) as kv:
+            assert kv.lookup("it/small", hs_small) == 64 and kv.lookup("it/big", hs_big) == 4
+            assert [bytes(p) for p in kv.get("it/small", hs_small)] == [page(h, small.page_bytes) for h in hs_small]
+            assert [bytes(p) for p in kv.get("it/big", hs_big)] == [page(h, big.page_bytes) for h in hs_big]
     finally:
         n.close()
 

@@ -363,7 +363,7 @@ def test_get_reads_ahead_and_releases_everything_when_closed_early(tmp_path: Pat
         active = [0, 0]  # pages in flight now, most at once (a request may read adjacent slots)
 
         def slow_preadv(fd: int, parts: list[memoryview], off: int, what: str) -> None:
-            pages = -(-sum(p.nbytes for p in parts) // nvme.slot_bytes)
+            pages = -(-sum(p.nbytes for p in parts) // nvme.chunk_bytes)
             active[0] += pages
             active[1] = max(active[1], active[0])
             time.sleep(0.05)

@@ -39,8 +39,8 @@ class Probe:
         tier.read_many = self.read_many  # type: ignore[method-assign]
 
     def preadv_all(self, fd: int, parts: list[memoryview], off: int, what: str) -> None:
-        first = off // self.tier.slot_bytes  # the tests' tiers have one segment file
-        slots = set(range(first, first + -(-sum(p.nbytes for p in parts) // self.tier.slot_bytes)))
+        first = off // self.tier.chunk_bytes  # the tests' tiers have one segment file
+        slots = set(range(first, first + -(-sum(p.nbytes for p in parts) // self.tier.chunk_bytes)))
         with self.lock:
             self.requests.append(len(slots))
             self.active += 1
@@ -82,17 +82,17 @@ def test_read_many_keeps_reads_in_flight_and_waits_for_all(tmp_path: Path) -> No
         slots = list(range(0, 40, 2))  # no two adjacent: a request each
         for i in slots:
             src[:] = bytes([i]) * SLOT
-            tier.write(i, memoryview(src))
+            tier.write(i * SLOT, memoryview(src))  # slot i: the tier is cut into slots of SLOT
         probe = Probe(tier, delay=0.05)
         bufs = {i: mmap.mmap(-1, SLOT) for i in slots}
         t0 = time.perf_counter()
-        tier.read_many([(i, memoryview(bufs[i])) for i in slots])
+        tier.read_many([(i * SLOT, memoryview(bufs[i])) for i in slots])
         assert time.perf_counter() - t0 < 20 * 0.05  # overlapped, not one after another
         assert probe.requests == [1] * 20 and 1 < probe.most <= QUEUE_DEPTH
         assert all(bufs[i][:4] == bytes([i]) * 4 for i in slots)
         probe.fail_slots = {6}
         with pytest.raises(OSError, match="slot 6"):
-            tier.read_many([(i, memoryview(bufs[i])) for i in slots[:8]])
+            tier.read_many([(i * SLOT, memoryview(bufs[i])) for i in slots[:8]])
         assert probe.active == 0  # raised only after every read of the batch ended
     finally:
         tier.close()
@@ -107,18 +107,18 @@ def test_adjacent_slots_are_read_with_one_request_and_land_where_asked(tmp_path:
         src = mmap.mmap(-1, slot)
         for i in range(64):
             src[:] = bytes([i]) * slot
-            tier.write(i, memoryview(src))
+            tier.write(i * slot, memoryview(src))
         probe = Probe(tier)
         whole = [mmap.mmap(-1, slot) for _ in range(3)]
         part = mmap.mmap(-1, slot)  # its used part only: the last 4096 bytes of slot 13 are skipped
         head, body = mmap.mmap(-1, 4096), mmap.mmap(-1, slot)
         ops: list[SlotRead] = [
-            (10, memoryview(whole[0])),
-            (11, memoryview(whole[1])),
-            (12, [memoryview(head), memoryview(body)[: slot - 4096]]),
-            (13, memoryview(part)[: slot - 4096]),
-            (14, memoryview(whole[2])),
-            (30, memoryview(mmap.mmap(-1, slot))),  # not adjacent: a request of its own
+            (10 * slot, memoryview(whole[0])),
+            (11 * slot, memoryview(whole[1])),
+            (12 * slot, [memoryview(head), memoryview(body)[: slot - 4096]]),
+            (13 * slot, memoryview(part)[: slot - 4096]),
+            (14 * slot, memoryview(whole[2])),
+            (30 * slot, memoryview(mmap.mmap(-1, slot))),  # not adjacent: a request of its own
         ]
         seen: list[int] = []
         tier.read_many(ops, seen.append)
@@ -129,7 +129,7 @@ def test_adjacent_slots_are_read_with_one_request_and_land_where_asked(tmp_path:
         assert part[: slot - 4096] == bytes([13]) * (slot - 4096) and part[slot - 4096 :] == bytes(4096)
         probe.requests.clear()
         bufs = [mmap.mmap(-1, slot) for _ in range(64)]
-        tier.read_many([(i, memoryview(bufs[i])) for i in range(64)])
+        tier.read_many([(i * slot, memoryview(bufs[i])) for i in range(64)])
         per_request = nvme.RUN_BYTES // slot
         assert probe.requests == [min(per_request, nvme.RUN_SLOTS, 64 - k) for k in range(0, 64, per_request)]
         assert all(bufs[i][:] == bytes([i]) * slot for i in range(64))
