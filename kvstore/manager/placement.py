@@ -11,7 +11,9 @@ Pages of every size share a tier (kvstore/tiers/slots.py): a chunk holds slots o
 moves between sizes a chunk at a time. So a victim makes room for a slot of `nbytes` when it is that size
 (its slot is the room), or when its whole chunk can be emptied now: every page in it evictable (and,
 with shares, one the asking tenant may evict), nothing staged or moving into it. The policy's order
-decides both: the first such victim wins. A victim of another size has its chunk emptied (`reclaim`):
+decides both: the first such victim wins. A tenant at its share first gives up pages of its own, of any
+size, until the new slot fits its share; the room is then made as for a tenant below it (its own pages
+may share chunks with other tenants'). A victim of another size has its chunk emptied (`reclaim`):
 its pages are evicted together while the chunk hands out no slot, and the chunk then takes the new
 size. The bound: one allocation evicts at most one chunk's pages (a chunk of the largest slot), so a
 Put of small pages never evicts large ones beyond the bytes it needs plus one chunk; a tier of one page
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ResourceExhausted
@@ -61,47 +64,23 @@ class Placement:
 
     def victim(self, kind: TierKind, nbytes: int, tenant: str | None = None, own_only: bool = False) -> Entry | None:
         """The page the tier's policy would evict first among those evictable now that make room for a slot
-        of `nbytes` (the module docstring); with shares, among those `tenant` may evict (TenantQuotas)."""
-        tier = self.table.tiers[kind]
-        usable = self._usable(tier, nbytes, tenant, own_only)
+        of `nbytes` (`_Room`); with shares, among those `tenant` may evict (TenantQuotas)."""
+        return self._victim(_Room(self.table, self.table.tiers[kind], nbytes, self._allowed(kind, tenant, own_only)))
+
+    def _victim(self, room: _Room) -> Entry | None:
+        tenant, own_only = room.allowed.tenant, room.allowed.own_only
         if self.quotas is not None and tenant is not None:
-            key = self.quotas.victim(tier, tenant, own_only, usable)
+            key = self.quotas.victim(room.tier, tenant, own_only, room.usable)
         else:
-            key = first_usable(tier.policy, usable)
+            key = first_usable(room.tier.policy, room.usable)
         return None if key is None else self.table.entries[key]
 
-    def _usable(self, tier: Tier, nbytes: int, tenant: str | None, own_only: bool) -> Callable[[Key], bool]:
-        """Whether evicting a key of `tier` makes room for a slot of `nbytes` now (a chunk's answer is
-        worked out once per question: checking one costs a look at each of its pages)."""
-        entries, alloc = self.table.entries, tier.alloc
-        quotas = self.quotas if tenant is not None else None
-        chunks: dict[int, bool] = {}
-
-        def allowed(e: Entry) -> bool:
-            return quotas is None or quotas.may_evict(tier, tenant, own_only, tenant_of(e.namespace))  # type: ignore[arg-type]
-
-        def emptiable(chunk: int) -> bool:
-            if alloc.held(chunk):
-                return False
-            for slot in alloc.slots_in(chunk):
-                e = tier.at.get(slot)
-                if e is None or not e.evictable or not allowed(e):  # None: staged, or a move's destination
-                    return False
-            return True
-
-        def usable(key: Key) -> bool:
-            e = entries[key]
-            if not e.evictable:
-                return False
-            chunk = alloc.chunk_of(e.slot)
-            if e.used_len == nbytes:
-                return not alloc.held(chunk)
-            got = chunks.get(chunk)
-            if got is None:
-                got = chunks[chunk] = emptiable(chunk)
-            return got
-
-        return usable
+    def _allowed(self, kind: TierKind, tenant: str | None, own_only: bool) -> _Allowed:
+        """Which pages `tenant` may evict from `kind` (TenantQuotas.may_evict), and on what terms."""
+        quotas, tier = self.quotas, self.table.tiers[kind]
+        if quotas is None or tenant is None:
+            return _Allowed(tenant, own_only, None)
+        return _Allowed(tenant, own_only, lambda other: quotas.may_evict(tier, tenant, own_only, other))
 
     def _at_share(self, kind: TierKind, tenant: str | None, reserve: int, nbytes: int) -> bool:
         """Whether a page of `tenant` may only take the place of one of its own (it is at its share)."""
@@ -173,19 +152,18 @@ class Placement:
                 if tier is self.durable.tier:
                     await self.durable.prepare(grant)
                 return grant.offset
+            room = _Room(self.table, tier, nbytes, self._allowed(kind, tenant, own_only))
             chosen, victim = victim, None
-            if (
-                chosen is None
-                or chosen.tier != kind
-                or self.table.get(chosen.key) is not chosen
-                or not self._usable(tier, nbytes, tenant, own_only)(chosen.key)
-            ):
-                chosen = self.victim(kind, nbytes, tenant, own_only)
+            if chosen is not None and (chosen.tier != kind or self.table.get(chosen.key) is not chosen):
+                chosen = None
+            if chosen is None or not room.usable(chosen.key):
+                chosen = self._victim(room)
             if chosen is not None:
-                if chosen.used_len == nbytes:
+                chunk = tier.alloc.chunk_of(chosen.slot)
+                if chosen.used_len != nbytes and room.emptiable(chunk):
+                    await self.reclaim(tier, chunk)
+                else:  # its slot is the room; or (at its share) one of the tenant's own pages gives way
                     await self.evict(chosen)
-                else:
-                    await self.reclaim(tier, tier.alloc.chunk_of(chosen.slot))
                 continue
             busy = tier.in_transit > reserve or any(
                 (e := self.table.entries[k]).readers or e.moving for k in tier.policy.candidates()
@@ -251,6 +229,58 @@ class Placement:
             for fut in waiters:
                 if not fut.done():
                     fut.set_result(None)
+
+
+@dataclass(frozen=True, slots=True)
+class _Allowed:
+    """Whose pages an allocation may evict: with shares, those `may_evict(tenant of the page)` accepts; without
+    (`may_evict` None), anyone's. `own_only`: the asking tenant is at its share."""
+
+    tenant: str | None
+    own_only: bool
+    may_evict: Callable[[str], bool] | None
+
+
+class _Room:
+    """One question of `allocate`/`admit`: which pages of `tier` make room for a slot of `nbytes` now.
+
+    A page does when it is evictable, its chunk hands out slots (not held), it may be evicted (shares), and
+    either it is that size (its slot is the room), or its whole chunk can be emptied now (`emptiable`: every
+    page in it so, nothing staged or moving into it), or the asking tenant is at its share and the page is
+    its own (evicting it brings the tenant under its share; the room is made after that, by the rules of a
+    tenant below its share). A chunk's answer is worked out once per question: it costs a look at each of
+    its pages."""
+
+    __slots__ = ("_chunks", "allowed", "nbytes", "table", "tier")
+
+    def __init__(self, table: PageTable, tier: Tier, nbytes: int, allowed: _Allowed) -> None:
+        self.table, self.tier, self.nbytes, self.allowed = table, tier, nbytes, allowed
+        self._chunks: dict[int, bool] = {}
+
+    def _may(self, e: Entry) -> bool:
+        may = self.allowed.may_evict
+        return may is None or may(tenant_of(e.namespace))
+
+    def emptiable(self, chunk: int) -> bool:
+        got = self._chunks.get(chunk)
+        if got is None:
+            alloc, at = self.tier.alloc, self.tier.at
+            got = not alloc.held(chunk) and all(
+                (e := at.get(slot)) is not None and e.evictable and self._may(e)  # None: staged, or moving in
+                for slot in alloc.slots_in(chunk)
+            )
+            self._chunks[chunk] = got
+        return got
+
+    def usable(self, key: Key) -> bool:
+        e = self.table.entries[key]
+        if not e.evictable or not self._may(e):
+            return False
+        if self.tier.alloc.held(self.tier.alloc.chunk_of(e.slot)):
+            return False
+        if e.used_len == self.nbytes or self.allowed.own_only:
+            return True
+        return self.emptiable(self.tier.alloc.chunk_of(e.slot))
 
 
 async def _unwired(entry: Entry) -> None:

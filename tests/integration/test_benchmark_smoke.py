@@ -155,3 +155,15 @@ def test_fp8_economics_quick_run(tmp_path: Path) -> None:
     fp8 = [r for r in data["hits"] if r["encoding"] == "fp8-e4m3"]
     raw = [r for r in data["hits"] if r["encoding"] == "raw"]
     assert all(f["dram_pages"] >= 2 * r["dram_pages"] - 1 for f, r in zip(fp8, raw, strict=True))  # equal bytes
+
+
+def test_mixed_sizes_bench_small_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mixed_sizes_bench.py"), "--dram-bytes", str(16 << 20),
+                          "--workloads", "sglang,hybrid", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "mixed_sizes_bench.json").read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["sglang", "hybrid"]
+    for r in rows:  # what any run must show: no more held than budgeted, nothing stored that was not offered
+        assert 0 < r["held_bytes"] <= r["capacity_bytes"] <= 16 << 20
+        assert r["pages_held"] <= r["pages_stored"] <= r["pages_offered"]

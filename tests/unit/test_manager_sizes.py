@@ -197,6 +197,30 @@ def test_a_tenant_share_counts_bytes_of_each_page_size(tmp_path: Path) -> None:
     run(body, config(tmp_path, dram_chunks=6), shares={"tenant-a": {TierKind.DRAM: 2 * CHUNK}})
 
 
+def test_a_tenant_at_its_share_makes_room_for_another_size_among_chunks_it_shares(tmp_path: Path) -> None:
+    """Tenant A's small pages all sit in chunks beside tenant B's (no share), and A is at its share when it
+    puts a big page: A's own pages give way first (oldest first) until the page fits its share, then a chunk
+    is emptied by the rules of a tenant below its share (B, without a share, may lose pages; A never more
+    than its share asks)."""
+    a, b = scope("sizes/small", "tenant-a"), scope("sizes/small", "tenant-b")
+    big_a = scope("sizes/big", "tenant-a")
+
+    async def body(mgr: TierManager) -> None:
+        for r in range(3):  # 3 chunks, each half A's pages and half B's
+            await put(mgr, a, SMALL, list(range(15 * r, 15 * r + 15)))
+            await put(mgr, b, SMALL, list(range(15 * r, 15 * r + 15)))
+        t = dram(mgr)
+        assert t.alloc.free_chunks == 0 and t.tenant_pages["tenant-a"] == 45
+        assert await put(mgr, big_a, BIG, [0]) == (1, 0)
+        assert t.tenant_bytes["tenant-a"] <= 45 * SMALL_SLOT  # within its share, the big page included
+        left_a = await served(mgr, a, SMALL, list(range(45)))
+        assert left_a == list(range(45 - len(left_a), 45))  # its oldest gave way
+        assert CHUNK + len(left_a) * SMALL_SLOT <= 45 * SMALL_SLOT < CHUNK + (len(left_a) + 1) * SMALL_SLOT
+        assert len(await served(mgr, b, SMALL, list(range(45)))) >= 30  # one chunk's share of B at most
+
+    run(body, config(tmp_path, dram_chunks=3), shares={"tenant-a": {TierKind.DRAM: 45 * SMALL_SLOT}})
+
+
 def forged_header(ns: str, i: int) -> bytes:
     """A valid header block of a small page `i` of `ns`, whose payload would be the 64 KiB after it: what a
     client could write into a page's payload at a header position of another slot size."""
