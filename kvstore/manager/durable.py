@@ -86,6 +86,8 @@ class DurableCopies:
         chunk = alloc.chunk_of(grant.offset)
         for slot in list(self._by_chunk.get(chunk, ())):
             self.forget(slot)
+        if not tier.medium.needs_format(grant.nbytes):
+            return  # NOTE: no I/O (a chunk of one slot): the page written at its start lays it out
         alloc.hold(chunk)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._formats.setdefault(grant.nbytes, done)

@@ -105,6 +105,11 @@ class Medium(abc.ABC):
         for offset, src in ops:
             self.write(offset, src)
 
+    def needs_format(self, slot_bytes: int) -> bool:
+        """Whether a chunk taken for slots of `slot_bytes` from another size must be laid out (`format`) before a
+        slot of it is written. Never on a volatile medium."""
+        return False
+
     def format(self, chunk_offset: int, slot_bytes: int) -> None:
         """A free chunk is about to hold slots of `slot_bytes` after holding another size (or bytes of
         unknown layout): on a persistent medium, durably erase every header position of the new size in it

@@ -426,6 +426,11 @@ class NvmeTier(Medium):
         self._pwrite_block(fd, off, marker)
         os.fdatasync(fd)
 
+    def needs_format(self, slot_bytes: int) -> bool:
+        """Only a size with header positions after a chunk's first: a chunk of one slot is laid out by the
+        page written into it (its header names the size; nothing else in the chunk is ever read)."""
+        return bool(grid(self.chunk_bytes, slot_bytes))
+
     def format(self, chunk_offset: int, slot_bytes: int) -> None:
         """Lay a free chunk out for slots of `slot_bytes`: erase every header position of that class after
         the first (durably, so no old bytes there are read as a page header after a restart), then mark the
