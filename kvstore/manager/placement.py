@@ -30,8 +30,8 @@ A policy that refuses the page whatever the victim says so before one is chosen 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvstore.errors import ResourceExhausted
@@ -65,22 +65,24 @@ class Placement:
     def victim(self, kind: TierKind, nbytes: int, tenant: str | None = None, own_only: bool = False) -> Entry | None:
         """The page the tier's policy would evict first among those evictable now that make room for a slot
         of `nbytes` (`_Room`); with shares, among those `tenant` may evict (TenantQuotas)."""
-        return self._victim(_Room(self.table, self.table.tiers[kind], nbytes, self._allowed(kind, tenant, own_only)))
+        return self._victim(self._room(kind, nbytes, tenant, own_only))
 
     def _victim(self, room: _Room) -> Entry | None:
-        tenant, own_only = room.allowed.tenant, room.allowed.own_only
+        tenant = room.tenant
         if self.quotas is not None and tenant is not None:
-            key = self.quotas.victim(room.tier, tenant, own_only, room.usable)
+            key = self.quotas.victim(room.tier, tenant, room.own_only, room.usable)
         else:
             key = first_usable(room.tier.policy, room.usable)
         return None if key is None else self.table.entries[key]
 
-    def _allowed(self, kind: TierKind, tenant: str | None, own_only: bool) -> _Allowed:
-        """Which pages `tenant` may evict from `kind` (TenantQuotas.may_evict), and on what terms."""
+    def _room(self, kind: TierKind, nbytes: int, tenant: str | None, own_only: bool) -> _Room:
+        """The question: which pages of `kind` make room for a slot of `nbytes` for `tenant` (with shares:
+        those TenantQuotas.may_evict lets it evict)."""
         quotas, tier = self.quotas, self.table.tiers[kind]
-        if quotas is None or tenant is None:
-            return _Allowed(tenant, own_only, None)
-        return _Allowed(tenant, own_only, lambda other: quotas.may_evict(tier, tenant, own_only, other))
+        may = None
+        if quotas is not None and tenant is not None:
+            may = functools.partial(quotas.may_evict, tier, tenant, own_only)
+        return _Room(self.table, tier, nbytes, tenant, own_only, may)
 
     def _at_share(self, kind: TierKind, tenant: str | None, reserve: int, nbytes: int) -> bool:
         """Whether a page of `tenant` may only take the place of one of its own (it is at its share)."""
@@ -152,15 +154,23 @@ class Placement:
                 if tier is self.durable.tier:
                     await self.durable.prepare(grant)
                 return grant.offset
-            room = _Room(self.table, tier, nbytes, self._allowed(kind, tenant, own_only))
             chosen, victim = victim, None
             if chosen is not None and (chosen.tier != kind or self.table.get(chosen.key) is not chosen):
                 chosen = None
-            if chosen is None or not room.usable(chosen.key):
-                chosen = self._victim(room)
+            room: _Room | None = None
+            if not (  # NOTE: admission's victim of this size, as it was a moment ago: no question to ask again
+                chosen is not None
+                and self.quotas is None
+                and chosen.used_len == nbytes
+                and chosen.evictable
+                and not tier.alloc.held(tier.alloc.chunk_of(chosen.slot))
+            ):
+                room = self._room(kind, nbytes, tenant, own_only)
+                if chosen is None or not room.usable(chosen.key):
+                    chosen = self._victim(room)
             if chosen is not None:
                 chunk = tier.alloc.chunk_of(chosen.slot)
-                if chosen.used_len != nbytes and room.emptiable(chunk):
+                if chosen.used_len != nbytes and room is not None and room.emptiable(chunk):
                     await self.reclaim(tier, chunk)
                 else:  # its slot is the room; or (at its share) one of the tenant's own pages gives way
                     await self.evict(chosen)
@@ -231,16 +241,6 @@ class Placement:
                     fut.set_result(None)
 
 
-@dataclass(frozen=True, slots=True)
-class _Allowed:
-    """Whose pages an allocation may evict: with shares, those `may_evict(tenant of the page)` accepts; without
-    (`may_evict` None), anyone's. `own_only`: the asking tenant is at its share."""
-
-    tenant: str | None
-    own_only: bool
-    may_evict: Callable[[str], bool] | None
-
-
 class _Room:
     """One question of `allocate`/`admit`: which pages of `tier` make room for a slot of `nbytes` now.
 
@@ -251,15 +251,23 @@ class _Room:
     tenant below its share). A chunk's answer is worked out once per question: it costs a look at each of
     its pages."""
 
-    __slots__ = ("_chunks", "allowed", "nbytes", "table", "tier")
+    __slots__ = ("_chunks", "may", "nbytes", "own_only", "table", "tenant", "tier")
 
-    def __init__(self, table: PageTable, tier: Tier, nbytes: int, allowed: _Allowed) -> None:
-        self.table, self.tier, self.nbytes, self.allowed = table, tier, nbytes, allowed
+    def __init__(
+        self,
+        table: PageTable,
+        tier: Tier,
+        nbytes: int,
+        tenant: str | None,
+        own_only: bool,
+        may: Callable[[str], bool] | None,
+    ) -> None:
+        self.table, self.tier, self.nbytes = table, tier, nbytes
+        self.tenant, self.own_only, self.may = tenant, own_only, may  # may: None, anyone's pages
         self._chunks: dict[int, bool] = {}
 
     def _may(self, e: Entry) -> bool:
-        may = self.allowed.may_evict
-        return may is None or may(tenant_of(e.namespace))
+        return self.may is None or self.may(tenant_of(e.namespace))
 
     def emptiable(self, chunk: int) -> bool:
         got = self._chunks.get(chunk)
@@ -276,11 +284,10 @@ class _Room:
         e = self.table.entries[key]
         if not e.evictable or not self._may(e):
             return False
-        if self.tier.alloc.held(self.tier.alloc.chunk_of(e.slot)):
+        chunk = self.tier.alloc.chunk_of(e.slot)
+        if self.tier.alloc.held(chunk):
             return False
-        if e.used_len == self.nbytes or self.allowed.own_only:
-            return True
-        return self.emptiable(self.tier.alloc.chunk_of(e.slot))
+        return e.used_len == self.nbytes or self.own_only or self.emptiable(chunk)
 
 
 async def _unwired(entry: Entry) -> None:

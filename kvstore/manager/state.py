@@ -27,7 +27,8 @@ ChangeListener = Callable[[str, bytes, TierKind | None, TierKind | None], None]
 @dataclass(slots=True, eq=False)
 class Entry:
     """One visible page. `tier`/`slot` change only inside a move, while `moving` is set; `slot` is the byte
-    offset of its slot in its tier's medium, a slot of `used_len` bytes (kvstore/tiers/slots.py)."""
+    offset of its slot in its tier's medium, a slot of `used_len` bytes (header block plus payload rounded to
+    4 KiB: the same in every tier; kvstore/tiers/slots.py)."""
 
     namespace: str
     hash: bytes
@@ -45,6 +46,11 @@ class Entry:
     prefetched: bool = False  # promoted by a prefetch and not read since (used / wasted accounting)
     parent: Key | None = None  # previous block of its chain, when the writer said (policy hint)
     reads: int = 0  # reads since stored, in any tier (policy hint; travels with the page)
+    used_len: int = field(init=False, repr=False)  # its slot's size, in every tier (`__post_init__`)
+
+    def __post_init__(self) -> None:
+        # NOTE: kept, not computed on each use: placement asks it of every candidate victim.
+        self.used_len = slot_bytes_for(self.payload_len)
 
     @property
     def key(self) -> Key:
@@ -63,11 +69,6 @@ class Entry:
     @property
     def evictable(self) -> bool:
         return not self.pinned and self.readers == 0 and self.moving is None
-
-    @property
-    def used_len(self) -> int:
-        """Its slot's size, in every tier: header block plus payload rounded to 4 KiB."""
-        return slot_bytes_for(self.payload_len)
 
 
 @dataclass(slots=True)

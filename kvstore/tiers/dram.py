@@ -34,12 +34,14 @@ class DramTier(Medium):
         size = max(self.num_chunks * chunk_bytes, mmap.PAGESIZE)
         self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._view = memoryview(self._map)
+        self._size = self.num_chunks * chunk_bytes
         self.pinned = False
         self.detail = "anonymous mmap slab"
 
     def view(self, offset: int, nbytes: int) -> memoryview:
         """Writable view of `nbytes` at `offset` (a slot, or part of one: its header block, its payload)."""
-        self.check_range(offset, nbytes)
+        if offset < 0 or nbytes < 0 or offset + nbytes > self._size:  # NOTE: inline, not check_range: hot
+            self.check_range(offset, nbytes)  # raises, naming the range
         return self._view[offset : offset + nbytes]
 
     def read(self, offset: int, into: memoryview) -> None:

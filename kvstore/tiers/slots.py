@@ -25,15 +25,13 @@ Query/command pairs: `can_allocate(n)` / `allocate(n)`; `is_allocated` / `free`;
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
+from typing import NamedTuple
 
 ALIGN = 4096  # every slot starts and ends on an O_DIRECT boundary
 
 
-@dataclass(frozen=True, slots=True)
-class Grant:
+class Grant(NamedTuple):
     """A slot handed out: `offset` in the medium, `nbytes` long (its class). `reformat`: the slot's chunk was
     free and is taken for a class other than the one it last held (or held bytes of unknown layout), so a
     persistent medium must erase the chunk's old header positions before a slot of it is written
@@ -55,17 +53,19 @@ class SizeClassAllocator:
       free of its last one makes the chunk free (it remembers the class, see `Grant.reformat`);
     - `used_bytes` is the sum of the allocated slots' sizes, `used_count` their number;
     - a held chunk (`hold`: being emptied for another class) hands out no slot until `release`;
-    - slots come from the lowest-numbered chunk of their class with room, lowest slot first, then from the
-      lowest free chunk (one that held the same class first): pages fill a file front to back, and
-      adjacent pages of a batch are often adjacent on the medium.
+    - a slot comes from a chunk of its class with room (the lowest free slot of it), else from a free chunk,
+      one that held the same class first; among chunks, the one most recently offered (freed), as a free list
+      of equal slots does (recently freed memory is warm), and chunk 0 first on a fresh medium: pages fill a
+      file front to back, and adjacent pages of a batch are often adjacent on the medium.
     Freeing a slot that is not allocated, or claiming one that is not free, raises instead of corrupting.
     """
 
     __slots__ = (
+        "_avail_free",
+        "_avail_slots",
         "_class",
         "_count",
-        "_free_any",
-        "_free_by_last",
+        "_free",
         "_held",
         "_last",
         "_n_free",
@@ -92,12 +92,15 @@ class SizeClassAllocator:
         self._count = [0] * num_chunks  # allocated slots per chunk
         self._slots = [0] * num_chunks  # slots per chunk (chunk_bytes // class); 0 while free
         self._held: set[int] = set()
-        # Heaps with membership (an index is pushed once; popped when found stale): chunks of a class with a
-        # free slot, free chunks by the class they held last, and all free chunks.
-        self._partial: dict[int, _Heap] = {}
-        self._free_by_last: dict[int, _Heap] = {}
-        self._free_any = _Heap(range(num_chunks))
+        # Stacks with membership (an index is pushed once; popped when found stale): chunks of a class with a
+        # free slot, and free chunks by the class they held last (0: none known).
+        self._partial: dict[int, _Stack] = {}
+        self._free: dict[int, _Stack] = {0: _Stack(range(num_chunks - 1, -1, -1))}  # chunk 0 on top
         self._n_free = num_chunks
+        # What can be handed out now, kept as counts so the queries are O(1): free chunks not held, and per
+        # size the free slots of its chunks not held.
+        self._avail_free = num_chunks
+        self._avail_slots: dict[int, int] = {}
         self.used_bytes = 0
         self.used_count = 0
         self.slots_assigned = 0  # slots of the chunks that hold a class (allocated or not)
@@ -123,14 +126,15 @@ class SizeClassAllocator:
             raise ValueError(f"slot size {nbytes} is not a multiple of {ALIGN} in (0, {self.chunk_bytes}]")
 
     def can_allocate(self, nbytes: int) -> bool:
-        """Whether `allocate(nbytes)` would succeed now (a free slot of that class, or a free chunk)."""
-        self.check_size(nbytes)
-        return self._partial_chunk(nbytes) is not None or self._free_chunk(nbytes) is not None
+        """Whether `allocate(nbytes)` would succeed now (a free slot of that class, or a free chunk). O(1)."""
+        if nbytes <= 0 or nbytes % ALIGN or nbytes > self.chunk_bytes:
+            self.check_size(nbytes)  # raises, naming the size
+        return self._avail_free > 0 or self._avail_slots.get(nbytes, 0) > 0
 
     def has_free_slot(self, nbytes: int) -> bool:
-        """Whether a chunk already of size `nbytes` has a free slot (no free chunk needed)."""
+        """Whether a chunk already of size `nbytes` has a free slot (no free chunk needed). O(1)."""
         self.check_size(nbytes)
-        return self._partial_chunk(nbytes) is not None
+        return self._avail_slots.get(nbytes, 0) > 0
 
     def chunk_of(self, offset: int) -> int:
         return offset // self.chunk_bytes
@@ -156,10 +160,10 @@ class SizeClassAllocator:
     def allocate(self, nbytes: int) -> Grant:
         """A free slot of size `nbytes`; MemoryError when there is none (check `can_allocate` first)."""
         self.check_size(nbytes)
-        chunk = self._partial_chunk(nbytes)
+        chunk = self._partial_chunk(nbytes) if self._avail_slots.get(nbytes, 0) else None
         reformat = False
         if chunk is None:
-            chunk = self._free_chunk(nbytes)
+            chunk = self._free_chunk(nbytes) if self._avail_free else None
             if chunk is None:
                 raise MemoryError(f"no free slot of {nbytes} B and no free chunk")
             reformat = self._last[chunk] != nbytes
@@ -174,20 +178,26 @@ class SizeClassAllocator:
         chunk, j = self._locate(offset)
         if j < 0 or not self._used[chunk] >> j & 1:
             raise ValueError(f"slot at offset {offset} is not allocated")
-        s = self._class[chunk]
-        was_full = self._count[chunk] == self._slots[chunk]
+        s, n = self._class[chunk], self._slots[chunk]
+        was_full = self._count[chunk] == n
+        held = chunk in self._held
         self._used[chunk] &= ~(1 << j)
         self._count[chunk] -= 1
         self.used_count -= 1
         self.used_bytes -= s
-        if self._count[chunk] == 0:
-            self.slots_assigned -= self._slots[chunk]
+        if self._count[chunk] == 0:  # the chunk is free: its other free slots leave the size with it
+            if not held:
+                self._add_avail(s, 1 - n)
+                self._avail_free += 1
+            self.slots_assigned -= n
             self._class[chunk] = self._slots[chunk] = 0
             self._last[chunk] = s
             self._n_free += 1
             self._offer_free(chunk)
-        elif was_full and chunk not in self._held:
-            self._partial.setdefault(s, _Heap()).push(chunk)
+        elif not held:
+            self._avail_slots[s] += 1
+            if was_full:
+                _stack(self._partial, s).push(chunk)
 
     def claim(self, offset: int, nbytes: int) -> None:
         """Mark a specific free slot of size `nbytes` allocated (recovery re-adopting durable pages, a clean
@@ -217,15 +227,29 @@ class SizeClassAllocator:
 
     def hold(self, chunk: int) -> None:
         """Hand out no slot of this chunk until `release` (it is being emptied for another class)."""
+        if chunk in self._held:
+            return
         self._held.add(chunk)
+        s = self._class[chunk]
+        if s:
+            self._add_avail(s, self._count[chunk] - self._slots[chunk])
+        else:
+            self._avail_free -= 1
 
     def release(self, chunk: int) -> None:
         """End a `hold`: the chunk's free room (or the whole chunk, if it was emptied) is offered again."""
+        if chunk not in self._held:
+            return
         self._held.discard(chunk)
+        s = self._class[chunk]
+        if s:
+            self._add_avail(s, self._slots[chunk] - self._count[chunk])
+        else:
+            self._avail_free += 1
         if self._class[chunk] == 0:
             self._offer_free(chunk)
         elif self._count[chunk] < self._slots[chunk]:
-            self._partial.setdefault(self._class[chunk], _Heap()).push(chunk)
+            _stack(self._partial, self._class[chunk]).push(chunk)
 
     # -- internals
 
@@ -246,60 +270,84 @@ class SizeClassAllocator:
         self._n_free -= 1
         self.slots_assigned += self._slots[chunk]
         if chunk not in self._held:
-            self._partial.setdefault(nbytes, _Heap()).push(chunk)
+            self._avail_free -= 1
+            self._add_avail(nbytes, self._slots[chunk])
+            if self._slots[chunk] > 1:  # NOTE: a chunk of one slot is full with the take that follows
+                _stack(self._partial, nbytes).push(chunk)
+
+    def _add_avail(self, nbytes: int, k: int) -> None:
+        self._avail_slots[nbytes] = self._avail_slots.get(nbytes, 0) + k
 
     def _take(self, chunk: int, j: int) -> None:
+        if chunk not in self._held:
+            self._avail_slots[self._class[chunk]] -= 1  # NOTE: the size has its count: _assign made it
         self._used[chunk] |= 1 << j
         self._count[chunk] += 1
         self.used_count += 1
         self.used_bytes += self._class[chunk]
 
     def _offer_free(self, chunk: int) -> None:
-        if chunk in self._held:
-            return
-        self._free_any.push(chunk)
-        if self._last[chunk]:
-            self._free_by_last.setdefault(self._last[chunk], _Heap()).push(chunk)
+        if chunk not in self._held:
+            _stack(self._free, self._last[chunk]).push(chunk)
 
     def _partial_chunk(self, nbytes: int) -> int | None:
-        heap = self._partial.get(nbytes)
-        if heap is None:
+        """The top chunk of size `nbytes` with a free slot, not held (stale entries dropped on the way)."""
+        st = self._partial.get(nbytes)
+        if st is None:
             return None
-        return heap.first(
-            lambda c: self._class[c] == nbytes and self._count[c] < self._slots[c] and c not in self._held
-        )
+        items, cls, count, slots, held = st.items, self._class, self._count, self._slots, self._held
+        while items:  # NOTE: inlined, not a predicate per entry: this runs on every allocation
+            c = items[-1]
+            if cls[c] == nbytes and count[c] < slots[c] and c not in held:
+                return c
+            st.drop_top()
+        return None
 
     def _free_chunk(self, nbytes: int) -> int | None:
-        def usable(c: int) -> bool:
-            return self._class[c] == 0 and c not in self._held
+        """The top free chunk not held: one that last held size `nbytes` first, then one of no known layout,
+        then any (a chunk of another size: laid out anew)."""
+        for last in _preference(nbytes, self._free):
+            st = self._free.get(last)
+            if st is None:
+                continue
+            items, cls, lasts, held = st.items, self._class, self._last, self._held
+            while items:
+                c = items[-1]
+                if cls[c] == 0 and lasts[c] == last and c not in held:
+                    return c
+                st.drop_top()
+        return None
 
-        same = self._free_by_last.get(nbytes)
-        chunk = same.first(lambda c: usable(c) and self._last[c] == nbytes) if same is not None else None
-        return chunk if chunk is not None else self._free_any.first(usable)
+
+def _preference(nbytes: int, free: dict[int, _Stack]) -> Iterator[int]:
+    """Which free chunks to take for a size, by the size they held last: the same, none known, any other."""
+    yield nbytes
+    yield 0
+    yield from free  # few sizes: the loop is short (the two above come again: their stacks are empty now)
 
 
-class _Heap:
-    """A min-heap of chunk indices, each present at most once; entries that stopped qualifying are dropped
-    when they reach the top (lazy deletion), so every operation is O(log n) amortised."""
+def _stack(stacks: dict[int, _Stack], key: int) -> _Stack:
+    st = stacks.get(key)
+    if st is None:
+        st = stacks[key] = _Stack()
+    return st
 
-    __slots__ = ("_heap", "_in")
+
+class _Stack:
+    """Chunk indices, most recently offered on top (`items[-1]`), each present at most once; entries that
+    stopped qualifying are dropped when they reach the top (lazy deletion, `drop_top`), so every operation is
+    O(1) amortised."""
+
+    __slots__ = ("_in", "items")
 
     def __init__(self, items: range | None = None) -> None:
-        self._heap: list[int] = list(items) if items is not None else []
-        self._in: set[int] = set(self._heap)
+        self.items: list[int] = list(items) if items is not None else []
+        self._in: set[int] = set(self.items)
 
     def push(self, i: int) -> None:
         if i not in self._in:
             self._in.add(i)
-            heapq.heappush(self._heap, i)
+            self.items.append(i)
 
-    def first(self, valid: Callable[[int], bool]) -> int | None:
-        """The smallest entry for which `valid` holds, dropping the invalid ones above it."""
-        heap = self._heap
-        while heap:
-            top = heap[0]
-            if valid(top):
-                return top
-            heapq.heappop(heap)
-            self._in.discard(top)
-        return None
+    def drop_top(self) -> None:
+        self._in.discard(self.items.pop())
