@@ -25,7 +25,6 @@ Query/command pairs: `can_allocate(n)` / `allocate(n)`; `is_allocated` / `free`;
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import NamedTuple
 
 ALIGN = 4096  # every slot starts and ends on an O_DIRECT boundary
@@ -159,7 +158,9 @@ class SizeClassAllocator:
 
     def allocate(self, nbytes: int) -> Grant:
         """A free slot of size `nbytes`; MemoryError when there is none (check `can_allocate` first)."""
-        self.check_size(nbytes)
+        # NOTE: written out rather than through helpers: it runs for every page a node stores or moves.
+        if nbytes <= 0 or nbytes % ALIGN or nbytes > self.chunk_bytes:
+            self.check_size(nbytes)  # raises, naming the size
         chunk = self._partial_chunk(nbytes) if self._avail_slots.get(nbytes, 0) else None
         reformat = False
         if chunk is None:
@@ -170,33 +171,40 @@ class SizeClassAllocator:
             self._assign(chunk, nbytes)
         mask = self._used[chunk]
         j = (~mask & (mask + 1)).bit_length() - 1  # the lowest free slot
-        self._take(chunk, j)
+        if chunk not in self._held:
+            self._avail_slots[nbytes] -= 1  # the size has its count: _assign made it
+        self._used[chunk] = mask | 1 << j
+        self._count[chunk] += 1
+        self.used_count += 1
+        self.used_bytes += nbytes
         return Grant(chunk * self.chunk_bytes + j * nbytes, nbytes, reformat)
 
     def free(self, offset: int) -> None:
         """Free an allocated slot; the chunk becomes free with its last slot."""
-        chunk, j = self._locate(offset)
-        if j < 0 or not self._used[chunk] >> j & 1:
+        chunk = offset // self.chunk_bytes
+        s = self._class[chunk] if 0 <= chunk < self.num_chunks else 0
+        rel = offset - chunk * self.chunk_bytes
+        if not s or rel % s or not self._used[chunk] >> rel // s & 1:
             raise ValueError(f"slot at offset {offset} is not allocated")
-        s, n = self._class[chunk], self._slots[chunk]
-        was_full = self._count[chunk] == n
-        held = chunk in self._held
-        self._used[chunk] &= ~(1 << j)
-        self._count[chunk] -= 1
+        n = self._slots[chunk]
+        count = self._count[chunk] = self._count[chunk] - 1
+        self._used[chunk] &= ~(1 << rel // s)
         self.used_count -= 1
         self.used_bytes -= s
-        if self._count[chunk] == 0:  # the chunk is free: its other free slots leave the size with it
+        held = chunk in self._held
+        if count == 0:  # the chunk is free: its other free slots leave the size with it
             if not held:
-                self._add_avail(s, 1 - n)
+                self._avail_slots[s] += 1 - n
                 self._avail_free += 1
             self.slots_assigned -= n
             self._class[chunk] = self._slots[chunk] = 0
             self._last[chunk] = s
             self._n_free += 1
-            self._offer_free(chunk)
+            if not held:
+                _stack(self._free, s).push(chunk)
         elif not held:
             self._avail_slots[s] += 1
-            if was_full:
+            if count == n - 1:  # it was full: it has room again
                 _stack(self._partial, s).push(chunk)
 
     def claim(self, offset: int, nbytes: int) -> None:
@@ -306,24 +314,27 @@ class SizeClassAllocator:
     def _free_chunk(self, nbytes: int) -> int | None:
         """The top free chunk not held: one that last held size `nbytes` first, then one of no known layout,
         then any (a chunk of another size: laid out anew)."""
-        for last in _preference(nbytes, self._free):
-            st = self._free.get(last)
-            if st is None:
-                continue
-            items, cls, lasts, held = st.items, self._class, self._last, self._held
-            while items:
-                c = items[-1]
-                if cls[c] == 0 and lasts[c] == last and c not in held:
-                    return c
-                st.drop_top()
+        chunk = self._top_free(nbytes)
+        if chunk is None:
+            chunk = self._top_free(0)
+        for last in list(self._free) if chunk is None else ():  # few sizes: the loop is short
+            chunk = self._top_free(last)
+            if chunk is not None:
+                break
+        return chunk
+
+    def _top_free(self, last: int) -> int | None:
+        """The top chunk of the free stack of chunks that last held size `last`, not held."""
+        st = self._free.get(last)
+        if st is None:
+            return None
+        items, cls, lasts, held = st.items, self._class, self._last, self._held
+        while items:
+            c = items[-1]
+            if cls[c] == 0 and lasts[c] == last and c not in held:
+                return c
+            st.drop_top()
         return None
-
-
-def _preference(nbytes: int, free: dict[int, _Stack]) -> Iterator[int]:
-    """Which free chunks to take for a size, by the size they held last: the same, none known, any other."""
-    yield nbytes
-    yield 0
-    yield from free  # few sizes: the loop is short (the two above come again: their stacks are empty now)
 
 
 def _stack(stacks: dict[int, _Stack], key: int) -> _Stack:
