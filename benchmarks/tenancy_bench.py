@@ -99,7 +99,7 @@ async def _micro(layout: PageLayout, runs: int, rounds: int, batch: int) -> dict
 
     mgrs, views = {}, {}
     for m in MODES:
-        shares = {"t0": {TierKind.DRAM: dram_slots // 2}} if m == "tenant+share" else None
+        shares = {"t0": {TierKind.DRAM: dram_slots // 2 * slot}} if m == "tenant+share" else None  # bytes
         mgrs[m] = TierManager(NodeConfig(dram_bytes=dram_slots * slot, max_page_bytes=layout.page_bytes,
                                          io_threads=2), shares=shares)  # fmt: skip
         await mgrs[m].start()

@@ -317,7 +317,7 @@ class IndexReader:
 
     def _live_view(self) -> dict[str, int]:
         """node id -> current epoch of every live node, as of at most live_refresh_s ago. When a refresh
-        fails (a Redis Cluster failing the node records' master over) the last view stands, and the next
+        fails on a Redis Cluster (failing the node records' master over) the last view stands, and the next
         try is live_refresh_s later: an entry of a node that died meanwhile costs a miss at its node, never
         a wrong page. Raises when no view was ever read."""
         now = time.monotonic()
@@ -327,7 +327,9 @@ class IndexReader:
         try:
             live = self._read_live()
         except (redis.RedisError, RedisClusterException, OSError) as exc:
-            if self._live_at < 0:
+            # NOTE: only a Redis Cluster keeps the last view: its masters fail over one at a time. One Redis
+            # (or Sentinel's master) that does not answer is down, and lookups say so.
+            if self._live_at < 0 or not self._cluster:
                 raise
             log.info("index at %s: who is alive could not be read (%s); using the view of %.1f s ago",
                      redact_url(self.url), exc, now - self._live_at)  # fmt: skip

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
 from kvstore.errors import InvalidArgument, Unavailable
 from kvstore.index import IndexUnavailable
+from kvstore.index.reader import LIVE_REFRESH_S
 from kvstore.wire.streams import layout_to_pb
 
 SERVICE = "/kvstore.v1.KVStore/"
@@ -89,6 +91,7 @@ def test_cluster_lookup_during_redis_outage_raises_a_kvstore_error() -> None:
     with RedisProcess() as redis_proc, ClusterClient(redis_proc.url, timeout=10) as cc:
         assert cc.lookup(NS, [key(0)]).matched == 0
         redis_proc.kill()
+        time.sleep(LIVE_REFRESH_S + 0.1)  # the view of who is alive (empty here) is kept that long
         with pytest.raises(IndexUnavailable, match="unreachable") as info:
             cc.lookup(NS, [key(0)])
         assert isinstance(info.value, Unavailable)
