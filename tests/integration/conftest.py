@@ -1,17 +1,23 @@
-"""Real cache nodes in child processes on loopback; every node a test starts is stopped by it."""
+"""Real cache nodes in child processes on loopback (and one in this process: InProcessNode); every node a test
+starts is stopped by it."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
+from kvstore.config import NodeConfig
 from kvstore.layout import DType, PageLayout
+from kvstore.node.server import Node
 from kvstore.pageformat import HEADER_BYTES
 from kvstore.wire.ucx import ucxx_installed
 
@@ -53,3 +59,59 @@ def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreCli
     """A client of `node` over each data plane: gRPC streams, the same-host shared-memory plane, UCX."""
     with KVStoreClient(node.addr, timeout=30, transport=request.param) as c:
         yield c
+
+
+class InProcessNode:
+    """A node on its own event loop in a thread of this process, so a test can reach its page table (and corrupt
+    it as a mapping bug would). Its DRAM holds `dram_slots` slots of PAGE bytes; every plane but UCX (where
+    installed: UCX too); the same-host plane's socket under `tmp`."""
+
+    def __init__(self, tmp: Path, dram_slots: int = 32) -> None:
+        cfg = NodeConfig(
+            host="127.0.0.1",
+            port=0,
+            dram_bytes=dram_slots * SLOT,
+            max_page_bytes=PAGE,
+            node_id="inproc",
+            ucx_enabled=ucxx_installed(),
+            local_socket=str(tmp / "inproc.sock"),
+        )
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="inproc-node", daemon=True)
+        self.thread.start()
+
+        async def make() -> Node:  # grpc.aio objects belong to the loop they are made in
+            return Node(cfg)
+
+        self.node = self.run(make())
+        self.port = self.run(self.node.start())
+
+    def run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def call(self, fn: Any) -> Any:
+        async def wrap() -> Any:
+            return fn()
+
+        return self.run(wrap())
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        try:
+            self.run(self.node.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+            self.loop.close()
+
+
+@pytest.fixture
+def inproc(tmp_path: Path) -> Iterator[InProcessNode]:
+    n = InProcessNode(tmp_path)
+    try:
+        yield n
+    finally:
+        n.close()

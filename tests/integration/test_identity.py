@@ -10,27 +10,21 @@ page's namespace, key, tenant and layout, not only its bytes).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.config import NodeConfig
 from kvstore.names import TierKind
-from kvstore.node.server import Node
 from kvstore.pageformat import HEADER_BYTES, PageHeader, identity_digest
 from kvstore.tiers.nvme_meta import META_NAME, SEGMENT_RE, SlotState, classify, decode_meta
 from kvstore.wire.ucx import ucxx_installed
-from tests.integration.conftest import LAYOUT, NS, PAGE, SLOT, key, page
+from tests.integration.conftest import LAYOUT, NS, PAGE, SLOT, InProcessNode, key, page
 
 PLANES = ["grpc", "shm", "tcp", *(["ucx"] if ucxx_installed() else [])]
 
@@ -138,66 +132,12 @@ def test_pages_an_older_build_wrote_recover_and_verify(tmp_path: Path) -> None:
 # -- DRAM, on a node in this process, whose page table a test can corrupt as a mapping bug would
 
 
-class _InProcessNode:
-    """A node on its own event loop in a thread of this process, so a test can reach its page table."""
-
-    def __init__(self, tmp: Path) -> None:
-        cfg = NodeConfig(
-            host="127.0.0.1",
-            port=0,
-            dram_bytes=32 * SLOT,
-            max_page_bytes=PAGE,
-            node_id="inproc",
-            ucx_enabled=ucxx_installed(),
-            local_socket=str(tmp / "inproc.sock"),
-        )
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="inproc-node", daemon=True)
-        self.thread.start()
-
-        async def make() -> Node:  # grpc.aio objects belong to the loop they are made in
-            return Node(cfg)
-
-        self.node = self.run(make())
-        self.port = self.run(self.node.start())
-
-    def run(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def call(self, fn: Any) -> Any:
-        async def wrap() -> Any:
-            return fn()
-
-        return self.run(wrap())
-
-    @property
-    def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def close(self) -> None:
-        try:
-            self.run(self.node.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
-            self.loop.close()
-
-
-@pytest.fixture
-def inproc(tmp_path: Path) -> Iterator[_InProcessNode]:
-    n = _InProcessNode(tmp_path)
-    try:
-        yield n
-    finally:
-        n.close()
-
-
 def _dram_failures(kv: KVStoreClient) -> int:
     return next(t.counters.checksum_failures for t in kv.stats().tiers if t.tier is TierKind.DRAM)
 
 
 @pytest.mark.parametrize("bug", ["slot", "entry"])
-def test_dram_pages_mapped_to_another_page_are_misses_on_every_plane(inproc: _InProcessNode, bug: str) -> None:
+def test_dram_pages_mapped_to_another_page_are_misses_on_every_plane(inproc: InProcessNode, bug: str) -> None:
     """`slot`: key A's record points at page B's slot (the bytes of another page); `entry`: key A's place in
     the table holds page B's record (a stale or misfiled record, B's own checksum with it)."""
     table = inproc.node.manager.table
