@@ -31,8 +31,8 @@ from tests.security.conftest import wait_for
 
 pytest.importorskip("lmcache", reason="LMCache is an optional extra: ./dev test installs it")
 
-from kvstore.integrations.lmcache_l2_mapping import l2_page_key  # noqa: E402  # imports LMCache
-from tests.lmcache.test_l2_adapter import (  # noqa: E402
+from kvstore.integrations.lmcache_l2_mapping import l2_page_key  # imports LMCache
+from tests.lmcache.test_l2_adapter import (
     MODEL,
     NS,
     RANK,
@@ -45,9 +45,8 @@ from tests.lmcache.test_l2_adapter import (  # noqa: E402
     raw,
     store,
 )
-from tests.lmcache.test_plugin import NS as PLUGIN_NS  # noqa: E402
-from tests.lmcache.test_plugin import REMOTE, chunks, put_and_wait, release  # noqa: E402
-
+from tests.lmcache.test_plugin import NS as PLUGIN_NS
+from tests.lmcache.test_plugin import REMOTE, chunks, put_and_wait, release
 
 TRANSPORTS = ["auto", "grpc", "tcp", "shm"]  # each door's `transport` setting (auto: its default)
 
