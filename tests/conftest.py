@@ -6,7 +6,8 @@
   failure naming the command that makes it; under a bare pytest, a skip with that reason.
 - `sglang_python`: the SGLang venv's python (SGLang 0.5.23 without its CUDA packages, the CPU torch and this
   checkout; made by tools/sglang_venv.sh), built and waited for the same way.
-- Tests that use either run last (collection order), so that the builds overlap everything else.
+- Tests that use either are marked `engine` and run last (collection order), so that the builds overlap
+  everything else; `./dev test` runs them in a second pytest beside the others (`-m engine`).
 
 Tiers (DESIGN.md §13): `./dev test` (CI) runs every test. The `fast` marker is the iteration tier
 (`./dev test --fast`, or `pytest -m fast`): every test under FAST_DIRS (unit tests and pure logic: no node,
@@ -63,8 +64,10 @@ def in_fast_dir(path: Path) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # NOTE: before `-m` deselects, so `-m fast` sees the marks added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The fast tier marked; tests on the engine venv last (a stable sort: every other order is kept)."""
+    """The fast tier marked; tests on the engine venv marked `engine` and last (a stable sort: every other order is kept)."""
     for item in items:
         if in_fast_dir(item.path):
             item.add_marker(pytest.mark.fast)
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.engine)
     items.sort(key=lambda item: bool(ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))))
