@@ -24,6 +24,7 @@ from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import slot_bytes_for
 from kvstore.security import ClientSecurity
+from tests.integration.conftest import InProcessNode
 
 DRIVER = ROOT / "tests" / "engines" / "vllm_offload_driver.py"
 # What the tier computes for the driver's engine (tiny-llama, bf16, layout not resolved by hand-built configs,
@@ -175,3 +176,48 @@ def test_a_hybrid_models_groups_are_one_bundle_per_block(results: tuple[dict[str
     assert pages[h["namespace"]] == 8  # one page per block, both groups in it
     assert layouts[h["namespace"]].is_bundle
     assert h["plain_namespace"] not in pages  # no row stored as a page of its own
+
+
+def test_a_misfiled_chunk_is_a_miss_never_another_chunks_bytes(vllm_python: Path, tmp_path: Path) -> None:
+    """A mapping bug at the node (DESIGN.md §8: a page's checksum binds its namespace and key): engine A stores
+    a 4-chunk prompt; chunk 2's record is filed under chunk 3's key and chunk 3's under chunk 2's (each with
+    its own bytes and checksum); a fresh engine B gets chunks 0-1 bit-exact and a miss from chunk 2 on, the
+    node counts what it found and drops it, and a third engine's lookup stops at chunk 2."""
+    node = InProcessNode(tmp_path, page_bytes=64 << 10)
+    cmd = [str(vllm_python), str(DRIVER), "--misfiled-url", f"kvstore://{node.addr}"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=engine_env(), cwd=ROOT)  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        line = ""
+        for _ in range(10_000):  # bounded: the driver prints a line per scenario step at most
+            line = proc.stdout.readline()
+            if not line or line.startswith("STORED "):
+                break
+        assert line.startswith("STORED "), f"driver ended early ({proc.wait(60)}): {proc.stderr.read()[-4000:]}"
+        stored = json.loads(line.removeprefix("STORED "))
+        assert stored["stored"], "engine A's store jobs did not finish"
+        ns, hashes = stored["namespace"], [bytes.fromhex(h) for h in stored["hashes"]]
+        table = node.node.manager.table
+
+        def misfile() -> None:
+            e2, e3 = table.get((ns, hashes[2])), table.get((ns, hashes[3]))
+            assert e2 is not None and e3 is not None
+            table.entries[(ns, hashes[2])], table.entries[(ns, hashes[3])] = e3, e2  # the bug under test
+
+        node.call(misfile)
+        before = sum(t.counters.checksum_failures for t in node.call(node.node.manager.stats).tiers)
+        out, err = proc.communicate("go\n", timeout=240)
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT ")), None)
+        assert proc.returncode == 0 and line, f"driver failed ({proc.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
+        res = json.loads(line.removeprefix("RESULT "))["misfiled"]
+        assert res["second"] == ["HIT", "HIT", "MISS"], res  # promoted: chunks 0-1; chunk 2 failed its checksum
+        assert res["exact"] == [True, True], res
+        assert res["third"] == ["HIT", "HIT", "MISS"], res  # dropped at the node: never found again
+        after = sum(t.counters.checksum_failures for t in node.call(node.node.manager.stats).tiers)
+        assert after > before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+        node.close()

@@ -38,6 +38,8 @@ from vllm.v1.kv_offload.config import (
 )
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvstore.integrations.vllm_offload import page_hash
+
 BLOCK_TOKENS = 16
 KV_BYTES_PER_BLOCK = 2 * 2 * BLOCK_TOKENS * 4 * 64 * 2  # 2 layers, K+V, 16 tokens, 4 heads, dim 64, bf16
 
@@ -356,15 +358,68 @@ def worker(url: str) -> dict[str, Any]:
     return {"error": None, "platform": current_platform.device_type}
 
 
+def misfiled(url: str) -> dict[str, Any]:
+    """Engine A stores a 4-chunk prompt; this prints `STORED {json}` (the tier's namespace and the chunks'
+    kvstore hashes) and waits for a line on stdin, while the test files chunk 2's record under chunk 3's key
+    and chunk 3's under chunk 2's at the node, as a mapping bug would; then a fresh engine B looks the prompt
+    up and loads what vLLM promotes. The bytes B gets are A's or nothing."""
+    rng = np.random.default_rng(2)
+    a = make_spec(url).get_manager()
+    tier_a = a.secondary_tiers[0]
+    keys = keys_for(4, b"misfiled")
+    data = {k: rng.integers(0, 256, tier_a.row_bytes, dtype=np.uint8).tobytes() for k in keys}
+    req_a = ReqContext(req_id="MA")
+    a.on_new_request(req_a)
+    store(a, keys, req_a, data)
+    stored = settle(a, lambda: not tier_a.has_pending_work() and not a.has_pending_work())
+    a.on_request_finished(req_a)
+    ns = tier_a.namespace
+    hashes = [page_hash(k).hex() for k in keys]
+    a.shutdown()
+    print("STORED " + json.dumps({"stored": stored, "namespace": ns, "hashes": hashes}), flush=True)
+    sys.stdin.readline()
+    b = make_spec(url).get_manager()
+    tier_b = b.secondary_tiers[0]
+    req_b = ReqContext(req_id="MB")
+    b.on_new_request(req_b)
+    first = lookup_all(b, keys, req_b)
+    settle(b, lambda: not tier_b.has_pending_work() and not b.has_pending_work())
+    second = lookup_all(b, keys, req_b)
+    hits = keys[: second.count("HIT")]
+    exact = None
+    if hits:
+        spec = b.prepare_load(hits, req_b)
+        rows = np.asarray(b.primary_tier.get_kv_memoryview())
+        exact = [rows[int(c)].tobytes() == data[k] for k, c in zip(hits, spec.chunk_ids, strict=True)]
+        del rows
+        b.complete_load(hits, req_b)
+    b.on_request_finished(req_b)
+    req_c = ReqContext(req_id="MC")  # a third engine's view: what the node holds now
+    c = make_spec(url).get_manager()
+    c.on_new_request(req_c)
+    third = lookup_all(c, keys, req_c)
+    c.on_request_finished(req_c)
+    for m in (b, c):
+        m.shutdown()
+    return {"first": first, "second": second, "exact": exact, "third": third}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url", required=True, help="a live node")
-    ap.add_argument("--down-url", required=True, help="where no node answers")
-    ap.add_argument("--auth-url", required=True, help="a node that wants a token (this one is wrong)")
-    ap.add_argument("--bound-url", required=True, help="a node whose namespace for this tier has another layout")
-    ap.add_argument("--full-url", required=True, help="a DRAM-only node, small, refusing first sights")
-    ap.add_argument("--identity-url", required=True, help="a node for the identity scenario alone")
+    ap.add_argument("--misfiled-url", help="run only the misfiled scenario against this node (see misfiled())")
+    ap.add_argument("--url", help="a live node")
+    ap.add_argument("--down-url", help="where no node answers")
+    ap.add_argument("--auth-url", help="a node that wants a token (this one is wrong)")
+    ap.add_argument("--bound-url", help="a node whose namespace for this tier has another layout")
+    ap.add_argument("--full-url", help="a DRAM-only node, small, refusing first sights")
+    ap.add_argument("--identity-url", help="a node for the identity scenario alone")
     args = ap.parse_args()  # one process for every scenario: importing vLLM is the slow part
+    if args.misfiled_url:
+        print("RESULT " + json.dumps({"misfiled": misfiled(args.misfiled_url)}), flush=True)
+        return 0
+    urls = ("url", "down_url", "auth_url", "bound_url", "full_url", "identity_url")
+    if missing := [u for u in urls if not getattr(args, u)]:
+        ap.error(f"needs --{' --'.join(m.replace('_', '-') for m in missing)} (or --misfiled-url alone)")
     res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
            "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
            "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url),

@@ -63,15 +63,15 @@ def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreCli
 
 class InProcessNode:
     """A node on its own event loop in a thread of this process, so a test can reach its page table (and corrupt
-    it as a mapping bug would). Its DRAM holds `dram_slots` slots of PAGE bytes; every plane but UCX (where
+    it as a mapping bug would). Its DRAM holds `dram_slots` slots of `page_bytes` (PAGE by default); every plane but UCX (where
     installed: UCX too); the same-host plane's socket under `tmp`."""
 
-    def __init__(self, tmp: Path, dram_slots: int = 32) -> None:
+    def __init__(self, tmp: Path, dram_slots: int = 32, page_bytes: int = PAGE) -> None:
         cfg = NodeConfig(
             host="127.0.0.1",
             port=0,
-            dram_bytes=dram_slots * SLOT,
-            max_page_bytes=PAGE,
+            dram_bytes=dram_slots * (HEADER_BYTES + page_bytes),
+            max_page_bytes=page_bytes,
             node_id="inproc",
             ucx_enabled=ucxx_installed(),
             local_socket=str(tmp / "inproc.sock"),
