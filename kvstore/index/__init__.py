@@ -74,7 +74,7 @@ from kvstore.index.keys import (
     stripe_key,
 )
 from kvstore.index.lookup import ClusterLookup, NodeShare, from_entries, summarize
-from kvstore.index.reader import IndexReader, IndexUnavailable, NodeInfo
+from kvstore.index.reader import IndexFailure, IndexReader, IndexUnavailable, NodeInfo
 
 __all__ = [
     "ALIVE_PREFIX",
@@ -82,6 +82,7 @@ __all__ = [
     "PREFIX",
     "STRIPES",
     "ClusterLookup",
+    "IndexFailure",
     "IndexReader",
     "IndexUnavailable",
     "NodeInfo",

@@ -16,7 +16,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
-from kvstore.errors import Unavailable
+from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
 from kvstore.index.connect import close_sync, is_cluster, sync_client
 from kvstore.index.keys import NODES_KEY, alive_key, entry_field, node_key, stripe_key, stripe_of
 from kvstore.index.lookup import ClusterLookup, from_entries
@@ -43,17 +43,29 @@ class IndexUnavailable(Unavailable):
     pages meanwhile; a caller may go to a node it knows directly or retry."""
 
 
+class IndexFailure(KVStoreError):
+    """The index answered with an error: a reply error of Redis (a key of kvstore's of another type, a script
+    refused, an out-of-memory Redis). Not a miss: the index is in a state the reader cannot read."""
+
+
 def _index_call(fn: F) -> F:
-    """Redis connection failures (and a Redis Cluster that cannot say where a key is) leave as
-    IndexUnavailable (a kvstore error), naming the index URL."""
+    """The edge between Redis and kvstore: nothing of redis-py's leaves a reader call. Connection failures
+    (and a Redis Cluster that cannot say where a key is) leave as IndexUnavailable, a Redis user refused
+    a read as PermissionDenied, every other Redis error as IndexFailure: each a KVStoreError naming the
+    index URL."""
 
     @functools.wraps(fn)
     def wrapper(self: IndexReader, *args: Any, **kwargs: Any) -> Any:
+        where = f"index at {redact_url(self.url)}"
         try:
             return fn(self, *args, **kwargs)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.ClusterError,
                 RedisClusterException) as exc:  # fmt: skip
-            raise IndexUnavailable(f"index at {redact_url(self.url)} unreachable: {exc}") from exc
+            raise IndexUnavailable(f"{where} unreachable: {exc}") from exc
+        except redis.exceptions.NoPermissionError as exc:
+            raise PermissionDenied(f"{where}: this Redis user may not read it: {exc}") from exc
+        except redis.RedisError as exc:
+            raise IndexFailure(f"{where} answered with an error: {type(exc).__name__}: {exc}") from exc
 
     return wrapper  # type: ignore[return-value]
 

@@ -40,9 +40,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-import grpc
-import redis
-
 from kvstore.client import KVStoreClient, PutResult
 from kvstore.client.bundles import Parts
 from kvstore.client.cluster import ClusterClient, NoLiveNode
@@ -73,16 +70,11 @@ LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
 # segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
 # 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
 CALL_BYTES = 64 << 20
-_UNREACHABLE = (
-    Unavailable,
-    NoLiveNode,
-    redis.exceptions.ConnectionError,
-    redis.exceptions.TimeoutError,
-    grpc.FutureTimeoutError,
-)
+_UNREACHABLE = (Unavailable, NoLiveNode)  # IndexUnavailable too: the index reader wraps Redis's errors
 _SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
-# Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it); the index's are Redis's.
-_FAILURES = (KVStoreError, redis.exceptions.RedisError, grpc.FutureTimeoutError, ValueError)
+# Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it, the index reader
+# Redis's); ValueError: a caller's argument the client refused before sending anything.
+_FAILURES = (KVStoreError, ValueError)
 
 
 def call_slices(n: int, page_bytes: int) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+import redis
 import typer
 from typer.testing import CliRunner
 
@@ -22,8 +23,8 @@ from kvstore.cli.main import app as kvstore_app
 from kvstore.cli.redis_procs import RedisProcess
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
-from kvstore.errors import InvalidArgument, Unavailable
-from kvstore.index import IndexUnavailable
+from kvstore.errors import InvalidArgument, KVStoreError, Unavailable
+from kvstore.index import NODES_KEY, IndexFailure, IndexUnavailable
 from kvstore.index.reader import LIVE_REFRESH_S
 from kvstore.wire.streams import layout_to_pb
 
@@ -98,6 +99,17 @@ def test_cluster_lookup_during_redis_outage_raises_a_kvstore_error() -> None:
         assert f":{redis_proc.port}" in str(info.value)
         redis_proc.start()
         assert cc.lookup(NS, [key(0)]).matched == 0  # back without a new client
+
+
+def test_an_index_in_a_state_it_cannot_read_raises_a_kvstore_error_not_redis_s() -> None:
+    """The reader is the edge between Redis and kvstore: a kvstore key of another type (WRONGTYPE from Redis)
+    leaves as IndexFailure, a KVStoreError naming the index, never as redis-py's ResponseError."""
+    with RedisProcess() as redis_proc, ClusterClient(redis_proc.url, timeout=10) as cc:
+        with redis.Redis.from_url(redis_proc.url) as r:
+            r.set(NODES_KEY, b"not a set")
+        with pytest.raises(IndexFailure, match=f"index at .*:{redis_proc.port}.*WRONGTYPE") as info:
+            cc.index.nodes()
+        assert isinstance(info.value, KVStoreError) and not isinstance(info.value, redis.RedisError)
 
 
 def _commands(app: typer.Typer) -> Iterator[tuple[list[str], Any]]:
