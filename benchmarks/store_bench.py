@@ -445,7 +445,7 @@ def bench_put(kv: KVStoreClient, layout: PageLayout, page: bytes, mode: str, cou
     return cell
 
 
-def bench_get(kv: KVStoreClient, size: int, resident: list[bytes], op: str, want: TierKind, mode: str,
+def bench_get(kv: KVStoreClient, size: int, resident: list[bytes], op: str, want: TierKind, *, mode: str,
               count: int, plan: Plan, promote: bool) -> Cell:  # fmt: skip
     """Read `count` pages per call from `resident` (cycling in single mode); tally the tiers served."""
     cell = Cell("kvstore", op, mode, size, count, plan.runs, plan.calls_per_run(size * count), plan.warmup)
@@ -564,7 +564,11 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
             kv.put(NAMESPACE, layout, resident, [page] * batch)
             for mode, count in modes:
                 cells.append(bench_put(kv, layout, page, mode, count, plan, hashes))
-                cells.append(bench_get(kv, size, resident, "get_dram", TierKind.DRAM, mode, count, plan, promote=True))
+                cells.append(
+                    bench_get(
+                        kv, size, resident, "get_dram", TierKind.DRAM, mode=mode, count=count, plan=plan, promote=True
+                    )
+                )
             stats["dram_node"] = tier_summary(kv)
     finally:
         dram_node.close()
@@ -581,7 +585,11 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
             targets, note = fill_nvme(kv, layout, page, HashSource(f"nvme-{size}"), batch)
             notes.append(note)
             for mode, count in modes:
-                cells.append(bench_get(kv, size, targets, "get_nvme", TierKind.NVME, mode, count, plan, promote=False))
+                cells.append(
+                    bench_get(
+                        kv, size, targets, "get_nvme", TierKind.NVME, mode=mode, count=count, plan=plan, promote=False
+                    )
+                )
             if shm_available():
                 with KVStoreClient(nvme_node.addr, pages_per_stream=max(256, batch), transport="shm") as zc:
                     for mode, count in modes:

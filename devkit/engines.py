@@ -207,7 +207,7 @@ class LMCacheServer(GroupProcess):
             args += ["--l2-adapter", json.dumps(spec)]
         super().__init__(args, log, env or engine_env())
         try:
-            wait_port("127.0.0.1", self.port, timeout, self.proc, self.log, "lmcache server", poll=0.1)
+            wait_port("127.0.0.1", self.port, timeout, self.proc, self.log, what="lmcache server", poll=0.1)
         except BaseException:
             self.stop()
             raise

@@ -175,7 +175,7 @@ def _alive(serving: ServingSet, timeout: float) -> bool:
 
 @friendly_errors
 # one parameter per CLI option (typer)
-def pd_serve(  # noqa: PLR0913
+def pd_serve(  # noqa: PLR0913, PLR0917
     ray_address: Annotated[str, typer.Option(help="Ray GCS address host:port of the running cluster")],
     model: Annotated[Path, typer.Option(help="checkpoint directory (config.json + safetensors) on every worker")],
     redis_url: Annotated[str, typer.Option(envvar="KVSTORE_REDIS_URL", help="Redis index URL")],

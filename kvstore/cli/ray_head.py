@@ -71,7 +71,7 @@ def start_ray_head(
         log.close()
         try:
             failed = functools.partial(_gcs_bind_failed, temp_dir, earlier)
-            wait_port("127.0.0.1", port, 60.0, proc, log_path, "ray start", failed=failed)
+            wait_port("127.0.0.1", port, 60.0, proc, log_path, what="ray start", failed=failed)
         except RuntimeError:  # it exited or its GCS could not bind (a timeout is raised as it is)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)  # the whole try: ray start, its GCS, a raylet

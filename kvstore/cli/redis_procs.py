@@ -62,7 +62,7 @@ class _Child:
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         try:
-            wait_port(self.host, self.port, timeout, self.proc, log_path, what, answers=answers, poll=START_POLL_S)
+            wait_port(self.host, self.port, timeout, self.proc, log_path, what=what, answers=answers, poll=START_POLL_S)
         except TimeoutError:
             self.stop()
             raise

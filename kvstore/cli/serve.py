@@ -22,7 +22,7 @@ READ_ONLY_METHODS = ", ".join(
 
 @friendly_errors
 # one parameter per CLI option (typer)
-def serve(  # noqa: PLR0913
+def serve(  # noqa: PLR0913, PLR0917
     host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)")] = None,
     port: Annotated[int | None, typer.Option(help="port to bind; 0 picks a free one (default 50051)")] = None,
     dram_bytes: SizeOpt = None,

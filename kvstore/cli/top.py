@@ -201,7 +201,7 @@ def render(rates: list[NodeRates], failed: list[NodeSample], source: str, have_m
 
 @friendly_errors
 # one parameter per CLI option (typer)
-def top(  # noqa: PLR0913
+def top(  # noqa: PLR0913, PLR0917
     redis_url: Annotated[
         str | None,
         typer.Option("--redis-url", envvar="KVSTORE_REDIS_URL", help="Redis index URL: watch every live node"),

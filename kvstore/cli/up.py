@@ -46,7 +46,7 @@ console = Console()
 
 @friendly_errors
 # one parameter per CLI option (typer)
-def up(  # noqa: PLR0913
+def up(  # noqa: PLR0913, PLR0917
     nodes: Annotated[int, typer.Option(help="cache nodes to start (without --values)", min=1, max=64)] = 1,
     dram_bytes: Annotated[str, typer.Option(help="DRAM per node")] = "256MiB",
     nvme_bytes: Annotated[str, typer.Option(help="NVMe per node (0: none)")] = "1GiB",
@@ -401,7 +401,7 @@ class Stack:
         argv = e.lmcache_argv(lm_port, self.nodes[0].addr, token_file, f"kvstore-up-{os.getpid()}")
         self.lmcache = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         log.close()
-        wait_port("127.0.0.1", lm_port, 120.0, self.lmcache, self.root / "lmcache.log", "lmcache server")
+        wait_port("127.0.0.1", lm_port, 120.0, self.lmcache, self.root / "lmcache.log", what="lmcache server")
         log = open(self.root / "vllm.log", "ab")  # noqa: SIM115
         self.vllm = subprocess.Popen(
             e.vllm_argv(port, lm_port), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
