@@ -70,6 +70,10 @@ class NodeConfig:
     # The DRAM scrubber (kvstore/manager/scrub.py) re-verifies resident DRAM pages at this rate, since remote
     # reads do not re-hash them (DESIGN.md §8). 64 MiB/s costs about 1% of a core; 0 turns it off.
     scrub_bytes_per_second: int = 64 << 20
+    # Retention (kvstore/manager/retention.py, DESIGN.md §6.5): a tenant's sessions may retain at most this
+    # fraction of its slots of the slowest tier (its share where it has one, else the tier), and hold (HOLD) at
+    # most this fraction of its slots of each faster tier; 0 turns retention of stored pages off.
+    retain_fraction: float = 0.5
     spill_on_shutdown: bool = True
     spill_seconds: float = 30.0
     log_level: str = "INFO"
@@ -202,6 +206,9 @@ class NodeConfig:
             raise ValueError("ucx_io_timeout_seconds must be > 0")
         if self.read_ahead_pages < 0:
             raise ValueError("read_ahead_pages must be >= 0")
+        if not 0.0 <= float(self.retain_fraction) <= 1.0:  # NOTE: NaN fails this test too
+            raise ValueError(f"retain_fraction must be in [0, 1], got {self.retain_fraction}")
+        self.retain_fraction = float(self.retain_fraction)
         if self.kv_events_endpoint is not None:
             self.kv_events_endpoint = events_endpoint(self.kv_events_endpoint, self.host)
             check_events_config(

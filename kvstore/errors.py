@@ -38,6 +38,20 @@ class NamespaceNotFound(KVStoreError):
         self.namespace = namespace
 
 
+class SessionNotFound(KVStoreError):
+    """A retention call named a session its tenant does not have (never created, ended, expired or displaced)."""
+
+    status_name = "NOT_FOUND"
+    PREFIX = "session: "  # how a client tells it from NamespaceNotFound, which travels as the same status
+
+    def __init__(self, session: str) -> None:
+        super().__init__(
+            f"{self.PREFIX}{session!r} is not a session of this tenant on this node (never retained here, or it "
+            "ended, expired or was displaced at the tenant's retention cap)"
+        )
+        self.session = session
+
+
 class LayoutMismatch(KVStoreError):
     """A Put's layout differs from the one its namespace is bound to."""
 
@@ -142,6 +156,8 @@ _BY_STATUS: dict[str, type[KVStoreError]] = {
 def from_status(status_name: str, message: str) -> KVStoreError:
     """Rebuild, on the client, the exception the server raised (same class, the server's message)."""
     cls = _BY_STATUS.get(status_name)
+    if cls is NamespaceNotFound and message.startswith(SessionNotFound.PREFIX):
+        cls = SessionNotFound
     if cls is None:
         return RemoteError(status_name, message)
     exc = cls.__new__(cls)

@@ -57,8 +57,9 @@ from kvstore.scoping import DEFAULT_TENANT, check_tenant
 log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
-# Change what a node holds or where (Prefetch promotes, which on a full node drops the coldest page).
-WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin", "Prefetch"})
+# Change what a node holds or where (Prefetch promotes, which on a full node drops the coldest page; Retain holds
+# pages, displaces sessions and promotes them).
+WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin", "Prefetch", "Retain"})
 RELOAD_EVERY_S = 1.0
 
 

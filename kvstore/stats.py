@@ -7,17 +7,99 @@ from dataclasses import asdict, dataclass, field, fields
 
 from kvstore import __version__
 from kvstore.layout import PageLayout
-from kvstore.names import TierKind
+from kvstore.names import RetainMode, TierKind
+
+
+@dataclass(frozen=True, slots=True)
+class TierFetch:
+    """How long a node expects a Get of some pages of one tier to take (DESIGN.md §6.6): first-page latency plus
+    bytes over the tier's recent rate. `measured` False: no Get read this tier yet, a stated default stands in."""
+
+    tier: TierKind
+    pages: int
+    bytes: int
+    expected_ms: float
+    measured: bool
+    rate_bytes_per_second: float
 
 
 @dataclass(slots=True)
 class LookupResult:
-    """Longest stored prefix of a chain on one node, the tier of each matched block, and whether the
-    node knows the namespace at all."""
+    """Longest stored prefix of a chain on one node, the tier of each matched block, whether the node knows the
+    namespace at all, and the node's fetch-time estimate for the matched prefix (per tier, fastest first, and
+    in all: `fetch_ms`, the node's side only). Older nodes send no estimate (`fetch` empty, `fetch_ms` 0)."""
 
     matched: int
     tiers: list[TierKind]
     namespace_known: bool
+    fetch: list[TierFetch] = field(default_factory=list)
+    fetch_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class TierRetention:
+    """Retained pages in one tier; in a tenant's row also the most it may hold there (HOLD, above the slowest
+    tier; 0: no cap in this tier, or the node's row)."""
+
+    tier: TierKind
+    pages: int = 0
+    held_pages: int = 0
+    hold_cap_pages: int = 0
+
+
+@dataclass(slots=True)
+class RetentionStats:
+    """Retention on a node, or of one tenant with its caps (DESIGN.md §6.5; the proto's RetentionStats)."""
+
+    sessions: int = 0
+    tiers: list[TierRetention] = field(default_factory=list)
+    calls: int = 0
+    refused: int = 0
+    expired: int = 0
+    ended: int = 0
+    displaced: int = 0
+    unheld: int = 0
+    pending: int = 0
+    resumed: int = 0
+    retained_pages: int = 0
+    cap_pages: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionState:
+    """A retention session as its node holds it (the proto's SessionState): `pages` named and retained here,
+    `pending` named and not stored here, `unheld` stored here but not retained (they arrived at the tenant's cap)."""
+
+    name: str
+    priority: int
+    mode: RetainMode
+    ttl_seconds: float
+    pages: int
+    pending: int
+    unheld: int
+
+
+@dataclass(slots=True)
+class RetainResult:
+    """What a Retain call did (the proto's RetainResponse): of its hashes, how many are retained now and how many
+    are not stored here (retained once put); pages released; promotions a RESUME started; the session after the
+    call (None after END); lower-priority sessions of the tenant displaced at its cap."""
+
+    retained: int = 0
+    pending: int = 0
+    released: int = 0
+    prefetching: int = 0
+    state: SessionState | None = None
+    displaced: list[str] = field(default_factory=list)
+
+
+def retention_as_dict(r: RetentionStats) -> dict[str, object]:
+    out: dict[str, object] = {f.name: getattr(r, f.name) for f in fields(r) if f.name != "tiers"}
+    out["tiers"] = {
+        t.tier.label: {"pages": t.pages, "held_pages": t.held_pages, "hold_cap_pages": t.hold_cap_pages}
+        for t in r.tiers
+    }
+    return out
 
 
 @dataclass(slots=True)
@@ -145,6 +227,7 @@ class TenantStats:
     get_pages: int = 0  # pages asked for by Gets that ran to their end
     get_served: int = 0  # of those, served
     cross_tenant_misses: int = 0
+    retention: RetentionStats = field(default_factory=RetentionStats)
 
     @property
     def hit_rate(self) -> float | None:
@@ -169,6 +252,7 @@ def tenant_as_dict(t: TenantStats) -> dict[str, object]:
         "get_served": t.get_served,
         "get_hit_rate": t.get_hit_rate,
         "cross_tenant_misses": t.cross_tenant_misses,
+        "retention": retention_as_dict(t.retention),
     }
 
 
@@ -199,6 +283,7 @@ class NodeStats:
     corrupt_unchecked: int = 0  # of the unconfirmed, pages not verified: past the reporting caller's rate
     scrubbed_bytes: int = 0  # DRAM payload bytes the background scrubber verified
     kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
+    retention: RetentionStats = field(default_factory=RetentionStats)  # every tenant's (the default tenant sees it)
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -256,4 +341,5 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "host_id": stats.host_id,
         "tenants": [tenant_as_dict(t) for t in stats.tenants],
         "kv_events": None if stats.kv_events is None else asdict(stats.kv_events),
+        "retention": retention_as_dict(stats.retention),
     }

@@ -7,12 +7,17 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
 
         staging = kv.shared_buffer(16 * layout.page_bytes)     # zero-copy on the node's host
         refs = kv.get_into(ns, hashes[:16], staging.pages(layout.page_bytes, 16))
+
+        kv.retain("conv-42", ns, hashes, ttl_seconds=300, mode=RetainMode.DEMOTE)   # a session's pages kept
+        kv.resume_session("conv-42")                             # its next turn: back to DRAM
 """
 
 from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
 from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult
 from kvstore.client.planes.choice import TRANSPORTS
 from kvstore.client.planes.segments import SharedBuffer
+from kvstore.names import RetainMode
+from kvstore.stats import RetainResult, SessionState
 from kvstore.wire.streams import PageRef
 
 __all__ = [
@@ -23,5 +28,8 @@ __all__ = [
     "PageRef",
     "PinResult",
     "PutResult",
+    "RetainMode",
+    "RetainResult",
+    "SessionState",
     "SharedBuffer",
 ]

@@ -22,9 +22,9 @@ from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer
 from kvstore.errors import Unavailable
 from kvstore.layout import PageLayout
-from kvstore.names import Buffer, TierKind
+from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.security import ClientSecurity
-from kvstore.stats import LookupResult, NodeStats
+from kvstore.stats import LookupResult, NodeStats, RetainResult
 from kvstore.wire import PutOpen
 from kvstore.wire.streams import FetchedPage, PageRef
 
@@ -277,6 +277,57 @@ class KVStoreClient(_Client):
     def stats(self) -> NodeStats:
         return self._run(self._core.stats())
 
+    # -- retention (DESIGN.md §6.5): a session's pages kept through its pauses; see RetainRequest in the proto
+
+    def retain(
+        self,
+        session: str,
+        namespace: str,
+        hashes: Sequence[bytes],
+        *,
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """Retain the pages `hashes` of `namespace` for `session` (created when new: `ttl_seconds` required; a
+        session id is yours to choose, scoped to your tenant). Pages not stored yet are retained once put.
+        `priority` 0..100 (default 50): at your tenant's cap lower priorities give way; `mode` HOLD (default: kept
+        where they are) or DEMOTE (demote, don't drop). ResourceExhausted names the cap when no lower-priority
+        session can make room (nothing changed)."""
+        return self._run(self._core.retain(session, RetainOp.RETAIN, namespace, hashes, ttl_seconds, priority, mode))
+
+    def update_session(
+        self,
+        session: str,
+        *,
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """Raise or lower a session's priority, renew or shorten its lease, change its mode (what is None stays);
+        SessionNotFound when your tenant has no such session here."""
+        return self._run(self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds, priority, mode))
+
+    def release_pages(self, session: str, namespace: str, hashes: Sequence[bytes]) -> RetainResult:
+        """Stop retaining these pages for `session` (held still where another session retains them)."""
+        return self._run(self._core.retain(session, RetainOp.RELEASE, namespace, hashes))
+
+    def end_session(self, session: str) -> RetainResult:
+        """The session ended: every page it retained is released (evictable as any other)."""
+        return self._run(self._core.retain(session, RetainOp.END))
+
+    def resume_session(
+        self,
+        session: str,
+        *,
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """The session's next turn arrives: its pages are promoted back toward DRAM in the background (after the
+        given lease, priority or mode apply); `prefetching` says how many promotions started."""
+        return self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
+
 
 class AsyncKVStoreClient(_Client):
     """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
@@ -430,6 +481,55 @@ class AsyncKVStoreClient(_Client):
 
     async def stats(self) -> NodeStats:
         return await self._run(self._core.stats())
+
+    # -- retention (DESIGN.md §6.5): a session's pages kept through its pauses; see RetainRequest in the proto
+
+    async def retain(
+        self,
+        session: str,
+        namespace: str,
+        hashes: Sequence[bytes],
+        *,
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """See KVStoreClient.retain."""
+        return await self._run(
+            self._core.retain(session, RetainOp.RETAIN, namespace, hashes, ttl_seconds, priority, mode)
+        )
+
+    async def update_session(
+        self,
+        session: str,
+        *,
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """Raise or lower a session's priority, renew or shorten its lease, change its mode (what is None stays);
+        SessionNotFound when your tenant has no such session here."""
+        return await self._run(self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds, priority, mode))
+
+    async def release_pages(self, session: str, namespace: str, hashes: Sequence[bytes]) -> RetainResult:
+        """Stop retaining these pages for `session` (held still where another session retains them)."""
+        return await self._run(self._core.retain(session, RetainOp.RELEASE, namespace, hashes))
+
+    async def end_session(self, session: str) -> RetainResult:
+        """The session ended: every page it retained is released (evictable as any other)."""
+        return await self._run(self._core.retain(session, RetainOp.END))
+
+    async def resume_session(
+        self,
+        session: str,
+        *,
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """The session's next turn arrives: its pages are promoted back toward DRAM in the background (after the
+        given lease, priority or mode apply); `prefetching` says how many promotions started."""
+        return await self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
 
 
 async def _blocking(op: Blocking) -> Any:

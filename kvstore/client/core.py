@@ -34,15 +34,22 @@ from kvstore.client.planes.shm import ShmPlane, plane_path, plane_uid
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
 from kvstore.client.planes.ucx import UcxPlane
-from kvstore.errors import IncompatibleNode, PlaneUnavailable
+from kvstore.errors import IncompatibleNode, InvalidArgument, PlaneUnavailable
 from kvstore.layout import PageLayout
-from kvstore.names import Buffer, TierKind
+from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.pageformat import align_up
 from kvstore.security import ClientSecurity, InsecureChannel
-from kvstore.stats import LookupResult, NodeStats, PlaneInfo
+from kvstore.stats import LookupResult, NodeStats, PlaneInfo, RetainResult
 from kvstore.wire import PutOpen
 from kvstore.wire.shm import shm_available
-from kvstore.wire.streams import FetchedPage, PageRef, plane_from_pb, stats_from_pb
+from kvstore.wire.streams import (
+    FetchedPage,
+    PageRef,
+    lookup_from_pb,
+    plane_from_pb,
+    retain_result_from_pb,
+    stats_from_pb,
+)
 from kvstore.wire.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
 from kvstore.wire.ucx import ucxx_installed
 
@@ -409,7 +416,35 @@ class ClientCore:
 
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], prefetch: bool) -> Exchange[LookupResult]:
         r = yield Unary("Lookup", pb.LookupRequest(namespace=namespace, hashes=list(hashes), prefetch=prefetch))
-        return LookupResult(r.matched_blocks, [TierKind(t) for t in r.tiers], r.namespace_known)
+        return lookup_from_pb(r)
+
+    def retain(
+        self,
+        session: str,
+        op: RetainOp,
+        namespace: str = "",
+        hashes: Sequence[bytes] = (),
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> Exchange[RetainResult]:
+        """One Retain call (DESIGN.md §6.5); None leaves a field unset (the session keeps what it had)."""
+        req = pb.RetainRequest(
+            session=session,
+            op=int(op),
+            namespace=namespace,
+            hashes=list(hashes),
+            mode=0 if mode is None else int(mode),
+        )
+        if ttl_seconds is not None:
+            req.ttl_seconds = ttl_seconds
+        if priority is not None:
+            if (
+                not -(2**31) <= priority < 2**31
+            ):  # NOTE: the wire field is an int32: say so here, not as an encode error
+                raise InvalidArgument("priority", f"must be an integer in [0, 100], got {priority}")
+            req.priority = priority
+        return retain_result_from_pb((yield Unary("Retain", req)))
 
     def delete(self, namespace: str, hashes: Sequence[bytes]) -> Exchange[pb.DeleteResponse]:
         return (yield Unary("Delete", pb.DeleteRequest(namespace=namespace, hashes=list(hashes))))

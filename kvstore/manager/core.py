@@ -37,6 +37,7 @@ from kvstore.manager.prefetch import Prefetcher
 from kvstore.manager.put import PutTxn, Staging, WriteThrough
 from kvstore.manager.quotas import TenantQuotas
 from kvstore.manager.reads import Reader, ReadLease
+from kvstore.manager.retention import RetainCall, RetainCaps, Retention
 from kvstore.manager.scrub import Scrubber
 from kvstore.manager.state import (
     ChangeListener,
@@ -49,6 +50,7 @@ from kvstore.manager.state import (
     check_namespace,
 )
 from kvstore.names import Key, TierKind
+from kvstore.pageformat import slot_bytes_for
 from kvstore.policy import make_policy
 from kvstore.stats import (
     IndexStatus,
@@ -56,6 +58,8 @@ from kvstore.stats import (
     LookupResult,
     NodeStats,
     ReportResult,
+    RetainResult,
+    TierFetch,
     TierStats,
     copy_counters,
 )
@@ -142,6 +146,16 @@ class TierManager:
             after_commit=self._after_commit,
             through=through,
         )
+        # Retention (DESIGN.md §6.5): sessions' holds, honoured by the one evictability test (Entry.hold_from), so
+        # every policy keeps them; fed every placement change; its hold caps gate promotions.
+        self._caps: dict[str, RetainCaps] = {}
+        # NOTE: keys named may outnumber the pages the node could hold of the largest size (small pages, pending
+        # ones), so the bound counts the smallest slot's.
+        smallest = slot_bytes_for(1)
+        slots = sum(t.alloc.capacity_bytes // smallest for t in self.table.tiers.values() if t.available)
+        self.retention = Retention(self.table, self.retain_caps, max(MAX_HASHES, slots))
+        self.table.listeners.append(self.retention.on_change)
+        self.mover.reserve_promotion = self.retention.reserve_promotion
         self._ttl_pins: list[tuple[float, Key]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -199,18 +213,32 @@ class TierManager:
         check_namespace(namespace)
         check_hashes(hashes, "hashes", MAX_HASHES)
         tiers: list[TierKind] = []
+        per_tier: dict[TierKind, list[int]] = {}  # tier -> [pages, payload bytes] of the matched prefix
         for h in hashes:
             entry = self.table.get((namespace, h))
             if entry is None:
                 break
             tiers.append(entry.tier)
+            n = per_tier.get(entry.tier)
+            if n is None:
+                n = per_tier[entry.tier] = [0, 0]
+            n[0] += 1
+            n[1] += entry.payload_len
         c = self.counters
         c.lookups += 1
         c.lookup_blocks += len(hashes)
         c.lookup_matched += len(tiers)
         if prefetch and tiers:
             self.prefetcher.prefetch([(namespace, h) for h in hashes[: len(tiers)]], self.staging.tier.kind)
-        return LookupResult(len(tiers), tiers, namespace in self.table.layouts)
+        fetch = self.fetch_estimate(per_tier)
+        return LookupResult(
+            len(tiers), tiers, namespace in self.table.layouts, fetch, sum(f.expected_ms for f in fetch)
+        )
+
+    def fetch_estimate(self, per_tier: dict[TierKind, list[int]]) -> list[TierFetch]:
+        """The node's fetch-time estimate for pages per tier ([pages, bytes]), fastest first (DESIGN.md §6.6)."""
+        rates = self.reader.rates
+        return [rates.estimate(k, n[0], n[1]) for k, n in sorted(per_tier.items())]
 
     def begin_put(self, op: PutOpen) -> PutTxn:
         """Open a Put transaction in `op.namespace` (the stored, tenant-scoped one). With `op.chain`, page
@@ -314,7 +342,7 @@ class TierManager:
             if entry is None:
                 not_found += 1
                 await self.durable.erase((namespace, h))
-            elif not entry.evictable:
+            elif not entry.evictable or entry.retained:  # a session's retained page stays until released
                 busy += 1
             else:
                 await self.mover.drop(entry, erase=True)
@@ -360,10 +388,57 @@ class TierManager:
         self.placement.space_changed()
         return unpinned, not_pinned
 
+    def retain_caps(self, tenant: str) -> RetainCaps:
+        """A tenant's retention caps (DESIGN.md §6.5): `retain_fraction` of its bytes of the slowest tier (its
+        share where it has one, else the tier's), and of each faster tier for what it holds there (HOLD), counted
+        in pages of the node's largest slot (`config.slot_bytes`).
+
+        NOTE: pages of the largest slot, not bytes: so a tenant never retains more than the fraction of its bytes
+        whatever its pages' sizes; one whose pages are smaller retains fewer bytes than the fraction allows."""
+        caps = self._caps.get(tenant)
+        if caps is not None:
+            return caps
+        f = self.config.retain_fraction
+        quotas = self.placement.quotas
+        available = [k for k, t in self.table.tiers.items() if t.available]
+
+        def slots(kind: TierKind) -> int:
+            share = quotas.cap(tenant, kind) if quotas is not None else None
+            nbytes = self.table.tiers[kind].alloc.capacity_bytes if share is None else share
+            return nbytes // self.config.slot_bytes
+
+        slowest = max(available)
+        caps = RetainCaps(int(f * slots(slowest)), {k: int(f * slots(k)) for k in available if k < slowest}, f)
+        if len(self._caps) < 4096:  # NOTE: tenants come from the tenants file and the token files: few
+            self._caps[tenant] = caps
+        return caps
+
+    def retain(self, tenant: str, call: RetainCall) -> RetainResult:
+        """One Retain call of `tenant`, its keys scoped to it (kvstore/manager/retention.py). Synchronous and
+        O(pages it names): it never waits for I/O; a RESUME's promotions run in the background (the Prefetcher's
+        bounded concurrency)."""
+        if self._closing:
+            raise Unavailable("node is shutting down")
+        for i, (ns, h) in enumerate(call.keys):
+            if i == 0:
+                check_namespace(ns)
+            check_hash(h, f"hashes[{i}]")
+        out = self.retention.apply(tenant, call, time.monotonic())
+        scheduled = 0
+        if out.prefetch:
+            scheduled, _, _ = self.prefetcher.prefetch(out.prefetch, self.staging.tier.kind)
+            self.retention.note_resumed(tenant, scheduled)
+        if out.released or out.displaced:
+            self.placement.space_changed()  # pages evictable again: writers waiting for room re-check
+        return RetainResult(out.retained, out.pending, out.released, scheduled, out.state, out.displaced)
+
     async def _pin_sweeper(self) -> None:
         while True:
             await asyncio.sleep(_PIN_SWEEP_SECONDS)
-            self.expire_pins(time.monotonic())
+            now = time.monotonic()
+            self.expire_pins(now)
+            if self.retention.expire(now):
+                self.placement.space_changed()
             self.tenants.settle()  # cross-tenant checks of the misses noted meanwhile, off the request path
 
     def expire_pins(self, now: float) -> int:
@@ -450,6 +525,7 @@ class TierManager:
             corrupt_unchecked=c.corrupt_unchecked,
             scrubbed_bytes=c.scrubbed_bytes,
             index=self.index_status() if self.index_status is not None else None,
-            tenants=self.tenants.snapshot(),
+            tenants=self.tenants.snapshot(self.retention.snapshot),
             kv_events=self.kv_events_status() if self.kv_events_status is not None else None,
+            retention=self.retention.snapshot(),
         )

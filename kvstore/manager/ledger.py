@@ -12,12 +12,13 @@ later, off the path (`settle`: every second by the manager's housekeeping, and b
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from kvstore.manager.quotas import TenantQuotas
 from kvstore.manager.state import PageTable
 from kvstore.scoping import scope
-from kvstore.stats import TenantStats
+from kvstore.stats import RetentionStats, TenantStats
 
 MAX_NOTED_MISSES = 4096  # misses waiting for their cross-tenant check; a full queue is settled at once
 
@@ -88,8 +89,9 @@ class TenantLedger:
             self._known, self._known_seen = tuple(sorted(names)), seen
         return self._known
 
-    def snapshot(self) -> list[TenantStats]:
-        """Every tenant's row, as the operator sees them (kvstore/manager/views.py narrows it for a tenant)."""
+    def snapshot(self, retention: Callable[[str], RetentionStats] | None = None) -> list[TenantStats]:
+        """Every tenant's row, as the operator sees them (kvstore/manager/views.py narrows it for a tenant);
+        `retention(tenant)`: its retention and caps (kvstore/manager/retention.py)."""
         self.settle()
         out = []
         caps = self.quotas.caps if self.quotas is not None else {}
@@ -102,6 +104,7 @@ class TenantLedger:
                     {k: t.tenant_pages.get(name, 0) for k, t in tiers.items() if t.available},
                     dict(caps.get(name, {})),
                     **{f.name: getattr(c, f.name) for f in fields(TenantCounters)},
+                    retention=retention(name) if retention is not None else RetentionStats(),
                 )
             )
         return out

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from kvstore.errors import ResourceExhausted, Unavailable
 from kvstore.manager.durable import DurableCopies
@@ -56,6 +57,9 @@ class Mover:
         self.bounce = bounce
         self.counters = counters
         self._write_failed: dict[TierKind, float] = {}  # tier -> when a write into it last failed
+        # Whether a page may be promoted into a tier (retention's hold caps: Retention.reserve_promotion, wired by
+        # the manager): None, it stays where it is and is served from there; else called once the move is over.
+        self.reserve_promotion: Callable[[Key, TierKind], Callable[[], None] | None] = _anywhere
 
     def _failing(self, kind: TierKind) -> bool:
         """A write into `kind` failed in the last _WRITE_FAILURE_PAUSE seconds: demote nothing there yet."""
@@ -105,17 +109,23 @@ class Mover:
         is False (an explicit Prefetch: the engine said it is about to read the page)."""
         if entry.moving is not None or entry.tier <= kind:
             return False
-        victim = None
-        if admission and self.table.tiers[kind].medium.host_memory:
-            admitted, victim = self.placement.admit(kind, entry.key, entry.parent, entry.used_len)
-            if not admitted:
-                return False
-        try:
-            await self.move(entry, kind, demotion=False, victim=victim)
-        except ResourceExhausted:
-            log.debug("no %s room to promote %s; serving from %s", kind.label, entry.hash.hex(), entry.tier.label)
+        done = self.reserve_promotion(entry.key, kind)
+        if done is None:
             return False
-        return True
+        try:
+            victim = None
+            if admission and self.table.tiers[kind].medium.host_memory:
+                admitted, victim = self.placement.admit(kind, entry.key, entry.parent, entry.used_len)
+                if not admitted:
+                    return False
+            try:
+                await self.move(entry, kind, demotion=False, victim=victim)
+            except ResourceExhausted:
+                log.debug("no %s room to promote %s; serving from %s", kind.label, entry.hash.hex(), entry.tier.label)
+                return False
+            return True
+        finally:
+            done()
 
     async def move(self, entry: Entry, dst_kind: TierKind, demotion: bool, victim: Entry | None = None) -> None:
         """Copy a page to a slot in dst_kind, verify where needed, then switch and free the source.
@@ -206,6 +216,14 @@ class Mover:
         if tier is self.durable.tier and not erase:
             self.durable.note(entry.slot, entry.key, entry.used_len)
         self.placement.space_changed()
+
+
+def _anywhere(key: Key, kind: TierKind) -> Callable[[], None] | None:
+    return _nothing
+
+
+def _nothing() -> None:
+    return None
 
 
 def verify_copy(entry: Entry, view: memoryview) -> bool:

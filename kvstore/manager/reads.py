@@ -22,10 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import mmap
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
+from kvstore.manager.fetchrates import FetchRates
 from kvstore.manager.landing import read_payload
 from kvstore.manager.moves import Mover, header_matches
 from kvstore.manager.placement import Placement
@@ -109,6 +111,7 @@ class Reader:
         self.counters = counters
         self.read_ahead = read_ahead
         self.promote_to = promote_to  # a hit below this tier is promoted into it (when asked to)
+        self.rates = FetchRates()  # what this node's Gets took, per tier: Lookup's fetch-time estimate
 
     async def get(
         self,
@@ -148,6 +151,13 @@ class Reader:
                 nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
 
         lease: ReadLease | None = None
+        # NOTE: timed here, where pages are served (the fetch-time estimate, kvstore/manager/fetchrates.py): from
+        # the call to its first page, then to its end, which comes after the plane has sent the last page.
+        started = time.perf_counter()
+        first_at = 0.0
+        first_tier = TierKind.DRAM
+        read: dict[TierKind, int] = {}
+        whole = False
         try:
             read_ahead()
             while pending:
@@ -155,7 +165,11 @@ class Reader:
                 # Counted here, in request order, so pages read ahead but never returned count nothing.
                 self.count_path(lease.tier if lease is not None else None)
                 if lease is None:
+                    whole = True
                     return
+                if not read:
+                    first_at, first_tier = time.perf_counter(), lease.tier
+                read[lease.tier] = read.get(lease.tier, 0) + len(lease.payload)
                 self.table.tiers[lease.held_in].on_access(lease.key)
                 if (e := self.table.get(lease.key)) is not None:
                     e.reads += 1
@@ -164,7 +178,10 @@ class Reader:
                 yield lease
                 lease.release()
                 lease = None
+            whole = True
         finally:
+            if whole and read:  # a Get cut short by its caller says nothing about the rate
+                self.rates.observe(first_tier, first_at - started, read, time.perf_counter() - first_at)
             if lease is not None:
                 lease.release()
             for task in pending:

@@ -23,6 +23,9 @@ from kvstore.tiers.slots import SizeClassAllocator
 # (namespace, hash, tier now or None: gone from the node, tier before or None: new on the node)
 ChangeListener = Callable[[str, bytes, TierKind | None, TierKind | None], None]
 
+# Entry.hold_from of a page no session retains: no tier refuses to evict it (kvstore/manager/retention.py).
+UNRETAINED = 1 << 30
+
 
 @dataclass(slots=True, eq=False)
 class Entry:
@@ -46,6 +49,9 @@ class Entry:
     prefetched: bool = False  # promoted by a prefetch and not read since (used / wasted accounting)
     parent: Key | None = None  # previous block of its chain, when the writer said (policy hint)
     reads: int = 0  # reads since stored, in any tier (policy hint; travels with the page)
+    # Retention (kvstore/manager/retention.py, which alone sets it): eviction leaves this page in any tier whose
+    # value is >= hold_from: 0 for a held page (every tier), the slowest tier's for a "demote, don't drop" one.
+    hold_from: int = UNRETAINED
     used_len: int = field(init=False, repr=False)  # its slot's size, in every tier (`__post_init__`)
 
     def __post_init__(self) -> None:
@@ -67,8 +73,13 @@ class Entry:
         return self.pins > 0 or bool(self.pin_deadlines)
 
     @property
+    def retained(self) -> bool:
+        """A session retains this page (held, or kept from being dropped)."""
+        return self.hold_from != UNRETAINED
+
+    @property
     def evictable(self) -> bool:
-        return not self.pinned and self.readers == 0 and self.moving is None
+        return self.tier < self.hold_from and not self.pinned and self.readers == 0 and self.moving is None
 
 
 @dataclass(slots=True)

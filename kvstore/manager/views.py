@@ -27,9 +27,10 @@ from kvstore.manager.core import TierManager
 from kvstore.manager.ledger import TenantCounters
 from kvstore.manager.put import PutTxn
 from kvstore.manager.reads import ReadLease
-from kvstore.names import TierKind
+from kvstore.manager.retention import RetainCall
+from kvstore.names import RetainMode, RetainOp, TierKind
 from kvstore.scoping import DEFAULT_TENANT, scope, split
-from kvstore.stats import LookupResult, NodeStats, ReportResult
+from kvstore.stats import LookupResult, NodeStats, ReportResult, RetainResult, RetentionStats
 from kvstore.wire import PutOpen
 
 _MAX_REMEMBERED = 1024  # client namespaces a view remembers as valid (beyond, each call validates again)
@@ -129,6 +130,25 @@ class TenantView:
     def prefetch(self, namespace: str, hashes: list[bytes], target: TierKind = TierKind.DRAM) -> tuple[int, int, int]:
         return self.manager.prefetch(self.ns(namespace), hashes, target)
 
+    def retain(
+        self,
+        session: str,
+        op: RetainOp,
+        namespace: str,
+        hashes: list[bytes],
+        ttl_seconds: float | None = None,
+        priority: int | None = None,
+        mode: RetainMode | None = None,
+    ) -> RetainResult:
+        """A Retain call in this tenant's scope: its session is this tenant's (another tenant's of the same name
+        is a different session), and its hashes name this tenant's pages only: a page another tenant holds is,
+        for this one, not stored (pending), exactly as a cross-tenant lookup is a cold miss."""
+        if hashes and not namespace:
+            raise InvalidArgument("namespace", "hashes name pages of a namespace: give it")
+        ns = self.ns(namespace) if hashes else ""
+        call = RetainCall(session, op, [(ns, h) for h in hashes], ttl_seconds, priority, mode)
+        return self.manager.retain(self.tenant, call)
+
     def layout_of(self, namespace: str, first: bytes | None = None) -> PageLayout:
         """The namespace's layout. `first`: the hash a Get that asks this will start at, so a namespace cold
         for this tenant is answered, and counted, exactly as that Get's refusal would be."""
@@ -152,4 +172,5 @@ class TenantView:
             stats.tenants = [replace(t, cross_tenant_misses=0) for t in stats.tenants if t.tenant == self.tenant]
             stats.corrupt_reports = stats.corrupt_confirmed = stats.scrubbed_bytes = 0
             stats.corrupt_unconfirmed = stats.corrupt_unchecked = 0
+            stats.retention = RetentionStats()  # every tenant's: its own is in its row
         return stats

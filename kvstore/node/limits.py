@@ -37,7 +37,10 @@ _HEAD = MAX_NAMESPACE_BYTES + 256  # namespace, flags, layout, a shm region, tar
 # before it is parsed; streams (Put) are framed and checked chunk by chunk in kvstore.wire.streams.PutParser.
 REQUEST_LIMITS: dict[str, int] = {
     "Stats": 1024,
-    **{m: _HEAD + MAX_HASHES * _HASH_FIELD for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "Report")},
+    **{
+        m: _HEAD + MAX_HASHES * _HASH_FIELD
+        for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "Report", "Retain")
+    },
 }
 # The node's gRPC receive limit: the largest request any method accepts, a Put chunk included. gRPC
 # refuses a larger message (RESOURCE_EXHAUSTED) from its length prefix, before buffering it.

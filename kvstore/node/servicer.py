@@ -17,7 +17,7 @@ import grpc
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id, target_host
 from kvstore.errors import InvalidArgument, PermissionDenied
-from kvstore.names import TierKind
+from kvstore.names import RetainMode, RetainOp, TierKind
 from kvstore.node.callers import current
 from kvstore.node.drivers import drive_put, open_get
 from kvstore.node.interceptor import SERVICE_NAME
@@ -27,7 +27,16 @@ from kvstore.node.report_budget import ReportBudget
 from kvstore.pageformat import in_form
 from kvstore.stats import PlaneInfo
 from kvstore.wire import MAX_HASHES, pack_held
-from kvstore.wire.streams import checksum_form_from_pb, get_responses, layout_from_pb, stats_to_pb, tier_from_pb
+from kvstore.wire.streams import (
+    checksum_form_from_pb,
+    enum_from_pb,
+    get_responses,
+    layout_from_pb,
+    lookup_to_pb,
+    retain_result_to_pb,
+    stats_to_pb,
+    tier_from_pb,
+)
 
 
 class KVStoreServicer:
@@ -43,9 +52,7 @@ class KVStoreServicer:
         if request.prefetch and not caller.may_move:
             raise PermissionDenied("Lookup with prefetch moves pages between tiers: it needs a read-write token")
         hashes = bounded(request.hashes, MAX_HASHES, "hashes")
-        res = caller.view.lookup(request.namespace, hashes, prefetch=request.prefetch)
-        tiers = [int(t) for t in res.tiers]
-        return pb.LookupResponse(matched_blocks=res.matched, tiers=tiers, namespace_known=res.namespace_known)
+        return lookup_to_pb(caller.view.lookup(request.namespace, hashes, prefetch=request.prefetch))
 
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         """Requests arrive serialized (see `handlers`): chunks are copied once, into their slot."""
@@ -101,6 +108,21 @@ class KVStoreServicer:
         )
         return pb.ReportResponse(dropped=res.dropped, intact=res.intact, unchecked=res.unchecked)
 
+    async def Retain(self, request: pb.RetainRequest, context: grpc.aio.ServicerContext) -> pb.RetainResponse:
+        """Retention hints of a session (DESIGN.md §6.5). A read-only caller never gets here (Retain is a write
+        method: kvstore/security.py); the values are checked by the manager, each error naming its field."""
+        hashes = bounded(request.hashes, MAX_HASHES, "hashes")
+        res = current().view.retain(
+            request.session,
+            enum_from_pb(RetainOp, request.op, "op"),
+            request.namespace,
+            hashes,
+            request.ttl_seconds if request.HasField("ttl_seconds") else None,
+            request.priority if request.HasField("priority") else None,
+            None if request.mode == pb.RETAIN_MODE_UNSPECIFIED else enum_from_pb(RetainMode, request.mode, "mode"),
+        )
+        return retain_result_to_pb(res)
+
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         stats = current().view.stats()
         stats.planes = list(self.planes)
@@ -119,6 +141,7 @@ class KVStoreServicer:
             "Prefetch": (self.Prefetch, pb.PrefetchRequest, pb.PrefetchResponse),
             "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
             "Report": (self.Report, pb.ReportRequest, pb.ReportResponse),
+            "Retain": (self.Retain, pb.RetainRequest, pb.RetainResponse),
         }
         # NOTE: the deserializers are not run by gRPC: the interceptor takes each request as raw bytes and
         # parses it after the token check and the method's size limit (kvstore/node/limits.py), so

@@ -7,6 +7,7 @@ here once, both directions: `put_requests` (client) and `PutParser` (node) for P
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import TypeVar
@@ -16,10 +17,24 @@ from google.protobuf.message import DecodeError, Message
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, PageCorrupt, StreamError
 from kvstore.layout import MAX_PARTS, DType, PageEncoding, PageLayout, PagePart
-from kvstore.names import Buffer, TierKind
+from kvstore.names import Buffer, RetainMode, TierKind
 from kvstore.pageformat import ChecksumForm, key_digest, payload_hasher, wire_checksum
 from kvstore.security import redact_url
-from kvstore.stats import IndexStatus, KvEventsStatus, NodeStats, PlaneInfo, TenantStats, TierCounters, TierStats
+from kvstore.stats import (
+    IndexStatus,
+    KvEventsStatus,
+    LookupResult,
+    NodeStats,
+    PlaneInfo,
+    RetainResult,
+    RetentionStats,
+    SessionState,
+    TenantStats,
+    TierCounters,
+    TierFetch,
+    TierRetention,
+    TierStats,
+)
 from kvstore.wire import CHUNK_BYTES, PutOpen
 
 M = TypeVar("M", bound=Message)
@@ -132,6 +147,18 @@ def tier_from_pb(value: int, default: TierKind = TierKind.DRAM, field: str = "ta
     except ValueError:
         known = ", ".join(f"{int(k)} ({k.label})" for k in TierKind)
         raise InvalidArgument(field, f"{value} is not a tier; known: {known}") from None
+
+
+E = TypeVar("E", bound=enum.IntEnum)
+
+
+def enum_from_pb(kind: type[E], value: int, field: str) -> E:
+    """A proto enum's value as `kind`; InvalidArgument naming the field for a number it does not define."""
+    try:
+        return kind(value)
+    except ValueError:
+        names = ", ".join(f"{m.name} ({m.value})" for m in kind)
+        raise InvalidArgument(field, f"{value} is not one of {names}") from None
 
 
 def put_open_to_pb(op: PutOpen) -> pb.PutOpen:
@@ -423,7 +450,86 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         tenants=[_tenant_to_pb(t) for t in stats.tenants],
         kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
         checksum_form=pb.CHECKSUM_FORM_KEYED,
+        retention=retention_to_pb(stats.retention),
     )
+
+
+_RETENTION_COUNTERS = [f.name for f in fields(RetentionStats) if f.name != "tiers"]
+
+
+def retention_to_pb(r: RetentionStats) -> pb.RetentionStats:
+    return pb.RetentionStats(
+        **{n: getattr(r, n) for n in _RETENTION_COUNTERS},
+        tiers=[
+            pb.TierRetention(tier=int(t.tier), pages=t.pages, held_pages=t.held_pages, hold_cap_pages=t.hold_cap_pages)
+            for t in r.tiers
+        ],
+    )
+
+
+def retention_from_pb(m: pb.RetentionStats) -> RetentionStats:
+    tiers = [TierRetention(TierKind(t.tier), t.pages, t.held_pages, t.hold_cap_pages) for t in m.tiers]
+    return RetentionStats(**{n: getattr(m, n) for n in _RETENTION_COUNTERS}, tiers=tiers)
+
+
+def lookup_to_pb(res: LookupResult) -> pb.LookupResponse:
+    fetch = [
+        pb.TierFetch(
+            tier=int(f.tier),
+            pages=f.pages,
+            bytes=f.bytes,
+            expected_ms=f.expected_ms,
+            measured=f.measured,
+            rate_bytes_per_second=f.rate_bytes_per_second,
+        )
+        for f in res.fetch
+    ]
+    return pb.LookupResponse(
+        matched_blocks=res.matched,
+        tiers=[int(t) for t in res.tiers],
+        namespace_known=res.namespace_known,
+        fetch=fetch,
+        fetch_ms=res.fetch_ms,
+    )
+
+
+def lookup_from_pb(r: pb.LookupResponse) -> LookupResult:
+    fetch = [
+        TierFetch(TierKind(f.tier), f.pages, f.bytes, f.expected_ms, f.measured, f.rate_bytes_per_second)
+        for f in r.fetch
+    ]
+    return LookupResult(r.matched_blocks, [TierKind(t) for t in r.tiers], r.namespace_known, fetch, r.fetch_ms)
+
+
+def session_to_pb(s: SessionState) -> pb.SessionState:
+    return pb.SessionState(
+        session=s.name,
+        priority=s.priority,
+        mode=int(s.mode),
+        ttl_seconds=s.ttl_seconds,
+        pages=s.pages,
+        pending=s.pending,
+        unheld=s.unheld,
+    )
+
+
+def retain_result_to_pb(r: RetainResult) -> pb.RetainResponse:
+    return pb.RetainResponse(
+        retained=r.retained,
+        pending=r.pending,
+        released=r.released,
+        prefetching=r.prefetching,
+        state=None if r.state is None else session_to_pb(r.state),
+        displaced=list(r.displaced),
+    )
+
+
+def retain_result_from_pb(m: pb.RetainResponse) -> RetainResult:
+    state = None
+    if m.HasField("state"):
+        s = m.state
+        state = SessionState(s.session, s.priority, RetainMode(s.mode), s.ttl_seconds, s.pages, s.pending, s.unheld)
+    return RetainResult(m.retained, m.pending, m.released, m.prefetching, state, list(m.displaced))
 
 
 _TENANT_COUNTERS = ("lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
@@ -435,6 +541,7 @@ def _tenant_to_pb(t: TenantStats) -> pb.TenantStats:
         tenant=t.tenant,
         **{n: getattr(t, n) for n in _TENANT_COUNTERS},
         tiers=[pb.TenantTier(tier=int(k), pages=t.pages.get(k, 0), quota_bytes=t.quota_bytes.get(k, 0)) for k in kinds],
+        retention=retention_to_pb(t.retention),
     )
 
 
@@ -444,6 +551,7 @@ def _tenant_from_pb(m: pb.TenantStats) -> TenantStats:
         {TierKind(x.tier): x.pages for x in m.tiers},
         {TierKind(x.tier): x.quota_bytes for x in m.tiers if x.quota_bytes},
         **{n: getattr(m, n) for n in _TENANT_COUNTERS},
+        retention=retention_from_pb(m.retention),
     )
 
 
@@ -494,4 +602,5 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         kv_events=KvEventsStatus(**{f.name: getattr(msg.kv_events, f.name) for f in fields(KvEventsStatus)})
         if msg.HasField("kv_events")
         else None,
+        retention=retention_from_pb(msg.retention),
     )

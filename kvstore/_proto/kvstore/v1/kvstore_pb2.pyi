@@ -33,6 +33,20 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_HBM: _ClassVar[Tier]
     TIER_DRAM: _ClassVar[Tier]
     TIER_NVME: _ClassVar[Tier]
+
+class RetainMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETAIN_MODE_UNSPECIFIED: _ClassVar[RetainMode]
+    RETAIN_MODE_HOLD: _ClassVar[RetainMode]
+    RETAIN_MODE_DEMOTE: _ClassVar[RetainMode]
+
+class RetainOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RETAIN_OP_RETAIN: _ClassVar[RetainOp]
+    RETAIN_OP_UPDATE: _ClassVar[RetainOp]
+    RETAIN_OP_RELEASE: _ClassVar[RetainOp]
+    RETAIN_OP_END: _ClassVar[RetainOp]
+    RETAIN_OP_RESUME: _ClassVar[RetainOp]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
@@ -48,6 +62,14 @@ TIER_UNSPECIFIED: Tier
 TIER_HBM: Tier
 TIER_DRAM: Tier
 TIER_NVME: Tier
+RETAIN_MODE_UNSPECIFIED: RetainMode
+RETAIN_MODE_HOLD: RetainMode
+RETAIN_MODE_DEMOTE: RetainMode
+RETAIN_OP_RETAIN: RetainOp
+RETAIN_OP_UPDATE: RetainOp
+RETAIN_OP_RELEASE: RetainOp
+RETAIN_OP_END: RetainOp
+RETAIN_OP_RESUME: RetainOp
 
 class PageLayout(_message.Message):
     __slots__ = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding", "parts")
@@ -86,14 +108,34 @@ class LookupRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., prefetch: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matched_blocks", "tiers", "namespace_known")
+    __slots__ = ("matched_blocks", "tiers", "namespace_known", "fetch", "fetch_ms")
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    FETCH_MS_FIELD_NUMBER: _ClassVar[int]
     matched_blocks: int
     tiers: _containers.RepeatedScalarFieldContainer[Tier]
     namespace_known: bool
-    def __init__(self, matched_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., namespace_known: _Optional[bool] = ...) -> None: ...
+    fetch: _containers.RepeatedCompositeFieldContainer[TierFetch]
+    fetch_ms: float
+    def __init__(self, matched_blocks: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ..., namespace_known: _Optional[bool] = ..., fetch: _Optional[_Iterable[_Union[TierFetch, _Mapping]]] = ..., fetch_ms: _Optional[float] = ...) -> None: ...
+
+class TierFetch(_message.Message):
+    __slots__ = ("tier", "pages", "bytes", "expected_ms", "measured", "rate_bytes_per_second")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
+    RATE_BYTES_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    pages: int
+    bytes: int
+    expected_ms: float
+    measured: bool
+    rate_bytes_per_second: float
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., expected_ms: _Optional[float] = ..., measured: _Optional[bool] = ..., rate_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class PutOpen(_message.Message):
     __slots__ = ("namespace", "layout", "target_tier", "parent_hash", "chain", "checksum_form")
@@ -247,6 +289,98 @@ class PrefetchResponse(_message.Message):
     missing: int
     def __init__(self, scheduled: _Optional[int] = ..., already_resident: _Optional[int] = ..., missing: _Optional[int] = ...) -> None: ...
 
+class RetainRequest(_message.Message):
+    __slots__ = ("session", "op", "namespace", "hashes", "ttl_seconds", "priority", "mode")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    op: RetainOp
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    ttl_seconds: float
+    priority: int
+    mode: RetainMode
+    def __init__(self, session: _Optional[str] = ..., op: _Optional[_Union[RetainOp, str]] = ..., namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., ttl_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., mode: _Optional[_Union[RetainMode, str]] = ...) -> None: ...
+
+class RetainResponse(_message.Message):
+    __slots__ = ("retained", "pending", "released", "prefetching", "state", "displaced")
+    RETAINED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHING_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DISPLACED_FIELD_NUMBER: _ClassVar[int]
+    retained: int
+    pending: int
+    released: int
+    prefetching: int
+    state: SessionState
+    displaced: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, retained: _Optional[int] = ..., pending: _Optional[int] = ..., released: _Optional[int] = ..., prefetching: _Optional[int] = ..., state: _Optional[_Union[SessionState, _Mapping]] = ..., displaced: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionState(_message.Message):
+    __slots__ = ("session", "priority", "mode", "ttl_seconds", "pages", "pending", "unheld")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    priority: int
+    mode: RetainMode
+    ttl_seconds: float
+    pages: int
+    pending: int
+    unheld: int
+    def __init__(self, session: _Optional[str] = ..., priority: _Optional[int] = ..., mode: _Optional[_Union[RetainMode, str]] = ..., ttl_seconds: _Optional[float] = ..., pages: _Optional[int] = ..., pending: _Optional[int] = ..., unheld: _Optional[int] = ...) -> None: ...
+
+class RetentionStats(_message.Message):
+    __slots__ = ("sessions", "tiers", "calls", "refused", "expired", "ended", "displaced", "unheld", "pending", "resumed", "retained_pages", "cap_pages")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    DISPLACED_FIELD_NUMBER: _ClassVar[int]
+    UNHELD_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    CAP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    tiers: _containers.RepeatedCompositeFieldContainer[TierRetention]
+    calls: int
+    refused: int
+    expired: int
+    ended: int
+    displaced: int
+    unheld: int
+    pending: int
+    resumed: int
+    retained_pages: int
+    cap_pages: int
+    def __init__(self, sessions: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierRetention, _Mapping]]] = ..., calls: _Optional[int] = ..., refused: _Optional[int] = ..., expired: _Optional[int] = ..., ended: _Optional[int] = ..., displaced: _Optional[int] = ..., unheld: _Optional[int] = ..., pending: _Optional[int] = ..., resumed: _Optional[int] = ..., retained_pages: _Optional[int] = ..., cap_pages: _Optional[int] = ...) -> None: ...
+
+class TierRetention(_message.Message):
+    __slots__ = ("tier", "pages", "held_pages", "hold_cap_pages")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    HELD_PAGES_FIELD_NUMBER: _ClassVar[int]
+    HOLD_CAP_PAGES_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    pages: int
+    held_pages: int
+    hold_cap_pages: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., held_pages: _Optional[int] = ..., hold_cap_pages: _Optional[int] = ...) -> None: ...
+
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -306,7 +440,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form", "corrupt_unconfirmed", "corrupt_unchecked")
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form", "corrupt_unconfirmed", "corrupt_unchecked", "retention")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +467,7 @@ class StatsResponse(_message.Message):
     CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_UNCHECKED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     max_page_bytes: int
@@ -359,7 +494,8 @@ class StatsResponse(_message.Message):
     checksum_form: ChecksumForm
     corrupt_unconfirmed: int
     corrupt_unchecked: int
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., corrupt_unconfirmed: _Optional[int] = ..., corrupt_unchecked: _Optional[int] = ...) -> None: ...
+    retention: RetentionStats
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., corrupt_unconfirmed: _Optional[int] = ..., corrupt_unchecked: _Optional[int] = ..., retention: _Optional[_Union[RetentionStats, _Mapping]] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("namespace", "hashes")
@@ -404,7 +540,7 @@ class KvEventsStats(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., queued: _Optional[int] = ..., sent_events: _Optional[int] = ..., sent_batches: _Optional[int] = ..., dropped_events: _Optional[int] = ..., snapshots: _Optional[int] = ..., subscribers: _Optional[int] = ..., send_errors: _Optional[int] = ..., refused: _Optional[int] = ..., curve: _Optional[bool] = ...) -> None: ...
 
 class TenantStats(_message.Message):
-    __slots__ = ("tenant", "tiers", "lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses")
+    __slots__ = ("tenant", "tiers", "lookups", "lookup_blocks", "lookup_matched", "get_pages", "get_served", "cross_tenant_misses", "retention")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     LOOKUPS_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +549,7 @@ class TenantStats(_message.Message):
     GET_PAGES_FIELD_NUMBER: _ClassVar[int]
     GET_SERVED_FIELD_NUMBER: _ClassVar[int]
     CROSS_TENANT_MISSES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     tiers: _containers.RepeatedCompositeFieldContainer[TenantTier]
     lookups: int
@@ -421,7 +558,8 @@ class TenantStats(_message.Message):
     get_pages: int
     get_served: int
     cross_tenant_misses: int
-    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TenantTier, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., get_pages: _Optional[int] = ..., get_served: _Optional[int] = ..., cross_tenant_misses: _Optional[int] = ...) -> None: ...
+    retention: RetentionStats
+    def __init__(self, tenant: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TenantTier, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., get_pages: _Optional[int] = ..., get_served: _Optional[int] = ..., cross_tenant_misses: _Optional[int] = ..., retention: _Optional[_Union[RetentionStats, _Mapping]] = ...) -> None: ...
 
 class TenantTier(_message.Message):
     __slots__ = ("tier", "pages", "quota_bytes")

@@ -80,6 +80,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
                 _registered_method=True)
+        self.Retain = channel.unary_unary(
+                '/kvstore.v1.KVStore/Retain',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -162,6 +167,15 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Retain(self, request, context):
+        """Retention hints of a session (RetainRequest): a lease, a priority and a mode for the pages its writer
+        named, later raised, lowered, released or ended, and "resume" (prefetch them back to DRAM). Honoured by
+        placement and eviction whatever the eviction policy; bounded per tenant. Needs a read-write token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -209,6 +223,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Report,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.SerializeToString,
+            ),
+            'Retain': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retain,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -455,6 +474,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Report',
             kvstore_dot_v1_dot_kvstore__pb2.ReportRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ReportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Retain',
+            kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
             options,
             channel_credentials,
             insecure,
