@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from kvstore.manager import TierManager
 from kvstore.manager.fetchrates import DEFAULT_RATES, FetchRates
@@ -143,7 +144,7 @@ def test_cap_displaces_lower_priority_sessions_and_refuses_otherwise(tmp_path: P
         await put(mgr, list(range(8)))
         assert retain(mgr, "low", [0, 1], priority=10).retained == 2
         assert retain(mgr, "mid", [2, 3], priority=50).retained == 2
-        with pytest.raises(ResourceExhausted, match="retention cap.*hold 4 pages in dram"):
+        with pytest.raises(ResourceExhausted, match=r"retention cap.*hold 4 pages in dram"):
             retain(mgr, "same", [4], priority=10)  # nothing below 10 gives way
         assert "same" not in mgr.retention.tenants["default"].sessions  # nothing changed
         res = retain(mgr, "high", [4, 5], priority=90)
@@ -226,7 +227,7 @@ def test_bad_input_names_the_field_and_changes_nothing(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument, match="hashes\\[1\\]"):
             mgr.retain("default", RetainCall("s", RetainOp.RETAIN, [(NS, key(1)), (NS, b"short")], 1.0))
         for op in (RetainOp.UPDATE, RetainOp.RELEASE, RetainOp.END, RetainOp.RESUME):
-            with pytest.raises(SessionNotFound, match="^session: 'nobody'"):
+            with pytest.raises(SessionNotFound, match=r"^session: 'nobody'"):
                 mgr.retain("default", RetainCall("nobody", op, [], 1.0))
         with pytest.raises(SessionNotFound):  # another tenant's session of the same name is not this one's
             mgr.retain("other", RetainCall("s", RetainOp.UPDATE, [], 1.0, 99))
