@@ -81,7 +81,28 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
         )
     for ns, layout, pages in stats.namespaces:
         console.print(f"namespace [cyan]{ns}[/]: {pages} pages, encoding {layout.encoding.label}, {layout.describe()}")
+    render_retention(stats, console)
     render_tenants(stats, console)
+
+
+def render_retention(stats: NodeStats, console: Console) -> None:
+    """One line of retention (DESIGN.md §6.5): the node's as the default tenant sees it, else the caller's own
+    row with its caps. Nothing when no session ever called."""
+    own = [t.retention for t in stats.tenants if t.retention.calls or t.retention.sessions]
+    r = stats.retention if stats.retention.calls else (own[0] if len(own) == 1 else None)
+    if r is None:
+        return
+    where = ", ".join(
+        f"{t.tier.label} {t.pages}"
+        + (f" (held {t.held_pages}" + (f"/{t.hold_cap_pages})" if t.hold_cap_pages else ")"))
+        for t in r.tiers
+    )
+    cap = f" of at most {r.cap_pages}" if r.cap_pages else ""
+    console.print(
+        f"retention: {r.sessions} session(s), {r.retained_pages}{cap} pages retained ({where}), {r.pending} named "
+        f"and not stored; calls {r.calls} (refused at the cap {r.refused}), sessions ended {r.ended}, expired "
+        f"{r.expired}, displaced {r.displaced}; unheld puts {r.unheld}; resume promotions {r.resumed}"
+    )
 
 
 def render_tenants(stats: NodeStats, console: Console) -> None:

@@ -30,6 +30,7 @@ _UNARY = {
     "PutShm": pb.PutResponse,
     "GetShm": pb.GetShmResponse,
     "Report": pb.ReportResponse,
+    "Retain": pb.RetainResponse,
 }
 
 

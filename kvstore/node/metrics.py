@@ -15,6 +15,9 @@
     kvstore_rpc_duration_seconds{method,code}        histogram of every KVStore RPC, by gRPC status
     kvstore_tenant_{lookups,lookup_blocks,lookup_matched_blocks,get_pages,get_served_pages}_total{tenant}
     kvstore_tenant_hit_ratio{tenant}, kvstore_tenant_pages{tenant,tier}, kvstore_tenant_share_bytes{tenant,tier}
+    kvstore_retention_{calls,refused,expired,ended,displaced,unheld,resumed}_total, kvstore_retention_{sessions,
+    pending}, kvstore_retention_pages{tier}, kvstore_retention_held_pages{tier}     retention (DESIGN.md §6.5)
+    kvstore_tenant_retention_{sessions,cap_pages}{tenant}, kvstore_tenant_retention_pages{tenant,tier}
 
 No cross-tenant figure is exported: /metrics answers whoever the network admits, and a count of misses
 on pages another tenant holds would tell a prober which of its guesses another tenant caches (DESIGN.md §10).
@@ -49,7 +52,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from kvstore import __version__
 from kvstore.names import TierKind
-from kvstore.stats import NodeStats, TenantStats, TierCounters, TierStats
+from kvstore.stats import NodeStats, TenantStats, TierCounters, TierRetention, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +135,10 @@ class NodeMetrics:
             "kvstore.kv_events.dropped_events": lambda s: s.kv_events and s.kv_events.dropped_events,
             "kvstore.kv_events.snapshots": lambda s: s.kv_events and s.kv_events.snapshots,
             "kvstore.kv_events.refused": lambda s: s.kv_events and s.kv_events.refused,
+            **{
+                f"kvstore.retention.{n}": (lambda s, n=n: getattr(s.retention, n))
+                for n in ("calls", "refused", "expired", "ended", "displaced", "unheld", "resumed")
+            },
         }
         for name, get in node_counters.items():
             meter.create_observable_counter(name, [self._node_value(get)], description=name.replace(".", " "))
@@ -142,6 +149,8 @@ class NodeMetrics:
             "kvstore.index.lag": ("s", lambda s: s.index and s.index.lag_seconds),
             "kvstore.kv_events.queued": ("", lambda s: s.kv_events and s.kv_events.queued),
             "kvstore.kv_events.subscribers": ("", lambda s: s.kv_events and s.kv_events.subscribers),
+            "kvstore.retention.sessions": ("", lambda s: s.retention.sessions),
+            "kvstore.retention.pending": ("", lambda s: s.retention.pending),
         }
         for name, (unit, get) in node_gauges.items():
             meter.create_observable_gauge(name, [self._node_value(get)], unit=unit, description=name.replace(".", " "))
@@ -169,6 +178,31 @@ class NodeMetrics:
             [self._per_tenant_tier(lambda t, k: t.quota_bytes.get(k))],
             unit="By",
             description="a tenant's share of a tier (absent: none set)",
+        )
+        meter.create_observable_gauge(
+            "kvstore.retention.pages",
+            [self._per_retained_tier(lambda t: t.pages)],
+            description="pages sessions retain in a tier",
+        )
+        meter.create_observable_gauge(
+            "kvstore.retention.held_pages",
+            [self._per_retained_tier(lambda t: t.held_pages)],
+            description="of those, pages held there (HOLD: not demoted)",
+        )
+        meter.create_observable_gauge(
+            "kvstore.tenant.retention.sessions",
+            [self._per_tenant(lambda t: t.retention.sessions)],
+            description="a tenant's live retention sessions",
+        )
+        meter.create_observable_gauge(
+            "kvstore.tenant.retention.cap_pages",
+            [self._per_tenant(lambda t: t.retention.cap_pages)],
+            description="the most pages a tenant's sessions may retain on the node",
+        )
+        meter.create_observable_gauge(
+            "kvstore.tenant.retention.pages",
+            [self._per_tenant_tier(lambda t, k: next((r.pages for r in t.retention.tiers if r.tier == k), None))],
+            description="pages a tenant's sessions retain in a tier",
         )
         self._rpc = meter.create_histogram("kvstore.rpc.duration", unit="s", description="KVStore RPC latency")
         self._server: object | None = None
@@ -234,6 +268,16 @@ class NodeMetrics:
             tiers = stats.tiers if stats is not None else []
             values = ((t, get(t)) for t in tiers)
             return [Observation(v, {**self._base, "tier": t.tier.label}) for t, v in values if v is not None]
+
+        return callback
+
+    def _per_retained_tier(
+        self, get: Callable[[TierRetention], int]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def callback(_: CallbackOptions) -> Iterable[Observation]:
+            stats = self.snapshot()
+            rows = stats.retention.tiers if stats is not None else []
+            return [Observation(get(t), {**self._base, "tier": t.tier.label}) for t in rows]
 
         return callback
 
