@@ -322,10 +322,11 @@ class PluginSettings:
     prefetch: bool = True  # lookups ask the node to promote the matched pages toward DRAM
     tune_malloc: bool = True  # raise glibc's mmap/trim thresholds in the engine (kvstore.memtune)
     model_revision: str | None = None  # the weights' revision or digest, where the engine does not say (model_part)
+    retain_ttl: float = 300.0  # the lease of a session a request names without its own (integrations/hints.py)
 
 
 _LMCACHE_FIELDS = {"module_path", "class_name"}  # LMCache's own plugin-loading keys
-_FLOATS = {"timeout", "lookup_timeout", "down_backoff", "pin_lease"}
+_FLOATS = {"timeout", "lookup_timeout", "down_backoff", "pin_lease", "retain_ttl"}
 _STRINGS = {"token", "token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name", "local_node"}
 _REVISION_MAX = 256
 _TRANSPORTS = TRANSPORTS  # every plane a client speaks
@@ -346,6 +347,8 @@ def parse_settings(extra: Mapping[str, object] | None, plugin_name: str, default
         key = prefix + name
         if name in _FLOATS:
             kw[name] = _positive(value, key, float)
+            if not math.isfinite(kw[name]):  # type: ignore[arg-type]
+                raise MappingError(f"{key}: a finite number > 0, got {value!r}")
         elif name == "threads":
             kw[name] = int(_positive(value, key, int))
         elif name in ("prefetch", "tune_malloc"):

@@ -52,11 +52,13 @@ from kvstore.errors import (
     PermissionDenied,
     RemoteError,
     ResourceExhausted,
+    SessionNotFound,
     StreamError,
     Unauthenticated,
     Unavailable,
 )
 from kvstore.integrations.health import LogLimiter, Outage
+from kvstore.integrations.hints import SessionHints
 from kvstore.integrations.lmcache_mapping import PluginSettings
 from kvstore.integrations.outcome import Stored, held_pages
 from kvstore.layout import PageLayout
@@ -267,6 +269,72 @@ class RemoteStore:
     def pin(self, ns: str, hashes: Sequence[bytes], lease: float) -> int:
         """Pin the pages for `lease` seconds (they expire on their own); returns how many were pinned."""
         return self._control("pin", ns, hashes, lambda c, hs: c.pin(ns, hs, ttl_seconds=lease).done)
+
+    # -- retention (DESIGN.md §6.5; the hints' schema: kvstore/integrations/hints.py)
+
+    def retain(self, ns: str, hashes: Sequence[bytes], hints: SessionHints) -> int:
+        """Retain these pages for the hints' session (created when new, its lease renewed: the hints' own or
+        `retain_ttl`); how many are retained now (0 on failure: logged; at the tenant's cap: a WARNING). A cluster:
+        on every node holding a prefix of them."""
+        ttl = hints.lease(self.settings.retain_ttl)
+
+        def fn(c: KVStoreClient, hs: list[bytes]) -> int:
+            return c.retain(hints.session, ns, hs, ttl_seconds=ttl, priority=hints.priority, mode=hints.mode).retained
+
+        return self._control("retain", ns, hashes, fn)
+
+    def resume(self, hints: SessionHints) -> int:
+        """The session's next turn: its pages are promoted back toward DRAM (and its lease renewed); promotions
+        started (0 for a session this node does not have yet: a first turn). A cluster: on every live node."""
+        ttl = hints.lease(self.settings.retain_ttl)
+
+        def fn(c: KVStoreClient) -> int:
+            try:
+                return c.resume_session(
+                    hints.session, ttl_seconds=ttl, priority=hints.priority, mode=hints.mode
+                ).prefetching
+            except SessionNotFound:
+                return 0
+
+        return self._on_nodes("resume", fn)
+
+    def end_session(self, session: str) -> int:
+        """The session ended: its pages are released; how many (0 where the node did not have it)."""
+
+        def fn(c: KVStoreClient) -> int:
+            try:
+                return c.end_session(session).released
+            except SessionNotFound:
+                return 0
+
+        return self._on_nodes("end-session", fn)
+
+    def lookup_estimate(self, ns: str, hashes: Sequence[bytes]) -> tuple[int, float]:
+        """Leading blocks held and the node's expected milliseconds to fetch them (DESIGN.md §6.6); (0, 0.0) on
+        failure. A cluster: the blocks its index lists, and no estimate (0.0): each node estimates its own."""
+        if not hashes:
+            return 0, 0.0
+        if self._ctl is not None:
+            ctl = self._ctl
+
+            def one() -> tuple[int, float]:
+                d = ctl.lookup_detail(ns, hashes)
+                return d.matched, d.fetch_ms
+
+            return self._guard("lookup", ns, one, (0, 0.0))
+        return self._guard("lookup", ns, lambda: (self._cluster().lookup(ns, hashes).matched, 0.0), (0, 0.0))
+
+    def _on_nodes(self, op: str, fn: Callable[[KVStoreClient], int]) -> int:
+        """fn on the node (its control client), or on every live node of a cluster; a sum, 0 on failure."""
+        if self._ctl is not None:
+            ctl = self._ctl
+            return self._guard(op, "", lambda: fn(ctl), 0)
+
+        def each() -> int:
+            cc = self._cluster()
+            return sum(cc.call_node(n.node_id, fn) for n in cc.nodes() if n.alive)
+
+        return self._guard(op, "", each, 0)
 
     def delete(self, ns: str, hashes: Sequence[bytes]) -> int:
         """Delete the pages wherever they are held; returns how many were deleted."""

@@ -62,6 +62,7 @@ import threading
 import time
 from collections.abc import Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -80,6 +81,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import ConfigError, engine_settings, opaque_layout
 from kvstore.integrations.groups import groups_label, part_name, runs
+from kvstore.integrations.hints import HintError, SessionHints, from_vllm
 from kvstore.integrations.lmcache_mapping import model_part
 from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
@@ -189,6 +191,15 @@ class _Lookups(AsyncLookupManager):
         return found
 
 
+@dataclass(slots=True)
+class _Session:
+    """A request's retention hints, kept in its ReqContext (vLLM's per-request state, keyed by type). `ended`: the
+    request finished with `end`, so a store of it still running retains nothing (it would renew the session)."""
+
+    hints: SessionHints
+    ended: bool = False
+
+
 class KVStoreSecondaryTier(SecondaryTierManager):
     """A kvstore node (or cluster) behind vLLM's CPU offloading tier (see the module docstring).
 
@@ -262,10 +273,29 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self.lookups.flush()
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """A request's retention hints are read once here (kv_transfer_params or kv_hints: integrations/hints.py)
+        and kept in its context; a session's next turn promotes its pages back to DRAM, off this thread."""
+        hints = self._hints_of(req_context)
+        if hints is not None:
+            req_context.set_state(_Session(hints))
+            if hints.resume:
+                self._pool.submit(self.store.resume, hints)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.lookups.cleanup(req_context.req_id)
+        state = req_context.get_state(_Session)
+        if state is not None and state.hints.end:
+            state.ended = True
+            self._pool.submit(self.store.end_session, state.hints.session)
+
+    def _hints_of(self, req_context: ReqContext) -> SessionHints | None:
+        try:
+            return from_vllm(req_context.kv_transfer_params, getattr(req_context, "kv_hints", None))
+        except HintError as exc:
+            self.store.say("hints", logging.ERROR, "kvstore vLLM tier: request %s: %s; no retention for it",
+                           req_context.req_id, exc)  # fmt: skip
+            return None
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return  # the node's own policy sees every read; nothing to tell it
@@ -346,12 +376,22 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             for ns, layout, hashes, rows, _ in self._bundles(job):
                 done = self.store.put_bundle(ns, layout, hashes, rows, chain=False)
                 ok, held = ok and done.ok, held + done.count * len(layout.parts)
+                self._retain(job, ns, hashes, done.held)
             return JobResult(job_id=job.job_id, success=ok, transfer_bytes=held * self.row_bytes)
         views = [self.rows[int(c)] for c in job.chunk_ids]
-        done = self.store.put_from(self.namespace, self.layout, [page_hash(k) for k in keys], views, chain=False)
+        hashes = [page_hash(k) for k in keys]
+        done = self.store.put_from(self.namespace, self.layout, hashes, views, chain=False)
+        self._retain(job, self.namespace, hashes, done.held)
         # NOTE: vLLM reads `successful_keys` of promotion jobs only; a store job is a success only when the node
         # holds every chunk (outcome.py: a chunk a full node refused fails the job, and lookups miss it).
         return JobResult(job_id=job.job_id, success=done.ok, transfer_bytes=done.count * self.row_bytes)
+
+    def _retain(self, job: TransferJob, ns: str, hashes: list[bytes], held: tuple[bool, ...]) -> None:
+        """The chunks a session's request stored, retained for its session (on this tier's thread, after the put)."""
+        state = job.req_context.get_state(_Session) if job.req_context is not None else None
+        kept = [h for h, ok in zip(hashes, held, strict=True) if ok]
+        if state is not None and kept and not state.ended:
+            self.store.retain(ns, kept, state.hints)
 
     def _load(self, job: TransferJob) -> JobResult:
         keys = list(job.keys)

@@ -96,6 +96,20 @@ def test_fresh_engine_gets_the_prefix_from_kvstore(results: tuple[dict[str, Any]
         assert dram.counters.hits >= 24 and dram.counters.bytes_out >= 24 * res["row_bytes"]
 
 
+def test_a_sessions_requests_retain_resume_and_end_through_the_tier(results: tuple[dict[str, Any], Nodes]) -> None:
+    """kv_transfer_params and kv_hints reach the node as retention (DESIGN.md §6.5; integrations/hints.py)."""
+    res = results[0]["retention"]
+    assert res["turn1"] == {"pages": 6, "priority": 70, "mode": "demote"}  # every chunk the request stored
+    assert res["turn2"] == {"pages": 6, "priority": 90, "mode": "demote"}  # kv_hints: the next turn resumed
+    assert res["ended"] is None  # kvstore.end: released and forgotten
+    assert res["bad_hint"] == {"store_jobs": [True], "session": None}  # served, without retention
+    assert "kv_transfer_params.kvstore.priority" in results[0]["log"], results[0]["log"][-3000:]
+    with KVStoreClient(results[1]["identity"].addr, transport="grpc") as kv:
+        r = kv.stats().retention
+        assert (r.sessions, r.retained_pages, r.ended) == (0, 0, 1)
+        assert kv.lookup(res["namespace"], [bytes.fromhex(h) for h in res["hashes"]]) == 6  # still stored
+
+
 def test_node_down_is_a_miss_and_a_failed_store(results: tuple[dict[str, Any], Nodes]) -> None:
     res = results[0]["down"]
     assert res["lookup"] == ["MISS"]

@@ -347,6 +347,63 @@ def hybrid(url: str) -> dict[str, Any]:
             "namespace": ns, "plain_namespace": tier_b.namespace, "parts": list(layout.part_names)}  # fmt: skip
 
 
+def retention(url: str) -> dict[str, Any]:
+    """A conversation's requests name their session (kv_transfer_params, then kv_hints, then the flat form):
+    its stored chunks are retained on the node, raised on its next turn (resumed), released when it ends; a bad
+    hint is logged and its request served without retention. Reads the node's side with a client."""
+    from vllm.v1.kv_hints import KvHintAction, KvHintsEnvelope
+
+    from kvstore.client import KVStoreClient
+    from kvstore.errors import SessionNotFound
+
+    mgr = make_spec(url).get_manager()
+    t = mgr.secondary_tiers[0]
+    jobs = record_jobs(t)
+    keys = keys_for(6, b"session")
+    data = {k: bytes([3]) * t.row_bytes for k in keys}
+    out: dict[str, Any] = {"namespace": t.namespace, "hashes": [bytes(k[:32]).hex() for k in keys]}
+    kv = KVStoreClient(url.removeprefix("kvstore://"), transport="grpc")
+
+    def state(session: str) -> Any:
+        try:
+            s = kv.update_session(session).state
+            return None if s is None else {"pages": s.pages, "priority": s.priority, "mode": s.mode.label}
+        except SessionNotFound:
+            return None
+
+    hints = {"session": "conv-1", "ttl_s": 120, "priority": 70, "mode": "demote"}
+    r1 = ReqContext(req_id="S1", kv_transfer_params={"kvstore": hints})
+    mgr.on_new_request(r1)
+    store(mgr, keys, r1, data)
+    settle(mgr, lambda: not t.has_pending_work() and (state("conv-1") or {}).get("pages") == 6)
+    mgr.on_request_finished(r1)
+    out["turn1"] = state("conv-1")
+    action = KvHintAction(action_id="a1", action_type="kvstore.retain", action_version="1",
+                          payload={"session": "conv-1", "priority": 90})  # fmt: skip
+    r2 = ReqContext(req_id="S2", kv_hints=KvHintsEnvelope(protocol_version="1", message_id="m1", actions=[action]))
+    mgr.on_new_request(r2)  # the next turn: resumed (its lease renewed, priority raised)
+    settle(mgr, lambda: (state("conv-1") or {}).get("priority") == 90)
+    out["turn2"] = state("conv-1")
+    mgr.on_request_finished(r2)
+    r3 = ReqContext(req_id="S3", kv_transfer_params={"kvstore.session": "conv-1", "kvstore.end": True})
+    mgr.on_new_request(r3)
+    mgr.on_request_finished(r3)  # the last turn: the session ends
+    settle(mgr, lambda: state("conv-1") is None)
+    out["ended"] = state("conv-1")
+    jobs.clear()
+    r4 = ReqContext(req_id="S4", kv_transfer_params={"kvstore": {"session": "bad", "priority": 500}})
+    mgr.on_new_request(r4)
+    other = keys_for(2, b"bad-hint")
+    store(mgr, other, r4, {k: bytes(t.row_bytes) for k in other})
+    settle(mgr, lambda: not t.has_pending_work())
+    mgr.on_request_finished(r4)
+    out["bad_hint"] = {"store_jobs": [j.success for j in jobs], "session": state("bad")}
+    out["stats"] = {"calls": kv.stats().retention.calls, "resumed": kv.stats().retention.resumed}
+    kv.close()
+    mgr.shutdown()
+    return out
+
+
 def worker(url: str) -> dict[str, Any]:
     """What the engine's worker does at start on this platform: ask the spec for its GPU<->CPU worker."""
     from vllm.platforms import current_platform
@@ -423,7 +480,8 @@ def main() -> int:
     res = {"round_trip": round_trip(args.url), "down": down(args.down_url), "worker": worker(args.down_url),
            "wrong_token": refused(args.auth_url, token="wrong-token-0123456789abcdef"),
            "wrong_layout": refused(args.bound_url), "bad_config": bad_config(args.down_url),
-           "full": full(args.full_url), "identity": identity(args.identity_url), "hybrid": hybrid(args.url)}  # fmt: skip
+           "full": full(args.full_url), "identity": identity(args.identity_url), "hybrid": hybrid(args.url),
+           "retention": retention(args.identity_url)}  # fmt: skip
     print("RESULT " + json.dumps(res), flush=True)
     return 0
 
