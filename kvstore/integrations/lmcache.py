@@ -68,6 +68,7 @@ from lmcache.v1.storage_backend.connector import ConnectorAdapter, ConnectorCont
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+from kvstore.integrations.hints import HintError, SessionHints, from_lmcache
 from kvstore.integrations.lmcache_mapping import (
     TAIL_TRAILER,
     Geometry,
@@ -296,8 +297,26 @@ class KVStoreConnector(RemoteConnector):
 
     # -- blocking cores (run on the pool, or inline for LMCache's synchronous calls)
 
+    def _hints(self, keys: Sequence[CacheEngineKey]) -> SessionHints | None:
+        """The retention hints of the request these keys belong to (LMCache keeps its request configs, the
+        `lmcache.*` entries of vLLM's kv_transfer_params, on every key: integrations/hints.py); a bad one is logged."""
+        configs = getattr(keys[0], "request_configs", None) if keys else None
+        if not configs:
+            return None
+        try:
+            return from_lmcache(configs)
+        except HintError as exc:
+            self.store.say(
+                "hints", logging.ERROR, "kvstore plugin %r: %s; no retention for this request", self.name, exc
+            )
+            return None
+
     def _contains(self, keys: Sequence[CacheEngineKey], prefetch: bool) -> int:
-        """Leading keys held: full chunks, then (partial chunks on) the rest of the chain in the tail."""
+        """Leading keys held: full chunks, then (partial chunks on) the rest of the chain in the tail. A request
+        naming a session resumes it first (its pages back toward DRAM, its lease renewed)."""
+        hints = self._hints(keys)
+        if hints is not None and hints.resume:
+            self.store.resume(hints)
         total = 0
         for (ns, tail), hashes in self._runs(self._current(), keys):
             n = self.store.lookup(ns, hashes, prefetch=prefetch)
@@ -444,13 +463,19 @@ class KVStoreConnector(RemoteConnector):
                     )
             start += len(hashes)
         outcome = Stored(())
+        hints = self._hints(keys)
         for ns, (hashes, pages) in batches.items():
             for a, b in call_slices(len(hashes), shape.layout.page_bytes):
                 done = self.store.put(ns, shape.layout, hashes[a:b], pages[a:b], parent_chain=hashes[:a])
                 outcome += done
+                kept = [h for h, ok in zip(hashes[a:b], done.held, strict=True) if ok]
+                if hints is not None and not hints.end and kept:
+                    self.store.retain(ns, kept, hints)  # the session's pages are the ones its writer put
                 if not done.ok:  # the rest of this chain would hang off a gap no lookup gets past
                     outcome += Stored.failed(len(hashes) - b)
                     break
+        if hints is not None and hints.end:  # the request's last store: its session ends with it
+            self.store.end_session(hints.session)
         with self._counts_lock:
             self.counts["stores"] += 1
             self.counts["stored_chunks"] += outcome.count

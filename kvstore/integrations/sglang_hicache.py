@@ -72,6 +72,7 @@ import contextlib
 import ctypes
 import hashlib
 import logging
+import math
 import struct
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -81,6 +82,7 @@ import numpy as np
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import ConfigError, byte_view, engine_settings, opaque_layout
+from kvstore.integrations.hints import HintError, SessionHints, from_sglang
 from kvstore.integrations.lmcache_mapping import PluginSettings, model_part
 from kvstore.integrations.outcome import pages_held
 from kvstore.integrations.remote import RemoteStore
@@ -97,12 +99,56 @@ SGLANG_RELEASE = "0.5.23"
 SEGMENT_TAG = b"kvstore-sglang/v1\x00"
 MAX_REGIONS_PER_CALL = 1024  # below the node's max_pages_per_request default (4096)
 _SGLANG_KEYS = {"backend_name", "module_path", "class_name", "interface_v1"}  # SGLang's own extra_config keys
+# The fetch budget (this door's keys): SGLang discards a prefetch from storage that completes after
+# prefetch_timeout_base + prefetch_timeout_per_ki_token x tokens / 1024 seconds (its defaults 1.0 and 0.25; SGLang
+# pops its own keys before the backend sees its extra_config, so the door takes them again under these names).
+_BUDGET_KEYS = {"fit_fetch_budget": True, "fetch_budget_base": 1.0, "fetch_budget_per_ki_token": 0.25}
 _DIGEST_HEX = 16
 
 
 def parse_extra_config(extra: dict[str, Any] | None) -> PluginSettings:
     """Settings from SGLang's extra_config (keys as the LMCache plugin's); ConfigError names the key."""
-    return engine_settings(extra, where="hicache extra_config", ignore=_SGLANG_KEYS, namespace_prefix="sglang")
+    return engine_settings(
+        extra, where="hicache extra_config", ignore=_SGLANG_KEYS | set(_BUDGET_KEYS), namespace_prefix="sglang"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FetchBudget:
+    """SGLang's prefetch deadline for `pages` pages of `page_size` tokens: base + per_ki_token x tokens / 1024 s."""
+
+    fit: bool = True
+    base_s: float = 1.0
+    per_ki_token_s: float = 0.25
+
+    @classmethod
+    def parse(cls, extra: dict[str, Any] | None) -> FetchBudget:
+        """From the extra_config's fit_fetch_budget / fetch_budget_base / fetch_budget_per_ki_token (ConfigError
+        naming the key)."""
+        extra = extra or {}
+        fit = extra.get("fit_fetch_budget", True)
+        if not isinstance(fit, bool):
+            raise ConfigError(f"hicache extra_config fit_fetch_budget: true or false, got {fit!r}")
+        values = []
+        for k in ("fetch_budget_base", "fetch_budget_per_ki_token"):
+            v = extra.get(k, _BUDGET_KEYS[k])
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"hicache extra_config {k}: a finite number of seconds >= 0, got {v!r}")
+            values.append(float(v))
+        return cls(fit, values[0], values[1])
+
+    def fits(self, pages: int, page_size: int, fetch_ms: float) -> int:
+        """How many of `pages` leading pages can be fetched before SGLang's deadline, at `fetch_ms` for all of them
+        (the node's estimate, DESIGN.md §6.6: taken as even per page). All of them when it fits or `fit` is off."""
+        if not self.fit or pages <= 0 or fetch_ms <= 0:
+            return pages
+        per_page_s = fetch_ms / 1000.0 / pages
+        slope_s = self.per_ki_token_s * page_size / 1024.0  # budget per page
+        if per_page_s * pages <= self.base_s + slope_s * pages:
+            return pages
+        if per_page_s <= slope_s:
+            return pages  # NOTE: unreachable with a positive base; kept for base 0
+        return max(0, min(pages, int(self.base_s / (per_page_s - slope_s))))
 
 
 def key_bytes(key: str) -> bytes:
@@ -354,6 +400,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     def __init__(self, storage_config: Any, kwargs: dict[str, Any] | None = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.settings = parse_extra_config(extra)
+        self.budget = FetchBudget.parse(extra)
         self.v1 = bool(int(extra.get("interface_v1", 0) or 0))  # SGLang's switch to the zero-copy calls
         self.config = storage_config
         self.store = RemoteStore(self.settings, log, setting_prefix="extra_config ")
@@ -440,19 +487,32 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
     # -- zero-copy interface (SGLang's `interface_v1`)
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
-        """How many leading pages of `keys` are held whole (every region)."""
+        """How many leading pages of `keys` are held whole (every region), and can be fetched before SGLang's
+        prefetch deadline by the node's own estimate (FetchBudget; DESIGN.md §6.6): a page that would arrive after
+        it would be discarded, so it is reported a miss and recomputed instead. A request naming its session
+        resumes it first (its pages back toward DRAM)."""
         if not keys:
             return 0
+        hints = self._hints(extra_info)
+        if hints is not None and hints.resume:
+            self.store.resume(hints)
         ns, per = self._existence_namespace()
         hashes = [h for k in keys for h in region_hashes(k, per)]
-        matched = 0
+        matched, fetch_ms = 0, 0.0
         for a in range(0, len(hashes), MAX_REGIONS_PER_CALL):
             part = hashes[a : a + MAX_REGIONS_PER_CALL]
-            n = self.store.lookup(ns, part)
-            matched += n
+            n, ms = self.store.lookup_estimate(ns, part)
+            matched, fetch_ms = matched + n, fetch_ms + ms
             if n < len(part):
                 break
-        return matched // per
+        pages = matched // per
+        page_size = self.geometry.page_size if self.geometry is not None else 1
+        fit = self.budget.fits(pages, page_size, fetch_ms * pages * per / matched if matched else 0.0)
+        if fit < pages:
+            self.store.say("budget", logging.INFO, "kvstore HiCache storage: %d of %d held pages reported (the node "
+                           "expects %.0f ms for them; SGLang's deadline is %.2f s + %.2f s per 1024 tokens)",
+                           fit, pages, fetch_ms, self.budget.base_s, self.budget.per_ki_token_s)  # fmt: skip
+        return fit
 
     def batch_get_v1(self, keys: list[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
         """Pages straight into the host pool at `host_indices` (page_size indices per key); True for the
@@ -493,6 +553,7 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
             if not done.ok:
                 break
         held += [False] * (len(hashes) - len(held))
+        self._after_store(extra_info, ns, hashes, held)
         return pages_held(held, per)
 
     # -- v2: a page's pools as one bundle (DESIGN.md §4.3)
@@ -512,9 +573,11 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
                      for j in range(len(group.keys))]  # fmt: skip
             chain = [parent] if parent else []
             done = self.store.put_bundle(ns, layout, [key_bytes(k) for k in group.keys], pages, chain)
+            self._after_store(extra_info, ns, [key_bytes(k) for k in group.keys], done.held, end=False)
             for t, positions in group.members:
                 for j, pos in enumerate(positions):
                     out[t.name][pos] = done.held[j]
+        self._after_store(extra_info, "", [], ())
         return out
 
     def batch_get_v2(self, transfers: list[Any], extra_info: Any = None) -> dict[Any, list[bool]]:
@@ -680,6 +743,32 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
 
     def close(self) -> None:
         self.store.close()
+
+    # -- retention (DESIGN.md §6.5; the hints' schema: kvstore/integrations/hints.py)
+
+    def _hints(self, extra_info: Any) -> SessionHints | None:
+        """The request's retention hints: SGLang's `extra_info.extra_info` (its `session_id`, and kvstore.<key>);
+        a bad one is logged, never raised into SGLang's storage threads."""
+        values = getattr(extra_info, "extra_info", None) if extra_info is not None else None
+        if not values:
+            return None
+        try:
+            return from_sglang(values)
+        except HintError as exc:
+            self.store.say("hints", logging.ERROR, "kvstore HiCache storage: %s; no retention for this call", exc)
+            return None
+
+    def _after_store(self, extra_info: Any, ns: str, hashes: list[bytes], held: Any, *, end: bool = True) -> None:
+        """The pages a session's call stored, retained for it; with `end` (its last store) and the hint's end
+        flag, the session ends instead."""
+        hints = self._hints(extra_info)
+        if hints is None:
+            return
+        kept = [h for h, ok in zip(hashes, held, strict=True) if ok]
+        if kept and not hints.end:
+            self.store.retain(ns, kept, hints)
+        if end and hints.end:
+            self.store.end_session(hints.session)
 
     # -- helpers
 

@@ -255,6 +255,21 @@ def v2(addr: str) -> dict[str, Any]:
     return out
 
 
+def session(addr: str) -> dict[str, Any]:
+    """Retention hints in SGLang's own HiCacheStorageExtraInfo (`extra_info`, with its `session_id` key, as its
+    Mooncake linker fills it) through the controller's _page_set_zero_copy, then a next turn's batch_exists."""
+    a, host = mha_engine(addr, "page_first", "sgl-session")
+    fill(host, 7)
+    keys = page_keys(8, "session")
+    ia = host.alloc(8 * PAGE)
+    info = HiCacheStorageExtraInfo(prefix_keys=[], extra_info={"session_id": "sgl-s1", "kvstore.mode": "demote"})
+    stored = a._page_set_zero_copy(keys, ia, info)
+    nxt = HiCacheStorageExtraInfo(prefix_keys=[], extra_info={"session_id": "sgl-s1", "kvstore.priority": 80})
+    exists = a.storage_backend.batch_exists(keys, nxt)
+    a.detach_storage_backend()
+    return {"stored": stored, "exists": exists}
+
+
 def factory(addr: str) -> dict[str, Any]:
     """StorageBackendFactory.create_backend("dynamic", ...) on its own, as SGLang calls it."""
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
@@ -275,6 +290,7 @@ def main() -> None:
             "factory": factory(addr),
             "v1": {layout: v1(addr, layout) for layout in ("layer_first", "page_first", "page_first_direct", "mla")},
             "v2": v2(addr),
+            "session": session(addr),
         }
     finally:
         dist.destroy_process_group()

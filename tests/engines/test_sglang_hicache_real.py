@@ -26,6 +26,7 @@ import pytest
 
 from devkit.engines import REPO
 from kvstore.cli.launch import NodeProcess
+from kvstore.client import KVStoreClient
 from kvstore.pageformat import slot_bytes_for
 
 DRIVER = REPO / "tests" / "engines" / "sglang_hicache_driver.py"
@@ -53,6 +54,14 @@ def results(sglang_python: Path, node: NodeProcess) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(lines[-1])
     result["log"] = proc.stderr
     return result
+
+
+def test_a_session_named_in_sglangs_extra_info_is_retained(results: dict[str, Any], node: NodeProcess) -> None:
+    r = results["session"]
+    assert r == {"stored": True, "exists": 8}
+    with KVStoreClient(node.addr, transport="grpc") as kv:
+        state = kv.update_session("sgl-s1").state
+        assert state is not None and state.mode.label == "demote" and state.priority == 80 and state.pages >= 8
 
 
 def test_sglangs_factory_loads_the_backend(results: dict[str, Any]) -> None:

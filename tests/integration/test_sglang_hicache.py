@@ -388,7 +388,10 @@ def test_wrong_token_and_wrong_layout_store_nothing(tmp_path: Path, caplog: pyte
     ("extra", "named"),
     [({}, "url"), ({"url": "http://x:1"}, "url"), ({"url": "kvstore://h:1", "timeout": -1}, "timeout"),
      ({"url": "kvstore://h:1", "transport": "carrier-pigeon"}, "transport"),
-     ({"url": "kvstore://h:1", "nope": 1}, "nope")],
+     ({"url": "kvstore://h:1", "nope": 1}, "nope"),
+     ({"url": "kvstore://h:1", "fetch_budget_base": -1}, "fetch_budget_base"),
+     ({"url": "kvstore://h:1", "fetch_budget_per_ki_token": "x"}, "fetch_budget_per_ki_token"),
+     ({"url": "kvstore://h:1", "fit_fetch_budget": "yes"}, "fit_fetch_budget")],
 )  # fmt: skip
 def test_bad_extra_config_names_the_key(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
@@ -506,3 +509,57 @@ def test_fp8_kinds_are_apart_though_the_host_pool_holds_both_as_uint8(node: Node
     finally:
         a.close()
         b.close()
+
+
+def test_a_sessions_pages_are_retained_resumed_and_ended(node: NodeProcess, caplog: pytest.LogCaptureFixture) -> None:
+    """Retention hints in `extra_info.extra_info` (SGLang's `session_id`, as its Mooncake linker passes it, and
+    kvstore.<key>: DESIGN.md §6.5, kvstore/integrations/hints.py)."""
+    keys = page_keys([777] + [(i * 11) % 4000 for i in range(PAGE * 6)])
+    pool = MHAHostPool("page_first", 8)
+    fill(pool, 5)
+    extra = {"interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": "grpc"}
+    b = attach(create_backend(extra), pool)
+    hints = {"session_id": "agent-9", "kvstore.ttl_s": 60, "kvstore.mode": "demote", "kvstore.priority": 60}
+    try:
+        assert all(b.batch_set_v1(keys, indices(list(range(6))), HiCacheStorageExtraInfo(extra_info=hints)))
+        with KVStoreClient(node.addr, transport="grpc") as kv:
+            state = kv.update_session("agent-9").state
+            per = b.geometry.regions  # type: ignore[union-attr]
+            assert state is not None and (state.pages, state.priority, state.mode.label) == (6 * per, 60, "demote")
+            resumed = kv.stats().retention.calls
+            nxt = HiCacheStorageExtraInfo(extra_info={"session_id": "agent-9", "kvstore.priority": 95})
+            assert b.batch_exists(keys, nxt) == 6  # its next turn: resumed first
+            assert kv.update_session("agent-9").state.priority == 95  # type: ignore[union-attr]
+            assert kv.stats().retention.calls > resumed
+            last = HiCacheStorageExtraInfo(extra_info={"kvstore.session": "agent-9", "kvstore.end": True})
+            assert all(b.batch_set_v1(keys[:1], indices([0]), last))
+            assert kv.stats().retention.sessions == 0
+            bad = HiCacheStorageExtraInfo(extra_info={"session_id": "x", "kvstore.mode": "keep-forever"})
+            assert all(b.batch_set_v1(keys[:2], indices([0, 1]), bad))  # stored, without retention
+            assert kv.stats().retention.sessions == 0
+        assert "extra_info.kvstore.mode" in caplog.text
+    finally:
+        b.close()
+
+
+def test_batch_exists_reports_what_arrives_before_sglangs_deadline(node: NodeProcess) -> None:
+    """The node's fetch-time estimate (DESIGN.md §6.6) against SGLang's prefetch deadline (base + per 1024
+    tokens): pages that would arrive after it are reported misses (SGLang would discard them)."""
+    keys = page_keys([4242] + [(i * 17) % 4000 for i in range(PAGE * 8)])
+    pool = MHAHostPool("page_first", 8)
+    fill(pool, 6)
+    base = {"interface_v1": 1, "url": f"kvstore://{node.addr}", "transport": "grpc"}
+    writer = attach(create_backend(base), pool)
+    tight = attach(create_backend({**base, "fetch_budget_base": 0.0001, "fetch_budget_per_ki_token": 0.0}), pool)
+    off = attach(create_backend({**base, "fetch_budget_base": 0.0001, "fit_fetch_budget": False}), pool)
+    try:
+        assert backup(writer, keys, indices(list(range(8))))
+        assert writer.batch_exists(keys) == 8  # SGLang's defaults: 1 s + 0.25 s per 1024 tokens, room for all
+        with KVStoreClient(node.addr, transport="grpc") as kv:
+            regions = [h for k in keys for h in region_hashes(k, writer.geometry.regions)]  # type: ignore[union-attr]
+            assert kv.lookup_detail(writer._seg_ns, regions).fetch_ms > 0.1  # more than a 0.1 ms budget
+        assert 0 <= tight.batch_exists(keys) < 8
+        assert off.batch_exists(keys) == 8
+    finally:
+        for b in (writer, tight, off):
+            b.close()

@@ -20,6 +20,7 @@ from kvstore.cli.launch import NodeProcess
 from kvstore.cli.redis_procs import RedisProcess
 from kvstore.cli.waits import free_port
 from kvstore.client import KVStoreClient
+from kvstore.integrations.lmcache_mapping import page_key
 from kvstore.layout import DType, PageLayout
 from kvstore.security import ClientSecurity
 from kvstore.tiers.base import TierKind
@@ -442,3 +443,58 @@ def test_a_weights_revision_is_its_own_namespace(node: NodeProcess, storage_mana
         assert storage_managers(plugin_config(f"kvstore://{node.addr}", **other)).batched_contains(keys)[0] == 0
     names = {ns for ns, _, _ in stats(node).namespaces}
     assert NS.replace(f"/{MODEL}/", f"/{MODEL}@0e9e39f/") in names
+
+
+def session_key(i: int, **hints: object) -> Any:
+    """A key of a request whose kv_transfer_params carried retention hints: LMCache keeps the request's
+    `lmcache.*` configs on its keys (they are not part of the key's identity)."""
+    import torch
+    from lmcache.utils import CacheEngineKey
+
+    configs = {f"lmcache.kvstore.{k}": v for k, v in hints.items()}
+    return CacheEngineKey(MODEL, 1, 0, 0x5EED0000 + i, torch.float16, request_configs=configs)
+
+
+def test_a_requests_session_is_retained_resumed_and_ended(
+    tmp_path: Path, storage_managers: Callable[..., Any], plugin_log: Records
+) -> None:
+    """Retention hints in LMCache's request configs (DESIGN.md §6.5, kvstore/integrations/hints.py)."""
+    node = start_node(tmp_path, dram_pages=4, nvme_pages=32)
+    try:
+        sm = storage_managers(plugin_config(f"kvstore://{node.addr}"))
+        hints = {"session": "chat-7", "ttl_s": 60, "priority": 70, "mode": "demote"}
+        keys = [session_key(i, **hints) for i in range(4)]
+        objs, data = chunks(sm, 4, seed=7)
+        put_and_wait(sm, keys, objs)
+        release(objs)
+        with KVStoreClient(node.addr, timeout=10) as kv:
+            state = kv.update_session("chat-7").state
+            assert state is not None and (state.pages, state.priority, state.mode.label) == (4, 70, "demote")
+            others = [key(100 + i) for i in range(12)]  # pressure: DRAM holds 4
+            more, _ = chunks(sm, 12, seed=8)
+            put_and_wait(sm, others, more)
+            release(more)
+            assert {t for t in kv.lookup_detail(NS, [page_key(k.to_string()) for k in keys]).tiers} == {TierKind.NVME}
+            be = sm.storage_backends[REMOTE]
+            run = lambda coro: asyncio.run_coroutine_threadsafe(coro, sm.loop).result(20)  # noqa: E731
+            nxt = [session_key(i, session="chat-7", priority=90) for i in range(4)]  # its next turn
+            assert run(be.batched_async_contains("lookup-s", nxt, pin=False)) == 4
+            assert kv.update_session("chat-7").state.priority == 90  # type: ignore[union-attr]
+            assert kv.stats().retention.resumed == 4
+            got = run(be.batched_get_non_blocking("lookup-s", nxt))
+            assert [bytes(o.byte_array) for o in got] == data
+            release(got)
+            last = [session_key(20, session="chat-7", end=True)]  # the last turn ends the session
+            objs, _ = chunks(sm, 1, seed=9)
+            put_and_wait(sm, last, objs)
+            release(objs)
+            r = kv.stats().retention
+            assert (r.sessions, r.ended, r.retained_pages) == (0, 1, 0)
+            bad = [session_key(30, session="b", priority=500)]
+            objs, _ = chunks(sm, 1, seed=10)
+            put_and_wait(sm, bad, objs)  # stored, without retention, and the log names the key
+            release(objs)
+            assert sm.batched_contains(bad)[0] == 1 and kv.stats().retention.sessions == 0
+        assert "lmcache.kvstore.priority" in plugin_log.text(logging.ERROR)
+    finally:
+        node.close()
