@@ -9,20 +9,43 @@ Router policy:
 - decode: the least busy decode worker;
 - bounded queues: at most `max_inflight` requests per worker; a request waits (bounded by its
   deadline) for a slot rather than piling onto a busy worker.
+
+Sessions (DESIGN.md §6.5): a conversation's requests carry one `SessionHints` (its id, chosen by the caller, and
+its lease, priority and mode). The prefill worker retains the prompt's pages for it on the nodes holding them;
+the router remembers those nodes (at most MAX_SESSIONS conversations) and, when the conversation's next turn
+arrives, asks them to promote its pages back to DRAM (resume) before the request waits for a prefill slot, so
+the promotion overlaps the queueing. `end_session` (or a request whose hints say `end`) releases them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import ray
+import redis
 
+from kvstore.client import KVStoreClient
+from kvstore.client.cluster import ClusterClient
+from kvstore.errors import KVStoreError, SessionNotFound
 from kvstore.hashing import prefix_hashes
 from kvstore.index import IndexReader
+from kvstore.integrations.hints import SessionHints
 from workers.serving import DecodeEngine, DecodeStats, PrefillEngine, PrefillResult, Timings, WorkerConfig
+
+log = logging.getLogger(__name__)
+MAX_SESSIONS = 100_000  # conversations whose retaining nodes the router remembers (the oldest forgotten first)
+
+
+def _ignore_unknown(fn: Callable[[], object]) -> object:
+    """A session hint to a node that no longer has the session (expired, displaced, restarted) is no news."""
+    try:
+        return fn()
+    except SessionNotFound:
+        return None
 
 
 @ray.remote
@@ -34,10 +57,12 @@ class PrefillWorker:
     def info(self) -> dict[str, object]:
         return {"local_node": self.local_node, "layout": self.engine.layout.describe()}
 
-    def prefill(self, request_id: str, prompt: list[int]) -> Iterator[PrefillResult]:
+    def prefill(
+        self, request_id: str, prompt: list[int], session: SessionHints | None = None
+    ) -> Iterator[PrefillResult]:
         """Streams two results (call with .options(num_returns="streaming")): the first token, then the
-        same with the new pages stored."""
-        yield from self.engine.prefill_steps(request_id, prompt)
+        same with the new pages stored (and retained for `session` where it is given)."""
+        yield from self.engine.prefill_steps(request_id, prompt, session)
 
 
 @ray.remote
@@ -76,6 +101,7 @@ class RequestResult:
     decode: Timings = field(default_factory=Timings)
     queued_s: float = 0.0
     logprobs: list[float] = field(default_factory=list)  # of each of `tokens` under the model, in order
+    retained_on: list[str] = field(default_factory=list)  # nodes retaining the prompt's pages for its session
 
 
 @ray.remote(num_cpus=0)
@@ -95,7 +121,10 @@ class Router:
     ) -> None:
         self.prefill = list(prefill)
         self.decode = list(decode)
+        self.redis_url = redis_url
         self.index = IndexReader(redis_url)
+        self._cluster: ClusterClient | None = None  # node clients for session hints (made on first use)
+        self._sessions: dict[str, list[str]] = {}  # conversation -> nodes retaining its pages (oldest first)
         self.namespace = namespace
         self.block_size = block_size
         self.local_nodes = list(local_nodes)
@@ -116,8 +145,44 @@ class Router:
 
         return min(range(len(self.prefill)), key=score)
 
-    async def generate(self, request_id: str, prompt: list[int], max_new_tokens: int) -> RequestResult:
+    def _session_call(self, session: str, nodes: Sequence[str], fn: Callable[[KVStoreClient], object]) -> None:
+        """fn on each node's client, off the router's loop; a hint that fails is logged, never the request's."""
+
+        def run() -> None:
+            for node in nodes:
+                try:
+                    self._nodes().call_node(node, fn)
+                except (KVStoreError, redis.exceptions.RedisError) as exc:
+                    log.warning("session %r on node %s: %s", session, node, exc)
+
+        asyncio.get_running_loop().run_in_executor(None, run)
+
+    def _nodes(self) -> ClusterClient:
+        if self._cluster is None:
+            self._cluster = ClusterClient(self.redis_url)
+        return self._cluster
+
+    async def end_session(self, session: str) -> list[str]:
+        """The conversation ended: its pages are released on the nodes that retained them; those nodes."""
+        nodes = self._sessions.pop(session, [])
+        self._session_call(session, nodes, lambda c: _ignore_unknown(lambda: c.end_session(session)))
+        return nodes
+
+    async def generate(
+        self, request_id: str, prompt: list[int], max_new_tokens: int, session: SessionHints | None = None
+    ) -> RequestResult:
         t0 = time.perf_counter()
+        if session is not None and session.resume and (nodes := self._sessions.get(session.session)):
+            hints = session  # the conversation's next turn: its pages back toward DRAM while it queues
+            self._session_call(
+                hints.session,
+                nodes,
+                lambda c: _ignore_unknown(
+                    lambda: c.resume_session(
+                        hints.session, ttl_seconds=hints.ttl_s, priority=hints.priority, mode=hints.mode
+                    )
+                ),
+            )
         p = self._pick_prefill(prompt)
         d = min(range(len(self.decode)), key=lambda i: self._d_busy[i])
         async with asyncio.timeout(self.queue_timeout_s):  # not wait_for: it can swallow a cancel on 3.11
@@ -125,7 +190,7 @@ class Router:
         queued = time.perf_counter() - t0
         self._p_busy[p] += 1
         try:
-            steps = self.prefill[p].prefill.options(num_returns="streaming").remote(request_id, prompt)
+            steps = self.prefill[p].prefill.options(num_returns="streaming").remote(request_id, prompt, session)
             pre: PrefillResult = await (await steps.__anext__())
             ttft = time.perf_counter() - t0  # the first token exists now; its pages are being stored
             async for ref in steps:
@@ -147,6 +212,10 @@ class Router:
         finally:
             self._d_busy[d] -= 1
             self._d_slots[d].release()
+        if session is not None:
+            self._remember(session.session, pre.retained_on)
+            if session.end:
+                await self.end_session(session.session)
         return RequestResult(
             request_id=request_id,
             prompt_len=len(prompt),
@@ -162,4 +231,12 @@ class Router:
             decode=stats.timings if stats else Timings(),
             queued_s=queued,
             logprobs=[pre.first_logprob, *(stats.logprobs if stats else [])][: len(tokens)],
+            retained_on=list(pre.retained_on),
         )
+
+    def _remember(self, session: str, nodes: Sequence[str]) -> None:
+        """The nodes retaining a conversation's pages (the most recent MAX_SESSIONS conversations)."""
+        known = self._sessions.pop(session, [])
+        self._sessions[session] = sorted(set(known) | set(nodes))
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.pop(next(iter(self._sessions)))

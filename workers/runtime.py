@@ -19,6 +19,7 @@ import ray
 from kvstore.cli.launch import NodeProcess
 from kvstore.cli.redis_procs import RedisProcess
 from kvstore.index.acl import CLIENT_RULES, CLIENT_USER, node_rules, node_user
+from kvstore.integrations.hints import SessionHints
 from workers.actors import DecodeWorker, PrefillWorker, RequestResult, Router
 from workers.serving import WorkerConfig, namespace_for
 
@@ -168,9 +169,17 @@ class LocalStack:
         )
         return layout.page_bytes
 
-    def generate(self, request_id: str, prompt: list[int], max_new_tokens: int) -> RequestResult:
+    def generate(
+        self, request_id: str, prompt: list[int], max_new_tokens: int, session: SessionHints | None = None
+    ) -> RequestResult:
+        """One request through the router; `session`: the conversation it belongs to (DESIGN.md §6.5)."""
         assert self.router is not None, "stack not started"
-        return ray.get(self.router.generate.remote(request_id, prompt, max_new_tokens))  # type: ignore[attr-defined]
+        return ray.get(self.router.generate.remote(request_id, prompt, max_new_tokens, session))  # type: ignore[attr-defined]
+
+    def end_session(self, session: str) -> list[str]:
+        """The conversation ended: the nodes retaining its pages release them; returns those nodes."""
+        assert self.router is not None, "stack not started"
+        return ray.get(self.router.end_session.remote(session))  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         if self._ray_started:

@@ -36,6 +36,7 @@ from kvstore.client.cluster import ClusterClient
 from kvstore.errors import KVStoreError
 from kvstore.hashing import prefix_hashes
 from kvstore.index import ClusterLookup
+from kvstore.integrations.hints import SessionHints
 from kvstore.layout import PageEncoding
 from workers.loader import load_checkpoint
 from workers.model import CacheConfig, PagedLlama
@@ -84,6 +85,7 @@ class PrefillResult:
     timings: Timings = field(default_factory=Timings)
     cached_tiers: dict[str, int] = field(default_factory=dict)  # tier label -> cached blocks found there
     first_logprob: float = 0.0  # log-probability of first_token under the model (greedy: the largest)
+    retained_on: list[str] = field(default_factory=list)  # nodes that retain the prompt's pages for its session
 
 
 @dataclass(slots=True)
@@ -100,6 +102,7 @@ def token_logprob(logits: torch.Tensor, token: int) -> float:
 
 
 BLOCK_SIZE_UNNAMED = 16  # the block size a namespace does not name (namespace_for's NOTE)
+SESSION_TTL_S = 300.0  # a conversation's lease when its hints name none: renewed by each of its turns
 
 
 def namespace_for(
@@ -196,17 +199,21 @@ class _Engine:
 class PrefillEngine(_Engine):
     """Computes the uncached part of prompts and publishes their pages."""
 
-    def prefill(self, request_id: str, prompt: Sequence[int]) -> PrefillResult:
+    def prefill(self, request_id: str, prompt: Sequence[int], session: SessionHints | None = None) -> PrefillResult:
         """The whole prefill, pages stored: the last of prefill_steps."""
         result = None
-        for result in self.prefill_steps(request_id, prompt):  # noqa: B007 - the last one is the answer
+        for result in self.prefill_steps(request_id, prompt, session):  # noqa: B007 - the last one is the answer
             pass
         assert result is not None
         return result
 
-    def prefill_steps(self, request_id: str, prompt: Sequence[int]) -> Iterator[PrefillResult]:
+    def prefill_steps(
+        self, request_id: str, prompt: Sequence[int], session: SessionHints | None = None
+    ) -> Iterator[PrefillResult]:
         """Yields twice: as soon as the first token is known (time to first token), then once the new
-        pages are stored (stored_blocks/stored_on set) — a decode must start only after the second."""
+        pages are stored (stored_blocks/stored_on set) — a decode must start only after the second. With a
+        `session` (a conversation's id and its retention hints, DESIGN.md §6.5), the prompt's pages are retained
+        for it on the nodes holding them (`retained_on`), so its next turn finds them after a pause."""
         t = Timings()
         prompt = list(prompt)
         hashes = self.hashes(prompt)
@@ -253,7 +260,33 @@ class PrefillEngine(_Engine):
         finally:
             self.model.free(seq)
         t.put_s = t4 - t3
-        yield PrefillResult(request_id, len(prompt), first, hashes, cached, stored, stored_on, t, tiers, first_lp)
+        holders = {node for node, _, _ in found.plan()}
+        if matched > found.matched and self.cfg.local_node:  # the index lags: the local node said it holds more
+            holders.add(self.cfg.local_node)
+        if stored_on:
+            holders.add(stored_on)
+        retained = self._retain(session, hashes, sorted(holders))
+        yield PrefillResult(
+            request_id, len(prompt), first, hashes, cached, stored, stored_on, t, tiers, first_lp, retained
+        )
+
+    def _retain(self, session: SessionHints | None, hashes: list[bytes], nodes: list[str]) -> list[str]:
+        """Name the prompt's pages for `session` on every node holding some of them (what each holds is retained,
+        the rest is retained there once put); the nodes that answered. A failed hint costs the request nothing."""
+        if session is None or session.end:
+            return []
+        done = []
+        for node in nodes:
+            try:
+                self.cache.call_node(
+                    node,
+                    lambda c: c.retain(session.session, self.cfg.namespace, hashes, ttl_seconds=session.lease(
+                        SESSION_TTL_S), priority=session.priority, mode=session.mode),
+                )  # fmt: skip
+                done.append(node)
+            except KVStoreError as exc:
+                log.warning("session %r: node %s did not retain its pages: %s", session.session, node, exc)
+        return done
 
 
 class DecodeEngine(_Engine):

@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import ray
 
 from devkit.hf import CheckpointWriter, TinyLlamaSpec, hf_reference_logits, load_hf_oracle, make_tiny_llama
 from kvstore.client import KVStoreClient
-from kvstore.names import TierKind
+from kvstore.integrations.hints import SessionHints
+from kvstore.names import RetainMode, TierKind
 from kvstore.pageformat import slot_bytes_for
 from workers.loader import load_model
 from workers.model import CacheConfig, PagedLlama
@@ -121,3 +123,30 @@ def test_kvstore_generate_cli(model_dir: Path, reference: PagedLlama) -> None:
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["tokens"] == list(reference.greedy_generate(ids, 5).tokens)
     assert {"lookup_s", "fetch_s", "prefill_s", "ttft_s", "decode_s"} <= set(res["timings"])
+
+
+def test_a_conversations_pages_are_retained_resumed_and_released(stack: LocalStack) -> None:
+    """A session id per conversation (DESIGN.md §6.5): the prefill worker retains its prompt's pages, the
+    router resumes them when its next turn arrives, and ending the conversation releases them."""
+    assert stack.node is not None
+    rng = random.Random(7)
+    turn1 = prompt(rng, 4 * BLOCK + 2)
+    hints = SessionHints("conv-ray", ttl_s=120, priority=70, mode=RetainMode.DEMOTE)
+    r1 = stack.generate("s-1", turn1, 4, session=hints)
+    assert r1.retained_on == ["node-0"]
+    with KVStoreClient(stack.node.addr, timeout=30) as kv:
+        state = kv.update_session("conv-ray").state
+        assert state is not None and state.pages == len(turn1) // BLOCK and state.mode is RetainMode.DEMOTE
+        turn2 = turn1 + r1.tokens + prompt(rng, BLOCK)  # the conversation so far, and the user's next message
+        before = kv.stats().retention.calls
+        r2 = stack.generate("s-2", turn2, 4, session=hints)
+        assert r2.cached_blocks >= len(turn1) // BLOCK  # the first turn's pages, found again
+        state = kv.update_session("conv-ray").state
+        assert state is not None and state.pages == len(turn2) // BLOCK
+        assert kv.stats().retention.calls >= before + 2  # the resume, and the second turn's retain
+        assert stack.end_session("conv-ray") == ["node-0"]
+        deadline = time.monotonic() + 20
+        while kv.stats().retention.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = kv.stats().retention
+        assert (r.sessions, r.retained_pages) == (0, 0) and r.ended >= 1
