@@ -260,7 +260,7 @@ class PrefillEngine(_Engine):
         finally:
             self.model.free(seq)
         t.put_s = t4 - t3
-        holders = {node for node, _, _ in found.plan()}
+        holders = {node for block in found.holders[: found.matched] for node in block}  # every copy, not the route
         if matched > found.matched and self.cfg.local_node:  # the index lags: the local node said it holds more
             holders.add(self.cfg.local_node)
         if stored_on:
