@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,6 +50,7 @@ from kvstore.stats import RetentionStats, SessionState, TierRetention
 
 MAX_SESSION_BYTES = 128
 MAX_SESSIONS_PER_TENANT = 65536
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0 and C1 control characters, DEL
 _HEAP_SLACK = 4  # the expiry heap is rebuilt when it holds this many times more entries than live sessions
 
 
@@ -125,7 +127,7 @@ def check_session(name: str) -> None:
     size = len(name.encode("utf-8", "surrogatepass"))
     if not 1 <= size <= MAX_SESSION_BYTES:
         raise InvalidArgument("session", f"a session id is 1..{MAX_SESSION_BYTES} bytes of UTF-8, got {size}")
-    if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in name):
+    if _CONTROL.search(name):
         raise InvalidArgument("session", f"{name!r} contains a control character")
 
 
@@ -176,6 +178,13 @@ class Retention:
         if tr is None:
             tr = self.tenants[tenant] = TenantRetention()
         tr.calls += 1
+        if call.op is RetainOp.UPDATE and not call.keys and s is not None and call.mode in (None, s.mode):
+            # NOTE: the storm's common case (a lease or priority changed): no page changes state, nothing is
+            # displaced (priority only orders who gives way at the next cap), so O(1) and allocation-light.
+            if call.priority is not None:
+                s.priority = call.priority
+            self._lease(s, call, now)
+            return RetainOutcome(state=self.view(s, now))
         keys = list(dict.fromkeys(call.keys))  # a hash named twice is one page
         out = RetainOutcome()
         if call.op is RetainOp.END:
@@ -478,7 +487,6 @@ class Retention:
         slowest = self.slowest
         add_total = 0
         add_hold: dict[TierKind, int] = {}
-        mine = set(new) | (set(s.keys) if s is not None else set())
         for k in new:
             entry = self.table.get(k)
             if entry is None:
@@ -499,7 +507,8 @@ class Retention:
             t: tr.held_in.get(t, 0) + tr.incoming.get(t, 0) + n - caps.hold.get(t, 0) for t, n in add_hold.items()
         }
         if need_total <= 0 and all(n <= 0 for n in need_hold.values()):
-            return []
+            return []  # NOTE: before `mine`, which walks the session's pages: a lease or priority update is O(1)
+        mine = set(new) | (set(s.keys) if s is not None else set())
         chosen: list[Session] = []
         gone: set[int] = set()
         others = sorted(
