@@ -22,7 +22,7 @@ from kvstore.manager.state import UNRETAINED
 from kvstore.names import RetainMode, RetainOp, TierKind
 from kvstore.policy import POLICIES
 from kvstore.scoping import tenant_of
-from tests.unit.test_manager import NS, PAGE, config, key, put, read, tiers_of
+from tests.unit.test_manager import NS, PAGE, SLOT, config, key, put, read, tiers_of
 
 HOLD, DEMOTE = RetainMode.HOLD, RetainMode.DEMOTE
 
@@ -160,6 +160,25 @@ def test_cap_displaces_lower_priority_sessions_and_refuses_otherwise(tmp_path: P
         assert row.cap_pages == 8 and {t.tier: t.hold_cap_pages for t in row.tiers}[TierKind.DRAM] == 4
 
     run(body, config(tmp_path, dram_pages=8, nvme_pages=16))
+
+
+def test_caps_follow_a_tenants_byte_shares(tmp_path: Path) -> None:
+    """Shares are bytes (DESIGN.md §10); the caps are retain_fraction of them in pages of the largest slot, so a
+    tenant never retains more than that fraction of its bytes."""
+    shares = {"acme": {TierKind.DRAM: 4 * SLOT + SLOT // 2, TierKind.NVME: 8 * SLOT}}
+
+    async def main() -> None:
+        mgr = TierManager(config(tmp_path, dram_pages=8, nvme_pages=16), shares=shares)
+        await mgr.start()
+        try:
+            assert mgr.config.slot_bytes == SLOT
+            acme, other = mgr.retain_caps("acme"), mgr.retain_caps("default")
+            assert (acme.total, acme.hold) == (4, {TierKind.DRAM: 2})  # 0.5 x 8 slots; 0.5 x 4.5 slots, rounded down
+            assert (other.total, other.hold) == (8, {TierKind.DRAM: 4})  # no share: the tiers' own bytes
+        finally:
+            await mgr.close()
+
+    asyncio.run(asyncio.wait_for(main(), 60))
 
 
 def test_a_put_at_the_cap_is_stored_unheld_and_retained_later(tmp_path: Path) -> None:
