@@ -55,6 +55,10 @@ def serve(  # noqa: PLR0913, PLR0917
         str | None,
         typer.Option(help="rate the DRAM scrubber re-verifies resident pages at, e.g. 64MiB (default); 0: off"),
     ] = None,
+    retain_fraction: Annotated[
+        float | None,
+        typer.Option(help="share of each tenant's bytes its sessions' retention hints may keep, 0..1 (default 0.5)"),
+    ] = None,
     local_socket: Annotated[
         str | None,
         typer.Option(
@@ -143,6 +147,7 @@ def serve(  # noqa: PLR0913, PLR0917
         shm_enabled=shm,
         local_socket=local_socket,
         scrub_bytes_per_second=_size(scrub_bytes_per_second),
+        retain_fraction=retain_fraction,
         tcp_enabled=tcp,
         tcp_port=tcp_port,
         ucx_enabled=ucx,
