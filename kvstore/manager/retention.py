@@ -162,6 +162,7 @@ class Retention:
         self._held: dict[Key, RetainMode] = {}
         self._heap: list[tuple[float, int, Session]] = []
         self._seq = 0
+        self._live = 0  # live sessions, every tenant's
         # NOTE: which tiers are available is fixed when the node starts
         self.slowest = max(k for k, t in table.tiers.items() if t.available)
 
@@ -224,6 +225,7 @@ class Retention:
             self._seq += 1
             s = Session(tenant, call.session, priority, mode, math.inf, self._seq)
             tr.sessions[s.name] = s
+            self._live += 1
         s.priority = priority
         if mode is not s.mode:
             s.mode = mode
@@ -458,6 +460,7 @@ class Retention:
         """End session `s` (ended, expired or displaced): release its pages, forget it; pages released."""
         released = sum(self._unname(s, k) for k in list(s.keys))
         del self.tenants[s.tenant].sessions[s.name]
+        self._live -= 1
         s.deadline = -math.inf  # NOTE: its heap entries no longer match it (expire skips them)
         return released
 
@@ -468,8 +471,7 @@ class Retention:
             return
         s.deadline = now + call.ttl_seconds
         heapq.heappush(self._heap, (s.deadline, s.seq, s))
-        live = sum(len(tr.sessions) for tr in self.tenants.values())
-        if len(self._heap) > _HEAP_SLACK * (live + 256):
+        if len(self._heap) > _HEAP_SLACK * (self._live + 256):
             self._heap = [(x.deadline, x.seq, x) for tr in self.tenants.values() for x in tr.sessions.values()]
             heapq.heapify(self._heap)
 

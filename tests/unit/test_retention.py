@@ -91,6 +91,7 @@ def check_invariants(mgr: TierManager) -> None:
             assert s.pending == len(s.keys) - len(stored)
             assert any(d == s.deadline and x is s for d, _, x in r._heap)
         assert tr.named == sum(len(s.keys) for s in tr.sessions.values())
+    assert r._live == sum(len(tr.sessions) for tr in r.tenants.values())
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
