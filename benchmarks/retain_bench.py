@@ -8,7 +8,8 @@ What is measured
        one page, and a storm mixing them (10% of it lease updates that also change the mode, which walks the
        session's pages); through `TenantView.retain` (what the servicer calls: namespace scoping, validation,
        the manager, the response's session state). Per event = the loop's time / events, less the same loop
-       over a call that does nothing. Also: the placement listener's cost for a page nobody named (every Put and
+       over a call that does nothing; beside it, a one-page Lookup through the same view timed in the same runs
+       (the ratio holds better than the µs on a shared machine). Also: the placement listener's cost for a page nobody named (every Put and
        move pays it), and ending a session of --session-pages pages (the sweeper's expiry pays the same).
     2. Against a node (a child process, defaults but --dram): one client thread Gets --get-pages pages in a loop
        (a plain `get`, the client's default plane) for --seconds; first alone, then while another process
@@ -141,7 +142,13 @@ async def in_process(args: argparse.Namespace) -> dict[str, tuple[float, float]]
             def listener(i: int) -> None:
                 mgr.retention.on_change(NS, extra[i], None, None)  # a page nobody named: one dict lookup
 
+            one = [[key(i % args.pages)] for i in range(args.events)]
+
+            def lookup(i: int) -> None:  # same-run reference: what a one-page Lookup costs the manager
+                view.lookup(NS, one[i])
+
             kinds: dict[str, Callable[[int], None]] = {
+                "reference: a one-page Lookup": lookup,
                 "priority update": priority,
                 "lease update": lease,
                 "name one page": name_one,
@@ -286,8 +293,10 @@ def main() -> int:
         payload["in_process_us"] = per_event
         lines += [f"Hint path in process: {args.pages} pages, {args.sessions} sessions of {args.session_pages} pages, "
                   f"{args.events} events per kind, median of {args.runs}, less an empty loop", "",
-                  "| event | µs per event (median) | µs per event (best run) |", "|---|--:|--:|"]  # fmt: skip
-        lines += [f"| {k} | {med:.2f} | {best:.2f} |" for k, (med, best) in per_event.items()]
+                  "| event | µs per event (median) | µs per event (best run) | x a one-page Lookup (median) |",
+                  "|---|--:|--:|--:|"]  # fmt: skip
+        ref = per_event["reference: a one-page Lookup"][0]
+        lines += [f"| {k} | {med:.2f} | {best:.2f} | {med / ref:.2f}x |" for k, (med, best) in per_event.items()]
         lines.append("")
     if args.part in ("all", "node"):
         res = against_node(args)
