@@ -104,7 +104,7 @@ def test_the_tenants_file_the_readme_writes_loads(tmp_path: Path) -> None:
 
 
 def test_the_metric_the_readme_greps_is_scraped_by_a_test() -> None:
-    (cmd,) = by_program("curl")
+    (cmd,) = [c for c in by_program("curl") if "/metrics" in c.text]
     metric = cmd.argv[-1]
     assert cmd.argv[2].endswith("/metrics") and metric.startswith("kvstore_")
     assert f'"{metric}"' in (REPO / "tests" / "integration" / "test_metrics.py").read_text()
@@ -204,3 +204,16 @@ def test_python_and_yaml_blocks_are_well_formed() -> None:
         compile(b.text, f"README.md:{b.line}", "exec")
     for b in ya:
         assert isinstance(yaml.safe_load(b.text), dict)
+
+
+def test_the_retention_curls_carry_hints_each_door_reads() -> None:
+    """The README's curl bodies for vLLM's server: LMCache's request configs and the vLLM tier's
+    kv_transfer_params each parse to the session they name, through the parser of their door."""
+    from kvstore.integrations.hints import from_lmcache, from_vllm
+
+    bodies = [json.loads(c.argv[c.argv.index("-d") + 1]) for c in by_program("curl") if "/v1/completions" in c.text]
+    assert len(bodies) == 2, bodies
+    got = [from_lmcache(bodies[0]["kv_transfer_params"]), from_vllm(bodies[1]["kv_transfer_params"])]
+    assert [h.session if h else None for h in got] == ["conv-42", "conv-42"]
+    assert got[0] is not None and got[0].ttl_s == 600 and got[0].mode is not None
+    assert got[1] is not None and got[1].priority == 80 and not got[1].end
