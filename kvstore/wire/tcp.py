@@ -86,6 +86,8 @@ SOCKET_BUFFER_BYTES = 4 << 20
 PAGE_META_BYTES = _PAGE.size  # 41
 MAX_TABLE_BYTES = 1 + MAX_PARTS * (1 + MAX_PART_NAME_BYTES + LAYOUT_BYTES)  # the largest part table
 _LAYOUT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding")
+PAGE_FRAME_HEAD = struct.Struct(f"<2sBBIQ{HASH_BYTES}sQB")  # a PAGE frame's header and metadata, packed at once
+PAGE_FRAME_HEAD_BYTES = PAGE_FRAME_HEAD.size  # 57
 
 
 class Kind(enum.IntEnum):
@@ -293,7 +295,8 @@ def _layout(packed: bytes | memoryview, table: bytes | memoryview, field: str) -
 
 def page_header(h: bytes, checksum: int, nbytes: int, tier: TierKind | None = None, version: int = VERSION) -> bytes:
     """Header and meta of a PAGE frame; the `nbytes` payload bytes follow."""
-    return pack_header(Kind.PAGE, PAGE_META_BYTES, nbytes, version) + _PAGE.pack(h, checksum, int(tier) if tier else 0)
+    tier_value = int(tier) if tier else 0
+    return PAGE_FRAME_HEAD.pack(MAGIC, version, Kind.PAGE, PAGE_META_BYTES, nbytes, h, checksum, tier_value)
 
 
 def parse_page(meta: bytes | memoryview) -> tuple[bytes, int, int]:

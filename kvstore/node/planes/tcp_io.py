@@ -13,19 +13,27 @@ between the kernel and a slot with no copy in between, with the GIL released in 
 Memory per connection is bounded: a STAGING_BYTES buffer for headers and small metadata, the
 metadata of one frame (bounded by the node's limits), and, under TLS, the encrypted bytes of at most
 one page in flight.
+
+Sends are vectored (`sendv`): a GET reply's frame headers and page payloads go to the kernel in one
+`sendmsg` per group of pages, and each wait for room in the socket's buffer is one readiness wait,
+bounded by the connection's stall timeout (a wait that sees no byte accepted for that long fails), not
+by the size of what is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
+from collections.abc import Sequence
 
 from kvstore.names import Buffer
 from kvstore.wire.tcp import HEADER_BYTES, Header, unpack_header
 
 STAGING_BYTES = 64 << 10  # headers and small reads go through this; larger reads land in place
 TLS_RECORD_READ = 256 << 10  # encrypted bytes read per system call under TLS
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024  # buffers per sendmsg
 
 
 class ConnectionClosed(ConnectionError):
@@ -47,7 +55,13 @@ class Channel:
         raise NotImplementedError
 
     async def send(self, *parts: Buffer) -> None:
-        """Send every byte of `parts`, in order; returns once the kernel has them all."""
+        """Send every byte of `parts`, in order; returns once the kernel has them all. Unbounded in time:
+        the caller bounds it (small frames)."""
+        await self.sendv(parts, None)
+
+    async def sendv(self, parts: Sequence[Buffer], stall_seconds: float | None) -> None:
+        """Send every byte of `parts`, in order; returns once the kernel has them all. TimeoutError when
+        the peer accepts no byte for `stall_seconds` (None: no bound)."""
         raise NotImplementedError
 
     def close(self) -> None:
@@ -123,18 +137,61 @@ class PlainChannel(Channel):
     async def _recv_into(self, view: memoryview) -> int:
         return await self.loop.sock_recv_into(self.sock, view)
 
-    async def send(self, *parts: Buffer) -> None:
-        views = [memoryview(p).cast("B") for p in parts]
-        try:  # one system call for a header and its payload in the common case
-            sent = self.sock.sendmsg(views)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        for v in views:
-            if sent >= len(v):
-                sent -= len(v)
-                continue
-            await self.loop.sock_sendall(self.sock, v[sent:])
-            sent = 0
+    async def sendv(self, parts: Sequence[Buffer], stall_seconds: float | None) -> None:
+        views = [p if isinstance(p, bytes) else memoryview(p).cast("B") for p in parts]
+        first = 0  # views[first:] are still to send (views[first] maybe in part)
+        waiter: _Writable | None = None
+        try:
+            while True:
+                try:  # NOTE: one system call for everything the socket's buffer takes
+                    sent = self.sock.sendmsg(views[first : first + IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                while sent:
+                    n = len(views[first])
+                    if sent < n:
+                        views[first] = memoryview(views[first])[sent:]
+                        break
+                    sent -= n
+                    first += 1
+                if first == len(views):
+                    return
+                if waiter is None:
+                    waiter = _Writable(self.loop, self.sock.fileno())
+                await waiter.wait(stall_seconds)
+        finally:
+            if waiter is not None:
+                waiter.close()
+
+
+class _Writable:
+    """Waits for room in one socket's send buffer: the descriptor stays registered for writing while a
+    vectored send is under way (one registration, not one per wait)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int) -> None:
+        self.loop = loop
+        self.fd = fd
+        self._fut: asyncio.Future[None] | None = None
+        loop.add_writer(fd, self._wake)
+
+    def _wake(self) -> None:
+        fut = self._fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    async def wait(self, stall_seconds: float | None) -> None:
+        self._fut = self.loop.create_future()
+        try:
+            if stall_seconds is None:
+                await self._fut
+            else:
+                async with asyncio.timeout(stall_seconds):
+                    await self._fut
+        finally:
+            self._fut = None
+
+    def close(self) -> None:
+        self.loop.remove_writer(self.fd)
 
 
 class TlsChannel(Channel):
@@ -185,10 +242,14 @@ class TlsChannel(Channel):
             except ssl.SSLZeroReturnError:
                 return 0
 
-    async def send(self, *parts: Buffer) -> None:
+    async def sendv(self, parts: Sequence[Buffer], stall_seconds: float | None) -> None:
         for p in parts:
             self._tls.write(p)
-            await self._flush()
+            if stall_seconds is None:
+                await self._flush()
+            else:
+                async with asyncio.timeout(stall_seconds):
+                    await self._flush()
 
 
 def tune(sock: socket.socket, buffer_bytes: int) -> None:
