@@ -11,6 +11,9 @@ Systems:
     memcpy          bytearray copy of the same bytes (the machine's own limit for one core)
     raw TCP         store_bench's reference: a server process, one TCP_NODELAY connection, reused buffers,
                     no framing or checksums (put = send to the server, get = receive from it)
+    (info) raw floor  the same connection moving `--batch` different pages each side, each after a 57-byte
+                    header, hashed (XXH3) by sender and receiver as kvstore's planes do: what a framed, verified
+                    plane costs at best in Python; not a target, it splits the gap to raw TCP in two
     kvstore gRPC    transport="grpc": Put/Get streams (the fallback plane)
     kvstore TCP     transport="tcp": the bulk TCP plane (remote clients' default); "get_into" receives
                     into caller buffers; "TLS" is the same plane with the node's certificate (TLS cost);
@@ -23,6 +26,8 @@ Systems:
     LMCache lm://   LMCache's own client stack against its lm:// server (remote)
     Mooncake remote Mooncake Store's zero-copy batch API over its TCP transfer engine, storage in another
                     process; "same host": the client mounts the segment itself (Mooncake's local path)
+Every table carries the machine's 1-minute load average over the run; a system that could not be started or
+measured is a "skipped: why" row, and the run goes on. `--only` picks systems by words of their labels.
 kvstore is measured with library defaults (the client options a user gets without asking; this
 process leaves glibc's malloc as it is, unlike the node, which tunes its own at start).
 
@@ -171,6 +176,25 @@ class RawTcp(System):
         self.server.stop()
 
 
+class RawFramed(RawTcp):
+    """What a framed, verified plane costs at best in Python: raw TCP moving `batch` different pages each way (into
+    and out of pages of their own, as a node's slots and a client's buffers are), each after a 57-byte header, the
+    receiver hashing each page as it lands and the sender hashing before it sends (as kvstore's client and node
+    do). Not a target: it shows how much of the gap to raw TCP is memory and checksums, and how much is kvstore."""
+
+    label = "(info) raw TCP, different pages each side, frame headers, XXH3 (a verified plane's floor)"
+
+    def setup(self, size: int, batch: int) -> None:
+        self.pages = [memoryview(os.urandom(size)) for _ in range(batch)]
+        self.buffers = [memoryview(bytearray(size)) for _ in range(batch)]
+
+    def put(self, iters: int) -> float:
+        return self._again(lambda: self.client.send_framed(self.pages), iters)
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        return self._again(lambda: self.client.recv_framed(self.buffers) and None, iters), True
+
+
 class Skipped(System):
     """A system that could not be started: reported as skipped, with why."""
 
@@ -181,14 +205,14 @@ class Skipped(System):
         raise RuntimeError(self.reason)
 
 
-def raw_tcp(notes: list[str]) -> System:
-    """The raw-TCP baseline, its server started twice if need be (spawning Python is slow on a busy machine)."""
+def raw_tcp(notes: list[str], kind: type[RawTcp] = RawTcp) -> System:
+    """A raw-TCP baseline, its server started twice if need be (spawning Python is slow on a busy machine)."""
     for attempt in range(2):
         try:
-            return RawTcp(notes)
+            return kind(notes)
         except (OSError, EOFError) as exc:  # TimeoutError included: the server did not report its port
             if attempt:
-                return Skipped(RawTcp.label, f"its server did not start ({exc})")
+                return Skipped(kind.label, f"its server did not start ({exc})")
     raise AssertionError("unreachable")
 
 
@@ -513,6 +537,9 @@ RATIOS = [  # (row, system a, system b): a / b
     ("kvstore TCP / kvstore gRPC", "kvstore TCP plane", "kvstore gRPC streams"),
     ("kvstore TCP+TLS / kvstore TCP (TLS cost)", "kvstore TCP plane + TLS", "kvstore TCP plane"),
     ("kvstore TCP / raw TCP", "kvstore TCP plane", "raw TCP socket (no framing, no checksum)"),
+    ("kvstore TCP get_into / raw TCP", "kvstore TCP plane, get_into caller buffers", RawTcp.label),
+    ("(info) raw floor / raw TCP", RawFramed.label, RawTcp.label),
+    ("(info) kvstore TCP get_into / raw floor", "kvstore TCP plane, get_into caller buffers", RawFramed.label),
     ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
     ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
     ("kvstore zero-copy / memcpy", ZERO_COPY, "memcpy (same bytes, one core)"),
@@ -599,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
         logdir = args.out / "peer_logs"
         logdir.mkdir(parents=True, exist_ok=True)
         nodes = Nodes(Path(tmp) / "pki")
-        systems: list[System] = [Memcpy(), raw_tcp(notes), *our_systems(nodes, notes)]
+        systems: list[System] = [Memcpy(), raw_tcp(notes), raw_tcp(notes, RawFramed), *our_systems(nodes, notes)]
         if only:
             systems = [s for s in systems if any(w.lower() in s.label.lower() for w in only)]
         if not only or any(w.lower() in label.lower() for w in only for label in PEERS.values()):

@@ -86,7 +86,7 @@ from kvstore.errors import KVStoreError
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
-from kvstore.pageformat import slot_bytes_for
+from kvstore.pageformat import checksum_in_steps, payload_checksum, slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
 from kvstore.wire.shm import shm_available
 
@@ -94,7 +94,11 @@ NAMESPACE = "bench"
 MIN_CALLS = 8  # calls per run never go below this (unless --iters is smaller)
 MAX_ATTEMPTS = 20  # tries per timed call when the server fails the RPC
 NVME_NODE_DRAM_SLOTS = 4
-TCP_HEADER = struct.Struct("<cIQ")  # op (b"P" send-to-server, b"G" get-from-server, b"Q" quit), count, size
+# op (b"P" send-to-server, b"G" get-from-server, b"E" / b"D" send / get distinct framed pages, b"Q" quit),
+# count, size
+TCP_HEADER = struct.Struct("<cIQ")
+FRAME_HEAD = 57  # what "E" and "D" send before each page: as long as a kvstore PAGE frame's header and metadata
+FRAME_HEAD_STRUCT = struct.Struct("<49xQ")  # the page's checksum in its last 8 bytes, as a PAGE frame has it
 TCP_SERVER_MAX_SECONDS = 3600.0  # the raw-TCP server exits on its own after this, whatever happens
 TCP_IO_TIMEOUT = 120.0
 
@@ -235,10 +239,32 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
+def _send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Send every byte of `parts` in order, one sendmsg for all of them as far as the socket takes them."""
+    views = [memoryview(p) for p in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def _recv_hashed(sock: socket.socket, dst: memoryview) -> int:
+    """Fill `dst` from `sock`, hashing each HOT_CHUNK as it lands (checksum_in_steps); its XXH3-64."""
+
+    def receive(off: int, k: int) -> memoryview:
+        _recv_exact_into(sock, dst[off : off + k])
+        return dst[off : off + k]
+
+    return checksum_in_steps(len(dst), receive)
+
+
 def _serve_tcp_connection(sock: socket.socket, deadline: float) -> bool:
     """Serve one client until it quits (returns True) or disconnects or stalls mid-request (returns False)."""
     header = bytearray(TCP_HEADER.size)
     buffers: dict[int, memoryview] = {}
+    distinct: dict[tuple[int, int], list[memoryview]] = {}
     while True:  # ends on quit, EOF, a stall, or the server's deadline
         # NOTE: between requests the client may be measuring other systems for minutes on a busy machine
         # (peer_bench rotates through them all): only the server's own deadline bounds that wait. Once a
@@ -260,6 +286,22 @@ def _serve_tcp_connection(sock: socket.socket, deadline: float) -> bool:
             elif op == b"G":
                 for _ in range(count):
                     sock.sendall(buf)
+            elif op == b"E":  # `count` different pages, each after a frame header, hashed as they land
+                pages = distinct.get((count, size))
+                if pages is None:
+                    pages = distinct[(count, size)] = [memoryview(bytearray(os.urandom(size))) for _ in range(count)]
+                head = memoryview(bytearray(FRAME_HEAD))
+                for page in pages:
+                    _recv_exact_into(sock, head)
+                    _recv_hashed(sock, page)
+                sock.sendall(b"A")
+            elif op == b"D":  # `count` different pages, each after a frame header: what a node's reply is
+                pages = distinct.get((count, size))
+                if pages is None:
+                    pages = distinct[(count, size)] = [memoryview(bytearray(os.urandom(size))) for _ in range(count)]
+                head = bytes(FRAME_HEAD)
+                for page in pages:
+                    _send_parts(sock, [head, page])
             else:
                 raise ValueError(f"unknown op {op!r}")
         except (ConnectionError, TimeoutError):  # the client went away or stalled: wait for the next one
@@ -332,6 +374,25 @@ class TcpClient:
         self.sock.sendall(TCP_HEADER.pack(b"G", count, len(into)))
         for _ in range(count):
             _recv_exact_into(self.sock, into)
+
+    def send_framed(self, pages: list[memoryview]) -> None:
+        """Client -> server: different pages, each hashed, then sent after a 57-byte frame header (one sendmsg per
+        page, as kvstore's TCP client does); the server receives each into a page of its own, hashing as it lands."""
+        self.sock.sendall(TCP_HEADER.pack(b"E", len(pages), len(pages[0])))
+        for page in pages:
+            _send_parts(self.sock, [FRAME_HEAD_STRUCT.pack(payload_checksum(page)), page])
+        _recv_exact_into(self.sock, self._ack)
+
+    def recv_framed(self, into: list[memoryview]) -> list[int]:
+        """Server -> client: len(into) different pages, each after a 57-byte frame header, page i received into
+        into[i] and hashed as it lands (checksum_in_steps, as kvstore's TCP client does); their XXH3-64s."""
+        self.sock.sendall(TCP_HEADER.pack(b"D", len(into), len(into[0])))
+        head = memoryview(bytearray(FRAME_HEAD))
+        sums = []
+        for dst in into:
+            _recv_exact_into(self.sock, head)
+            sums.append(_recv_hashed(self.sock, dst))
+        return sums
 
     def close(self, quit_server: bool = False) -> None:
         try:
