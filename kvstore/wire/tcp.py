@@ -58,6 +58,7 @@ two processes, on two cores.
 from __future__ import annotations
 
 import enum
+import ssl
 import struct
 from dataclasses import dataclass
 
@@ -80,6 +81,9 @@ _PAGE = struct.Struct(f"<{HASH_BYTES}sQB")
 _DONE = struct.Struct("<II")
 _WELCOME = struct.Struct("<BQI")
 MAX_TOKEN_BYTES = 4096
+# OpenSSL 3's SSL_OP_ENABLE_KTLS (named ssl.OP_ENABLE_KTLS from Python 3.12): both ends' TLS contexts set it, so
+# that OpenSSL hands the record layer to the kernel (kTLS) where the kernel has it and the cipher suits it.
+OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 # Kernel send/receive buffers per connection, both ends: a few MiB-pages in flight (0: leave the kernel's
 # autotuning alone).
 SOCKET_BUFFER_BYTES = 4 << 20

@@ -498,6 +498,7 @@ def client_tls_context(security: ClientSecurity) -> ssl.SSLContext:
     certificate is configured."""
     ctx = ssl.create_default_context(cafile=security.ca_file)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= tcp.OP_ENABLE_KTLS  # the kernel makes and reads the records where it can (wire/tcp.py)
     if security.cert_file and security.key_file:
         ctx.load_cert_chain(security.cert_file, security.key_file)
     return ctx

@@ -34,6 +34,7 @@ from kvstore.node.planes.tcp_io import (
     ConnectionClosed,
     PlainChannel,
     TlsChannel,
+    kernel_tls_available,
     listen_socket,
     server_tls_context,
     tune,
@@ -85,9 +86,8 @@ class TcpPlaneServer(PlaneServer):
         self._accepting = asyncio.get_running_loop().create_task(self._accept())
         host = services.advertise_host
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        log.info(
-            "TCP data plane on %s:%d (advertised %s, TLS %s)", cfg.host, port, address, "on" if self.tls else "off"
-        )
+        tls = "off" if self.tls is None else f"on, kernel TLS {'available' if kernel_tls_available() else 'absent'}"
+        log.info("TCP data plane on %s:%d (advertised %s, TLS %s)", cfg.host, port, address, tls)
         return PlaneInfo("tcp", address, self.tls is not None)
 
     @property
