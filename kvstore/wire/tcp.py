@@ -39,6 +39,11 @@ stream cannot be resynchronised. A connection that stalls in a handshake or in t
 frame for longer than the node's `tcp_timeout_seconds` is closed; whatever its request staged is
 freed (a PUT is atomic like a Put stream: nothing of it becomes visible).
 
+How frames meet the socket is each side's choice, never the format's: the node writes a GET reply's PAGE
+frames a group at a time (headers and payloads gathered into one sendmsg, DONE with the last group), and the
+client reads a reply frame's header and PAGE metadata in one receive (nothing follows a DONE or an ERROR
+until the next request, so it never reads past a frame).
+
 Versions: a connection speaks the version of its HELLO, and every later frame of it (both ways) carries
 that version. They differ only in what a PAGE's checksum covers (kvstore/pageformat.py, ChecksumForm):
 version 2 the KEYED form (the payload's XXH3-64 bound to the request's namespace and the page's hash, so a
