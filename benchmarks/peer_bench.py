@@ -11,6 +11,8 @@ Systems:
     memcpy          bytearray copy of the same bytes (the machine's own limit for one core)
     raw TCP         store_bench's reference: a server process, one TCP_NODELAY connection, reused buffers,
                     no framing or checksums (put = send to the server, get = receive from it)
+    (info) raw TLS  the raw-TCP baseline over TLS (Python's ssl at both ends, OP_ENABLE_KTLS as the plane sets it):
+                    what TLS costs a Python process at best; the TLS plane's floor, not a target
     (info) raw floor  the same connection moving `--batch` different pages each side, each after a 57-byte
                     header, hashed (XXH3) by sender and receiver as kvstore's planes do: what a framed, verified
                     plane costs at best in Python; not a target, it splits the gap to raw TCP in two
@@ -57,7 +59,7 @@ from pathlib import Path
 from machine import LoadLog, machine_line, save_results
 from store_bench import TcpClient, TcpServer, source_digest
 
-from devkit.pki import make_dev_pki
+from devkit.pki import DevPki, make_dev_pki
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.client import core as client_core
@@ -129,8 +131,14 @@ class RawTcp(System):
 
     def __init__(self, notes: list[str]) -> None:
         self.notes = notes
-        self.server = TcpServer().start()
-        self.client = TcpClient(self.server.port)
+        self.server = self._server()
+        self.client = self._client()
+
+    def _server(self) -> TcpServer:
+        return TcpServer().start()
+
+    def _client(self) -> TcpClient:
+        return TcpClient(self.server.port)
 
     def pids(self) -> list[int]:
         return [os.getpid(), self.server.proc.pid]  # type: ignore[list-item]
@@ -161,8 +169,8 @@ class RawTcp(System):
             self.client.close()
         if not self.server.proc.is_alive():
             self.server.stop()
-            self.server = TcpServer().start()
-        self.client = TcpClient(self.server.port)
+            self.server = self._server()
+        self.client = self._client()
 
     def put(self, iters: int) -> float:
         return self._again(lambda: self.client.send(self.page, self.batch), iters)
@@ -193,6 +201,23 @@ class RawFramed(RawTcp):
 
     def get(self, iters: int) -> tuple[float, bool]:
         return self._again(lambda: self.client.recv_framed(self.buffers) and None, iters), True
+
+
+class RawTls(RawTcp):
+    """The raw-TCP baseline over TLS: Python's ssl (OpenSSL) at both ends, the same pages and calls as raw TCP (a
+    TLS socket's sendall and recv_into; OP_ENABLE_KTLS set, so OpenSSL hands the records to the kernel where it
+    has kTLS). Not a target: what TLS costs a Python process at best, beside what it costs the TCP plane."""
+
+    label = "(info) raw TLS socket (Python's ssl, no framing, no checksum)"
+    pki: DevPki | None = None  # set before the first one is made (main)
+
+    def _server(self) -> TcpServer:
+        assert self.pki is not None, "RawTls.pki is set first"
+        return TcpServer(tls=(str(self.pki.node_cert), str(self.pki.node_key))).start()
+
+    def _client(self) -> TcpClient:
+        assert self.pki is not None, "RawTls.pki is set first"
+        return TcpClient(self.server.port, tls_ca=str(self.pki.ca))
 
 
 class Skipped(System):
@@ -540,6 +565,8 @@ RATIOS = [  # (row, system a, system b): a / b
     ("kvstore TCP get_into / raw TCP", "kvstore TCP plane, get_into caller buffers", RawTcp.label),
     ("(info) raw floor / raw TCP", RawFramed.label, RawTcp.label),
     ("(info) kvstore TCP get_into / raw floor", "kvstore TCP plane, get_into caller buffers", RawFramed.label),
+    ("(info) raw TLS / raw TCP", RawTls.label, RawTcp.label),
+    ("(info) kvstore TCP+TLS / raw TLS", "kvstore TCP plane + TLS", RawTls.label),
     ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
     ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
     ("kvstore zero-copy / memcpy", ZERO_COPY, "memcpy (same bytes, one core)"),
@@ -626,7 +653,9 @@ def main(argv: list[str] | None = None) -> int:
         logdir = args.out / "peer_logs"
         logdir.mkdir(parents=True, exist_ok=True)
         nodes = Nodes(Path(tmp) / "pki")
-        systems: list[System] = [Memcpy(), raw_tcp(notes), raw_tcp(notes, RawFramed), *our_systems(nodes, notes)]
+        RawTls.pki = nodes.pki
+        systems: list[System] = [Memcpy(), raw_tcp(notes), raw_tcp(notes, RawFramed), raw_tcp(notes, RawTls),
+                                 *our_systems(nodes, notes)]  # fmt: skip
         if only:
             systems = [s for s in systems if any(w.lower() in s.label.lower() for w in only)]
         if not only or any(w.lower() in label.lower() for w in only for label in PEERS.values()):

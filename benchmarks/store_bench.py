@@ -64,6 +64,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import ssl
 import statistics
 import struct
 import sys
@@ -89,6 +90,7 @@ from kvstore.names import TierKind
 from kvstore.pageformat import checksum_in_steps, payload_checksum, slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
 from kvstore.wire.shm import shm_available
+from kvstore.wire.tcp import OP_ENABLE_KTLS
 
 NAMESPACE = "bench"
 MIN_CALLS = 8  # calls per run never go below this (unless --iters is smaller)
@@ -308,9 +310,25 @@ def _serve_tcp_connection(sock: socket.socket, deadline: float) -> bool:
             return False
 
 
-def tcp_server_main(conn: Connection) -> None:
-    """Entry point of the raw-TCP server process: report the port on `conn`, serve until told to quit."""
+def raw_tls_context(server: tuple[str, str] | None = None, ca_file: str | None = None) -> ssl.SSLContext:
+    """The raw-TLS baseline's context: Python's ssl defaults (TLS 1.3 here), a server's certificate or a client's CA,
+    and OP_ENABLE_KTLS as kvstore's TCP plane sets it (so where the kernel has kTLS, OpenSSL hands it the records
+    here too); no session tickets."""
+    if server is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*server)
+        ctx.num_tickets = 0
+    else:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    ctx.options |= OP_ENABLE_KTLS
+    return ctx
+
+
+def tcp_server_main(conn: Connection, tls: tuple[str, str] | None = None) -> None:
+    """Entry point of the raw-TCP server process: report the port on `conn`, serve until told to quit. With `tls`
+    (certificate and key files) every connection is a TLS one (the raw-TLS baseline)."""
     deadline = time.monotonic() + TCP_SERVER_MAX_SECONDS
+    ctx = raw_tls_context(server=tls) if tls else None
     with socket.create_server(("127.0.0.1", 0)) as srv:
         srv.settimeout(1.0)
         conn.send(srv.getsockname()[1])
@@ -321,17 +339,23 @@ def tcp_server_main(conn: Connection) -> None:
                 continue
             with sock:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if _serve_tcp_connection(sock, deadline):
-                    return
+                try:
+                    if ctx is not None:
+                        sock.settimeout(TCP_IO_TIMEOUT)
+                        sock = ctx.wrap_socket(sock, server_side=True)
+                    if _serve_tcp_connection(sock, deadline):
+                        return
+                except OSError:  # a handshake or a TLS record that failed: that connection ends, not the server
+                    continue
 
 
 class TcpServer:
     """The raw-TCP reference server in a child process (spawned, so it shares no GIL with the client)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=tcp_server_main, args=(child,), name="raw-tcp-server", daemon=True)
+        self.proc = ctx.Process(target=tcp_server_main, args=(child, tls), name="raw-tcp-server", daemon=True)
         self.port = 0
 
     def start(self, timeout: float = 120.0) -> TcpServer:
@@ -355,11 +379,14 @@ class TcpServer:
 
 
 class TcpClient:
-    """One persistent TCP_NODELAY connection to the reference server."""
+    """One persistent TCP_NODELAY connection to the reference server (TLS, verified against `tls_ca`, when the
+    server was started with a certificate; only `send` and `recv` then: the framed ones use sendmsg)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, tls_ca: str | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=TCP_IO_TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_ca is not None:
+            self.sock = raw_tls_context(ca_file=tls_ca).wrap_socket(self.sock, server_hostname="localhost")
         self._ack = memoryview(bytearray(1))
 
     def send(self, page: memoryview, count: int) -> None:
