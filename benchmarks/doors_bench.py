@@ -34,12 +34,13 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import zmq
-from machine import machine_line, memcpy_gbs, save_results
+from machine import LoadLog, machine_line, memcpy_gbs, save_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -50,6 +51,7 @@ from kvstore.pageformat import slot_bytes_for
 
 NS = "bench/events"
 MODES = ("off", "on", "stuck")
+NODE_START_S = 120.0  # a node has this long to serve: Python starts slowly on a busy machine
 
 
 def page_keys(tag: str, n: int) -> list[bytes]:
@@ -69,7 +71,7 @@ def events_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
         for mode in MODES:
             extra = [] if mode == "off" else ["--kv-events-endpoint", "tcp://127.0.0.1:0"]
             nodes[mode] = NodeProcess(dram_bytes=dram, max_page_bytes=layout.page_bytes, node_id=f"ev-{mode}",
-                                      extra_args=[*extra, "--policy", "lru"]).start()  # fmt: skip
+                                      extra_args=[*extra, "--policy", "lru"]).start(NODE_START_S)  # fmt: skip
         clients = {m: KVStoreClient(n.addr, timeout=60, transport="grpc") for m, n in nodes.items()}
         for mode in ("on", "stuck"):
             s = ctx.socket(zmq.SUB)
@@ -160,7 +162,7 @@ def sglang_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
     region = page_bytes // 2
     node = NodeProcess(
         dram_bytes=4 * n * (region + 8192) + (64 << 20), max_page_bytes=region, node_id="sgl-bench"
-    ).start()
+    ).start(NODE_START_S)
     out: dict[str, Any] = {}
     lines = ["| plane | batch_set_v1 GB/s | batch_get_v1 GB/s | client put_from GB/s | client get_into GB/s |",
              "|---|--:|--:|--:|--:|"]  # fmt: skip
@@ -218,9 +220,9 @@ def accounting_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]
     quiet.propagate = False
     out: dict[str, Any] = {}
     roomy = NodeProcess(dram_bytes=(args.runs * args.iters * 2 + 8) * n * slot, max_page_bytes=layout.page_bytes,
-                        node_id="acct-roomy").start()  # fmt: skip
+                        node_id="acct-roomy").start(NODE_START_S)  # fmt: skip
     full = NodeProcess(dram_bytes=n * slot, max_page_bytes=layout.page_bytes, node_id="acct-full",
-                       extra_args=["--policy", "second-sight"]).start()  # fmt: skip
+                       extra_args=["--policy", "second-sight"]).start(NODE_START_S)  # fmt: skip
     try:
         door = RemoteStore(PluginSettings(Target(addr=roomy.addr), timeout=60, transport="grpc"), quiet)
         hs0 = page_keys("outcome", n)
@@ -289,6 +291,25 @@ def accounting_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]
     return lines, out
 
 
+def _part(
+    name: str,
+    head: str,
+    run: Callable[[], tuple[list[str], dict[str, Any]]],
+    payload: dict[str, Any],
+    load: LoadLog,
+) -> list[str]:
+    """One part's lines: its table, with the load average while it ran; a part that fails (a node that did not
+    start in time on a busy machine, a call that timed out) says "skipped" and why, and the others still run."""
+    load0 = load.note()
+    try:
+        lines, payload[name] = run()
+    except Exception as exc:
+        payload[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+        why = str(exc).splitlines()[0][:300] if str(exc) else ""
+        return [head, "", f"skipped: {type(exc).__name__}: {why} (load average {load0:.1f}-{load.note():.1f})", ""]
+    return [f"{head}; load average {load0:.1f}-{load.note():.1f}", "", *lines, ""]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-kib", type=int, default=64)
@@ -302,28 +323,30 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = ap.parse_args()
     t0 = time.time()
+    load = LoadLog()
     parts: list[str] = [machine_line()]
     payload: dict[str, Any] = {}
     if args.only in (None, "events"):
-        ev_lines, payload["events"] = events_part(args)
-        parts += [
+        head = (
             f"- KV events: Put of {args.batch} x {args.page_kib} KiB pages into a full DRAM tier (every page evicts "
-            f"one), {args.iters} calls x {args.runs} runs per mode, gRPC plane", "", *ev_lines, "",
-        ]  # fmt: skip
+            f"one), {args.iters} calls x {args.runs} runs per mode, gRPC plane"
+        )
+        parts += _part("events", head, lambda: events_part(args), payload, load)
     if args.only in (None, "sglang"):
-        sgl_lines, payload["sglang"] = sglang_part(args)
-        parts += [
+        head = (
             f"- SGLang door: page_first pool, 32 layers x 8 KV heads x 128, bf16, {args.page_tokens}-token pages "
             f"({2 * 32 * args.page_tokens * 8 * 128 * 2 >> 10} KiB, 2 regions), {args.sgl_batch} pages per call, "
-            f"median of {args.runs}", "", *sgl_lines, "",
-        ]  # fmt: skip
+            f"median of {args.runs}"
+        )
+        parts += _part("sglang", head, lambda: sglang_part(args), payload, load)
     if args.only in (None, "accounting"):
-        acct_lines, payload["accounting"] = accounting_part(args)
-        parts += [
+        head = (
             f"- Store accounting (every door): {args.acct_batch} x {args.page_kib} KiB pages per call, gRPC plane, "
-            f"median of {args.runs} x {args.iters} calls per path", "", *acct_lines, "",
-        ]  # fmt: skip
-    text = "\n".join([*parts, f"- wall {time.time() - t0:.0f} s"])
+            f"median of {args.runs} x {args.iters} calls per path"
+        )
+        parts += _part("accounting", head, lambda: accounting_part(args), payload, load)
+    payload["load_average"] = load.samples
+    text = "\n".join([*parts, f"- wall {time.time() - t0:.0f} s; {load.span()}"])
     save_results(args.out, "doors_bench", text, args, **payload)
     return 0
 

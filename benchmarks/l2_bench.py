@@ -47,7 +47,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from machine import machine_line, memcpy_gbs, save_results
+from machine import LoadLog, machine_line, memcpy_gbs, save_results
 from peer_bench import ensure_peers_venv
 
 from devkit.engines import (
@@ -136,32 +136,53 @@ def backend(name: str, work: Path, max_page: int, batch: int,
         raise ValueError(f"unknown backend {name!r}")
 
 
-def adapters(args: argparse.Namespace, peers_py: Path | None, work: Path) -> dict[str, dict]:
+DRIVER_TIMEOUT_S = 1800.0  # one adapter's whole driver run; a run that overruns (a busy machine) is tried once more
+
+
+def adapters(args: argparse.Namespace, peers_py: Path | None, work: Path, load: LoadLog) -> dict[str, dict]:
+    """Per backend, the driver's results; a backend that cannot be started or whose driver fails twice gets an
+    "error" (reported as skipped, with why) and the others are still measured."""
     out: dict[str, dict] = {}
     for name in args.backends:
         py = Path(sys.executable) if name.startswith("kvstore") else peers_py
         if py is None:
             out[name] = {"error": "the peers' venv could not be made (see the log)"}
             continue
+        load0 = load.note()
+        res = _one_adapter(name, py, args, peers_py, work)
+        if "error" in res and res.get("retry"):
+            print(f"{name}: {res['error'].splitlines()[-1][:200]}; trying once more", flush=True)
+            res = _one_adapter(name, py, args, peers_py, work)
+        res["load_average"] = [load0, load.note()]
+        res.pop("retry", None)
+        out[name] = res
+        print(f"{name}: {json.dumps(res)[:300]}", flush=True)
+    return out
+
+
+def _one_adapter(name: str, py: Path, args: argparse.Namespace, peers_py: Path | None, work: Path) -> dict:
+    """One driver run against a freshly started backend. An error that a second try may not repeat (a time-out,
+    a backend that did not start in time) is marked "retry"."""
+    t0 = time.monotonic()
+    try:
         with backend(name, work, max(args.sizes), args.batch, peers_py) as (spec, _):
-            t0 = time.monotonic()
             cmd = [str(py), str(HERE / "l2_driver.py"), "--spec", json.dumps(spec), "--sizes", *map(str, args.sizes),
                    "--batch", str(args.batch), "--rounds", str(args.rounds)]  # fmt: skip
-            proc = subprocess.run(
-                cmd,
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=1800,
-                env=engine_env(MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1"),
-            )
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("L2RESULT ")]
-            res = json.loads(lines[-1][len("L2RESULT ") :]) if lines else {"error": proc.stderr[-2000:]}
-            (work / f"driver-{name}.log").write_text(proc.stdout + proc.stderr)
-            res["seconds"] = time.monotonic() - t0
-            out[name] = res
-            print(f"{name}: {json.dumps(res)[:300]}", flush=True)
-    return out
+            try:
+                proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.driver_timeout,
+                                      env=engine_env(MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1"))  # fmt: skip
+            except subprocess.TimeoutExpired as exc:
+                log = (exc.stdout or b"") + (exc.stderr or b"")
+                (work / f"driver-{name}.log").write_bytes(log if isinstance(log, bytes) else log.encode())
+                return {"error": f"its driver did not finish within {args.driver_timeout:.0f} s", "retry": True}
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:  # TimeoutError is an OSError
+        return {"error": f"its server did not start ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})",
+                "retry": isinstance(exc, TimeoutError)}  # fmt: skip
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("L2RESULT ")]
+    res = json.loads(lines[-1][len("L2RESULT ") :]) if lines else {"error": proc.stderr[-2000:] or "no result"}
+    (work / f"driver-{name}.log").write_text(proc.stdout + proc.stderr)
+    res["seconds"] = time.monotonic() - t0
+    return res
 
 
 def clear_l1(server: LMCacheServer) -> None:
@@ -171,73 +192,92 @@ def clear_l1(server: LMCacheServer) -> None:
         pass
 
 
-def ttft(args: argparse.Namespace, peers_py: Path | None, work: Path) -> dict[str, dict]:
-    """Per backend: TTFT (ms) of request B with its prefix from L2; plus no-L2 and L1 references."""
+def ttft(args: argparse.Namespace, peers_py: Path | None, work: Path, load: LoadLog) -> dict[str, dict]:
+    """Per backend: TTFT (ms) of request B with its prefix from L2; plus no-L2 and L1 references. A backend whose
+    run fails is reported as skipped, with why; the others are still measured."""
     vllm_py = ensure_engine_venv(work / "engine-venv.log")
     model = make_model(vllm_py, work / "ttft-model", hidden=512, layers=16, intermediate=1536, init_range=0.02)
-    prefix = prompt(args.prefix_tokens)
-    chunks = args.prefix_tokens // CHUNK
     out: dict[str, dict] = {}
     for name in ["none", *[b for b in args.backends if not b.startswith("mooncake") and b != "kvstore-shm"]]:
         py = vllm_py if name in ("none", "kvstore") else peers_py
         if py is None:
             continue
-        page = CHUNK * 16 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head dim x bf16, per chunk
-        with contextlib.ExitStack() as stack:
-            spec, held = (
-                (None, lambda: chunks) if name == "none" else stack.enter_context(backend(name, work, page, 16))
-            )
-            server = LMCacheServer(py, work / f"ttft-server-{name}.log", [spec] if spec else [], l1_size_gb=0.5)
-            stack.callback(server.stop)
-            reqs = [{"name": "W", "tokens": prompt(32, 104729), "max_tokens": 1, "logprobs": 0},
-                    {"name": "A", "tokens": [*prefix, 11, 12, 13], "max_tokens": 1, "logprobs": 0}]  # fmt: skip
-            reqs += [{"name": f"B{i}", "tokens": [*prefix, 21 + i, 22, 23], "max_tokens": 1, "logprobs": 0,
-                      "pause": True} for i in range(args.ttft_samples)]  # fmt: skip
-            reqs.append(
-                {"name": "B-L1", "tokens": [*prefix, 21, 22, 23], "max_tokens": 1, "logprobs": 0, "pause": True}
-            )
-            engine = Engine(vllm_py, model, reqs, work / f"ttft-engine-{name}.log", connector_port=server.port)
-            stack.callback(engine.stop)
-            engine.result("A")
-            deadline = time.monotonic() + 120
-            while held() < chunks and time.monotonic() < deadline:
-                time.sleep(0.2)
-            stored = held()
-            samples, cached = [], []
-            for i in range(args.ttft_samples):
-                clear_l1(server)
-                engine.go(f"B{i}")
-                res = engine.result(f"B{i}")
-                samples.append(res["ttft_ms"] or res["wall_ms"])
-                cached.append(res["num_cached_tokens"])
-            engine.go("B-L1")  # not cleared: B{last}'s prefix is in LMCache's memory
-            l1 = engine.result("B-L1")
-            engine.finish(120)
-        out[name] = {"ttft_ms": statistics.median(samples), "samples_ms": samples, "cached_tokens": cached,
-                     "objects_held": stored, "l1_ttft_ms": l1["ttft_ms"], "l1_cached": l1["num_cached_tokens"]}  # fmt: skip
+        load0 = load.note()
+        try:
+            out[name] = _one_ttft(name, py, vllm_py, model, args, work)
+        except Exception as exc:  # an engine or server that broke: this backend's row says so
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"}
+        out[name]["load_average"] = [load0, load.note()]
         print(f"ttft {name}: {json.dumps(out[name])}", flush=True)
     return out
 
 
-def table(args: argparse.Namespace, micro: dict[str, dict], ttfts: dict[str, dict], limit: float) -> str:
+def _one_ttft(name: str, py: Path, vllm_py: Path, model: Path, args: argparse.Namespace, work: Path) -> dict:
+    prefix = prompt(args.prefix_tokens)
+    chunks = args.prefix_tokens // CHUNK
+    page = CHUNK * 16 * 2 * 2 * 64 * 2  # layers x (K, V) x KV heads x head dim x bf16, per chunk
+    with contextlib.ExitStack() as stack:
+        spec, held = (None, lambda: chunks) if name == "none" else stack.enter_context(backend(name, work, page, 16))
+        server = LMCacheServer(py, work / f"ttft-server-{name}.log", [spec] if spec else [], l1_size_gb=0.5)
+        stack.callback(server.stop)
+        reqs = [{"name": "W", "tokens": prompt(32, 104729), "max_tokens": 1, "logprobs": 0},
+                {"name": "A", "tokens": [*prefix, 11, 12, 13], "max_tokens": 1, "logprobs": 0}]  # fmt: skip
+        reqs += [{"name": f"B{i}", "tokens": [*prefix, 21 + i, 22, 23], "max_tokens": 1, "logprobs": 0,
+                  "pause": True} for i in range(args.ttft_samples)]  # fmt: skip
+        reqs.append({"name": "B-L1", "tokens": [*prefix, 21, 22, 23], "max_tokens": 1, "logprobs": 0, "pause": True})
+        engine = Engine(vllm_py, model, reqs, work / f"ttft-engine-{name}.log", connector_port=server.port)
+        stack.callback(engine.stop)
+        engine.result("A")
+        deadline = time.monotonic() + 120
+        while held() < chunks and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stored = held()
+        samples, cached = [], []
+        for i in range(args.ttft_samples):
+            clear_l1(server)
+            engine.go(f"B{i}")
+            res = engine.result(f"B{i}")
+            samples.append(res["ttft_ms"] or res["wall_ms"])
+            cached.append(res["num_cached_tokens"])
+        engine.go("B-L1")  # not cleared: B{last}'s prefix is in LMCache's memory
+        l1 = engine.result("B-L1")
+        engine.finish(120)
+    return {"ttft_ms": statistics.median(samples), "samples_ms": samples, "cached_tokens": cached,
+            "objects_held": stored, "l1_ttft_ms": l1["ttft_ms"], "l1_cached": l1["num_cached_tokens"]}  # fmt: skip
+
+
+def _load(res: dict) -> str:
+    pair = res.get("load_average")
+    return f"{pair[0]:.1f}-{pair[1]:.1f}" if pair else "—"
+
+
+def table(args: argparse.Namespace, micro: dict[str, dict], ttfts: dict[str, dict], limit: float, load: LoadLog) -> str:
     lines = [f"### l2_bench: LMCache multiprocess server storage (L2 adapters), batch {args.batch}", machine_line(),
+             f"- {load.span()}; each row's own in its last column",
              f"- memcpy of one batch of the largest size on this machine: {limit:.2f} GB/s", "",
-             "| L2 adapter | chunk | store GB/s | load GB/s | lookup p50 ms | lookup p99 ms | bit-exact |",
-             "|---|--:|--:|--:|--:|--:|:-:|"]  # fmt: skip
+             "| L2 adapter | chunk | store GB/s | load GB/s | lookup p50 ms | lookup p99 ms | bit-exact | load avg |",
+             "|---|--:|--:|--:|--:|--:|:-:|--:|"]  # fmt: skip
     notes = []
     for name, res in micro.items():
         if "error" in res:
-            notes.append(f"- {LABELS[name]}: not measured: {res['error'].strip().splitlines()[-1][:300]}")
+            why = res["error"].strip().splitlines()[-1][:300] if res["error"].strip() else "no result"
+            lines.append(f"| {LABELS[name]} | skipped: {why} | | | | | | {_load(res)} |")
+            notes.append(f"- {LABELS[name]}: not measured: {why}")
             continue
         for r in res["results"]:
             lines.append(f"| {LABELS[name]} | {r['size'] // MiB} MiB | {r['store_gbs']:.2f} | {r['load_gbs']:.2f} | "
-                         f"{r['lookup_p50_ms']:.2f} | {r['lookup_p99_ms']:.2f} | {'yes' if r['bit_exact'] else 'NO'} |")  # fmt: skip
+                         f"{r['lookup_p50_ms']:.2f} | {r['lookup_p99_ms']:.2f} | {'yes' if r['bit_exact'] else 'NO'} | "
+                         f"{_load(res)} |")  # fmt: skip
     if ttfts:
         lines += ["", f"TTFT of request B ({args.prefix_tokens}-token prefix from L2 + 3 tokens; vLLM CPU build, "
                   f"16-layer test Llama; median of {args.ttft_samples}):", "",
-                  "| backend | TTFT ms | cached tokens | L1-hit TTFT ms (same engine) |", "|---|--:|--:|--:|"]  # fmt: skip
+                  "| backend | TTFT ms | cached tokens | L1-hit TTFT ms (same engine) | load avg |", "|---|--:|--:|--:|--:|"]  # fmt: skip
         for name, r in ttfts.items():
-            lines.append(f"| {LABELS[name]} | {r['ttft_ms']:.1f} | {min(r['cached_tokens'])} | {r['l1_ttft_ms']:.1f} |")
+            if "error" in r:
+                lines.append(f"| {LABELS[name]} | skipped: {r['error']} | | | {_load(r)} |")
+                continue
+            lines.append(f"| {LABELS[name]} | {r['ttft_ms']:.1f} | {min(r['cached_tokens'])} | {r['l1_ttft_ms']:.1f} | "
+                         f"{_load(r)} |")  # fmt: skip
     return "\n".join(lines + (["", *notes] if notes else []))
 
 
@@ -251,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-samples", type=int, default=3)
     ap.add_argument("--prefix-tokens", type=int, default=2048)
     ap.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv")
+    ap.add_argument("--driver-timeout", type=float, default=DRIVER_TIMEOUT_S,
+                    help=f"seconds one adapter's driver may run before it is tried once more (default {DRIVER_TIMEOUT_S:.0f})")  # fmt: skip
     ap.add_argument("--out", type=Path, default=HERE / "out")
     ap.add_argument(
         "--quick", action="store_true", help="smoke run: 1 MiB, 2 rounds, kvstore only (no peers venv), no TTFT"
@@ -266,12 +308,13 @@ def main(argv: list[str] | None = None) -> int:
             peers_py = ensure_peers_venv(args.peers_venv, work / "peers-venv.log")
         except (OSError, subprocess.CalledProcessError) as exc:
             print(f"peers skipped: their venv could not be made ({exc})", flush=True)
+    load = LoadLog()
     limit = memcpy_gbs(args.batch * max(args.sizes), 3)
     t0 = time.monotonic()
-    micro = adapters(args, peers_py, work)
-    ttfts = ttft(args, peers_py, work) if args.ttft else {}
-    save_results(args.out, "l2_bench", table(args, micro, ttfts, limit), args, adapters=micro, ttft=ttfts,
-                 memcpy_gbs=limit, wall_s=time.monotonic() - t0, work=str(work))  # fmt: skip
+    micro = adapters(args, peers_py, work, load)
+    ttfts = ttft(args, peers_py, work, load) if args.ttft else {}
+    save_results(args.out, "l2_bench", table(args, micro, ttfts, limit, load), args, adapters=micro, ttft=ttfts,
+                 memcpy_gbs=limit, wall_s=time.monotonic() - t0, work=str(work), load_average=load.samples)  # fmt: skip
     return 0
 
 

@@ -47,3 +47,24 @@ def memcpy_gbs(nbytes: int, reps: int) -> float:
         dst[:] = src
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+class LoadLog:
+    """The machine's 1-minute load average, sampled by a benchmark as it goes (`note()` at each run), so that
+    its figures can be read beside how busy the machine was while they were measured."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.note()
+
+    def note(self) -> float:
+        load = os.getloadavg()[0]
+        self.samples.append(load)
+        return load
+
+    def span(self) -> str:
+        """`load average 5.1-9.8 (1-min, N samples; 2 CPUs)`: what the figures' readers need to judge them."""
+        self.note()
+        lo, hi = min(self.samples), max(self.samples)
+        rng = f"{lo:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}"
+        return f"load average {rng} (1-min, {len(self.samples)} samples; {os.cpu_count()} CPUs)"

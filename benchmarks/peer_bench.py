@@ -11,6 +11,11 @@ Systems:
     memcpy          bytearray copy of the same bytes (the machine's own limit for one core)
     raw TCP         store_bench's reference: a server process, one TCP_NODELAY connection, reused buffers,
                     no framing or checksums (put = send to the server, get = receive from it)
+    (info) raw TLS  the raw-TCP baseline over TLS (Python's ssl at both ends, OP_ENABLE_KTLS as the plane sets it):
+                    what TLS costs a Python process at best; the TLS plane's floor, not a target
+    (info) raw floor  the same connection moving `--batch` different pages each side, each after a 57-byte
+                    header, hashed (XXH3) by sender and receiver as kvstore's planes do: what a framed, verified
+                    plane costs at best in Python; not a target, it splits the gap to raw TCP in two
     kvstore gRPC    transport="grpc": Put/Get streams (the fallback plane)
     kvstore TCP     transport="tcp": the bulk TCP plane (remote clients' default); "get_into" receives
                     into caller buffers; "TLS" is the same plane with the node's certificate (TLS cost);
@@ -23,6 +28,8 @@ Systems:
     LMCache lm://   LMCache's own client stack against its lm:// server (remote)
     Mooncake remote Mooncake Store's zero-copy batch API over its TCP transfer engine, storage in another
                     process; "same host": the client mounts the segment itself (Mooncake's local path)
+Every table carries the machine's 1-minute load average over the run; a system that could not be started or
+measured is a "skipped: why" row, and the run goes on. `--only` picks systems by words of their labels.
 kvstore is measured with library defaults (the client options a user gets without asking; this
 process leaves glibc's malloc as it is, unlike the node, which tunes its own at start).
 
@@ -34,11 +41,13 @@ subprocesses; `--no-peers` skips them. Writes benchmarks/out/peer_bench.{json,md
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import random
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,10 +56,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from machine import machine_line, save_results
+from machine import LoadLog, machine_line, save_results
 from store_bench import TcpClient, TcpServer, source_digest
 
-from devkit.pki import make_dev_pki
+from devkit.pki import DevPki, make_dev_pki
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.client import core as client_core
@@ -68,7 +77,8 @@ PEERS = {"lmcache": "LMCache lm://", "mooncake-remote": "Mooncake remote (zero-c
 PEER_PACKAGES = [["torch==2.13.0"], ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
                  ["-c", "{constraints}", "lmcache==0.5.6", "hiredis"]]  # fmt: skip
 PEER_DEBS = ["libibverbs1", "librdmacm1", "libnuma1"]  # Mooncake's wheel links them
-REPLY_TIMEOUT_S = 300.0
+REPLY_TIMEOUT_S = 600.0  # a peer driver silent this long is stopped and skipped (--reply-timeout)
+NODE_START_S = 120.0  # a node has this long to serve (a busy machine starts Python slowly); tried twice
 
 
 def hashes(tag: str, n: int) -> list[bytes]:
@@ -119,9 +129,16 @@ class Memcpy(System):
 class RawTcp(System):
     label = "raw TCP socket (no framing, no checksum)"
 
-    def __init__(self) -> None:
-        self.server = TcpServer().start()
-        self.client = TcpClient(self.server.port)
+    def __init__(self, notes: list[str]) -> None:
+        self.notes = notes
+        self.server = self._server()
+        self.client = self._client()
+
+    def _server(self) -> TcpServer:
+        return TcpServer().start()
+
+    def _client(self) -> TcpClient:
+        return TcpClient(self.server.port)
 
     def pids(self) -> list[int]:
         return [os.getpid(), self.server.proc.pid]  # type: ignore[list-item]
@@ -129,21 +146,99 @@ class RawTcp(System):
     def setup(self, size: int, batch: int) -> None:
         self.page, self.into, self.batch = memoryview(os.urandom(size)), memoryview(bytearray(size)), batch
 
+    def _again(self, fn: Callable[[], None], iters: int) -> float:
+        """`iters` calls of `fn`, timed; once more on a fresh connection (and a fresh server if it died)
+        when one fails: on a busy machine the baseline's server can time out while the other systems run."""
+        for attempt in range(2):
+            try:
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fn()
+                return time.perf_counter() - t0
+            except OSError as exc:
+                if attempt:
+                    raise
+                self.notes.append(
+                    f"{self.label}: a phase broke off ({type(exc).__name__}: {exc}); reconnected and measured again"
+                )
+                self._reconnect()
+        raise AssertionError("unreachable")
+
+    def _reconnect(self) -> None:
+        with contextlib.suppress(OSError):
+            self.client.close()
+        if not self.server.proc.is_alive():
+            self.server.stop()
+            self.server = self._server()
+        self.client = self._client()
+
     def put(self, iters: int) -> float:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            self.client.send(self.page, self.batch)
-        return time.perf_counter() - t0
+        return self._again(lambda: self.client.send(self.page, self.batch), iters)
 
     def get(self, iters: int) -> tuple[float, bool]:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            self.client.recv(self.into, self.batch)
-        return time.perf_counter() - t0, True
+        return self._again(lambda: self.client.recv(self.into, self.batch), iters), True
 
     def close(self) -> None:
-        self.client.close(quit_server=True)
+        with contextlib.suppress(OSError):
+            self.client.close(quit_server=True)
         self.server.stop()
+
+
+class RawFramed(RawTcp):
+    """What a framed, verified plane costs at best in Python: raw TCP moving `batch` different pages each way (into
+    and out of pages of their own, as a node's slots and a client's buffers are), each after a 57-byte header, the
+    receiver hashing each page as it lands and the sender hashing before it sends (as kvstore's client and node
+    do). Not a target: it shows how much of the gap to raw TCP is memory and checksums, and how much is kvstore."""
+
+    label = "(info) raw TCP, different pages each side, frame headers, XXH3 (a verified plane's floor)"
+
+    def setup(self, size: int, batch: int) -> None:
+        self.pages = [memoryview(os.urandom(size)) for _ in range(batch)]
+        self.buffers = [memoryview(bytearray(size)) for _ in range(batch)]
+
+    def put(self, iters: int) -> float:
+        return self._again(lambda: self.client.send_framed(self.pages), iters)
+
+    def get(self, iters: int) -> tuple[float, bool]:
+        return self._again(lambda: self.client.recv_framed(self.buffers) and None, iters), True
+
+
+class RawTls(RawTcp):
+    """The raw-TCP baseline over TLS: Python's ssl (OpenSSL) at both ends, the same pages and calls as raw TCP (a
+    TLS socket's sendall and recv_into; OP_ENABLE_KTLS set, so OpenSSL hands the records to the kernel where it
+    has kTLS). Not a target: what TLS costs a Python process at best, beside what it costs the TCP plane."""
+
+    label = "(info) raw TLS socket (Python's ssl, no framing, no checksum)"
+    pki: DevPki | None = None  # set before the first one is made (main)
+
+    def _server(self) -> TcpServer:
+        assert self.pki is not None, "RawTls.pki is set first"
+        return TcpServer(tls=(str(self.pki.node_cert), str(self.pki.node_key))).start()
+
+    def _client(self) -> TcpClient:
+        assert self.pki is not None, "RawTls.pki is set first"
+        return TcpClient(self.server.port, tls_ca=str(self.pki.ca))
+
+
+class Skipped(System):
+    """A system that could not be started: reported as skipped, with why."""
+
+    def __init__(self, label: str, reason: str) -> None:
+        self.label, self.reason = label, reason
+
+    def setup(self, size: int, batch: int) -> None:
+        raise RuntimeError(self.reason)
+
+
+def raw_tcp(notes: list[str], kind: type[RawTcp] = RawTcp) -> System:
+    """A raw-TCP baseline, its server started twice if need be (spawning Python is slow on a busy machine)."""
+    for attempt in range(2):
+        try:
+            return kind(notes)
+        except (OSError, EOFError) as exc:  # TimeoutError included: the server did not report its port
+            if attempt:
+                return Skipped(kind.label, f"its server did not start ({exc})")
+    raise AssertionError("unreachable")
 
 
 class Ours(System):
@@ -221,10 +316,13 @@ class Ours(System):
 
 
 class Peer(System):
-    """A peer cache's client in its own venv (benchmarks/peer_driver.py), spoken to in JSON lines."""
+    """A peer cache's client in its own venv (benchmarks/peer_driver.py), spoken to in JSON lines. A driver
+    that gives no answer within `reply_timeout` seconds is stopped, and the peer is skipped from then on."""
 
-    def __init__(self, python: Path, peer: str, logdir: Path) -> None:
+    def __init__(self, python: Path, peer: str, logdir: Path, reply_timeout: float = REPLY_TIMEOUT_S) -> None:
         self.label = PEERS[peer]
+        self.reply_timeout = reply_timeout
+        self.dead = ""  # why this peer's driver is gone (it is then skipped)
         self.proc = subprocess.Popen([str(python), str(HERE / "peer_driver.py"), peer, str(logdir)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(logdir / f"{peer}.log", "ab"),  # noqa: SIM115
                                      text=True, start_new_session=True)  # fmt: skip
@@ -234,6 +332,8 @@ class Peer(System):
         return [self.proc.pid, *self._servers]  # this process only waits meanwhile
 
     def _call(self, **cmd: object) -> dict[str, object]:
+        if self.dead:
+            raise RuntimeError(f"{self.label}: skipped: {self.dead}")
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
@@ -241,12 +341,24 @@ class Peer(System):
 
     def _reply(self) -> dict[str, object]:
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], REPLY_TIMEOUT_S)
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.reply_timeout)
         line = self.proc.stdout.readline() if ready else ""
         if not line:
-            self.close()
-            raise RuntimeError(f"{self.label}: the driver gave no answer (see its log)")
+            self.dead = (
+                f"its driver gave no answer within {self.reply_timeout:.0f} s (see its log)"
+                if not ready
+                else "its driver exited (see its log)"
+            )
+            self._stop()
+            raise RuntimeError(f"{self.label}: {self.dead}")
         return json.loads(line)
+
+    def _stop(self) -> None:
+        """End the driver and everything it started (its own process group)."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
 
     def setup(self, size: int, batch: int) -> None:
         self._call(cmd="setup", size=size, batch=batch)
@@ -259,13 +371,13 @@ class Peer(System):
         return float(r["secs"]), bool(r["verified"])  # type: ignore[arg-type]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc.poll() is None and not self.dead:
             try:
                 self._call(cmd="close")
                 self.proc.wait(30)
             except Exception:
-                self.proc.kill()
-                self.proc.wait(10)
+                self._stop()
+        self._stop()
 
 
 # -- the peers' venv --------------------------------------------------------------------------------
@@ -308,7 +420,7 @@ def start_peers(args: argparse.Namespace, logdir: Path, notes: list[str]) -> lis
     out: list[System] = []
     for peer, label in PEERS.items():
         try:
-            out.append(Peer(python, peer, logdir))
+            out.append(Peer(python, peer, logdir, args.reply_timeout))
         except Exception as exc:
             notes.append(f"{label} skipped: {exc} (log: {logdir}/{peer}.log).")
     return out
@@ -329,15 +441,23 @@ class Nodes:
         self.stop()
         kw = {"dram_bytes": (2 * batch + 4) * slot_bytes_for(size), "max_page_bytes": size}
         ucx = ["--ucx"] if ucxx_installed() else []  # the UCX plane is opt-in on a node
-        self.plain = NodeProcess(node_id="peer-bench", extra_args=ucx, **kw).start()  # type: ignore[arg-type]
-        self.tls = NodeProcess(node_id="peer-bench-tls", extra_args=["--tls-cert", str(self.pki.node_cert),
-                               "--tls-key", str(self.pki.node_key)], **kw).start()  # type: ignore[arg-type]  # fmt: skip
+        tls = ["--tls-cert", str(self.pki.node_cert), "--tls-key", str(self.pki.node_key)]
+        self.plain = _started(lambda: NodeProcess(node_id="peer-bench", extra_args=ucx, **kw))  # type: ignore[arg-type]
+        self.tls = _started(lambda: NodeProcess(node_id="peer-bench-tls", extra_args=tls, **kw))  # type: ignore[arg-type]
 
     def stop(self) -> None:
         for n in (self.plain, self.tls):
             if n is not None:
                 n.close()
         self.plain = self.tls = None
+
+
+def _started(make: Callable[[], NodeProcess]) -> NodeProcess:
+    """A node that serves, started once more if the first start timed out (a busy machine)."""
+    try:
+        return make().start(NODE_START_S)
+    except TimeoutError:
+        return make().start(NODE_START_S)
 
 
 def our_systems(nodes: Nodes, notes: list[str]) -> list[System]:
@@ -383,14 +503,24 @@ def cpu_seconds(pids: list[int]) -> float:
 Results = dict[str, dict[str, dict[str, list[float]]]]  # metric -> system label -> "<KiB>/<op>" -> runs
 
 
-def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, nodes: Nodes,
-            notes: list[str]) -> Results:  # fmt: skip
-    """Per run: GB/s of wall time ("gbs") and GB per CPU-second of the system's processes ("gb_per_cpu_s")."""
+def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, nodes: Nodes, notes: list[str],
+            load: LoadLog) -> tuple[Results, dict[str, str]]:  # fmt: skip
+    """Per run: GB/s of wall time ("gbs") and GB per CPU-second of the system's processes ("gb_per_cpu_s"); and,
+    per system never measured, why (it is reported as skipped, the run goes on)."""
     res: Results = {"gbs": {s.label: {} for s in systems}, "gb_per_cpu_s": {s.label: {} for s in systems}}
+    why: dict[str, str] = {}
     for size in sizes:
-        nodes.start(size, args.batch)
+        try:
+            nodes.start(size, args.batch)
+        except Exception as exc:
+            nodes.stop()
+            reason = f"the node did not start at {size >> 10} KiB ({str(exc).splitlines()[0]})"
+            notes.append(f"kvstore planes: {reason}; not measured at that size.")
+            why.update({s.label: reason for s in systems if isinstance(s, Ours)})
         live = []
         for s in systems:
+            if isinstance(s, Ours) and nodes.plain is None:
+                continue
             try:
                 s.setup(size, args.batch)
                 s.put(1)  # warm-up, untimed: first-touch faults, connections, the peers' lazy set-up
@@ -398,6 +528,7 @@ def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, n
                 live.append(s)
             except Exception as exc:
                 notes.append(f"{s.label} at {size >> 10} KiB: setup failed ({exc}); not measured.")
+                why[s.label] = f"setup failed at {size >> 10} KiB ({str(exc).splitlines()[0][:120]})"
         nbytes = size * args.batch
         iters = max(2, (args.phase_mib << 20) // nbytes)
         for run in range(args.runs):
@@ -409,6 +540,7 @@ def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, n
                         secs, ok = (s.put(iters), True) if op == "put" else s.get(iters)
                     except Exception as exc:
                         notes.append(f"{s.label} {op} at {size >> 10} KiB failed: {exc}")
+                        why[s.label] = f"{op} failed ({str(exc).splitlines()[0][:120]})"
                         continue
                     cpu = cpu_seconds(s.pids()) - cpu0
                     if not ok:
@@ -418,9 +550,9 @@ def measure(systems: list[System], sizes: list[int], args: argparse.Namespace, n
                     res["gbs"][s.label].setdefault(cell, []).append(iters * nbytes / secs / 1e9)
                     if cpu > 0:
                         res["gb_per_cpu_s"][s.label].setdefault(cell, []).append(iters * nbytes / cpu / 1e9)
-            print(f"  {size >> 10} KiB run {run + 1}/{args.runs} done", flush=True)
+            print(f"  {size >> 10} KiB run {run + 1}/{args.runs} done (load average {load.note():.1f})", flush=True)
     nodes.stop()
-    return res
+    return res, why
 
 
 RATIOS = [  # (row, system a, system b): a / b
@@ -430,6 +562,11 @@ RATIOS = [  # (row, system a, system b): a / b
     ("kvstore TCP / kvstore gRPC", "kvstore TCP plane", "kvstore gRPC streams"),
     ("kvstore TCP+TLS / kvstore TCP (TLS cost)", "kvstore TCP plane + TLS", "kvstore TCP plane"),
     ("kvstore TCP / raw TCP", "kvstore TCP plane", "raw TCP socket (no framing, no checksum)"),
+    ("kvstore TCP get_into / raw TCP", "kvstore TCP plane, get_into caller buffers", RawTcp.label),
+    ("(info) raw floor / raw TCP", RawFramed.label, RawTcp.label),
+    ("(info) kvstore TCP get_into / raw floor", "kvstore TCP plane, get_into caller buffers", RawFramed.label),
+    ("(info) raw TLS / raw TCP", RawTls.label, RawTcp.label),
+    ("(info) kvstore TCP+TLS / raw TLS", "kvstore TCP plane + TLS", RawTls.label),
     ("kvstore shm / memcpy", "kvstore shm (same host)", "memcpy (same bytes, one core)"),
     ("kvstore shm / Mooncake same host", "kvstore shm (same host)", PEERS["mooncake-local"]),
     ("kvstore zero-copy / memcpy", ZERO_COPY, "memcpy (same bytes, one core)"),
@@ -450,24 +587,29 @@ def paired(runs: dict[str, dict[str, list[float]]], a: str, b: str, cell: str) -
     return statistics.median(pairs) if pairs and len(xs) == len(ys) else None
 
 
-def table(runs: dict[str, dict[str, list[float]]], cells: list[str], head: str, title: str) -> list[str]:
+def table(runs: dict[str, dict[str, list[float]]], cells: list[str], head: str, title: str,
+          why: dict[str, str]) -> list[str]:  # fmt: skip
     lines = ["", f"| {title} | {head} |", "|---|" + "--:|" * len(cells)]
     for label in runs:
         vals = [med(runs, label, c) for c in cells]
+        if all(v is None for v in vals) and label in why:
+            lines.append(f"| {label} | skipped: {why[label]} |" + " |" * (len(cells) - 1))
+            continue
         lines.append(f"| {label} | " + " | ".join("—" if v is None else f"{v:.2f}" for v in vals) + " |")
     return lines
 
 
-def report(res: Results, sizes: list[int], args: argparse.Namespace, notes: list[str], wall: float) -> str:
+def report(res: Results, why: dict[str, str], sizes: list[int], args: argparse.Namespace, notes: list[str],
+           wall: float, load: LoadLog) -> str:  # fmt: skip
     cells = [f"{s >> 10}/{op}" for s in sizes for op in ("put", "get")]
     head = " | ".join(f"{c.split('/')[0]} KiB {c.split('/')[1]}" for c in cells)
     lines = [
-        machine_line() + f" | src {source_digest()} | load avg {os.getloadavg()[0]:.1f} at end",
+        machine_line() + f" | src {source_digest()} | {load.span()}",
         f"- Workload: batch {args.batch} pages per call, ~{args.phase_mib} MiB per phase, median of {args.runs} runs "
         f"(systems in rotating order), loopback; wall {wall:.0f} s. GB = 10^9 B.",
     ]
-    lines += table(res["gbs"], cells, head, "GB/s (wall)")
-    lines += table(res["gb_per_cpu_s"], cells, head, "GB per CPU-second, client + server processes")
+    lines += table(res["gbs"], cells, head, "GB/s (wall)", why)
+    lines += table(res["gb_per_cpu_s"], cells, head, "GB per CPU-second, client + server processes", why)
     lines += ["", f"| same-run ratio: wall · CPU | {head} |", "|---|" + "--:|" * len(cells)]
     for name, a, b in RATIOS:
         both = [(paired(res["gbs"], a, b, c), paired(res["gb_per_cpu_s"], a, b, c)) for c in cells]
@@ -490,6 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     peers = ap.add_argument_group("peers (LMCache, Mooncake)")
     peers.add_argument("--peers-venv", type=Path, default=HERE / ".peers-venv", help="their own venv (made if missing)")
     peers.add_argument("--no-peers", action="store_true", help="only kvstore and the baselines")
+    peers.add_argument("--reply-timeout", type=float, default=REPLY_TIMEOUT_S,
+                       help=f"seconds a peer's driver may take to answer before it is skipped (default {REPLY_TIMEOUT_S:.0f})")  # fmt: skip
+    ap.add_argument("--only", default="", help="measure only the systems whose label contains one of these "
+                    "comma-separated words (e.g. 'raw,TCP plane'); default: all")  # fmt: skip
     ap.add_argument("--quick", action="store_true", help="smoke run: 256 KiB, 1 run, 8 MiB phases, no peers")
     ap.add_argument("--out", type=Path, default=HERE / "out")
     args = ap.parse_args(argv)
@@ -498,24 +644,34 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if any(s <= 0 or s % 8192 for s in sizes):
         ap.error("--sizes: each size must be a positive multiple of 8 KiB")
+    only = [w.strip() for w in args.only.split(",") if w.strip()]
     t0 = time.perf_counter()
+    load = LoadLog()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")  # the node inherits it: UCX stays on loopback, as the tests
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="peer-bench-") as tmp:
         logdir = args.out / "peer_logs"
         logdir.mkdir(parents=True, exist_ok=True)
         nodes = Nodes(Path(tmp) / "pki")
-        systems: list[System] = [Memcpy(), RawTcp(), *our_systems(nodes, notes)]
-        systems += start_peers(args, logdir, notes)
+        RawTls.pki = nodes.pki
+        systems: list[System] = [Memcpy(), raw_tcp(notes), raw_tcp(notes, RawFramed), raw_tcp(notes, RawTls),
+                                 *our_systems(nodes, notes)]  # fmt: skip
+        if only:
+            systems = [s for s in systems if any(w.lower() in s.label.lower() for w in only)]
+        if not only or any(w.lower() in label.lower() for w in only for label in PEERS.values()):
+            systems += start_peers(args, logdir, notes)
         try:
-            res = measure(systems, sizes, args, nodes, notes)
+            res, why = measure(systems, sizes, args, nodes, notes, load)
         finally:
             for s in systems:
-                s.close()
+                try:
+                    s.close()
+                except Exception as exc:  # a system that broke must not take the figures with it
+                    notes.append(f"{s.label}: closing it failed ({type(exc).__name__}: {exc})")
             nodes.stop()
     wall = time.perf_counter() - t0
-    save_results(args.out, "peer_bench", report(res, sizes, args, notes, wall), args, results=res, notes=notes,
-                 wall_s=wall)  # fmt: skip
+    save_results(args.out, "peer_bench", report(res, why, sizes, args, notes, wall, load), args, results=res,
+                 skipped=why, notes=notes, wall_s=wall, load_average=load.samples)  # fmt: skip
     return 0
 
 

@@ -6,8 +6,9 @@ Modes (one real node each, DRAM only, on loopback):
     tokens       + bearer-token auth (read-write token on every call)
     tls+tokens   + TLS (EC P-256, a throwaway CA from devkit.pki) and tokens and metrics
 
-Bytes move on gRPC streams in every mode (transport="grpc"), so TLS encrypts them all; the
-shared-memory plane (benchmarks/shm_bench.py) sends only control messages over the channel.
+Bytes move on gRPC streams in every mode by default (transport="grpc"), so TLS encrypts them all; with
+`--transport tcp` they move on the bulk TCP plane (TLS there: OpenSSL, handing the records to the kernel
+where it has kTLS). The shared-memory plane (benchmarks/shm_bench.py) sends only control messages over the channel.
 Per mode: batched Put and Get GB/s of `--batch` pages of `--page-kib` KiB (median of `--runs` runs of
 `--iters` calls), and Lookup p50/p99 latency of a 64-block chain over `--lookups` calls. The modes run
 in rotating order per run so drift on the machine does not favour one. Writes
@@ -23,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine_line, save_results
+from machine import LoadLog, machine_line, save_results
 
 from devkit.pki import make_dev_pki
 from kvstore.cli.launch import NodeProcess
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="timed calls per run (default 20)")
     ap.add_argument("--runs", type=int, default=5, help="runs per mode; GB/s is the median (default 5)")
     ap.add_argument("--lookups", type=int, default=500, help="timed Lookups per run (default 500)")
+    ap.add_argument(
+        "--transport", choices=["grpc", "tcp"], default="grpc", help="the plane pages move on (default grpc)"
+    )
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 run, 3 calls, 50 lookups")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     slot = slot_bytes_for(layout.page_bytes)
     page = bytes(range(256)) * (layout.page_bytes // 256)
     t_start = time.perf_counter()
+    load = LoadLog()
     with tempfile.TemporaryDirectory(prefix="kvstore-secure-bench-") as tmp:
         pki = make_dev_pki(Path(tmp) / "pki")
         tokens = Path(tmp) / "rw.tokens"
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         nodes = {m: NodeProcess(dram_bytes=(4 * args.batch + 8) * slot, max_page_bytes=layout.page_bytes,
                                 node_id=f"bench-{m}", extra_args=node_args[m]).start() for m in MODES}  # fmt: skip
         clients = {m: KVStoreClient(nodes[m].addr, pages_per_stream=max(256, args.batch), security=security[m],
-                                transport="grpc")
+                                transport=args.transport)
                    for m in MODES}  # fmt: skip
         put_gbs: dict[str, list[float]] = {m: [] for m in MODES}
         get_gbs: dict[str, list[float]] = {m: [] for m in MODES}
@@ -91,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             for m in MODES:  # the first blocks of a 64-block chain stay resident for the Lookups
                 clients[m].put(NS, layout, chain[: args.batch], [page] * args.batch)
             for run in range(args.runs):
+                load.note()
                 order = MODES[run % len(MODES) :] + MODES[: run % len(MODES)]
                 for m in order:
                     kv = clients[m]
@@ -134,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         machine_line(),
         f"- Workload: {args.batch} x {args.page_kib} KiB pages per call, {args.iters} calls x {args.runs} runs "
-        f"(median), {args.lookups} Lookups of 64 blocks per run; wall {wall:.0f} s",
+        f"(median), {args.lookups} Lookups of 64 blocks per run, pages on the {args.transport} plane; wall {wall:.0f} s; "
+        f"{load.span()}",
         "",
         "| mode | put GB/s | get GB/s | put vs plain | get vs plain | lookup p50 ms | lookup p99 ms |",
         "|---|--:|--:|--:|--:|--:|--:|",
@@ -142,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         lines.append(f"| {r['mode']} | {r['put_gbs']:.2f} | {r['get_gbs']:.2f} | {r['put_vs_plain']:.2f}x | "
                      f"{r['get_vs_plain']:.2f}x | {r['lookup_p50_ms']:.2f} | {r['lookup_p99_ms']:.2f} |")  # fmt: skip
-    save_results(args.out, "secure_bench", "\n".join(lines), args, rows=rows, wall_s=wall)
+    save_results(args.out, "secure_bench", "\n".join(lines), args, rows=rows, wall_s=wall, load_average=load.samples)
     return 0
 
 

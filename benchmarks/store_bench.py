@@ -64,6 +64,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import ssl
 import statistics
 import struct
 import sys
@@ -86,15 +87,20 @@ from kvstore.errors import KVStoreError
 from kvstore.layout import DType, PageLayout
 from kvstore.memtune import tune_malloc_for_bulk_io
 from kvstore.names import TierKind
-from kvstore.pageformat import slot_bytes_for
+from kvstore.pageformat import checksum_in_steps, payload_checksum, slot_bytes_for
 from kvstore.tiers.nvme import QUEUE_DEPTH
 from kvstore.wire.shm import shm_available
+from kvstore.wire.tcp import OP_ENABLE_KTLS
 
 NAMESPACE = "bench"
 MIN_CALLS = 8  # calls per run never go below this (unless --iters is smaller)
 MAX_ATTEMPTS = 20  # tries per timed call when the server fails the RPC
 NVME_NODE_DRAM_SLOTS = 4
-TCP_HEADER = struct.Struct("<cIQ")  # op (b"P" send-to-server, b"G" get-from-server, b"Q" quit), count, size
+# op (b"P" send-to-server, b"G" get-from-server, b"E" / b"D" send / get distinct framed pages, b"Q" quit),
+# count, size
+TCP_HEADER = struct.Struct("<cIQ")
+FRAME_HEAD = 57  # what "E" and "D" send before each page: as long as a kvstore PAGE frame's header and metadata
+FRAME_HEAD_STRUCT = struct.Struct("<49xQ")  # the page's checksum in its last 8 bytes, as a PAGE frame has it
 TCP_SERVER_MAX_SECONDS = 3600.0  # the raw-TCP server exits on its own after this, whatever happens
 TCP_IO_TIMEOUT = 120.0
 
@@ -235,35 +241,94 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-def _serve_tcp_connection(sock: socket.socket) -> bool:
-    """Serve one client until it quits (returns True) or disconnects (returns False)."""
+def _send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Send every byte of `parts` in order, one sendmsg for all of them as far as the socket takes them."""
+    views = [memoryview(p) for p in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views.pop(0))
+        if views and sent:
+            views[0] = views[0][sent:]
+
+
+def _recv_hashed(sock: socket.socket, dst: memoryview) -> int:
+    """Fill `dst` from `sock`, hashing each HOT_CHUNK as it lands (checksum_in_steps); its XXH3-64."""
+
+    def receive(off: int, k: int) -> memoryview:
+        _recv_exact_into(sock, dst[off : off + k])
+        return dst[off : off + k]
+
+    return checksum_in_steps(len(dst), receive)
+
+
+def _serve_tcp_connection(sock: socket.socket, deadline: float) -> bool:
+    """Serve one client until it quits (returns True) or disconnects or stalls mid-request (returns False)."""
     header = bytearray(TCP_HEADER.size)
     buffers: dict[int, memoryview] = {}
-    while True:  # ends on quit, EOF, or the socket timeout
+    distinct: dict[tuple[int, int], list[memoryview]] = {}
+    while True:  # ends on quit, EOF, a stall, or the server's deadline
+        # NOTE: between requests the client may be measuring other systems for minutes on a busy machine
+        # (peer_bench rotates through them all): only the server's own deadline bounds that wait. Once a
+        # request started, TCP_IO_TIMEOUT bounds every wait.
+        sock.settimeout(max(1.0, deadline - time.monotonic()))
         try:
             _recv_exact_into(sock, memoryview(header))
-        except ConnectionError:
+            sock.settimeout(TCP_IO_TIMEOUT)
+            op, count, size = TCP_HEADER.unpack(header)
+            if op == b"Q":
+                return True
+            buf = buffers.get(size)
+            if buf is None:
+                buf = buffers[size] = memoryview(bytearray(os.urandom(size)))
+            if op == b"P":
+                for _ in range(count):
+                    _recv_exact_into(sock, buf)
+                sock.sendall(b"A")
+            elif op == b"G":
+                for _ in range(count):
+                    sock.sendall(buf)
+            elif op == b"E":  # `count` different pages, each after a frame header, hashed as they land
+                pages = distinct.get((count, size))
+                if pages is None:
+                    pages = distinct[(count, size)] = [memoryview(bytearray(os.urandom(size))) for _ in range(count)]
+                head = memoryview(bytearray(FRAME_HEAD))
+                for page in pages:
+                    _recv_exact_into(sock, head)
+                    _recv_hashed(sock, page)
+                sock.sendall(b"A")
+            elif op == b"D":  # `count` different pages, each after a frame header: what a node's reply is
+                pages = distinct.get((count, size))
+                if pages is None:
+                    pages = distinct[(count, size)] = [memoryview(bytearray(os.urandom(size))) for _ in range(count)]
+                head = bytes(FRAME_HEAD)
+                for page in pages:
+                    _send_parts(sock, [head, page])
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except (ConnectionError, TimeoutError):  # the client went away or stalled: wait for the next one
             return False
-        op, count, size = TCP_HEADER.unpack(header)
-        if op == b"Q":
-            return True
-        buf = buffers.get(size)
-        if buf is None:
-            buf = buffers[size] = memoryview(bytearray(os.urandom(size)))
-        if op == b"P":
-            for _ in range(count):
-                _recv_exact_into(sock, buf)
-            sock.sendall(b"A")
-        elif op == b"G":
-            for _ in range(count):
-                sock.sendall(buf)
-        else:
-            raise ValueError(f"unknown op {op!r}")
 
 
-def tcp_server_main(conn: Connection) -> None:
-    """Entry point of the raw-TCP server process: report the port on `conn`, serve until told to quit."""
+def raw_tls_context(server: tuple[str, str] | None = None, ca_file: str | None = None) -> ssl.SSLContext:
+    """The raw-TLS baseline's context: Python's ssl defaults (TLS 1.3 here), a server's certificate or a client's CA,
+    and OP_ENABLE_KTLS as kvstore's TCP plane sets it (so where the kernel has kTLS, OpenSSL hands it the records
+    here too); no session tickets."""
+    if server is not None:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.load_cert_chain(*server)
+        ctx.num_tickets = 0
+    else:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    ctx.options |= OP_ENABLE_KTLS
+    return ctx
+
+
+def tcp_server_main(conn: Connection, tls: tuple[str, str] | None = None) -> None:
+    """Entry point of the raw-TCP server process: report the port on `conn`, serve until told to quit. With `tls`
+    (certificate and key files) every connection is a TLS one (the raw-TLS baseline)."""
     deadline = time.monotonic() + TCP_SERVER_MAX_SECONDS
+    ctx = raw_tls_context(server=tls) if tls else None
     with socket.create_server(("127.0.0.1", 0)) as srv:
         srv.settimeout(1.0)
         conn.send(srv.getsockname()[1])
@@ -273,22 +338,27 @@ def tcp_server_main(conn: Connection) -> None:
             except TimeoutError:
                 continue
             with sock:
-                sock.settimeout(TCP_IO_TIMEOUT)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if _serve_tcp_connection(sock):
-                    return
+                try:
+                    if ctx is not None:
+                        sock.settimeout(TCP_IO_TIMEOUT)
+                        sock = ctx.wrap_socket(sock, server_side=True)
+                    if _serve_tcp_connection(sock, deadline):
+                        return
+                except OSError:  # a handshake or a TLS record that failed: that connection ends, not the server
+                    continue
 
 
 class TcpServer:
     """The raw-TCP reference server in a child process (spawned, so it shares no GIL with the client)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: tuple[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self._parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=tcp_server_main, args=(child,), name="raw-tcp-server", daemon=True)
+        self.proc = ctx.Process(target=tcp_server_main, args=(child, tls), name="raw-tcp-server", daemon=True)
         self.port = 0
 
-    def start(self, timeout: float = 30.0) -> TcpServer:
+    def start(self, timeout: float = 120.0) -> TcpServer:
         self.proc.start()
         if not self._parent.poll(timeout):
             self.stop()
@@ -309,11 +379,14 @@ class TcpServer:
 
 
 class TcpClient:
-    """One persistent TCP_NODELAY connection to the reference server."""
+    """One persistent TCP_NODELAY connection to the reference server (TLS, verified against `tls_ca`, when the
+    server was started with a certificate; only `send` and `recv` then: the framed ones use sendmsg)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, tls_ca: str | None = None) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=TCP_IO_TIMEOUT)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls_ca is not None:
+            self.sock = raw_tls_context(ca_file=tls_ca).wrap_socket(self.sock, server_hostname="localhost")
         self._ack = memoryview(bytearray(1))
 
     def send(self, page: memoryview, count: int) -> None:
@@ -328,6 +401,25 @@ class TcpClient:
         self.sock.sendall(TCP_HEADER.pack(b"G", count, len(into)))
         for _ in range(count):
             _recv_exact_into(self.sock, into)
+
+    def send_framed(self, pages: list[memoryview]) -> None:
+        """Client -> server: different pages, each hashed, then sent after a 57-byte frame header (one sendmsg per
+        page, as kvstore's TCP client does); the server receives each into a page of its own, hashing as it lands."""
+        self.sock.sendall(TCP_HEADER.pack(b"E", len(pages), len(pages[0])))
+        for page in pages:
+            _send_parts(self.sock, [FRAME_HEAD_STRUCT.pack(payload_checksum(page)), page])
+        _recv_exact_into(self.sock, self._ack)
+
+    def recv_framed(self, into: list[memoryview]) -> list[int]:
+        """Server -> client: len(into) different pages, each after a 57-byte frame header, page i received into
+        into[i] and hashed as it lands (checksum_in_steps, as kvstore's TCP client does); their XXH3-64s."""
+        self.sock.sendall(TCP_HEADER.pack(b"D", len(into), len(into[0])))
+        head = memoryview(bytearray(FRAME_HEAD))
+        sums = []
+        for dst in into:
+            _recv_exact_into(self.sock, head)
+            sums.append(_recv_hashed(self.sock, dst))
+        return sums
 
     def close(self, quit_server: bool = False) -> None:
         try:

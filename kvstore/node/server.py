@@ -28,7 +28,7 @@ from kvstore.addresses import host_id
 from kvstore.config import NodeConfig
 from kvstore.index.publisher import IndexPublisher
 from kvstore.manager import TierManager
-from kvstore.memtune import HeapTrimmer, bound_arenas, tune_malloc_for_bulk_io
+from kvstore.memtune import HeapTrimmer, bound_arenas, freeze_startup_objects, tune_malloc_for_bulk_io
 from kvstore.node.callers import Callers
 from kvstore.node.fds import fit_caps, raise_soft_limit, reserve_for
 from kvstore.node.interceptor import SERVICE_NAME, ErrorInterceptor
@@ -254,6 +254,7 @@ async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
     bound_arenas()  # before gRPC's threads allocate: what they keep is bounded (kvstore/memtune.py)
     node = Node(config)
     await node.start()
+    freeze_startup_objects()  # what lives as long as the node is never walked by the collector (memtune.py)
     loop = asyncio.get_running_loop()
     stop_task: list[asyncio.Task[None]] = []
     for sig in (signal.SIGTERM, signal.SIGINT):

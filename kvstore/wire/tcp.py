@@ -39,6 +39,11 @@ stream cannot be resynchronised. A connection that stalls in a handshake or in t
 frame for longer than the node's `tcp_timeout_seconds` is closed; whatever its request staged is
 freed (a PUT is atomic like a Put stream: nothing of it becomes visible).
 
+How frames meet the socket is each side's choice, never the format's: the node writes a GET reply's PAGE
+frames a group at a time (headers and payloads gathered into one sendmsg, DONE with the last group), and the
+client reads a reply frame's header and PAGE metadata in one receive (nothing follows a DONE or an ERROR
+until the next request, so it never reads past a frame).
+
 Versions: a connection speaks the version of its HELLO, and every later frame of it (both ways) carries
 that version. They differ only in what a PAGE's checksum covers (kvstore/pageformat.py, ChecksumForm):
 version 2 the KEYED form (the payload's XXH3-64 bound to the request's namespace and the page's hash, so a
@@ -58,6 +63,7 @@ two processes, on two cores.
 from __future__ import annotations
 
 import enum
+import ssl
 import struct
 from dataclasses import dataclass
 
@@ -80,12 +86,17 @@ _PAGE = struct.Struct(f"<{HASH_BYTES}sQB")
 _DONE = struct.Struct("<II")
 _WELCOME = struct.Struct("<BQI")
 MAX_TOKEN_BYTES = 4096
+# OpenSSL 3's SSL_OP_ENABLE_KTLS (named ssl.OP_ENABLE_KTLS from Python 3.12): both ends' TLS contexts set it, so
+# that OpenSSL hands the record layer to the kernel (kTLS) where the kernel has it and the cipher suits it.
+OP_ENABLE_KTLS = getattr(ssl, "OP_ENABLE_KTLS", 1 << 3)
 # Kernel send/receive buffers per connection, both ends: a few MiB-pages in flight (0: leave the kernel's
 # autotuning alone).
 SOCKET_BUFFER_BYTES = 4 << 20
 PAGE_META_BYTES = _PAGE.size  # 41
 MAX_TABLE_BYTES = 1 + MAX_PARTS * (1 + MAX_PART_NAME_BYTES + LAYOUT_BYTES)  # the largest part table
 _LAYOUT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "encoding")
+PAGE_FRAME_HEAD = struct.Struct(f"<2sBBIQ{HASH_BYTES}sQB")  # a PAGE frame's header and metadata, packed at once
+PAGE_FRAME_HEAD_BYTES = PAGE_FRAME_HEAD.size  # 57
 
 
 class Kind(enum.IntEnum):
@@ -293,7 +304,8 @@ def _layout(packed: bytes | memoryview, table: bytes | memoryview, field: str) -
 
 def page_header(h: bytes, checksum: int, nbytes: int, tier: TierKind | None = None, version: int = VERSION) -> bytes:
     """Header and meta of a PAGE frame; the `nbytes` payload bytes follow."""
-    return pack_header(Kind.PAGE, PAGE_META_BYTES, nbytes, version) + _PAGE.pack(h, checksum, int(tier) if tier else 0)
+    tier_value = int(tier) if tier else 0
+    return PAGE_FRAME_HEAD.pack(MAGIC, version, Kind.PAGE, PAGE_META_BYTES, nbytes, h, checksum, tier_value)
 
 
 def parse_page(meta: bytes | memoryview) -> tuple[bytes, int, int]:

@@ -75,6 +75,8 @@ class Connection:
             raise
         self.sock = sock
         self.plain = tls is None  # MSG_WAITALL and sendmsg work on plain sockets only
+        self.version = tcp.VERSION  # the connection's frame version (wire/tcp.py): every frame carries it
+        self._head = memoryview(bytearray(tcp.PAGE_FRAME_HEAD_BYTES))  # a reply frame's header and metadata
         self.replied = False
         self.usable = True  # False once a send or receive failed: the byte stream is out of step
         self.max_page_bytes = 0
@@ -146,6 +148,18 @@ class Connection:
         except OSError:
             self.usable = False
             raise
+
+    def _recv_some(self, dst: memoryview) -> int:
+        """Receive at least one byte into `dst` (whatever is there, up to its length); EOF raises."""
+        try:
+            k = self.sock.recv_into(dst)
+            if not k:
+                raise ConnectionError("the node closed the connection before the next frame")
+        except OSError:
+            self.usable = False
+            raise
+        self.replied = True
+        return k
 
     def receive_hashed(self, dst: memoryview) -> int:
         """Fill `dst` from the socket and return its payload checksum, each chunk hashed as soon as it is in
@@ -232,19 +246,19 @@ class Connection:
         self.send(tcp.get(namespace, list(hashes), promote, expect))
         out: list[tuple[bytes, TierKind, memoryview]] = []
         while True:
-            head, meta = self.read_frame()
-            if head.kind is Kind.DONE:
-                sent, _ = tcp.parse_done(meta)
-                if sent != len(out):
-                    raise StreamError(f"the node announced {sent} pages and sent {len(out)}")
+            page = self._reply_page()
+            if isinstance(page, int):  # DONE: how many pages the node sent
+                if page != len(out):
+                    raise StreamError(f"the node announced {page} pages and sent {len(out)}")
                 return out
-            if head.kind is not Kind.PAGE:
-                raise StreamError(f"unexpected {head.kind.name} frame in a GET reply")
+            h, checksum, tier, nbytes = page
             i = len(out)
-            h, checksum, tier = tcp.parse_page(meta)
             if i >= len(hashes) or h != hashes[i]:
                 raise StreamError(f"page {i}: the node sent an unexpected hash")
-            dst = sink(i, head.body_len)
+            kind = _TIERS.get(tier)
+            if kind is None:
+                raise StreamError(f"page {i}: the node named an unknown tier {tier}")
+            dst = sink(i, nbytes)
             if isinstance(dst, list):  # a bundle's parts, each straight into its own region (no copy)
                 got = self.receive_regions(dst, verify)
             elif not verify:
@@ -254,7 +268,56 @@ class Connection:
                 got = self.receive_hashed(dst)
             if verify and got ^ key_digest(namespace, h) != checksum:  # bound to what was asked
                 raise PageCorrupt(i, h, out)
-            out.append((h, TierKind(tier), dst))
+            out.append((h, kind, dst))
+
+    def _reply_page(self) -> tuple[bytes, int, int, int] | int:
+        """The next PAGE of a GET reply: (hash, checksum, tier value, payload bytes), its payload still to
+        be read; at the reply's DONE, the number of pages it says were sent; ERROR raises.
+
+        NOTE: one system call per page in the common case, not two: a reply is PAGE frames, each 57 bytes
+        before its payload, then one DONE or ERROR after which the node sends nothing until the next
+        request, so a read of up to 57 bytes never takes bytes past the frame it starts."""
+        buf = self._head
+        got = self._recv_some(buf)
+        if got < tcp.HEADER_BYTES:
+            self.readinto(buf[got : tcp.HEADER_BYTES])
+            got = tcp.HEADER_BYTES
+        magic, version, kind, meta_len, body_len = tcp.HEADER.unpack_from(buf)
+        if (
+            kind == Kind.PAGE
+            and meta_len == tcp.PAGE_META_BYTES
+            and magic == tcp.MAGIC
+            and version == self.version
+            and body_len <= self.max_page_bytes
+        ):
+            if got < tcp.PAGE_FRAME_HEAD_BYTES:
+                self.readinto(buf[got:])
+            h, checksum, tier = tcp.parse_page(buf[tcp.HEADER_BYTES :])
+            return h, checksum, tier, body_len
+        # Anything else: checked in full (a DONE, an ERROR, or a frame that breaks the format).
+        try:
+            head = tcp.unpack_header(
+                buf[: tcp.HEADER_BYTES], meta_limit=REPLY_META_LIMIT, body_limit=self.max_page_bytes, spoken=tcp.SPOKEN
+            )
+            if got > tcp.HEADER_BYTES + head.meta_len:
+                raise StreamError(f"the node sent bytes past the end of a {head.kind.name} frame")
+        except KVStoreError:
+            self.usable = False  # the byte stream cannot be followed any further
+            raise
+        meta = bytearray(head.meta_len)
+        meta[: got - tcp.HEADER_BYTES] = buf[tcp.HEADER_BYTES : got]
+        if got - tcp.HEADER_BYTES < head.meta_len:
+            self.readinto(memoryview(meta)[got - tcp.HEADER_BYTES :])
+        if head.kind is Kind.ERROR:
+            raise from_status(*tcp.parse_error(meta))
+        if head.kind is Kind.PAGE:  # a PAGE in another version than the connection's: the checks above
+            raise StreamError(f"a PAGE frame of version {head.version} on a version {self.version} connection")
+        if head.kind is not Kind.DONE:
+            raise StreamError(f"unexpected {head.kind.name} frame in a GET reply")
+        return tcp.parse_done(meta)[0]
+
+
+_TIERS = {int(t): t for t in TierKind}
 
 
 class TcpPlane(DataPlane):
@@ -435,6 +498,7 @@ def client_tls_context(security: ClientSecurity) -> ssl.SSLContext:
     certificate is configured."""
     ctx = ssl.create_default_context(cafile=security.ca_file)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= tcp.OP_ENABLE_KTLS  # the kernel makes and reads the records where it can (wire/tcp.py)
     if security.cert_file and security.key_file:
         ctx.load_cert_chain(security.cert_file, security.key_file)
     return ctx
