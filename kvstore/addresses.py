@@ -9,18 +9,37 @@ from __future__ import annotations
 
 import functools
 import ipaddress
+import os
 import socket
 from pathlib import Path
 
+HOST_ID_ENV = "KVSTORE_HOST_ID"  # tests and benchmarks only: several "hosts" on one machine (below)
 
-@functools.cache
+
 def host_id() -> str:
     """This host's identity: its boot id (distinct per host and per boot; equal for every process and
-    container of one kernel), else its hostname."""
+    container of one kernel), else its hostname. KVSTORE_HOST_ID overrides it, so tests and benchmarks can
+    play several hosts on one machine (each node and each client of a "host" sets the same value); a client
+    and a node of different ids then talk over the network planes (TCP on loopback), never the same-host plane."""
+    return os.environ.get(HOST_ID_ENV) or _boot_id()
+
+
+@functools.cache
+def _boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return socket.gethostname()
+
+
+def peer_host(peer: str) -> str:
+    """The host a connection's peer is on, as a node tells its readers apart (kvstore/node/heat.py): "" for this
+    host (loopback, a Unix socket, unknown), else the peer's address. `peer`: gRPC's form ("ipv4:1.2.3.4:5",
+    "ipv6:[::1]:5", "unix:...") or "host:port"."""
+    if not peer or peer.startswith("unix:"):
+        return ""
+    host = target_host(peer)
+    return "" if not host or is_loopback(host + ":0") else host
 
 
 def is_loopback(target: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvstore.pageformat import slot_bytes_for
 from kvstore.policy import POLICIES
+from kvstore.wire import MAX_REPLICAS
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -31,6 +32,7 @@ _SIZE_FIELDS = {
     "nvme_segment_bytes",
     "scrub_bytes_per_second",
     "shm_max_mapped_bytes",
+    "replication_bytes_per_second",
 }
 
 
@@ -133,6 +135,22 @@ class NodeConfig:
     tls_client_ca_file: str | None = None  # set: clients must present a certificate this CA signed
     auth_tokens_file: str | None = None  # tokens allowed every RPC, one per line
     auth_read_tokens_file: str | None = None  # tokens allowed Lookup, Get, Stats, Report only
+    # Tokens nodes present to each other to make copies (kvstore/security.py Role.PEER): a node presents this
+    # file's first token and accepts any of them; a peer acts for the tenant it names, so keep it to the nodes.
+    auth_peer_tokens_file: str | None = None
+    # Replication by heat (kvstore/replication, DESIGN.md §7.3), on where the node has an index (redis_url): a
+    # page read often (or by several hosts) gets copies on other nodes, up to replication_max_copies and only
+    # into free room (a destination keeps replication_free_reserve of its slots free); a Put's replicas=k keeps
+    # k copies; a lost holder's copies are made again. Copies move node to node at most
+    # replication_bytes_per_second (0: unbounded). SIGTERM hands this node's hot pages to others for at most
+    # handoff_seconds (0: no hand-off) before the drain and spill.
+    replication: bool = True
+    replication_max_copies: int = 3
+    replication_hot_reads_per_second: float = 1.0
+    replication_free_reserve: float = 0.1
+    replication_bytes_per_second: int = 256 << 20
+    replication_interval_seconds: float = 1.0
+    handoff_seconds: float = 10.0
     # Tenants (kvstore/node/tenancy.py): TOML with a [tenants.NAME] table per tenant: its shares per tier
     # (dram_bytes, nvme_bytes, hbm_bytes) and the mTLS subjects bound to it. Tokens name their tenant
     # in the token files; without either, every caller is the default tenant (no change).
@@ -195,6 +213,7 @@ class NodeConfig:
             "tls_client_ca_file",
             "auth_tokens_file",
             "auth_read_tokens_file",
+            "auth_peer_tokens_file",
             "tenants_file",
         ):
             path = getattr(self, name)
@@ -209,6 +228,20 @@ class NodeConfig:
         if not 0.0 <= float(self.retain_fraction) <= 1.0:  # NOTE: NaN fails this test too
             raise ValueError(f"retain_fraction must be in [0, 1], got {self.retain_fraction}")
         self.retain_fraction = float(self.retain_fraction)
+        if not 1 <= self.replication_max_copies <= MAX_REPLICAS:
+            raise ValueError(
+                f"replication_max_copies must be in [1, {MAX_REPLICAS}], got {self.replication_max_copies}"
+            )
+        if not self.replication_hot_reads_per_second > 0:  # NaN fails too
+            raise ValueError(
+                f"replication_hot_reads_per_second must be > 0, got {self.replication_hot_reads_per_second}"
+            )
+        if not 0 <= self.replication_free_reserve < 1:
+            raise ValueError(f"replication_free_reserve must be in [0, 1), got {self.replication_free_reserve}")
+        if not self.replication_interval_seconds > 0:
+            raise ValueError(f"replication_interval_seconds must be > 0, got {self.replication_interval_seconds}")
+        if not self.handoff_seconds >= 0:
+            raise ValueError(f"handoff_seconds must be >= 0, got {self.handoff_seconds}")
         if self.kv_events_endpoint is not None:
             self.kv_events_endpoint = events_endpoint(self.kv_events_endpoint, self.host)
             check_events_config(

@@ -130,6 +130,12 @@ class IncompatibleNode(KVStoreError):
     status_name = "FAILED_PRECONDITION"
 
 
+class ReplicationOff(KVStoreError):
+    """A node asked to take copies does not make or take copies (replication off, or no index)."""
+
+    status_name = "FAILED_PRECONDITION"
+
+
 class RemoteError(KVStoreError):
     """A status from the server that maps to no specific class (UNKNOWN, INTERNAL, DEADLINE_EXCEEDED...)."""
 

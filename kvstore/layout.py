@@ -364,6 +364,21 @@ def pack_part_table(parts: tuple[PagePart, ...] | list[PagePart]) -> bytes:
     return bytes(out)
 
 
+def part_table_len(raw: bytes | memoryview) -> int:
+    """The length of the part table that starts `raw` (pack_part_table's count and name lengths say it; what
+    follows is not read); ValueError when `raw` ends before the table does."""
+    if not len(raw):
+        raise ValueError("empty part table")
+    count, off = raw[0], 1
+    for i in range(count):
+        if off >= len(raw):
+            raise ValueError(f"part table ends before part {i}")
+        off += 1 + raw[off] + 20
+    if off > len(raw):
+        raise ValueError(f"part table ends inside part {count - 1}")
+    return off
+
+
 def unpack_part_table(raw: bytes | memoryview) -> tuple[PagePart, ...]:
     """Inverse of pack_part_table; ValueError naming what is malformed (the whole buffer must be the table)."""
     data = bytes(raw)

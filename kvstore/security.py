@@ -57,9 +57,14 @@ from kvstore.scoping import DEFAULT_TENANT, check_tenant
 log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
+# The tenant a peer (another node) acts for on this call (DESIGN.md §7.3): honoured for peer tokens only.
+TENANT_HEADER = "kvstore-tenant"
+# A node pulling copies marks its Gets: they feed neither the source's heat nor its served bytes (a marker,
+# not a credential: a client that sends it only hides its reads from the heat that would copy them for it).
+COPY_HEADER = "kvstore-copy"
 # Change what a node holds or where (Prefetch promotes, which on a full node drops the coldest page; Retain holds
-# pages, displaces sessions and promotes them).
-WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin", "Prefetch", "Retain"})
+# pages, displaces sessions and promotes them; Replicate stores copies).
+WRITE_METHODS = frozenset({"Put", "Delete", "Pin", "Unpin", "Prefetch", "Retain", "Replicate"})
 RELOAD_EVERY_S = 1.0
 
 
@@ -69,6 +74,7 @@ _SECRET_QUERY_KEYS = ("pass", "token", "secret", "key")  # query parameters whos
 class Role(enum.IntEnum):
     READ = 1
     WRITE = 2  # includes read
+    PEER = 3  # another node: writes, and acts for any tenant it names (copies, DESIGN.md §7.3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,12 +167,14 @@ class TokenAuthenticator:
     gone, empty, unreadable, invalid or accessible to others revokes every token of its role until it
     is fixed (the error is logged once and kept in `last_error`)."""
 
-    def __init__(self, write_file: str | None, read_file: str | None) -> None:
-        if not write_file and not read_file:
+    def __init__(self, write_file: str | None, read_file: str | None, peer_file: str | None = None) -> None:
+        """`peer_file`: the tokens nodes present to each other (Role.PEER): a peer may name the tenant it acts
+        for on each call (TENANT_HEADER), so its token is as powerful as a node: keep it to the nodes."""
+        if not write_file and not read_file and not peer_file:
             raise ValueError("TokenAuthenticator needs at least one token file")
-        self._files = {Role.WRITE: write_file, Role.READ: read_file}
+        self._files = {Role.WRITE: write_file, Role.READ: read_file, Role.PEER: peer_file}
         self._seen: dict[Role, tuple[int, ...] | None] = {}  # what each file was when last read (None: failed)
-        self._tokens: dict[Role, list[tuple[bytes, str | None]]] = {Role.WRITE: [], Role.READ: []}
+        self._tokens: dict[Role, list[tuple[bytes, str | None]]] = {Role.WRITE: [], Role.READ: [], Role.PEER: []}
         self._lock = threading.Lock()
         self._checked = 0.0
         self.last_error: str | None = None
@@ -182,6 +190,8 @@ class TokenAuthenticator:
                 if not force and self._seen.get(role) == seen:
                     continue
                 tokens = [(t.encode(), tenant) for t, tenant in read_token_entries(path)]
+                if role is Role.PEER and any(tenant for _, tenant in tokens):
+                    raise ValueError(f"{path}: a peer token acts for every tenant; its line names none")
             except (OSError, ValueError, UnicodeDecodeError) as exc:
                 if force:
                     raise ValueError(f"auth token file for {role.name.lower()} access: {exc}") from exc
@@ -213,13 +223,16 @@ class TokenAuthenticator:
             )
         # Check every token (no early exit), so timing says nothing about which one nearly matched.
         found: tuple[Role, str | None] | None = None
-        for r in (Role.WRITE, Role.READ):
+        for r in (Role.PEER, Role.WRITE, Role.READ):
             for tok, tenant in self._tokens[r]:
                 if hmac.compare_digest(tok, presented) and found is None:
                     found = (r, tenant)
         if found is None:
             raise Unauthenticated("unknown token")
-        return Principal(found[0], "token:" + hashlib.sha256(presented).hexdigest()[:16], found[1])
+        role, tenant = found
+        if role is Role.PEER:
+            tenant = _named_tenant(metadata)
+        return Principal(role, "token:" + hashlib.sha256(presented).hexdigest()[:16], tenant)
 
     def role_of(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> Role:
         return self.identify(metadata).role
@@ -230,6 +243,24 @@ class TokenAuthenticator:
         if method in WRITE_METHODS and who.role < Role.WRITE:
             raise PermissionDenied(f"{method} needs a read-write token; this token may only read")
         return who
+
+
+def _named_tenant(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+    """The tenant a peer's call names (TENANT_HEADER), None when it names none; Unauthenticated when the name is
+    not a tenant's (nothing of the call is read)."""
+    for key, value in metadata or ():
+        if key.lower() == TENANT_HEADER:
+            name = value.decode(errors="replace") if isinstance(value, bytes) else value
+            try:
+                return check_tenant(name, TENANT_HEADER)
+            except ValueError as exc:
+                raise Unauthenticated(str(exc)) from None
+    return None
+
+
+def marks_copy(metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
+    """Whether a call says it pulls copies (COPY_HEADER)."""
+    return any(key.lower() == COPY_HEADER for key, _ in metadata or ())
 
 
 def _bearer(metadata: Sequence[tuple[str, str | bytes]] | None) -> bytes | None:
@@ -264,6 +295,8 @@ class ClientSecurity:
     server_name: str | None = None
     allow_plaintext_token: bool = False  # send the token without TLS anywhere: a trusted network only
     node_id: str | None = None  # set by for_node(): the channel goes to this node, at an index address
+    acting_for: str | None = None  # a peer's calls on behalf of this tenant (TENANT_HEADER; nodes only)
+    copies: bool = False  # the calls pull copies (COPY_HEADER; nodes only)
 
     def __post_init__(self) -> None:
         if (self.cert_file is None) != (self.key_file is None):
@@ -325,7 +358,12 @@ class ClientSecurity:
         )
 
     def metadata(self) -> tuple[tuple[str, str], ...] | None:
-        return ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else None
+        md: tuple[tuple[str, str], ...] = ((AUTH_HEADER, f"Bearer {self.token}"),) if self.token else ()
+        if self.acting_for is not None:
+            md += ((TENANT_HEADER, self.acting_for),)
+        if self.copies:
+            md += ((COPY_HEADER, "1"),)
+        return md or None
 
     def channel_options(self) -> list[tuple[str, str]]:
         name = self.expected_name() if self.tls else None

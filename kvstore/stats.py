@@ -179,6 +179,25 @@ class KvEventsStatus:
     curve: bool = False  # only listed subscribers may connect (CURVE)
 
 
+@dataclass(slots=True)
+class ReplicationStatus:
+    """Replication by heat on one node (DESIGN.md §7.3; proto ReplicationStats): copies made and taken."""
+
+    enabled: bool = False
+    hot_pages: int = 0  # pages whose reads (or a Put's replicas) ask for more copies now
+    copies_in: int = 0  # pages pulled from other nodes and stored here
+    copy_bytes_in: int = 0
+    copies_out: int = 0  # pages other nodes pulled from here
+    copy_bytes_out: int = 0
+    copy_requests: int = 0  # Replicate calls this node sent
+    copies_refused: int = 0  # pages refused for want of free room
+    copy_failures: int = 0  # pages a copy could not get (source gone, short, a failed call)
+    copy_corrupt: int = 0  # pages that failed their checksum on arrival
+    handoff_pages: int = 0  # pages handed to other nodes on SIGTERM
+    served_bytes: int = 0  # payload bytes served to clients' Gets (copies excluded)
+    served_pages: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class PlaneInfo:
     """A bulk data plane a node serves (proto DataPlaneInfo): its name, where to reach it, whether TLS, and for
@@ -284,6 +303,7 @@ class NodeStats:
     scrubbed_bytes: int = 0  # DRAM payload bytes the background scrubber verified
     kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
     retention: RetentionStats = field(default_factory=RetentionStats)  # every tenant's (the default tenant sees it)
+    replication: ReplicationStatus | None = None  # copies made and taken (None: a node that predates them)
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -342,4 +362,5 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "tenants": [tenant_as_dict(t) for t in stats.tenants],
         "kv_events": None if stats.kv_events is None else asdict(stats.kv_events),
         "retention": retention_as_dict(stats.retention),
+        "replication": None if stats.replication is None else asdict(stats.replication),
     }

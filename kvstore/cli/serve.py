@@ -86,8 +86,26 @@ def serve(  # noqa: PLR0913, PLR0917
     auth_read_tokens_file: Annotated[
         Path | None, typer.Option(help=f"read-only bearer tokens ({READ_ONLY_METHODS}; Gets served in place)")
     ] = None,
+    auth_peer_tokens_file: Annotated[
+        Path | None,
+        typer.Option(help="tokens nodes present to each other to make copies (this node presents the first)"),
+    ] = None,
     tenants_file: Annotated[
         Path | None, typer.Option(help="TOML: per tenant (\\[tenants.NAME]) its shares per tier and mTLS subjects")
+    ] = None,
+    replication: Annotated[
+        bool | None,
+        typer.Option(
+            "--replication/--no-replication",
+            help="copy hot pages to other nodes and take copies (default on, with --redis-url)",
+        ),
+    ] = None,
+    replication_max_copies: Annotated[
+        int | None, typer.Option(help="most copies a hot page gets across the cluster (default 3)")
+    ] = None,
+    handoff_seconds: Annotated[
+        float | None,
+        typer.Option(help="on SIGTERM, hand hot pages to other nodes for at most this long (default 10; 0: off)"),
     ] = None,
     kv_events_endpoint: Annotated[
         str | None,
@@ -157,7 +175,11 @@ def serve(  # noqa: PLR0913, PLR0917
         tls_client_ca_file=_path(tls_client_ca),
         auth_tokens_file=_path(auth_tokens_file),
         auth_read_tokens_file=_path(auth_read_tokens_file),
+        auth_peer_tokens_file=_path(auth_peer_tokens_file),
         tenants_file=_path(tenants_file),
+        replication=replication,
+        replication_max_copies=replication_max_copies,
+        handoff_seconds=handoff_seconds,
         nvme_path=str(nvme_path) if nvme_path else None,
         dram_bytes=_size(dram_bytes),
         nvme_bytes=_size(nvme_bytes),
@@ -172,7 +194,12 @@ def serve(  # noqa: PLR0913, PLR0917
         kv_events_allow_open=kv_events_allow_open,
     )
     setup_logging(cfg.log_level)
-    asyncio.run(run_server(cfg, str(ready_file) if ready_file else None))
+    services = []
+    if cfg.replication and cfg.redis_url:
+        from kvstore.replication import Replicator  # above the node: the CLI attaches it (kvstore/README.md)
+
+        services.append(Replicator(cfg))
+    asyncio.run(run_server(cfg, str(ready_file) if ready_file else None, services))
 
 
 def _path(value: Path | None) -> str | None:

@@ -13,7 +13,7 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
 """
 
 from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
-from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult
+from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult, ReplicateResult
 from kvstore.client.planes.choice import TRANSPORTS
 from kvstore.client.planes.segments import SharedBuffer
 from kvstore.names import RetainMode
@@ -28,6 +28,7 @@ __all__ = [
     "PageRef",
     "PinResult",
     "PutResult",
+    "ReplicateResult",
     "RetainMode",
     "RetainResult",
     "SessionState",

@@ -31,6 +31,7 @@ _UNARY = {
     "GetShm": pb.GetShmResponse,
     "Report": pb.ReportResponse,
     "Retain": pb.RetainResponse,
+    "Replicate": pb.ReplicateResponse,
 }
 
 

@@ -16,7 +16,14 @@ import grpc
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.bundles import Parts
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
-from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, ClientCore, ClientSettings, PinResult, PutResult
+from kvstore.client.core import (
+    DEFAULT_PAGES_PER_STREAM,
+    ClientCore,
+    ClientSettings,
+    PinResult,
+    PutResult,
+    ReplicateResult,
+)
 from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer
@@ -25,7 +32,7 @@ from kvstore.layout import PageLayout
 from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats, RetainResult
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, check_replicas
 from kvstore.wire.streams import FetchedPage, PageRef
 
 T = TypeVar("T")
@@ -64,6 +71,11 @@ class _Client:
     def plane(self) -> str | None:
         """The data plane page bytes travel on now; None until the first bulk call negotiated it."""
         return self._core.plane
+
+    @property
+    def corrupt_pages(self) -> int:
+        """Pages that failed their checksum on arrival so far (each a miss, reported to the node)."""
+        return self._core.corrupt_pages
 
     def _call_args(self) -> dict[str, Any]:
         return {"timeout": self.timeout, "metadata": self._md}
@@ -167,14 +179,25 @@ class KVStoreClient(_Client):
         target_tier: TierKind | None = None,
         parent: bytes | None = None,
         chain: bool = True,
+        replicas: int = 0,
     ) -> PutResult:
         """Store pages under their hashes. Each call of up to pages_per_stream pages is atomic.
 
         chain: the hashes are consecutive blocks of one chain (as prefix_hashes gives them), `parent`
         the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated
         pages. Only eviction quality depends on it.
+
+        replicas: copies the cluster should keep of these pages on distinct nodes (0..16; 0 or 1: as many as
+        their reads ask for): for prefixes that must survive a node's loss. A node in a cluster with replication
+        on copies them to other nodes (and again when a holder is lost); a standalone node ignores it.
         """
-        return self._run(self._core.put(PutOpen(namespace, layout, target_tier, parent, chain), hashes, pages))
+        return self._run(
+            self._core.put(
+                PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas")),
+                hashes,
+                pages,
+            )
+        )
 
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return self._run(self._core.lookup_detail(namespace, hashes, prefetch))
@@ -215,11 +238,18 @@ class KVStoreClient(_Client):
         target_tier: TierKind | None = None,
         parent: bytes | None = None,
         chain: bool = True,
+        replicas: int = 0,
     ) -> PutResult:
         """`put` of pages lying in `buffers` (one per hash, each exactly layout.page_bytes). On the node's host
         they must lie in a `shared_buffer` of this client: the node copies each page once, into its slot,
         and checksums it there; the client touches no byte. Elsewhere it is `put`."""
-        return self._run(self._core.put_from(PutOpen(namespace, layout, target_tier, parent, chain), hashes, buffers))
+        return self._run(
+            self._core.put_from(
+                PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas")),
+                hashes,
+                buffers,
+            )
+        )
 
     def put_bundle(
         self,
@@ -231,12 +261,14 @@ class KVStoreClient(_Client):
         target_tier: TierKind | None = None,
         parent: bytes | None = None,
         chain: bool = True,
+        replicas: int = 0,
     ) -> PutResult:
         """Store multi-part pages (DESIGN.md §4.3): `layout` a bundle (PageLayout.bundle), pages[i] a mapping of
         every part name to its buffer (or list of regions, in order). Each page, all of its parts, is stored or
         not at all; the node checks the parts against the namespace's (LayoutMismatch naming the part) and
-        counts the page once. Bad parts raise ValueError naming `pages[i][part]` before anything is sent."""
-        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        counts the page once. Bad parts raise ValueError naming `pages[i][part]` before anything is sent. `replicas`:
+        as for put."""
+        op = PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
         return self._run(self._core.put_bundle(op, hashes, pages))
 
     def get_bundle(
@@ -328,6 +360,19 @@ class KVStoreClient(_Client):
         given lease, priority or mode apply); `prefetching` says how many promotions started."""
         return self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
 
+    def replicate(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        source: str,
+        *,
+        layout: PageLayout | None = None,
+        replicas: int = 0,
+    ) -> ReplicateResult:
+        """Have this node take copies of pages node `source` holds (it pulls them, verifies and stores them; a
+        copy never evicts: pages past its free room are refused). Your own tenant's pages only."""
+        return self._run(self._core.replicate(namespace, hashes, source, layout, replicas))
+
 
 class AsyncKVStoreClient(_Client):
     """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
@@ -396,8 +441,15 @@ class AsyncKVStoreClient(_Client):
         target_tier: TierKind | None = None,
         parent: bytes | None = None,
         chain: bool = True,
+        replicas: int = 0,
     ) -> PutResult:
-        return await self._run(self._core.put(PutOpen(namespace, layout, target_tier, parent, chain), hashes, pages))
+        return await self._run(
+            self._core.put(
+                PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas")),
+                hashes,
+                pages,
+            )
+        )
 
     async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return await self._run(self._core.lookup_detail(namespace, hashes, prefetch))
@@ -427,9 +479,10 @@ class AsyncKVStoreClient(_Client):
         target_tier: TierKind | None = None,
         parent: bytes | None = None,
         chain: bool = True,
+        replicas: int = 0,
     ) -> PutResult:
         """See KVStoreClient.put_from."""
-        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        op = PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
         return await self._run(self._core.put_from(op, hashes, buffers))
 
     async def put_bundle(
@@ -442,9 +495,10 @@ class AsyncKVStoreClient(_Client):
         target_tier: TierKind | None = None,
         parent: bytes | None = None,
         chain: bool = True,
+        replicas: int = 0,
     ) -> PutResult:
         """See KVStoreClient.put_bundle."""
-        op = PutOpen(namespace, layout, target_tier, parent, chain)
+        op = PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
         return await self._run(self._core.put_bundle(op, hashes, pages))
 
     async def get_bundle(
@@ -530,6 +584,18 @@ class AsyncKVStoreClient(_Client):
         """The session's next turn arrives: its pages are promoted back toward DRAM in the background (after the
         given lease, priority or mode apply); `prefetching` says how many promotions started."""
         return await self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
+
+    async def replicate(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        source: str,
+        *,
+        layout: PageLayout | None = None,
+        replicas: int = 0,
+    ) -> ReplicateResult:
+        """See KVStoreClient.replicate."""
+        return await self._run(self._core.replicate(namespace, hashes, source, layout, replicas))
 
 
 async def _blocking(op: Blocking) -> Any:

@@ -34,7 +34,7 @@ from kvstore.client.planes.shm import ShmPlane, plane_path, plane_uid
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
 from kvstore.client.planes.ucx import UcxPlane
-from kvstore.errors import IncompatibleNode, InvalidArgument, PlaneUnavailable
+from kvstore.errors import IncompatibleNode, InvalidArgument, PlaneUnavailable, Unavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.pageformat import align_up
@@ -45,6 +45,7 @@ from kvstore.wire.shm import shm_available
 from kvstore.wire.streams import (
     FetchedPage,
     PageRef,
+    layout_to_pb,
     lookup_from_pb,
     plane_from_pb,
     retain_result_from_pb,
@@ -58,12 +59,26 @@ T = TypeVar("T")
 DEFAULT_PAGES_PER_STREAM = 256
 PLANE_RETRY_SECONDS = 2.0  # after a plane refused a call, negotiate again this much later (auto mode)...
 PLANE_RETRY_MAX_SECONDS = 60.0  # ...doubling while it keeps refusing, up to this
+# A plane that refuses after this share of the call's timeout is a node that does not answer, not a plane it
+# lacks: the call ends there instead of starting the wait over on the next plane (one deadline per call).
+FALLBACK_SHARE = 0.5
 
 
 @dataclass(slots=True)
 class PinResult:
     done: int
     skipped: int
+
+
+@dataclass(slots=True)
+class ReplicateResult:
+    """What a node did with a Replicate: pages copied, held already, refused (no room), failed (not served,
+    or damaged on arrival)."""
+
+    copied: int
+    already_present: int
+    refused: int
+    failed: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +224,7 @@ class ClientCore:
         self._planes: tuple[DataPlane, ...] | None = None
         self._retry_at: float | None = None  # when to negotiate again after a plane was dropped
         self._retry_wait = PLANE_RETRY_SECONDS
+        self._retired_corrupt = 0  # corrupt_pages of planes given up
         if self.mode == "shm" and not shm_available():
             raise ValueError("transport='shm' needs memfd_create and Unix sockets (Linux)")
         if self.mode == "grpc":
@@ -222,6 +238,11 @@ class ClientCore:
     @property
     def plane(self) -> str | None:
         return self._planes[0].name if self._planes else None
+
+    @property
+    def corrupt_pages(self) -> int:
+        """Pages that failed their checksum on arrival (each a miss for its call, reported to the node)."""
+        return self._retired_corrupt + sum(p.corrupt_pages for p in self._planes or ())
 
     def close(self) -> None:
         for p in self._planes or ():
@@ -249,12 +270,15 @@ class ClientCore:
         self._retry_at = None
         known = bool(stats.host_id)  # a node that predates advertising planes sends no host id
         advertised = {p.name: plane_from_pb(p) for p in stats.planes} if known else None
-        same_host = is_loopback(self.settings.target) or (known and stats.host_id == host_id())
+        # NOTE: the node's host id decides where it says one (equal for every process of a kernel, so a loopback
+        # target always matches); KVSTORE_HOST_ID lets tests play several hosts on one machine (addresses.py).
+        same_host = stats.host_id == host_id() if known else is_loopback(self.settings.target)
         names = choose_planes(self.mode, same_host=same_host, advertised=advertised, client_can=usable_planes())
         planes = tuple(p for n in names if (p := self._make(n, (advertised or {}).get(n))) is not None)
         if self._planes is current:
             self._planes = planes
             for p in current or ():
+                self._retired_corrupt += p.corrupt_pages
                 p.close()
         else:  # another thread negotiated meanwhile: keep its planes
             for p in planes:
@@ -274,20 +298,32 @@ class ClientCore:
     def _bulk(self, call: Callable[[DataPlane], Exchange[T]]) -> Exchange[T]:
         """Run a bulk exchange on the preferred plane; on PlaneUnavailable give that plane up (until the
         next negotiation, see the module docstring) and run it on the next one, unless the caller insisted
-        on it (then the error surfaces, and the next call negotiates again)."""
+        on it (then the error surfaces, and the next call negotiates again).
+
+        One deadline for the call, across planes: a plane that refused only after FALLBACK_SHARE of the
+        timeout had passed (a node that does not answer, rather than a plane it does not serve) is not
+        followed by the next plane, which would start the wait over: the call fails as Unavailable."""
+        started = time.monotonic()
         planes = yield from self._negotiate()
         for _ in range(len(planes)):
             planes = self._planes or planes
             plane = planes[0]
             try:
                 result = yield from call(plane)
-            except PlaneUnavailable:
+            except PlaneUnavailable as exc:
+                waited = time.monotonic() - started
+                if waited >= FALLBACK_SHARE * self.settings.timeout and len(planes) > 1 and self.mode != plane.name:
+                    raise Unavailable(
+                        f"the node at {self.settings.target} did not answer within {waited:.1f} s "
+                        f"({plane.name} plane: {exc}); not trying slower planes past the call's deadline"
+                    ) from None
                 if self.mode == plane.name or len(planes) == 1:
                     if self.mode != "grpc":  # the node may have moved its plane (a restart)
                         self._retry_at = time.monotonic()
                     raise
                 if self._planes is not None and self._planes[0] is plane:  # another thread may have already
                     self._planes = self._planes[1:]
+                    self._retired_corrupt += plane.corrupt_pages
                     plane.close()
                     self._retry_at = time.monotonic() + self._retry_wait
                     self._retry_wait = min(self._retry_wait * 2, PLANE_RETRY_MAX_SECONDS)
@@ -467,3 +503,17 @@ class ClientCore:
 
     def stats(self) -> Exchange[NodeStats]:
         return stats_from_pb((yield Unary("Stats", pb.StatsRequest())))
+
+    def replicate(
+        self, namespace: str, hashes: Sequence[bytes], source: str, layout: PageLayout | None, replicas: int
+    ) -> Exchange[ReplicateResult]:
+        """Have the node pull copies of these pages from node `source` (DESIGN.md §7.3)."""
+        req = pb.ReplicateRequest(
+            namespace=namespace,
+            hashes=list(hashes),
+            source=source,
+            layout=layout_to_pb(layout) if layout is not None else None,
+            replicas=replicas,
+        )
+        r = yield Unary("Replicate", req)
+        return ReplicateResult(r.copied, r.already_present, r.refused, r.failed)

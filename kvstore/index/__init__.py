@@ -11,6 +11,7 @@ The index runs on one Redis, behind Redis Sentinel, or on a Redis Cluster (URL f
                                   stripe ss (00..1f) of a namespace: the entries of its pages
     kvs:v2:t:<tenant>:b:{...}     the same, a tenant's (so ACL users can be let read one tenant's only)
     kvs:v2:{n}:alive:<node_id>    STRING epoch, with a TTL (the heartbeat)   a node is live iff it exists
+    kvs:v2:{n}:beat:<node_id>     STRING "1", TTL 1 s, refreshed 4x a second  a live node without it is suspect
     kvs:v2:{n}:epoch:<node_id>    STRING counter (INCR)                      the node's epoch source
     kvs:v2:{n}:node:<node_id>     HASH  addr, epoch, version, pages_*, queued, resyncs, lag_ms, ...
     kvs:v2:{n}:nodes              SET   every node id ever registered

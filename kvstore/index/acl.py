@@ -1,8 +1,8 @@
 """Redis ACL users of the index: who may write which keys (pure; `kvstore up` and the chart apply them).
 
 Roles (SECURITY.md):
-- a node (`kvnode-<node id>`) reads the whole index and writes only its own records: its alive, epoch
-  and node keys, its holder in entries (through the entry scripts it loads, keys.UPDATE_SCRIPT and
+- a node (`kvnode-<node id>`) reads the whole index and writes only its own records: its alive, beat,
+  epoch and node keys, its holder in entries (through the entry scripts it loads, keys.UPDATE_SCRIPT and
   PRUNE_SCRIPT, whose own calls may only HGET/HSET/HDEL a stripe: a stripe cannot be deleted) and its
   id in the node set (SADD only). Redis cannot restrict what a script writes inside a hash, so a node
   could still claim or drop another node's holders: that costs a miss (clients ask the real node, which
@@ -31,7 +31,16 @@ from __future__ import annotations
 import hashlib
 import re
 
-from kvstore.index.keys import NODE_TAG, NODES_KEY, PREFIX, alive_key, epoch_key, node_key, tenant_prefix
+from kvstore.index.keys import (
+    NODE_TAG,
+    NODES_KEY,
+    PREFIX,
+    alive_key,
+    beat_key,
+    epoch_key,
+    node_key,
+    tenant_prefix,
+)
 from kvstore.scoping import check_tenant
 
 NODE_USER_PREFIX = "kvnode-"
@@ -78,7 +87,7 @@ def node_rules(node_id: str) -> str:
     shares. Raises ValueError for an id that is not a plain name (it becomes part of key patterns)."""
     if node_id != "*" and not _NODE_ID_RE.match(node_id):
         raise ValueError(f"node id {node_id!r}: a per-node Redis user needs [A-Za-z0-9._-] only")
-    own = f"~{alive_key(node_id)} ~{epoch_key(node_id)} ~{node_key(node_id)}"
+    own = f"~{alive_key(node_id)} ~{beat_key(node_id)} ~{epoch_key(node_id)} ~{node_key(node_id)}"
     # NOTE: a selector per kind of stripe: EVALSHA declares its keys read-write whatever the script does,
     # and the scripts' own HGET/HSET/HDEL are checked against these same rules.
     stripe = "+evalsha +hget +hset +hdel"

@@ -14,6 +14,12 @@ PREFIX = "kvs:v2:"
 NODE_TAG = "{n}"
 NODES_KEY = f"{PREFIX}{NODE_TAG}:nodes"
 ALIVE_PREFIX = f"{PREFIX}{NODE_TAG}:alive:"
+BEAT_PREFIX = f"{PREFIX}{NODE_TAG}:beat:"
+# A node refreshes its beat key every BEAT_S with a TTL of BEAT_TTL_MS: a node that stops answering (hung,
+# SIGSTOPped, its loop stuck) loses it within about a second, long before its alive key (index TTL) expires,
+# and readers treat it as suspect: read from only when no other holder is (kvstore/index/reader.py).
+BEAT_S = 0.25
+BEAT_TTL_MS = 1000
 
 # NOTE: a namespace's entries are spread over STRIPES hashes, each its own hash tag (so its own cluster
 # slot): a hot namespace spreads over up to STRIPES masters, and a lookup of a chain reads at most
@@ -129,6 +135,10 @@ def tenant_prefix(tenant: str) -> str:
 
 def alive_key(node_id: str) -> str:
     return ALIVE_PREFIX + node_id
+
+
+def beat_key(node_id: str) -> str:
+    return BEAT_PREFIX + node_id
 
 
 def node_key(node_id: str) -> str:

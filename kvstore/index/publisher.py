@@ -17,11 +17,14 @@ from redis.exceptions import RedisClusterException
 from kvstore import __version__
 from kvstore.index.connect import async_client
 from kvstore.index.keys import (
+    BEAT_S,
+    BEAT_TTL_MS,
     NODES_KEY,
     PRUNE_SCRIPT,
     STRIPE_KEYS_GLOB,
     UPDATE_SCRIPT,
     alive_key,
+    beat_key,
     check_node_id,
     entry_of,
     epoch_key,
@@ -118,6 +121,7 @@ class IndexPublisher:
         self._tasks = [
             loop.create_task(self._flush_loop()),
             loop.create_task(self._heartbeat_loop()),
+            loop.create_task(self._beat_loop()),
             loop.create_task(self._gc_loop()),
         ]
 
@@ -149,7 +153,7 @@ class IndexPublisher:
                 async with asyncio.timeout(self.ttl_seconds):
                     await self._flush_once()
                 async with asyncio.timeout(self.ttl_seconds):
-                    await self._redis.delete(alive_key(self.node_id))
+                    await self._redis.delete(alive_key(self.node_id), beat_key(self.node_id))
             except (*INDEX_ERRORS, TimeoutError) as exc:
                 log.info("index deregistration skipped: %s", exc)
         await self._redis.aclose()
@@ -190,6 +194,20 @@ class IndexPublisher:
                 self._connected(True)
             except INDEX_ERRORS as exc:
                 self._failed(exc)
+
+    async def _beat_loop(self) -> None:
+        """The beat key, every BEAT_S while registered: readers treat a live node without it as suspect (a node
+        that stops answering is skipped within about a second, long before its alive key expires). A failed
+        beat is left to the heartbeat to notice (one short call, at most BEAT_S late)."""
+        while True:
+            await asyncio.sleep(BEAT_S)
+            if self._need_resync or not self._registered.is_set():
+                continue
+            try:
+                async with asyncio.timeout(BEAT_TTL_MS / 1000):
+                    await self._redis.set(beat_key(self.node_id), "1", px=BEAT_TTL_MS)
+            except (*INDEX_ERRORS, TimeoutError) as exc:
+                log.debug("index beat failed: %s", exc)
 
     async def _gc_loop(self) -> None:
         while True:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -18,8 +19,9 @@ from redis.exceptions import RedisClusterException
 
 from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
 from kvstore.index.connect import close_sync, is_cluster, sync_client
-from kvstore.index.keys import NODES_KEY, alive_key, entry_field, node_key, stripe_key, stripe_of
-from kvstore.index.lookup import ClusterLookup, from_entries
+from kvstore.index.keys import NODES_KEY, alive_key, beat_key, entry_field, node_key, stripe_key, stripe_of
+from kvstore.index.lookup import ClusterLookup, from_entries, holders_in
+from kvstore.names import TierKind
 from kvstore.scoping import DEFAULT_TENANT, check_tenant, scope
 from kvstore.security import redact_url
 from kvstore.stats import PlaneInfo, planes_from_json
@@ -131,6 +133,8 @@ class IndexReader:
         self._map_at = -1e18
         self._down: dict[str, float] = {}  # master -> until when it is not asked (it did not answer)
         self._noperm_logged = False
+        self._beaters: set[str] = set()  # nodes seen beating (index/keys.py BEAT_S)
+        self._suspect: frozenset[str] = frozenset()
         self.misses_on_change = 0  # lookups cut short by a Redis Cluster changing under them (counted)
 
     def close(self) -> None:
@@ -351,25 +355,63 @@ class IndexReader:
         return live
 
     def _read_live(self) -> dict[str, int]:
-        """Every registered id and the epochs of the live ones: one round trip (the ids seen last time are
-        asked for with the set; ids new since then cost one more)."""
+        """Every registered id and the epochs of the live ones, and which of them are suspect (their beat
+        key is gone): one round trip (the ids seen last time are asked for with the set; ids new since then
+        cost one more)."""
         known = sorted(self._live)
         cmds: list[tuple[str, ...]] = [("SMEMBERS", NODES_KEY)]
         if known:
             cmds.append(("MGET", *(alive_key(n) for n in known)))
+            cmds.append(("MGET", *(beat_key(n) for n in known)))
         res = self._round_trip(cmds)
         for r in res:
             if isinstance(r, BaseException):
                 raise r
         ids = {x.decode() for x in res[0]}
         epochs = dict(zip(known, res[1], strict=True)) if known else {}
+        beats = dict(zip(known, res[2], strict=True)) if known else {}
         new = sorted(n for n in ids if n not in epochs)
         if new:
-            (more,) = self._round_trip([("MGET", *(alive_key(n) for n in new))])
-            if isinstance(more, BaseException):
-                raise more
-            epochs |= dict(zip(new, more, strict=True))
-        return {n: int(e) for n, e in epochs.items() if n in ids and e is not None and e.isdigit()}
+            more = self._round_trip([("MGET", *(alive_key(n) for n in new)), ("MGET", *(beat_key(n) for n in new))])
+            for r in more:
+                if isinstance(r, BaseException):
+                    raise r
+            epochs |= dict(zip(new, more[0], strict=True))
+            beats |= dict(zip(new, more[1], strict=True))
+        live = {n: int(e) for n, e in epochs.items() if n in ids and e is not None and e.isdigit()}
+        # NOTE: only a node seen beating counts as suspect when its beat is gone: a node that predates beats
+        # never had one.
+        self._beaters |= {n for n, b in beats.items() if b is not None}
+        self._suspect = frozenset(n for n in live if beats.get(n) is None and n in self._beaters)
+        return live
+
+    def suspects(self) -> frozenset[str]:
+        """Live nodes that stopped beating (hung, stopped, cut off from Redis): read from only when no other
+        holder is. As of the same view as `lookup` (at most live_refresh_s old)."""
+        with contextlib.suppress(redis.RedisError, RedisClusterException, OSError):
+            self._live_view()  # unreadable: the last view stands
+        return self._suspect
+
+    @_index_call
+    def holders(self, namespace: str, hashes: Sequence[bytes]) -> list[dict[str, TierKind]]:
+        """Who holds each page (live nodes at their current epochs), not only a prefix: for nodes, which know
+        the stored (tenant-scoped) namespace of their pages and read every tenant's entries. One round trip;
+        a stripe that could not be read (a Redis Cluster changing) says nobody holds its pages."""
+        if not hashes:
+            return []
+        live = self._live_view()
+        stripes: dict[int, list[int]] = {}
+        for i, h in enumerate(hashes):
+            stripes.setdefault(stripe_of(h), []).append(i)
+        reads = [(stripe_key(namespace, s), [entry_field(hashes[i]) for i in pos]) for s, pos in stripes.items()]
+        out: list[dict[str, TierKind]] = [{} for _ in hashes]
+        for pos, answer in zip(stripes.values(), self._read_stripes(reads), strict=True):
+            if isinstance(answer, BaseException):
+                continue
+            for i, v in zip(pos, answer, strict=True):
+                if v:
+                    out[i] = holders_in(v, live)
+        return out
 
     # -- nodes
 

@@ -12,6 +12,10 @@ A caller is resolved in three steps, the same everywhere:
 Invariant: a read-only caller never moves pages: `may_move` is False for it, so its Gets are served in
 place (no promotion: on a full node a promotion makes room by dropping the coldest page, and reading
 must not be a way to evict) and its Prefetches are refused; its Puts never reach the manager (step 1).
+
+A caller also carries what replication needs (DESIGN.md §7.3): the host it reads from (`host`: "" for this
+node's host, else its peer address) and the node's heat table, whose reads it feeds; another node (a peer
+token) acts for the tenant it names and feeds no heat (a copy is not a read).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from kvstore.errors import PermissionDenied
 from kvstore.manager.core import TierManager
 from kvstore.manager.views import TenantView
+from kvstore.node.heat import HeatTable
 from kvstore.node.tenancy import TenantBinder
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import Principal, Role, TokenAuthenticator
@@ -32,10 +37,20 @@ Metadata = Sequence[tuple[str, str | bytes]] | None
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """A resolved caller: who (None on a node without tokens), and the manager in its tenant's scope."""
+    """A resolved caller: who (None on a node without tokens), the manager in its tenant's scope, the host it
+    calls from ("" this node's) and what its reads feed (None: nothing)."""
 
     principal: Principal | None
     view: TenantView
+    host: str = ""
+    heat: HeatTable | None = None
+    reads: ReadCounters | None = None
+    copies: bool = False  # its Gets pull copies (another node): counted apart, never heat
+
+    @property
+    def peer(self) -> bool:
+        """Another node (a peer token): it may act for any tenant."""
+        return self.principal is not None and self.principal.role >= Role.PEER
 
     @property
     def may_move(self) -> bool:
@@ -55,6 +70,8 @@ class Callers:
         self.auth = auth  # None: the node runs without tokens
         self.binder = binder  # None: no tenant is bound to certificates
         self._views: dict[str, TenantView] = {}
+        self.heat: HeatTable | None = None  # set where the node replicates by heat (kvstore/replication)
+        self.reads = ReadCounters()  # what Gets served, to clients and to other nodes (copies)
 
     def check(self, method: str, metadata: Metadata) -> Principal | None:
         """The caller, unless its token does not allow `method` (Unauthenticated, PermissionDenied)."""
@@ -80,12 +97,26 @@ class Callers:
             v = self._views[tenant] = TenantView(self.manager, tenant)
         return v
 
-    def caller(self, who: Principal | None) -> Caller:
-        return Caller(who, self.view(DEFAULT_TENANT if who is None else who.scope))
+    def caller(self, who: Principal | None, host: str = "", copies: bool = False) -> Caller:
+        """`host`: the caller's host as its plane sees it (addresses.peer_host; "" this node's). `copies`: the call
+        says it pulls copies (security.COPY_HEADER); a peer token's calls always do."""
+        copies = copies or (who is not None and who.role >= Role.PEER)
+        view = self.view(DEFAULT_TENANT if who is None else who.scope)
+        return Caller(who, view, host, self.heat, self.reads, copies)
 
-    def authenticate(self, method: str, metadata: Metadata, cert_names: Iterable[str] | None) -> Caller:
+    def authenticate(self, method: str, metadata: Metadata, cert_names: Iterable[str] | None, host: str = "") -> Caller:
         """All three steps at once, for planes that see a request's credentials and its bytes together."""
-        return self.caller(self.bind(self.check(method, metadata), cert_names))
+        return self.caller(self.bind(self.check(method, metadata), cert_names), host)
+
+
+@dataclass(slots=True)
+class ReadCounters:
+    """Payload served by Gets: to clients (what a node's load is) and to other nodes (copies)."""
+
+    served_pages: int = 0
+    served_bytes: int = 0
+    copies_out: int = 0
+    copy_bytes_out: int = 0
 
 
 def current() -> Caller:

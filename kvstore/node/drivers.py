@@ -17,11 +17,16 @@ Put invariants (every plane alike):
   raised after it, else it is raised at once;
 - `TransferStuck` from a plane (a receive that may still write after the plane gave up on it) leaks the
   transaction instead of aborting it, so the slot the late bytes could land in is never reused.
+
+Replication (DESIGN.md §7.3) is fed here, once for every plane: each page a Get serves counts as a read of it
+by the caller's host in the node's heat table (a peer's Get is a copy, counted apart, not a read), and a Put
+that asks for replicas=k records it for the pages it stored.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -82,7 +87,9 @@ async def drive_put(
                 raise
             failure = exc
         index = 0
+        hashes: list[bytes] = []
         async for head in pages:
+            hashes.append(head.hash)
             view = None
             if failure is None and txn is not None:
                 try:
@@ -109,7 +116,13 @@ async def drive_put(
                 raise InvalidArgument("pages", "a Put with no pages")
             try:
                 stored, present = await txn.commit()
-                return PutDone(stored, present, txn.held())
+                held = txn.held()
+                if op.replicas > 1 and caller.heat is not None:
+                    ns, now = caller.view.ns(op.namespace), time.monotonic()
+                    for h, kept in zip(hashes, held, strict=False):
+                        if kept:
+                            caller.heat.ask((ns, h), op.replicas, now)
+                return PutDone(stored, present, held)
             except KVStoreError as exc:
                 if not drain:
                     raise
@@ -140,7 +153,30 @@ async def open_get(
     `expect`: the layout the request says it reads (a bundle's parts), checked against the namespace's.
     The manager checks the arguments (namespace, layout, at most max_pages_per_request hashes) first."""
     leases = caller.view.get(namespace, hashes, promote and caller.may_move, into, receiver_verifies, expect)
+    counted = _counted(leases, caller, namespace) if caller.reads is not None else leases
     try:
-        yield leases
+        yield counted
+    finally:
+        await counted.aclose()  # type: ignore[attr-defined]
+
+
+async def _counted(leases: AsyncIterator[ReadLease], caller: Caller, namespace: str) -> AsyncIterator[ReadLease]:
+    """The leases, each counted as it is handed to the plane: a read of its page by the caller's host (heat), or
+    a copy when the caller is another node."""
+    reads, heat, peer = caller.reads, caller.heat, caller.copies
+    assert reads is not None
+    ns = caller.view.ns(namespace) if heat is not None and not peer else namespace
+    try:
+        async for lease in leases:
+            n = len(lease.payload)
+            if peer:
+                reads.copies_out += 1
+                reads.copy_bytes_out += n
+            else:
+                reads.served_pages += 1
+                reads.served_bytes += n
+                if heat is not None:
+                    heat.note_read((ns, lease.hash), caller.host, time.monotonic())
+            yield lease
     finally:
         await leases.aclose()  # type: ignore[attr-defined]

@@ -19,11 +19,12 @@ from typing import Any
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
+from kvstore.addresses import peer_host
 from kvstore.errors import KVStoreError
 from kvstore.node.callers import CALLER, Callers
 from kvstore.node.limits import raw_unary, refusal_handler
 from kvstore.node.tenancy import grpc_cert_names
-from kvstore.security import Principal
+from kvstore.security import Principal, marks_copy
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,9 @@ async def _handled(
     started = time.perf_counter()
     CALLER.set(None)
     try:
-        CALLER.set(icpt.callers.caller(icpt.bind(caller, context)))  # may refuse (another tenant's certificate)
+        # may refuse (another tenant's certificate)
+        copies = marks_copy(context.invocation_metadata())
+        CALLER.set(icpt.callers.caller(icpt.bind(caller, context), peer_host(context.peer()), copies))
         yield
     except (asyncio.CancelledError, grpc.aio.AbortError) as exc:
         icpt.done(method, started, exc)

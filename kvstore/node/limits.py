@@ -41,6 +41,7 @@ REQUEST_LIMITS: dict[str, int] = {
         m: _HEAD + MAX_HASHES * _HASH_FIELD
         for m in ("Lookup", "Delete", "Pin", "Unpin", "Prefetch", "Get", "Report", "Retain")
     },
+    "Replicate": _HEAD + MAX_NAMESPACE_BYTES + MAX_HASHES * _HASH_FIELD,  # + the source's node id
 }
 # The node's gRPC receive limit: the largest request any method accepts, a Put chunk included. gRPC
 # refuses a larger message (RESOURCE_EXHAUSTED) from its length prefix, before buffering it.

@@ -1,10 +1,12 @@
 """The cache node: its manager, its gRPC server and data planes, its index link, and its lifecycle.
 
 `Node.start()` recovers the persistent tier, serves kvstore.v1.KVStore (kvstore/node/servicer.py) beside
-grpc health and reflection, starts the data planes its config turns on (kvstore/node/planes/) and joins
-the Redis index. SIGTERM/SIGINT (`serve`): health goes NOT_SERVING, in-flight RPCs get `grace_seconds`,
-then the manager spills DRAM pages to NVMe (bounded) and closes, so a restart on the same --nvme-path is
-warm.
+grpc health and reflection, starts the data planes its config turns on (kvstore/node/planes/), joins
+the Redis index and starts its services (`NodeService`: what layers above the node attach, e.g. replication,
+kvstore/replication). SIGTERM/SIGINT (`serve`): health goes NOT_SERVING, each service hands off what it must
+(bounded by `handoff_seconds`: replication hands hot pages to other nodes) while the node still serves, in-flight
+RPCs get `grace_seconds`, then the manager spills DRAM pages to NVMe (bounded) and closes, so a restart on the
+same --nvme-path is warm.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -59,11 +63,26 @@ GRPC_OPTIONS = [
 ]
 
 
+class NodeService(Protocol):
+    """Something a layer above the node runs with it (kvstore/replication): started once the node serves and
+    is in the index, asked to hand off on SIGTERM while the node still serves, stopped before it closes."""
+
+    async def start(self, node: Node) -> None: ...
+
+    async def handoff(self, deadline: float) -> None:
+        """SIGTERM: move what must not be lost to other nodes by `deadline` (monotonic); never raises."""
+
+    async def stop(self) -> None: ...
+
+
 class Node:
     """A running cache node: manager + gRPC server. `start()`, then `wait()` or `stop()`."""
 
-    def __init__(self, config: NodeConfig) -> None:
+    def __init__(self, config: NodeConfig, services: Sequence[NodeService] = ()) -> None:
         self.config = config
+        self.services = list(services)
+        self._served_at = (time.monotonic(), 0)  # (when, served bytes) at the last record: the load's base
+        self.load_bps = 0.0  # payload bytes per second served to clients between the last two records
         tenants = load_tenants_file(config.tenants_file) if config.tenants_file else {}
         self.manager = TierManager(config, shares=share_bytes(tenants))
         auth = None
@@ -159,6 +178,8 @@ class Node:
                     redact_url(self.config.redis_url),
                     wait,
                 )
+        for service in self.services:
+            await service.start(self)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -176,6 +197,7 @@ class Node:
         """Stop what a failed start started (each step bounded and on its own: one failing does not keep
         the others from running), so the process exits with only the refusal to show."""
         steps: list[Callable[[], Awaitable[object]]] = [lambda: self.server.stop(0), self._stop_trimming]
+        steps += [service.stop for service in self.services]
         steps += [plane.stop for plane in reversed(self._started_planes)]
         if self.index is not None:
             index = self.index
@@ -200,6 +222,22 @@ class Node:
         log.info("shutting down: draining for up to %.1fs", self.config.grace_seconds)
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.services and self.config.handoff_seconds > 0:
+            # NOTE: before the drain: the node still serves the other nodes that pull what it hands off.
+            deadline = time.monotonic() + self.config.handoff_seconds
+            log.info("handing off for up to %.1fs", self.config.handoff_seconds)
+            for service in self.services:
+                try:
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic()) + 1.0):
+                        await service.handoff(deadline)
+                except Exception:  # a hand-off that fails must not keep the node from stopping
+                    log.exception("hand-off failed")
+        for service in self.services:
+            try:
+                async with asyncio.timeout(10.0):
+                    await service.stop()
+            except Exception:
+                log.exception("a node service failed to stop")
         await self.server.stop(self.config.grace_seconds)
         for plane in self.plane_servers:
             await plane.stop()
@@ -228,10 +266,16 @@ class Node:
 
     def _index_info(self) -> dict[str, int | str]:
         """The node's record in the index: occupancy, and the planes it serves (as Stats has them)."""
+        now, served = time.monotonic(), self.callers.reads.served_bytes
+        then, before = self._served_at
+        if now - then > 0.1:
+            self.load_bps = (served - before) / (now - then)
+            self._served_at = (now, served)
         info: dict[str, int | str] = {
             **self.manager.occupancy(),
             "host_id": host_id(),
             "planes": planes_to_json(self.planes),
+            "load_bps": int(self.load_bps),  # what readers and placement weigh (kvstore/index/choose.py)
         }
         if self.metrics_port is not None:  # where kvctl top finds this node's /metrics
             info["metrics_addr"] = f"{self.advertise_addr.rsplit(':', 1)[0]}:{self.metrics_port}"
@@ -248,11 +292,11 @@ class Node:
         return f"{host}:{self.port}"
 
 
-async def serve(config: NodeConfig, ready_file: str | None = None) -> None:
-    """Run a node until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
+async def serve(config: NodeConfig, ready_file: str | None = None, services: Sequence[NodeService] = ()) -> None:
+    """Run a node (with `services`) until SIGTERM/SIGINT. Writes {"port", "pid"} to ready_file once serving."""
     tune_malloc_for_bulk_io()
     bound_arenas()  # before gRPC's threads allocate: what they keep is bounded (kvstore/memtune.py)
-    node = Node(config)
+    node = Node(config, services)
     await node.start()
     freeze_startup_objects()  # what lives as long as the node is never walked by the collector (memtune.py)
     loop = asyncio.get_running_loop()

@@ -10,23 +10,26 @@ status code. Values are validated by the manager; Put and Get run the node's one
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id, target_host
-from kvstore.errors import InvalidArgument, PermissionDenied
+from kvstore.errors import InvalidArgument, PermissionDenied, ReplicationOff
+from kvstore.layout import PageLayout
 from kvstore.names import RetainMode, RetainOp, TierKind
-from kvstore.node.callers import current
+from kvstore.node.callers import Caller, current
 from kvstore.node.drivers import drive_put, open_get
 from kvstore.node.interceptor import SERVICE_NAME
 from kvstore.node.limits import bounded
 from kvstore.node.planes.streams import PutStream
 from kvstore.node.report_budget import ReportBudget
 from kvstore.pageformat import in_form
-from kvstore.stats import PlaneInfo
-from kvstore.wire import MAX_HASHES, pack_held
+from kvstore.scoping import DEFAULT_TENANT
+from kvstore.stats import PlaneInfo, ReplicationStatus
+from kvstore.wire import MAX_HASHES, check_replicas, pack_held
 from kvstore.wire.streams import (
     checksum_form_from_pb,
     enum_from_pb,
@@ -39,6 +42,20 @@ from kvstore.wire.streams import (
 )
 
 
+@dataclass(slots=True)
+class Copied:
+    """What a Replicate did (its response)."""
+
+    copied: int = 0
+    already_present: int = 0
+    refused: int = 0
+    failed: int = 0
+
+
+# (caller, namespace, hashes, source node id, layout or None, replicas) -> what was copied
+ReplicateHandler = Callable[[Caller, str, list[bytes], str, PageLayout | None, int], Awaitable[Copied]]
+
+
 class KVStoreServicer:
     """kvstore.v1.KVStore on one node. `planes` is what Stats advertises (filled as planes start)."""
 
@@ -46,6 +63,10 @@ class KVStoreServicer:
         self.max_pages = max_pages  # pages one Get may ask for
         self.planes = planes
         self.report_budget = ReportBudget()  # pages each caller may have verified by its reports
+        # Replication (kvstore/replication), where a layer above the node attached it: what a Replicate does,
+        # and what Stats says of it. None: this node makes and takes no copies.
+        self.replicate: ReplicateHandler | None = None
+        self.replication: Callable[[], ReplicationStatus] | None = None
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         caller = current()
@@ -124,10 +145,27 @@ class KVStoreServicer:
         return retain_result_to_pb(res)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        stats = current().view.stats()
+        caller = current()
+        stats = caller.view.stats()
         stats.planes = list(self.planes)
         stats.host_id = host_id()
+        if self.replication is not None and caller.view.tenant == DEFAULT_TENANT:  # node-wide: the operator's
+            stats.replication = self.replication()
         return stats_to_pb(stats)
+
+    async def Replicate(self, request: pb.ReplicateRequest, context: grpc.aio.ServicerContext) -> pb.ReplicateResponse:
+        """Take copies from another node (DESIGN.md §7.3), for the caller's tenant (a peer's: the one it names)."""
+        hashes = bounded(request.hashes, self.max_pages, "hashes")
+        if self.replicate is None:
+            raise ReplicationOff("this node takes no copies (replication is off, or it has no index)")
+        if not request.source:
+            raise InvalidArgument("source", "the node to copy from is required")
+        layout = layout_from_pb(request.layout, "layout") if request.HasField("layout") else None
+        replicas = check_replicas(request.replicas, "replicas")
+        res = await self.replicate(current(), request.namespace, hashes, request.source, layout, replicas)
+        return pb.ReplicateResponse(
+            copied=res.copied, already_present=res.already_present, refused=res.refused, failed=res.failed
+        )
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """The service's method handlers. Same wire format as the generated ones, except that Put
@@ -142,6 +180,7 @@ class KVStoreServicer:
             "Stats": (self.Stats, pb.StatsRequest, pb.StatsResponse),
             "Report": (self.Report, pb.ReportRequest, pb.ReportResponse),
             "Retain": (self.Retain, pb.RetainRequest, pb.RetainResponse),
+            "Replicate": (self.Replicate, pb.ReplicateRequest, pb.ReplicateResponse),
         }
         # NOTE: the deserializers are not run by gRPC: the interceptor takes each request as raw bytes and
         # parses it after the token check and the method's size limit (kvstore/node/limits.py), so

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvstore.errors import InvalidArgument
 from kvstore.layout import PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import ChecksumForm
@@ -22,6 +23,7 @@ from kvstore.pageformat import ChecksumForm
 MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch call
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # a gRPC chunk + framing, with room to spare; channels and the server set this
+MAX_REPLICAS = 16  # copies a Put may ask the cluster to keep (PutOpen.replicas)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +42,7 @@ class PutOpen:
     parent: bytes | None = None
     chain: bool = False
     checksums: ChecksumForm = ChecksumForm.KEYED  # what the pages' declared checksums cover (pageformat)
+    replicas: int = 0
 
     def batch(self, hashes: Sequence[bytes], start: int) -> PutOpen:
         """The opening of the batch of `hashes` that starts at index `start`: its first page's parent is
@@ -47,6 +50,13 @@ class PutOpen:
         if not self.chain:
             return self if self.parent is None else replace(self, parent=None)
         return self if start == 0 else replace(self, parent=hashes[start - 1])
+
+
+def check_replicas(value: int, field: str) -> int:
+    """`value` if a Put may ask for that many copies (0..MAX_REPLICAS); InvalidArgument naming `field`."""
+    if not 0 <= value <= MAX_REPLICAS:
+        raise InvalidArgument(field, f"{value} copies asked for; a Put may ask for 0 to {MAX_REPLICAS}")
+    return value
 
 
 def pack_held(held: Sequence[bool]) -> bytes:

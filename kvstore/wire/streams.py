@@ -26,6 +26,7 @@ from kvstore.stats import (
     LookupResult,
     NodeStats,
     PlaneInfo,
+    ReplicationStatus,
     RetainResult,
     RetentionStats,
     SessionState,
@@ -35,7 +36,7 @@ from kvstore.stats import (
     TierRetention,
     TierStats,
 )
-from kvstore.wire import CHUNK_BYTES, PutOpen
+from kvstore.wire import CHUNK_BYTES, PutOpen, check_replicas
 
 M = TypeVar("M", bound=Message)
 
@@ -169,6 +170,7 @@ def put_open_to_pb(op: PutOpen) -> pb.PutOpen:
         parent_hash=op.parent or b"",
         chain=op.chain,
         checksum_form=int(op.checksums),
+        replicas=op.replicas,
     )
 
 
@@ -192,6 +194,7 @@ def put_open_from_pb(msg: pb.PutOpen, field: str = "open") -> PutOpen:
         msg.parent_hash or None,
         msg.chain,
         checksum_form_from_pb(msg.checksum_form, f"{field}.checksum_form"),
+        check_replicas(msg.replicas, f"{field}.replicas"),
     )
 
 
@@ -451,6 +454,7 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
         checksum_form=pb.CHECKSUM_FORM_KEYED,
         retention=retention_to_pb(stats.retention),
+        replication=None if stats.replication is None else pb.ReplicationStats(**asdict(stats.replication)),
     )
 
 
@@ -603,4 +607,7 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
         if msg.HasField("kv_events")
         else None,
         retention=retention_from_pb(msg.retention),
+        replication=ReplicationStatus(**{f.name: getattr(msg.replication, f.name) for f in fields(ReplicationStatus)})
+        if msg.HasField("replication")
+        else None,
     )

@@ -16,9 +16,11 @@ Kinds and their meta:
     HELLO   c->n  token (UTF-8, empty when none); the first frame of a connection (after TLS if on)
     WELCOME n->c  role u8 (1 read, 2 read-write) | max_page_bytes u64 | max_pages u32
     PUT     c->n  target_tier u8 | chain u8 | has_parent u8 | npages u32 | parent 32 B | layout 20 B |
-                  namespace_len u16 | namespace (UTF-8) [| part table]; then exactly `npages` PAGE frames
-                  follow. The part table (kvstore/layout.py `pack_part_table`) names a bundle's parts; it is
-                  there when the meta is longer than the namespace needs, and only for a bundle layout
+                  namespace_len u16 | namespace (UTF-8) [| part table] [| replicas u8]; then exactly `npages`
+                  PAGE frames follow. The part table (kvstore/layout.py `pack_part_table`) names a bundle's
+                  parts: only a bundle layout has one, and it may be left out. `replicas` (PutOpen.replicas)
+                  ends the meta, sent only when set (> 0), so a PUT without it is byte for byte what nodes that
+                  predate it take; a table's own lengths say where it ends, so the two never read as each other
     GET     c->n  promote u8 | nhashes u32 | namespace_len u16 | namespace | hashes (32 B each)
                   [| layout 20 B | part table]: the layout the client expects (a bundle and its parts),
                   checked by the node against the namespace's before any page
@@ -69,10 +71,10 @@ from dataclasses import dataclass
 
 from kvstore.errors import InvalidArgument
 from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
-from kvstore.layout import MAX_PART_NAME_BYTES, MAX_PARTS, PageLayout, unpack_part_table
+from kvstore.layout import MAX_PART_NAME_BYTES, MAX_PARTS, PageLayout, part_table_len, unpack_part_table
 from kvstore.names import TierKind
 from kvstore.pageformat import ChecksumForm
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, check_replicas
 
 MAGIC = b"KT"
 VERSION = 2  # what this build's client speaks (module docstring)
@@ -206,7 +208,8 @@ def put(op: PutOpen, npages: int) -> bytes:
         op.layout.pack(),
         len(ns),
     )
-    return frame(Kind.PUT, fixed + ns + table)
+    extra = bytes((op.replicas,)) if op.replicas else b""  # NOTE: only when set: older nodes take exact lengths
+    return frame(Kind.PUT, fixed + ns + table + extra)
 
 
 def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
@@ -227,12 +230,30 @@ def parse_put(meta: bytes | memoryview, form: ChecksumForm = ChecksumForm.KEYED)
     connection's); InvalidArgument names a bad field."""
     target, chain, has_parent, _, parent, layout_raw, ns_len = _PUT.unpack_from(meta)
     namespace = _namespace(meta[_PUT.size : _PUT.size + ns_len], "put.namespace")
-    layout = _layout(layout_raw, meta[_PUT.size + ns_len :], "put.layout")
+    tail = meta[_PUT.size + ns_len :]
+    table_end = len(tail)
+    if len(tail) and _packed_is_bundle(layout_raw):
+        if len(tail) == 1:  # NOTE: a table is at least 22 bytes (a count and one part), so one byte is `replicas`
+            table_end = 0
+        else:
+            try:
+                table_end = part_table_len(tail)
+            except ValueError as exc:
+                raise InvalidArgument("put.layout", str(exc)) from None
+    elif len(tail) == 1:
+        table_end = 0  # NOTE: only a bundle has a table: one byte after the namespace is `replicas`
+    rest = tail[table_end:]
+    if len(rest) > 1:
+        raise InvalidArgument(
+            "put.layout", f"{len(rest)} bytes after the PUT's layout; at most a replicas byte may follow"
+        )
+    replicas = check_replicas(rest[0], "put.replicas") if len(rest) else 0
+    layout = _layout(layout_raw, tail[:table_end], "put.layout")
     try:
         tier = TierKind(target) if target else None
     except ValueError:
         raise InvalidArgument("put.target_tier", f"unknown tier {target}") from None
-    return PutOpen(namespace, layout, tier, bytes(parent) if has_parent else None, bool(chain), form)
+    return PutOpen(namespace, layout, tier, bytes(parent) if has_parent else None, bool(chain), form, replicas)
 
 
 # -- GET ---------------------------------------------------------------------------------------------
@@ -283,6 +304,14 @@ def get_meta_limit(max_pages: int) -> int:
     """The largest metadata a node accepts: a GET of `max_pages` hashes and a bundle's layout (every other kind
     is smaller)."""
     return _GET.size + MAX_NAMESPACE_BYTES + max_pages * HASH_BYTES + LAYOUT_BYTES + MAX_TABLE_BYTES + MAX_TOKEN_BYTES
+
+
+def _packed_is_bundle(packed: bytes | memoryview) -> bool:
+    """Whether 20 packed layout bytes say a bundle (False when they do not unpack: `_layout` names why)."""
+    try:
+        return PageLayout.unpack(bytes(packed)).is_bundle
+    except ValueError:
+        return False
 
 
 def _layout(packed: bytes | memoryview, table: bytes | memoryview, field: str) -> PageLayout:

@@ -20,10 +20,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvstore.names", "kvstore.hashing", "kvstore.layout", "kvstore.pageformat", "kvstore.errors", "kvstore.scoping",
      "kvstore.addresses", "kvstore.stats", "kvstore.memtune", "kvstore.pointers", "kvstore.security", "kvstore.wire",
      "kvstore._proto",
-     "kvstore.index.keys", "kvstore.index.lookup", "kvstore.index.acl", "kvstore"),
-    ("kvstore.tiers", "kvstore.policy", "kvstore.config"),
+     "kvstore.index.keys", "kvstore.index.lookup", "kvstore.index.acl", "kvstore.index.choose", "kvstore"),
+    ("kvstore.tiers", "kvstore.policy", "kvstore.config", "kvstore.node.heat"),
     ("kvstore.manager",),
     ("kvstore.node", "kvstore.client", "kvstore.index"),
+    ("kvstore.replication",),  # node to node: above both sides (the node's CLI attaches it)
     ("kvstore.integrations", "kvstore.cli", "kvstore.__main__"),
 ]  # fmt: skip
 APART = [("kvstore.client", "kvstore.node")]  # same layer, never importing each other

@@ -183,7 +183,7 @@ node_rules("*") and CLIENT_RULES (tests/deploy compares them).
 {{- define "kvstore.redisNodeUser" -}}kvnode{{- end -}}
 {{- define "kvstore.redisClientUser" -}}kvclient{{- end -}}
 {{- define "kvstore.redisNodeRules" -}}
-resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:* ~kvs:v2:{n}:alive:* ~kvs:v2:{n}:epoch:* ~kvs:v2:{n}:node:* +get +mget +set +incr +incrby +del +expire +exists +hset +hgetall +hmget +hscan +smembers +scan +info +script|load (~kvs:v2:b:* +evalsha +hget +hset +hdel) (~kvs:v2:t:* +evalsha +hget +hset +hdel) (~kvs:v2:{n}:nodes +sadd)
+resetkeys resetchannels nocommands +ping +hello +auth +select +client|setname +client|id +echo +reset +cluster|slots +command +asking %R~kvs:v2:* ~kvs:v2:{n}:alive:* ~kvs:v2:{n}:beat:* ~kvs:v2:{n}:epoch:* ~kvs:v2:{n}:node:* +get +mget +set +incr +incrby +del +expire +exists +hset +hgetall +hmget +hscan +smembers +scan +info +script|load (~kvs:v2:b:* +evalsha +hget +hset +hdel) (~kvs:v2:t:* +evalsha +hget +hset +hdel) (~kvs:v2:{n}:nodes +sadd)
 {{- end -}}
 {{- /* A tenant's read-only index user: kvstore/index/acl.py tenant_client_rules(name). */ -}}
 {{- define "kvstore.redisTenantRules" -}}

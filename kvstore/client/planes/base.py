@@ -58,6 +58,7 @@ class DataPlane(abc.ABC):
 
     name: str
     pages_per_call: int
+    corrupt_pages: int = 0  # pages that failed their checksum on arrival (each a miss, reported to the node)
 
     # -- one batch: what a plane implements
 
@@ -227,9 +228,8 @@ class DataPlane(abc.ABC):
             total.held = None if total.held is None or r.held is None else total.held + r.held
         return total
 
-    @staticmethod
     def _prefix(
-        namespace: str, ranges: list[tuple[int, int]], fetch: Callable[[int, int], Exchange[list[Any]]]
+        self, namespace: str, ranges: list[tuple[int, int]], fetch: Callable[[int, int], Exchange[list[Any]]]
     ) -> Exchange[list[Any]]:
         """What `fetch(a, b)` returns for each range, in order, stopping after the first range that came
         back short (there the longest stored prefix ended) or held a corrupt page (reported, a miss)."""
@@ -239,6 +239,7 @@ class DataPlane(abc.ABC):
                 got = yield from fetch(a, b)
             except PageCorrupt as exc:
                 out.extend(exc.good)
+                self.corrupt_pages += 1
                 yield from report_corrupt(namespace, [exc.hash])
                 break
             out.extend(got)

@@ -24,6 +24,7 @@ import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 
+from kvstore.addresses import peer_host
 from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
 from kvstore.manager.reads import ReadLease
 from kvstore.node.callers import Caller
@@ -159,6 +160,10 @@ class _Connection:
         self.version = tcp.VERSION  # the HELLO's: every frame of the connection speaks it (wire/tcp.py)
         self.tenant: str | None = None  # set once admitted (counted in the plane's limits until closed)
         self._handshaking = True  # counted as a handshake until HELLO is answered or the connection ends
+        try:
+            self.host = peer_host("{}:{}".format(*sock.getpeername()[:2]))  # whose reads (kvstore/node/heat.py)
+        except (OSError, TypeError, IndexError):
+            self.host = ""
 
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
@@ -258,7 +263,7 @@ class _Connection:
     def _caller(self, method: str) -> Caller:
         """The caller of this request (its token is checked again on every request, so a token removed
         from its file stops working on open connections too), bound to its certificate's tenant."""
-        return self.server.services.callers.authenticate(method, self._metadata(), self.cert_names)
+        return self.server.services.callers.authenticate(method, self._metadata(), self.cert_names, self.host)
 
     async def _request(self, chan: Channel, head: Header) -> None:
         async with asyncio.timeout(self.timeout):

@@ -138,20 +138,22 @@ class TierFetch(_message.Message):
     def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., pages: _Optional[int] = ..., bytes: _Optional[int] = ..., expected_ms: _Optional[float] = ..., measured: _Optional[bool] = ..., rate_bytes_per_second: _Optional[float] = ...) -> None: ...
 
 class PutOpen(_message.Message):
-    __slots__ = ("namespace", "layout", "target_tier", "parent_hash", "chain", "checksum_form")
+    __slots__ = ("namespace", "layout", "target_tier", "parent_hash", "chain", "checksum_form", "replicas")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     TARGET_TIER_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FORM_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     layout: PageLayout
     target_tier: Tier
     parent_hash: bytes
     chain: bool
     checksum_form: ChecksumForm
-    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., parent_hash: _Optional[bytes] = ..., chain: _Optional[bool] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ...) -> None: ...
+    replicas: int
+    def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., target_tier: _Optional[_Union[Tier, str]] = ..., parent_hash: _Optional[bytes] = ..., chain: _Optional[bool] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., replicas: _Optional[int] = ...) -> None: ...
 
 class PutPage(_message.Message):
     __slots__ = ("hash", "payload_bytes", "checksum")
@@ -440,7 +442,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form", "corrupt_unconfirmed", "corrupt_unchecked", "retention")
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form", "corrupt_unconfirmed", "corrupt_unchecked", "retention", "replication")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -468,6 +470,7 @@ class StatsResponse(_message.Message):
     CORRUPT_UNCONFIRMED_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_UNCHECKED_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
+    REPLICATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     max_page_bytes: int
@@ -495,7 +498,64 @@ class StatsResponse(_message.Message):
     corrupt_unconfirmed: int
     corrupt_unchecked: int
     retention: RetentionStats
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., corrupt_unconfirmed: _Optional[int] = ..., corrupt_unchecked: _Optional[int] = ..., retention: _Optional[_Union[RetentionStats, _Mapping]] = ...) -> None: ...
+    replication: ReplicationStats
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., corrupt_unconfirmed: _Optional[int] = ..., corrupt_unchecked: _Optional[int] = ..., retention: _Optional[_Union[RetentionStats, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStats, _Mapping]] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("namespace", "hashes", "source", "layout", "replicas")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    HASHES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    source: str
+    layout: PageLayout
+    replicas: int
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., source: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., replicas: _Optional[int] = ...) -> None: ...
+
+class ReplicateResponse(_message.Message):
+    __slots__ = ("copied", "already_present", "refused", "failed")
+    COPIED_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    copied: int
+    already_present: int
+    refused: int
+    failed: int
+    def __init__(self, copied: _Optional[int] = ..., already_present: _Optional[int] = ..., refused: _Optional[int] = ..., failed: _Optional[int] = ...) -> None: ...
+
+class ReplicationStats(_message.Message):
+    __slots__ = ("enabled", "hot_pages", "copies_in", "copy_bytes_in", "copies_out", "copy_bytes_out", "copy_requests", "copies_refused", "copy_failures", "copy_corrupt", "handoff_pages", "served_bytes", "served_pages")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    HOT_PAGES_FIELD_NUMBER: _ClassVar[int]
+    COPIES_IN_FIELD_NUMBER: _ClassVar[int]
+    COPY_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    COPIES_OUT_FIELD_NUMBER: _ClassVar[int]
+    COPY_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    COPY_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    COPY_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    COPY_CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_PAGES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    hot_pages: int
+    copies_in: int
+    copy_bytes_in: int
+    copies_out: int
+    copy_bytes_out: int
+    copy_requests: int
+    copies_refused: int
+    copy_failures: int
+    copy_corrupt: int
+    handoff_pages: int
+    served_bytes: int
+    served_pages: int
+    def __init__(self, enabled: _Optional[bool] = ..., hot_pages: _Optional[int] = ..., copies_in: _Optional[int] = ..., copy_bytes_in: _Optional[int] = ..., copies_out: _Optional[int] = ..., copy_bytes_out: _Optional[int] = ..., copy_requests: _Optional[int] = ..., copies_refused: _Optional[int] = ..., copy_failures: _Optional[int] = ..., copy_corrupt: _Optional[int] = ..., handoff_pages: _Optional[int] = ..., served_bytes: _Optional[int] = ..., served_pages: _Optional[int] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("namespace", "hashes")

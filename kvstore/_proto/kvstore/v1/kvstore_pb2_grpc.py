@@ -85,6 +85,11 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/kvstore.v1.KVStore/Replicate',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -176,6 +181,14 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request, context):
+        """Take copies of pages from another node (see ReplicateRequest). Nodes call it on each other (a peer token
+        where tokens are on); a read-write client may ask its own host's node for copies of its own pages.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +241,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Retain,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -501,6 +519,33 @@ class KVStore:
             '/kvstore.v1.KVStore/Retain',
             kvstore_dot_v1_dot_kvstore__pb2.RetainRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.RetainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/Replicate',
+            kvstore_dot_v1_dot_kvstore__pb2.ReplicateRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.ReplicateResponse.FromString,
             options,
             channel_credentials,
             insecure,
