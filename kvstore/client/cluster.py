@@ -39,6 +39,7 @@ ignores load and locality.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -66,6 +67,7 @@ _NODE_ERRORS = (Unavailable, NamespaceNotFound)
 # What a node that is gone, unverifiable or misbehaving (UNIMPLEMENTED, garbage, wrong pages) raises in a
 # read: each is a miss for that node's segment.
 _MISS_ERRORS = (KVStoreError, ValueError)
+_NO_ANSWER = ("UNAVAILABLE", "DEADLINE_EXCEEDED")  # a node that did not answer: read from last for DOWN_S
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -73,6 +75,7 @@ DOWN_S = 5.0  # a node whose call failed (unreachable, timed out) is read from l
 LOADS_REFRESH_S = 2.0  # how old this client's view of the nodes' records (load, room, host) may get
 LOCAL_COPY_READS = 2  # remote reads of a page (within the window) after which this host's node is asked for it
 LOCAL_COPY_WINDOW_S = 60.0
+PLACED_MEMORY_S = 10.0  # how long this client counts its own puts against a node's room (records trail them)
 _REMOTE_PAGES = 4096  # pages whose remote reads are remembered (oldest forgotten first)
 _HINTS_IN_FLIGHT = 4  # locality requests waiting or running; past it new ones are dropped
 
@@ -121,6 +124,7 @@ class ClusterClient:
         self._loads: dict[str, NodeLoad] = {}
         self._loads_at = -1e18
         self._remote: OrderedDict[tuple[str, bytes], tuple[int, float]] = OrderedDict()  # page -> (reads, first)
+        self._placed: list[tuple[float, str, int]] = []  # (when, node, pages) this client put lately
         self._hints: ThreadPoolExecutor | None = None
         self._hints_pending = 0
         self.local_copy_requests = 0  # Replicate requests sent to this host's node (counted)
@@ -341,19 +345,20 @@ class ClusterClient:
         misbehaving yields [] (the caller tries elsewhere), and one that did not answer is read from last."""
         try:
             return self.call_node(node, lambda c: read(c, hashes))
-        except Unavailable as exc:
-            self.mark_down(node)
-            log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
         except NamespaceNotFound as exc:
             log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
         except _MISS_ERRORS as exc:
-            log.warning(
-                "node %s misbehaved serving %d block(s), counted as a miss: %s: %s",
-                node,
-                len(hashes),
-                type(exc).__name__,
-                exc,
-            )
+            if isinstance(exc, Unavailable) or getattr(exc, "status_name", "") in _NO_ANSWER:
+                self.mark_down(node)
+                log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
+            else:
+                log.warning(
+                    "node %s misbehaved serving %d block(s), counted as a miss: %s: %s",
+                    node,
+                    len(hashes),
+                    type(exc).__name__,
+                    exc,
+                )
         return []
 
     # -- locality: copies on this host's node of what this client reads from others
@@ -414,10 +419,13 @@ class ClusterClient:
 
     def choose_node(self, namespace: str, parent_chain: Sequence[bytes] = ()) -> str:
         """Where a put goes (see the module docstring for the rule and why)."""
-        self._loads_at = -1e18  # placement reads fresh records: a node may have joined, restarted or filled
         loads = self.loads()
         if not loads:
+            self._loads_at = -1e18  # none known: ask the index again now (a node may have just started)
+            loads = self.loads()
+        if not loads:
             raise NoLiveNode("no live cache node is registered in the index")
+        loads = self._with_placed(loads)
         affinity: set[str] = set()
         if parent_chain:
             shares = [s for s in self.index.lookup(namespace, parent_chain).nodes.values() if s.node_id in loads]
@@ -445,9 +453,9 @@ class ClusterClient:
         copies the cluster should keep (KVStoreClient.put): the node copies them to others."""
         node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None
-        return node, self.call_node(
-            node, lambda c: c.put(namespace, layout, hashes, pages, parent=parent, replicas=replicas)
-        )
+        res = self.call_node(node, lambda c: c.put(namespace, layout, hashes, pages, parent=parent, replicas=replicas))
+        self._note_placed(node, res)
+        return node, res
 
     def put_bundle(
         self,
@@ -462,6 +470,23 @@ class ClusterClient:
         """`put` of multi-part pages (as KVStoreClient.put_bundle) on the node choose_node picks."""
         node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None
-        return node, self.call_node(
+        res = self.call_node(
             node, lambda c: c.put_bundle(namespace, layout, hashes, pages, parent=parent, replicas=replicas)
         )
+        self._note_placed(node, res)
+        return node, res
+
+    def _note_placed(self, node: str, res: PutResult) -> None:
+        with self._lock:
+            self._placed.append((time.monotonic(), node, res.stored))
+
+    def _with_placed(self, loads: dict[str, NodeLoad]) -> dict[str, NodeLoad]:
+        """The records' room less what this client put since (PLACED_MEMORY_S): records trail puts by up to a
+        heartbeat, and a client that placed by them alone would send a burst of chains to one node."""
+        now = time.monotonic()
+        with self._lock:
+            self._placed = [p for p in self._placed if now - p[0] < PLACED_MEMORY_S]
+            taken: dict[str, int] = {}
+            for _, node, n in self._placed:
+                taken[node] = taken.get(node, 0) + n
+        return {k: dataclasses.replace(v, free_slots=max(0, v.free_slots - taken.get(k, 0))) for k, v in loads.items()}

@@ -12,8 +12,9 @@ was idle.
 Puts and copies (`pick`): the better of two nodes drawn at random by free room and load (power of two choices),
 never "the highest node id": a node that joins (empty, idle) wins nearly every draw it is in until it holds its
 share, and a full or busy node is drawn but loses. A copy (`copy_targets`) draws with a generator seeded by the
-page, so holders that decide to copy one page at the same time pick the same destination (the second finds the
-page there), and a copy never goes where it would eat into the destination's free reserve.
+pages' namespace and holders, so holders that decide to copy the same pages at the same time pick the same
+destination (the second finds the pages there), and a copy never goes where it would eat into the destination's
+free reserve.
 """
 
 from __future__ import annotations
@@ -75,22 +76,22 @@ def pick(cands: Sequence[NodeLoad], rng: random.Random, mean_load: float | None 
         return None
     mean = mean_load if mean_load is not None else sum(n.load_bps for n in cands) / len(cands)
     drawn = rng.sample(list(cands), min(DRAWS, len(cands)))
-    return max(drawn, key=lambda n: (score(n, mean), n.node_id))
+    return max(drawn, key=lambda n: score(n, mean))  # NOTE: ties go to the first drawn: at random, not by id
 
 
 def copy_targets(
-    page: bytes, cands: Sequence[NodeLoad], count: int, need_slots: int, reserve: float, mean_load: float
+    seed: bytes, cands: Sequence[NodeLoad], count: int, need_slots: int, reserve: float, mean_load: float
 ) -> list[str]:
-    """Up to `count` distinct nodes to copy a page (and its `need_slots` - 1 neighbours of one request) to:
-    not suspect, and left with at least `reserve` of their slots free after the copy. Drawn with a generator
-    seeded by `page`, so every holder deciding at once draws the same nodes (given the same records)."""
+    """Up to `count` distinct nodes to copy `need_slots` pages to: not suspect, and left with at least `reserve`
+    of their slots free after the copy. Drawn with a generator seeded by `seed` (the pages' namespace and
+    holders), so every holder deciding at once draws the same nodes (given the same records)."""
     room = [
         n
         for n in cands
         if not n.suspect and n.total_slots > 0 and (n.free_slots - need_slots) / n.total_slots >= reserve
     ]
     room.sort(key=lambda n: n.node_id)  # the draw depends on the page, not on the order records came in
-    rng = random.Random(hashlib.sha256(page).digest())
+    rng = random.Random(hashlib.sha256(seed).digest())
     out: list[str] = []
     for _ in range(count):
         chosen = pick(room, rng, mean_load)

@@ -259,6 +259,7 @@ class IndexPublisher:
             "resyncs": self.stats.resyncs,
             "overflows": self.stats.overflows,
             "heartbeat": int(time.time()),
+            "beats": 1,  # it keeps a beat key (readers take its absence as a hung node)
             **self._node_info(),
         }
         pipe = self._redis.pipeline(transaction=False)
@@ -289,6 +290,7 @@ class IndexPublisher:
                     epoch, ((ns, h, tier) for ns, h, tier in snapshot[start : start + self.batch])
                 )
             await self._redis.set(alive_key(self.node_id), str(epoch), px=int(self.ttl_seconds * 1000))
+            await self._redis.set(beat_key(self.node_id), "1", px=BEAT_TTL_MS)  # alive is beating: not suspect
         except BaseException:
             self._need_resync = True
             raise

@@ -133,8 +133,8 @@ class IndexReader:
         self._map_at = -1e18
         self._down: dict[str, float] = {}  # master -> until when it is not asked (it did not answer)
         self._noperm_logged = False
-        self._beaters: set[str] = set()  # nodes seen beating (index/keys.py BEAT_S)
-        self._suspect: frozenset[str] = frozenset()
+        self._beaters: set[str] = set()  # nodes known to beat (index/keys.py BEAT_S): seen beating, or by record
+        self._no_beat: frozenset[str] = frozenset()  # live nodes whose beat key was gone at the last view
         self.misses_on_change = 0  # lookups cut short by a Redis Cluster changing under them (counted)
 
     def close(self) -> None:
@@ -379,10 +379,8 @@ class IndexReader:
             epochs |= dict(zip(new, more[0], strict=True))
             beats |= dict(zip(new, more[1], strict=True))
         live = {n: int(e) for n, e in epochs.items() if n in ids and e is not None and e.isdigit()}
-        # NOTE: only a node seen beating counts as suspect when its beat is gone: a node that predates beats
-        # never had one.
         self._beaters |= {n for n, b in beats.items() if b is not None}
-        self._suspect = frozenset(n for n in live if beats.get(n) is None and n in self._beaters)
+        self._no_beat = frozenset(n for n in live if beats.get(n) is None)
         return live
 
     def suspects(self) -> frozenset[str]:
@@ -390,7 +388,9 @@ class IndexReader:
         holder is. As of the same view as `lookup` (at most live_refresh_s old)."""
         with contextlib.suppress(redis.RedisError, RedisClusterException, OSError):
             self._live_view()  # unreadable: the last view stands
-        return self._suspect
+        # NOTE: only a node known to beat (seen beating, or its record says so) is suspect without a beat: a node
+        # that predates beats never has one.
+        return self._no_beat & self._beaters
 
     @_index_call
     def holders(self, namespace: str, hashes: Sequence[bytes]) -> list[dict[str, TierKind]]:
@@ -429,6 +429,8 @@ class IndexReader:
         for k, node in enumerate(ids):
             epoch_raw, info_raw = res[2 * k], res[2 * k + 1]
             info = {a.decode(): b.decode() for a, b in info_raw.items()}
+            if info.get("beats") == "1":
+                self._beaters.add(node)
             out.append(
                 NodeInfo(
                     node,

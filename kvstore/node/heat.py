@@ -97,13 +97,17 @@ class HeatTable:
         h = self.pages.get(key)
         return 1 if h is None else want(h, holders, now, hot_rate, max_copies)
 
-    def candidates(self, now: float, hot_rate: float, max_copies: int, limit: int) -> list[tuple[Key, float]]:
+    def candidates(
+        self, now: float, hot_rate: float, max_copies: int, limit: int, min_rate: float | None = None
+    ) -> list[tuple[Key, float]]:
         """Pages that may ask for more than one copy (however many holders they turn out to have): (key, rate),
-        at most `limit`, hottest first (a Put's replicas count as heat above any read rate)."""
+        at most `limit`, hottest first (a Put's replicas count as heat above any read rate). `min_rate`: every
+        page read at least this often instead (a node leaving hands off what was read lately)."""
         out: list[tuple[float, Key, float]] = []
+        floor = hot_rate / max_copies if min_rate is None else min_rate
         for key, h in self.pages.items():
             rate = h.rate(now)
-            if h.replicas > 1 or rate * max_copies >= hot_rate or h.host_count(now) >= 2:
+            if h.replicas > 1 or rate >= floor or h.host_count(now) >= 2:
                 out.append((rate + (1e9 if h.replicas > 1 else 0.0), key, rate))
         out.sort(key=lambda t: t[0], reverse=True)
         return [(key, rate) for _, key, rate in out[:limit]]

@@ -39,6 +39,9 @@ CONCURRENCY = 4  # Replicate requests this node has in flight
 ROUND_PAGES = 4096  # pages a round considers, hottest first
 LAGGARD_ROUNDS = 3  # rounds a non-leader holder sees a page short before it makes the copy itself
 CALL_TIMEOUT_S = 30.0  # one Replicate (the destination pulls COPY_BATCH pages) or one pull
+# A node leaving hands off every page read at least this often lately (about once in the last half minute), hot
+# or not: the readers that came to it will look for it elsewhere.
+HANDOFF_MIN_RATE = 0.02
 
 
 def peer_security(config: NodeConfig) -> ClientSecurity:
@@ -138,7 +141,8 @@ class Replicator:
         await asyncio.to_thread(self.index.close)
 
     async def handoff(self, deadline: float) -> None:
-        """SIGTERM: hand the hot pages no other live node holds to others, hottest first, until `deadline`."""
+        """SIGTERM: hand the pages read lately that no other live node holds (and the copies hot pages ask for)
+        to others, hottest first, until `deadline`."""
         try:
             sent = await self.round(handoff=True, deadline=deadline)
             log.info("hand-off: %d page(s) copied to other nodes", sent)
@@ -188,7 +192,13 @@ class Replicator:
         assert self.node is not None
         cfg, me, manager = self.config, self.config.node_id, self.node.manager
         now = time.monotonic()
-        cands = self.heat.candidates(now, cfg.replication_hot_reads_per_second, cfg.replication_max_copies, ROUND_PAGES)
+        cands = self.heat.candidates(
+            now,
+            cfg.replication_hot_reads_per_second,
+            cfg.replication_max_copies,
+            ROUND_PAGES,
+            HANDOFF_MIN_RATE if handoff else None,
+        )
         by_ns: dict[str, list[bytes]] = {}
         for (ns, h), _ in cands:
             if manager.entry(ns, h) is not None:
@@ -197,7 +207,10 @@ class Replicator:
             return 0
         self._loads = await asyncio.to_thread(self._read_loads)
         holders = await asyncio.to_thread(self._read_holders, by_ns)
-        plan: dict[tuple[str, str], list[tuple[bytes, int]]] = {}  # (destination, namespace) -> (page, replicas)
+        # NOTE: pages grouped by namespace, holders and deficit go to the same destinations (drawn once, seeded
+        # by the group): a hot chain's copies stay together (one stream per read), and holders deciding at once
+        # draw alike.
+        groups: dict[tuple[str, tuple[str, ...], int], list[tuple[bytes, int]]] = {}
         mean = sum(n.load_bps for n in self._loads.values()) / max(1, len(self._loads))
         for ns, hashes in by_ns.items():
             for h, held in zip(hashes, holders[ns], strict=True):
@@ -219,12 +232,16 @@ class Replicator:
                     if seen < LAGGARD_ROUNDS:
                         continue
                 self._short.pop(key, None)
-                cands_nodes = [n for n in self._loads.values() if n.node_id not in held and n.node_id != me]
                 replicas = self.heat.pages[key].replicas if key in self.heat.pages else 0
-                for dest in copy_targets(h, cands_nodes, deficit, 1, cfg.replication_free_reserve, mean):
-                    plan.setdefault((dest, ns), []).append((h, replicas))
+                groups.setdefault((ns, tuple(sorted(held | {me})), deficit), []).append((h, replicas))
         if len(self._short) > 4 * ROUND_PAGES:  # pages that left meanwhile: forget the oldest notes
             self._short.clear()
+        plan: dict[tuple[str, str], list[tuple[bytes, int]]] = {}  # (destination, namespace) -> (page, replicas)
+        for (ns, held_by, deficit), pages in groups.items():
+            cands_nodes = [n for n in self._loads.values() if n.node_id not in held_by]
+            seed = "\0".join((ns, *held_by)).encode()
+            for dest in copy_targets(seed, cands_nodes, deficit, len(pages), cfg.replication_free_reserve, mean):
+                plan.setdefault((dest, ns), []).extend(pages)
         sends = [
             self._send(dest, ns, batch[i : i + COPY_BATCH], handoff, deadline)
             for (dest, ns), batch in plan.items()
