@@ -60,6 +60,12 @@ class _Client:
         self._channel = open_channel(target, self.security, aio=aio)
         self._methods = bind_methods(self._channel)
         settings = ClientSettings(target, pages_per_stream, verify, self.security, timeout)
+        if self.security.acting_for is not None or self.security.copies:
+            # NOTE: a node acting for a tenant (or pulling copies) says so in gRPC metadata, which the other
+            # planes' handshakes do not carry: on them it would be the default tenant.
+            if transport not in (None, "grpc"):
+                raise ValueError(f"transport={transport!r}: a peer acting for a tenant or pulling copies uses grpc")
+            transport = "grpc"
         self._core = ClientCore(settings, transport)
 
     @property

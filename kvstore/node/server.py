@@ -86,8 +86,10 @@ class Node:
         tenants = load_tenants_file(config.tenants_file) if config.tenants_file else {}
         self.manager = TierManager(config, shares=share_bytes(tenants))
         auth = None
-        if config.auth_tokens_file or config.auth_read_tokens_file:
-            auth = TokenAuthenticator(config.auth_tokens_file, config.auth_read_tokens_file)
+        if config.auth_tokens_file or config.auth_read_tokens_file or config.auth_peer_tokens_file:
+            auth = TokenAuthenticator(
+                config.auth_tokens_file, config.auth_read_tokens_file, config.auth_peer_tokens_file
+            )
         binder = TenantBinder(tenants) if any(t.mtls_subjects for t in tenants.values()) else None
         self.callers = Callers(self.manager, auth, binder)
         self.interceptor = ErrorInterceptor(self.callers)
