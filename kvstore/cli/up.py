@@ -180,7 +180,18 @@ class Stack:
                 own.write_text(token + "\n")
                 rw.write_text(rw.read_text() + f"{token} {name}\n")
                 console.print(f"tenant {name}: token in {own}")
-            extra += ["--auth-tokens-file", str(rw), "--auth-read-tokens-file", str(ro)]
+            # The nodes' own token, for the copies they make of each other's pages (DESIGN.md §7.3), as the chart.
+            peer = self.root / "peer.tokens"
+            peer.touch(mode=0o600)
+            peer.write_text(secrets.token_urlsafe(32) + "\n")
+            extra += [
+                "--auth-tokens-file",
+                str(rw),
+                "--auth-read-tokens-file",
+                str(ro),
+                "--auth-peer-tokens-file",
+                str(peer),
+            ]
             if plan.tenants_toml:
                 tf = self.root / "tenants.toml"
                 tf.touch(mode=0o600)

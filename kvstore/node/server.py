@@ -47,7 +47,7 @@ from kvstore.node.planes.tcp_limits import handshake_limit
 from kvstore.node.servicer import KVStoreServicer
 from kvstore.node.tenancy import TenantBinder, load_tenants_file, share_bytes
 from kvstore.security import TokenAuthenticator, redact_url, server_credentials
-from kvstore.stats import PlaneInfo, planes_to_json
+from kvstore.stats import PlaneInfo, ReplicationStatus, planes_to_json
 from kvstore.wire import MAX_MESSAGE_BYTES
 from kvstore.wire.shm import shm_available
 from kvstore.wire.ucx import ucxx_installed
@@ -106,6 +106,7 @@ class Node:
         self.heap_trimmer = HeapTrimmer()  # bounds the free memory malloc keeps (kvstore/memtune.py)
         self._trimming: asyncio.Task[None] | None = None
         self.servicer = KVStoreServicer(config.max_pages_per_request, self.planes)
+        self.servicer.replication = self._served  # what Stats says without replication (a Replicator replaces it)
         self._stopped = asyncio.Event()
 
     async def start(self) -> int:
@@ -265,6 +266,15 @@ class Node:
 
     async def wait(self) -> None:
         await self._stopped.wait()
+
+    def _served(self) -> ReplicationStatus:
+        reads = self.callers.reads
+        return ReplicationStatus(
+            served_bytes=reads.served_bytes,
+            served_pages=reads.served_pages,
+            copies_out=reads.copies_out,
+            copy_bytes_out=reads.copy_bytes_out,
+        )
 
     def _index_info(self) -> dict[str, int | str]:
         """The node's record in the index: occupancy, and the planes it serves (as Stats has them)."""

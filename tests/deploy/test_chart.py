@@ -143,7 +143,9 @@ def test_a_renamed_or_missing_flag_fails_the_parse(monkeypatch: pytest.MonkeyPat
         parse(["kvstore", "serve", "--dram-bytes=8 gigs"], {}, monkeypatch)
 
 
-def test_node_toml_is_a_valid_node_config_and_grace_covers_drain_and_spill(profile: list[Path], tmp_path: Path) -> None:
+def test_node_toml_is_a_valid_node_config_and_grace_covers_handoff_drain_and_spill(
+    profile: list[Path], tmp_path: Path
+) -> None:
     docs = render(profile)
     v = values_of(profile)
     (cm,) = by_kind(docs, "ConfigMap", "-node")
@@ -157,7 +159,14 @@ def test_node_toml_is_a_valid_node_config_and_grace_covers_drain_and_spill(profi
         d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and d["metadata"]["name"].endswith("-node")
     ]
     grace = workload["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace == math.ceil(cfg.grace_seconds) + math.ceil(cfg.spill_seconds) + 15
+    handoff = math.ceil(cfg.handoff_seconds) if cfg.replication else 0
+    assert grace == handoff + math.ceil(cfg.grace_seconds) + math.ceil(cfg.spill_seconds) + 15
+    rep = v["node"]["replication"]  # replication as the values say (on by default, with its hand-off)
+    assert (cfg.replication, cfg.replication_max_copies, cfg.handoff_seconds) == (
+        rep["enabled"],
+        rep["maxCopies"],
+        shutdown["handoffSeconds"],
+    )
 
 
 def test_node_memory_holds_the_dram_budget(profile: list[Path]) -> None:
@@ -608,3 +617,25 @@ def test_notes_tell_the_operator_kvctl_commands_that_parse(monkeypatch: pytest.M
             if argv[:2] == ["sh", "-c"]:
                 argv = shlex.split(argv[2].replace('"$KVSTORE_REDIS_URL"', "redis://r:6379/0"))
             parse(argv, {}, monkeypatch)
+
+
+def test_nodes_get_their_peer_token_for_copies_while_replication_is_on() -> None:
+    """With tokens on, nodes call each other with a token of their own (peer.tokens, Role.PEER): generated in the
+    token Secret, mounted beside the others, named by --auth-peer-tokens-file; not with replication off."""
+
+    def node_container(docs: list[dict[str, object]]) -> tuple[dict, dict]:  # type: ignore[type-arg]
+        (workload,) = [d for d in docs if d["kind"] in ("DaemonSet", "StatefulSet") and
+                       str(d["metadata"]["name"]).endswith("-node")]  # type: ignore[index]  # fmt: skip
+        ((_, spec),) = list(pod_specs(workload))
+        return next(c for c in containers(spec) if "--config=/etc/kvstore/node.toml" in c.get("args", [])), spec
+
+    docs = render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true"])
+    (secret,) = [s for s in by_kind(docs, "Secret") if s["metadata"]["name"].endswith("-tokens")]
+    assert len(base64.b64decode(secret["data"]["peer.tokens"])) >= 16
+    node, spec = node_container(docs)
+    assert "--auth-peer-tokens-file=/etc/kvstore/auth/peer.tokens" in node["args"]
+    (auth,) = [v for v in spec["volumes"] if v["name"] == "auth"]
+    assert {"key": "peer.tokens", "path": "peer.tokens"} in auth["secret"]["items"]
+    node, spec = node_container(render(sets=["auth.enabled=true", "auth.allowPlaintextTokens=true",
+                                             "node.replication.enabled=false"]))  # fmt: skip
+    assert not any("peer" in a for a in node["args"])

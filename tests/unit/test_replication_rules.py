@@ -198,9 +198,9 @@ def test_the_put_frame_carries_replicas_only_when_set() -> None:
     assert len(framed) == len(meta) + 1
     assert tcp.put_npages(framed, 10) == 3 and tcp.parse_put(framed).replicas == 3
     bad = framed[:-1] + bytes((99,))
-    with pytest.raises(InvalidArgument, match="put.replicas"):
+    with pytest.raises(InvalidArgument, match=r"put\.replicas"):
         tcp.parse_put(bad)
-    with pytest.raises(InvalidArgument, match="frame.meta_len"):
+    with pytest.raises(InvalidArgument, match=r"frame\.meta_len"):
         tcp.put_npages(framed + b"\x00", 10)
 
 

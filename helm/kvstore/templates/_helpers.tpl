@@ -91,7 +91,8 @@ YAML arrives as a float64 and is taken as bytes.
 {{- end -}}
 
 {{- define "kvstore.terminationGrace" -}}
-{{- add (ceil .Values.node.shutdown.drainSeconds) (ceil .Values.node.shutdown.spillSeconds) 15 | int -}}
+{{- $handoff := ternary (ceil .Values.node.shutdown.handoffSeconds) 0 .Values.node.replication.enabled -}}
+{{- add (ceil .Values.node.shutdown.drainSeconds) (ceil .Values.node.shutdown.spillSeconds) $handoff 15 | int -}}
 {{- end -}}
 
 {{/* Secrets (names). */}}
