@@ -206,10 +206,20 @@ class Cluster:
         new = page not in self.index
         self._store(host, page)
         if new and self.mode == "static2":
-            others = [self._load(n) for n in range(self.cfg.nodes) if n != host]
-            chosen = pick(self.rng.sample(others, min(8, len(others))), self.rng)
+            chosen = pick([self._load(n) for n in self._draw(8, {host})], self.rng)
             if chosen is not None:
                 self._copy(int(chosen.node_id), page)
+
+    def _draw(self, k: int, exclude: set[int]) -> list[int]:
+        """Up to k distinct nodes outside `exclude`, at random (a node reads every record; a few are enough)."""
+        out: set[int] = set()
+        for _ in range(4 * k):
+            if len(out) >= k or len(out) + len(exclude) >= self.cfg.nodes:
+                break
+            n = self.rng.randrange(self.cfg.nodes)
+            if n not in exclude:
+                out.add(n)
+        return sorted(out)
 
     def _locality(self, now: float, host: int, page: Page) -> None:
         """The cluster client's rule: the second remote read of a page within the window copies it here."""
@@ -230,7 +240,6 @@ class Cluster:
 
     def replicate(self, now: float) -> None:
         cfg = self.cfg
-        loads = [self._load(n) for n in range(cfg.nodes)]
         for n, node in enumerate(self.nodes):
             if not node.heat.pages:
                 continue
@@ -243,8 +252,7 @@ class Cluster:
                 deficit = wanted - len(holders)
                 if deficit <= 0 or leader(repr(page).encode(), holders) != str(n):
                     continue
-                cands = [loads[d] for d in range(cfg.nodes) if d not in held]
-                sample = self.rng.sample(cands, min(16, len(cands)))  # a node reads every record; 16 are enough
+                sample = [self._load(d) for d in self._draw(16, held)]
                 for dest in copy_targets(repr(page).encode(), sample, deficit, 1, cfg.reserve, 0.0):
                     self._copy(int(dest), page)
 

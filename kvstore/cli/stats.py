@@ -72,6 +72,19 @@ def render_stats(stats: NodeStats, console: Console | None = None) -> None:
             f"flushed {i.flushed}, resyncs {i.resyncs}{' (one pending)' if i.resync_pending else ''}, "
             f"overflows {i.overflows}, errors {i.errors}"
         )
+    if stats.replication is not None:
+        r = stats.replication
+        console.print(
+            f"served {human_bytes(r.served_bytes)} in {r.served_pages} pages; replication "
+            + (
+                f"on: {r.hot_pages} page(s) asking for copies, copies taken {r.copies_in} "
+                f"({human_bytes(r.copy_bytes_in)}), given {r.copies_out} ({human_bytes(r.copy_bytes_out)}), "
+                f"requests sent {r.copy_requests}, refused {r.copies_refused}, failed {r.copy_failures}, "
+                f"corrupt on arrival {r.copy_corrupt}, handed off {r.handoff_pages}"
+                if r.enabled
+                else "off"
+            )
+        )
     if stats.kv_events is not None:
         e = stats.kv_events
         console.print(
