@@ -19,6 +19,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.addresses import host_id, target_host
 from kvstore.errors import InvalidArgument, PermissionDenied, ReplicationOff
 from kvstore.layout import PageLayout
+from kvstore.manager.state import check_hashes
 from kvstore.names import RetainMode, RetainOp, TierKind
 from kvstore.node.callers import Caller, current
 from kvstore.node.drivers import drive_put, open_get
@@ -160,6 +161,7 @@ class KVStoreServicer:
             raise ReplicationOff("this node takes no copies (replication is off, or it has no index)")
         if not request.source:
             raise InvalidArgument("source", "the node to copy from is required")
+        check_hashes(hashes, "hashes", self.max_pages)
         layout = layout_from_pb(request.layout, "layout") if request.HasField("layout") else None
         replicas = check_replicas(request.replicas, "replicas")
         res = await self.replicate(current(), request.namespace, hashes, request.source, layout, replicas)

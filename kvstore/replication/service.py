@@ -183,7 +183,7 @@ class Replicator:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the index or a peer failing must not end replication
-                log.warning("replication round failed: %s: %s", type(exc).__name__, exc)
+                self._warn(f"round:{type(exc).__name__}", f"a round failed (retried every round): {exc}")
 
     async def round(self, *, handoff: bool = False, deadline: float | None = None) -> int:
         """One round: the pages this node holds that ask for more copies than they have, copied to other nodes.

@@ -26,6 +26,7 @@ from kvstore.cli.launch import NodeProcess
 from kvstore.cli.redis_procs import RedisClusterGroup, RedisProcess, SentinelGroup
 from kvstore.client import KVStoreClient
 from kvstore.client.cluster import ClusterClient
+from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.index import acl
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
 
@@ -253,3 +254,29 @@ def test_a_node_that_joins_takes_its_share_of_new_chains(tmp_path: Path, redis_s
     finally:
         for p in nodes.values():
             p.close()
+
+
+def test_replicate_refuses_bad_requests_naming_the_field(
+    tmp_path: Path, cluster: tuple[str, dict[str, NodeProcess]]
+) -> None:
+    _, nodes = cluster
+    h = key(0, "replicate-errors")
+    with KVStoreClient(nodes["n0"].addr) as kv:
+        for call, field in (
+            (lambda: kv.replicate(NS, [h], ""), "source"),
+            (lambda: kv.replicate(NS, [h], "n1", replicas=17), "replicas"),
+            (lambda: kv.replicate(NS, [b"short"], "n1"), "hashes"),
+            (lambda: kv.replicate(NS, [h] * 5000, "n1"), "hashes"),
+            (lambda: kv.replicate("bad\x00namespace", [h], "n1"), "namespace"),
+        ):
+            with pytest.raises(InvalidArgument, match=field):
+                call()
+        assert kv.replicate(NS, [h], "no-such-node", layout=LAYOUT).failed == 1  # a miss, not an error
+        assert kv.replicate(NS, [h], "n0").already_present == 1  # itself: nothing to copy
+        assert kv.lookup(NS, [h]) == 0
+    lonely = NodeProcess(dram_bytes=8 * SLOT, max_page_bytes=LAYOUT.page_bytes, node_id="lonely").start()
+    try:
+        with KVStoreClient(lonely.addr) as kv, pytest.raises(KVStoreError, match="takes no copies"):
+            kv.replicate(NS, [h], "n0")  # a node without an index makes and takes no copies
+    finally:
+        lonely.close()
