@@ -141,7 +141,7 @@ class NodeConfig:
     # Replication by heat (kvstore/replication, DESIGN.md §7.3), on where the node has an index (redis_url): a
     # page read often (or by several hosts) gets copies on other nodes, up to replication_max_copies and only
     # into free room (a destination keeps replication_free_reserve of its slots free); a Put's replicas=k keeps
-    # k copies; a lost holder's copies are made again. Copies move node to node at most
+    # k copies; a lost holder's copies are made again. A node pulls copies at most at
     # replication_bytes_per_second (0: unbounded). SIGTERM hands this node's hot pages to others for at most
     # handoff_seconds (0: no hand-off) before the drain and spill.
     replication: bool = True

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COPY_BATCH = 64  # pages per Replicate request (and per pull)
-CONCURRENCY = 4  # Replicate requests this node has in flight
+CONCURRENCY = 4  # Replicate requests this node has in flight, and pulls it runs, each
 ROUND_PAGES = 4096  # pages a round considers, hottest first
 LAGGARD_ROUNDS = 3  # rounds a non-leader holder sees a page short before it makes the copy itself
 CALL_TIMEOUT_S = 30.0  # one Replicate (the destination pulls COPY_BATCH pages) or one pull
@@ -112,7 +112,8 @@ class Replicator:
         self._short: dict[Key, int] = {}  # pages a non-leader saw short, rounds in a row
         self._layouts: dict[tuple[str, str, str], PageLayout] = {}  # (source, tenant, namespace)
         self._task: asyncio.Task[None] | None = None
-        self._sends = asyncio.Semaphore(CONCURRENCY)
+        self._sends = asyncio.Semaphore(CONCURRENCY)  # Replicate requests this node sends at once
+        self._pulls = asyncio.Semaphore(CONCURRENCY)  # pulls this node runs at once (others wait their turn)
         self._warned: set[str] = set()
 
     # -- NodeService
@@ -153,16 +154,8 @@ class Replicator:
         """Stats' view: this node's counters, served bytes and how many pages ask for copies now."""
         assert self.node is not None
         reads = self.node.callers.reads
-        now = time.monotonic()
-        cfg = self.config
-        hot = sum(
-            1
-            for k in self.heat.pages
-            if self.heat.wanted(k, 1, now, cfg.replication_hot_reads_per_second, cfg.replication_max_copies) > 1
-        )
         return dataclasses.replace(
             self.status,
-            hot_pages=hot,
             copies_out=reads.copies_out,
             copy_bytes_out=reads.copy_bytes_out,
             served_bytes=reads.served_bytes,
@@ -212,6 +205,7 @@ class Replicator:
         # draw alike.
         groups: dict[tuple[str, tuple[str, ...], int], list[tuple[bytes, int]]] = {}
         mean = sum(n.load_bps for n in self._loads.values()) / max(1, len(self._loads))
+        hot = 0
         for ns, hashes in by_ns.items():
             for h, held in zip(hashes, holders[ns], strict=True):
                 key = (ns, h)
@@ -220,6 +214,7 @@ class Replicator:
                     key, len(healthy), now, cfg.replication_hot_reads_per_second, cfg.replication_max_copies
                 )
                 others = len(healthy) - 1
+                hot += wanted > 1
                 deficit = wanted - (others if handoff else len(healthy))
                 if handoff and deficit <= 0 and others == 0:
                     deficit = 1  # leaving: a hot page keeps at least one copy
@@ -236,6 +231,8 @@ class Replicator:
                 groups.setdefault((ns, tuple(sorted(held | {me})), deficit), []).append((h, replicas))
         if len(self._short) > 4 * ROUND_PAGES:  # pages that left meanwhile: forget the oldest notes
             self._short.clear()
+        if not handoff:
+            self.status.hot_pages = hot
         plan: dict[tuple[str, str], list[tuple[bytes, int]]] = {}  # (destination, namespace) -> (page, replicas)
         for (ns, held_by, deficit), pages in groups.items():
             cands_nodes = [n for n in self._loads.values() if n.node_id not in held_by]
@@ -273,7 +270,6 @@ class Replicator:
         async with self._sends:
             if deadline is not None and time.monotonic() >= deadline:
                 return 0
-            await self._budget.take(len(hashes) * layout.page_bytes)
             timeout = CALL_TIMEOUT_S if deadline is None else max(0.1, deadline - time.monotonic())
             self.status.copy_requests += 1
             try:
@@ -343,13 +339,14 @@ class Replicator:
         if source not in self._addrs:
             self._addrs = await asyncio.to_thread(self.index.node_addrs)
         try:
-            client = self._client(source, view.tenant, pulls=True)
-            if layout is None:
-                layout = await self._layout(client, source, view.tenant, namespace, scoped)
-            corrupt = client.corrupt_pages
-            async with asyncio.timeout(CALL_TIMEOUT_S):
+            async with self._pulls, asyncio.timeout(CALL_TIMEOUT_S):
+                client = self._client(source, view.tenant, pulls=True)
+                if layout is None:
+                    layout = await self._layout(client, source, view.tenant, namespace, scoped)
+                await self._budget.take(len(todo) * layout.page_bytes)
+                corrupt = client.corrupt_pages
                 pages = await client.get_pages(namespace, todo, promote=False)
-            bad = client.corrupt_pages - corrupt
+                bad = client.corrupt_pages - corrupt
         except (KVStoreError, TimeoutError, InsecureChannel, ValueError) as exc:
             out.failed = len(todo)
             self.status.copy_failures += len(todo)
