@@ -16,7 +16,9 @@ Method:
   max/mean across nodes; copy bytes taken by all nodes as a share of the bytes served; prefix hit rate), then
   SIGKILL of the node that served the most, then `--after` s: prefix pages served per prefix page asked for
   (all hosts, the killed node's included: its host's reads go elsewhere), and the time until every prefix page
-  has two live holders again (the index polled every 0.2 s; 0 when it never had fewer).
+  has two live holders again (the index polled every 0.2 s; 0 when it never had fewer). Mode `stop` is `repl`
+  with SIGSTOP instead of SIGKILL (a hung node, resumed at the end): the slowest get after it (the clients'
+  timeout is `--timeout`, 5 s) and the 99th percentile of the gets that started 2 s or more after it.
 
 Targets (DESIGN.md §13): a kill -9 of one node loses <= 5% of hot-prefix hits; served bytes max/mean <= 1.5;
 copy traffic <= 10% of served bytes in steady state.
@@ -30,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,9 +76,9 @@ def host_main(args: argparse.Namespace) -> None:
 
     convs = [int(c) for c in args.convs.split(",") if c]
     prefix = prefix_chain()
-    records: list[tuple[float, int, int]] = []
+    records: list[tuple[float, int, int, float]] = []
     errors = 0
-    with ClusterClient(args.redis, timeout=30, seed=int(args.host[1:])) as cc:
+    with ClusterClient(args.redis, timeout=args.timeout, seed=int(args.host[1:])) as cc:
         if args.first:
             cc.put(NS, LAYOUT, prefix, [content(k) for k in prefix])
         deadline = time.time() + 60
@@ -89,12 +92,13 @@ def host_main(args: argparse.Namespace) -> None:
         while time.time() < args.until and convs:
             chain = prefix + suffix_chain(convs[i % len(convs)])
             i += 1
+            started = time.time()
             try:
                 got = len(cc.get(NS, chain))
             except Exception:  # the benchmark counts what a caller would see: an error is a miss
                 errors += 1
                 got = 0
-            records.append((time.time(), min(got, PREFIX), max(0, got - PREFIX)))
+            records.append((started, min(got, PREFIX), max(0, got - PREFIX), time.time() - started))
         local_copies = cc.local_copy_requests
     Path(args.out).write_text(json.dumps({"records": records, "errors": errors, "local_copies": local_copies}))
 
@@ -127,7 +131,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     try:
         for i in range(args.nodes):
             name = f"n{i}"
-            extra = ["--index-ttl", str(args.ttl), *([] if mode == "repl" else ["--no-replication"])]
+            extra = ["--index-ttl", str(args.ttl), *(["--no-replication"] if mode == "off" else [])]
             nodes[name] = NodeProcess(
                 dram_bytes=args.dram_mib << 20, max_page_bytes=LAYOUT.page_bytes, node_id=name,
                 redis_url=redis_proc.url, extra_args=extra, env={"KVSTORE_HOST_ID": f"h{i}"},
@@ -141,7 +145,8 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out = work / f"{mode}-h{i}.json"
             outs.append(out)
             cmd = [sys.executable, __file__, "--role", "host", "--host", f"h{i}", "--redis", redis_proc.url,
-                   "--convs", convs, "--until", str(until), "--out", str(out), *(["--first"] if i == 0 else [])]  # fmt: skip
+                   "--convs", convs, "--until", str(until), "--out", str(out), "--timeout", str(args.timeout),
+                   *(["--first"] if i == 0 else [])]  # fmt: skip
             hosts.append(subprocess.Popen(cmd, env={**os.environ, "KVSTORE_HOST_ID": f"h{i}"}))
         ready_by = time.time() + args.setup
         while time.time() < ready_by and not all(Path(str(o) + ".ready").exists() for o in outs):
@@ -154,7 +159,12 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         served = {n: s2[n]["served"] - s1[n]["served"] for n in nodes}
         copied = sum(s2[n]["copy_in"] - s1[n]["copy_in"] for n in nodes)
         hottest = max(served, key=lambda n: served[n])
-        nodes[hottest].kill()
+        victim = nodes[hottest]
+        if mode == "stop":
+            assert victim.proc is not None
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+        else:
+            victim.kill()
         t_kill = time.time()
         two_again: float | None = None
         fewest_after = PREFIX
@@ -166,7 +176,9 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             time.sleep(0.2)
         for p in hosts:
             p.wait(timeout=120)
-        records: list[tuple[float, int, int]] = []
+        if mode == "stop" and victim.proc is not None:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        records: list[tuple[float, int, int, float]] = []
         errors = local_copies = 0
         for o in outs:
             doc = json.loads(o.read_text())
@@ -179,6 +191,8 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 p.kill()
                 p.wait(10)
         for n in nodes.values():
+            if n.proc is not None and n.proc.poll() is None:
+                os.kill(n.proc.pid, signal.SIGCONT)  # a node stopped by mode `stop` (harmless for the others)
             n.close()
         redis_proc.close()
 
@@ -188,6 +202,9 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     steady_hit, steady_gets = hit(t1, t2)
     after_hit, after_gets = hit(t_kill, until)
+    after = [r[3] for r in records if r[0] >= t_kill]
+    later = sorted(r[3] for r in records if r[0] >= t_kill + 2.0)
+    slowest = max([r[3] for r in records if r[0] + r[3] >= t_kill], default=0.0)
     mean = sum(served.values()) / len(served)
     total = sum(served.values())
     return {
@@ -204,6 +221,9 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "seconds_to_two_copies": two_again,
         "fewest_live_copies_after": fewest_after,
         "errors": errors,
+        "slowest_get_after": slowest,
+        "p99_get_2s_after": later[int(0.99 * (len(later) - 1))] if later else None,
+        "gets_after": len(after),
         "local_copy_requests": local_copies,
         "warm_started": t_warm - t_start,
     }
@@ -217,8 +237,9 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         machine_line(),
         "",
         "| mode | served max/mean (target <= 1.5) | copy bytes / served (<= 10%) | prefix hit, steady | prefix hit "
-        "after kill -9 | hits lost (<= 5%) | s until 2 live copies | fewest live copies after | errors |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "after kill -9 (stop: SIGSTOP) | hits lost (<= 5%) | s until 2 live copies | fewest live copies after | "
+        "slowest get after | p99 get from 2 s after | errors |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in results:
         two = "never" if r["seconds_to_two_copies"] is None else f"{r['seconds_to_two_copies']:.1f}"
@@ -226,7 +247,9 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['mode']} | {r['max_over_mean']:.2f} | {100 * r['copy_share']:.1f}% | "
             f"{100 * r['steady_prefix_hit']:.1f}% ({r['steady_gets']} gets) | {100 * r['after_prefix_hit']:.1f}% "
             f"({r['after_gets']} gets) | {100 * r['prefix_hits_lost']:.1f}% | {two} | {r['fewest_live_copies_after']} | "
-            f"{r['errors']} |"
+            f"{r['slowest_get_after']:.2f} s | "
+            + ("-" if r["p99_get_2s_after"] is None else f"{1000 * r['p99_get_2s_after']:.0f} ms")
+            + f" | {r['errors']} |"
         )
     return "\n".join(rows)
 
@@ -242,7 +265,8 @@ def main() -> None:
     ap.add_argument("--warm", type=float, default=20.0)
     ap.add_argument("--steady", type=float, default=20.0)
     ap.add_argument("--after", type=float, default=25.0)
-    ap.add_argument("--modes", default="repl,off")
+    ap.add_argument("--modes", default="repl,off,stop")
+    ap.add_argument("--timeout", type=float, default=5.0, help="the readers' client timeout (s)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "out")
     # a host process's own arguments
     ap.add_argument("--host")

@@ -137,7 +137,8 @@ class ClusterClient:
 
     def close(self) -> None:
         if self._hints is not None:
-            self._hints.shutdown(wait=True, cancel_futures=True)
+            # NOTE: not waited for: a request in flight ends on its own (its node pulls meanwhile), failing at worst.
+            self._hints.shutdown(wait=False, cancel_futures=True)
             self._hints = None
         for c in self._clients.values():
             c.close()
@@ -409,7 +410,7 @@ class ClusterClient:
         try:
             res = self.call_node(target, lambda c: c.replicate(namespace, hashes, source))
             log.debug("node %s copied %d page(s) from %s (%s)", target, res.copied, source, res)
-        except KVStoreError as exc:
+        except Exception as exc:  # best effort, in the background: a failure is only logged
             log.info("node %s could not copy %d page(s) from %s: %s", target, len(hashes), source, exc)
         finally:
             with self._lock:
