@@ -57,7 +57,7 @@ class SimConfig:
     churn_every: float = 5.0  # seconds between node deaths
     churn: str = "random"  # which node dies: "random" or "busiest" (served the most since the last death)
     reserve: float = 0.1
-    hot_rate: float = 1.0  # the node defaults (kvstore/node/config.py)
+    hot_rate: float = 1.0  # the node defaults (kvstore/config.py)
     max_copies: int = 3
     round_every: float = 1.0  # seconds between replication rounds
     recompute_s: float = 0.5  # from a miss until the recomputed page is stored (a prefill of the chain)
@@ -247,10 +247,9 @@ class Cluster:
                 held = self.index.get(page, set())
                 if n not in held:
                     continue
-                holders = sorted(str(h) for h in held)
-                wanted = node.heat.wanted(("", page), len(holders), now, cfg.hot_rate, cfg.max_copies)  # type: ignore[arg-type]
-                deficit = wanted - len(holders)
-                if deficit <= 0 or leader(repr(page).encode(), holders) != str(n):
+                wanted = node.heat.wanted(("", page), len(held), now, cfg.hot_rate, cfg.max_copies)  # type: ignore[arg-type]
+                deficit = wanted - len(held)
+                if deficit <= 0 or leader(repr(page).encode(), [str(h) for h in held]) != str(n):
                     continue
                 sample = [self._load(d) for d in self._draw(16, held)]
                 for dest in copy_targets(repr(page).encode(), sample, deficit, 1, cfg.reserve, 0.0):
@@ -344,12 +343,13 @@ def main() -> None:
     ap.add_argument("--requests-per-node", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--churn", default="random,busiest")
+    ap.add_argument("--modes", default=",".join(MODES))
     args = ap.parse_args()
     rows = []
     for n in (int(x) for x in args.nodes.split(",")):
         for churn in args.churn.split(","):
             cfg = scaled(n, args.requests_per_node, args.seed, churn)
-            for mode in MODES:
+            for mode in args.modes.split(","):
                 rows.append((cfg, simulate(cfg, mode)))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
     print(table(rows))

@@ -1,6 +1,6 @@
 """The pure rules of replication (DESIGN.md §7.3): what heat asks for (kvstore/node/heat.py), where copies, puts and
 reads go (kvstore/index/choose.py), the PUT frame's optional replicas byte (kvstore/wire/tcp.py), peer tokens
-(kvstore/security.py) and the settings' validation (kvstore/node/config.py)."""
+(kvstore/security.py) and the settings' validation (kvstore/config.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvstore.config import NodeConfig
 from kvstore.errors import InvalidArgument, Unauthenticated
 from kvstore.index.choose import (
     OTHER_HOST,
@@ -25,7 +26,6 @@ from kvstore.index.choose import (
 from kvstore.index.lookup import summarize
 from kvstore.layout import DType, PageLayout
 from kvstore.names import TierKind
-from kvstore.node.config import NodeConfig
 from kvstore.node.heat import MAX_HOSTS, HeatTable
 from kvstore.replication.service import leader
 from kvstore.security import TENANT_HEADER, Role, TokenAuthenticator
