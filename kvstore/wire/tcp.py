@@ -244,9 +244,7 @@ def parse_put(meta: bytes | memoryview, form: ChecksumForm = ChecksumForm.KEYED)
         table_end = 0  # NOTE: only a bundle has a table: one byte after the namespace is `replicas`
     rest = tail[table_end:]
     if len(rest) > 1:
-        raise InvalidArgument(
-            "put.layout", f"{len(rest)} bytes after the PUT's layout; at most a replicas byte may follow"
-        )
+        raise InvalidArgument("put.layout", f"{len(rest)} bytes after the PUT's layout; only `replicas` may follow")
     replicas = check_replicas(rest[0], "put.replicas") if len(rest) else 0
     layout = _layout(layout_raw, tail[:table_end], "put.layout")
     try:

@@ -200,8 +200,25 @@ def test_the_put_frame_carries_replicas_only_when_set() -> None:
     bad = framed[:-1] + bytes((99,))
     with pytest.raises(InvalidArgument, match=r"put\.replicas"):
         tcp.parse_put(bad)
-    with pytest.raises(InvalidArgument, match=r"frame\.meta_len"):
-        tcp.put_npages(framed + b"\x00", 10)
+    with pytest.raises(InvalidArgument, match=r"put\.layout"):  # only a bundle has a part table
+        tcp.parse_put(framed + b"\x00")
+
+
+def test_a_bundles_put_frame_carries_its_part_table_and_replicas() -> None:
+    part = PageLayout(DType.FLOAT16, 2, 2, 64, 16)
+    bundle = PageLayout.bundle({"kv": part, "swa": PageLayout(DType.FLOAT16, 1, 2, 64, 16)}, 16)
+    for replicas in (0, 1, 5):
+        meta = tcp.put(PutOpen(NS, bundle, None, None, True, replicas=replicas), 2)[tcp.HEADER_BYTES :]
+        got = tcp.parse_put(meta)
+        assert got.replicas == replicas and got.layout.part_names == ("kv", "swa")
+    nameless = PageLayout.unpack(bundle.pack())  # a bundle's packed fields, its part names left out
+    meta = tcp.put(PutOpen(NS, nameless, None, None, True, replicas=2), 2)[tcp.HEADER_BYTES :]
+    assert tcp.parse_put(meta).replicas == 2 and not tcp.parse_put(meta).layout.has_parts
+    with_table = tcp.put(PutOpen(NS, bundle, None, None, True, replicas=2), 2)[tcp.HEADER_BYTES :]
+    with pytest.raises(InvalidArgument, match=r"put\.layout"):  # the table cut short
+        tcp.parse_put(with_table[:-4])
+    with pytest.raises(InvalidArgument, match=r"put\.layout"):  # more than a replicas byte after the table
+        tcp.parse_put(with_table + b"\x01")
 
 
 def test_a_peer_token_acts_for_the_tenant_it_names_a_client_token_never(tmp_path: Path) -> None:
