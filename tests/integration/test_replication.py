@@ -246,7 +246,8 @@ def test_a_node_that_joins_takes_its_share_of_new_chains(tmp_path: Path, redis_s
                 chain = [key(i, f"before{c}") for i in range(4)]
                 cc.put(NS, LAYOUT, chain, [page(h) for h in chain])
             nodes["j2"] = start(tmp_path, redis_server.url, "j2", env={"KVSTORE_REPLICATION": "0"})
-            wait_for(lambda: any(n.node_id == "j2" and n.alive for n in cc.nodes()), 10, "j2 to register")
+            # NOTE: a client reads the node records at most LOADS_REFRESH_S apart: it learns of j2 within that
+            wait_for(lambda: "j2" in cc.loads(), 10, "the client to see j2 registered")
             placed = [cc.put(NS, LAYOUT, ch, [page(h) for h in ch])[0]
                       for ch in ([key(i, f"after{c}") for i in range(4)] for c in range(12))]  # fmt: skip
             assert placed.count("j2") >= 4  # the empty node wins the draws it is in (never "the highest id")
