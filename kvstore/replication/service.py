@@ -21,7 +21,7 @@ from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, drive_put
 from kvstore.node.heat import HeatTable
 from kvstore.node.servicer import Copied
-from kvstore.pageformat import wire_checksum
+from kvstore.pageformat import slot_bytes_for, wire_checksum
 from kvstore.scoping import DEFAULT_TENANT, split
 from kvstore.security import ClientSecurity, InsecureChannel, read_token_file
 from kvstore.stats import ReplicationStatus
@@ -330,7 +330,7 @@ class Replicator:
             return out
         todo = [h for h in distinct if manager.entry(scoped, h) is None]
         out.already_present += len(distinct) - len(todo)
-        room = self._room(view.tenant)
+        room = self._room()
         out.refused = max(0, len(todo) - room)
         self.status.copies_refused += out.refused
         todo = todo[: max(0, room)]
@@ -343,6 +343,13 @@ class Replicator:
                 client = self._client(source, view.tenant, pulls=True)
                 if layout is None:
                     layout = await self._layout(client, source, view.tenant, namespace, scoped)
+                share = self._share_room(view.tenant, layout)
+                if share is not None and share < len(todo):
+                    out.refused += len(todo) - share
+                    self.status.copies_refused += len(todo) - share
+                    todo = todo[:share]
+                    if not todo:
+                        return out
                 await self._budget.take(len(todo) * layout.page_bytes)
                 corrupt = client.corrupt_pages
                 pages = await client.get_pages(namespace, todo, promote=False)
@@ -390,8 +397,8 @@ class Replicator:
             raise NamespaceNotFound(f"node {source} does not know namespace {namespace!r}")
         return self._layouts[key]
 
-    def _room(self, tenant: str) -> int:
-        """Pages a copy may take here: free DRAM and NVMe slots beyond the reserve, within the tenant's share."""
+    def _room(self) -> int:
+        """Pages a copy may take here: free DRAM and NVMe slots beyond the reserve."""
         assert self.node is not None
         manager = self.node.manager
         occ = manager.occupancy()
@@ -399,14 +406,19 @@ class Replicator:
         for tier in ("dram", "nvme"):
             total += occ.get(f"slots_total_{tier}", 0)
             free += occ.get(f"slots_total_{tier}", 0) - occ.get(f"slots_used_{tier}", 0)
-        room = free - int(self.config.replication_free_reserve * total)
+        return max(0, free - int(self.config.replication_free_reserve * total))
+
+    def _share_room(self, tenant: str, layout: PageLayout) -> int | None:
+        """Pages of `layout` the tenant's DRAM share here has room for (None: no share). NOTE: shares count slot
+        bytes (kvstore/manager/quotas.py), so a page counts its slot's size, as the put that stores it will."""
+        assert self.node is not None
+        manager = self.node.manager
         quotas = manager.placement.quotas
-        if quotas is not None:
-            tier = manager.table.tiers[TierKind.DRAM]
-            cap = quotas.cap(tenant, TierKind.DRAM)
-            if cap is not None:
-                room = min(room, cap - tier.tenant_pages.get(tenant, 0))
-        return max(0, room)
+        cap = quotas.cap(tenant, TierKind.DRAM) if quotas is not None else None
+        if cap is None:
+            return None
+        held = manager.table.tiers[TierKind.DRAM].tenant_bytes.get(tenant, 0)
+        return max(0, (cap - held) // slot_bytes_for(layout.page_bytes))
 
 
 async def _heads(namespace: str, pages: Sequence[FetchedPage]) -> AsyncIterator[PageHead]:
