@@ -23,7 +23,11 @@ Method:
 Targets (DESIGN.md §13): a kill -9 of one node loses <= 5% of hot-prefix hits; served bytes max/mean <= 1.5;
 copy traffic <= 10% of served bytes in steady state.
 
-Writes benchmarks/out/cluster_bench.{json,md}; prints the table.
+`--quick` (the smoke test's run, about 40 s): 3 nodes, 6 conversations, 64 MiB DRAM, TTL 3 s, 3 s warm-up, 4 s
+measured, 6 s after, mode `repl` only; its figures show the run works, not what a cluster sustains.
+
+Run:  .venv/bin/python benchmarks/cluster_bench.py [--quick] [--modes repl,off,stop] [--out-dir DIR]
+Writes benchmarks/out/cluster_bench.{json,md} (or DIR's); prints the table.
 """
 
 from __future__ import annotations
@@ -89,7 +93,8 @@ def host_main(args: argparse.Namespace) -> None:
             cc.put(NS, LAYOUT, suffix, [content(k) for k in suffix], parent_chain=prefix)
         Path(args.out + ".ready").write_text("1")
         i = 0
-        while time.time() < args.until and convs:
+        stop = Path(args.out + ".stop")  # NOTE: the run ends `--after` s after the kill, however long setup took
+        while time.time() < args.until and convs and not stop.exists():
             chain = prefix + suffix_chain(convs[i % len(convs)])
             i += 1
             started = time.time()
@@ -165,7 +170,8 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             os.kill(victim.proc.pid, signal.SIGSTOP)
         else:
             victim.kill()
-        t_kill = time.time()
+        t_kill, load_at_kill = time.time(), os.getloadavg()[0]
+        until = min(until, t_kill + args.after)
         two_again: float | None = None
         fewest_after = PREFIX
         while time.time() < until:
@@ -174,6 +180,8 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if two_again is None and min(counts) >= 2:
                 two_again = time.time() - t_kill
             time.sleep(0.2)
+        for o in outs:
+            Path(str(o) + ".stop").write_text("1")
         for p in hosts:
             p.wait(timeout=120)
         if mode == "stop" and victim.proc is not None:
@@ -226,6 +234,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "gets_after": len(after),
         "local_copy_requests": local_copies,
         "warm_started": t_warm - t_start,
+        "load_1m_at_kill": load_at_kill,
     }
 
 
@@ -238,8 +247,8 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "",
         "| mode | served max/mean (target <= 1.5) | copy bytes / served (<= 10%) | prefix hit, steady | prefix hit "
         "after kill -9 (stop: SIGSTOP) | hits lost (<= 5%) | s until 2 live copies | fewest live copies after | "
-        "slowest get after | p99 get from 2 s after | errors |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "slowest get after | p99 get from 2 s after | errors | load avg (1 min) at the kill |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in results:
         two = "never" if r["seconds_to_two_copies"] is None else f"{r['seconds_to_two_copies']:.1f}"
@@ -249,7 +258,7 @@ def table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"({r['after_gets']} gets) | {100 * r['prefix_hits_lost']:.1f}% | {two} | {r['fewest_live_copies_after']} | "
             f"{r['slowest_get_after']:.2f} s | "
             + ("-" if r["p99_get_2s_after"] is None else f"{1000 * r['p99_get_2s_after']:.0f} ms")
-            + f" | {r['errors']} |"
+            + f" | {r['errors']} | {r['load_1m_at_kill']:.1f} |"
         )
     return "\n".join(rows)
 
@@ -268,6 +277,7 @@ def main() -> None:
     ap.add_argument("--modes", default="repl,off,stop")
     ap.add_argument("--timeout", type=float, default=5.0, help="the readers' client timeout (s)")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "out")
+    ap.add_argument("--quick", action="store_true", help="smoke run (module docstring): overrides the sizes above")
     # a host process's own arguments
     ap.add_argument("--host")
     ap.add_argument("--redis")
@@ -279,6 +289,9 @@ def main() -> None:
         host_main(args)
         return
     args.convs = int(args.convs)
+    if args.quick:
+        args.nodes, args.convs, args.dram_mib, args.ttl = 3, 6, 64, 3.0
+        args.setup, args.warm, args.steady, args.after, args.modes = 30.0, 3.0, 4.0, 6.0, "repl"
     work = Path(tempfile.mkdtemp(prefix="cluster-bench-"))
     results = [run_mode(m, args, work) for m in args.modes.split(",")]
     save_results(args.out_dir, "cluster_bench", table(results, args), args, results=results)

@@ -167,3 +167,19 @@ def test_mixed_sizes_bench_small_run(tmp_path: Path) -> None:
     for r in rows:  # what any run must show: no more held than budgeted, nothing stored that was not offered
         assert 0 < r["held_bytes"] <= r["capacity_bytes"] <= 16 << 20
         assert r["pages_held"] <= r["pages_stored"] <= r["pages_offered"]
+
+
+def test_cluster_bench_quick_run(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_bench.py"), "--quick", "--out-dir",
+                          str(tmp_path)], capture_output=True, text=True, timeout=180, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    [r] = json.loads((tmp_path / "cluster_bench.json").read_text())["results"]
+    served = r["served_bytes"]
+    assert r["mode"] == "repl" and sorted(served) == ["n0", "n1", "n2"] and r["killed"] in served
+    assert r["steady_gets"] > 0 and r["after_gets"] > 0 and sum(served.values()) > 0
+    # each ratio is of figures of the same run
+    mean = sum(served.values()) / len(served)
+    assert r["max_over_mean"] == pytest.approx(max(served.values()) / mean)
+    assert r["copy_share"] >= 0.0 and 0.0 <= r["after_prefix_hit"] <= 1.0
+    assert r["prefix_hits_lost"] == pytest.approx(1.0 - r["after_prefix_hit"] / r["steady_prefix_hit"])
+    assert "| repl |" in (tmp_path / "cluster_bench.md").read_text()
