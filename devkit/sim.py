@@ -22,6 +22,10 @@ Hit rates (all over the total number of blocks in the trace):
                      is really saved. Always <= the block hit rate.
     per tier         for a tiered cache, the block (prefix) hits served from each tier; they sum to
                      the block (prefix) hit rate.
+    first reuse      the block hits on a block's second reference (its first reuse), a part of the
+                     block hit rate: a policy that admits a block only on evidence of reuse (second
+                     sight) cannot get them, so where Belady's lead over it is made of these, no
+                     such policy closes it.
     Belady           `belady_block_hits`: Belady's MIN with bypass, the most block hits any cache of
                      that capacity can get on the trace (an upper bound for both rates above).
 
@@ -138,6 +142,7 @@ class ReplayResult:
     blocks: int = 0
     block_hits: int | None = 0
     prefix_hits: int = 0
+    first_reuse_hits: int | None = 0  # block hits on a block's second reference (None: not probed)
     tier_names: tuple[str, ...] = ()
     tier_block_hits: list[int] = field(default_factory=list)
     tier_prefix_hits: list[int] = field(default_factory=list)
@@ -149,6 +154,10 @@ class ReplayResult:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / max(self.blocks, 1)
+
+    @property
+    def first_reuse_hit_rate(self) -> float | None:
+        return None if self.first_reuse_hits is None else self.first_reuse_hits / max(self.blocks, 1)
 
     def tier_rates(self) -> dict[str, tuple[float, float]]:
         """Tier name -> (block hit rate, prefix hit rate) served from that tier."""
@@ -164,10 +173,13 @@ def replay(requests: Iterable[Sequence[Block]], cache: ReplayCache) -> ReplayRes
     names: tuple[str, ...] = cache.tier_names if probing else ()
     res = ReplayResult(
         block_hits=0 if probing else None,
+        first_reuse_hits=0 if probing else None,
         tier_names=names,
         tier_block_hits=[0] * len(names),
         tier_prefix_hits=[0] * len(names),
     )
+    seen: set[Block] = set()  # blocks referenced once so far
+    reused: set[Block] = set()  # blocks referenced more than once
     for blocks in requests:
         res.requests += 1
         res.blocks += len(blocks)
@@ -176,11 +188,18 @@ def replay(requests: Iterable[Sequence[Block]], cache: ReplayCache) -> ReplayRes
         if probing:
             where = cache.probe(blocks)  # type: ignore[attr-defined]
             for i, tier in enumerate(where):
+                b = blocks[i]
                 if tier is not None:
                     res.block_hits += 1  # type: ignore[operator]
                     res.tier_block_hits[tier] += 1
                     if i < prefix:
                         res.tier_prefix_hits[tier] += 1
+                    if b in seen and b not in reused:
+                        res.first_reuse_hits += 1  # type: ignore[operator]
+                if b in seen:
+                    reused.add(b)
+                else:
+                    seen.add(b)
         cache.put(blocks)
     return res
 
@@ -422,15 +441,20 @@ def belady_block_hits(requests: Sequence[Sequence[Block]], capacity: int) -> Rep
     cached: dict[Block, int] = {}  # block -> its next use
     heap: list[tuple[int, int, Block]] = []  # (-next use, seq, block); seq keeps blocks uncompared
     res = ReplayResult(requests=0, blocks=0, block_hits=0, prefix_hits=0)
+    refs: dict[Block, int] = {}  # references so far (up to 2: only "the second" matters)
     i = 0
     for req in requests:
         res.requests += 1
         res.blocks += len(req)
         in_prefix = True
         for b in req:
+            n = refs.get(b, 0)
+            if n < 2:
+                refs[b] = n + 1
             if b in cached:
                 res.block_hits += 1  # type: ignore[operator]
                 res.prefix_hits += in_prefix
+                res.first_reuse_hits += n == 1  # type: ignore[operator]
             else:
                 in_prefix = False
             nxt = next_use[i]

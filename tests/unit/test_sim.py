@@ -34,6 +34,18 @@ def test_block_and_prefix_hits_by_hand() -> None:
     assert cache.counters.inserted == 5 and cache.counters.dropped == 1
 
 
+def test_hits_on_a_first_reuse_are_told_apart() -> None:
+    # LRU, 2 blocks: [1] misses; [1] hits its first reuse; [1] hits a later one; [2] misses (1 stays);
+    # [2] hits its first reuse. Belady on the same stream makes the same hits; unprobed caches say None.
+    requests = [[1], [1], [1], [2], [2]]
+    res = replay(requests, TieredBlockCache(2, "lru"))
+    assert (res.block_hits, res.first_reuse_hits) == (3, 2) and res.first_reuse_hit_rate == pytest.approx(2 / 5)
+    assert belady_block_hits(requests, 1).first_reuse_hits == 2
+    # second sight refuses a first sighting once the tier is full: no hit on a first reuse there
+    full_then = [[10], [11], *requests]
+    assert replay(full_then, TieredBlockCache(2, "second-sight")).first_reuse_hits == 0
+
+
 def test_tiered_promotion_demotion_accounting() -> None:
     # hbm holds 1 block, dram 2, LRU in each. Traced by hand:
     #   [1] [2] [3]  misses; each newcomer pushes hbm's block down: hbm {3}, dram {1, 2}
@@ -103,6 +115,7 @@ def test_replay_through_a_lookup_put_only_cache() -> None:
 
     res = replay([[1, 2], [1, 2, 3], [9, 3]], PrefixOnly())
     assert res.block_hits is None and res.block_hit_rate is None
+    assert res.first_reuse_hits is None and res.first_reuse_hit_rate is None
     assert (res.blocks, res.prefix_hits) == (7, 2)
 
 
@@ -144,6 +157,7 @@ def test_belady_on_a_hand_case() -> None:
     # capacity 2, stream a b c a b: keep a, bypass c (used never again), then a and b hit.
     res = belady_block_hits([["a", "b"], ["c"], ["a", "b"]], 2)
     assert (res.block_hits, res.prefix_hits, res.blocks) == (2, 2, 5)
+    assert res.first_reuse_hits == 2  # both hits are second references
     with pytest.raises(ValueError):
         belady_block_hits([["a"]], 0)
 
