@@ -19,8 +19,16 @@ Shapes (`WORKLOADS`; `describe()` prints them):
               followed by many one-block inputs in a burst, interleaved with one-off long prompts.
     tenants   a mix of tenants with different shapes (chat, rag, agent, batch) whose shares change
               halfway through the stream: a policy must adapt online.
+    conversation  production chat as the Mooncake and LMSYS statistics describe it (see Conversation).
+    agentic   agent sessions as vLLM's AgentX figures describe them: 43 turns, 142K-token inputs, tool
+              pauses of seconds to minutes, subagents forking their parent's context, sessions that
+              end (see Agentic); generate_tagged() also gives what the agent runtime knows of each
+              request (SessionTag), from which retention hints are made.
 
 The Mooncake trace is not generated here: benchmarks/trace_replay.py takes any trace by path.
+
+Blocks: most shapes count abstract blocks; conversation's are 512 tokens (the Mooncake traces'),
+agentic's 4096 (`WorkloadSpec.block_tokens`: what a block stands for when bytes are counted).
 
 Sizes: `Size.FULL` is what benchmarks/trace_replay.py replays (every workload 60k-150k block
 accesses: the whole suite, every policy at five capacities, replays in minutes on 2 cores);
@@ -378,6 +386,181 @@ class Conversation:
         return req
 
 
+@dataclass(frozen=True, slots=True)
+class SessionTag:
+    """What an agent runtime knows of one request of the agentic workload when it sends it: the
+    retention hints an engine could pass to the store (DESIGN.md §6) are made from these.
+
+    `session` numbers the sessions in the order they start (a subagent is a session of its own);
+    `parent` is the session a subagent forked from (None for a top-level session); `turn` counts the
+    session's requests from 0; `ends` is True on the session's last request (nothing of it comes
+    back unless another session shares it); `subagents` is how many subagents this request's answer
+    starts (the session then waits for all of them); `pause_s` is the tool call's pause before the
+    session's next request (seconds; None when it ends or waits for subagents)."""
+
+    session: int
+    parent: int | None
+    turn: int
+    ends: bool
+    subagents: int
+    pause_s: float | None
+
+
+@dataclass(slots=True)
+class _AgentSession:
+    """One agent session's state: its context (block contents and the tokens not yet in a full
+    block), its turns left, and for a parent waiting on subagents how many are still running."""
+
+    id: int
+    app: int  # the agent whose system prompt it runs under
+    parent: _AgentSession | None
+    content: list[Hashable]
+    extra: int  # tokens after the last full block
+    left: int  # requests still to make
+    turn: int = 0
+    spawns: list[int] = field(default_factory=list)  # turns after which it starts subagents
+    running: int = 0  # its subagents still running
+    results: int = 0  # tokens its finished subagents returned, appended at its next turn
+
+    def tokens(self, block_tokens: int) -> int:
+        return len(self.content) * block_tokens + self.extra
+
+
+class Agentic:
+    """Agent sessions as the vLLM AgentX post describes production agent traffic (quoted by vLLM's
+    RFC "Programmable KV Cache": a median of 43 turns per session, a median input of 142K tokens and
+    output of 444, prefix-cache hit rates above 96%, subagents in 44% of sessions), with tool-call
+    pauses of seconds to minutes between turns and sessions that end.
+
+    A session starts with one of APPS agent system prompts with their tool definitions (Zipf(1);
+    SYSTEM_TOKENS each) and the user's task (lognormal, median TASK_TOKENS). It makes TURNS requests
+    (lognormal, median TURNS, sigma TURNS_SIGMA). Each request resends the whole context; the answer
+    (lognormal, median OUTPUT_TOKENS) calls a tool whose result (lognormal, median TOOL_TOKENS) is
+    appended with it for the next turn. The next turn comes after the answer's decoding
+    (OUTPUT_TOKENS / DECODE_TPS seconds) and the tool's pause (lognormal seconds, median TOOL_S,
+    sigma TOOL_SIGMA: most tools answer in seconds, some in minutes). At RATE requests per second
+    this is the number of other requests in between: RATE x the mean pause sessions run at once.
+    A context over CONTEXT tokens is compacted: the next request is the system prompt and a summary
+    (lognormal, median SUMMARY_TOKENS), so the prefix breaks there, as agents' auto-compaction does.
+
+    Subagents: SUBAGENT_SHARE of the sessions start subagents, 1 to 3 times at random turns, FANOUT
+    at a time. A subagent forks its parent's context: its requests are the parent's whole context,
+    its own task (SUB_TASK_TOKENS) and its own turns (lognormal, median SUB_TURNS), with the same
+    pauses. The parent waits until all of them have ended, then resumes with their results
+    (RESULT_TOKENS each) appended: the pause in which its own pages must survive.
+
+    Scaled to the suite: a block is BLOCK_TOKENS tokens (8 blocks of 512 in an engine), so a median
+    request is ~35 blocks and a replay of the suite's size runs in seconds; token counts, pauses and
+    rates are the published ones. `tags` gets a SessionTag per request (see generate_tagged).
+    """
+
+    BLOCK_TOKENS = 4096
+    RATE = 1.0  # requests per second
+    APPS = 4
+    SYSTEM_TOKENS = (16_000, 32_000)  # system prompt and tool definitions
+    TASK_TOKENS = 8_000
+    TURNS, TURNS_SIGMA, MAX_TURNS = 43, 0.7, 400
+    OUTPUT_TOKENS = 444
+    TOOL_TOKENS, TOOL_TOKENS_SIGMA = 3_000, 1.0
+    DECODE_TPS = 50.0
+    TOOL_S, TOOL_SIGMA = 5.0, 1.4
+    CONTEXT, SUMMARY_TOKENS = 256_000, 30_000
+    SUBAGENT_SHARE, FANOUT = 0.44, (1, 3)
+    SUB_TASK_TOKENS, SUB_TURNS, SUB_TURNS_SIGMA = 800, 8, 0.7
+    RESULT_TOKENS = 1_500
+    WARMUP = 1500  # requests generated and dropped first: the window opens on traffic in progress
+
+    def __init__(self, rnd: random.Random, ch: Chainer, tags: list[SessionTag] | None = None) -> None:
+        self.rnd, self.ch, self.tags = rnd, ch, tags
+        lo, hi = self.SYSTEM_TOKENS
+        self.system = [rnd.randint(lo, hi) for _ in range(self.APPS)]
+        self.app_weights = zipf_weights(self.APPS, 1.0)
+        self.due: list[tuple[int, int, _AgentSession]] = []  # (due request, seq, session): a heap
+        self._seq = itertools.count()
+        self._ids = itertools.count()
+        self._clock = -self.WARMUP
+        for _ in range(self.WARMUP):
+            self.next(0)
+
+    def _tokens(self, median: float, sigma: float, hi: int | None = None) -> int:
+        return lognormal_int(self.rnd, median, sigma, hi=hi)
+
+    def _append(self, s: _AgentSession, tokens: int) -> None:
+        total = s.extra + tokens
+        s.content += self.ch.fresh(total // self.BLOCK_TOKENS)
+        s.extra = total % self.BLOCK_TOKENS
+
+    def _system(self, s: _AgentSession, app: int) -> None:
+        """The app's system prompt, shared by every session of the app (its full blocks chain to equal ids)."""
+        tokens = self.system[app]
+        s.content = [("agent-system", app, i) for i in range(tokens // self.BLOCK_TOKENS)]
+        s.extra = tokens % self.BLOCK_TOKENS
+
+    def _start(self) -> _AgentSession:
+        rnd = self.rnd
+        app = rnd.choices(range(self.APPS), self.app_weights)[0]
+        turns = self._tokens(self.TURNS, self.TURNS_SIGMA, hi=self.MAX_TURNS)
+        s = _AgentSession(next(self._ids), app, None, [], 0, turns)
+        self._system(s, app)
+        self._append(s, self._tokens(self.TASK_TOKENS, 0.8))
+        if turns > 2 and rnd.random() < self.SUBAGENT_SHARE:
+            s.spawns = sorted(rnd.sample(range(turns - 1), min(turns - 1, rnd.randint(1, 3))))
+        return s
+
+    def _fork(self, parent: _AgentSession) -> _AgentSession:
+        """A subagent: the parent's context so far, then its own task."""
+        turns = self._tokens(self.SUB_TURNS, self.SUB_TURNS_SIGMA, hi=self.MAX_TURNS)
+        s = _AgentSession(next(self._ids), parent.app, parent, list(parent.content), parent.extra, turns)
+        self._append(s, self._tokens(self.SUB_TASK_TOKENS, 0.6))
+        return s
+
+    def _push(self, now: int, seconds: float, s: _AgentSession) -> None:
+        heapq.heappush(self.due, (now + max(1, round(seconds * self.RATE)), next(self._seq), s))
+
+    def next(self, now: int) -> Request:
+        # NOTE: an own clock, so the warm-up's requests come before request 0 of the window.
+        now, self._clock = self._clock, self._clock + 1
+        rnd = self.rnd
+        if self.due and self.due[0][0] <= now:
+            s = heapq.heappop(self.due)[2]
+            if s.results:  # its subagents' results, after its own last answer
+                self._append(s, s.results)
+                s.results = 0
+        else:
+            s = self._start()
+        req = self.ch.chain(s.content)
+        s.left -= 1
+        ends = s.left <= 0
+        spawn = 0 if ends or not s.spawns or s.spawns[0] != s.turn else rnd.randint(*self.FANOUT)
+        output = self._tokens(self.OUTPUT_TOKENS, 0.7, hi=8000)
+        pause = None
+        if ends:
+            if s.parent is not None:  # NOTE: the result goes back to the parent, which resumes once all are done
+                p = s.parent
+                p.results += self.RESULT_TOKENS
+                p.running -= 1
+                if p.running == 0:
+                    self._push(now, self.OUTPUT_TOKENS / self.DECODE_TPS, p)
+        else:
+            self._append(s, output)
+            if spawn:
+                s.spawns.pop(0)
+                s.running = spawn
+                for _ in range(spawn):
+                    self._push(now, self.OUTPUT_TOKENS / self.DECODE_TPS, self._fork(s))
+            else:
+                pause = output / self.DECODE_TPS + self.TOOL_S * math.exp(self.TOOL_SIGMA * rnd.gauss(0.0, 1.0))
+                self._append(s, self._tokens(self.TOOL_TOKENS, self.TOOL_TOKENS_SIGMA, hi=60_000))
+                self._push(now, pause, s)
+        if self.tags is not None and now >= 0:
+            self.tags.append(SessionTag(s.id, None if s.parent is None else s.parent.id, s.turn, ends, spawn, pause))
+        s.turn += 1
+        if s.tokens(self.BLOCK_TOKENS) > self.CONTEXT:
+            self._system(s, s.app)
+            self._append(s, self._tokens(self.SUMMARY_TOKENS, 0.5))
+        return req
+
+
 # ------------------------------------------------------------------------------------------- suite
 
 
@@ -389,6 +572,7 @@ class WorkloadSpec:
     full: int
     smoke: int
     summary: str
+    block_tokens: int = 512  # tokens a block stands for (for bytes; the shapes without a token model count 512)
 
 
 WORKLOADS: dict[str, WorkloadSpec] = {
@@ -403,6 +587,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
         240,
         "production chat as published (Mooncake, LMSYS): long shared system prompts, uploads, most blocks seen once",
     ),
+    "agentic": WorkloadSpec(
+        "agentic",
+        4000,
+        160,
+        "agent sessions as published (vLLM AgentX): 43 turns, 142K-token inputs, tool pauses, subagents forking",
+        block_tokens=Agentic.BLOCK_TOKENS,
+    ),
 }
 
 _GENERATORS: dict[str, Callable[[random.Random, Chainer, int], Callable[[int], Request]]] = {
@@ -412,12 +603,21 @@ _GENERATORS: dict[str, Callable[[random.Random, Chainer, int], Callable[[int], R
     "batch": lambda rnd, ch, _n: Batch(rnd, ch).next,
     "tenants": lambda rnd, ch, n: Tenants(rnd, ch, n).next,
     "conversation": lambda rnd, ch, _n: Conversation(rnd, ch).next,
+    "agentic": lambda rnd, ch, _n: Agentic(rnd, ch).next,
 }
 
 
-def generate(name: str, requests: int | None = None, *, seed: int = 0, size: Size | str = Size.FULL) -> list[Request]:
-    """The requests of workload `name` (`requests` of them, default: the suite's count at `size`),
-    reproducible from `seed`. Raises ValueError naming the known workloads."""
+# The workloads whose requests belong to sessions an agent runtime knows of: a generator that also
+# writes a SessionTag per request.
+_TAGGED: dict[str, Callable[[random.Random, Chainer, list[SessionTag]], Callable[[int], Request]]] = {
+    "agentic": lambda rnd, ch, tags: Agentic(rnd, ch, tags).next,
+}
+
+
+SESSION_WORKLOADS = frozenset(_TAGGED)  # the workloads generate_tagged() knows
+
+
+def _count(name: str, requests: int | None, size: Size | str) -> int:
     spec = WORKLOADS.get(name)
     if spec is None:
         raise ValueError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
@@ -425,9 +625,31 @@ def generate(name: str, requests: int | None = None, *, seed: int = 0, size: Siz
         requests = spec.full if Size(size) is Size.FULL else spec.smoke
     if requests < 0:
         raise ValueError(f"requests must be >= 0, got {requests}")
+    return requests
+
+
+def generate(name: str, requests: int | None = None, *, seed: int = 0, size: Size | str = Size.FULL) -> list[Request]:
+    """The requests of workload `name` (`requests` of them, default: the suite's count at `size`),
+    reproducible from `seed`. Raises ValueError naming the known workloads."""
+    requests = _count(name, requests, size)
     rnd = random.Random(f"{name}:{seed}")  # NOTE: str seeds are hashed with SHA-512, stable across runs
     nxt = _GENERATORS[name](rnd, Chainer(), requests)
     return [nxt(i) for i in range(requests)]
+
+
+def generate_tagged(
+    name: str, requests: int | None = None, *, seed: int = 0, size: Size | str = Size.FULL
+) -> tuple[list[Request], list[SessionTag]]:
+    """The same requests as generate() with the same arguments, and the SessionTag of each (what the
+    agent runtime knows when it sends it). Raises ValueError for a workload without sessions."""
+    requests = _count(name, requests, size)
+    make = _TAGGED.get(name)
+    if make is None:
+        raise ValueError(f"workload {name!r} has no session tags; workloads with them: {sorted(_TAGGED)}")
+    tags: list[SessionTag] = []
+    rnd = random.Random(f"{name}:{seed}")  # NOTE: the same draws as generate(): tags never consume randomness
+    nxt = make(rnd, Chainer(), tags)
+    return [nxt(i) for i in range(requests)], tags
 
 
 def suite(size: Size | str = Size.FULL, seed: int = 0) -> dict[str, list[Request]]:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import statistics
 import subprocess
 import sys
 from collections import Counter
 
 import pytest
 
-from devkit.workloads import WORKLOADS, Chainer, Size, describe, generate, suite
+from devkit.workloads import WORKLOADS, Agentic, Chainer, Size, describe, generate, generate_tagged, suite
 
 
 def _digest(requests: list[list[int]]) -> str:
@@ -98,6 +99,66 @@ def test_conversation_has_the_published_shape() -> None:
     # follow-up turns resend the history: LMSYS-Chat-1M's 2.0 turns per conversation make about half the
     # requests follow-ups; a first turn on a popular document may extend another user's request too
     assert 0.4 < _extends(reqs) < 0.8
+
+
+def test_agentic_has_the_published_shape() -> None:
+    """vLLM AgentX's agent traffic as devkit/workloads.py cites it: a median of 43 turns per session,
+    median inputs of about 142K tokens (here in 4096-token blocks: the whole block only, so a little
+    under), prefix reuse above 95% with an unbounded cache (block-level: a turn's partial last block is
+    computed anew), subagents in about 44% of sessions, tool pauses of seconds to minutes."""
+    reqs, tags = generate_tagged("agentic", 8000)
+    assert reqs == generate("agentic", 8000) and len(tags) == len(reqs)
+    lens = sorted(map(len, reqs))
+    assert 110_000 <= lens[len(lens) // 2] * Agentic.BLOCK_TOKENS <= 160_000
+    counts = Counter(b for r in reqs for b in r)
+    assert 1 - len(counts) / sum(counts.values()) > 0.94
+    turns: Counter[int] = Counter()
+    first_turn: dict[int, int] = {}
+    ended: set[int] = set()
+    with_subagents = {t.parent for t in tags if t.parent is not None}
+    for t in tags:
+        first_turn.setdefault(t.session, t.turn)
+        turns[t.session] += 1
+        ended |= {t.session} if t.ends else set()
+    whole = [s for s, n in turns.items() if first_turn[s] == 0 and s in ended and s not in
+             {t.session for t in tags if t.parent is not None}]  # fmt: skip
+    assert len(whole) >= 30
+    assert 33 <= statistics.median(turns[s] for s in whole) <= 55
+    assert 0.3 <= sum(s in with_subagents for s in whole) / len(whole) <= 0.6
+    pauses = sorted(t.pause_s for t in tags if t.pause_s is not None)
+    assert pauses[len(pauses) // 10] < 10 and pauses[-len(pauses) // 100] > 60
+
+
+def test_agentic_tags_follow_the_sessions() -> None:
+    """A session's requests are its turns in order, extending its context (until a compaction starts it
+    again from its system prompt); nothing follows its last request; a subagent's first request
+    extends the request of its parent that started it, and the parent resumes only once every one of
+    them has ended."""
+    reqs, tags = generate_tagged("agentic", 3000, seed=4)
+    last: dict[int, int] = {}  # session -> index of its latest request
+    running: dict[int, int] = {}  # parent -> subagents not yet ended
+    spawned_by: dict[int, int] = {}  # parent -> index of the request that started its subagents
+    forks = 0
+    for i, t in enumerate(tags):
+        if t.session in last:
+            prev = last[t.session]
+            assert tags[prev].turn + 1 == t.turn and not tags[prev].ends
+            assert reqs[i][: len(reqs[prev])] == reqs[prev] or reqs[i][0] == reqs[prev][0]  # extends, or compacted
+            assert running.get(t.session, 0) == 0  # a parent waits for all its subagents
+        elif t.parent in spawned_by:  # NOTE: a session first seen later than its turn 0 began in the warm-up
+            assert t.turn == 0 and reqs[i][: len(reqs[spawned_by[t.parent]])] == reqs[spawned_by[t.parent]]
+            forks += 1
+        if t.subagents:
+            running[t.session], spawned_by[t.session] = t.subagents, i
+            assert t.pause_s is None
+        if t.ends:
+            assert t.pause_s is None and t.subagents == 0
+            if t.parent is not None and t.parent in running:
+                running[t.parent] -= 1
+        last[t.session] = i
+    assert forks >= 10 and any(t.ends for t in tags)
+    with pytest.raises(ValueError, match=r"no session tags.*agentic"):
+        generate_tagged("chat", 10)
 
 
 def test_tenants_change_halfway() -> None:
