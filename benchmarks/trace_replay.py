@@ -10,12 +10,17 @@ What is measured
       prefix hit  per request the longest cached prefix (the prefill really saved), over all blocks;
                   the figure the target is about;
       block hit   blocks found cached at any position, over all blocks (in the JSON);
-      per tier    for --tiers, the hits served from each tier (exclusive tiers).
+      per tier    for --tiers and --tiered-fractions, the hits served from each tier (exclusive tiers)
+                  and the GB of KV the prefix hits read from each (blocks x the workload's tokens per
+                  block x --kv-bytes-per-token), and the GB computed again (the rest);
+      first reuse with --reuse-split, the block hits on a block's second reference apart from later
+                  ones: admission on evidence of reuse (second sight) cannot make the first kind.
     See devkit/sim.py for the exact semantics.
 
 Workloads
-    The suite (devkit/workloads.py: chat, rag, agent, batch, tenants, and conversation, production
-    chat as the Mooncake and LMSYS statistics describe it; seeded) at --suite full or smoke, plus
+    The suite (devkit/workloads.py: chat, rag, agent, batch, tenants, conversation, production chat
+    as the Mooncake and LMSYS statistics describe it, and agentic, agent sessions as vLLM's AgentX
+    figures describe them; seeded) at --suite full or smoke, plus
     every --trace PATH (Mooncake FAST'25 format: one JSON object per line with `timestamp`,
     `input_length`, `output_length`, `hash_ids`; any trace in that format works). --seed N draws
     other requests of the same shapes: the policies' constants were measured on seed 0, so the
@@ -24,11 +29,14 @@ Workloads
 Capacities
     --fractions of each workload's working set: the blocks it references at least twice (the only
     blocks any cache can hit on; a cache of that size lets Belady reach the trace's ceiling). The
-    default 0.02,0.05,0.1,0.2,0.3 is the range of the target. --capacity adds absolute sizes.
+    default 0.02,0.05,0.1,0.2,0.3 is the range of the target. --capacity adds absolute sizes;
+    --tiered-fractions adds per workload a DRAM tier at each fraction above an NVMe tier --nvme-ratio
+    times its size (the top tier asks admission; what it refuses is written through to NVMe).
 
 Reference (same run, same workload)
-    Belady's MIN with bypass at the same capacity (for --tiers, the sum of the tiers): the most block
-    hits any cache of that size can get; LRU, the baseline; and second-sight LRU (LRU admitting a
+    Belady's MIN with bypass at the same capacity (for tiers, the sum of the tiers, and the top tier's
+    alone: no policy serves more hits from the top tier): the most block hits any cache of that size
+    can get; LRU, the baseline; and second-sight LRU (LRU admitting a
     block on its second sight, a ghost list of 4x the capacity remembering the refused ones).
 
 Target (DESIGN.md §6.4)
@@ -43,7 +51,8 @@ Method
     replay, on this machine.
 
 Run:  .venv/bin/python benchmarks/trace_replay.py [--suite full|smoke|none] [--trace PATH ...]
-          [--seed N] [--fractions 0.02,...] [--capacity N,...] [--tiers hbm:N,dram:N,nvme:N] [--policy all|NAME,...]
+          [--seed N] [--fractions 0.02,...] [--capacity N,...] [--tiers hbm:N,dram:N,nvme:N]
+          [--tiered-fractions 0.02,... --nvme-ratio 4 --kv-bytes-per-token B] [--reuse-split] [--policy all|NAME,...]
           [--default adaptive] [--jobs N] [--node-requests N --node-capacity N,...] [--out DIR] [--json [PATH]]
 """
 
@@ -75,7 +84,7 @@ from devkit.sim import (
     parse_tiers,
     replay,
 )
-from devkit.workloads import WORKLOADS, Size, generate
+from devkit.workloads import SESSION_WORKLOADS, WORKLOADS, Size, generate
 from kvstore.policy import POLICIES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -84,6 +93,10 @@ POLICY_ORDER = ("lru", "prefix-lru", "arc", "s3fifo", "prefix-arc", "tinylfu", "
 DEFAULT_FRACTIONS = (0.02, 0.05, 0.1, 0.2, 0.3)
 TARGET_RATIO = 0.95  # DESIGN.md §6.4: within 5% (relative) of the best candidate
 FLOORS = ("lru", "second-sight")  # DESIGN.md §6.4: the default is never below these
+TRACE_BLOCK_TOKENS = 512  # the Mooncake format's blocks (a suite workload says its own: WorkloadSpec.block_tokens)
+# NOTE: the KV of one token of Llama-3.1-8B in bf16: 32 layers x 2 (K, V) x 8 KV heads x 128 x 2 bytes.
+KV_BYTES_PER_TOKEN = 131_072
+REUSE_POLICIES = ("lru", "second-sight")  # beside the default and Belady in the --reuse-split table
 
 
 @dataclass(slots=True)
@@ -99,15 +112,22 @@ class Cell:
     tiers: dict[str, tuple[float, float]] = field(default_factory=dict)
     counters: dict[str, int] = field(default_factory=dict)
     wall_s: float = 0.0
+    first_reuse_hit: float | None = None  # block hits on a block's second reference (devkit/sim.py)
 
 
 @dataclass(slots=True)
 class Bound:
+    """Belady's MIN at a configuration's whole capacity (and, for tiers, at its top tier's alone: no
+    policy serves more hits from the top tier than MIN would at that capacity)."""
+
     source: str
     config: str
     capacity: int
     belady_block_hit: float
     wall_s: float
+    first_reuse_hit: float = 0.0  # of belady_block_hit, the hits on a block's second reference
+    top_capacity: int | None = None
+    belady_top_block_hit: float | None = None
 
 
 @dataclass(slots=True)
@@ -169,6 +189,12 @@ def source_requests(spec: str) -> list[list[int]]:
     return reqs
 
 
+def _block_tokens(spec: str) -> int:
+    """Tokens one block of a source stands for (a trace: the Mooncake format's 512)."""
+    kind, _, rest = spec.partition(":")
+    return WORKLOADS[rest.partition(":")[0]].block_tokens if kind == "suite" else TRACE_BLOCK_TOKENS
+
+
 def source_label(spec: str) -> str:
     kind, _, rest = spec.partition(":")
     return rest.partition(":")[0] if kind == "suite" else Path(rest).stem
@@ -204,14 +230,17 @@ def _run_cell(job: tuple[str, str, tuple[TierSpec, ...], str]) -> Cell:
     return Cell(source_label(spec), label, sum(t.capacity for t in tiers), policy, res.block_hit_rate,
                 res.prefix_hit_rate, res.tier_rates() if len(tiers) > 1 else {},
                 {"promoted": c.promoted, "demoted": c.demoted, "dropped": c.dropped, "not_admitted": c.not_admitted,
-                 "not_stored": c.not_stored}, wall)  # fmt: skip
+                 "not_stored": c.not_stored}, wall, res.first_reuse_hit_rate)  # fmt: skip
 
 
-def _run_bound(job: tuple[str, str, int]) -> Bound:
-    spec, label, capacity = job
+def _run_bound(job: tuple[str, str, int, int | None]) -> Bound:
+    spec, label, capacity, top = job
     t0 = time.perf_counter()
-    opt = belady_block_hits(source_requests(spec), capacity)
-    return Bound(source_label(spec), label, capacity, opt.block_hit_rate or 0.0, time.perf_counter() - t0)
+    requests = source_requests(spec)
+    opt = belady_block_hits(requests, capacity)
+    top_hit = None if top is None else belady_block_hits(requests, top).block_hit_rate
+    return Bound(source_label(spec), label, capacity, opt.block_hit_rate or 0.0, time.perf_counter() - t0,
+                 opt.first_reuse_hit_rate or 0.0, top, top_hit)  # fmt: skip
 
 
 def run(
@@ -221,7 +250,8 @@ def run(
     progress: Callable[[str], None],
 ) -> tuple[list[Cell], list[Bound]]:
     """Every (source, config) x policy, and Belady per (source, config); `jobs` processes."""
-    bound_jobs = [(spec, label, sum(t.capacity for t in tiers)) for spec, label, tiers in configs]
+    bound_jobs = [(spec, label, sum(t.capacity for t in tiers), tiers[0].capacity if len(tiers) > 1 else None)
+                  for spec, label, tiers in configs]  # fmt: skip
     # NOTE: the slowest policies first, so the pool's last jobs are short ones.
     cell_jobs = [(spec, label, tiers, p) for p in reversed(policies) for spec, label, tiers in configs]
     if jobs <= 1:
@@ -305,7 +335,11 @@ def markdown(
     checks: Sequence[Verdict],
     meta: dict[str, object],
     wall_s: float,
+    block_bytes: dict[str, int] | None = None,
+    reuse_split: str | None = None,
 ) -> str:
+    """The report. `block_bytes` (source -> KV bytes of one block) adds the bytes read from each tier to
+    the tiered table; `reuse_split` (the default policy's name) adds the first-reuse table."""
     by = {(c.source, c.config, c.policy): c for c in cells}
     lines = [
         "# trace_replay — every policy on every workload, against Belady",
@@ -317,36 +351,34 @@ def markdown(
         "working set (blocks referenced at least twice).",
     ]
     for source, summary in summaries.items():
+        # NOTE: a workload whose requests carry session tags gets the column that policies told of sessions
+        # (retention hints, DESIGN.md §6) will fill; no policy takes hints yet, so it stays empty.
+        hinted = source in SESSION_WORKLOADS
         lines += [
             "",
             f"**{source}**: {summary['requests']} requests, {summary['blocks']} blocks, {summary['unique_blocks']} "
             f"unique, working set {summary['working_set']}; ceiling (unbounded cache) {summary['ceiling_hit_rate']:.3f}.",
             "",
-            "| capacity | " + " | ".join(policies) + " | Belady |",
-            "|---:|" + "---:|" * len(policies) + "---:|",
+            "| capacity | " + " | ".join(policies) + " | Belady |" + (" with hints |" if hinted else ""),
+            "|---:|" + "---:|" * len(policies) + "---:|" + ("---:|" if hinted else ""),
         ]
-        for b in (b for b in bounds if b.source == source):
+        for b in (b for b in bounds if b.source == source and b.top_capacity is None):
             row = [b.config]
             for p in policies:
                 c = by.get((source, b.config, p))
                 row.append("" if c is None else f"{c.prefix_hit:.3f}")
             row.append(f"{b.belady_block_hit:.3f}")
-            lines.append("| " + " | ".join(row) + " |")
+            lines.append("| " + " | ".join(row + (["—"] if hinted else [])) + " |")
+        if hinted:
+            lines += ["", "With hints: the policies told of each request's session (devkit.workloads.generate_tagged: "
+                      "resumes, ends, forks subagents, the tool's pause) through the retention API; not measured yet."]  # fmt: skip
     tiered = [c for c in cells if c.tiers]
     if tiered:
-        names = list(tiered[0].tiers)
-        lines += [
-            "",
-            "Tiered: block / prefix hits served from each tier (they sum to the totals above).",
-            "",
-            "| workload | config | policy | " + " | ".join(names) + " | promoted | demoted | dropped | not admitted |",
-            "|---|---|---|" + "---:|" * (len(names) + 4),
-        ]
-        for c in tiered:
-            per = [f"{c.tiers[n][0]:.3f} / {c.tiers[n][1]:.3f}" for n in names]
-            k = c.counters
-            lines.append(f"| {c.source} | {c.config} | {c.policy} | " + " | ".join(per)
-                         + f" | {k['promoted']} | {k['demoted']} | {k['dropped']} | {k['not_admitted']} |")  # fmt: skip
+        order = {p: i for i, p in enumerate(policies)}
+        tiered = sorted(tiered, key=lambda c: (c.source, c.capacity, order.get(c.policy, len(order))))
+        lines += tiered_markdown(tiered, bounds, summaries, block_bytes or {})
+    if reuse_split:
+        lines += reuse_markdown(cells, bounds, reuse_split)
     if checks:
         met = sum(v.met for v in checks)
         lines += [
@@ -370,6 +402,84 @@ def markdown(
     lines += ["", "Replay time per policy, all cells (s): " + ", ".join(f"{p} {w:.0f}" for p, w in walls.items())]
     lines += [f"Belady (s): {sum(b.wall_s for b in bounds):.0f}", ""]
     return "\n".join(lines)
+
+
+def tiered_markdown(
+    tiered: Sequence[Cell],
+    bounds: Sequence[Bound],
+    summaries: dict[str, dict[str, float | int]],
+    block_bytes: dict[str, int],
+) -> list[str]:
+    """The tiered cells (each configuration's cells together): hits served from each tier, the KV bytes
+    those prefix hits read from it and the bytes computed again, and per configuration Belady's bounds."""
+    lines = [
+        "",
+        "Tiered: block / prefix hit rate served from each tier (they sum to the totals), the GB (10^9 bytes) of "
+        "KV the prefix hits read from each tier, and the GB of KV computed again (the blocks past each request's "
+        "cached prefix). Belady (bounds): at most the block hits of MIN at the top tier's capacity from the top "
+        "tier, at most MIN's at the whole capacity from the cache, so at least the rest computed.",
+    ]
+    groups: dict[tuple[str, ...], list[Cell]] = {}
+    for c in tiered:
+        groups.setdefault(tuple(c.tiers), []).append(c)
+    bound = {(b.source, b.config): b for b in bounds if b.top_capacity is not None}
+    for names, group in groups.items():
+        lines += [
+            "",
+            "| workload | config | policy | prefix hit | " + " | ".join(names) + " | "
+            + " | ".join(f"GB from {n}" for n in names) + " | GB computed | promoted | demoted | dropped | not admitted |",
+            "|---|---|---|--:|" + "--:|" * (2 * len(names) + 5),
+        ]  # fmt: skip
+        last: tuple[str, str] | None = None
+        for c in [*group, None]:
+            if last is not None and (c is None or (c.source, c.config) != last) and last in bound:
+                b, gb = bound[last], _gb(block_bytes, summaries, last[0])
+                top = b.belady_top_block_hit or 0.0
+                lines.append(f"| {last[0]} | {last[1]} | Belady (bound) | ≤ {b.belady_block_hit:.3f} | ≤ {top:.3f} | "
+                             + " | " * (len(names) - 1) + f"≤ {top * gb:,.1f} | " + " | " * (len(names) - 1)
+                             + f"≥ {(1 - b.belady_block_hit) * gb:,.1f} | | | | |")  # fmt: skip
+            if c is None:
+                break
+            last = (c.source, c.config)
+            gb = _gb(block_bytes, summaries, c.source)
+            per = [f"{c.tiers[n][0]:.3f} / {c.tiers[n][1]:.3f}" for n in names]
+            read = [f"{c.tiers[n][1] * gb:,.1f}" for n in names]
+            k = c.counters
+            lines.append(f"| {c.source} | {c.config} | {c.policy} | {c.prefix_hit:.3f} | " + " | ".join(per + read)
+                         + f" | {(1 - c.prefix_hit) * gb:,.1f} | {k['promoted']} | {k['demoted']} | {k['dropped']} | "
+                         f"{k['not_admitted']} |")  # fmt: skip
+    return lines
+
+
+def _gb(block_bytes: dict[str, int], summaries: dict[str, dict[str, float | int]], source: str) -> float:
+    """GB (10^9 bytes) of KV in all the blocks `source` references (0 when its block size is unknown)."""
+    return block_bytes.get(source, 0) * int(summaries[source]["blocks"]) / 1e9
+
+
+def reuse_markdown(cells: Sequence[Cell], bounds: Sequence[Bound], default: str) -> list[str]:
+    """Block hits on a block's first reuse (its second reference) / on later references, per single-tier
+    cell, for the reference policies, the default and Belady: what admission on evidence cannot reach."""
+    pols = [*REUSE_POLICIES, default]
+    by = {(c.source, c.config, c.policy): c for c in cells if not c.tiers}
+    lines = [
+        "",
+        "Where the block hits are: on a block's first reuse (its second reference) / on later references. A policy "
+        "that admits a block on evidence of reuse (second sight) cannot hit a first reuse.",
+        "",
+        "| workload | capacity | " + " | ".join(pols) + " | Belady |",
+        "|---|--:|" + "--:|" * (len(pols) + 1),
+    ]
+    for b in bounds:
+        if b.top_capacity is not None:
+            continue
+        row = []
+        for p in pols:
+            c = by.get((b.source, b.config, p))
+            first = None if c is None else c.first_reuse_hit
+            row.append("" if c is None or first is None else f"{first:.3f} / {(c.block_hit or 0.0) - first:.3f}")
+        row.append(f"{b.first_reuse_hit:.3f} / {b.belady_block_hit - b.first_reuse_hit:.3f}")
+        lines.append(f"| {b.source} | {b.config} | " + " | ".join(row) + " |")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -399,6 +509,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="capacities as fractions of each workload's working set ('' for none)")  # fmt: skip
     ap.add_argument("--capacity", default="", help="absolute single-tier capacities in blocks, comma-separated")
     ap.add_argument("--tiers", default="", help="a tiered config, e.g. hbm:500,dram:2000,nvme:8000 (exclusive tiers)")
+    ap.add_argument("--tiered-fractions", default="",
+                    help="tiered configs per workload: DRAM at these fractions of its working set, NVMe --nvme-ratio "
+                         "times that (e.g. 0.02,0.05,0.1; '' for none)")  # fmt: skip
+    ap.add_argument("--nvme-ratio", type=float, default=4.0, help="NVMe blocks per DRAM block in --tiered-fractions")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=KV_BYTES_PER_TOKEN,
+                    help=f"KV bytes of one token, for the bytes read from each tier (default {KV_BYTES_PER_TOKEN:,}: "
+                         "Llama-3.1-8B in bf16)")  # fmt: skip
+    ap.add_argument("--reuse-split", action="store_true",
+                    help="add the table of hits on a block's first reuse against later ones (lru, second sight, the "
+                         "default, Belady)")  # fmt: skip
     ap.add_argument("--policy", default="all", help=f"'all' or comma-separated names from {sorted(POLICIES)}")
     ap.add_argument("--default", default="adaptive", help="the policy checked against the target (default adaptive)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
@@ -437,6 +557,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     fractions = _floats(args.fractions, "--fractions")
     if any(not 0 < f <= 1 for f in fractions):
         raise SystemExit(f"--fractions: each must be in (0, 1], got {fractions}")
+    tier_fractions = _floats(args.tiered_fractions, "--tiered-fractions")
+    if any(not 0 < f <= 1 for f in tier_fractions):
+        raise SystemExit(f"--tiered-fractions: each must be in (0, 1], got {tier_fractions}")
+    if not args.nvme_ratio > 0:
+        raise SystemExit(f"--nvme-ratio must be > 0, got {args.nvme_ratio}")
+    if args.kv_bytes_per_token < 1:
+        raise SystemExit(f"--kv-bytes-per-token must be >= 1, got {args.kv_bytes_per_token}")
     capacities = [int(c) for c in _floats(args.capacity, "--capacity")]
     try:
         tiers = parse_tiers(args.tiers) if args.tiers else None
@@ -454,6 +581,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summaries[source_label(spec)] = summary
         caps = sorted({max(1, int(f * int(summary["working_set"]))) for f in fractions})
         configs += [(spec, str(c), (TierSpec("cache", c),)) for c in caps]
+        for c in sorted({max(1, int(f * int(summary["working_set"]))) for f in tier_fractions}):
+            nvme = max(1, round(args.nvme_ratio * c))
+            configs.append((spec, f"dram:{c},nvme:{nvme}", (TierSpec("dram", c), TierSpec("nvme", nvme))))
         configs += [(spec, label, t) for label, t in extra]
         if tiers is not None:
             configs.append((spec, args.tiers, tiers))
@@ -463,7 +593,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     checks = verdicts(cells, args.default)
     wall = time.perf_counter() - t_start
 
-    md = markdown(summaries, cells, bounds, policies, checks, meta, wall)
+    block_bytes = {source_label(spec): args.kv_bytes_per_token * _block_tokens(spec) for spec in specs}
+    md = markdown(summaries, cells, bounds, policies, checks, meta, wall, block_bytes,
+                  args.default if args.reuse_split else None)  # fmt: skip
     node_rows = []
     if args.node_requests and specs:
         node_rows = node_vs_sim(source_requests(specs[0])[: args.node_requests],
@@ -474,6 +606,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": summaries,
         "policies": policies,
         "default": args.default,
+        "kv_bytes_per_block": block_bytes,
         "bounds": [asdict(b) for b in bounds],
         "cells": [asdict(c) for c in cells],
         "target": [asdict(v) | {"ratio": v.ratio, "met": v.met} for v in checks],

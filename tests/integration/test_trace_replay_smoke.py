@@ -56,6 +56,33 @@ def test_another_seed_replays_other_requests_of_the_same_shapes(tmp_path: Path) 
     assert docs[0]["workloads"]["chat"]["requests"] == docs[1]["workloads"]["chat"]["requests"]
 
 
+def test_tiers_bytes_and_first_reuse(tmp_path: Path) -> None:
+    """--tiered-fractions: a DRAM tier over an NVMe tier per workload, the bytes each serves (the agentic
+    workload's 4096-token blocks, Llama-3.1-8B's KV per token by default) against Belady's bounds (the
+    top tier's at its own capacity); --reuse-split: first reuses apart from later hits; the agentic
+    workload's table leaves its column for hints."""
+    out = _run("--suite", "smoke", "--workloads", "agentic", "--fractions", "0.1", "--tiered-fractions", "0.05",
+               "--nvme-ratio", "3", "--reuse-split", "--policy", "lru,second-sight,adaptive", "--out", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "trace_replay.json").read_text())
+    assert doc["kv_bytes_per_block"] == {"agentic": 4096 * 131_072}
+    tiered = [b for b in doc["bounds"] if b["top_capacity"] is not None]
+    assert len(tiered) == 1 and tiered[0]["capacity"] == 4 * tiered[0]["top_capacity"]
+    assert tiered[0]["belady_top_block_hit"] <= tiered[0]["belady_block_hit"]
+    for c in doc["cells"]:
+        if c["tiers"]:
+            dram, nvme = c["tiers"]["dram"], c["tiers"]["nvme"]
+            assert dram[1] <= tiered[0]["belady_top_block_hit"] + 1e-12  # no policy beats MIN in its top tier
+            assert abs(dram[1] + nvme[1] - c["prefix_hit"]) < 1e-12
+        assert 0 <= c["first_reuse_hit"] <= c["block_hit"]
+    md = (tmp_path / "trace_replay.md").read_text()
+    assert "GB from dram" in md and "Belady (bound)" in md and "first reuse" in md and "with hints" in md
+    bad = _run("--suite", "smoke", "--workloads", "agentic", "--tiered-fractions", "1.5", "--out", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "--tiered-fractions" in bad.stderr and not (tmp_path / "x").exists()
+    bad = _run("--suite", "smoke", "--workloads", "agentic", "--kv-bytes-per-token", "0", "--out", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "--kv-bytes-per-token" in bad.stderr
+
+
 def test_bad_input_is_named(tmp_path: Path) -> None:
     out = _run("--suite", "none", "--trace", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path))
     assert out.returncode != 0 and "missing.jsonl" in out.stderr
