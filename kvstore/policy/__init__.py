@@ -47,15 +47,16 @@ one without it; see admission.py for the exact contract):
 Modules: base (the protocol, first_usable, should_admit, refused_outright), recency (LRU, ARC), frequency (S3-FIFO),
 prefix (the chain-forest policies), sketch (the frequency sketch, stable hashing), history (exact
 recent reference counts, the adaptive default's ghost list), admission (rules in front of any
-policy: TinyLFU, second sight), duel (the earlier default's two-shadow switch), adaptive (the default's three
+policy: TinyLFU, second sight), duel (the earlier default's two-shadow switch), adaptive (the default's four
 thresholds), registry (config names, make_policy).
 
 Policies (config names): "lru", "prefix-lru", "arc", "s3fifo", "prefix-arc", "tinylfu" (prefix-arc
 behind TinyLFU admission, always on), "second-sight" (LRU admitting a key on its second sight: a
 ghost list of 4x the tier remembers the refused keys), "duel" (prefix-arc with TinyLFU switched on
 and off by two dueling shadow caches: the default before adaptive) and "adaptive" (prefix-LRU behind an
-admission threshold that moves between admit-all, second sight and TinyLFU's test as three sampled
-shadow caches show which one hits most: the node's default). The manager asks admit() for its
+admission threshold that moves between admit-all, second sight (with or without the pages that left
+the tier counting as seen) and TinyLFU's test as four sampled shadow caches show which one hits
+most: the node's default). The manager asks admit() for its
 host-memory tier only (kvstore/manager/placement.py: Put and promotion on read; never for an
 explicit Prefetch, HBM, NVMe, recovery or the shutdown spill). benchmarks/trace_replay.py compares
 them on the workload suite and any trace, against Belady's offline optimum; benchmarks/policy_bench.py

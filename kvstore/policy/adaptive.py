@@ -1,31 +1,39 @@
 """The adaptive default (DESIGN.md §6.1): prefix-LRU's victims behind an admission threshold that moves
-online between "admit all", "admit on second sight" and "admit only if more frequent than the victim"
-(TinyLFU), chosen by three miniature simulations of the tier, one per threshold, on a sample of the keys.
+online between "admit all", "admit on second sight" (with or without the pages that left the tier counting
+as seen) and "admit only if more frequent than the victim" (TinyLFU), chosen by four miniature simulations
+of the tier, one per threshold, on a sample of the keys.
 
-Why three: which pages deserve a place in a full tier depends on the traffic. Where reuse follows a first
+Why several: which pages deserve a place in a full tier depends on the traffic. Where reuse follows a first
 sighting soon (document QA follow-ups, a chat's next turn) every page should enter; where most pages are
 seen once and the reused ones come back later than recency keeps them (production chat) a page should
 enter on its second sight; where a few long prefixes are reused by a stream of one-off suffixes (agent
-loops, batch few-shot jobs) only a page referenced more often than its victim should.
+loops, batch few-shot jobs) only a page referenced more often than its victim should. Second sight comes
+in two forms because a page that left the tier is worth different things: a conversation's history evicted
+while its user thinks comes back at the next turn and again after it (RECALL lets it back at once; second
+sight refuses it once more), while an agent loop's working set, larger than the tier, comes back in a cycle
+that readmitting every evicted page turns into thrashing (SECOND keeps what the tier holds).
 
-The ladder. The thresholds read one reference history (kvstore/policy/history.py: exact recent counts)
-and one ghost list (admission.SecondSight: the keys refused lately, kept as a second-sight tier would keep
-it whatever the threshold, so a move to SECOND starts warm):
+The ladder. The thresholds read one reference history (kvstore/policy/history.py: exact recent counts),
+one ghost list (admission.SecondSight: the keys refused lately, kept as a second-sight tier would keep it
+whatever the threshold, so a move to SECOND starts warm) and one list of the keys that left the tier lately
+(EVICTED_FACTOR x capacity of them, kept at every threshold, so a move to RECALL starts warm):
     ALL        admit.
+    RECALL     admit a key the ghost remembers or that left the tier lately, and only if its chain parent
+               is in the tier.
     SECOND     admit a key the ghost remembers, and only if its chain parent is in the tier.
     FREQUENT   admit a key whose count (this reference included) exceeds the victim's, and only if
                its chain parent is in the tier (TinyLFU's test, Einziger et al. 2017).
 (A block whose parent is missing cannot be matched by a longest-prefix lookup: admitting it would push
 out a useful page for nothing.)
 
-The shadows. Three LRU lists replay a stable-hash sample of rate 2**-k of the tier's keys in caches 2**k
+The shadows. Four LRU lists replay a stable-hash sample of rate 2**-k of the tier's keys in caches 2**k
 times smaller (miniature simulation, Waldspurger et al., ATC'17), one per threshold, each with its own
-ghost; a sampled key's parent there is the last sampled key of its chain. Each counts its prefix hits. A
-reference all three hit, or all three miss, is skipped; on the others each score decays by
-1 - 1/(MEMORY x shadow capacity) and rises by its shadow's hit, so the memory is short and the threshold
-follows a traffic that changes. While the tier fills its high-water mark doubles and the sample thins (k
-grows, each sample a subset of the last): the shadows keep the keys of the new sample and the scores their
-evidence.
+ghost (RECALL's also with its own list of the keys it evicted); a sampled key's parent there is the last
+sampled key of its chain. Each counts its prefix hits. A reference all four hit, or all four miss, is
+skipped; on the others each score decays by 1 - 1/(MEMORY x shadow capacity) and rises by its shadow's hit,
+so the memory is short and the threshold follows a traffic that changes. While the tier fills its
+high-water mark doubles and the sample thins (k grows, each sample a subset of the last): the shadows keep
+the keys of the new sample and the scores their evidence.
 
 Moves. The tier moves to the best score only on a significant lead over its current threshold: more than
 SWITCH and MIN_LEAD hits, and more than Z standard deviations of the difference of two counts (Z_FREQUENT
@@ -42,7 +50,8 @@ Invariants:
 - the victims are prefix-LRU's at every threshold: a move changes only admit() and that victim order, and
   costs no page;
 - bounded cost: a shadow holds SHADOW_MIN..2 x SHADOW_MIN keys (the whole tier below that); per reference,
-  3 x 2**-k shadow updates and one history update; the probation list holds at most 2 x capacity + 64 keys;
+  4 x 2**-k shadow updates and one history update; per eviction one update of the list of keys that left;
+  the probation list holds at most 2 x capacity + 64 keys;
 - pure and deterministic (stable hashing, no clocks): a simulation and a node that see the same keys make
   the same decisions.
 
@@ -64,9 +73,10 @@ from kvstore.policy.history import History
 from kvstore.policy.prefix import PrefixLRUPolicy
 from kvstore.policy.sketch import stable_hash
 
-ALL, SECOND, FREQUENT = 0, 1, 2
-LEVELS = ("all", "second-sight", "frequency")  # names of the thresholds, for reports
+ALL, SECOND, FREQUENT, RECALL = 0, 1, 2, 3
+LEVELS = ("all", "second-sight", "frequency", "recall")  # names of the thresholds, for reports
 GHOST_FACTOR = 4.0  # the second-sight ghost remembers this many refused keys per key of capacity
+EVICTED_FACTOR = 4.0  # RECALL's memory of the keys that left the tier, per key of capacity
 
 
 def sample_hash(key: Key) -> int:
@@ -77,34 +87,42 @@ def sample_hash(key: Key) -> int:
     return stable_hash(key)
 
 
-def _outright(level: int, missing: bool, seen: bool) -> bool:
-    """Whether the threshold `level` refuses a key whatever the victim: never at ALL; at SECOND or
-    FREQUENT when its chain parent is `missing` from the tier; at SECOND also when the ghost has not
-    `seen` it (refused before)."""
-    return level != ALL and (missing or (level == SECOND and not seen))
+def _outright(level: int, missing: bool, seen: bool, left: bool) -> bool:
+    """Whether the threshold `level` refuses a key whatever the victim: never at ALL; at the others
+    when its chain parent is `missing` from the tier; at SECOND also when the ghost has not `seen` it
+    (refused before); at RECALL when it was neither seen nor `left` the tier lately."""
+    if level == ALL:
+        return False
+    if missing:
+        return True
+    return (level == SECOND and not seen) or (level == RECALL and not (seen or left))
 
 
 class ThresholdRule:
     """What the thresholds read (an AdmissionRule for Admitted; AdaptivePolicy decides itself): the
-    reference history (counts, for FREQUENT) and the second-sight ghost (refused keys, for SECOND),
-    sized from the tier's capacity."""
+    reference history (counts, for FREQUENT), the second-sight ghost (refused keys, for SECOND and
+    RECALL) and the keys that left the tier (for RECALL), sized from the tier's capacity."""
 
     name = "threshold"
 
     def __init__(self) -> None:
         self.history = History()
         self.ghost = SecondSight(GHOST_FACTOR)
+        self.left = SecondSight(EVICTED_FACTOR)
         self.level = ALL
 
     def ensure_capacity(self, capacity: int) -> None:
         self.history.ensure_capacity(capacity)
         self.ghost.ensure_capacity(capacity)
+        self.left.ensure_capacity(capacity)
 
     def record(self, key: Key) -> None:
         self.history.reference(key)
 
     def admits(self, key: Key, victim: Key) -> bool:
-        return self.level == ALL or (self.level == SECOND and key in self.ghost.ghost)
+        level = self.level
+        return level == ALL or (level != FREQUENT and not _outright(level, False, key in self.ghost.ghost,
+                                                                     key in self.left.ghost))  # fmt: skip
 
     def refused(self, key: Key) -> None:
         pass
@@ -115,9 +133,10 @@ class ThresholdRule:
 
 class ShadowCache:
     """A miniature LRU simulation of the tier at one threshold, on the references it is fed.
-    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` (used at SECOND only) holds only
-    keys this shadow refused (at most GHOST_FACTOR x capacity); `prefix_hits` counts the fed references
-    found resident with no miss before them in their request."""
+    Invariants: at most `capacity` keys in `lru` (oldest first); `ghost` (used at SECOND and RECALL)
+    holds only keys this shadow refused (at most GHOST_FACTOR x capacity); `left` (used at RECALL) only
+    keys it evicted (at most EVICTED_FACTOR x capacity); `prefix_hits` counts the fed references found
+    resident with no miss before them in their request."""
 
     def __init__(self, capacity: int, level: int, run: set[Key], history: History) -> None:
         self.capacity = capacity
@@ -126,6 +145,7 @@ class ShadowCache:
         self.history = history  # the owner's reference counts (for FREQUENT)
         self.lru: OrderedDict[Key, None] = OrderedDict()
         self.ghost = SecondSight(GHOST_FACTOR)
+        self.left = SecondSight(EVICTED_FACTOR)
         self.prefix_hits = 0
         self._missed = False
         self.resize(capacity)
@@ -133,6 +153,7 @@ class ShadowCache:
     def resize(self, capacity: int) -> None:
         self.capacity = capacity
         self.ghost.ensure_capacity(capacity)
+        self.left.ensure_capacity(capacity)
 
     def resample(self, mask: int, capacity: int) -> None:
         """Keep only the keys of a sparser sample (those whose sample_hash has the `mask` bits at 0, a
@@ -141,12 +162,8 @@ class ShadowCache:
         self.lru = OrderedDict((k, None) for k in self.lru if not sample_hash(k) & mask)
         while len(self.lru) > capacity:
             self.lru.popitem(last=False)
-        ghost = SecondSight(GHOST_FACTOR)
-        ghost.ensure_capacity(capacity)
-        for key in self.ghost.ghost:
-            if not sample_hash(key) & mask:
-                ghost.refused(key)
-        self.ghost, self.capacity = ghost, capacity
+        self.ghost, self.left = (_sparser(memory, mask, capacity) for memory in (self.ghost, self.left))
+        self.capacity = capacity
 
     def reference(self, key: Key, parent: Key | None, before: int) -> bool:
         """Key is referenced after `parent` in its chain (None: the chain's first key here), while the
@@ -180,19 +197,34 @@ class ShadowCache:
         lru, level = self.lru, self.level
         # NOTE: the admission test before the victim: most references a filter sees are refused.
         missing = parent is not None and parent not in lru
-        if level == SECOND:
+        if level == FREQUENT:
+            if missing:
+                return
+        else:
             ghost = self.ghost
-            if missing or key not in ghost.ghost:
+            # NOTE: _outright(level, missing, seen, left) written out: this runs on most sampled misses.
+            if missing or (key not in ghost.ghost and (level == SECOND or key not in self.left.ghost)):
                 ghost.refused(key)
                 return
             ghost.admitted(key)
-        elif missing:
-            return
         victim = next(iter(lru))  # NOTE: see reference(): the victim unless every key is in `run`
         if victim in self.run or (level == FREQUENT and before + 1 <= self.history.count(victim)):
             return
         del lru[victim]
         lru[key] = None
+        if level == RECALL:
+            self.left.refused(victim)
+
+
+def _sparser(memory: SecondSight, mask: int, capacity: int) -> SecondSight:
+    """The keys of `memory` in a sparser sample (sample_hash with the `mask` bits at 0), in order, in a
+    memory sized for `capacity`."""
+    out = SecondSight(memory.ghost_factor)
+    out.ensure_capacity(capacity)
+    for key in memory.ghost:
+        if not sample_hash(key) & mask:
+            out.refused(key)
+    return out
 
 
 class AdaptivePolicy(Admitted):
@@ -200,7 +232,7 @@ class AdaptivePolicy(Admitted):
     "adaptive", the node's default.
 
     Invariants: as Admitted (every event forwarded to one PrefixLRUPolicy: the victim order never
-    depends on the threshold); the three shadows have the same capacity, `high / 2**k` rounded, and
+    depends on the threshold); the four shadows have the same capacity, `high / 2**k` rounded, and
     see the same sampled references; the threshold is re-decided after every contested sampled
     reference; `scores[i]` is in [0, MEMORY x shadow capacity].
     """
@@ -211,7 +243,7 @@ class AdaptivePolicy(Admitted):
     MIN_LEAD = 8.0  # ... and this many hits (no move on the first few references) ...
     Z = 3.0  # ... and this many standard deviations of the difference (noise never moves it)
     Z_FREQUENT = 5.0  # ... 5 for a move to TinyLFU's test: the shadows overrate it (measured)
-    PREFER = (ALL, SECOND, FREQUENT)  # among thresholds within Z deviations of the best, the first
+    PREFER = (ALL, RECALL, SECOND, FREQUENT)  # among thresholds within Z deviations of the best, the first
     START = ALL  # the threshold a new tier starts with (measured: the best start on the suite)
     # The first choice, when the tier fills, has no incumbent to protect (see the module docstring):
     START_Z = 1.0  # when the tier fills: the least strict threshold within START_Z deviations of the best
@@ -224,6 +256,7 @@ class AdaptivePolicy(Admitted):
         super().__init__(PrefixLRUPolicy(), self.rule)
         self.policy: PrefixLRUPolicy
         self._history_reference = self.rule.history.reference  # NOTE: bound once: called on every reference
+        self._left_refused = self.rule.left.refused  # NOTE: bound once: called on every eviction
         # NOTE: prefix-LRU's own node table (key -> node, its parent hint in node.parent) stands in for
         # Admitted's `_resident`: the same keys, one dict update per insert and remove instead of two.
         self._nodes = self.policy._nodes
@@ -244,6 +277,7 @@ class AdaptivePolicy(Admitted):
         self._mask = 0
         self._decay = 0.0
         self._shadows: list[ShadowCache] = []
+        self._shadow_refs: tuple[Callable[[Key, Key | None, int], bool], ...] = ()
         self._chain_prev: Key | None = None  # the key of the last reference
         self._chain_sampled: Key | None = None  # the last sampled key of the chain being referenced
         self._run: set[Key] = set()  # the sampled keys of that chain (held while it runs)
@@ -264,7 +298,7 @@ class AdaptivePolicy(Admitted):
         if victim is None:
             return False
         level = rule.level
-        if _outright(level, missing, seen):
+        if _outright(level, missing, seen, level == RECALL and key in rule.left.ghost):
             return False
         if level != FREQUENT:
             return True
@@ -292,8 +326,9 @@ class AdaptivePolicy(Admitted):
         level = self.rule.level
         if level == ALL or not self._full:
             return False
+        rule = self.rule
         missing = parent is not None and parent not in self._nodes
-        if not _outright(level, missing, key in self.rule.ghost.ghost):
+        if not _outright(level, missing, key in rule.ghost.ghost, level == RECALL and key in rule.left.ghost):
             return False
         # NOTE: admit() without a victim refuses and counts the reference: the one refusal path.
         return not self.admit(key, None, parent)
@@ -348,6 +383,8 @@ class AdaptivePolicy(Admitted):
             # NOTE: a page ALL pushed out was seen: a stricter threshold lets it back on its next sighting.
             self._displaced = None
             self.rule.ghost.refused(key)
+        # NOTE: at every threshold, so that a move to RECALL starts warm (one FIFO update per eviction).
+        self._left_refused(key)
         self._just_inserted = None
         self.policy.on_remove(key)
 
@@ -364,6 +401,7 @@ class AdaptivePolicy(Admitted):
             self._k, self._mask = k, (1 << k) - 1
             history = self.rule.history
             self._shadows = [ShadowCache(cap, level, self._run, history) for level in range(len(LEVELS))]
+            self._shadow_refs = tuple(s.reference for s in self._shadows)
         elif k != self._k:
             # NOTE: the tier's high-water mark doubled (it is still filling): the shadows keep the
             # sparser sample's keys and the scores their evidence (see the module docstring).
@@ -395,16 +433,18 @@ class AdaptivePolicy(Admitted):
         level = self.rule.level
         if self._full:
             self.moves[level] += 1
-        s0, s1, s2 = self._shadows  # NOTE: unrolled over the three thresholds: this is the hot path
-        h0 = s0.reference(key, sparent, before)
-        h1 = s1.reference(key, sparent, before)
-        h2 = s2.reference(key, sparent, before)
-        if h0 == h1 == h2:
+        r0, r1, r2, r3 = self._shadow_refs  # NOTE: unrolled over the four thresholds: this is the hot path
+        h0 = r0(key, sparent, before)
+        h1 = r1(key, sparent, before)
+        h2 = r2(key, sparent, before)
+        h3 = r3(key, sparent, before)
+        if h0 == h1 == h2 == h3:
             return  # NOTE: a reference every shadow hits (or misses) says nothing about the thresholds
         decay, score = self._decay, self.scores
         score[0] = score[0] * decay + h0
         score[1] = score[1] * decay + h1
         score[2] = score[2] * decay + h2
+        score[3] = score[3] * decay + h3
         self._decide(level)
 
     def _near_best(self, z: float) -> int:

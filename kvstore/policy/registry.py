@@ -34,7 +34,7 @@ POLICIES: dict[str, Callable[[], EvictionPolicy]] = {
     "tinylfu": _tinylfu,  # prefix-arc behind TinyLFU admission, always on
     "second-sight": _second_sight,  # LRU admitting a block on its second sight (ghost of 4x the tier)
     "duel": DuelPolicy,  # prefix-arc, TinyLFU admission switched on and off by two shadows (an earlier default)
-    "adaptive": AdaptivePolicy,  # prefix-LRU behind all / second-sight / TinyLFU, chosen by three shadows
+    "adaptive": AdaptivePolicy,  # prefix-LRU behind all / recall / second-sight / TinyLFU, chosen by four shadows
 }
 
 
