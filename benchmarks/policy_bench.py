@@ -200,7 +200,7 @@ def measure(tapes: dict[str, Sequence[Event]], runs: int) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default="conversation,chat,rag,agent,batch,tenants",
+    ap.add_argument("--workloads", default="conversation,chat,rag,agent,batch,tenants,agentic",
                     help=f"comma-separated, from {sorted(WORKLOADS)}")  # fmt: skip
     ap.add_argument("--fractions", default="0.02,0.1,0.3", help="capacities as fractions of each working set")
     ap.add_argument("--policy", default="all", help=f"'all' or comma-separated names from {sorted(POLICIES)}")

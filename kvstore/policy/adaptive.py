@@ -380,11 +380,13 @@ class AdaptivePolicy(Admitted):
 
     def on_remove(self, key: Key) -> None:
         if key == self._displaced:
-            # NOTE: a page ALL pushed out was seen: a stricter threshold lets it back on its next sighting.
+            # NOTE: a page ALL pushed out was seen: a stricter threshold lets it back on its next sighting
+            # (RECALL reads the ghost too, so it need not be listed as having left).
             self._displaced = None
             self.rule.ghost.refused(key)
-        # NOTE: at every threshold, so that a move to RECALL starts warm (one FIFO update per eviction).
-        self._left_refused(key)
+        else:
+            # NOTE: at every threshold, so that a move to RECALL starts warm (one FIFO update per eviction).
+            self._left_refused(key)
         self._just_inserted = None
         self.policy.on_remove(key)
 
