@@ -167,8 +167,25 @@ class ReplayResult:
         }
 
 
-def replay(requests: Iterable[Sequence[Block]], cache: ReplayCache) -> ReplayResult:
-    """Serve every request in order (lookup, then put) and count hits; see the module docstring."""
+@dataclass(slots=True, frozen=True)
+class RetentionHint:
+    """What an engine tells the store after serving a request, as a retention lease (DESIGN.md §6: the
+    manager's pins with leases) carries it: keep this request's blocks for `lease` more requests (the
+    session resumes after a pause; None: no lease), or the session `ended` (its lease released)."""
+
+    session: int
+    lease: int | None = None
+    ended: bool = False
+
+
+def replay(
+    requests: Iterable[Sequence[Block]],
+    cache: ReplayCache,
+    hints: Sequence[RetentionHint | None] | None = None,
+) -> ReplayResult:
+    """Serve every request in order (lookup, then put) and count hits; see the module docstring.
+    With `hints` (one per request, for a TieredBlockCache), each request's hint is given to the cache
+    after the request is served, with the request's index as the clock of the leases."""
     probing = isinstance(cache, ProbingCache)
     names: tuple[str, ...] = cache.tier_names if probing else ()
     res = ReplayResult(
@@ -201,6 +218,8 @@ def replay(requests: Iterable[Sequence[Block]], cache: ReplayCache) -> ReplayRes
                 else:
                     seen.add(b)
         cache.put(blocks)
+        if hints is not None:
+            cache.hint(res.requests - 1, blocks, hints[res.requests - 1])  # type: ignore[attr-defined]
     return res
 
 
@@ -223,6 +242,8 @@ class CacheCounters:
     dropped: int = 0  # victims of the last tier (gone from the cache)
     not_admitted: int = 0  # blocks the top tier's admit() refused (stored lower down, or not at all)
     not_stored: int = 0  # missing blocks with no room anywhere (every block pinned)
+    leased: int = 0  # blocks a retention lease asked to keep that were kept (one per block per lease)
+    lease_refused: int = 0  # blocks a lease asked to keep past the cap on retained blocks (not kept)
 
 
 class TieredBlockCache:
@@ -247,6 +268,13 @@ class TieredBlockCache:
     policy in POLICIES takes them; `hints=False` uses the bare `on_insert(key)`).
     `admission=True` asks the top tier's policy `admit(key, victim, parent)` (if it has one; see the
     module docstring) before a block enters the full top tier; False never asks.
+
+    Retention (`hint`): a lease keeps a session's blocks from being chosen as victims in any tier
+    until it expires, is replaced by the session's next lease, or the session ends, as a pin with a
+    lease does in the manager. It holds the request's blocks up to the first one not cached (a lookup
+    stops there). Invariant: at most `retain_share` x the top tier's capacity blocks are leased at
+    once; a lease that would pass that keeps the longest prefix of its blocks that fits and counts the
+    rest in `lease_refused`.
     """
 
     def __init__(
@@ -256,7 +284,10 @@ class TieredBlockCache:
         *,
         hints: bool = True,
         admission: bool = True,
+        retain_share: float = 0.5,
     ) -> None:
+        if not 0 <= retain_share <= 1:
+            raise ValueError(f"retain_share must be in [0, 1], got {retain_share}")
         if isinstance(tiers, int):
             tiers = (TierSpec("cache", tiers),)
         if not tiers:
@@ -273,6 +304,11 @@ class TieredBlockCache:
         self._parent: dict[Block, Block | None] = {}  # of resident blocks, for moves between tiers
         self._reads: dict[Block, int] = {}  # of resident blocks: hits since the block was stored
         self._pinned: frozenset[Block] = frozenset()
+        self._retain_cap = int(retain_share * self.tiers[0].capacity)
+        self._held: dict[Block, int] = {}  # leased block -> the sessions whose lease holds it
+        self._leases: dict[int, tuple[int, tuple[Block, ...]]] = {}  # session -> (expiry, its blocks)
+        self._expiry: list[tuple[int, int, int]] = []  # (expiry, seq, session): a heap, stale entries skipped
+        self._lease_seq = 0
 
     # -- queries ------------------------------------------------------------------------------------
 
@@ -364,7 +400,55 @@ class TieredBlockCache:
         return _Verdict.ADMITTED, victim
 
     def _usable(self, key: Block) -> bool:
-        return key not in self._pinned
+        return key not in self._pinned and key not in self._held
+
+    # -- retention ----------------------------------------------------------------------------------
+
+    def retained(self) -> int:
+        """Blocks held by a lease now."""
+        return len(self._held)
+
+    def hint(self, now: int, blocks: Sequence[Block], hint: RetentionHint | None) -> None:
+        """At request `now` (a clock that never goes back): expire the leases due, then apply `hint`
+        (None: nothing more) to `blocks`, the request just served."""
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            expiry, _, session = heapq.heappop(heap)
+            lease = self._leases.get(session)
+            if lease is not None and lease[0] == expiry:
+                self._release(session)
+        if hint is None:
+            return
+        self._release(hint.session)
+        if hint.ended or hint.lease is None:
+            return
+        held, kept = self._held, []
+        for b in blocks:
+            if b not in self._where:
+                break  # NOTE: a lookup stops at the first missing block: what follows it is no use kept
+            if b not in held and len(held) >= self._retain_cap:
+                self.counters.lease_refused += len(blocks) - len(kept)
+                break
+            held[b] = held.get(b, 0) + 1
+            kept.append(b)
+        if kept:
+            self.counters.leased += len(kept)
+            expiry = now + max(1, hint.lease)
+            self._leases[hint.session] = (expiry, tuple(kept))
+            self._lease_seq += 1
+            heapq.heappush(heap, (expiry, self._lease_seq, hint.session))
+
+    def _release(self, session: int) -> None:
+        lease = self._leases.pop(session, None)
+        if lease is None:
+            return
+        held = self._held
+        for b in lease[1]:
+            n = held[b] - 1
+            if n:
+                held[b] = n
+            else:
+                del held[b]
 
     def _make_room(self, tier: int, victim: Block | None = None) -> bool:
         """Evict from `tier` (demoting down the stack) until one block fits; False if all are pinned.

@@ -45,6 +45,8 @@ import random
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from devkit.sim import RetentionHint
+
 Request = list[int]
 
 
@@ -559,6 +561,18 @@ class Agentic:
             self._system(s, s.app)
             self._append(s, self._tokens(self.SUMMARY_TOKENS, 0.5))
         return req
+
+
+def retention_hints(tags: Sequence[SessionTag], ttl_s: float, rate: float = Agentic.RATE) -> list[RetentionHint]:
+    """The retention hints an agent runtime sends with each request of the agentic workload, made only
+    of what it knows when it sends it (never the pause's length): a request after which the session
+    waits (a tool call, or its subagents) leases the session's blocks for `ttl_s` seconds (`rate`
+    requests a second: the lease in requests); a session's last request ends it (its lease released).
+    Raises ValueError for a TTL that is not a positive number."""
+    if not ttl_s > 0 or math.isinf(ttl_s):
+        raise ValueError(f"ttl_s must be a positive finite number of seconds, got {ttl_s}")
+    lease = max(1, math.ceil(ttl_s * rate))
+    return [RetentionHint(t.session, ended=True) if t.ends else RetentionHint(t.session, lease) for t in tags]
 
 
 # ------------------------------------------------------------------------------------------- suite

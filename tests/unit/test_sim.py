@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from devkit.sim import (
+    RetentionHint,
     TieredBlockCache,
     TierSpec,
     TraceRecord,
@@ -44,6 +45,33 @@ def test_hits_on_a_first_reuse_are_told_apart() -> None:
     # second sight refuses a first sighting once the tier is full: no hit on a first reuse there
     full_then = [[10], [11], *requests]
     assert replay(full_then, TieredBlockCache(2, "second-sight")).first_reuse_hits == 0
+
+
+def test_a_lease_keeps_a_session_until_it_expires_or_ends() -> None:
+    # LRU, 2 blocks. [1] then a lease on it for 3 requests; [2] [3] would push 1 out, but it is leased:
+    # 2 goes instead, and [1] hits. Without the lease [1] misses.
+    hints = [RetentionHint(0, lease=3), None, None, None]
+    requests = [[1], [2], [3], [1]]
+    assert replay(requests, TieredBlockCache(2, "lru")).block_hits == 0
+    cache = TieredBlockCache(2, "lru", retain_share=0.5)
+    assert replay(requests, cache, hints).block_hits == 1 and cache.counters.leased == 1
+    # expired at request 0 + 3: [4] [5] at requests 3, 4 push 1 out again
+    cache = TieredBlockCache(2, "lru")
+    assert replay([[1], [2], [3], [4], [5], [1]], cache, [*hints, None, None]).block_hits == 0
+    assert cache.retained() == 0
+    # the session ended: the lease is released at once
+    cache = TieredBlockCache(2, "lru")
+    replay([[1], [2]], cache, [RetentionHint(0, lease=100), RetentionHint(0, ended=True)])
+    assert cache.retained() == 0
+    # the cap: half of 2 blocks = 1 leased; a lease on [7, 8] keeps 7 only, counts 8 refused; a second
+    # session's lease on a block already held costs nothing, and a block not cached is never leased
+    cache = TieredBlockCache(2, "lru")
+    replay([[7, 8], [7]], cache, [RetentionHint(0, lease=9), RetentionHint(1, lease=9)])
+    assert cache.retained() == 1 and (cache.counters.leased, cache.counters.lease_refused) == (2, 1)
+    cache.hint(2, [99], RetentionHint(2, lease=9))
+    assert cache.retained() == 1
+    with pytest.raises(ValueError, match="retain_share"):
+        TieredBlockCache(2, "lru", retain_share=1.5)
 
 
 def test_tiered_promotion_demotion_accounting() -> None:

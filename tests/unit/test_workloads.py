@@ -12,7 +12,17 @@ from collections import Counter
 
 import pytest
 
-from devkit.workloads import WORKLOADS, Agentic, Chainer, Size, describe, generate, generate_tagged, suite
+from devkit.workloads import (
+    WORKLOADS,
+    Agentic,
+    Chainer,
+    Size,
+    describe,
+    generate,
+    generate_tagged,
+    retention_hints,
+    suite,
+)
 
 
 def _digest(requests: list[list[int]]) -> str:
@@ -159,6 +169,22 @@ def test_agentic_tags_follow_the_sessions() -> None:
     assert forks >= 10 and any(t.ends for t in tags)
     with pytest.raises(ValueError, match=r"no session tags.*agentic"):
         generate_tagged("chat", 10)
+
+
+def test_retention_hints_are_what_the_runtime_knows() -> None:
+    """A request after which its session waits leases the session for the TTL (never the pause's own
+    length, which the runtime does not know); a last request ends the session. A TTL that is not a
+    positive finite number is refused, naming it."""
+    _, tags = generate_tagged("agentic", 500, seed=2)
+    hints = retention_hints(tags, 30.0)
+    assert len(hints) == len(tags)
+    for t, h in zip(tags, hints, strict=True):
+        assert h.session == t.session
+        assert (h.ended, h.lease) == ((True, None) if t.ends else (False, 30))
+    assert retention_hints(tags, 0.2, rate=1.0)[0].lease in (None, 1)  # at least one request
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ttl_s"):
+            retention_hints(tags, bad)
 
 
 def test_tenants_change_halfway() -> None:
