@@ -62,6 +62,7 @@ import argparse
 import datetime as dt
 import hashlib
 import json
+import math
 import os
 import platform
 import sys
@@ -77,6 +78,7 @@ from machine import cpu_model
 from devkit.sim import (
     ReplayCache,
     ReplayResult,
+    RetentionHint,
     TieredBlockCache,
     TierSpec,
     TraceRecord,
@@ -84,7 +86,7 @@ from devkit.sim import (
     parse_tiers,
     replay,
 )
-from devkit.workloads import SESSION_WORKLOADS, WORKLOADS, Size, generate
+from devkit.workloads import SESSION_WORKLOADS, WORKLOADS, Size, generate, generate_tagged, retention_hints
 from kvstore.policy import POLICIES
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
@@ -97,6 +99,8 @@ TRACE_BLOCK_TOKENS = 512  # the Mooncake format's blocks (a suite workload says 
 # NOTE: the KV of one token of Llama-3.1-8B in bf16: 32 layers x 2 (K, V) x 8 KV heads x 128 x 2 bytes.
 KV_BYTES_PER_TOKEN = 131_072
 REUSE_POLICIES = ("lru", "second-sight")  # beside the default and Belady in the --reuse-split table
+HINTED = "+hints"  # a policy name with this suffix: the policy, told of sessions through retention leases
+HINT_TTL_S = 60.0  # the lease an agent runtime asks when a session pauses (a tool call's usual timeout)
 
 
 @dataclass(slots=True)
@@ -189,6 +193,22 @@ def source_requests(spec: str) -> list[list[int]]:
     return reqs
 
 
+_HINTS: dict[tuple[str, float], list[RetentionHint]] = {}  # per process, as _SOURCES
+
+
+def source_hints(spec: str, ttl_s: float) -> list[RetentionHint]:
+    """The retention hints of a suite workload with sessions ('suite:NAME:SIZE:SEED'), one per request of
+    source_requests(spec) (devkit.workloads.retention_hints with a lease of `ttl_s`)."""
+    hints = _HINTS.get((spec, ttl_s))
+    if hints is None:
+        name, size, seed = spec.partition(":")[2].split(":")
+        reqs, tags = generate_tagged(name, size=size, seed=int(seed))
+        if reqs != source_requests(spec):
+            raise RuntimeError(f"{spec}: generate_tagged() drew other requests than generate()")
+        hints = _HINTS[(spec, ttl_s)] = retention_hints(tags, ttl_s)
+    return hints
+
+
 def _block_tokens(spec: str) -> int:
     """Tokens one block of a source stands for (a trace: the Mooncake format's 512)."""
     kind, _, rest = spec.partition(":")
@@ -215,22 +235,28 @@ def trace_summary(requests: Sequence[Sequence[int]]) -> dict[str, float | int]:
 # ------------------------------------------------------------------------------------------- replay
 
 
-def replay_cell(requests: Sequence[Sequence[int]], cache: ReplayCache) -> tuple[ReplayResult, float]:
+def replay_cell(
+    requests: Sequence[Sequence[int]], cache: ReplayCache, hints: Sequence[RetentionHint] | None = None
+) -> tuple[ReplayResult, float]:
     """Replay through any ReplayCache (simulated here; a gRPC-backed one plugs in the same way)."""
     t0 = time.perf_counter()
-    res = replay(requests, cache)
+    res = replay(requests, cache, hints)
     return res, time.perf_counter() - t0
 
 
-def _run_cell(job: tuple[str, str, tuple[TierSpec, ...], str]) -> Cell:
-    spec, label, tiers, policy = job
-    cache = TieredBlockCache(tiers, policy)
-    res, wall = replay_cell(source_requests(spec), cache)
+def _run_cell(job: tuple[str, str, tuple[TierSpec, ...], str, float]) -> Cell:
+    spec, label, tiers, policy, ttl_s = job
+    hinted = policy.endswith(HINTED)
+    cache = TieredBlockCache(tiers, policy.removesuffix(HINTED))
+    res, wall = replay_cell(source_requests(spec), cache, source_hints(spec, ttl_s) if hinted else None)
     c = cache.counters
+    counters = {"promoted": c.promoted, "demoted": c.demoted, "dropped": c.dropped, "not_admitted": c.not_admitted,
+                "not_stored": c.not_stored}  # fmt: skip
+    if hinted:
+        counters |= {"leased": c.leased, "lease_refused": c.lease_refused}
     return Cell(source_label(spec), label, sum(t.capacity for t in tiers), policy, res.block_hit_rate,
-                res.prefix_hit_rate, res.tier_rates() if len(tiers) > 1 else {},
-                {"promoted": c.promoted, "demoted": c.demoted, "dropped": c.dropped, "not_admitted": c.not_admitted,
-                 "not_stored": c.not_stored}, wall, res.first_reuse_hit_rate)  # fmt: skip
+                res.prefix_hit_rate, res.tier_rates() if len(tiers) > 1 else {}, counters, wall,
+                res.first_reuse_hit_rate)  # fmt: skip
 
 
 def _run_bound(job: tuple[str, str, int, int | None]) -> Bound:
@@ -248,12 +274,18 @@ def run(
     policies: Sequence[str],
     jobs: int,
     progress: Callable[[str], None],
+    hinted: str | None = None,
+    ttl_s: float = HINT_TTL_S,
 ) -> tuple[list[Cell], list[Bound]]:
-    """Every (source, config) x policy, and Belady per (source, config); `jobs` processes."""
+    """Every (source, config) x policy, and Belady per (source, config); `jobs` processes. `hinted`, a
+    policy name: also that policy told of sessions (leases of `ttl_s`) on the workloads that have them."""
     bound_jobs = [(spec, label, sum(t.capacity for t in tiers), tiers[0].capacity if len(tiers) > 1 else None)
                   for spec, label, tiers in configs]  # fmt: skip
     # NOTE: the slowest policies first, so the pool's last jobs are short ones.
-    cell_jobs = [(spec, label, tiers, p) for p in reversed(policies) for spec, label, tiers in configs]
+    cell_jobs = [(spec, label, tiers, p, ttl_s) for p in reversed(policies) for spec, label, tiers in configs]
+    if hinted is not None:
+        cell_jobs = [(spec, label, tiers, hinted + HINTED, ttl_s) for spec, label, tiers in configs
+                     if source_label(spec) in SESSION_WORKLOADS and spec.startswith("suite:")] + cell_jobs  # fmt: skip
     if jobs <= 1:
         bounds = [_run_bound(j) for j in bound_jobs]
         cells = []
@@ -283,7 +315,7 @@ def verdicts(cells: Sequence[Cell], default: str) -> list[Verdict]:
             groups.setdefault((c.source, c.config), []).append(c)
     for (source, _), group in groups.items():
         by = {c.policy: c for c in group}
-        others = [c for c in group if c.policy != default]
+        others = [c for c in group if c.policy != default and not c.policy.endswith(HINTED)]
         if default not in by or not others:
             continue
         best = max(others, key=lambda c: c.prefix_hit)
@@ -337,9 +369,12 @@ def markdown(
     wall_s: float,
     block_bytes: dict[str, int] | None = None,
     reuse_split: str | None = None,
+    hinted: str | None = None,
+    ttl_s: float = HINT_TTL_S,
 ) -> str:
     """The report. `block_bytes` (source -> KV bytes of one block) adds the bytes read from each tier to
-    the tiered table; `reuse_split` (the default policy's name) adds the first-reuse table."""
+    the tiered table; `reuse_split` (the default policy's name) adds the first-reuse table; `hinted` (a
+    policy name) the column of that policy told of sessions, on the workloads that have them."""
     by = {(c.source, c.config, c.policy): c for c in cells}
     lines = [
         "# trace_replay — every policy on every workload, against Belady",
@@ -351,16 +386,14 @@ def markdown(
         "working set (blocks referenced at least twice).",
     ]
     for source, summary in summaries.items():
-        # NOTE: a workload whose requests carry session tags gets the column that policies told of sessions
-        # (retention hints, DESIGN.md §6) will fill; no policy takes hints yet, so it stays empty.
-        hinted = source in SESSION_WORKLOADS
+        hinted_here = hinted is not None and source in SESSION_WORKLOADS
         lines += [
             "",
             f"**{source}**: {summary['requests']} requests, {summary['blocks']} blocks, {summary['unique_blocks']} "
             f"unique, working set {summary['working_set']}; ceiling (unbounded cache) {summary['ceiling_hit_rate']:.3f}.",
             "",
-            "| capacity | " + " | ".join(policies) + " | Belady |" + (" with hints |" if hinted else ""),
-            "|---:|" + "---:|" * len(policies) + "---:|" + ("---:|" if hinted else ""),
+            "| capacity | " + " | ".join(policies) + " | Belady |" + (f" {hinted} with hints |" if hinted_here else ""),
+            "|---:|" + "---:|" * len(policies) + "---:|" + ("---:|" if hinted_here else ""),
         ]
         for b in (b for b in bounds if b.source == source and b.top_capacity is None):
             row = [b.config]
@@ -368,10 +401,15 @@ def markdown(
                 c = by.get((source, b.config, p))
                 row.append("" if c is None else f"{c.prefix_hit:.3f}")
             row.append(f"{b.belady_block_hit:.3f}")
-            lines.append("| " + " | ".join(row + (["—"] if hinted else [])) + " |")
-        if hinted:
-            lines += ["", "With hints: the policies told of each request's session (devkit.workloads.generate_tagged: "
-                      "resumes, ends, forks subagents, the tool's pause) through the retention API; not measured yet."]  # fmt: skip
+            if hinted_here:
+                c = by.get((source, b.config, f"{hinted}{HINTED}"))
+                row.append("" if c is None else f"{c.prefix_hit:.3f}")
+            lines.append("| " + " | ".join(row) + " |")
+        if hinted_here:
+            lines += ["", f"With hints: {hinted} told of each request's session as an agent runtime knows it "
+                      f"(devkit.workloads.retention_hints): a session that pauses (a tool call, or its subagents) leases "
+                      f"its blocks for {ttl_s:g} s, its last request ends it; at most half the top tier is leased "
+                      "(devkit/sim.py, TieredBlockCache.hint)."]  # fmt: skip
     tiered = [c for c in cells if c.tiers]
     if tiered:
         order = {p: i for i, p in enumerate(policies)}
@@ -519,6 +557,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--reuse-split", action="store_true",
                     help="add the table of hits on a block's first reuse against later ones (lru, second sight, the "
                          "default, Belady)")  # fmt: skip
+    ap.add_argument("--hint-ttl", type=float, default=HINT_TTL_S,
+                    help=f"seconds of the retention lease a pausing agent session asks (default {HINT_TTL_S:g}); the "
+                         "default policy is also replayed with these hints on the workloads with sessions (0: not)")  # fmt: skip
     ap.add_argument("--policy", default="all", help=f"'all' or comma-separated names from {sorted(POLICIES)}")
     ap.add_argument("--default", default="adaptive", help="the policy checked against the target (default adaptive)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes (default: every core)")
@@ -564,6 +605,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--nvme-ratio must be > 0, got {args.nvme_ratio}")
     if args.kv_bytes_per_token < 1:
         raise SystemExit(f"--kv-bytes-per-token must be >= 1, got {args.kv_bytes_per_token}")
+    if not (args.hint_ttl >= 0 and math.isfinite(args.hint_ttl)):
+        raise SystemExit(f"--hint-ttl must be >= 0 seconds (0: no hinted replay), got {args.hint_ttl}")
     capacities = [int(c) for c in _floats(args.capacity, "--capacity")]
     try:
         tiers = parse_tiers(args.tiers) if args.tiers else None
@@ -589,13 +632,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             configs.append((spec, args.tiers, tiers))
         log(f"# {source_label(spec)}: {summary['requests']} requests, {summary['blocks']} blocks, "
             f"working set {summary['working_set']}")  # fmt: skip
-    cells, bounds = run(configs, policies, args.jobs, log)
+    hinted = None if args.hint_ttl == 0 else args.default
+    cells, bounds = run(configs, policies, args.jobs, log, hinted, args.hint_ttl or HINT_TTL_S)
     checks = verdicts(cells, args.default)
     wall = time.perf_counter() - t_start
 
     block_bytes = {source_label(spec): args.kv_bytes_per_token * _block_tokens(spec) for spec in specs}
     md = markdown(summaries, cells, bounds, policies, checks, meta, wall, block_bytes,
-                  args.default if args.reuse_split else None)  # fmt: skip
+                  args.default if args.reuse_split else None, hinted, args.hint_ttl)  # fmt: skip
     node_rows = []
     if args.node_requests and specs:
         node_rows = node_vs_sim(source_requests(specs[0])[: args.node_requests],
@@ -606,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workloads": summaries,
         "policies": policies,
         "default": args.default,
+        "hint_ttl_s": args.hint_ttl,
         "kv_bytes_per_block": block_bytes,
         "bounds": [asdict(b) for b in bounds],
         "cells": [asdict(c) for c in cells],

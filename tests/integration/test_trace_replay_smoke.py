@@ -60,7 +60,7 @@ def test_tiers_bytes_and_first_reuse(tmp_path: Path) -> None:
     """--tiered-fractions: a DRAM tier over an NVMe tier per workload, the bytes each serves (the agentic
     workload's 4096-token blocks, Llama-3.1-8B's KV per token by default) against Belady's bounds (the
     top tier's at its own capacity); --reuse-split: first reuses apart from later hits; the agentic
-    workload's table leaves its column for hints."""
+    workload's table has the default told of sessions beside it (never a candidate of the target)."""
     out = _run("--suite", "smoke", "--workloads", "agentic", "--fractions", "0.1", "--tiered-fractions", "0.05",
                "--nvme-ratio", "3", "--reuse-split", "--policy", "lru,second-sight,adaptive", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -75,8 +75,13 @@ def test_tiers_bytes_and_first_reuse(tmp_path: Path) -> None:
             assert dram[1] <= tiered[0]["belady_top_block_hit"] + 1e-12  # no policy beats MIN in its top tier
             assert abs(dram[1] + nvme[1] - c["prefix_hit"]) < 1e-12
         assert 0 <= c["first_reuse_hit"] <= c["block_hit"]
+    hinted = [c for c in doc["cells"] if c["policy"] == "adaptive+hints"]
+    assert len(hinted) == 2 and all(c["counters"]["leased"] > 0 for c in hinted)  # one tier, and tiered
+    assert all(v["best"] != "adaptive+hints" for v in doc["target"])  # hints are no candidate of the target
     md = (tmp_path / "trace_replay.md").read_text()
-    assert "GB from dram" in md and "Belady (bound)" in md and "first reuse" in md and "with hints" in md
+    assert "GB from dram" in md and "Belady (bound)" in md and "first reuse" in md and "adaptive with hints" in md
+    bad = _run("--suite", "smoke", "--workloads", "agentic", "--hint-ttl", "nan", "--out", str(tmp_path / "x"))
+    assert bad.returncode != 0 and "--hint-ttl" in bad.stderr and not (tmp_path / "x").exists()
     bad = _run("--suite", "smoke", "--workloads", "agentic", "--tiered-fractions", "1.5", "--out", str(tmp_path / "x"))
     assert bad.returncode != 0 and "--tiered-fractions" in bad.stderr and not (tmp_path / "x").exists()
     bad = _run("--suite", "smoke", "--workloads", "agentic", "--kv-bytes-per-token", "0", "--out", str(tmp_path / "x"))
