@@ -184,8 +184,8 @@ def replay(
     hints: Sequence[RetentionHint | None] | None = None,
 ) -> ReplayResult:
     """Serve every request in order (lookup, then put) and count hits; see the module docstring.
-    With `hints` (one per request, for a TieredBlockCache), each request's hint is given to the cache
-    after the request is served, with the request's index as the clock of the leases."""
+    With `hints` (one per request, for a TieredBlockCache), each request's blocks are stored with its
+    hint (TieredBlockCache.put_hinted), the request's index the clock of the leases."""
     probing = isinstance(cache, ProbingCache)
     names: tuple[str, ...] = cache.tier_names if probing else ()
     res = ReplayResult(
@@ -217,9 +217,10 @@ def replay(
                     reused.add(b)
                 else:
                     seen.add(b)
-        cache.put(blocks)
-        if hints is not None:
-            cache.hint(res.requests - 1, blocks, hints[res.requests - 1])  # type: ignore[attr-defined]
+        if hints is None:
+            cache.put(blocks)
+        else:
+            cache.put_hinted(res.requests - 1, blocks, hints[res.requests - 1])  # type: ignore[attr-defined]
     return res
 
 
@@ -269,12 +270,14 @@ class TieredBlockCache:
     `admission=True` asks the top tier's policy `admit(key, victim, parent)` (if it has one; see the
     module docstring) before a block enters the full top tier; False never asks.
 
-    Retention (`hint`): a lease keeps a session's blocks from being chosen as victims in any tier
-    until it expires, is replaced by the session's next lease, or the session ends, as a pin with a
-    lease does in the manager. It holds the request's blocks up to the first one not cached (a lookup
-    stops there). Invariant: at most `retain_share` x the top tier's capacity blocks are leased at
-    once; a lease that would pass that keeps the longest prefix of its blocks that fits and counts the
-    rest in `lease_refused`.
+    Retention (`put_hinted`): a Put with a lease stores the request's blocks in the top tier without
+    asking admission (as an explicit Prefetch) and keeps them from being chosen as victims in any tier
+    until the lease expires, is replaced by the session's next one, or the session ends, as a pin with
+    a lease does in the manager. Invariant: at most `retain_share` x the top tier's capacity blocks are
+    leased at once; a lease that would pass that holds the longest prefix of its blocks that fits and
+    counts the rest in `lease_refused` (they take the usual path, admission included). A Put that ends
+    its session releases its lease and makes the request's unleased blocks the first victims where the
+    tier's policy can demote (the default's and prefix-LRU's).
     """
 
     def __init__(
@@ -344,13 +347,13 @@ class TieredBlockCache:
         finally:
             self._pinned = frozenset()
 
-    def _serve_block(self, key: Block, parent: Block | None) -> None:
+    def _serve_block(self, key: Block, parent: Block | None, forced: bool = False) -> None:
         tier = self._where.get(key)
         if tier == 0:
             self._reads[key] += 1
             self.policies[0].on_access(key)
             return
-        verdict, victim = self._top_verdict(key, parent)
+        verdict, victim = self._forced_verdict() if forced else self._top_verdict(key, parent)
         if tier is not None:
             if verdict is _Verdict.PINNED or verdict is _Verdict.REFUSED:
                 self._reads[key] += 1
@@ -399,6 +402,13 @@ class TieredBlockCache:
             return _Verdict.REFUSED, None
         return _Verdict.ADMITTED, victim
 
+    def _forced_verdict(self) -> tuple[_Verdict, Block | None]:
+        """As _top_verdict for a block placed without asking admission (a leased Put, a Prefetch)."""
+        if self._size[0] < self.tiers[0].capacity:
+            return _Verdict.ROOM, None
+        victim = first_usable(self.policies[0], self._usable)
+        return (_Verdict.PINNED, None) if victim is None else (_Verdict.ADMITTED, victim)
+
     def _usable(self, key: Block) -> bool:
         return key not in self._pinned and key not in self._held
 
@@ -408,35 +418,70 @@ class TieredBlockCache:
         """Blocks held by a lease now."""
         return len(self._held)
 
-    def hint(self, now: int, blocks: Sequence[Block], hint: RetentionHint | None) -> None:
-        """At request `now` (a clock that never goes back): expire the leases due, then apply `hint`
-        (None: nothing more) to `blocks`, the request just served."""
-        heap = self._expiry
+    def put_hinted(self, now: int, blocks: Sequence[Block], hint: RetentionHint | None) -> None:
+        """put(blocks) carrying `hint`, as an engine's Put carries a retention lease, at request `now` (a
+        clock that never goes back; the leases due by then expire first). A lease (the session resumes)
+        places the request's blocks as an explicit Prefetch is placed, admitted without asking the
+        policy, and keeps them from eviction for `hint.lease` requests, up to the cap on leased blocks
+        (past it, and from the first block that could not be stored, the blocks take the usual path
+        and are not held). An end (or None) is a plain put; an end releases the session's lease."""
+        heap, held = self._expiry, self._held
         while heap and heap[0][0] <= now:
             expiry, _, session = heapq.heappop(heap)
             lease = self._leases.get(session)
             if lease is not None and lease[0] == expiry:
                 self._release(session)
         if hint is None:
+            self.put(blocks)
             return
         self._release(hint.session)
         if hint.ended or hint.lease is None:
+            self.put(blocks)
+            if hint.ended:
+                self._demote_ended(blocks)
             return
-        held, kept = self._held, []
-        for b in blocks:
-            if b not in self._where:
-                break  # NOTE: a lookup stops at the first missing block: what follows it is no use kept
-            if b not in held and len(held) >= self._retain_cap:
-                self.counters.lease_refused += len(blocks) - len(kept)
-                break
-            held[b] = held.get(b, 0) + 1
-            kept.append(b)
+        kept: list[Block] = []
+        leasing = True
+        self._pinned = frozenset(blocks)
+        try:
+            parent: Block | None = None
+            for i, key in enumerate(blocks):
+                if leasing and key not in held and len(held) >= self._retain_cap:
+                    leasing = False
+                    self.counters.lease_refused += len(blocks) - i
+                self._serve_block(key, parent, forced=leasing)
+                if leasing:
+                    if key in self._where:
+                        held[key] = held.get(key, 0) + 1
+                        kept.append(key)
+                    else:  # NOTE: a lookup stops at the first missing block: what follows is no use kept
+                        leasing = False
+                        self.counters.lease_refused += len(blocks) - i
+                parent = key
+        finally:
+            self._pinned = frozenset()
         if kept:
             self.counters.leased += len(kept)
             expiry = now + max(1, hint.lease)
             self._leases[hint.session] = (expiry, tuple(kept))
             self._lease_seq += 1
             heapq.heappush(heap, (expiry, self._lease_seq, hint.session))
+
+    def _demote_ended(self, blocks: Sequence[Block]) -> None:
+        """The session ended: the blocks of its last request that no lease holds become the first
+        victims of their tiers where the policy can demote (PrefixLRUPolicy.demote, the default's
+        victims), the request's deepest blocks first (its shared prefix, more likely another's too, last)."""
+        held, where = self._held, self._where
+        per_tier: dict[int, list[Block]] = {}
+        for b in reversed(blocks):
+            t = where.get(b)
+            if t is not None and b not in held:
+                per_tier.setdefault(t, []).append(b)
+        for t, keys in per_tier.items():
+            policy = self.policies[t]
+            demote = getattr(policy, "demote", None) or getattr(getattr(policy, "policy", None), "demote", None)
+            if demote is not None:
+                demote(keys)
 
     def _release(self, session: int) -> None:
         lease = self._leases.pop(session, None)
