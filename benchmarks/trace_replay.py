@@ -15,6 +15,9 @@ What is measured
                   block x --kv-bytes-per-token), and the GB computed again (the rest);
       first reuse with --reuse-split, the block hits on a block's second reference apart from later
                   ones: admission on evidence of reuse (second sight) cannot make the first kind.
+      with hints  on a workload with sessions (agentic), the default again, told of them as an agent
+                  runtime knows them (devkit.workloads.retention_hints, leases of --hint-ttl seconds;
+                  devkit.sim.TieredBlockCache.put_hinted); never a candidate of the target.
     See devkit/sim.py for the exact semantics.
 
 Workloads
@@ -52,7 +55,8 @@ Method
 
 Run:  .venv/bin/python benchmarks/trace_replay.py [--suite full|smoke|none] [--trace PATH ...]
           [--seed N] [--fractions 0.02,...] [--capacity N,...] [--tiers hbm:N,dram:N,nvme:N]
-          [--tiered-fractions 0.02,... --nvme-ratio 4 --kv-bytes-per-token B] [--reuse-split] [--policy all|NAME,...]
+          [--tiered-fractions 0.02,... --nvme-ratio 4 --kv-bytes-per-token B] [--reuse-split] [--hint-ttl S]
+          [--policy all|NAME,...]
           [--default adaptive] [--jobs N] [--node-requests N --node-capacity N,...] [--out DIR] [--json [PATH]]
 """
 
