@@ -371,6 +371,7 @@ def markdown(
     checks: Sequence[Verdict],
     meta: dict[str, object],
     wall_s: float,
+    *,
     block_bytes: dict[str, int] | None = None,
     reuse_split: str | None = None,
     hinted: str | None = None,
@@ -643,8 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
 
     block_bytes = {source_label(spec): args.kv_bytes_per_token * _block_tokens(spec) for spec in specs}
-    md = markdown(summaries, cells, bounds, policies, checks, meta, wall, block_bytes,
-                  args.default if args.reuse_split else None, hinted, args.hint_ttl)  # fmt: skip
+    md = markdown(summaries, cells, bounds, policies, checks, meta, wall, block_bytes=block_bytes,
+                  reuse_split=args.default if args.reuse_split else None, hinted=hinted, ttl_s=args.hint_ttl)  # fmt: skip
     node_rows = []
     if args.node_requests and specs:
         node_rows = node_vs_sim(source_requests(specs[0])[: args.node_requests],
