@@ -412,10 +412,10 @@ def markdown(
             lines.append("| " + " | ".join(row) + " |")
         if hinted_here:
             lines += ["", f"With hints: {hinted} told of each request's session as an agent runtime knows it "
-                      f"(devkit.workloads.retention_hints): the Put of a session that pauses (a tool call, or its "
-                      f"subagents) carries a lease of {ttl_s:g} s (its blocks placed without admission, kept from "
-                      "eviction), its last request ends it (its blocks the first victims); at most half the top tier "
-                      "is leased (devkit/sim.py, TieredBlockCache.put_hinted)."]  # fmt: skip
+                      f"(devkit.workloads.retention_hints), as DESIGN.md §6.5's sessions in HOLD mode: a session that pauses "
+                      f"(a tool call, or its subagents) retains its blocks for {ttl_s:g} s, its next request resumes "
+                      "it (its held blocks promoted to the top tier first), its last request ends it; at most half "
+                      "of each tier held (devkit/sim.py, TieredBlockCache.resume, put_hinted)."]  # fmt: skip
     tiered = [c for c in cells if c.tiers]
     if tiered:
         order = {p: i for i, p in enumerate(policies)}

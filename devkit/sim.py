@@ -184,8 +184,9 @@ def replay(
     hints: Sequence[RetentionHint | None] | None = None,
 ) -> ReplayResult:
     """Serve every request in order (lookup, then put) and count hits; see the module docstring.
-    With `hints` (one per request, for a TieredBlockCache), each request's blocks are stored with its
-    hint (TieredBlockCache.put_hinted), the request's index the clock of the leases."""
+    With `hints` (one per request, for a TieredBlockCache), each request's session is resumed before
+    its lookup and its blocks are stored with its hint (TieredBlockCache.resume, put_hinted), the
+    request's index the clock of the leases."""
     probing = isinstance(cache, ProbingCache)
     names: tuple[str, ...] = cache.tier_names if probing else ()
     res = ReplayResult(
@@ -200,6 +201,8 @@ def replay(
     for blocks in requests:
         res.requests += 1
         res.blocks += len(blocks)
+        if hints is not None:
+            cache.resume(res.requests - 1, hints[res.requests - 1])  # type: ignore[attr-defined]
         prefix = cache.lookup(blocks)
         res.prefix_hits += prefix
         if probing:
@@ -270,14 +273,13 @@ class TieredBlockCache:
     `admission=True` asks the top tier's policy `admit(key, victim, parent)` (if it has one; see the
     module docstring) before a block enters the full top tier; False never asks.
 
-    Retention (`put_hinted`): a Put with a lease stores the request's blocks in the top tier without
-    asking admission (as an explicit Prefetch) and keeps them from being chosen as victims in any tier
-    until the lease expires, is replaced by the session's next one, or the session ends, as a pin with
-    a lease does in the manager. Invariant: at most `retain_share` x the top tier's capacity blocks are
-    leased at once; a lease that would pass that holds the longest prefix of its blocks that fits and
-    counts the rest in `lease_refused` (they take the usual path, admission included). A Put that ends
-    its session releases its lease and makes the request's unleased blocks the first victims where the
-    tier's policy can demote (the default's and prefix-LRU's).
+    Retention (`put_hinted`, as DESIGN.md §6.5's sessions in HOLD mode): a Put with a lease names the
+    request's blocks to its session; each stored one is held (never chosen as a victim in any tier) until
+    the lease expires, is replaced by the session's next one, or the session ends, unless its tier already
+    holds `retain_share` x its capacity held blocks (then it is stored, not held: `lease_refused`). A block
+    several sessions name is held while any does. The session's next request first resumes it: its held
+    blocks in lower tiers are promoted to the top tier without asking admission (as the Prefetcher does),
+    within the top tier's hold cap; a held block's promotion by read is bounded by that cap too.
     """
 
     def __init__(
@@ -307,8 +309,9 @@ class TieredBlockCache:
         self._parent: dict[Block, Block | None] = {}  # of resident blocks, for moves between tiers
         self._reads: dict[Block, int] = {}  # of resident blocks: hits since the block was stored
         self._pinned: frozenset[Block] = frozenset()
-        self._retain_cap = int(retain_share * self.tiers[0].capacity)
-        self._held: dict[Block, int] = {}  # leased block -> the sessions whose lease holds it
+        self._hold_cap = [int(retain_share * t.capacity) for t in self.tiers]
+        self._held: dict[Block, int] = {}  # held block -> the sessions whose lease holds it
+        self._held_in = [0] * len(self.tiers)  # held blocks per tier
         self._leases: dict[int, tuple[int, tuple[Block, ...]]] = {}  # session -> (expiry, its blocks)
         self._expiry: list[tuple[int, int, int]] = []  # (expiry, seq, session): a heap, stale entries skipped
         self._lease_seq = 0
@@ -347,13 +350,17 @@ class TieredBlockCache:
         finally:
             self._pinned = frozenset()
 
-    def _serve_block(self, key: Block, parent: Block | None, forced: bool = False) -> None:
+    def _serve_block(self, key: Block, parent: Block | None) -> None:
         tier = self._where.get(key)
         if tier == 0:
             self._reads[key] += 1
             self.policies[0].on_access(key)
             return
-        verdict, victim = self._forced_verdict() if forced else self._top_verdict(key, parent)
+        if tier is not None and not self._may_promote(key):
+            self._reads[key] += 1
+            self.policies[tier].on_access(key)  # NOTE: held, and the top tier's hold cap is full: read in place
+            return
+        verdict, victim = self._top_verdict(key, parent)
         if tier is not None:
             if verdict is _Verdict.PINNED or verdict is _Verdict.REFUSED:
                 self._reads[key] += 1
@@ -402,13 +409,6 @@ class TieredBlockCache:
             return _Verdict.REFUSED, None
         return _Verdict.ADMITTED, victim
 
-    def _forced_verdict(self) -> tuple[_Verdict, Block | None]:
-        """As _top_verdict for a block placed without asking admission (a leased Put, a Prefetch)."""
-        if self._size[0] < self.tiers[0].capacity:
-            return _Verdict.ROOM, None
-        victim = first_usable(self.policies[0], self._usable)
-        return (_Verdict.PINNED, None) if victim is None else (_Verdict.ADMITTED, victim)
-
     def _usable(self, key: Block) -> bool:
         return key not in self._pinned and key not in self._held
 
@@ -418,48 +418,43 @@ class TieredBlockCache:
         """Blocks held by a lease now."""
         return len(self._held)
 
-    def put_hinted(self, now: int, blocks: Sequence[Block], hint: RetentionHint | None) -> None:
-        """put(blocks) carrying `hint`, as an engine's Put carries a retention lease, at request `now` (a
-        clock that never goes back; the leases due by then expire first). A lease (the session resumes)
-        places the request's blocks as an explicit Prefetch is placed, admitted without asking the
-        policy, and keeps them from eviction for `hint.lease` requests, up to the cap on leased blocks
-        (past it, and from the first block that could not be stored, the blocks take the usual path
-        and are not held). An end (or None) is a plain put; an end releases the session's lease."""
-        heap, held = self._expiry, self._held
+    def resume(self, now: int, hint: RetentionHint | None) -> None:
+        """Before request `now` is looked up (a clock that never goes back): the leases due expire, and
+        the request's session, if it holds a lease, is resumed (the engine's router resumes a session
+        while its next turn queues): see the class docstring."""
+        heap = self._expiry
         while heap and heap[0][0] <= now:
             expiry, _, session = heapq.heappop(heap)
             lease = self._leases.get(session)
             if lease is not None and lease[0] == expiry:
                 self._release(session)
+        if hint is not None and hint.session in self._leases:
+            self._resume(self._leases[hint.session][1])
+
+    def put_hinted(self, now: int, blocks: Sequence[Block], hint: RetentionHint | None) -> None:
+        """put(blocks), then `hint` applies: a lease (until request `now` + `hint.lease`) names the
+        request's blocks to its session (replacing the session's last lease), an end releases it."""
+        heap = self._expiry
+        self.put(blocks)
         if hint is None:
-            self.put(blocks)
             return
         self._release(hint.session)
         if hint.ended or hint.lease is None:
-            self.put(blocks)
-            if hint.ended:
-                self._demote_ended(blocks)
             return
-        kept: list[Block] = []
-        leasing = True
-        self._pinned = frozenset(blocks)
-        try:
-            parent: Block | None = None
-            for i, key in enumerate(blocks):
-                if leasing and key not in held and len(held) >= self._retain_cap:
-                    leasing = False
-                    self.counters.lease_refused += len(blocks) - i
-                self._serve_block(key, parent, forced=leasing)
-                if leasing:
-                    if key in self._where:
-                        held[key] = held.get(key, 0) + 1
-                        kept.append(key)
-                    else:  # NOTE: a lookup stops at the first missing block: what follows is no use kept
-                        leasing = False
-                        self.counters.lease_refused += len(blocks) - i
-                parent = key
-        finally:
-            self._pinned = frozenset()
+        held, held_in, where, kept = self._held, self._held_in, self._where, []
+        for key in blocks:
+            tier = where.get(key)
+            if tier is None:
+                continue  # NOTE: not stored (refused with no tier below): nothing to hold
+            if key in held:
+                held[key] += 1
+            elif held_in[tier] < self._hold_cap[tier]:
+                held[key] = 1
+                held_in[tier] += 1
+            else:
+                self.counters.lease_refused += 1
+                continue
+            kept.append(key)
         if kept:
             self.counters.leased += len(kept)
             expiry = now + max(1, hint.lease)
@@ -467,33 +462,40 @@ class TieredBlockCache:
             self._lease_seq += 1
             heapq.heappush(heap, (expiry, self._lease_seq, hint.session))
 
-    def _demote_ended(self, blocks: Sequence[Block]) -> None:
-        """The session ended: the blocks of its last request that no lease holds become the first
-        victims of their tiers where the policy can demote (PrefixLRUPolicy.demote, the default's
-        victims), the request's deepest blocks first (its shared prefix, more likely another's too, last)."""
-        held, where = self._held, self._where
-        per_tier: dict[int, list[Block]] = {}
-        for b in reversed(blocks):
-            t = where.get(b)
-            if t is not None and b not in held:
-                per_tier.setdefault(t, []).append(b)
-        for t, keys in per_tier.items():
-            policy = self.policies[t]
-            demote = getattr(policy, "demote", None) or getattr(getattr(policy, "policy", None), "demote", None)
-            if demote is not None:
-                demote(keys)
+    def _may_promote(self, key: Block) -> bool:
+        return key not in self._held or self._held_in[0] < self._hold_cap[0]
+
+    def _resume(self, keys: Sequence[Block]) -> None:
+        """Promote the session's held blocks in lower tiers to the top tier, in order, without asking
+        admission (an explicit Prefetch), while the top tier's hold cap allows; never evicting each other."""
+        self._pinned = frozenset(keys)
+        try:
+            for key in keys:
+                tier = self._where.get(key)
+                if not tier or not self._may_promote(key):
+                    continue
+                parent, reads = self._parent[key], self._reads[key]
+                self._remove(key)
+                if self._make_room(0):
+                    self._place(key, parent, 0, reads)
+                    self.counters.promoted += 1
+                else:
+                    self._place(key, parent, tier, reads)
+        finally:
+            self._pinned = frozenset()
 
     def _release(self, session: int) -> None:
         lease = self._leases.pop(session, None)
         if lease is None:
             return
-        held = self._held
+        held, where, held_in = self._held, self._where, self._held_in
         for b in lease[1]:
             n = held[b] - 1
             if n:
                 held[b] = n
             else:
                 del held[b]
+                held_in[where[b]] -= 1
 
     def _make_room(self, tier: int, victim: Block | None = None) -> bool:
         """Evict from `tier` (demoting down the stack) until one block fits; False if all are pinned.
@@ -515,6 +517,8 @@ class TieredBlockCache:
 
     def _place(self, key: Block, parent: Block | None, tier: int, reads: int = 0) -> None:
         self._where[key] = tier
+        if key in self._held:
+            self._held_in[tier] += 1
         self._parent[key] = parent
         self._reads[key] = reads
         self._size[tier] += 1
@@ -525,6 +529,8 @@ class TieredBlockCache:
 
     def _remove(self, key: Block) -> None:
         tier = self._where.pop(key)
+        if key in self._held:
+            self._held_in[tier] -= 1
         del self._parent[key]
         del self._reads[key]
         self._size[tier] -= 1

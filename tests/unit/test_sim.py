@@ -47,8 +47,8 @@ def test_hits_on_a_first_reuse_are_told_apart() -> None:
     assert replay(full_then, TieredBlockCache(2, "second-sight")).first_reuse_hits == 0
 
 
-def test_a_leased_put_keeps_a_session_until_it_expires_or_ends() -> None:
-    # LRU, 2 blocks. [1] then a lease on it for 3 requests; [2] [3] would push 1 out, but it is leased:
+def test_a_lease_holds_a_session_until_it_expires_or_ends() -> None:
+    # LRU, 2 blocks. [1] then a lease on it for 3 requests; [2] [3] would push 1 out, but it is held:
     # 2 goes instead, and [1] hits. Without the lease [1] misses.
     hints = [RetentionHint(0, lease=3), None, None, None]
     requests = [[1], [2], [3], [1]]
@@ -63,30 +63,32 @@ def test_a_leased_put_keeps_a_session_until_it_expires_or_ends() -> None:
     cache = TieredBlockCache(2, "lru")
     replay([[1], [2]], cache, [RetentionHint(0, lease=100), RetentionHint(0, ended=True)])
     assert cache.retained() == 0
-    # an end demotes the session's unleased blocks (where the policy can): prefix-LRU, 3 blocks; [3]
-    # ends its session, so [4] pushes out 3, not the older 1, and [1] hits
-    requests = [[1], [2], [3], [4], [1]]
-    assert replay(requests, TieredBlockCache(3, "prefix-lru")).block_hits == 0
-    ends = [None, None, RetentionHint(5, ended=True), None, None]
-    cache = TieredBlockCache(3, "prefix-lru")
-    assert replay(requests, cache, ends).block_hits == 1 and cache.tier_of(3) is None
-    # the cap: half of 2 blocks = 1 leased; a lease on [7, 8] keeps 7 only, counts 8 refused; a second
-    # session's lease on a block already held costs nothing, and a block not cached is never leased
+    # the cap: half of 2 blocks = 1 held per tier; a lease on [7, 8] holds 7 only, counts 8 refused; a
+    # second session's lease on a block already held costs nothing
     cache = TieredBlockCache(2, "lru")
     replay([[7, 8], [7]], cache, [RetentionHint(0, lease=9), RetentionHint(1, lease=9)])
     assert cache.retained() == 1 and (cache.counters.leased, cache.counters.lease_refused) == (2, 1)
-    cache.put_hinted(2, [99], RetentionHint(2, lease=9))
-    assert cache.retained() == 1 and cache.tier_of(99) == 0 and cache.tier_of(7) == 0  # 8 made room
-    # a leased Put is placed without asking admission: second sight refuses a first sighting in a full
-    # tier, but not one that comes with a lease
-    cache = TieredBlockCache(2, "second-sight")
-    replay([[1], [2]], cache)
-    cache.put_hinted(5, [3], None)
-    assert cache.tier_of(3) is None and cache.counters.not_admitted == 1
-    cache.put_hinted(6, [4], RetentionHint(0, lease=5))
-    assert cache.tier_of(4) == 0 and cache.retained() == 1 and cache.counters.not_admitted == 1
     with pytest.raises(ValueError, match="retain_share"):
         TieredBlockCache(2, "lru", retain_share=1.5)
+
+
+def test_a_session_resumes_its_held_blocks_to_the_top_tier() -> None:
+    # DRAM 2 (second sight) over NVMe 4; at most 1 held block in DRAM, 2 in NVMe.
+    #   0: session 0's [1, 2] fill DRAM; 1 is held, 2 stored but not held (DRAM's hold cap)
+    #   1: session 1's [3, 4] are first sightings: refused, written through to NVMe, both held there
+    #   2: session 0 ends: 1 released
+    #   3: session 1 comes back: resumed before its lookup, 3 is promoted to DRAM without admission
+    #      (pushing a DRAM block down), 4 stays (DRAM's hold cap): 3 is served from DRAM, 4 from NVMe.
+    tiers = (TierSpec("dram", 2), TierSpec("nvme", 4))
+    requests = [[1, 2], [3, 4], [1, 2], [3, 4]]
+    hints = [RetentionHint(0, lease=100), RetentionHint(1, lease=100), RetentionHint(0, ended=True)]
+    cache = TieredBlockCache(tiers, "second-sight", retain_share=0.5)
+    res = replay(requests, cache, [*hints, RetentionHint(1, lease=100)])
+    assert cache.counters.lease_refused == 1 and cache.retained() == 2
+    assert res.tier_block_hits == [2 + 1, 1] and cache.tier_of(3) == 0 and cache.tier_of(4) == 1
+    # without hints 3 and 4 stay in NVMe (second sight refuses their first sighting, then their promotion)
+    res = replay(requests, TieredBlockCache(tiers, "second-sight"))
+    assert res.tier_block_hits[1] == 2
 
 
 def test_tiered_promotion_demotion_accounting() -> None:
