@@ -169,9 +169,9 @@ class ReplayResult:
 
 @dataclass(slots=True, frozen=True)
 class RetentionHint:
-    """What an engine tells the store after serving a request, as a retention lease (DESIGN.md §6: the
-    manager's pins with leases) carries it: keep this request's blocks for `lease` more requests (the
-    session resumes after a pause; None: no lease), or the session `ended` (its lease released)."""
+    """What an engine tells the store with a request, as a Retain call (DESIGN.md §6.5) carries it: its
+    `session`, which is resumed before the request if it holds a lease; then keep this request's blocks
+    for `lease` more requests (the session pauses; None: no lease), or the session `ended` (released)."""
 
     session: int
     lease: int | None = None

@@ -391,7 +391,7 @@ class Conversation:
 @dataclass(frozen=True, slots=True)
 class SessionTag:
     """What an agent runtime knows of one request of the agentic workload when it sends it: the
-    retention hints an engine could pass to the store (DESIGN.md §6) are made from these.
+    retention hints an engine passes to the store (DESIGN.md §6.5) are made from these.
 
     `session` numbers the sessions in the order they start (a subagent is a session of its own);
     `parent` is the session a subagent forked from (None for a top-level session); `turn` counts the
