@@ -161,8 +161,8 @@ def bench_size(kib: int, args: argparse.Namespace, root: Path) -> list[dict[str,
     cpu: dict[str, list[float]] = {}  # cell -> [CPU seconds of its processes, calls]
     disk: Disk | None = None
     try:
-        fast = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="shm")
-        slow = KVStoreClient(node.addr, pages_per_stream=max(256, args.batch), transport="grpc")
+        fast = KVStoreClient(node.addr, pages_per_call=max(256, args.batch), transport="shm")
+        slow = KVStoreClient(node.addr, pages_per_call=max(256, args.batch), transport="grpc")
         try:
             hs = fill_nvme(fast, layout, pages, f"nvme-{kib}")
             segment = root / f"nvme-{kib}" / SEGMENT_FMT.format(0)

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                            extra_args=["--policy", "lru"])  # fmt: skip
         node.start()
         try:
-            with KVStoreClient(node.addr, pages_per_stream=256, transport="grpc") as kv:
+            with KVStoreClient(node.addr, pages_per_call=256, transport="grpc") as kv:
                 kv.put(NS, layout, chain, [data] * CHAIN)
 
                 def push_to_nvme() -> None:

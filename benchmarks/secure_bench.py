@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         nodes = {m: NodeProcess(dram_bytes=(4 * args.batch + 8) * slot, max_page_bytes=layout.page_bytes,
                                 node_id=f"bench-{m}", extra_args=node_args[m]).start() for m in MODES}  # fmt: skip
-        clients = {m: KVStoreClient(nodes[m].addr, pages_per_stream=max(256, args.batch), security=security[m],
+        clients = {m: KVStoreClient(nodes[m].addr, pages_per_call=max(256, args.batch), security=security[m],
                                 transport=args.transport)
                    for m in MODES}  # fmt: skip
         put_gbs: dict[str, list[float]] = {m: [] for m in MODES}

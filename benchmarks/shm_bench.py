@@ -53,8 +53,8 @@ def bench_size(kib: int, args: argparse.Namespace) -> list[dict[str, object]]:
     counter = itertools.count()
     try:
         per_call = max(256, args.batch)
-        clients = {"grpc": KVStoreClient(node.addr, pages_per_stream=per_call, transport="grpc"),
-                   "shm": KVStoreClient(node.addr, pages_per_stream=per_call, transport="shm")}  # fmt: skip
+        clients = {"grpc": KVStoreClient(node.addr, pages_per_call=per_call, transport="grpc"),
+                   "shm": KVStoreClient(node.addr, pages_per_call=per_call, transport="shm")}  # fmt: skip
         clients["zc"] = clients["shm"]
         try:
             staging = clients["zc"].shared_buffer(args.batch * slot_bytes_for(size))

@@ -649,7 +649,7 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
     dram_node = NodeProcess(dram_bytes=(2 * batch + 8) * slot, max_page_bytes=size, node_id=f"bench-dram-{size}")
     try:
         dram_node.start()
-        with KVStoreClient(dram_node.addr, pages_per_stream=max(256, batch), transport="grpc") as kv:
+        with KVStoreClient(dram_node.addr, pages_per_call=max(256, batch), transport="grpc") as kv:
             kv.wait_ready()
             hashes = HashSource(f"dram-{size}")
             resident = hashes.take(batch)
@@ -672,7 +672,7 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
                             node_id=f"bench-nvme-{size}")  # fmt: skip
     try:
         nvme_node.start()
-        with KVStoreClient(nvme_node.addr, pages_per_stream=max(256, batch), transport="grpc") as kv:
+        with KVStoreClient(nvme_node.addr, pages_per_call=max(256, batch), transport="grpc") as kv:
             kv.wait_ready()
             targets, note = fill_nvme(kv, layout, page, HashSource(f"nvme-{size}"), batch)
             notes.append(note)
@@ -683,7 +683,7 @@ def bench_size(size: int, batch: int, plan: Plan, tcp: TcpClient, nvme_root: Pat
                     )
                 )
             if shm_available():
-                with KVStoreClient(nvme_node.addr, pages_per_stream=max(256, batch), transport="shm") as zc:
+                with KVStoreClient(nvme_node.addr, pages_per_call=max(256, batch), transport="shm") as zc:
                     for mode, count in modes:
                         cells.append(bench_get_into(zc, size, targets, mode, count, plan))
             stats["nvme_node"] = tier_summary(kv)

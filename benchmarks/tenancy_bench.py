@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         nodes = {m: NodeProcess(dram_bytes=dram_slots * slot, max_page_bytes=layout.page_bytes, node_id=f"bench-{m}",
                                 extra_args=node_args[m]).start() for m in MODES}  # fmt: skip
-        clients = {(m, p): KVStoreClient(nodes[m].addr, pages_per_stream=max(256, args.batch), transport=p,
+        clients = {(m, p): KVStoreClient(nodes[m].addr, pages_per_call=max(256, args.batch), transport=p,
                                          security=ClientSecurity(token=TOKEN)) for m in MODES for p in PLANES}  # fmt: skip
         put_gbs: dict[tuple[str, str], list[float]] = {k: [] for k in clients}
         get_gbs: dict[tuple[str, str], list[float]] = {k: [] for k in clients}

@@ -68,7 +68,7 @@ def open_client(addr: str, name: str, batch: int) -> KVStoreClient:
     transport, env = VARIANTS[name]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    kv = KVStoreClient(addr, pages_per_stream=max(256, batch), transport=transport)
+    kv = KVStoreClient(addr, pages_per_call=max(256, batch), transport=transport)
     try:
         with contextlib.suppress(KVStoreError):  # NOT_FOUND: nothing stored yet; the connection is open
             kv.get(NS, hashes("connect", 1))  # opens the connection now, under this environment

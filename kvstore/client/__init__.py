@@ -13,7 +13,7 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
 """
 
 from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
-from kvstore.client.core import DEFAULT_PAGES_PER_STREAM, PinResult, PutResult, ReplicateResult
+from kvstore.client.core import DEFAULT_PAGES_PER_CALL, PinResult, PutResult, ReplicateResult
 from kvstore.client.planes.choice import TRANSPORTS
 from kvstore.client.planes.segments import SharedBuffer
 from kvstore.names import RetainMode
@@ -21,7 +21,7 @@ from kvstore.stats import RetainResult, SessionState
 from kvstore.wire.streams import PageRef
 
 __all__ = [
-    "DEFAULT_PAGES_PER_STREAM",
+    "DEFAULT_PAGES_PER_CALL",
     "TRANSPORTS",
     "AsyncKVStoreClient",
     "KVStoreClient",

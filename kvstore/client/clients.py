@@ -17,7 +17,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.bundles import Parts
 from kvstore.client.calls import bind_methods, open_channel, rpc_error
 from kvstore.client.core import (
-    DEFAULT_PAGES_PER_STREAM,
+    DEFAULT_PAGES_PER_CALL,
     ClientCore,
     ClientSettings,
     PinResult,
@@ -47,7 +47,7 @@ class _Client:
         *,
         aio: bool,
         timeout: float,
-        pages_per_stream: int,
+        pages_per_call: int,
         verify: bool,
         security: ClientSecurity | None,
         transport: str | None,
@@ -59,7 +59,7 @@ class _Client:
         self._md = self.security.metadata()
         self._channel = open_channel(target, self.security, aio=aio)
         self._methods = bind_methods(self._channel)
-        settings = ClientSettings(target, pages_per_stream, verify, self.security, timeout)
+        settings = ClientSettings(target, pages_per_call, verify, self.security, timeout)
         if self.security.acting_for is not None or self.security.copies:
             # NOTE: a node acting for a tenant (or pulling copies) says so in gRPC metadata, which the other
             # planes' handshakes do not carry: on them it would be the default tenant.
@@ -108,7 +108,7 @@ class KVStoreClient(_Client):
             n = kv.lookup(ns, hashes)                   # blocks of the longest stored prefix
             pages = kv.get(ns, hashes[:n])              # list of memoryview, checksum-verified
 
-    Batching: `put` sends up to `pages_per_stream` pages per call (each call is atomic); `get` fetches any
+    Batching: `put` sends up to `pages_per_call` pages per call (each call is atomic); `get` fetches any
     number of pages in calls of the same size, stopping at the first missing page. Errors are the
     server's exception classes (kvstore/errors.py).
     """
@@ -118,7 +118,7 @@ class KVStoreClient(_Client):
         target: str,
         *,
         timeout: float = 60.0,
-        pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+        pages_per_call: int = DEFAULT_PAGES_PER_CALL,
         verify: bool = True,
         security: ClientSecurity | None = None,
         transport: str | None = None,
@@ -127,7 +127,7 @@ class KVStoreClient(_Client):
             target,
             aio=False,
             timeout=timeout,
-            pages_per_stream=pages_per_stream,
+            pages_per_call=pages_per_call,
             verify=verify,
             security=security,
             transport=transport,
@@ -187,7 +187,7 @@ class KVStoreClient(_Client):
         chain: bool = True,
         replicas: int = 0,
     ) -> PutResult:
-        """Store pages under their hashes. Each call of up to pages_per_stream pages is atomic.
+        """Store pages under their hashes. Each call of up to pages_per_call pages is atomic.
 
         chain: the hashes are consecutive blocks of one chain (as prefix_hashes gives them), `parent`
         the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated
@@ -388,7 +388,7 @@ class AsyncKVStoreClient(_Client):
         target: str,
         *,
         timeout: float = 60.0,
-        pages_per_stream: int = DEFAULT_PAGES_PER_STREAM,
+        pages_per_call: int = DEFAULT_PAGES_PER_CALL,
         verify: bool = True,
         security: ClientSecurity | None = None,
         transport: str | None = None,
@@ -397,7 +397,7 @@ class AsyncKVStoreClient(_Client):
             target,
             aio=True,
             timeout=timeout,
-            pages_per_stream=pages_per_stream,
+            pages_per_call=pages_per_call,
             verify=verify,
             security=security,
             transport=transport,

@@ -56,7 +56,7 @@ from kvstore.wire.ucx import ucxx_installed
 
 T = TypeVar("T")
 
-DEFAULT_PAGES_PER_STREAM = 256
+DEFAULT_PAGES_PER_CALL = 256
 PLANE_RETRY_SECONDS = 2.0  # after a plane refused a call, negotiate again this much later (auto mode)...
 PLANE_RETRY_MAX_SECONDS = 60.0  # ...doubling while it keeps refusing, up to this
 # A plane that refuses after this share of the call's timeout is a node that does not answer, not a plane it

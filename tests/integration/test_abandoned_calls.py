@@ -82,7 +82,7 @@ def test_pages_a_get_returned_never_change_after_an_abandoned_get(full_node: Nod
     expected = [page(h) for h in small]
 
     async def abandon_async() -> list[memoryview]:
-        async with AsyncKVStoreClient(full_node.addr, transport=plane, timeout=30, pages_per_stream=1024) as kv:
+        async with AsyncKVStoreClient(full_node.addr, transport=plane, timeout=30, pages_per_call=1024) as kv:
             await kv.get(NS, small[:1], promote=False)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(kv.get(NS, big, promote=False), 0.08)
@@ -94,7 +94,7 @@ def test_pages_a_get_returned_never_change_after_an_abandoned_get(full_node: Nod
         if how == "cancel":
             got = asyncio.run(abandon_async())
         else:
-            with KVStoreClient(full_node.addr, transport=plane, timeout=0.08, pages_per_stream=1024) as kv:
+            with KVStoreClient(full_node.addr, transport=plane, timeout=0.08, pages_per_call=1024) as kv:
                 with contextlib.suppress(KVStoreError):
                     kv.get(NS, small[:1], promote=False)
                 with contextlib.suppress(KVStoreError):
@@ -155,7 +155,7 @@ def test_a_hung_node_keeps_the_memory_it_was_lent_until_it_lets_go(tmp_path: Pat
     with contextlib.closing(start_node(tmp_path, dram_pages=16, nvme_pages=600, name="hung")) as n:
         with KVStoreClient(n.addr, transport="grpc", timeout=60) as kv:
             kv.put(NS, LAYOUT, chain, [page(h) for h in chain], target_tier=TierKind.NVME)
-        with KVStoreClient(n.addr, transport="shm", timeout=0.5, pages_per_stream=512) as kv:
+        with KVStoreClient(n.addr, transport="shm", timeout=0.5, pages_per_call=512) as kv:
             assert len(kv.get(NS, chain[:1], promote=False)) == 1
             pool = kv.receive_pool  # its free bytes tell what is lent to the node
             free_before = pool.free_bytes

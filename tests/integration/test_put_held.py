@@ -51,7 +51,7 @@ def test_a_put_larger_than_the_tier_does_not_claim_what_it_pushed_out(tmp_path: 
     hashes = [key(i, f"big-{plane}") for i in range(3 * SLOTS)]
     with (
         contextlib.closing(start_node(tmp_path, dram_pages=SLOTS, nvme_pages=0, name="big", extra_args=["--ucx"])) as n,
-        KVStoreClient(n.addr, timeout=30, transport=plane, pages_per_stream=len(hashes)) as kv,
+        KVStoreClient(n.addr, timeout=30, transport=plane, pages_per_call=len(hashes)) as kv,
     ):
         res = kv.put(NS, LAYOUT, hashes, [page(h) for h in hashes])
         assert res.held == _on_node(kv, hashes)

@@ -58,7 +58,7 @@ def test_pages_cross_planes_bit_exact_through_dram_and_nvme(tcp_node: NodeProces
 
 def test_get_into_lands_pages_in_caller_buffers(tcp_node: NodeProcess) -> None:
     chain = [key(i, "into") for i in range(12)]
-    with tcp_client(tcp_node, pages_per_stream=5) as kv:  # several calls: buffers are indexed across them
+    with tcp_client(tcp_node, pages_per_call=5) as kv:  # several calls: buffers are indexed across them
         kv.put(NS, LAYOUT, chain, [page(h) for h in chain])
         arena = bytearray(13 * PAGE)
         bufs = [memoryview(arena)[i * PAGE : (i + 1) * PAGE] for i in range(13)]
