@@ -101,6 +101,25 @@ def trim_heap() -> bool:
     return bool(fn(0))
 
 
+@functools.cache
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; the CPU count where there is none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def free_cores() -> int:
+    """Cores free right now besides the one the calling thread runs on: the usable ones less the tasks the
+    kernel has running or ready (/proc/loadavg's running count, which includes the caller). 0 where that is
+    unknown. NOTE: system-wide, instantaneous and cheap (one small read): a hint for whether a second thread
+    would run at once or only queue behind other work (and take a core from it), nothing more."""
+    try:
+        with open("/proc/loadavg", "rb") as f:
+            running = int(f.read().split()[3].split(b"/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return max(0, usable_cores() - running)
+
+
 def anon_rss_bytes() -> int | None:
     """This process's resident anonymous memory (RssAnon: malloc's heaps, not the DRAM tier's shared
     memory); None where /proc/self/status does not say."""
