@@ -1,4 +1,5 @@
-"""The manager's blocking-I/O pool: media transfers run here, never on the event loop."""
+"""The manager's blocking-I/O pool: media transfers run here, never on the event loop. Batches of copies into a
+caller's memory (`IoPool.copy_many`, the same-host plane) run on the loop, and here too while cores are free."""
 
 from __future__ import annotations
 
