@@ -1,5 +1,5 @@
 """The manager's blocking-I/O pool: media transfers run here, never on the event loop. Batches of copies into a
-caller's memory (`IoPool.copy_many`, the same-host plane) run on the loop, and here too while cores are free."""
+caller's memory (`IoPool.copy_many`, the same-host plane) run on the loop and on this pool's threads side by side."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from kvstore.memtune import free_cores, usable_cores
 from kvstore.tiers.base import Into, Medium, SlotRead
 
 T = TypeVar("T")
@@ -22,12 +21,12 @@ Copy = Callable[[memoryview, memoryview], Any]  # copies its first view into its
 Pairs = Sequence[tuple[memoryview, memoryview]]  # (source, destination) of each copy of a batch
 
 # A batch of copies (IoPool.copy_many) of at most INLINE_COPY_BYTES runs on the event loop at once; a larger one
-# is cut into parts, one per core free now (at most one per core this process may use), of at least
-# COPY_PART_BYTES each: the loop copies the first part itself, LOOP_SLICE_BYTES at a time (other callbacks run
-# between slices), and pool threads the others, side by side. NOTE: measured (same-host get_into of 16 DRAM
-# pages, 2 vCPUs under load 5-8, 2026-11-28; benchmarks/RESULTS.md "Same host"): a handoff to a pool thread and
-# back costs 50 us at the median and 200 us on average there, and a second thread only helps while a core is
-# free: with none free, the loop copying the whole batch itself was as fast as or faster than any split.
+# is cut into parts, one per pool thread and one for the loop, of at least COPY_PART_BYTES each: the loop copies
+# the first part itself, LOOP_SLICE_BYTES at a time (other callbacks run between slices), and pool threads the
+# others, side by side. NOTE: measured (same-host get_into of 16 DRAM pages of 1 and 4 MiB, 2 vCPUs under load
+# 6-10, 2026-11-28, benchmarks/shm_ab.py, same run): all parts (loop + 4 threads) ran 1.47x / 1.55x the GB/s
+# of the loop alone and 1.4x / 1.2x of two parts, at equal or less node CPU per GB; gating a split on the cores
+# /proc/loadavg says are free left a loaded machine's gets on the loop alone, the slowest of the three.
 INLINE_COPY_BYTES = 1 << 20
 COPY_PART_BYTES = 1 << 20
 LOOP_SLICE_BYTES = 4 << 20
@@ -53,9 +52,7 @@ class IoPool:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvstore-io")
         self._pending: dict[Medium, list[_PendingRead]] = {}  # reads gathered this loop iteration
         self._batches: set[asyncio.Task[None]] = set()  # running read_many calls (strong references)
-        # NOTE: a batch of copies is cut into at most one part per core this process may run on (the loop's
-        # own included): more parts than cores only take turns, each handoff costing a wake-up.
-        self.parts = max(1, min(threads + 1, usable_cores()))
+        self.parts = threads + 1  # a batch of copies is cut into at most one part per pool thread and the loop
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -79,14 +76,14 @@ class IoPool:
 
     async def copy_many(self, fn: Copy, pairs: Pairs) -> list[Any]:
         """`fn(src, dest)` for each pair; per pair, in order, what `fn` returned or the exception it raised.
-        Up to INLINE_COPY_BYTES in all run on the event loop at once; a larger batch is cut in order into one
-        part per free core (`free_cores`, at most `parts`): the loop copies the first part itself, in slices,
-        pool threads the others side by side (one handoff each). Returns or raises only once every copy it
+        Up to INLINE_COPY_BYTES in all run on the event loop at once; a larger batch is cut in order into up to
+        `parts` parts of at least COPY_PART_BYTES: the loop copies the first part itself, in slices, pool
+        threads the others side by side (one handoff each). Returns or raises only once every copy it
         started has ended (cancelled or not: no `dest` is written after it returns)."""
         total = sum(len(src) for src, _ in pairs)
         if total <= INLINE_COPY_BYTES:
             return _copy_all(fn, pairs)
-        k = min(self.parts, free_cores() + 1, len(pairs), -(-total // COPY_PART_BYTES))
+        k = min(self.parts, len(pairs), -(-total // COPY_PART_BYTES))
         mine, *others = cut(pairs, k)
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()

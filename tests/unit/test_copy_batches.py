@@ -22,7 +22,6 @@ from kvstore.config import NodeConfig
 from kvstore.errors import DataLoss
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
-from kvstore.manager import io as io_module
 from kvstore.manager.io import IoPool, cut, slices
 from kvstore.memtune import free_cores, usable_cores
 from kvstore.names import TierKind
@@ -113,9 +112,8 @@ def test_a_small_batch_is_copied_in_order_and_a_failure_fails_its_own_page() -> 
     asyncio.run(main())
 
 
-def test_a_large_batch_is_cut_into_parts_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a core free, the loop copies the first part and a pool thread the others, results in order."""
-    monkeypatch.setattr(io_module, "free_cores", lambda: 3)
+def test_a_large_batch_is_cut_into_parts_side_by_side() -> None:
+    """The loop copies the first part and pool threads the others, results in order."""
 
     async def main() -> None:
         pool = IoPool(4)
@@ -141,8 +139,7 @@ def test_a_large_batch_is_cut_into_parts_side_by_side(monkeypatch: pytest.Monkey
     asyncio.run(main())
 
 
-def test_a_cancelled_batch_returns_only_once_the_threads_copies_ended(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(io_module, "free_cores", lambda: 1)
+def test_a_cancelled_batch_returns_only_once_the_threads_copies_ended() -> None:
 
     async def main() -> None:
         pool = IoPool(2)
