@@ -11,7 +11,8 @@ SharedBuffer: the node copies each page once, verifying a get's in the pass that
 benchmarks/peer_driver.py's `mooncake-local` in the peers' venv (`batch_get_into` / `batch_put_from` on registered
 buffers). Per page size, `--rounds` rounds; in each round every system runs `--iters` timed calls of each op, in
 an order rotated and reversed from round to round. GB/s (10^9 B/s) is the median over rounds of each round's
-rate; "fast" is the 10th percentile of the per-round time (what a call gets when the machine leaves it alone).
+rate; "fast" is the 10th percentile of the per-round time (what a call gets when the machine leaves it alone);
+"vs FIRST (paired)" is the median over rounds of the first system's time over this one's in the same round.
 kvstore's workers also report CPU per GB of the client and the node (every thread). The load average is printed
 beside the figures. Writes benchmarks/out/shm_ab.{json,md}.
 
@@ -41,12 +42,12 @@ REPLY_TIMEOUT_S = 600.0
 class Worker:
     """A system's process, spoken to in peer_driver.py's JSON lines."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path, cwd: Path | None = None) -> None:
         self.name = name
         self.log = log
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "ab"),  # noqa: SIM115
-                                     text=True, env=env, start_new_session=True)  # fmt: skip
-        self.ask(None)
+                                     text=True, env=env, cwd=cwd, start_new_session=True)  # fmt: skip
+        self.hello = self.ask(None)
 
     def ask(self, cmd: dict[str, object] | None) -> dict[str, object]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -89,6 +90,12 @@ def summary(nbytes: int, rounds: list[dict[str, object]]) -> dict[str, float]:
     return out
 
 
+def paired_ratio(ref: list[dict[str, object]], got: list[dict[str, object]]) -> float:
+    """Median over rounds of (ref's time / got's time) in the same round: got's speed as a multiple of ref's, each
+    round's pair run minutes apart at most seconds, so the machine's swings between rounds cancel."""
+    return statistics.median(float(a["secs"]) / float(b["secs"]) for a, b in zip(ref, got, strict=True))  # type: ignore[arg-type]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trees", nargs="+", default=[f"this={HERE.parent}"], help="NAME=PATH of kvstore checkouts")
@@ -117,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
             if not (tree / "kvstore" / "__init__.py").exists():
                 ap.error(f"--trees: {spec!r} does not name a kvstore checkout (NAME=PATH)")
             env = {**os.environ, "PYTHONPATH": str(tree)}
-            workers.append(Worker(name, [sys.executable, str(HERE / "shm_ab_worker.py")], env, logdir / f"{name}.log"))
+            # NOTE: run in the tree: the node is started with `python -m`, which puts the working directory first
+            # on sys.path, so from any other checkout the node would run that checkout's code, not this tree's.
+            w = Worker(name, [sys.executable, str(HERE / "shm_ab_worker.py")], env, logdir / f"{name}.log", tree)
+            workers.append(w)
+            if not Path(str(w.hello.get("kvstore"))).is_relative_to(tree):
+                raise RuntimeError(f"{name}: the worker imported kvstore from {w.hello.get('kvstore')}, not {tree}")
         if not args.no_peers:
             python = ensure_peers_venv(args.peers_venv, logdir / "peers-venv.log")
             argv_peer = [str(python), str(HERE / "peer_driver.py"), "mooncake-local", str(logdir)]
@@ -138,8 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                             raise RuntimeError(f"{w.name}: a get left wrong bytes")
                         rounds.setdefault((w.name, op), []).append(reply)
                 loads.append(os.getloadavg()[0])
+            first = workers[0].name if workers else ""
             for (name, op), got in rounds.items():
-                results.append({"page_bytes": size, "system": name, "op": op, **summary(nbytes, got)})
+                row = {"page_bytes": size, "system": name, "op": op, **summary(nbytes, got)}
+                if (ref := rounds.get((first, op))) is not None:
+                    row["paired"] = paired_ratio(ref, got)
+                results.append(row)
     finally:
         for w in workers:
             w.close()
@@ -152,17 +168,17 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "| page | op | system | GB/s (median) | fast (p10) | vs memcpy | vs "
         + first
-        + " | client ms/GB | node ms/GB |",
+        + " (paired) | client ms/GB | node ms/GB |",
         "|--:|---|---|--:|--:|--:|--:|--:|--:|",
     ]
     for row in results:
         same = [x for x in results if x["page_bytes"] == row["page_bytes"]]
         mc = next(x["gbs"] for x in same if x["system"] == "memcpy")
-        ref = next((x["gbs"] for x in same if x["system"] == first and x["op"] == row["op"]), None)
         cpu = [f"{row[k]:.0f}" if k in row else "" for k in ("client_ms_per_gb", "node_ms_per_gb")]
+        paired = f"{row['paired']:.2f}x" if "paired" in row else ""
         lines.append(f"| {int(row['page_bytes']) >> 10} KiB | {row['op']} | {row['system']} | {row['gbs']:.2f} | "  # type: ignore[operator]
                      f"{row['fast_gbs']:.2f} | {row['gbs'] / mc:.2f}x | "  # type: ignore[operator]
-                     f"{f'{row_ratio:.2f}x' if (row_ratio := row['gbs'] / ref if ref else 0) else ''} | {cpu[0]} | {cpu[1]} |")  # type: ignore[operator]  # fmt: skip
+                     f"{paired} | {cpu[0]} | {cpu[1]} |")  # type: ignore[operator]  # fmt: skip
     save_results(args.out, "shm_ab", "\n".join(lines), args, rows=results, wall_s=wall, loads=loads)
     return 0
 

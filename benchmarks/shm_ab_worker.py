@@ -8,7 +8,7 @@ node, every thread counted (/proc/PID/task/*/schedstat, nanoseconds).
     setup  {"size", "batch"}  a node (DRAM only) and a client (transport="shm"), `batch` resident pages in a
                               SharedBuffer; a fresh node per size
     get    {"iters"}          `iters` get_into calls of the resident pages (timed); verified after the last
-    put    {"iters"}          `iters` put_from calls of fresh keys (timed), each deleted after (untimed)
+    put    {"iters"}          `iters` put_from calls of fresh keys (timed), each call's deleted after it (untimed)
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
+import kvstore
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
 from kvstore.layout import DType, PageLayout
@@ -51,7 +53,7 @@ class Tree:
         self.close()
         self.size, self.batch = size, batch
         self.layout = PageLayout(DType.FLOAT16, num_layers=size // 8192, num_kv_heads=2, head_dim=64, block_size=16)
-        slots = (3 * batch + 8) * slot_bytes_for(size)
+        slots = (2 * batch + 8) * slot_bytes_for(size)  # the resident pages, one put's and room to spare
         self.node = NodeProcess(dram_bytes=slots, max_page_bytes=size, node_id="shm-ab").start()
         self.kv = KVStoreClient(self.node.addr, transport="shm")
         self.buf = self.kv.shared_buffer(batch * slot_bytes_for(size))
@@ -63,17 +65,21 @@ class Tree:
         if self.kv.put_from(NS, self.layout, self.resident, self.views).stored != batch:
             raise RuntimeError("the resident pages were not all stored")
 
-    def timed(self, iters: int, call: object) -> dict[str, object]:
-        """`iters` calls of `call` (which returns its own timed seconds); CPU counted around each call only
-        (a put's untimed delete, a gRPC call, is left out of it)."""
+    def timed(
+        self, iters: int, call: Callable[[], float], after: Callable[[], None] | None = None
+    ) -> dict[str, object]:
+        """`iters` calls of `call` (which returns its own timed seconds), `after` once after each, untimed; CPU
+        counted around each call only (a put's delete, a gRPC call, is left out of it)."""
         assert self.node is not None and self.node.proc is not None
         node_pid, me = self.node.proc.pid, os.getpid()
         secs, client_cpu, node_cpu = [], 0.0, 0.0
         for _ in range(iters):
             c0, n0 = cpu_seconds(me), cpu_seconds(node_pid)
-            secs.append(call())  # type: ignore[operator]
+            secs.append(call())
             client_cpu += cpu_seconds(me) - c0
             node_cpu += cpu_seconds(node_pid) - n0
+            if after is not None:
+                after()
         return {"secs": sum(secs), "calls": secs, "client_cpu": client_cpu, "node_cpu": node_cpu}
 
     def get(self, iters: int) -> dict[str, object]:
@@ -107,12 +113,15 @@ class Tree:
             self.written.append(hs)
             return spent
 
-        out = self.timed(iters, one)
-        for hs in self.written:  # untimed, and out of the CPU counted: a put on a stored key would be a no-op
-            if kv.delete(NS, hs).deleted != self.batch:
-                raise RuntimeError("a delete after the puts missed pages")
-        self.written.clear()
-        return out
+        def delete() -> None:
+            # NOTE: after each call, so the DRAM tier never fills and evicts the resident pages the gets read
+            # (a put on a stored key would be a no-op, so each call writes fresh keys).
+            for hs in self.written:
+                if kv.delete(NS, hs).deleted != self.batch:
+                    raise RuntimeError("a delete after a put missed pages")
+            self.written.clear()
+
+        return self.timed(iters, one, delete)
 
     def close(self) -> None:
         if self.kv is not None:
@@ -127,7 +136,7 @@ def main() -> None:
     out = sys.stdout
     sys.stdout = sys.stderr  # only replies go to the real stdout
     tree = Tree()
-    out.write(json.dumps({"ok": True, "pids": []}) + "\n")
+    out.write(json.dumps({"ok": True, "pids": [], "kvstore": kvstore.__file__}) + "\n")
     out.flush()
     try:
         for line in sys.stdin:
