@@ -107,23 +107,6 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def free_cores() -> int:
-    """Cores free now besides the one the calling thread runs on, by /proc/loadavg: the usable ones less both the
-    tasks the kernel has running or ready this instant (which include the caller) and the load of the last
-    minute (rounded), whichever leaves fewer. 0 where that is unknown. NOTE: a hint, cheap (one small read),
-    for whether a second thread would run at once or queue behind other work and take a core from it: measured
-    on a 2-vCPU VM under load 7-9 (2026-11-28), the instant count alone still said "free" often enough that
-    same-host gets split over two threads ran slower than on one; the minute's load keeps a busy machine busy."""
-    try:
-        with open("/proc/loadavg", "rb") as f:
-            fields = f.read().split()
-        load, running = float(fields[0]), int(fields[3].split(b"/")[0])
-    except (OSError, ValueError, IndexError):
-        return 0
-    cores = usable_cores()
-    return max(0, min(cores - running, round(cores - load)))
-
-
 def anon_rss_bytes() -> int | None:
     """This process's resident anonymous memory (RssAnon: malloc's heaps, not the DRAM tier's shared
     memory); None where /proc/self/status does not say."""

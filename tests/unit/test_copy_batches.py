@@ -23,7 +23,7 @@ from kvstore.errors import DataLoss
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.manager.io import IoPool, cut, slices
-from kvstore.memtune import free_cores, usable_cores
+from kvstore.memtune import usable_cores
 from kvstore.names import TierKind
 from kvstore.pageformat import (
     HEADER_BYTES,
@@ -269,16 +269,16 @@ def test_a_put_whose_filled_checksum_disagrees_with_the_writer_is_data_loss(tmp_
     run(body, tmp_path)
 
 
-@pytest.mark.parametrize("spare", [0, 1])
-def test_a_writers_checksums_are_the_same_hashed_side_by_side(spare: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(client_shm, "free_cores", lambda: spare)
+@pytest.mark.parametrize("cores", [1, 2, 8])
+def test_a_writers_checksums_are_the_same_hashed_side_by_side(cores: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_shm, "usable_cores", lambda: cores)
     pages = [os.urandom(1 << 20) for _ in range(6)]
     hashes = [key(i) for i in range(6)]
     sums = client_shm.declared_checksums(NS, hashes, [len(p) for p in pages], pages)
     assert sums == [wire_checksum(NS, h, p) for h, p in zip(hashes, pages, strict=True)]
 
 
-def test_free_cores_is_a_count_below_the_usable_ones() -> None:
-    assert 0 <= free_cores() < usable_cores()
+def test_usable_cores_are_this_process_affinity() -> None:
+    assert usable_cores() >= 1
     with contextlib.suppress(AttributeError):
         assert usable_cores() == len(os.sched_getaffinity(0))

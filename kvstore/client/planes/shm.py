@@ -57,7 +57,7 @@ from kvstore.errors import (
     from_status,
 )
 from kvstore.layout import PageLayout
-from kvstore.memtune import free_cores, usable_cores
+from kvstore.memtune import usable_cores
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import checksum_into, key_digest, wire_checksum
 from kvstore.wire import PutOpen, shm, unpack_held
@@ -474,26 +474,28 @@ class ShmPlane(DataPlane):
         return Blocking(call, abort)
 
 
-# A put_from of at least this many bytes hashes its pages on as many threads as there are free cores (its own
-# thread included); below it, or with no core free, on the calling thread alone. NOTE: measured (2 vCPUs,
-# 2026-11-28): XXH3 runs 15-20 GB/s over pages in RAM, so hashing 16 MiB costs about 1 ms, a handoff to a
-# thread 50-200 us.
+# A put_from of at least PARALLEL_HASH_BYTES hashes its pages in up to HASH_PARTS parts side by side (its own
+# thread taking the first), at most one per core it may run on; below it, on the calling thread alone. NOTE:
+# measured (2 vCPUs, 2026-11-28): XXH3 runs 15-20 GB/s over pages in RAM, so hashing 16 MiB costs about 1 ms, a
+# handoff to a thread 50-200 us; puts of 16 pages of 1 / 4 MiB ran 1.13x / 1.24x faster hashed on both cores
+# than with the split gated on the cores /proc/loadavg said were free (load 9-11, benchmarks/shm_ab.py).
 PARALLEL_HASH_BYTES = 4 << 20
+HASH_PARTS = 4
 
 
 @functools.cache
 def _hashers() -> ThreadPoolExecutor:
-    """The threads that hash pages beside a put_from's own (one per other usable core, made once)."""
-    return ThreadPoolExecutor(max_workers=max(1, usable_cores() - 1), thread_name_prefix="kvstore-hash")
+    """The threads that hash pages beside a put_from's own (made once)."""
+    return ThreadPoolExecutor(max_workers=HASH_PARTS - 1, thread_name_prefix="kvstore-hash")
 
 
 def declared_checksums(
     namespace: str, hashes: Sequence[bytes], sizes: Sequence[int], pages: Sequence[Buffer]
 ) -> list[int]:
     """The checksum a writer declares for each page (wire_checksum: XXH3-64 ^ the key digest), in one read pass
-    over the pages: side by side on free cores (memtune.free_cores) when there are enough bytes, the calling
-    thread taking the first share (XXH3 releases the GIL). Returns once every page was hashed."""
-    k = min(len(pages), 1 + free_cores()) if sum(sizes) >= PARALLEL_HASH_BYTES else 1
+    over the pages: in up to HASH_PARTS parts side by side when there are enough bytes, the calling thread
+    taking the first (XXH3 releases the GIL). Returns once every page was hashed."""
+    k = min(len(pages), HASH_PARTS, usable_cores()) if sum(sizes) >= PARALLEL_HASH_BYTES else 1
     if k <= 1:
         return [wire_checksum(namespace, h, b) for h, b in zip(hashes, pages, strict=True)]
     bounds = [len(pages) * i // k for i in range(k + 1)]
