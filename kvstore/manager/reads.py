@@ -90,6 +90,39 @@ def _nothing() -> None:
     return None
 
 
+class _GetTimer:
+    """Times one Get where its pages are served, for the fetch-time estimate (kvstore/manager/fetchrates.py):
+    from the call to its first page, then to its end, which comes after the plane has sent the last page. Only
+    a Get that ran to its end (all pages, or a miss) is reported: one cut short by its caller says nothing."""
+
+    __slots__ = ("first_at", "first_tier", "rates", "read", "started")
+
+    def __init__(self, rates: FetchRates) -> None:
+        self.rates = rates
+        self.started = time.perf_counter()
+        self.first_at = 0.0
+        self.first_tier = TierKind.DRAM
+        self.read: dict[TierKind, int] = {}
+
+    def copying(self, tier: TierKind) -> None:
+        """A batch of pages, the first from `tier`, starts to be copied: when it is the Get's first, its copy
+        counts as transfer at the tier's rate, not as latency to the first page (which is ready only when the
+        whole batch is)."""
+        if not self.first_at:
+            self.first_at, self.first_tier = time.perf_counter(), tier
+
+    def served(self, lease: ReadLease) -> None:
+        if not self.first_at:
+            self.first_at, self.first_tier = time.perf_counter(), lease.tier
+        self.read[lease.tier] = self.read.get(lease.tier, 0) + len(lease.payload)
+
+    def ended(self) -> None:
+        if self.read:
+            self.rates.observe(
+                self.first_tier, self.first_at - self.started, self.read, time.perf_counter() - self.first_at
+            )
+
+
 class Reader:
     """Serves Gets: one lease per page, in order, reading up to `read_ahead` pages ahead."""
 
@@ -140,49 +173,62 @@ class Reader:
         (up to COPY_AHEAD_BYTES) and copied into their destinations as one batch, hashed as they are copied
         (`IoPool.copy_many`: one handoff per part, parts side by side); from the first page that is not such a
         page on (missing, moving, to promote, on another medium), the rest goes the way of every Get."""
+        clock = _GetTimer(self.rates)
+        whole = False  # ran to its end (every page, or a miss): only then is the Get's time reported
         start = 0
-        while start < len(keys):
-            group = self._lease_resident(keys, start, promote, into)
-            if not group:
-                rest = self._streamed(keys[start:], promote, into, False, start)
-                try:
-                    async for lease in rest:
-                        yield lease
-                finally:
-                    await rest.aclose()  # type: ignore[attr-defined]  # its reads end before this does
-                return
-            start += len(group)
-            try:
-                sums = await self.io.copy_many(checksum_into, [(lease.payload, dest) for lease, dest, _, _ in group])
-            except BaseException:
-                for lease, _, _, _ in group:
-                    lease.release()
-                raise
-            for i, (lease, _, expected, entry) in enumerate(group):
-                if isinstance(sums[i], BaseException):  # the copy itself failed (its destination, say)
-                    for later, _, _, _ in group[i:]:
-                        later.release()
-                    raise sums[i]
-                if sums[i] != expected:  # as in read_one: a miss from here on, the page dropped and counted
-                    for later, _, _, _ in group[i:]:
-                        later.release()
-                    self.count_path(None)
-                    await self.corrupt(entry, "read")
+        try:
+            while start < len(keys):
+                group = self._lease_resident(keys, start, promote, into)
+                if not group:
+                    rest = self._streamed(keys[start:], promote, into, False, start, clock)
+                    try:
+                        async for lease in rest:
+                            yield lease
+                    finally:
+                        await rest.aclose()  # type: ignore[attr-defined]  # its reads end before this does
+                    whole = True
                     return
-                self.table.tiers[entry.tier].counters.bytes_out += entry.payload_len
-                self.count_path(lease.tier)
-                self.table.tiers[lease.held_in].on_access(lease.key)
-                entry.reads += 1
-                self.counters.prefetch_fate(entry, used=True)
+                start += len(group)
+                clock.copying(group[0][0].tier)
                 try:
-                    yield lease
+                    sums = await self.io.copy_many(
+                        checksum_into, [(lease.payload, dest) for lease, dest, _, _ in group]
+                    )
                 except BaseException:
-                    for later, _, _, _ in group[i + 1 :]:
-                        later.release()
+                    for lease, _, _, _ in group:
+                        lease.release()
                     raise
-                finally:
-                    lease.release()
-            # NOTE: a caller that stops early closes this generator at the yield above: the rest were released.
+                for i, (lease, _, expected, entry) in enumerate(group):
+                    if isinstance(sums[i], BaseException):  # the copy itself failed (its destination, say)
+                        for later, _, _, _ in group[i:]:
+                            later.release()
+                        raise sums[i]
+                    if sums[i] != expected:  # as in read_one: a miss from here on, the page dropped and counted
+                        for later, _, _, _ in group[i:]:
+                            later.release()
+                        self.count_path(None)
+                        await self.corrupt(entry, "read")
+                        whole = True
+                        return
+                    self.table.tiers[entry.tier].counters.bytes_out += entry.payload_len
+                    self.count_path(lease.tier)
+                    clock.served(lease)
+                    self.table.tiers[lease.held_in].on_access(lease.key)
+                    entry.reads += 1
+                    self.counters.prefetch_fate(entry, used=True)
+                    try:
+                        yield lease
+                    except BaseException:
+                        for later, _, _, _ in group[i + 1 :]:
+                            later.release()
+                        raise
+                    finally:
+                        lease.release()
+                # NOTE: a caller that stops early closes this generator at the yield above: the rest were released.
+            whole = True
+        finally:
+            if whole:
+                clock.ended()
 
     def _lease_resident(
         self, keys: list[Key], start: int, promote: bool, into: Sequence[memoryview]
@@ -217,9 +263,11 @@ class Reader:
         into: Sequence[memoryview] | None,
         receiver_verifies: bool,
         first: int = 0,
+        timer: _GetTimer | None = None,
     ) -> AsyncIterator[ReadLease]:
         """`get`, a page at a time, each read by its own task up to `depth` pages ahead (keys[i] copied into
-        into[first + i])."""
+        into[first + i]). Timed by `timer` when given (the rest of a Get begun elsewhere: its owner reports it),
+        else by a timer of its own."""
         loop = asyncio.get_running_loop()
         pending: deque[asyncio.Task[ReadLease | None]] = deque()
         nxt = 0
@@ -240,12 +288,8 @@ class Reader:
                 nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
 
         lease: ReadLease | None = None
-        # NOTE: timed here, where pages are served (the fetch-time estimate, kvstore/manager/fetchrates.py): from
-        # the call to its first page, then to its end, which comes after the plane has sent the last page.
-        started = time.perf_counter()
-        first_at = 0.0
-        first_tier = TierKind.DRAM
-        read: dict[TierKind, int] = {}
+        own = timer is None
+        clock = _GetTimer(self.rates) if timer is None else timer
         whole = False
         try:
             read_ahead()
@@ -256,9 +300,7 @@ class Reader:
                 if lease is None:
                     whole = True
                     return
-                if not read:
-                    first_at, first_tier = time.perf_counter(), lease.tier
-                read[lease.tier] = read.get(lease.tier, 0) + len(lease.payload)
+                clock.served(lease)
                 self.table.tiers[lease.held_in].on_access(lease.key)
                 if (e := self.table.get(lease.key)) is not None:
                     e.reads += 1
@@ -269,8 +311,8 @@ class Reader:
                 lease = None
             whole = True
         finally:
-            if whole and read:  # a Get cut short by its caller says nothing about the rate
-                self.rates.observe(first_tier, first_at - started, read, time.perf_counter() - first_at)
+            if whole and own:
+                clock.ended()
             if lease is not None:
                 lease.release()
             for task in pending:

@@ -219,6 +219,27 @@ def test_a_damaged_page_in_a_group_ends_the_prefix_and_is_dropped(tmp_path: Path
     run(body, tmp_path)
 
 
+def test_a_copied_get_feeds_the_fetch_estimate_and_one_closed_early_does_not(tmp_path: Path) -> None:
+    """A Get with destinations is timed like every Get (Lookup's fetch estimate), its batch's copy counted as
+    transfer; one its caller closed early says nothing about the rate."""
+
+    async def body(mgr: TierManager) -> None:
+        await put(mgr, list(range(8)))
+        hashes = [key(i) for i in range(8)]
+        _m, into = destinations(8)
+        gen = mgr.get(NS, hashes, promote=False, into=into)
+        await gen.__anext__()
+        await gen.aclose()
+        assert not any(f.measured for f in mgr.lookup(NS, hashes).fetch)
+        assert len([lease async for lease in mgr.get(NS, hashes, promote=False, into=into)]) == 8
+        (dram,) = mgr.lookup(NS, hashes).fetch
+        assert dram.tier == TierKind.DRAM and dram.measured and dram.bytes == 8 * PAGE
+        for v in into:
+            v.release()
+
+    run(body, tmp_path)
+
+
 def test_a_get_into_destinations_over_dram_and_nvme_pages(tmp_path: Path) -> None:
     """Resident pages go as a group; from the first page on NVMe the rest goes page by page, and lands too."""
 
