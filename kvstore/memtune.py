@@ -101,6 +101,12 @@ def trim_heap() -> bool:
     return bool(fn(0))
 
 
+@functools.cache
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity; the CPU count where there is none)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def anon_rss_bytes() -> int | None:
     """This process's resident anonymous memory (RssAnon: malloc's heaps, not the DRAM tier's shared
     memory); None where /proc/self/status does not say."""

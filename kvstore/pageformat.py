@@ -171,6 +171,23 @@ def checksum_into(payload: memoryview, dest: memoryview | None) -> int:
     return checksum_in_steps(n, copy)
 
 
+def copy_checksum_dest(src: memoryview, dest: memoryview) -> int:
+    """Copy `src` into `dest` and return the XXH3-64 of what landed in `dest` (its payload checksum), in one
+    pass: each chunk copied, then hashed from cache out of `dest` (checksum_in_steps). The hash is of the
+    destination, so it says what `dest` holds even if `src` changed meanwhile (a put's slot: DESIGN.md §8.3,
+    the node's checksum is of the bytes in its slot). `dest` must be exactly as long as `src`."""
+    n = len(src)
+    if len(dest) != n:
+        raise ValueError(f"destination of {len(dest)} bytes for a {n}-byte page")
+    s, d = buffer_address(src), buffer_address(dest)
+
+    def copy(off: int, k: int) -> memoryview:
+        ctypes.memmove(d + off, s + off, k)
+        return dest[off : off + k]
+
+    return checksum_in_steps(n, copy)
+
+
 class HeaderError(ValueError):
     """A header block is not a valid page header (blank, torn, foreign or corrupt)."""
 

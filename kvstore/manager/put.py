@@ -117,6 +117,7 @@ class _Staged:
     declared: int  # checksum the client declared, in the Put's ChecksumForm (0: none)
     parent: bytes | None
     through: mmap.mmap | None = None
+    hashed: int | None = None  # XXH3-64 of the bytes as they landed in its slot, when the plane hashed them so
 
 
 class Staging:
@@ -298,6 +299,13 @@ class PutTxn:
         self._slots_held += 1
         return st.payload_view(slot, payload_len)
 
+    def filled(self, checksum: int) -> None:
+        """The view add_page returned last was filled by a pass that hashed the bytes as they landed in it:
+        `checksum` is their payload XXH3-64, hashed out of the view (never out of the sender's source), so
+        verifying the page costs no second pass over its slot."""
+        if self._staged:
+            self._staged[-1].hashed = checksum
+
     async def commit(self) -> tuple[int, int]:
         """Verify every staged page and publish them; returns (stored, already_present)."""
         if self.done:
@@ -323,7 +331,9 @@ class PutTxn:
         node_side = node_side_digest(self.namespace, self.layout)
         try:
             for p in self._staged[len(self._sums) :]:
-                if p.through is None:
+                if p.hashed is not None:
+                    actual = p.hashed
+                elif p.through is None:
                     actual = st.checksum(p.slot, plen)
                 else:
                     with memoryview(p.through) as view:

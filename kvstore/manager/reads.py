@@ -90,6 +90,39 @@ def _nothing() -> None:
     return None
 
 
+class _GetTimer:
+    """Times one Get where its pages are served, for the fetch-time estimate (kvstore/manager/fetchrates.py):
+    from the call to its first page, then to its end, which comes after the plane has sent the last page. Only
+    a Get that ran to its end (all pages, or a miss) is reported: one cut short by its caller says nothing."""
+
+    __slots__ = ("first_at", "first_tier", "rates", "read", "started")
+
+    def __init__(self, rates: FetchRates) -> None:
+        self.rates = rates
+        self.started = time.perf_counter()
+        self.first_at = 0.0
+        self.first_tier = TierKind.DRAM
+        self.read: dict[TierKind, int] = {}
+
+    def copying(self, tier: TierKind) -> None:
+        """A batch of pages, the first from `tier`, starts to be copied: when it is the Get's first, its copy
+        counts as transfer at the tier's rate, not as latency to the first page (which is ready only when the
+        whole batch is)."""
+        if not self.first_at:
+            self.first_at, self.first_tier = time.perf_counter(), tier
+
+    def served(self, lease: ReadLease) -> None:
+        if not self.first_at:
+            self.first_at, self.first_tier = time.perf_counter(), lease.tier
+        self.read[lease.tier] = self.read.get(lease.tier, 0) + len(lease.payload)
+
+    def ended(self) -> None:
+        if self.read:
+            self.rates.observe(
+                self.first_tier, self.first_at - self.started, self.read, time.perf_counter() - self.first_at
+            )
+
+
 class Reader:
     """Serves Gets: one lease per page, in order, reading up to `read_ahead` pages ahead."""
 
@@ -113,7 +146,7 @@ class Reader:
         self.promote_to = promote_to  # a hit below this tier is promoted into it (when asked to)
         self.rates = FetchRates()  # what this node's Gets took, per tier: Lookup's fetch-time estimate
 
-    async def get(
+    def get(
         self,
         keys: list[Key],
         promote: bool,
@@ -131,6 +164,110 @@ class Reader:
         party that receives the bytes checks them against the lease's checksum, so DRAM pages are not
         re-hashed here (see the module docstring).
         """
+        if into is not None:
+            return self._copied(keys, promote, into)
+        return self._streamed(keys, promote, None, receiver_verifies)
+
+    async def _copied(self, keys: list[Key], promote: bool, into: Sequence[memoryview]) -> AsyncIterator[ReadLease]:
+        """`get` with `into`. Pages resident in host memory that need no promotion are leased a group at a time
+        (up to COPY_AHEAD_BYTES) and copied into their destinations as one batch, hashed as they are copied
+        (`IoPool.copy_many`: one handoff per part, parts side by side); from the first page that is not such a
+        page on (missing, moving, to promote, on another medium), the rest goes the way of every Get."""
+        clock = _GetTimer(self.rates)
+        whole = False  # ran to its end (every page, or a miss): only then is the Get's time reported
+        start = 0
+        try:
+            while start < len(keys):
+                group = self._lease_resident(keys, start, promote, into)
+                if not group:
+                    rest = self._streamed(keys[start:], promote, into, False, start, clock)
+                    try:
+                        async for lease in rest:
+                            yield lease
+                    finally:
+                        await rest.aclose()  # type: ignore[attr-defined]  # its reads end before this does
+                    whole = True
+                    return
+                start += len(group)
+                clock.copying(group[0][0].tier)
+                try:
+                    sums = await self.io.copy_many(
+                        checksum_into, [(lease.payload, dest) for lease, dest, _, _ in group]
+                    )
+                except BaseException:
+                    for lease, _, _, _ in group:
+                        lease.release()
+                    raise
+                for i, (lease, _, expected, entry) in enumerate(group):
+                    if isinstance(sums[i], BaseException):  # the copy itself failed (its destination, say)
+                        for later, _, _, _ in group[i:]:
+                            later.release()
+                        raise sums[i]
+                    if sums[i] != expected:  # as in read_one: a miss from here on, the page dropped and counted
+                        for later, _, _, _ in group[i:]:
+                            later.release()
+                        self.count_path(None)
+                        await self.corrupt(entry, "read")
+                        whole = True
+                        return
+                    self.table.tiers[entry.tier].counters.bytes_out += entry.payload_len
+                    self.count_path(lease.tier)
+                    clock.served(lease)
+                    self.table.tiers[lease.held_in].on_access(lease.key)
+                    entry.reads += 1
+                    self.counters.prefetch_fate(entry, used=True)
+                    try:
+                        yield lease
+                    except BaseException:
+                        for later, _, _, _ in group[i + 1 :]:
+                            later.release()
+                        raise
+                    finally:
+                        lease.release()
+                # NOTE: a caller that stops early closes this generator at the yield above: the rest were released.
+            whole = True
+        finally:
+            if whole:
+                clock.ended()
+
+    def _lease_resident(
+        self, keys: list[Key], start: int, promote: bool, into: Sequence[memoryview]
+    ) -> list[tuple[ReadLease, memoryview, int, Entry]]:
+        """Lease keys[start:] in order while each is a page settled in a host-memory tier that needs no
+        promotion, up to COPY_AHEAD_BYTES of them: (lease, its destination, the checksum its payload must
+        have, its entry). Synchronous: no page can move or go between the check and its lease."""
+        group: list[tuple[ReadLease, memoryview, int, Entry]] = []
+        nbytes = 0
+        for i in range(start, len(keys)):
+            key = keys[i]
+            entry = self.table.get(key)
+            if entry is None or entry.moving is not None or entry.key != key or nbytes >= COPY_AHEAD_BYTES:
+                break
+            if promote and entry.tier > self.promote_to:
+                break
+            tier = self.table.tiers[entry.tier]
+            if not tier.medium.host_memory:
+                break
+            layout = self.table.layouts.get(key[0], entry.layout)
+            expected = entry.payload_checksum(key, layout)
+            entry.readers += 1
+            payload = tier.medium.view(entry.slot + HEADER_BYTES, entry.payload_len)
+            group.append((self._lease(entry, key, entry.tier, payload, expected), into[i], expected, entry))
+            nbytes += entry.payload_len
+        return group
+
+    async def _streamed(
+        self,
+        keys: list[Key],
+        promote: bool,
+        into: Sequence[memoryview] | None,
+        receiver_verifies: bool,
+        first: int = 0,
+        timer: _GetTimer | None = None,
+    ) -> AsyncIterator[ReadLease]:
+        """`get`, a page at a time, each read by its own task up to `depth` pages ahead (keys[i] copied into
+        into[first + i]). Timed by `timer` when given (the rest of a Get begun elsewhere: its owner reports it),
+        else by a timer of its own."""
         loop = asyncio.get_running_loop()
         pending: deque[asyncio.Task[ReadLease | None]] = deque()
         nxt = 0
@@ -145,18 +282,14 @@ class Reader:
                     break
                 if not started and depth > self.read_ahead + 1 and len(pending) > depth // 2:
                     break  # a deep queue is refilled half at a time: one read_many call each, not one per page
-                dest = into[nxt] if into is not None else None
+                dest = into[first + nxt] if into is not None else None
                 pending.append(loop.create_task(self.read_one(key, promote, dest, receiver_verifies)))
                 started += 1
                 nxt = nxt + 1 if key in self.table else len(keys)  # a miss ends the stream
 
         lease: ReadLease | None = None
-        # NOTE: timed here, where pages are served (the fetch-time estimate, kvstore/manager/fetchrates.py): from
-        # the call to its first page, then to its end, which comes after the plane has sent the last page.
-        started = time.perf_counter()
-        first_at = 0.0
-        first_tier = TierKind.DRAM
-        read: dict[TierKind, int] = {}
+        own = timer is None
+        clock = _GetTimer(self.rates) if timer is None else timer
         whole = False
         try:
             read_ahead()
@@ -167,9 +300,7 @@ class Reader:
                 if lease is None:
                     whole = True
                     return
-                if not read:
-                    first_at, first_tier = time.perf_counter(), lease.tier
-                read[lease.tier] = read.get(lease.tier, 0) + len(lease.payload)
+                clock.served(lease)
                 self.table.tiers[lease.held_in].on_access(lease.key)
                 if (e := self.table.get(lease.key)) is not None:
                     e.reads += 1
@@ -180,8 +311,8 @@ class Reader:
                 lease = None
             whole = True
         finally:
-            if whole and read:  # a Get cut short by its caller says nothing about the rate
-                self.rates.observe(first_tier, first_at - started, read, time.perf_counter() - first_at)
+            if whole and own:
+                clock.ended()
             if lease is not None:
                 lease.release()
             for task in pending:
@@ -232,10 +363,11 @@ class Reader:
                 payload = tier.medium.view(entry.slot + HEADER_BYTES, entry.payload_len)
                 # NOTE: one pass per byte. A receiver that verifies covers this slot end to end; the copy
                 # into a caller's memory verifies as it copies; anything else is verified here.
-                if dest is not None and len(payload) <= INLINE_COPY_BYTES:  # a copy into a caller's memory
-                    ok = checksum_into(payload, dest) == expected
-                elif dest is not None:  # a large one: on a pool thread, pages side by side
-                    ok = await self.io.run(checksum_into, payload, dest) == expected
+                if dest is not None:  # a copy into a caller's memory, hashed as it goes (IoPool.copy_many)
+                    (copied,) = await self.io.copy_many(checksum_into, [(payload, dest)])
+                    if isinstance(copied, BaseException):
+                        raise copied
+                    ok = copied == expected
                 elif not receiver_verifies:
                     ok = checksum_into(payload, None) == expected
                 else:
@@ -255,14 +387,27 @@ class Reader:
             await self.corrupt(entry, "read")
             return None
         tier.counters.bytes_out += entry.payload_len
+        return self._lease(entry, key, found, payload, expected, view, bounce)
 
-        def release(entry: Entry = entry) -> None:
+    def _lease(
+        self,
+        entry: Entry,
+        key: Key,
+        found: TierKind,
+        payload: memoryview,
+        expected: int,
+        view: memoryview | None = None,
+        bounce: mmap.mmap | None = None,
+    ) -> ReadLease:
+        """The lease on `entry` (its reader counted already) read as `key`, its payload at `payload`."""
+
+        def release() -> None:
             entry.readers -= 1
             if entry.readers == 0:
                 self.placement.space_changed()
             self._close(payload, view, bounce)
 
-        ptr = tier.medium.device_pointer(entry.slot)
+        ptr = self.table.tiers[entry.tier].medium.device_pointer(entry.slot)
         device = None if ptr is None else DeviceBytes(ptr + HEADER_BYTES, entry.payload_len)
         wire = expected ^ key_digest(unscope(key[0]), key[1])  # the client's form: it binds namespace and key
         return ReadLease(entry.hash, found, wire, payload, release, key, entry.tier, device)
@@ -312,8 +457,6 @@ class Reader:
             tier.counters.misses += 1
 
 
-# Copies into a caller's memory up to this size run in the event loop, larger ones on the I/O pool. NOTE:
-# measured (same-host get_into of DRAM pages, batch 16, 2 vCPUs, 2026-11-25): the handoff to a pool thread
-# costs more than a small copy: inline was 1.9-2.2x the pool's GB/s at 256 KiB, 1.3x at 1 MiB, 1.04-1.15x at
-# 2 MiB; at 4 MiB the pool was 1.0-1.18x inline (pages copied side by side) and keeps the loop free longer.
-INLINE_COPY_BYTES = 2 << 20
+# A Get copying host-memory pages into its caller's memory (the same-host plane) leases up to this many bytes of
+# pages ahead, so their copies go to the I/O pool as one batch (IoPool.copy), cut into parts side by side.
+COPY_AHEAD_BYTES = 64 << 20

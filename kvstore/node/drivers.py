@@ -64,8 +64,10 @@ class TransferStuck(DataLoss):
 class PagePlane(Protocol):
     """What a plane supplies to `drive_put`: the bytes of the page announced last."""
 
-    async def read_into(self, index: int, view: memoryview) -> None:
-        """Receive page `index`'s payload into `view` (exactly len(view) bytes)."""
+    async def read_into(self, index: int, view: memoryview) -> int | None:
+        """Receive page `index`'s payload into `view` (exactly len(view) bytes). A plane that hashed the bytes
+        as they landed in `view` (out of `view`, in the pass that wrote them) returns their XXH3-64, so the
+        transaction does not hash the slot again; else None."""
 
     async def discard(self, index: int, nbytes: int) -> None:
         """Receive page `index`'s `nbytes` payload bytes and drop them (stored already, or refused)."""
@@ -103,7 +105,9 @@ async def drive_put(
                 await plane.discard(index, head.nbytes)
             else:
                 try:
-                    await plane.read_into(index, view)
+                    hashed = await plane.read_into(index, view)
+                    if hashed is not None and txn is not None:
+                        txn.filled(hashed)
                 except TransferStuck:
                     stuck = True
                     raise

@@ -47,7 +47,7 @@ from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
 from kvstore.node.planes.shm_limits import Holder, ShmLimits
 from kvstore.node.planes.shm_memory import MappedBuffer, usable_size
 from kvstore.node.planes.shm_socket import BoundSocket, bind_node_socket
-from kvstore.pageformat import in_form
+from kvstore.pageformat import copy_checksum_dest, in_form
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
@@ -147,6 +147,12 @@ class _Connection:
         self.loop = asyncio.get_running_loop()
         self.holder: Holder | None = None  # set once admitted (holds a connection until the end)
         self._handshaking = True  # counted as a handshake until HELLO is answered or the connection ends
+        # NOTE: one reader callback watches the socket for the connection's life (`_on_readable`): it wakes the
+        # wait for the next message, and during a request it notices a hang-up. No epoll change per request.
+        self._watching = False
+        self._waiter: asyncio.Future[None] | None = None  # set while waiting for the next message
+        self._request: asyncio.Task[Any] | None = None  # the task running a request (cancelled on a hang-up)
+        self._hung_up = False
 
     async def recv(self) -> tuple[bytes, list[int]]:
         """The next message and any descriptors with it; EOF is (b"", [])."""
@@ -154,15 +160,43 @@ class _Connection:
             try:
                 return recv_fds(self.sock, shm.MAX_MESSAGE_BYTES)
             except BlockingIOError:
-                await self._readable()
+                self._waiter = self.loop.create_future()
+                self._watch()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
 
-    async def _readable(self) -> None:
-        ready = self.loop.create_future()
-        self.loop.add_reader(self.sock.fileno(), lambda: ready.done() or ready.set_result(None))
-        try:
-            await ready
-        finally:
+    def _watch(self) -> None:
+        if not self._watching:
+            self.loop.add_reader(self.sock.fileno(), self._on_readable)
+            self._watching = True
+
+    def _unwatch(self) -> None:
+        if self._watching:
             self.loop.remove_reader(self.sock.fileno())
+            self._watching = False
+
+    def _on_readable(self) -> None:
+        """The socket has something: the message `recv` waits for; during a request, a hang-up (EOF: the
+        client gave up on it, so it is cancelled) or data out of protocol (left for the next `recv`)."""
+        if self._waiter is not None:
+            if not self._waiter.done():
+                self._waiter.set_result(None)
+            return
+        if self._request is not None:
+            try:
+                peeked = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                peeked = b""
+            if not peeked:
+                self._hung_up = True
+                self._request.cancel()
+        # Not waiting for it now: stop watching until the next `recv` (level-triggered: it would fire again
+        # and again meanwhile).
+        self._unwatch()
 
     async def send(self, kind: Kind, seq: int, body: bytes = b"") -> None:
         await self.loop.sock_sendall(self.sock, shm.frame(kind, seq, body))
@@ -200,6 +234,7 @@ class _Connection:
         except Exception:
             log.exception("same-host plane connection failed unexpectedly")
         finally:
+            self._unwatch()
             for buf in self.buffers.values():
                 if self.holder is not None:
                     limits.buffers.give(self.holder)
@@ -218,38 +253,23 @@ class _Connection:
 
     async def _watched(self, request: Coroutine[Any, Any, None]) -> bool:
         """Run one request while watching the socket: a client that gave up on it hangs up (shuts down its
-        sending side), and then the request is cancelled. False when that happened. Either way the request's
-        work on the client's memory has ended when this returns (the drivers and the I/O pool wait out every
-        transfer they started, cancelled or not), so the connection's close that follows tells the client
-        its memory is its own again (kvstore/client/planes/shm.py)."""
+        sending side), and then the request is cancelled (`_on_readable`). False when that happened. Either
+        way the request's work on the client's memory has ended when this returns (the drivers and the I/O
+        pool wait out every transfer they started, cancelled or not), so the connection's close that follows
+        tells the client its memory is its own again (kvstore/client/planes/shm.py)."""
         task = asyncio.current_task()
         assert task is not None
-        fd = self.sock.fileno()
-        hung_up = False
-
-        def readable() -> None:
-            nonlocal hung_up
-            try:
-                peeked = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                return
-            except OSError:
-                peeked = b""
-            self.loop.remove_reader(fd)  # data instead (a client out of protocol) is left for the next recv
-            if not peeked:
-                hung_up = True
-                task.cancel()
-
-        self.loop.add_reader(fd, readable)
+        self._request, self._hung_up = task, False
+        self._watch()
         try:
             await request  # NOTE: inline, not a task of its own: no task per request on the hot path
         except asyncio.CancelledError:
-            if not hung_up:  # the node is stopping
+            if not self._hung_up:  # the node is stopping
                 raise
             task.uncancel()
             return False
         finally:
-            self.loop.remove_reader(fd)
+            self._request = None
         return True
 
     def _metadata(self) -> tuple[tuple[str, str], ...] | None:
@@ -463,14 +483,18 @@ async def _heads(slices: Sequence[pb.ShmSlice]) -> AsyncIterator[PageHead]:
 
 
 class _BufferPages:
-    """The put driver's page bytes: each slice of a registered buffer (bounds checked before)."""
+    """The put driver's page bytes: each slice of a registered buffer (bounds checked before), copied into its
+    slot and hashed out of the slot in the same pass (pageformat.copy_checksum_dest: the checksum is of the
+    bytes that landed, whatever the client's memory holds by then), on the loop as before: the driver fills
+    one page at a time."""
 
     def __init__(self, places: list[tuple[MappedBuffer, int]]) -> None:
         self.places = places
 
-    async def read_into(self, index: int, view: memoryview) -> None:
+    async def read_into(self, index: int, view: memoryview) -> int | None:
         buf, offset = self.places[index]
-        view[:] = buf.view[offset : offset + len(view)]
+        with buf.window(offset, len(view)) as src:
+            return copy_checksum_dest(src, view)
 
     async def discard(self, index: int, nbytes: int) -> None:
         return None  # nothing to receive: the bytes stay in the caller's memory
