@@ -136,7 +136,7 @@ class ShmPlane:
             return Case(self.name, mut, send, frozenset({expect}), False)
 
         if mut.startswith("get"):
-            req = pb.GetShmRequest(namespace=fresh if mut == "get: unknown namespace" else t.ns, hashes=t.stored[:2])
+            req = pb.BulkGetRequest(namespace=fresh if mut == "get: unknown namespace" else t.ns, hashes=t.stored[:2])
             offsets = {"get: target past end": (0, size - n // 2), "get: overlapping targets": (0, n // 2)}
             for off in offsets.get(mut, (0, n)):
                 buf = 7 if mut == "get: unregistered buffer" else BUFFER
@@ -145,7 +145,7 @@ class ShmPlane:
             body = req.SerializeToString()
             may_change = expect == OK  # a Get that serves pages counts hits
         else:
-            req2 = pb.PutShmRequest()
+            req2 = pb.BulkPutRequest()
             if mut != "put: no open":
                 req2.open.CopyFrom(pb.PutOpen(namespace=t.ns, layout=layout_to_pb(t.layout)))
             if mut != "put: no pages":

@@ -27,8 +27,6 @@ _UNARY = {
     "Unpin": pb.UnpinResponse,
     "Prefetch": pb.PrefetchResponse,
     "Stats": pb.StatsResponse,
-    "PutShm": pb.PutResponse,
-    "GetShm": pb.GetShmResponse,
     "Report": pb.ReportResponse,
     "Retain": pb.RetainResponse,
     "Replicate": pb.ReplicateResponse,

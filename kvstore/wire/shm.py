@@ -21,10 +21,10 @@ Conversation (one request at a time per connection; a client keeps a few connect
     HELLO     c->n  token (UTF-8; empty when none)                  -> WELCOME | ERROR (then closed)
     WELCOME   n->c  max_page_bytes u64 | max_pages u32 | role u8
     REGISTER  c->n  buffer id u32; one fd in SCM_RIGHTS               -> OK | ERROR
-    PUT       c->n  PutShmRequest (each slice names its registered buffer id and offset)
+    PUT       c->n  BulkPutRequest (each slice names its registered buffer id and offset)
                                                                       -> OK (PutResponse) | ERROR
-    GET       c->n  GetShmRequest (targets: where page i goes: a registered buffer id, offset, size)
-                                                                      -> OK (GetShmResponse) | ERROR
+    GET       c->n  BulkGetRequest (targets: where page i goes: a registered buffer id, offset, size)
+                                                                      -> OK (BulkGetResponse) | ERROR
     LAYOUT    c->n  the first hash a GET will ask for (32 B) | namespace (UTF-8)
                                                                       -> OK (page_bytes u64) | ERROR
     ERROR     n->c  status_len u8 | status name | message

@@ -21,11 +21,11 @@ only where it expects that exact tag, and every tag it expects is a secret only 
   cost it no memory, and its UCX context enables only tagged messages (no stream, AM or RMA handlers).
 
 Control (no gRPC round trip per call): a request (PUT / GET, a 16-byte frame header + a protobuf
-body reused from the shm plane: PutShmRequest, GetShmRequest) and one reply (OK + PutResponse /
-GetShmResponse, or ERROR + "STATUS\\nmessage", which the client turns into the server's exception
+body reused from the shm plane: BulkPutRequest, BulkGetRequest) and one reply (OK + PutResponse /
+BulkGetResponse, or ERROR + "STATUS\\nmessage", which the client turns into the server's exception
 class). In a GET, `targets[i].size` (one target per hash) says how many bytes the client's receive for
 page i holds: the node sends a page only where it fits, stops at the first that does not and reports its
-size in the OK reply's prefix (GET_REPLY: next_page_bytes, then GetShmResponse); `buffer` and `offset`
+size in the OK reply's prefix (GET_REPLY: next_page_bytes, then BulkGetResponse); `buffer` and `offset`
 are the same-host plane's and unused here.
 
 Bulk: every page is one tagged message received straight into its final buffer: a PutTxn slot view on
@@ -182,12 +182,12 @@ class HelloOk:
 
 def pack_get_reply(next_page_bytes: int, response: bytes) -> bytes:
     """A GET's OK body: the size of the first page that did not fit its receive (0: none), then the
-    serialized GetShmResponse listing the pages sent."""
+    serialized BulkGetResponse listing the pages sent."""
     return GET_REPLY.pack(next_page_bytes) + response
 
 
 def parse_get_reply(body: memoryview) -> tuple[int, memoryview]:
-    """(next_page_bytes, serialized GetShmResponse) of a GET's OK body; ProtocolError when too short."""
+    """(next_page_bytes, serialized BulkGetResponse) of a GET's OK body; ProtocolError when too short."""
     if len(body) < GET_REPLY.size:
         raise ProtocolError(f"GET reply body of {len(body)} bytes is shorter than {GET_REPLY.size}")
     (next_page_bytes,) = GET_REPLY.unpack_from(body)

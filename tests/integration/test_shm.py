@@ -333,7 +333,7 @@ def test_bad_targets_and_slices_are_refused_and_change_nothing(shm_node: NodePro
         view[:] = b"\xa5" * (4 * PAGE)
 
         def get(*targets: tuple[int, int, int]) -> tuple[str, str]:
-            req = pb.GetShmRequest(namespace=NS, hashes=hs[: len(targets)] if len(targets) <= 2 else hs)
+            req = pb.BulkGetRequest(namespace=NS, hashes=hs[: len(targets)] if len(targets) <= 2 else hs)
             for buf, off, size in targets:
                 req.targets.add(buffer=buf, offset=off, size=size)
             return raw.error(Kind.GET, req.SerializeToString())
@@ -348,12 +348,12 @@ def test_bad_targets_and_slices_are_refused_and_change_nothing(shm_node: NodePro
         assert "targets[0].buffer" in cases["unregistered"][1] and "targets[1]" in cases["overlapping"][1]
         assert bytes(view) == b"\xa5" * (4 * PAGE)  # nothing written anywhere
         fresh = [key(i, "raw-put") for i in range(2)]
-        put = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
+        put = pb.BulkPutRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
         put.pages.add(hash=fresh[0], offset=0, payload_bytes=PAGE, buffer=1)
         put.pages.add(hash=fresh[1], offset=3 * PAGE + 8, payload_bytes=PAGE, buffer=1)  # runs past the end
         status, message = raw.error(Kind.PUT, put.SerializeToString())
         assert status == "INVALID_ARGUMENT" and "pages[1]" in message
-        assert raw.error(Kind.PUT, b"\xff\xff")[0] == "INVALID_ARGUMENT"  # not a PutShmRequest
+        assert raw.error(Kind.PUT, b"\xff\xff")[0] == "INVALID_ARGUMENT"  # not a BulkPutRequest
     finally:
         raw.close()
         view.close()

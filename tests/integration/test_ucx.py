@@ -63,7 +63,7 @@ class RawPeer:
     def put(self, pages: list[bytes], sent: list[bytes], checksums: list[int] | None = None) -> pb.PutResponse:
         """A PUT announcing `pages` (sizes and, unless given, checksums) whose data messages carry `sent`."""
         c = self.conn
-        req = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
+        req = pb.BulkPutRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
         for i, p in enumerate(pages):
             req.pages.add(hash=key(i, "raw"), payload_bytes=len(p),
                           checksum=checksums[i] if checksums else payload_checksum(p))  # fmt: skip
@@ -181,7 +181,7 @@ def _vanish_mid_put(address: str, q: mp.Queue) -> None:  # type: ignore[type-arg
     ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
     c = UcxConnection(ucx, ctx, parse_address(address), None, time.monotonic() + 10)
     pages = [page(key(i, "vanish")) for i in range(2)]
-    req = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
+    req = pb.BulkPutRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
     for i, p in enumerate(pages):
         req.pages.add(hash=key(i, "vanish"), payload_bytes=len(p), checksum=payload_checksum(p))
     seq, _, _keep = c._request(Kind.PUT, req.SerializeToString())
@@ -221,8 +221,8 @@ def _abandon_get(address: str, hashes: list[bytes], q: mp.Queue) -> None:  # typ
     ucx = load_ucxx()
     ctx = ucx.UCXContext({}, feature_flags=(ucx.Feature.TAG, ucx.Feature.WAKEUP))
     c = UcxConnection(ucx, ctx, parse_address(address), None, time.monotonic() + 10)
-    req = pb.GetShmRequest(namespace=NS, hashes=hashes)
-    req.targets.extend(pb.ShmTarget(size=PAGE) for _ in hashes)
+    req = pb.BulkGetRequest(namespace=NS, hashes=hashes)
+    req.targets.extend(pb.BulkTarget(size=PAGE) for _ in hashes)
     _keep = c._request(Kind.GET, req.SerializeToString())
     c.worker.progress()
     q.put("asked")

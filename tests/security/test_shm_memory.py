@@ -110,7 +110,7 @@ def put_one(node: NodeProcess, tag: str) -> bytes:
 
 
 def get_into_buffer_1(raw: Raw, h: bytes, offset: int = 0) -> tuple[Kind, bytes]:
-    req = pb.GetShmRequest(namespace=NS, hashes=[h], checksum_form=pb.CHECKSUM_FORM_KEYED)
+    req = pb.BulkGetRequest(namespace=NS, hashes=[h], checksum_form=pb.CHECKSUM_FORM_KEYED)
     req.targets.add(buffer=1, offset=offset, size=PAGE)
     return raw.call(Kind.GET, req.SerializeToString())
 
@@ -175,7 +175,7 @@ def test_a_hole_punched_in_shared_memory_reads_back_as_zeros_and_harms_nothing(n
         assert bytes(view[:PAGE]) == page(h)  # landed in the hole
         punch_hole(fd, PAGE, PAGE)
         fresh = key(1, "hole")
-        put = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
+        put = pb.BulkPutRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
         put.pages.add(hash=fresh, offset=PAGE, payload_bytes=PAGE, buffer=1, checksum=12345)
         kind, body = writer.call(Kind.PUT, put.SerializeToString())
         assert kind is Kind.ERROR and shm.parse_error(body)[0] == "DATA_LOSS", shm.parse_error(body)

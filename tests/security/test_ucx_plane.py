@@ -98,7 +98,7 @@ def _attack(address: str, how: str, path: str, q: mp.Queue, tags: list[int], cou
         keep = []
         for ctrl, base in zip(tags[::2], tags[1::2], strict=True):
             p = page(key(ctrl % 1000, "forged"))
-            req = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
+            req = pb.BulkPutRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
             req.pages.add(hash=key(ctrl % 1000, "forged"), payload_bytes=len(p), checksum=payload_checksum(p))
             for seq in (1, 2, 3):
                 msg, data = Array(bytearray(frame(Kind.PUT, seq, req.SerializeToString()))), Array(bytearray(p))
@@ -216,7 +216,7 @@ def _session(node: NodeProcess, token: str) -> tuple[UcxConnection, Any]:
 
 
 def put_raw(conn: UcxConnection, hashes: list[bytes]) -> pb.PutResponse:
-    req = pb.PutShmRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
+    req = pb.BulkPutRequest(open=pb.PutOpen(namespace=NS, layout=layout_to_pb(LAYOUT)))
     for h in hashes:
         req.pages.add(hash=h, payload_bytes=LAYOUT.page_bytes, checksum=payload_checksum(page(h)))
     return conn.put(req, [page(h) for h in hashes], time.monotonic() + 30)

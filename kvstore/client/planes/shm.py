@@ -433,8 +433,8 @@ class ShmPlane(DataPlane):
         first: int,
         lent: Release = _nothing,
         expect: PageLayout | None = None,
-    ) -> Exchange[list[pb.ShmSlice]]:
-        req = pb.GetShmRequest(
+    ) -> Exchange[list[pb.BulkPage]]:
+        req = pb.BulkGetRequest(
             namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
         )
         if expect is not None:
@@ -443,7 +443,7 @@ class ShmPlane(DataPlane):
             req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
         body = req.SerializeToString()
         reply = yield self._blocking(Kind.GET, body, placed, first, lent)
-        pages = pb.GetShmResponse.FromString(bytes(reply)).pages
+        pages = pb.BulkGetResponse.FromString(bytes(reply)).pages
         if len(pages) > len(hashes):
             raise StreamError(f"the node returned {len(pages)} pages for {len(hashes)} hashes")
         for i, p in enumerate(pages):
@@ -513,9 +513,9 @@ def declared_checksums(
 
 def put_request(
     op: PutOpen, hashes: Sequence[bytes], placed: Sequence[Placed], checksums: Sequence[int]
-) -> pb.PutShmRequest:
+) -> pb.BulkPutRequest:
     """A PUT naming where each page lies and the checksum the writer declares for it (op.checksums' form)."""
-    req = pb.PutShmRequest(open=put_open_to_pb(op))
+    req = pb.BulkPutRequest(open=put_open_to_pb(op))
     for h, p, c in zip(hashes, placed, checksums, strict=True):
         req.pages.add(hash=h, offset=p.offset, payload_bytes=p.nbytes, buffer=p.buffer.id, checksum=c)
     return req

@@ -57,7 +57,7 @@ FIRST_ROUND_BYTES = 16 << 20  # receives a get posts before it knows its namespa
 
 STUCK: list[list[Any]] = []  # buffers of receives that never finished after close (see close_broken)
 
-Check = Callable[[int, pb.ShmSlice], None]  # (page index, what the reply says of it): raises if it is wrong
+Check = Callable[[int, pb.BulkPage], None]  # (page index, what the reply says of it): raises if it is wrong
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -145,7 +145,7 @@ class UcxConnection:
         send = self.ep.tag_send(msg, self.ucx.UCXXTag(tags.tag(Lane.CONTROL, seq)))
         return seq, reply, [msg, send]
 
-    def put(self, req: pb.PutShmRequest, pages: Sequence[Buffer], deadline: float) -> pb.PutResponse:
+    def put(self, req: pb.BulkPutRequest, pages: Sequence[Buffer], deadline: float) -> pb.PutResponse:
         seq, reply, keep = self._request(Kind.PUT, req.SerializeToString())
         base = self.tags.tag(Lane.PUT_PAGES, seq)
         sends = []
@@ -163,8 +163,8 @@ class UcxConnection:
                 self.close_broken(sends, keep)
 
     def get(
-        self, req: pb.GetShmRequest, sink: Callable[[int], memoryview], check: Check, deadline: float
-    ) -> tuple[pb.GetShmResponse, int]:
+        self, req: pb.BulkGetRequest, sink: Callable[[int], memoryview], check: Check, deadline: float
+    ) -> tuple[pb.BulkGetResponse, int]:
         """One GET: page i lands in sink(i) (a buffer of the capacity `req` announced); returns the reply
         and the size of the first page that did not fit its receive (0: none).
         The request leaves first, then each page's receive is posted as its buffer is made: a page that
@@ -189,7 +189,7 @@ class UcxConnection:
                     self._wait(recvs, min(deadline, time.monotonic() + ERROR_GRACE_SECONDS), "UCX GET")
                 raise
             bigger, listed = proto.parse_get_reply(body)
-            out = pb.GetShmResponse.FromString(bytes(listed))  # parsed before the next request reuses ctrl
+            out = pb.BulkGetResponse.FromString(bytes(listed))  # parsed before the next request reuses ctrl
             if len(out.pages) > len(recvs):
                 raise ProtocolError(f"the reply lists {len(out.pages)} pages for {len(recvs)} hashes")
             failure: KVStoreError | None = None
@@ -317,7 +317,7 @@ class UcxPlane(DataPlane):
             self._release(conn)
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
-        req = pb.PutShmRequest(open=put_open_to_pb(op))
+        req = pb.BulkPutRequest(open=put_open_to_pb(op))
         for h, page in zip(hashes, pages, strict=True):
             view = memoryview(page).cast("B")
             req.pages.add(hash=h, payload_bytes=len(view), checksum=wire_checksum(op.namespace, h, view))
@@ -342,7 +342,7 @@ class UcxPlane(DataPlane):
                     rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
                 fresh = _Blocks(self.received, size or conn.max_page_bytes)
                 req = _get_request(namespace, rest, promote, expect)
-                req.targets.extend(pb.ShmTarget(size=fresh.size) for _ in rest)
+                req.targets.extend(pb.BulkTarget(size=fresh.size) for _ in rest)
                 checked = _Checked(namespace, rest, fresh.views.__getitem__, self.verify)
                 try:
                     _, bigger = conn.get(req, fresh, checked, deadline)
@@ -379,7 +379,7 @@ class UcxPlane(DataPlane):
         a page only into a buffer that holds it, else stops there and the call is a ValueError naming it."""
         dests = [memoryview(b).cast("B") for b in buffers]
         req = _get_request(namespace, hashes, promote, expect)
-        req.targets.extend(pb.ShmTarget(size=len(d)) for d in dests)
+        req.targets.extend(pb.BulkTarget(size=len(d)) for d in dests)
 
         def fetch(conn: UcxConnection, deadline: float) -> tuple[list[PageRef], int]:
             checked = _Checked(namespace, hashes, dests.__getitem__, self.verify)
@@ -409,8 +409,8 @@ class UcxPlane(DataPlane):
 
 def _get_request(
     namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
-) -> pb.GetShmRequest:
-    req = pb.GetShmRequest(
+) -> pb.BulkGetRequest:
+    req = pb.BulkGetRequest(
         namespace=namespace, hashes=list(hashes), no_promote=not promote, checksum_form=pb.CHECKSUM_FORM_KEYED
     )
     if expect is not None:
@@ -432,7 +432,7 @@ class _Checked:
         self.verify = verify
         self.refs: list[PageRef] = []
 
-    def __call__(self, i: int, p: pb.ShmSlice) -> None:
+    def __call__(self, i: int, p: pb.BulkPage) -> None:
         if p.hash != self.hashes[i]:
             raise StreamError(f"page {i}: server sent an unexpected hash")
         dest = self.dest(i)

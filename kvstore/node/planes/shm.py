@@ -317,9 +317,9 @@ class _Connection:
             elif kind is Kind.LAYOUT:
                 reply = self._layout(body)
             elif kind is Kind.PUT:
-                reply = await self._put(pb.PutShmRequest.FromString(bytes(body)))
+                reply = await self._put(pb.BulkPutRequest.FromString(bytes(body)))
             elif kind is Kind.GET:
-                reply = await self._get(pb.GetShmRequest.FromString(bytes(body)))
+                reply = await self._get(pb.BulkGetRequest.FromString(bytes(body)))
             else:
                 raise ProtocolError(f"{kind.name} is not a request")
         except DecodeError as exc:
@@ -369,7 +369,7 @@ class _Connection:
             raise InvalidArgument(field, f"buffer {buf_id} is not registered on this connection")
         return buf
 
-    async def _put(self, req: pb.PutShmRequest) -> bytes:
+    async def _put(self, req: pb.BulkPutRequest) -> bytes:
         caller = self._caller("Put")
         if not req.HasField("open"):
             raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
@@ -388,7 +388,7 @@ class _Connection:
             stored=done.stored, already_present=done.present, held=pack_held(done.held)
         ).SerializeToString()
 
-    async def _get(self, req: pb.GetShmRequest) -> bytes:
+    async def _get(self, req: pb.BulkGetRequest) -> bytes:
         caller = self._caller("Get")
         form = checksum_form_from_pb(req.checksum_form, "checksum_form")
         hashes = list(req.hashes)
@@ -400,7 +400,7 @@ class _Connection:
         targets = [(t.buffer, t.offset, t.size) for t in req.targets]
         bufs = [self._buffer(t[0], f"targets[{i}].buffer") for i, t in enumerate(targets)]
         check_targets(targets, bufs, page_bytes)
-        out = pb.GetShmResponse()
+        out = pb.BulkGetResponse()
         with _using(set(bufs)):
             # NOTE: a window is cut when its page is reached: a Get whose stored prefix ends early (a probe of
             # many keys, the first one missing) costs no window per hash.
@@ -477,7 +477,7 @@ def _using(bufs: object) -> object:
             b.release()
 
 
-async def _heads(slices: Sequence[pb.ShmSlice]) -> AsyncIterator[PageHead]:
+async def _heads(slices: Sequence[pb.BulkPage]) -> AsyncIterator[PageHead]:
     for p in slices:
         yield PageHead(p.hash, p.payload_bytes, p.checksum)
 

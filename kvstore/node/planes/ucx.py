@@ -328,10 +328,10 @@ class UcxPlaneServer(PlaneServer):
 
         try:
             if kind is Kind.PUT:
-                reply = await self._put(conn, seq, pb.PutShmRequest.FromString(bytes(body)))
+                reply = await self._put(conn, seq, pb.BulkPutRequest.FromString(bytes(body)))
                 once(frame(Kind.OK, seq, reply))
             elif kind is Kind.GET:
-                await self._get(conn, seq, pb.GetShmRequest.FromString(bytes(body)), once)
+                await self._get(conn, seq, pb.BulkGetRequest.FromString(bytes(body)), once)
             else:
                 raise InvalidArgument("kind", f"{kind.name} is not a request")
         except DecodeError as exc:
@@ -346,7 +346,7 @@ class UcxPlaneServer(PlaneServer):
 
     # ---------------------------------------------------------------- requests
 
-    async def _put(self, conn: Connection, seq: int, req: pb.PutShmRequest) -> bytes:
+    async def _put(self, conn: Connection, seq: int, req: pb.BulkPutRequest) -> bytes:
         caller = self._caller(conn, "Put")
         if not req.HasField("open"):
             raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
@@ -363,7 +363,7 @@ class UcxPlaneServer(PlaneServer):
             stored=done.stored, already_present=done.present, held=pack_held(done.held)
         ).SerializeToString()
 
-    async def _get(self, conn: Connection, seq: int, req: pb.GetShmRequest, respond: Respond) -> None:
+    async def _get(self, conn: Connection, seq: int, req: pb.BulkGetRequest, respond: Respond) -> None:
         """Answer every receive the client posted (page i, or an empty message), then respond; the leases
         of pages in flight are held until their sends completed."""
         assert self._svc is not None
@@ -375,7 +375,7 @@ class UcxPlaneServer(PlaneServer):
         caps = [t.size for t in req.targets]
         bigger = 0
         base = conn.tags.tag(Lane.GET_PAGES, seq)
-        out = pb.GetShmResponse()
+        out = pb.BulkGetResponse()
         sends: list[Any] = []
         sources: list[Any] = []  # what the sends read from: referenced until they completed
         releases: list[Callable[[], None]] = []
@@ -448,7 +448,7 @@ class _Requests:
         self.seq += 1
 
 
-async def _heads(slices: list[pb.ShmSlice]) -> AsyncIterator[PageHead]:
+async def _heads(slices: list[pb.BulkPage]) -> AsyncIterator[PageHead]:
     for p in slices:
         yield PageHead(p.hash, p.payload_bytes, p.checksum)
 

@@ -667,7 +667,7 @@ class IndexStats(_message.Message):
     resync_pending: bool
     def __init__(self, url: _Optional[str] = ..., connected: _Optional[bool] = ..., epoch: _Optional[int] = ..., queued: _Optional[int] = ..., lag_seconds: _Optional[float] = ..., flushed: _Optional[int] = ..., resyncs: _Optional[int] = ..., overflows: _Optional[int] = ..., errors: _Optional[int] = ..., resync_pending: _Optional[bool] = ...) -> None: ...
 
-class ShmSlice(_message.Message):
+class BulkPage(_message.Message):
     __slots__ = ("hash", "offset", "payload_bytes", "checksum", "tier", "buffer")
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -683,15 +683,15 @@ class ShmSlice(_message.Message):
     buffer: int
     def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., payload_bytes: _Optional[int] = ..., checksum: _Optional[int] = ..., tier: _Optional[_Union[Tier, str]] = ..., buffer: _Optional[int] = ...) -> None: ...
 
-class PutShmRequest(_message.Message):
+class BulkPutRequest(_message.Message):
     __slots__ = ("open", "pages")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     open: PutOpen
-    pages: _containers.RepeatedCompositeFieldContainer[ShmSlice]
-    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
+    pages: _containers.RepeatedCompositeFieldContainer[BulkPage]
+    def __init__(self, open: _Optional[_Union[PutOpen, _Mapping]] = ..., pages: _Optional[_Iterable[_Union[BulkPage, _Mapping]]] = ...) -> None: ...
 
-class GetShmRequest(_message.Message):
+class BulkGetRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "no_promote", "targets", "checksum_form", "layout")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -702,12 +702,12 @@ class GetShmRequest(_message.Message):
     namespace: str
     hashes: _containers.RepeatedScalarFieldContainer[bytes]
     no_promote: bool
-    targets: _containers.RepeatedCompositeFieldContainer[ShmTarget]
+    targets: _containers.RepeatedCompositeFieldContainer[BulkTarget]
     checksum_form: ChecksumForm
     layout: PageLayout
-    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[ShmTarget, _Mapping]]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., hashes: _Optional[_Iterable[bytes]] = ..., no_promote: _Optional[bool] = ..., targets: _Optional[_Iterable[_Union[BulkTarget, _Mapping]]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ...) -> None: ...
 
-class ShmTarget(_message.Message):
+class BulkTarget(_message.Message):
     __slots__ = ("offset", "size", "buffer")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -717,8 +717,8 @@ class ShmTarget(_message.Message):
     buffer: int
     def __init__(self, offset: _Optional[int] = ..., size: _Optional[int] = ..., buffer: _Optional[int] = ...) -> None: ...
 
-class GetShmResponse(_message.Message):
+class BulkGetResponse(_message.Message):
     __slots__ = ("pages",)
     PAGES_FIELD_NUMBER: _ClassVar[int]
-    pages: _containers.RepeatedCompositeFieldContainer[ShmSlice]
-    def __init__(self, pages: _Optional[_Iterable[_Union[ShmSlice, _Mapping]]] = ...) -> None: ...
+    pages: _containers.RepeatedCompositeFieldContainer[BulkPage]
+    def __init__(self, pages: _Optional[_Iterable[_Union[BulkPage, _Mapping]]] = ...) -> None: ...

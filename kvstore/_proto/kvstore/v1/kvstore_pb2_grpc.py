@@ -163,7 +163,7 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request, context):
-        """(PutShm and GetShm moved to the same-host plane's Unix socket, kvstore/wire/shm.py.)
+        """(Bulk puts and gets of the same-host and UCX planes: BulkPutRequest, BulkGetRequest on their own sockets.)
         A client received pages whose bytes failed their checksum (DESIGN.md §8: the party that receives the
         bytes verifies them). The node verifies its own copy of each: one that fails is dropped and counted;
         one that passes was damaged on the way and stays. Either way the client treated it as a miss.
