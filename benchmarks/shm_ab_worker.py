@@ -13,6 +13,7 @@ node, every thread counted (/proc/PID/task/*/schedstat, nanoseconds).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -133,6 +134,9 @@ class Tree:
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        prog="shm_ab_worker.py", description=(__doc__ or "").split("\n\n")[0], epilog="commands: JSON lines on stdin"
+    ).parse_args()  # no options: --help says what it is
     out = sys.stdout
     sys.stdout = sys.stderr  # only replies go to the real stdout
     tree = Tree()

@@ -1,5 +1,5 @@
 """Clients of a cache node: `KVStoreClient` (blocking) and `AsyncKVStoreClient` (asyncio), two drivers of
-one core (core.py: every operation written once, as exchanges), plus the gRPC plumbing (calls.py).
+one core (core.py: every operation written once, as exchanges), plus the gRPC plumbing (grpc_channel.py).
 
     with KVStoreClient("127.0.0.1:50051") as kv:
         kv.put(ns, layout, hashes, pages)

@@ -15,7 +15,6 @@ import grpc
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.bundles import Parts
-from kvstore.client.calls import bind_methods, open_channel, rpc_error
 from kvstore.client.core import (
     DEFAULT_PAGES_PER_CALL,
     ClientCore,
@@ -25,6 +24,7 @@ from kvstore.client.core import (
     ReplicateResult,
 )
 from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
+from kvstore.client.grpc_channel import bind_methods, open_channel, rpc_error
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.client.planes.segments import SharedBuffer
 from kvstore.errors import Unavailable
