@@ -64,9 +64,9 @@ from kvstore.stats import (
     copy_counters,
 )
 from kvstore.tiers.base import Absent, Medium
-from kvstore.tiers.dram import BouncePool, DramTier
-from kvstore.tiers.hbm import HbmTier
-from kvstore.tiers.nvme import NvmeTier
+from kvstore.tiers.dram import BouncePool, DramMedium
+from kvstore.tiers.hbm import HbmMedium
+from kvstore.tiers.nvme import NvmeMedium
 from kvstore.wire import MAX_HASHES, PutOpen
 
 log = logging.getLogger(__name__)
@@ -78,12 +78,12 @@ def build_media(config: NodeConfig) -> list[Medium]:
     """The node's media, from its config: HBM (when CUDA is here), the DRAM slab, NVMe segment files; each
     cut into chunks of the largest slot (`config.slot_bytes`), which hold pages of any size up to it."""
     chunk = config.slot_bytes
-    dram = DramTier(config.dram_bytes, chunk)
-    hbm = HbmTier(config.hbm_bytes, chunk)
+    dram = DramMedium(config.dram_bytes, chunk)
+    hbm = HbmMedium(config.hbm_bytes, chunk)
     if hbm.available:
         dram.try_pin()
     if config.nvme_bytes:
-        nvme: Medium = NvmeTier(config.nvme_path, config.nvme_bytes, chunk, config.nvme_segment_bytes)
+        nvme: Medium = NvmeMedium(config.nvme_path, config.nvme_bytes, chunk, config.nvme_segment_bytes)
     else:
         nvme = Absent(TierKind.NVME, chunk, "no --nvme-path / --nvme-bytes configured")
     return [hbm, dram, nvme]

@@ -13,7 +13,7 @@ from kvstore.tiers.base import Medium
 log = logging.getLogger(__name__)
 
 
-class DramTier(Medium):
+class DramMedium(Medium):
     """`num_chunks` chunks of `chunk_bytes` in one mapping; offset o is byte o of the mapping.
 
     Invariant: the mapping is page aligned and every slot offset and size is a multiple of 4096

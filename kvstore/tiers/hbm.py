@@ -30,11 +30,11 @@ def cuda_unavailable_reason() -> str | None:
     return None
 
 
-class HbmTier(Medium):
+class HbmMedium(Medium):
     """`num_chunks` device chunks of `chunk_bytes`; offset o is byte o of the allocation. Copies to and from
     host buffers on one CUDA stream.
 
-    Host buffers passed in should be the pinned DRAM slab (DramTier.try_pin) for full PCIe bandwidth.
+    Host buffers passed in should be the pinned DRAM slab (DramMedium.try_pin) for full PCIe bandwidth.
     Batched transfers are queued on the stream together and synchronised once.
     """
 

@@ -54,7 +54,7 @@ from kvstore.tiers.nvme_meta import (
     write_meta,
 )
 
-__all__ = ["META_NAME", "SEGMENT_FMT", "NvmeFormatError", "NvmeSpaceError", "NvmeTier"]
+__all__ = ["META_NAME", "SEGMENT_FMT", "NvmeFormatError", "NvmeMedium", "NvmeSpaceError"]
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def lock_dir(path: Path) -> int:
     return fd
 
 
-class NvmeTier(Medium):
+class NvmeMedium(Medium):
     """`num_chunks` chunks of `chunk_bytes`, striped over segment files of `chunks_per_segment` chunks; offset
     o is byte o % segment_bytes of segment file o // segment_bytes.
 

@@ -16,13 +16,13 @@ chunk's first block says the class, and only the node ever writes it: a page hea
 
 A blank first block (zeros) is a free chunk. So recovery reads a chunk's first block, then the headers of
 its class's grid, and never reads a client's payload bytes as a header (DESIGN.md §5.2): a chunk taken
-for another class has every header position of the new class erased first (`NvmeTier.format`).
+for another class has every header position of the new class erased first (`NvmeMedium.format`).
 
 Formats 1 and 2 (older builds: {"slot_bytes": S, "slots_per_segment": M}) are the same files with one
 page per chunk, at its start: an older build's slot is a chunk here (`Geometry.legacy`). Their chunk tails
 may hold any bytes of an earlier, longer page, so the first start of this build reads only each chunk's
 first block, erases the other header positions of the class found there, and rewrites the file as
-format 3 (an adoption: every page is kept, `NvmeTier.scan`).
+format 3 (an adoption: every page is kept, `NvmeMedium.scan`).
 
 Why the geometry is all the file holds: every page header sits on its chunk's grid and carries its own
 checksum, length and key, so the segment files themselves say what they hold. A damaged metadata file

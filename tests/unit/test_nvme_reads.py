@@ -18,7 +18,7 @@ from kvstore.names import TierKind
 from kvstore.pageformat import HEADER_BYTES
 from kvstore.tiers import nvme
 from kvstore.tiers.base import SlotRead
-from kvstore.tiers.nvme import QUEUE_DEPTH, NvmeTier
+from kvstore.tiers.nvme import QUEUE_DEPTH, NvmeMedium
 from tests.unit.test_manager import NS, PAGE, SLOT, config, key, payload, put, read, run, tiers_of
 
 
@@ -26,7 +26,7 @@ class Probe:
     """Wraps an NVMe tier's requests (one preadv each, of one slot or of a run of adjacent slots): counts
     requests and pages in flight (most at once), the size of each read_many batch and of each request."""
 
-    def __init__(self, tier: NvmeTier, delay: float = 0.0) -> None:
+    def __init__(self, tier: NvmeMedium, delay: float = 0.0) -> None:
         self.tier, self.delay = tier, delay
         self.real_preadv, self.real_many = tier._preadv_all, tier.read_many
         self.lock = threading.Lock()
@@ -69,14 +69,14 @@ async def put_to_nvme(mgr: TierManager, n: int) -> list[int]:
     return [i for i, t in zip(ids, tiers_of(mgr, ids), strict=True) if t is TierKind.NVME]
 
 
-def nvme_of(mgr: TierManager) -> NvmeTier:
+def nvme_of(mgr: TierManager) -> NvmeMedium:
     medium = mgr.medium(TierKind.NVME)
-    assert isinstance(medium, NvmeTier)
+    assert isinstance(medium, NvmeMedium)
     return medium
 
 
 def test_read_many_keeps_reads_in_flight_and_waits_for_all(tmp_path: Path) -> None:
-    tier = NvmeTier(tmp_path / "nvme", 48 * SLOT, SLOT, 1 << 30)
+    tier = NvmeMedium(tmp_path / "nvme", 48 * SLOT, SLOT, 1 << 30)
     try:
         src = mmap.mmap(-1, SLOT)
         slots = list(range(0, 40, 2))  # no two adjacent: a request each
@@ -102,7 +102,7 @@ def test_adjacent_slots_are_read_with_one_request_and_land_where_asked(tmp_path:
     """A run of adjacent slots is one preadv (within RUN_BYTES), scattered over each op's buffers: a
     whole slot, a slot's used part (the rest is skipped), or a header block + payload + tail list."""
     slot = 16 * 4096  # room for a skipped block within the 1/8 of a slot a request may skip
-    tier = NvmeTier(tmp_path / "nvme", 64 * slot, slot, 1 << 30)
+    tier = NvmeMedium(tmp_path / "nvme", 64 * slot, slot, 1 << 30)
     try:
         src = mmap.mmap(-1, slot)
         for i in range(64):
