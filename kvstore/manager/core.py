@@ -243,13 +243,13 @@ class TierManager:
     def begin_put(self, op: PutOpen) -> PutTxn:
         """Open a Put transaction in `op.namespace` (the stored, tenant-scoped one). With `op.chain`, page
         i's chain parent is page i-1 and the first page's is `op.parent` (policy hints: prefix-aware
-        policies evict a chain's tail before its head). `op.target` (the one place every plane's target
+        policies evict a chain's tail before its head). `op.target_tier` (the one place every plane's target
         is handled): None or DRAM, the staging tier; NVMe, written through to the persistent tier, never
         taking a DRAM slot (InvalidArgument on a node without one); HBM, staged, then promoted where the
         node has a GPU (`_after_commit`)."""
         if self._closing:
             raise Unavailable("node is shutting down")
-        if op.target is TierKind.NVME and self.staging.through_kind is not TierKind.NVME:
+        if op.target_tier is TierKind.NVME and self.staging.through_kind is not TierKind.NVME:
             raise InvalidArgument(
                 "open.target_tier",
                 "TIER_NVME: this node has no NVMe tier (started without --nvme-path/--nvme-bytes); "

@@ -9,7 +9,7 @@ bounce buffer instead of a slot, verified like any other, and written through in
 (NVMe) when the group is published; with no persistent tier (or no room there) it is not stored, and
 the Put reports it neither stored nor already present (Stats counts it in `not_admitted`).
 
-A Put whose target is the persistent tier (`PutOpen.target` NVMe) takes that same path for every page,
+A Put whose target is the persistent tier (`PutOpen.target_tier` NVMe) takes that same path for every page,
 without asking admission: its pages land in NVMe, durable when the Put returns, and no DRAM page is
 evicted for them.
 """
@@ -230,12 +230,12 @@ class PutTxn:
     """
 
     def __init__(self, staging: Staging, op: PutOpen) -> None:
-        """`op.namespace` is the stored (tenant-scoped) namespace; `op.target` None means staging's tier."""
+        """`op.namespace` is the stored (tenant-scoped) namespace; `op.target_tier` None means staging's tier."""
         self._staging = staging
         self.namespace = op.namespace
         self._tenant = tenant_of(op.namespace)  # whose share its slots count against
         self.layout = op.layout
-        self.target = op.target if op.target is not None else staging.tier.kind
+        self.target = op.target_tier if op.target_tier is not None else staging.tier.kind
         # Pages asked for in the persistent tier skip host-memory slots: written through, like pages
         # admission refused (TierManager.begin_put checked that the node has that tier).
         self._through_only = self.target != staging.tier.kind and self.target == staging.through_kind

@@ -30,7 +30,7 @@ MAX_REPLICAS = 16  # copies a Put may ask the cluster to keep (PutOpen.replicas)
 class PutOpen:
     """What opens a Put on every plane (the typed form of the proto's PutOpen).
 
-    `target`: the tier new pages should land in (None: the node's default). With `chain`, page i's chain
+    `target_tier`: the tier new pages should land in (None: the node's default). With `chain`, page i's chain
     parent is page i-1 and the first page's is `parent` (prefix-aware policies evict a chain's tail before
     its head); without it pages carry no parent and `parent` is ignored. `checksums`: the form of the
     checksums its pages declare (KEYED from this build's clients; PAYLOAD from older ones).
@@ -38,7 +38,7 @@ class PutOpen:
 
     namespace: str
     layout: PageLayout
-    target: TierKind | None = None
+    target_tier: TierKind | None = None
     parent: bytes | None = None
     chain: bool = False
     checksums: ChecksumForm = ChecksumForm.KEYED  # what the pages' declared checksums cover (pageformat)

@@ -166,7 +166,7 @@ def put_open_to_pb(op: PutOpen) -> pb.PutOpen:
     return pb.PutOpen(
         namespace=op.namespace,
         layout=layout_to_pb(op.layout),
-        target_tier=int(op.target or 0),
+        target_tier=int(op.target_tier or 0),
         parent_hash=op.parent or b"",
         chain=op.chain,
         checksum_form=int(op.checksums),

@@ -200,7 +200,7 @@ def put(op: PutOpen, npages: int) -> bytes:
     ns = op.namespace.encode()
     table = op.layout.part_table() if op.layout.has_parts else b""
     fixed = _PUT.pack(
-        int(op.target) if op.target else 0,
+        int(op.target_tier) if op.target_tier else 0,
         op.chain,
         op.parent is not None,
         npages,

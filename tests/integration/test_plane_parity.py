@@ -37,7 +37,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
 
 def put(kv: KVStoreClient, op: PutOpen, hashes: list[bytes], pages: list[bytes]) -> object:
     """`op` through the client's public put (a bad field included: it is the node's to refuse)."""
-    return kv.put(op.namespace, op.layout, hashes, pages, target_tier=op.target, parent=op.parent, chain=op.chain)
+    return kv.put(op.namespace, op.layout, hashes, pages, target_tier=op.target_tier, parent=op.parent, chain=op.chain)
 
 
 def lying_checksums(monkeypatch: pytest.MonkeyPatch) -> None:

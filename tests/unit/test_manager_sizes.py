@@ -56,7 +56,7 @@ def run(fn: Callable[[TierManager], Awaitable[None]], cfg: NodeConfig, **kw: obj
 async def put(
     mgr: TierManager, ns: str, layout: PageLayout, ids: list[int], target: TierKind | None = None
 ) -> tuple[int, int]:
-    txn = mgr.begin_put(PutOpen(ns, layout, target=target))
+    txn = mgr.begin_put(PutOpen(ns, layout, target_tier=target))
     try:
         for i in ids:
             view = await txn.add_page(key(i), layout.page_bytes, 0)
@@ -237,7 +237,7 @@ def test_a_chunk_taken_for_another_size_reads_no_old_payload_as_a_header(tmp_pat
     bait = 1000  # the forged page's id
 
     async def first(mgr: TierManager) -> None:
-        txn = mgr.begin_put(PutOpen(NS_BIG, BIG, target=TierKind.NVME))
+        txn = mgr.begin_put(PutOpen(NS_BIG, BIG, target_tier=TierKind.NVME))
         view = await txn.add_page(key(0), BIG.page_bytes, 0)
         assert view is not None
         body = bytearray(data(NS_BIG, 0, BIG.page_bytes))
