@@ -284,6 +284,7 @@ class TierManager:
         self,
         namespace: str,
         hashes: list[bytes],
+        *,
         promote: bool = True,
         into: Sequence[memoryview] | None = None,
         receiver_verifies: bool = False,
@@ -302,7 +303,9 @@ class TierManager:
         check_hashes(hashes, "hashes", self.config.max_pages_per_request)
         if into is not None and len(into) != len(hashes):
             raise InvalidArgument("into", f"{len(into)} destinations for {len(hashes)} hashes")
-        return self.reader.get([(namespace, h) for h in hashes], promote, into, receiver_verifies)
+        return self.reader.get(
+            [(namespace, h) for h in hashes], promote=promote, into=into, receiver_verifies=receiver_verifies
+        )
 
     async def report_corrupt(
         self, namespace: str, hashes: list[bytes], allow: Callable[[int], int] | None = None

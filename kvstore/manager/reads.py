@@ -149,6 +149,7 @@ class Reader:
     def get(
         self,
         keys: list[Key],
+        *,
         promote: bool,
         into: Sequence[memoryview] | None = None,
         receiver_verifies: bool = False,

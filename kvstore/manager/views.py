@@ -78,6 +78,7 @@ class TenantView:
         self,
         namespace: str,
         hashes: list[bytes],
+        *,
         promote: bool = True,
         into: Sequence[memoryview] | None = None,
         receiver_verifies: bool = False,
@@ -85,7 +86,14 @@ class TenantView:
     ) -> AsyncIterator[ReadLease]:
         """TierManager.get in this tenant's scope (arguments checked now, before the first page)."""
         try:
-            leases = self.manager.get(self.ns(namespace), hashes, promote, into, receiver_verifies, expect)
+            leases = self.manager.get(
+                self.ns(namespace),
+                hashes,
+                promote=promote,
+                into=into,
+                receiver_verifies=receiver_verifies,
+                expect=expect,
+            )
         except NamespaceNotFound:  # cold for this tenant: refused, and counted only if another tenant has it
             if hashes:
                 self._missed(namespace, hashes[0])

@@ -156,7 +156,14 @@ async def open_get(
     node does not hash DRAM pages again (DESIGN.md §8); a plane whose receiver trusts the node says False.
     `expect`: the layout the request says it reads (a bundle's parts), checked against the namespace's.
     The manager checks the arguments (namespace, layout, at most max_pages_per_request hashes) first."""
-    leases = caller.view.get(namespace, hashes, promote and caller.may_move, into, receiver_verifies, expect)
+    leases = caller.view.get(
+        namespace,
+        hashes,
+        promote=promote and caller.may_move,
+        into=into,
+        receiver_verifies=receiver_verifies,
+        expect=expect,
+    )
     counted = _counted(leases, caller, namespace) if caller.reads is not None else leases
     try:
         yield counted
