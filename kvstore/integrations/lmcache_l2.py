@@ -61,6 +61,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.groups import Run, groups_label, part_name, runs
+from kvstore.integrations.lanes import SLICE_BYTES, Lanes, slices
 from kvstore.integrations.lmcache_l2_mapping import (
     L2_MAPPING_VERSION,
     L2_PARAMS,
@@ -75,7 +76,8 @@ from kvstore.integrations.lmcache_l2_mapping import (
     parse_l2_params,
 )
 from kvstore.integrations.lmcache_mapping import model_part
-from kvstore.integrations.remote import RemoteStore, call_slices
+from kvstore.integrations.outcome import Stored
+from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats
@@ -154,9 +156,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
         threads = s.remote.threads
         self._store_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-store")
         self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-read")
+        # A task's pages move as several calls in flight (lanes.py), on lanes of their own per kind of work.
+        self._store_lanes = Lanes("l2-store-lane", threads)
+        self._load_lanes = Lanes("l2-load-lane", threads)
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
+        self._warmed: set[int] = set()  # object sizes whose transfer memory was set up ahead (_warm_soon)
         # Pins this adapter holds: key -> (namespace, hash, count, lease end). Entries past their lease
         # are dropped (the node dropped the pin too), so a lock LMCache never releases cannot grow this.
         self._pins: dict[ObjectKey, tuple[str, bytes, int, float]] = {}
@@ -198,6 +204,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             s.remote.lookup_timeout,
             ", pages pinned while locked" if s.lock else "",
         )
+        self._warm_soon(0)
 
     # -- event fds
 
@@ -291,6 +298,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._closed = True
         self._store_pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
+        self._store_lanes.close()
+        self._load_lanes.close()
         self.store.close()  # cuts calls in flight short: their tasks end as misses nobody reads
         for c in (self._stores, self._lookups, self._loads):
             c.close()
@@ -467,10 +476,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 ok = False
                 unstored += len(idx)
                 continue
+            self._warm_soon(size)
             hashes = [self._hash(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
-            for a, b in call_slices(len(idx), size):
-                done = self.store.put(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
+            for (a, b), done in self._put_slices(ns, layout, hashes, bufs, size):
+                if done is None:
+                    unstored += b - a
+                    continue
                 sent += done.count * size
                 # NOTE: a Put says how many pages were new, not which: a chain's pages already present are
                 # usually its leading ones (a shared prefix), so the last `new` held pages of the call count as
@@ -482,8 +494,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     sizes.append(size if n >= first_new else 0)
                 if not done.ok:
                     ok = False
-                    unstored += (b - a) - done.count + (len(idx) - b)
-                    break  # the rest of this row would hang off a gap: not sent
+                    unstored += (b - a) - done.count
         if stored:
             self._notify_keys_stored(stored, sizes)
         with self._lock:
@@ -495,6 +506,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return L2StoreResult(ok, sent)
 
     def _lookup_rows(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
+        for desc in (descs or {}).values():
+            self._warm_soon(_desc_bytes(desc))
         bitmap = Bitmap(len(keys))
         hits = 0
         now = time.monotonic()
@@ -523,9 +536,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 continue
             hashes = [self._hash(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
-            for a, b in call_slices(len(idx), size):
+            short = False
+            for (a, b), landed in self._get_slices(ns, hashes, bufs, size):  # consumed whole: see _get_slices
+                if short:
+                    continue  # past the row's first gap: nothing is reported (a slice in flight may have landed)
                 got = 0
-                for n in self.store.get_into(ns, hashes[a:b], bufs[a:b]):
+                for n in landed:
                     if n != size:  # only an explicit namespace can hold pages of another size
                         self.store.say(
                             "size",
@@ -542,8 +558,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     bitmap.set(i)
                     loaded.append(keys[i])
                 nbytes += got * size
-                if got < b - a:
-                    break
+                short = got < b - a
         if loaded:
             self._notify_keys_accessed(loaded)
         with self._lock:
@@ -552,6 +567,41 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self.counters["load_hits"] += len(loaded)
             self.counters["bytes_loaded"] += nbytes
         return bitmap
+
+    def _put_slices(
+        self, ns: str, layout: PageLayout, hashes: list[bytes], bufs: list[memoryview], size: int
+    ) -> Iterator[tuple[tuple[int, int], Stored | None]]:
+        """A row's Puts, slice by slice with the store lanes' calls in flight (lanes.py), in order: ((a, b), what
+        the node holds of pages a..b), or None for a slice not sent because an earlier one failed (the rest of
+        the row would hang off a gap)."""
+        failed = False
+
+        def put(ab: tuple[int, int]) -> Stored | None:
+            a, b = ab
+            return None if failed else self.store.put(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
+
+        cuts = slices(len(hashes), size)
+        for ab, done in zip(cuts, self._store_lanes.ordered(put, cuts), strict=True):
+            failed = failed or (done is not None and not done.ok)
+            yield ab, done
+
+    def _get_slices(
+        self, ns: str, hashes: list[bytes], bufs: list[memoryview], size: int
+    ) -> Iterator[tuple[tuple[int, int], list[int]]]:
+        """A row's Gets into the objects, slice by slice with the load lanes' calls in flight (lanes.py), in
+        order: ((a, b), the sizes of the leading pages of a..b that landed). After a slice that fell short the
+        slices not yet started are not asked for (they come back empty). Consume it whole: it returns only once
+        no call it started can still write into `bufs`."""
+        short = False
+
+        def get(ab: tuple[int, int]) -> list[int]:
+            a, b = ab
+            return [] if short else self.store.get_into(ns, hashes[a:b], bufs[a:b])
+
+        cuts = slices(len(hashes), size)
+        for (a, b), landed in zip(cuts, self._load_lanes.ordered(get, cuts), strict=True):
+            short = short or len(landed) < b - a
+            yield (a, b), landed
 
     def _find(self, ns: str, hashes: list[bytes]) -> int:
         """Leading pages of the row the node holds, pinned when `lock` (0 on any failure).
@@ -654,6 +704,18 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # -- usage
 
+    def _warm_soon(self, size: int) -> None:
+        """Set up, off the caller's thread and once per object size, what the first transfer of that size would
+        otherwise pay for on its own clock (RemoteStore.warm: the plane and its connection at start; receive
+        memory for the calls a store and a load keep in flight, once a size is known: a lookup names it first)."""
+        with self._lock:
+            if self._closed or size in self._warmed:
+                return
+            self._warmed.add(size)
+        pages = 2 * self._load_lanes.depth * max(1, SLICE_BYTES // size) if size else 0
+        with contextlib.suppress(RuntimeError):  # closed
+            self._store_pool.submit(self.store.warm, size, pages)
+
     def _refresh_usage_soon(self) -> None:
         with self._lock:
             if self._closed or self._usage_busy or time.monotonic() - self._usage_at < self.settings.usage_interval:
@@ -717,6 +779,17 @@ def _object_tag(obj: MemoryObj) -> str:
     shapes = meta.shapes if meta.shapes else [meta.shape]
     dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
     return l2_layout_tag([list(s) for s in shapes], [_dtype(d) for d in dtypes])
+
+
+def _desc_bytes(desc: MemoryLayoutDesc) -> int:
+    """Bytes of one object of a layout description (0 when it names none or a dtype of unknown size)."""
+    total = 0
+    for shape, dtype in zip(desc.shapes or (), desc.dtypes or (), strict=False):
+        n = int(getattr(dtype, "itemsize", 0))
+        for dim in shape:
+            n *= int(dim)
+        total += n
+    return total
 
 
 def _dtype(d: object) -> str:

@@ -1,0 +1,81 @@
+"""One transfer of a door as several calls in flight: the pages of a task cut into slices, up to `depth` of them
+moving at once, their results handed back in order.
+
+Why (measured, benchmarks/RESULTS.md "LMCache's L2 adapters"): one call of a whole task serialises the two
+halves of a transfer. On the node's host a page into memory the node did not register is two copies (the node's
+into the client's receive block, the client's into the engine's object); over TCP it is the node's send and the
+client's receive. With one call the node's half of page k+1 waits for the client's half of page k. Two calls in
+flight let them run on two cores at once; more than two gained nothing on the 2-core machine measured.
+
+Invariants:
+- results come back in the order of the slices; the caller may stop early (break out of `ordered`): no slice past
+  those in flight is started after that;
+- `ordered` returns (normally, by a break, or by an exception) only once every call it started has ended, so no
+  call can still be writing into (or reading from) the caller's memory when the task that owns it completes;
+- calls run on this object's own threads (one pool per kind of work: a slow store never holds a load's lane).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+S = TypeVar("S")
+T = TypeVar("T")
+
+# NOTE: calls in flight per task, and the bytes each call moves. Two calls keep both halves of a transfer busy
+# (above); slices of ~8 MiB keep a call's fixed cost (a request, a reply: ~0.2-0.5 ms here) under ~10% of
+# its copy while a 2 MiB chunk task still splits into several calls.
+DEPTH = 2
+SLICE_BYTES = 8 << 20
+
+
+def slices(n: int, page_bytes: int, slice_bytes: int | None = None) -> list[tuple[int, int]]:
+    """[a, b) ranges covering n pages, each of at most `slice_bytes` (SLICE_BYTES when None; at least one page)."""
+    per = max(1, (SLICE_BYTES if slice_bytes is None else slice_bytes) // max(1, page_bytes))
+    return [(a, min(a + per, n)) for a in range(0, n, per)]
+
+
+class Lanes:
+    """`depth` calls in flight at most per `ordered` run, on `threads` worker threads shared by all runs."""
+
+    def __init__(self, name: str, threads: int, depth: int = DEPTH) -> None:
+        if threads < 1 or depth < 1:
+            raise ValueError(f"lanes {name!r}: threads and depth must be at least 1, got {threads} and {depth}")
+        self.depth = depth
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"kvstore-{name}")
+
+    def ordered(self, fn: Callable[[S], T], items: Iterable[S]) -> Iterator[T]:
+        """fn(item) for each item, up to `depth` at once, yielded in order (see the module invariants).
+
+        With one item, or depth 1, fn runs on the caller's thread (no hand-off to pay)."""
+        items = list(items)
+        if len(items) <= 1 or self.depth == 1:
+            for item in items:
+                yield fn(item)
+            return
+        pending: collections.deque[Future[T]] = collections.deque()
+        queue = iter(items)
+        try:
+            for item in queue:
+                pending.append(self._pool.submit(fn, item))
+                if len(pending) >= self.depth:
+                    break
+            while pending:
+                result = pending.popleft().result()
+                nxt = next(queue, None)
+                if nxt is not None:
+                    pending.append(self._pool.submit(fn, nxt))
+                yield result
+        finally:
+            for f in pending:  # stopped early: what has not started never will, what has is waited for
+                if not f.cancel():
+                    with contextlib.suppress(Exception):
+                        f.result()
+
+    def close(self) -> None:
+        """Stop taking work; calls queued and not started are dropped."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
