@@ -140,10 +140,43 @@ DRIVER_TIMEOUT_S = 1800.0  # one adapter's whole driver run; a run that overruns
 
 
 def adapters(args: argparse.Namespace, peers_py: Path | None, work: Path, load: LoadLog) -> dict[str, dict]:
+    """Every backend `--repeat` times, the order alternating between repeats (so drift on a shared machine favours
+    none); each cell the median over the repeats that ran, the repeats' own figures kept beside it."""
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeat):
+        order = args.backends if rep % 2 == 0 else list(reversed(args.backends))
+        for name, res in adapters_once(args, order, peers_py, work, load).items():
+            runs.setdefault(name, []).append(res)
+    if args.repeat == 1:
+        return {name: runs[name][0] for name in args.backends}
+    out: dict[str, dict] = {}
+    for name in args.backends:
+        good = [r for r in runs[name] if "error" not in r]
+        if not good:
+            out[name] = runs[name][-1]
+            continue
+        cells = []
+        for i, first in enumerate(good[0]["results"]):
+            rows = [g["results"][i] for g in good]
+            cell = {**first, "repeats": len(rows)}
+            for k in ("store_gbs", "load_gbs", "lookup_p50_ms", "lookup_p99_ms"):
+                cell[k] = statistics.median(r[k] for r in rows)
+                cell[f"{k}_runs"] = [round(r[k], 3) for r in rows]
+            cell["bit_exact"] = all(r["bit_exact"] for r in rows)
+            cells.append(cell)
+        spans = [g["load_average"] for g in good]
+        out[name] = {"results": cells, "seconds": sum(g["seconds"] for g in good), "runs": runs[name],
+                     "load_average": [min(a for a, _ in spans), max(b for _, b in spans)]}  # fmt: skip
+    return out
+
+
+def adapters_once(
+    args: argparse.Namespace, order: list[str], peers_py: Path | None, work: Path, load: LoadLog
+) -> dict[str, dict]:
     """Per backend, the driver's results; a backend that cannot be started or whose driver fails twice gets an
     "error" (reported as skipped, with why) and the others are still measured."""
     out: dict[str, dict] = {}
-    for name in args.backends:
+    for name in order:
         py = Path(sys.executable) if name.startswith("kvstore") else peers_py
         if py is None:
             out[name] = {"error": "the peers' venv could not be made (see the log)"}
@@ -253,7 +286,8 @@ def _load(res: dict) -> str:
 
 def table(args: argparse.Namespace, micro: dict[str, dict], ttfts: dict[str, dict], limit: float, load: LoadLog) -> str:
     lines = [f"### l2_bench: LMCache multiprocess server storage (L2 adapters), batch {args.batch}", machine_line(),
-             f"- {load.span()}; each row's own in its last column",
+             f"- {load.span()}; each row's own in its last column; medians of {args.repeat} alternated run(s) of "
+             f"{args.rounds} rounds",
              f"- memcpy of one batch of the largest size on this machine: {limit:.2f} GB/s", "",
              "| L2 adapter | chunk | store GB/s | load GB/s | lookup p50 ms | lookup p99 ms | bit-exact | load avg |",
              "|---|--:|--:|--:|--:|--:|:-:|--:|"]  # fmt: skip
@@ -286,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 * MiB, 4 * MiB, 16 * MiB])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every backend, alternating their order (medians)")
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     ap.add_argument("--ttft", action="store_true", help="also TTFT through vLLM with each backend (minutes)")
     ap.add_argument("--ttft-samples", type=int, default=3)
