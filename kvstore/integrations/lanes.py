@@ -33,9 +33,14 @@ DEPTH = 2
 SLICE_BYTES = 8 << 20
 
 
-def slices(n: int, page_bytes: int, slice_bytes: int | None = None) -> list[tuple[int, int]]:
-    """[a, b) ranges covering n pages, each of at most `slice_bytes` (SLICE_BYTES when None; at least one page)."""
+def slices(
+    n: int, page_bytes: int, slice_bytes: int | None = None, max_pages: int | None = None
+) -> list[tuple[int, int]]:
+    """[a, b) ranges covering n pages, each of at most `slice_bytes` (SLICE_BYTES when None) and `max_pages` pages
+    (at least one page)."""
     per = max(1, (SLICE_BYTES if slice_bytes is None else slice_bytes) // max(1, page_bytes))
+    if max_pages is not None:
+        per = max(1, min(per, max_pages))
     return [(a, min(a + per, n)) for a in range(0, n, per)]
 
 
