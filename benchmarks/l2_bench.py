@@ -12,6 +12,10 @@ lookup latency p50/p99 per task (all hits). Loads are checked byte for byte.
                     lookups pin what they find until unlock)
     kvstore-shm     (info) the same with transport "shm": loads arrive in kvstore's own segment and are
                     copied into LMCache's objects (two copies; not a default, shows the same-host plane)
+    kvstore-window  (info) the default adapter, LMCache's objects carved from memory registered with its node
+                    client (a SharedBuffer): the node copies each page straight into the object, one copy. What
+                    LMCache's real arena cannot have: it is anonymous (pinned) memory, or with `shm_name` a POSIX
+                    shm file, and the node maps only sealed memfds (kvstore/node/planes/shm.py)
     resp            LMCache's C++ RESP connector -> a real redis-server on loopback (persistence off)
     fs              LMCache's Python fs adapter -> files in a temp directory (the page cache: reads after
                     writes come from RAM, as they do for a user with defaults)
@@ -70,8 +74,9 @@ from kvstore.pageformat import slot_bytes_for
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-BACKENDS = ("kvstore", "kvstore-shm", "resp", "fs", "mooncake_store", "mooncake_py")
-LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore, transport shm: loads copy twice", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
+BACKENDS = ("kvstore", "kvstore-shm", "kvstore-window", "resp", "fs", "mooncake_store", "mooncake_py")
+LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore, transport shm: loads copy twice",
+          "kvstore-window": "(info) kvstore, objects in registered memory: in place", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
           "mooncake_store": "LMCache mooncake_store", "mooncake_py": "Mooncake Store (Python adapter, see notes)",
           "none": "no L2: B recomputed",
           "l1": "LMCache's own memory (L1 hit)"}  # fmt: skip
@@ -81,7 +86,7 @@ LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore,
 def backend(name: str, work: Path, max_page: int, batch: int,
             peers_py: Path | None = None) -> Iterator[tuple[dict, Callable[[], int]]]:  # fmt: skip
     """(the adapter's --l2-adapter spec, how many objects it holds now) with its server started."""
-    if name in ("kvstore", "kvstore-shm"):
+    if name.startswith("kvstore"):
         slot = slot_bytes_for(max_page)
         with NodeProcess(dram_bytes=(2 * batch + 4) * slot, max_page_bytes=max_page, node_id="l2-bench",
                          log_path=work / "node.log") as node:  # fmt: skip
@@ -200,7 +205,8 @@ def _one_adapter(name: str, py: Path, args: argparse.Namespace, peers_py: Path |
     try:
         with backend(name, work, max(args.sizes), args.batch, peers_py) as (spec, _):
             cmd = [str(py), str(HERE / "l2_driver.py"), "--spec", json.dumps(spec), "--sizes", *map(str, args.sizes),
-                   "--batch", str(args.batch), "--rounds", str(args.rounds)]  # fmt: skip
+                   "--batch", str(args.batch), "--rounds", str(args.rounds),
+                   *(["--registered"] if name == "kvstore-window" else [])]  # fmt: skip
             try:
                 proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.driver_timeout,
                                       env=engine_env(MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1"))  # fmt: skip
@@ -231,7 +237,10 @@ def ttft(args: argparse.Namespace, peers_py: Path | None, work: Path, load: Load
     vllm_py = ensure_engine_venv(work / "engine-venv.log")
     model = make_model(vllm_py, work / "ttft-model", hidden=512, layers=16, intermediate=1536, init_range=0.02)
     out: dict[str, dict] = {}
-    for name in ["none", *[b for b in args.backends if not b.startswith("mooncake") and b != "kvstore-shm"]]:
+    for name in [
+        "none",
+        *[b for b in args.backends if not b.startswith("mooncake") and b not in ("kvstore-shm", "kvstore-window")],
+    ]:
         py = vllm_py if name in ("none", "kvstore") else peers_py
         if py is None:
             continue
