@@ -14,18 +14,23 @@ kvstore/integrations/lmcache_l2_mapping.py.
 
 The interface (lmcache/v1/distributed/l2_adapters/base.py): store, lookup-and-lock and load are
 submitted as tasks and never block the caller; each kind signals completion on its own event fd and
-keeps its results until LMCache pops them. Here every task runs on a thread pool (one for stores, one
-for lookups, loads and unlocks, so a slow store never delays a prefill's loads) through RemoteStore,
+keeps its results until LMCache pops them. Here every task runs on a thread pool (one for stores, one for
+loads, one for lookups and unlocks: a slow store never delays a prefill's loads, and a request's lookup never
+queues behind other requests' loads) through RemoteStore,
 whose error policy is the engine's: a node that is down, slow or refusing is a miss (or a failed store),
 logged once per kind, never an exception into LMCache; after a node stopped answering, tasks complete
 at once as misses for `down_backoff_s` (one probe per period). No call waits longer than `timeout_s`
 (data) or `lookup_timeout_s` (lookups, pins), so no task outlives those bounds by more than its queue.
 
 Invariants:
-- loads receive each page straight into the MemoryObj LMCache hands over (`get_into` on its buffer: one
-  copy, verified on arrival; on the node's host through the TCP plane, since the same-host plane writes
-  only into kvstore's own segments: see remote.py), and report a key loaded only when its page arrived
-  whole, verified and exactly the object's size;
+- loads receive each page into the MemoryObj LMCache hands over (`get_into` on its buffer: over TCP straight
+  into it, verified on arrival; on the node's host the node copies it, verified in that pass, into the
+  client's registered receive memory and the client copies it on, since the node writes only memory
+  registered as a sealed memfd and LMCache's arena is not one), and report a key loaded only when its page
+  arrived whole, verified and exactly the object's size;
+- a task's pages move as calls of about SLICE_BYTES, two in flight (integrations/lanes.py), so on one host
+  the node's copy of one call and the client's of the one before run at once; a task completes only once
+  none of its calls can still write into LMCache's objects;
 - a lookup reports a prefix of each (model, rank, group, salt) row: what the node holds from the row's
   first chunk on; with `lock` (default) those pages are pinned with a lease until LMCache unlocks them
   (or the lease ends: an unlock lost in a crash never leaks a pin), in one round trip for a row found
@@ -156,6 +161,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         threads = s.remote.threads
         self._store_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-store")
         self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-read")
+        # NOTE: lookups (and unlocks, usage) on threads of their own: a request's lookup-and-lock is one short round
+        # trip that must not queue behind other requests' loads of many MiB.
+        self._control_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-lookup")
         # A task's pages move as several calls in flight (lanes.py), on lanes of their own per kind of work.
         self._store_lanes = Lanes("l2-store-lane", threads)
         self._load_lanes = Lanes("l2-load-lane", threads)
@@ -228,7 +236,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        return self._submit(self._read_pool, self._lookups, self._lookup, (keys, group_layout_descs), Bitmap(len(keys)))
+        args = (keys, group_layout_descs)
+        return self._submit(self._control_pool, self._lookups, self._lookup, args, Bitmap(len(keys)))
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._lookups.pop(task_id)
@@ -248,7 +257,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 release.setdefault(ns, []).append(h)
         if release and not self._closed:
             with contextlib.suppress(RuntimeError):  # shutting down: the pins' leases end them
-                self._read_pool.submit(self._unpin, release)
+                self._control_pool.submit(self._unpin, release)
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         return self._submit(self._read_pool, self._loads, self._load, (keys, objects), Bitmap(len(keys)))
@@ -298,6 +307,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._closed = True
         self._store_pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
         self._store_lanes.close()
         self._load_lanes.close()
         self.store.close()  # cuts calls in flight short: their tasks end as misses nobody reads
@@ -722,7 +732,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 return
             self._usage_busy = True
         try:
-            self._read_pool.submit(self._refresh_usage)
+            self._control_pool.submit(self._refresh_usage)
         except RuntimeError:
             self._usage_busy = False
 
