@@ -588,7 +588,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
         def put(ab: tuple[int, int]) -> Stored | None:
             a, b = ab
-            return None if failed else self.store.put(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
+            return None if failed else self.store.put_from(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
 
         cuts = slices(len(hashes), size)
         for ab, done in zip(cuts, self._store_lanes.ordered(put, cuts), strict=True):
