@@ -717,12 +717,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def _warm_soon(self, size: int) -> None:
         """Set up, off the caller's thread and once per object size, what the first transfer of that size would
         otherwise pay for on its own clock (RemoteStore.warm: the plane and its connection at start; receive
-        memory for the calls a store and a load keep in flight, once a size is known: a lookup names it first)."""
+        memory for the calls one task keeps in flight, once a size is known: a lookup names it first)."""
         with self._lock:
             if self._closed or size in self._warmed:
                 return
             self._warmed.add(size)
-        pages = 2 * self._load_lanes.depth * max(1, SLICE_BYTES // size) if size else 0
+        pages = self._load_lanes.depth * max(1, SLICE_BYTES // size) if size else 0
         with contextlib.suppress(RuntimeError):  # closed
             self._store_pool.submit(self.store.warm, size, pages)
 
