@@ -5,7 +5,7 @@ Why (measured, benchmarks/RESULTS.md "LMCache's L2 adapters"): one call of a who
 halves of a transfer. On the node's host a page into memory the node did not register is two copies (the node's
 into the client's receive block, the client's into the engine's object); over TCP it is the node's send and the
 client's receive. With one call the node's half of page k+1 waits for the client's half of page k. Two calls in
-flight let them run on two cores at once; more than two gained nothing on the 2-core machine measured.
+flight let them run on two cores at once (no depth above two was measured).
 
 Invariants:
 - results come back in the order of the slices; the caller may stop early (break out of `ordered`): no slice past
