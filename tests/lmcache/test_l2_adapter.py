@@ -511,3 +511,21 @@ def test_a_task_in_several_calls_in_flight_is_bit_exact_and_stops_at_a_gap(
     assert load(a, ks, dst) == [0, 1, 2]
     assert raw(dst)[:3] == raw(src)[:3]
     assert a.report_status()["load_hits"] == 7 + 3
+
+
+def test_the_plane_and_receive_memory_are_set_up_before_the_first_store(
+    node: NodeProcess, adapters: Callable[..., Any]
+) -> None:
+    """The first store pays no set-up of its own (RemoteStore.warm): the adapter negotiates its plane and opens its
+    connection at start, and maps receive memory for a size once a lookup names it (LMCache looks up first)."""
+    a = adapters(target=node.addr)
+    wait_for(lambda: a.store.plane is not None, what="the data plane negotiated at start")
+    assert lookup(a, keys(2)) == []  # nothing stored yet; the layout names the objects' size
+    if a.store.plane == "shm":  # receive memory is the same-host plane's; TCP receives into the objects
+        pool = a.store._data.receive_pool
+        wait_for(lambda: pool.mapped_bytes >= CHUNK_BYTES, what="receive memory mapped for the objects' size")
+    assert node_stats(node).namespaces == []  # warming stored nothing
+    ks, src = keys(2), objects(2, seed=40)
+    assert store(a, ks, src).is_successful()
+    dst = objects(2)
+    assert load(a, ks, dst) == [0, 1] and raw(dst) == raw(src)
