@@ -15,6 +15,10 @@ MHATokenToKVPoolHost `page_first` ([2, tokens, layers, heads, head_dim], bf16), 
 (Llama-3.1-8B's), --page-tokens tokens per page (two regions per page: K and V). Per plane: `batch_set_v1` and
 `batch_get_v1` of --sgl-batch pages (GB/s of page bytes, median of --runs), beside the client's own
 `put_from`/`get_into` of the same regions (what the door adds) and the machine's memcpy of one batch (its limit).
+Part 4 (`--only vllm`), vLLM's offloading tier (kvstore/integrations/vllm_offload.py) through vLLM 0.32's own
+TieringOffloadingSpec in the engine venv (benchmarks/vllm_tier_driver.py): store (cascade) and load (promotion)
+jobs of --sgl-batch chunk rows of each --tier-rows size, beside the tier's own client on the same rows; a row
+saying why when the engine venv is missing.
 Part 3, the per-page store accounting every door reports by (kvstore/integrations/outcome.py). Fast path (the Put's
 counts cover the call): RemoteStore's outcome of a --acct-batch page Put, in process (no I/O: what the accounting
 itself costs per call), and RemoteStore.put of --acct-batch x --page-kib KiB pages beside the bare KVStoreClient.put
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import logging
 import statistics
 import sys
@@ -291,6 +296,38 @@ def accounting_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]
     return lines, out
 
 
+def vllm_part(args: argparse.Namespace) -> tuple[list[str], dict[str, Any]]:
+    """vLLM's offloading tier (kvstore/integrations/vllm_offload.py) through vLLM's own objects, in the engine venv
+    (benchmarks/vllm_tier_driver.py); a row saying why when that venv is missing or the driver fails."""
+    import subprocess
+
+    from devkit.engines import engine_env, engine_python
+
+    py = engine_python()
+    lines = ["| chunk row | plane | store job GB/s | load job GB/s | client put_from GB/s | client get_into GB/s |",
+             "|--:|---|--:|--:|--:|--:|"]  # fmt: skip
+    if not py.exists():
+        return [*lines, f"| skipped: no engine venv at {py} (tools/vllm_venv.sh makes it) | | | | | |"], {}
+    largest = max(args.tier_rows)
+    node = NodeProcess(dram_bytes=(2 * args.sgl_batch + 4) * slot_bytes_for(largest), max_page_bytes=largest,
+                       node_id="vllm-tier-bench").start()  # fmt: skip
+    try:
+        cmd = [str(py), str(Path(__file__).with_name("vllm_tier_driver.py")), "--url", f"kvstore://{node.addr}",
+               "--row-bytes", *map(str, args.tier_rows), "--batch", str(args.sgl_batch), "--rounds", str(args.runs)]  # fmt: skip
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=1800, env=engine_env())
+    finally:
+        node.close()
+    found = [ln for ln in proc.stdout.splitlines() if ln.startswith("TIERRESULT ")]
+    if not found:
+        why = (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]
+        return [*lines, f"| skipped: the driver failed ({why}) | | | | | |"], {"stderr": proc.stderr[-4000:]}
+    res = json.loads(found[-1].removeprefix("TIERRESULT "))
+    for r in res["results"]:
+        lines.append(f"| {r['row_bytes'] >> 20} MiB | {r['plane']} | {r['store_gbs']:.2f} | {r['load_gbs']:.2f} | "
+                     f"{r['client_put_gbs']:.2f} | {r['client_get_gbs']:.2f} |")  # fmt: skip
+    return lines, res
+
+
 def _part(
     name: str,
     head: str,
@@ -319,7 +356,9 @@ def main() -> int:
     ap.add_argument("--page-tokens", type=int, default=16, help="SGLang page size (tokens)")
     ap.add_argument("--sgl-batch", type=int, default=32, help="pages per SGLang batch call")
     ap.add_argument("--acct-batch", type=int, default=32, help="pages per store call in the accounting part")
-    ap.add_argument("--only", choices=["events", "sglang", "accounting"], help="run one part")
+    ap.add_argument("--tier-rows", type=int, nargs="+", default=[2 << 20, 16 << 20],
+                    help="vLLM tier: chunk row bytes (one kvstore page each)")  # fmt: skip
+    ap.add_argument("--only", choices=["events", "sglang", "vllm", "accounting"], help="run one part")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out")
     args = ap.parse_args()
     t0 = time.time()
@@ -339,6 +378,12 @@ def main() -> int:
             f"median of {args.runs}"
         )
         parts += _part("sglang", head, lambda: sglang_part(args), payload, load)
+    if args.only in (None, "vllm"):
+        head = (
+            f"- vLLM offloading tier: store (cascade) and load (promotion) jobs of {args.sgl_batch} chunk rows through "
+            f"vLLM 0.32's TieringOffloadingSpec, beside the tier's own client on the same rows, median of {args.runs}"
+        )
+        parts += _part("vllm", head, lambda: vllm_part(args), payload, load)
     if args.only in (None, "accounting"):
         head = (
             f"- Store accounting (every door): {args.acct_batch} x {args.page_kib} KiB pages per call, gRPC plane, "

@@ -12,6 +12,10 @@ lookup latency p50/p99 per task (all hits). Loads are checked byte for byte.
                     lookups pin what they find until unlock)
     kvstore-shm     (info) the same with transport "shm": loads arrive in kvstore's own segment and are
                     copied into LMCache's objects (two copies; not a default, shows the same-host plane)
+    kvstore-window  (info) the default adapter, LMCache's objects carved from memory registered with its node
+                    client (a SharedBuffer): the node copies each page straight into the object, one copy. What
+                    LMCache's real arena cannot have: it is anonymous (pinned) memory, or with `shm_name` a POSIX
+                    shm file, and the node maps only sealed memfds (kvstore/node/planes/shm.py)
     resp            LMCache's C++ RESP connector -> a real redis-server on loopback (persistence off)
     fs              LMCache's Python fs adapter -> files in a temp directory (the page cache: reads after
                     writes come from RAM, as they do for a user with defaults)
@@ -70,8 +74,9 @@ from kvstore.pageformat import slot_bytes_for
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
-BACKENDS = ("kvstore", "kvstore-shm", "resp", "fs", "mooncake_store", "mooncake_py")
-LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore, transport shm: loads copy twice", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
+BACKENDS = ("kvstore", "kvstore-shm", "kvstore-window", "resp", "fs", "mooncake_store", "mooncake_py")
+LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore, transport shm: loads copy twice",
+          "kvstore-window": "(info) kvstore, objects in registered memory: in place", "resp": "LMCache resp (Redis)", "fs": "LMCache fs",
           "mooncake_store": "LMCache mooncake_store", "mooncake_py": "Mooncake Store (Python adapter, see notes)",
           "none": "no L2: B recomputed",
           "l1": "LMCache's own memory (L1 hit)"}  # fmt: skip
@@ -81,7 +86,7 @@ LABELS = {"kvstore": "kvstore (our L2 adapter)", "kvstore-shm": "(info) kvstore,
 def backend(name: str, work: Path, max_page: int, batch: int,
             peers_py: Path | None = None) -> Iterator[tuple[dict, Callable[[], int]]]:  # fmt: skip
     """(the adapter's --l2-adapter spec, how many objects it holds now) with its server started."""
-    if name in ("kvstore", "kvstore-shm"):
+    if name.startswith("kvstore"):
         slot = slot_bytes_for(max_page)
         with NodeProcess(dram_bytes=(2 * batch + 4) * slot, max_page_bytes=max_page, node_id="l2-bench",
                          log_path=work / "node.log") as node:  # fmt: skip
@@ -140,10 +145,43 @@ DRIVER_TIMEOUT_S = 1800.0  # one adapter's whole driver run; a run that overruns
 
 
 def adapters(args: argparse.Namespace, peers_py: Path | None, work: Path, load: LoadLog) -> dict[str, dict]:
+    """Every backend `--repeat` times, the order alternating between repeats (so drift on a shared machine favours
+    none); each cell the median over the repeats that ran, the repeats' own figures kept beside it."""
+    runs: dict[str, list[dict]] = {}
+    for rep in range(args.repeat):
+        order = args.backends if rep % 2 == 0 else list(reversed(args.backends))
+        for name, res in adapters_once(args, order, peers_py, work, load).items():
+            runs.setdefault(name, []).append(res)
+    if args.repeat == 1:
+        return {name: runs[name][0] for name in args.backends}
+    out: dict[str, dict] = {}
+    for name in args.backends:
+        good = [r for r in runs[name] if "error" not in r]
+        if not good:
+            out[name] = runs[name][-1]
+            continue
+        cells = []
+        for i, first in enumerate(good[0]["results"]):
+            rows = [g["results"][i] for g in good]
+            cell = {**first, "repeats": len(rows)}
+            for k in ("store_gbs", "load_gbs", "lookup_p50_ms", "lookup_p99_ms"):
+                cell[k] = statistics.median(r[k] for r in rows)
+                cell[f"{k}_runs"] = [round(r[k], 3) for r in rows]
+            cell["bit_exact"] = all(r["bit_exact"] for r in rows)
+            cells.append(cell)
+        spans = [g["load_average"] for g in good]
+        out[name] = {"results": cells, "seconds": sum(g["seconds"] for g in good), "runs": runs[name],
+                     "load_average": [min(a for a, _ in spans), max(b for _, b in spans)]}  # fmt: skip
+    return out
+
+
+def adapters_once(
+    args: argparse.Namespace, order: list[str], peers_py: Path | None, work: Path, load: LoadLog
+) -> dict[str, dict]:
     """Per backend, the driver's results; a backend that cannot be started or whose driver fails twice gets an
     "error" (reported as skipped, with why) and the others are still measured."""
     out: dict[str, dict] = {}
-    for name in args.backends:
+    for name in order:
         py = Path(sys.executable) if name.startswith("kvstore") else peers_py
         if py is None:
             out[name] = {"error": "the peers' venv could not be made (see the log)"}
@@ -167,7 +205,8 @@ def _one_adapter(name: str, py: Path, args: argparse.Namespace, peers_py: Path |
     try:
         with backend(name, work, max(args.sizes), args.batch, peers_py) as (spec, _):
             cmd = [str(py), str(HERE / "l2_driver.py"), "--spec", json.dumps(spec), "--sizes", *map(str, args.sizes),
-                   "--batch", str(args.batch), "--rounds", str(args.rounds)]  # fmt: skip
+                   "--batch", str(args.batch), "--rounds", str(args.rounds),
+                   *(["--registered"] if name == "kvstore-window" else [])]  # fmt: skip
             try:
                 proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=args.driver_timeout,
                                       env=engine_env(MC_TCP_BIND_ADDRESS="127.0.0.1", GLOG_minloglevel="1"))  # fmt: skip
@@ -198,7 +237,10 @@ def ttft(args: argparse.Namespace, peers_py: Path | None, work: Path, load: Load
     vllm_py = ensure_engine_venv(work / "engine-venv.log")
     model = make_model(vllm_py, work / "ttft-model", hidden=512, layers=16, intermediate=1536, init_range=0.02)
     out: dict[str, dict] = {}
-    for name in ["none", *[b for b in args.backends if not b.startswith("mooncake") and b != "kvstore-shm"]]:
+    for name in [
+        "none",
+        *[b for b in args.backends if not b.startswith("mooncake") and b not in ("kvstore-shm", "kvstore-window")],
+    ]:
         py = vllm_py if name in ("none", "kvstore") else peers_py
         if py is None:
             continue
@@ -253,7 +295,8 @@ def _load(res: dict) -> str:
 
 def table(args: argparse.Namespace, micro: dict[str, dict], ttfts: dict[str, dict], limit: float, load: LoadLog) -> str:
     lines = [f"### l2_bench: LMCache multiprocess server storage (L2 adapters), batch {args.batch}", machine_line(),
-             f"- {load.span()}; each row's own in its last column",
+             f"- {load.span()}; each row's own in its last column; medians of {args.repeat} alternated run(s) of "
+             f"{args.rounds} rounds",
              f"- memcpy of one batch of the largest size on this machine: {limit:.2f} GB/s", "",
              "| L2 adapter | chunk | store GB/s | load GB/s | lookup p50 ms | lookup p99 ms | bit-exact | load avg |",
              "|---|--:|--:|--:|--:|--:|:-:|--:|"]  # fmt: skip
@@ -286,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1 * MiB, 4 * MiB, 16 * MiB])
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every backend, alternating their order (medians)")
     ap.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     ap.add_argument("--ttft", action="store_true", help="also TTFT through vLLM with each backend (minutes)")
     ap.add_argument("--ttft-samples", type=int, default=3)

@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=120)
+    ap.add_argument("--registered", action="store_true",
+                    help="(info, kvstore only) LMCache's objects in memory registered with the node: the in-place path")  # fmt: skip
     args = ap.parse_args()
     try:
         out = run(args)
@@ -71,8 +73,15 @@ def run(args: argparse.Namespace) -> dict:
             raise TimeoutError("the adapter signalled no completion in time")
         consume_fd(fd)
 
+    windows: list = []
+
     def objects(size: int, seed: int | None) -> list:
-        buf = torch.empty(args.batch * size, dtype=torch.uint8)
+        if args.registered:  # (info) the objects in memory registered with the adapter's node client: in place
+            win = adapter.store._data.shared_buffer(args.batch * size)
+            windows.append(win)
+            buf = torch.frombuffer(win.view, dtype=torch.uint8)
+        else:
+            buf = torch.empty(args.batch * size, dtype=torch.uint8)
         if isinstance(adapter, MooncakePyAdapter):
             adapter.register(buf)
         if seed is not None:

@@ -14,18 +14,23 @@ kvstore/integrations/lmcache_l2_mapping.py.
 
 The interface (lmcache/v1/distributed/l2_adapters/base.py): store, lookup-and-lock and load are
 submitted as tasks and never block the caller; each kind signals completion on its own event fd and
-keeps its results until LMCache pops them. Here every task runs on a thread pool (one for stores, one
-for lookups, loads and unlocks, so a slow store never delays a prefill's loads) through RemoteStore,
+keeps its results until LMCache pops them. Here every task runs on a thread pool (one for stores, one for
+loads, one for lookups and unlocks: a slow store never delays a prefill's loads, and a request's lookup never
+queues behind other requests' loads) through RemoteStore,
 whose error policy is the engine's: a node that is down, slow or refusing is a miss (or a failed store),
 logged once per kind, never an exception into LMCache; after a node stopped answering, tasks complete
 at once as misses for `down_backoff_s` (one probe per period). No call waits longer than `timeout_s`
 (data) or `lookup_timeout_s` (lookups, pins), so no task outlives those bounds by more than its queue.
 
 Invariants:
-- loads receive each page straight into the MemoryObj LMCache hands over (`get_into` on its buffer: one
-  copy, verified on arrival; on the node's host through the TCP plane, since the same-host plane writes
-  only into kvstore's own segments: see remote.py), and report a key loaded only when its page arrived
-  whole, verified and exactly the object's size;
+- loads receive each page into the MemoryObj LMCache hands over (`get_into` on its buffer: over TCP straight
+  into it, verified on arrival; on the node's host the node copies it, verified in that pass, into the
+  client's registered receive memory and the client copies it on, since the node writes only memory
+  registered as a sealed memfd and LMCache's arena is not one), and report a key loaded only when its page
+  arrived whole, verified and exactly the object's size;
+- a task's pages move as calls of about SLICE_BYTES, two in flight (integrations/lanes.py), so on one host
+  the node's copy of one call and the client's of the one before run at once; a task completes only once
+  none of its calls can still write into LMCache's objects;
 - a lookup reports a prefix of each (model, rank, group, salt) row: what the node holds from the row's
   first chunk on; with `lock` (default) those pages are pinned with a lease until LMCache unlocks them
   (or the lease ends: an unlock lost in a crash never leaks a pin), in one round trip for a row found
@@ -61,6 +66,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.groups import Run, groups_label, part_name, runs
+from kvstore.integrations.lanes import SLICE_BYTES, Lanes, slices
 from kvstore.integrations.lmcache_l2_mapping import (
     L2_MAPPING_VERSION,
     L2_PARAMS,
@@ -75,7 +81,8 @@ from kvstore.integrations.lmcache_l2_mapping import (
     parse_l2_params,
 )
 from kvstore.integrations.lmcache_mapping import model_part
-from kvstore.integrations.remote import RemoteStore, call_slices
+from kvstore.integrations.outcome import Stored
+from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats
@@ -154,9 +161,16 @@ class KVStoreL2Adapter(L2AdapterInterface):
         threads = s.remote.threads
         self._store_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-store")
         self._read_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-read")
+        # NOTE: lookups (and unlocks, usage) on threads of their own: a request's lookup-and-lock is one short round
+        # trip that must not queue behind other requests' loads of many MiB.
+        self._control_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvstore-l2-lookup")
+        # A task's pages move as several calls in flight (lanes.py), on lanes of their own per kind of work.
+        self._store_lanes = Lanes("l2-store-lane", threads)
+        self._load_lanes = Lanes("l2-load-lane", threads)
         self._lock = threading.Lock()
         self._next_id = 0
         self._closed = False
+        self._warmed: set[int] = set()  # object sizes whose transfer memory was set up ahead (_warm_soon)
         # Pins this adapter holds: key -> (namespace, hash, count, lease end). Entries past their lease
         # are dropped (the node dropped the pin too), so a lock LMCache never releases cannot grow this.
         self._pins: dict[ObjectKey, tuple[str, bytes, int, float]] = {}
@@ -198,6 +212,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
             s.remote.lookup_timeout,
             ", pages pinned while locked" if s.lock else "",
         )
+        self._warm_soon(0)
 
     # -- event fds
 
@@ -221,7 +236,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
     def submit_lookup_and_lock_task(
         self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
     ) -> L2TaskId:
-        return self._submit(self._read_pool, self._lookups, self._lookup, (keys, group_layout_descs), Bitmap(len(keys)))
+        args = (keys, group_layout_descs)
+        return self._submit(self._control_pool, self._lookups, self._lookup, args, Bitmap(len(keys)))
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         return self._lookups.pop(task_id)
@@ -241,7 +257,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 release.setdefault(ns, []).append(h)
         if release and not self._closed:
             with contextlib.suppress(RuntimeError):  # shutting down: the pins' leases end them
-                self._read_pool.submit(self._unpin, release)
+                self._control_pool.submit(self._unpin, release)
 
     def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
         return self._submit(self._read_pool, self._loads, self._load, (keys, objects), Bitmap(len(keys)))
@@ -291,6 +307,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
         self._closed = True
         self._store_pool.shutdown(wait=False, cancel_futures=True)
         self._read_pool.shutdown(wait=False, cancel_futures=True)
+        self._control_pool.shutdown(wait=False, cancel_futures=True)
+        self._store_lanes.close()
+        self._load_lanes.close()
         self.store.close()  # cuts calls in flight short: their tasks end as misses nobody reads
         for c in (self._stores, self._lookups, self._loads):
             c.close()
@@ -467,10 +486,13 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 ok = False
                 unstored += len(idx)
                 continue
+            self._warm_soon(size)
             hashes = [self._hash(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
-            for a, b in call_slices(len(idx), size):
-                done = self.store.put(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
+            for (a, b), done in self._put_slices(ns, layout, hashes, bufs, size):
+                if done is None:
+                    unstored += b - a
+                    continue
                 sent += done.count * size
                 # NOTE: a Put says how many pages were new, not which: a chain's pages already present are
                 # usually its leading ones (a shared prefix), so the last `new` held pages of the call count as
@@ -482,8 +504,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     sizes.append(size if n >= first_new else 0)
                 if not done.ok:
                     ok = False
-                    unstored += (b - a) - done.count + (len(idx) - b)
-                    break  # the rest of this row would hang off a gap: not sent
+                    unstored += (b - a) - done.count
         if stored:
             self._notify_keys_stored(stored, sizes)
         with self._lock:
@@ -495,6 +516,8 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return L2StoreResult(ok, sent)
 
     def _lookup_rows(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
+        for desc in (descs or {}).values():
+            self._warm_soon(_desc_bytes(desc))
         bitmap = Bitmap(len(keys))
         hits = 0
         now = time.monotonic()
@@ -523,9 +546,12 @@ class KVStoreL2Adapter(L2AdapterInterface):
                 continue
             hashes = [self._hash(keys[i]) for i in idx]
             bufs = [objects[i].byte_array for i in idx]
-            for a, b in call_slices(len(idx), size):
+            short = False
+            for (a, b), landed in self._get_slices(ns, hashes, bufs, size):  # consumed whole: see _get_slices
+                if short:
+                    continue  # past the row's first gap: nothing is reported (a slice in flight may have landed)
                 got = 0
-                for n in self.store.get_into(ns, hashes[a:b], bufs[a:b]):
+                for n in landed:
                     if n != size:  # only an explicit namespace can hold pages of another size
                         self.store.say(
                             "size",
@@ -542,8 +568,7 @@ class KVStoreL2Adapter(L2AdapterInterface):
                     bitmap.set(i)
                     loaded.append(keys[i])
                 nbytes += got * size
-                if got < b - a:
-                    break
+                short = got < b - a
         if loaded:
             self._notify_keys_accessed(loaded)
         with self._lock:
@@ -552,6 +577,41 @@ class KVStoreL2Adapter(L2AdapterInterface):
             self.counters["load_hits"] += len(loaded)
             self.counters["bytes_loaded"] += nbytes
         return bitmap
+
+    def _put_slices(
+        self, ns: str, layout: PageLayout, hashes: list[bytes], bufs: list[memoryview], size: int
+    ) -> Iterator[tuple[tuple[int, int], Stored | None]]:
+        """A row's Puts, slice by slice with the store lanes' calls in flight (lanes.py), in order: ((a, b), what
+        the node holds of pages a..b), or None for a slice not sent because an earlier one failed (the rest of
+        the row would hang off a gap)."""
+        failed = False
+
+        def put(ab: tuple[int, int]) -> Stored | None:
+            a, b = ab
+            return None if failed else self.store.put_from(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
+
+        cuts = slices(len(hashes), size)
+        for ab, done in zip(cuts, self._store_lanes.ordered(put, cuts), strict=True):
+            failed = failed or (done is not None and not done.ok)
+            yield ab, done
+
+    def _get_slices(
+        self, ns: str, hashes: list[bytes], bufs: list[memoryview], size: int
+    ) -> Iterator[tuple[tuple[int, int], list[int]]]:
+        """A row's Gets into the objects, slice by slice with the load lanes' calls in flight (lanes.py), in
+        order: ((a, b), the sizes of the leading pages of a..b that landed). After a slice that fell short the
+        slices not yet started are not asked for (they come back empty). Consume it whole: it returns only once
+        no call it started can still write into `bufs`."""
+        short = False
+
+        def get(ab: tuple[int, int]) -> list[int]:
+            a, b = ab
+            return [] if short else self.store.get_into(ns, hashes[a:b], bufs[a:b])
+
+        cuts = slices(len(hashes), size)
+        for (a, b), landed in zip(cuts, self._load_lanes.ordered(get, cuts), strict=True):
+            short = short or len(landed) < b - a
+            yield (a, b), landed
 
     def _find(self, ns: str, hashes: list[bytes]) -> int:
         """Leading pages of the row the node holds, pinned when `lock` (0 on any failure).
@@ -654,13 +714,25 @@ class KVStoreL2Adapter(L2AdapterInterface):
 
     # -- usage
 
+    def _warm_soon(self, size: int) -> None:
+        """Set up, off the caller's thread and once per object size, what the first transfer of that size would
+        otherwise pay for on its own clock (RemoteStore.warm: the plane and its connection at start; receive
+        memory for the calls one task keeps in flight, once a size is known: a lookup names it first)."""
+        with self._lock:
+            if self._closed or size in self._warmed:
+                return
+            self._warmed.add(size)
+        pages = self._load_lanes.depth * max(1, SLICE_BYTES // size) if size else 0
+        with contextlib.suppress(RuntimeError):  # closed
+            self._store_pool.submit(self.store.warm, size, pages)
+
     def _refresh_usage_soon(self) -> None:
         with self._lock:
             if self._closed or self._usage_busy or time.monotonic() - self._usage_at < self.settings.usage_interval:
                 return
             self._usage_busy = True
         try:
-            self._read_pool.submit(self._refresh_usage)
+            self._control_pool.submit(self._refresh_usage)
         except RuntimeError:
             self._usage_busy = False
 
@@ -717,6 +789,17 @@ def _object_tag(obj: MemoryObj) -> str:
     shapes = meta.shapes if meta.shapes else [meta.shape]
     dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
     return l2_layout_tag([list(s) for s in shapes], [_dtype(d) for d in dtypes])
+
+
+def _desc_bytes(desc: MemoryLayoutDesc) -> int:
+    """Bytes of one object of a layout description (0 when it names none or a dtype of unknown size)."""
+    total = 0
+    for shape, dtype in zip(desc.shapes or (), desc.dtypes or (), strict=False):
+        n = int(getattr(dtype, "itemsize", 0))
+        for dim in shape:
+            n *= int(dim)
+        total += n
+    return total
 
 
 def _dtype(d: object) -> str:

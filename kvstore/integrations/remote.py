@@ -35,6 +35,7 @@ A cluster's `get_into` uses node clients on the TCP plane for the same reason un
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -72,6 +73,9 @@ LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
 # segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
 # 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
 CALL_BYTES = 64 << 20
+# A namespace no door writes (the mapping's namespaces all carry a prefix and a version): `warm` reads a page of
+# it so the node's answer (not found) costs nothing and changes nothing.
+WARM_NAMESPACE = "kvstore-warm/none"
 _UNREACHABLE = (Unavailable, NoLiveNode)  # IndexUnavailable too: the index reader wraps Redis's errors
 _SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
 # Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it, the index reader
@@ -216,6 +220,23 @@ class RemoteStore:
             data = self._data
             return self._guard("get", ns, lambda: len(data.get_bundle_into(ns, layout, hashes, pages)), 0)
         return self._guard("get", ns, lambda: len(self._cluster().get_bundle_into(ns, layout, hashes, pages)), 0)
+
+    def warm(self, page_bytes: int = 0, pages: int = 0) -> None:
+        """Pay one node's per-client set-up before a transfer needs it (a cluster: nothing). Never raises.
+
+        The data client's plane is negotiated and its first connection opened by a Get of a page nobody stores
+        (WARM_NAMESPACE: a miss); then, where that plane is the same-host one, receive memory for `pages` pages
+        of `page_bytes` is mapped once (the blocks a store copies pages into and a load lands in, kept mapped
+        by the pool for the calls after: kvstore/client/planes/pool.py)."""
+        if self._data is None or self._closed:
+            return
+        data = self._data
+        self._guard("warm", WARM_NAMESPACE, lambda: data.get_pages(WARM_NAMESPACE, [bytes(32)]), [])
+        if page_bytes > 0 and pages > 0 and data.plane == "shm":
+            pool = data.receive_pool
+            with contextlib.suppress(MemoryError, OSError, ValueError):
+                blocks = [pool.take(page_bytes) for _ in range(pages)]
+                del blocks  # back to the pool's free list: mapped, faulted in, registered on first use
 
     @property
     def plane(self) -> str | None:

@@ -83,8 +83,9 @@ import numpy as np
 from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import ConfigError, byte_view, engine_settings, opaque_layout
 from kvstore.integrations.hints import HintError, SessionHints, from_sglang
+from kvstore.integrations.lanes import DEPTH, Lanes, slices
 from kvstore.integrations.lmcache_mapping import PluginSettings, model_part
-from kvstore.integrations.outcome import pages_held
+from kvstore.integrations.outcome import Stored, pages_held
 from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
 
@@ -404,6 +405,10 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         self.v1 = bool(int(extra.get("interface_v1", 0) or 0))  # SGLang's switch to the zero-copy calls
         self.config = storage_config
         self.store = RemoteStore(self.settings, log, setting_prefix="extra_config ")
+        # A batch's pages move as calls in flight (lanes.py); gets and sets on lanes of their own, since SGLang
+        # calls them from different threads (prefetch, backup) and a slow set must not hold a prefetch.
+        self._get_lanes = Lanes("sglang-get-lane", DEPTH)
+        self._set_lanes = Lanes("sglang-set-lane", DEPTH)
         self.is_mla = bool(getattr(storage_config, "is_mla_model", False))
         self.rank = self._rank_part(storage_config)
         self.revision = engine_revision(storage_config, self.settings)
@@ -519,16 +524,21 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         pages of the longest stored prefix."""
         if not keys:
             return []
-        ns, _layout = self._segments()
+        ns, layout = self._segments()
         views = self._region_views(host_indices, len(keys))
         per = len(views) // len(keys)
         hashes = [h for k in keys for h in region_hashes(k, per)]
-        landed = 0
-        for a, b in self._calls(len(keys), per):
-            got = len(self.store.get_into(ns, hashes[a:b], views[a:b]))
-            landed += got
-            if got < b - a:
-                break
+        landed, short = 0, False
+
+        def get(ab: tuple[int, int]) -> int:
+            a, b = ab
+            return 0 if short else len(self.store.get_into(ns, hashes[a:b], views[a:b]))
+
+        cuts = self._calls(len(keys), per, layout.page_bytes)
+        for (a, b), got in zip(cuts, self._get_lanes.ordered(get, cuts), strict=True):  # consumed whole: lanes.py
+            if not short:
+                landed += got
+                short = got < b - a
         full = landed // per
         return [i < full for i in range(len(keys))]
 
@@ -546,12 +556,21 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         hashes = [h for k in keys for h in region_hashes(k, per)]
         parent = self._parent(extra_info, per)
         held: list[bool] = []
-        for a, b in self._calls(len(keys), per):
+        failed = False
+
+        def put(ab: tuple[int, int]) -> Stored | None:
+            if failed:
+                return None  # a page of the batch failed: the pages after it are not sent
+            a, b = ab
             first_parent = parent if a == 0 else hashes[a - 1]
-            done = self.store.put_from(ns, layout, hashes[a:b], views[a:b], [first_parent] if first_parent else ())
+            return self.store.put_from(ns, layout, hashes[a:b], views[a:b], [first_parent] if first_parent else ())
+
+        cuts = self._calls(len(keys), per, layout.page_bytes)
+        for done in self._set_lanes.ordered(put, cuts):  # consumed whole: lanes.py
+            if done is None or failed:
+                continue
             held += done.held
-            if not done.ok:
-                break
+            failed = not done.ok
         held += [False] * (len(hashes) - len(held))
         self._after_store(extra_info, ns, hashes, held)
         return pages_held(held, per)
@@ -742,6 +761,8 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         return None
 
     def close(self) -> None:
+        self._get_lanes.close()
+        self._set_lanes.close()
         self.store.close()
 
     # -- retention (DESIGN.md §6.5; the hints' schema: kvstore/integrations/hints.py)
@@ -802,10 +823,11 @@ class KVStoreHiCacheStorage(_Base):  # type: ignore[misc,valid-type]
         return [_bytes_at(p, n) for p, n in zip(ptrs, sizes, strict=True)]
 
     @staticmethod
-    def _calls(pages: int, per: int) -> list[tuple[int, int]]:
-        """[a, b) region ranges of whole pages, at most MAX_REGIONS_PER_CALL regions each."""
-        step = max(1, MAX_REGIONS_PER_CALL // per) * per
-        return [(a, min(a + step, pages * per)) for a in range(0, pages * per, step)]
+    def _calls(pages: int, per: int, region_bytes: int) -> list[tuple[int, int]]:
+        """[a, b) region ranges of whole pages, at most MAX_REGIONS_PER_CALL regions and about SLICE_BYTES each (the
+        calls a batch keeps in flight: integrations/lanes.py)."""
+        cuts = slices(pages, per * region_bytes, max_pages=max(1, MAX_REGIONS_PER_CALL // per))
+        return [(a * per, b * per) for a, b in cuts]
 
     @staticmethod
     def _parent(extra_info: Any, per: int) -> bytes | None:

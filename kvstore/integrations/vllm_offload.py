@@ -82,7 +82,9 @@ from kvstore.hashing import MAX_NAMESPACE_BYTES
 from kvstore.integrations.direct import ConfigError, engine_settings, opaque_layout
 from kvstore.integrations.groups import groups_label, part_name, runs
 from kvstore.integrations.hints import HintError, SessionHints, from_vllm
+from kvstore.integrations.lanes import Lanes, slices
 from kvstore.integrations.lmcache_mapping import model_part
+from kvstore.integrations.outcome import Stored
 from kvstore.integrations.remote import RemoteStore
 from kvstore.layout import PageLayout
 
@@ -250,6 +252,9 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         self.store = RemoteStore(self.settings, log, setting_prefix="secondary_tiers[kvstore].")
         self.lookups = _Lookups(self)
         self._pool = ThreadPoolExecutor(max_workers=int(threads), thread_name_prefix="kvstore-tier")
+        # A job's chunks move as calls in flight (lanes.py), stores and loads on lanes of their own.
+        self._store_lanes = Lanes("vllm-store-lane", int(threads))
+        self._load_lanes = Lanes("vllm-load-lane", int(threads))
         self._done: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._inflight: dict[int, tuple[Future[None], TransferJob]] = {}
         self._lock = threading.Lock()
@@ -335,6 +340,8 @@ class KVStoreSecondaryTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+        self._store_lanes.close()
+        self._load_lanes.close()
         self.lookups.shutdown()
         self.store.close()
         self.rows = np.empty((0, 0), np.uint8)  # drop our export of the CPU tier's mmap so vLLM can close it
@@ -380,11 +387,20 @@ class KVStoreSecondaryTier(SecondaryTierManager):
             return JobResult(job_id=job.job_id, success=ok, transfer_bytes=held * self.row_bytes)
         views = [self.rows[int(c)] for c in job.chunk_ids]
         hashes = [page_hash(k) for k in keys]
-        done = self.store.put_from(self.namespace, self.layout, hashes, views, chain=False)
-        self._retain(job, self.namespace, hashes, done.held)
+
+        def put(ab: tuple[int, int]) -> Stored:
+            a, b = ab  # independent chunks (chain=False): a slice's failure does not stop the others
+            return self.store.put_from(self.namespace, self.layout, hashes[a:b], views[a:b], chain=False)
+
+        done = list(self._store_lanes.ordered(put, slices(len(keys), self.row_bytes)))
+        self._retain(job, self.namespace, hashes, tuple(h for d in done for h in d.held))
         # NOTE: vLLM reads `successful_keys` of promotion jobs only; a store job is a success only when the node
         # holds every chunk (outcome.py: a chunk a full node refused fails the job, and lookups miss it).
-        return JobResult(job_id=job.job_id, success=done.ok, transfer_bytes=done.count * self.row_bytes)
+        return JobResult(
+            job_id=job.job_id,
+            success=all(d.ok for d in done),
+            transfer_bytes=sum(d.count for d in done) * self.row_bytes,
+        )
 
     def _retain(self, job: TransferJob, ns: str, hashes: list[bytes], held: tuple[bool, ...]) -> None:
         """The chunks a session's request stored, retained for its session (on this tier's thread, after the put)."""
@@ -406,7 +422,19 @@ class KVStoreSecondaryTier(SecondaryTierManager):
                 job_id=job.job_id, success=ok, successful_keys=kept, transfer_bytes=len(landed) * self.row_bytes
             )
         views = [self.rows[int(c)] for c in job.chunk_ids]
-        got = len(self.store.get_into(self.namespace, [page_hash(k) for k in keys], views))
+        hashes = [page_hash(k) for k in keys]
+        short = False
+
+        def get(ab: tuple[int, int]) -> int:
+            a, b = ab
+            return 0 if short else len(self.store.get_into(self.namespace, hashes[a:b], views[a:b]))
+
+        got = 0
+        cuts = slices(len(keys), self.row_bytes)
+        for (a, b), n in zip(cuts, self._load_lanes.ordered(get, cuts), strict=True):  # consumed whole: lanes.py
+            if not short:
+                got += n
+                short = n < b - a
         return JobResult(
             job_id=job.job_id,
             success=got == len(keys),

@@ -126,7 +126,7 @@ def test_tenancy_bench_quick_run(tmp_path: Path) -> None:
 def test_doors_bench_quick_run(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "doors_bench.py"), "--runs", "1", "--iters", "2", "--batch", "4",
-         "--sgl-batch", "2", "--page-tokens", "4", "--acct-batch", "4", "--out", str(tmp_path)],
+         "--sgl-batch", "2", "--page-tokens", "4", "--acct-batch", "4", "--tier-rows", "65536", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240, check=False,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -135,6 +135,8 @@ def test_doors_bench_quick_run(tmp_path: Path) -> None:
     acct = data["accounting"]
     assert acct["outcome_us"] > 0 and set(acct["fast_ms"]) == set(acct["slow_ms"]) == {"door", "bare"}
     assert set(acct["refused"]) == {2}  # every other page of 4 refused, and the door found each
+    tier = data["vllm"]  # the vLLM tier's rows, or why not (no engine venv: an empty payload and a skipped row)
+    assert not tier or all(r["bit_exact"] and r["store_gbs"] > 0 for r in tier["results"]), tier
 
 
 def test_fp8_quality_quick_run(tmp_path: Path) -> None:

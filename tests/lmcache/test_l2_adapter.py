@@ -47,7 +47,7 @@ from lmcache.v1.distributed.l2_adapters.config import (
 from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, TensorMemoryObj
 from lmcache.v1.platform import consume_fd
 
-from kvstore.integrations import lmcache_l2
+from kvstore.integrations import lanes, lmcache_l2
 from kvstore.integrations.lmcache_l2_mapping import l2_layout_tag, l2_namespace, l2_page_key
 
 MODEL = "it/llama-l2"
@@ -490,3 +490,42 @@ def test_a_chunks_object_groups_are_one_bundle_stored_and_loaded_together(
         assert lookup(a, ks[:4], descs) == []  # group 0 alone: not stored as a page of its own
     finally:
         node.close()
+
+
+def test_a_task_in_several_calls_in_flight_is_bit_exact_and_stops_at_a_gap(
+    node: NodeProcess, adapters: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task's pages move as several calls, two in flight (integrations/lanes.py): here two chunks per call. What
+    lands is bit-exact, and a load reports the row's prefix only: the calls past its first gap are not counted."""
+    monkeypatch.setattr(lanes, "SLICE_BYTES", 2 * CHUNK_BYTES)
+    a = adapters(target=node.addr)
+    ks, src = keys(7), objects(7, seed=30)
+    res = store(a, ks, src)
+    assert res.is_successful() and res.bytes_transferred() == 7 * CHUNK_BYTES
+    assert a.report_status()["stored_pages"] == 7
+    dst = objects(7)
+    assert load(a, ks, dst) == list(range(7)) and raw(dst) == raw(src)
+
+    a.delete([ks[3]])  # a gap in the second call: the third and fourth calls are past it
+    dst = objects(7)
+    assert load(a, ks, dst) == [0, 1, 2]
+    assert raw(dst)[:3] == raw(src)[:3]
+    assert a.report_status()["load_hits"] == 7 + 3
+
+
+def test_the_plane_and_receive_memory_are_set_up_before_the_first_store(
+    node: NodeProcess, adapters: Callable[..., Any]
+) -> None:
+    """The first store pays no set-up of its own (RemoteStore.warm): the adapter negotiates its plane and opens its
+    connection at start, and maps receive memory for a size once a lookup names it (LMCache looks up first)."""
+    a = adapters(target=node.addr)
+    wait_for(lambda: a.store.plane is not None, what="the data plane negotiated at start")
+    assert lookup(a, keys(2)) == []  # nothing stored yet; the layout names the objects' size
+    if a.store.plane == "shm":  # receive memory is the same-host plane's; TCP receives into the objects
+        pool = a.store._data.receive_pool
+        wait_for(lambda: pool.mapped_bytes >= CHUNK_BYTES, what="receive memory mapped for the objects' size")
+    assert node_stats(node).namespaces == []  # warming stored nothing
+    ks, src = keys(2), objects(2, seed=40)
+    assert store(a, ks, src).is_successful()
+    dst = objects(2)
+    assert load(a, ks, dst) == [0, 1] and raw(dst) == raw(src)

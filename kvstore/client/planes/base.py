@@ -11,6 +11,7 @@ A plane implements one batch of each kind.
 from __future__ import annotations
 
 import abc
+import ctypes
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from kvstore.client.exchange import Exchange, Unary
 from kvstore.errors import KVStoreError, PageCorrupt
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer
+from kvstore.pointers import buffer_address
 from kvstore.wire import PutOpen
 from kvstore.wire.streams import FetchedPage, PageRef
 
@@ -101,7 +103,9 @@ class DataPlane(abc.ABC):
         for i, page in enumerate(pages):
             n = len(page.data)
             with memoryview(buffers[i]) as dst, dst.cast("B") as raw:
-                raw[:n] = page.data
+                # NOTE: memmove through ctypes releases the GIL for the copy (a slice assignment holds it for
+                # MiBs), so the caller's other threads (an engine's, another call's) run meanwhile.
+                ctypes.memmove(buffer_address(raw), buffer_address(page.data), n)
             out.append(PageRef(page.hash, page.tier, n))
         if corrupt is not None:
             raise PageCorrupt(corrupt.index, corrupt.hash, out)
