@@ -123,6 +123,20 @@ def test_tenancy_bench_quick_run(tmp_path: Path) -> None:
     assert all(set(f) >= {"lookup_hit_us", "lookup_miss_us", "get_us", "put_evict_us"} for f in doc["micro"].values())
 
 
+def test_tree_ab_compares_two_checkouts(tmp_path: Path) -> None:
+    """tree_ab runs each tree's code in its own child (this checkout twice here) and pairs the rounds; a path
+    that is not a checkout is refused by name."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "tree_ab.py"), "--tree", str(ROOT), "--tree", str(ROOT),
+            "--rounds", "1", "--sizes", "1", "--modes", "shm:put_from,tcp:get", "--phases", "1", "--out", str(tmp_path)]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "tree_ab.json").read_text())
+    assert [r["tree"] for r in doc["rows"]] == [str(ROOT), str(ROOT)]
+    assert all(set(r["gbs"]) == {"1MiB shm:put_from", "1MiB tcp:get"} for r in doc["rows"])
+    bad = subprocess.run([*argv[:2], "--tree", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "--tree" in bad.stderr
+
+
 def test_doors_bench_quick_run(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "doors_bench.py"), "--runs", "1", "--iters", "2", "--batch", "4",
