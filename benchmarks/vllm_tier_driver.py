@@ -21,16 +21,22 @@ import uuid
 from typing import Any
 
 import numpy as np
-from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.kv_offload.tiering.base import TransferJob
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+try:  # NOTE: vLLM lives in the engine venv; without it --help still works and a run says where to go
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    NO_VLLM = None
+except ImportError as exc:
+    NO_VLLM = exc
 
 
 def make_spec(url: str, row: int, rows: int, transport: str | None) -> TieringOffloadingSpec:
@@ -53,7 +59,7 @@ def make_spec(url: str, row: int, rows: int, transport: str | None) -> TieringOf
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--row-bytes", type=int, nargs="+", default=[2 << 20])
     ap.add_argument("--batch", type=int, default=16)
@@ -61,6 +67,8 @@ def main() -> None:
     ap.add_argument("--transport", default=None)
     ap.add_argument("--timeout", type=float, default=120)
     args = ap.parse_args()
+    if NO_VLLM is not None:
+        ap.error(f"needs vLLM ({NO_VLLM}): run it with the engine venv's python (tools/vllm_venv.sh)")
     out = [run(args, row) for row in args.row_bytes]
     print("TIERRESULT " + json.dumps({"results": out}), flush=True)
 

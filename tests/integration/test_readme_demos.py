@@ -51,7 +51,7 @@ def test_kvstore_demo_runs() -> None:
 
 
 def test_the_client_snippet_runs_as_written(tmp_path: Path) -> None:
-    (snippet,) = [b.text for b in blocks() if b.lang == "python" and "KVStoreClient" in b.text]
+    snippet = next(b.text for b in blocks() if b.lang == "python" and "KVStoreClient" in b.text)  # the first
     assert 'KVStoreClient("127.0.0.1:50051")' in snippet
     from kvstore.layout import DType, PageLayout
 
@@ -68,3 +68,21 @@ def test_the_client_snippet_runs_as_written(tmp_path: Path) -> None:
         exec(code, again)
         assert again["hit"] == 3
         assert [bytes(p) for p in again["cached"]] == pages  # type: ignore[attr-defined]
+
+
+def test_the_retention_snippet_runs_as_written(tmp_path: Path) -> None:
+    """The README's client retention example, every call of it, against a real node holding `hashes`."""
+    (snippet,) = [b.text for b in blocks() if b.lang == "python" and "kv.retain(" in b.text]
+    from kvstore.client import KVStoreClient
+    from kvstore.layout import DType, PageLayout
+
+    layout = PageLayout(DType.FLOAT16, num_layers=2, num_kv_heads=2, head_dim=64, block_size=16)
+    slot = slot_bytes_for(layout.page_bytes)
+    hashes = [random.Random(i).randbytes(32) for i in range(8)]
+    with NodeProcess(dram_bytes=64 * slot, max_page_bytes=layout.page_bytes, log_path=tmp_path / "node.log") as node:
+        with KVStoreClient(node.addr) as kv:
+            kv.put("my-ns", layout, hashes, [bytes(layout.page_bytes)] * len(hashes))
+        scope: dict[str, object] = {"hashes": hashes}
+        exec(compile(snippet.replace("127.0.0.1:50051", node.addr), "README.md", "exec"), scope)
+        with KVStoreClient(node.addr) as kv:
+            assert kv.lookup("my-ns", hashes) == len(hashes)  # the session ended; its pages stay cached
