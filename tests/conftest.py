@@ -6,9 +6,9 @@
   failure naming the command that makes it; under a bare pytest, a skip with that reason.
 - `sglang_python`: the SGLang venv's python (SGLang 0.5.23 without its CUDA packages, the CPU torch and this
   checkout; made by tools/sglang_venv.sh), built and waited for the same way.
-- Tests that use either are marked `engine` and run last (collection order), so that the builds overlap
-  everything else; `./dev test` runs them in a pytest session of their own beside the others (`-m engine`), as it does the
-  fast tier.
+- Tests that use either (and every test under tests/engines) are marked `engine` and run last (collection
+  order), so that the builds overlap everything else; `./dev test` runs them in a pytest session of their own
+  beside the others (`-m engine`), as it does the fast tier.
 
 Tiers (DESIGN.md §13): `./dev test` (CI) runs every test. The `fast` marker is the iteration tier
 (`./dev test --fast`, or `pytest -m fast`): every test under FAST_DIRS (unit tests and pure logic: no node,
@@ -63,12 +63,20 @@ def in_fast_dir(path: Path) -> bool:
     return len(rel.parts) > 1 and rel.parts[0] in FAST_DIRS
 
 
+def in_dir(path: Path, top: str) -> bool:
+    """Whether a test file lies under tests/`top`/."""
+    rel = path.resolve().relative_to(TESTS)
+    return len(rel.parts) > 1 and rel.parts[0] == top
+
+
 @pytest.hookimpl(tryfirst=True)  # NOTE: before `-m` deselects, so `-m fast` sees the marks added here
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The fast tier marked; tests on the engine venv marked `engine` and last (a stable sort: every other order is kept)."""
     for item in items:
         if in_fast_dir(item.path):
             item.add_marker(pytest.mark.fast)
-        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())):
+        # NOTE: the rest of tests/engines too (the conformance table's Ray rows, the engines' README commands):
+        # engine work, and the engine session has time to spare while the other waits on its processes.
+        if ENGINE_FIXTURES & set(getattr(item, "fixturenames", ())) or in_dir(item.path, "engines"):
             item.add_marker(pytest.mark.engine)
     items.sort(key=lambda item: bool(ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))))
