@@ -8,7 +8,7 @@
   checkout; made by tools/sglang_venv.sh), built and waited for the same way.
 - Tests that use either (and every test under tests/engines) are marked `engine` and run last (collection
   order), so that the builds overlap everything else; `./dev test` runs them in a pytest session of their own
-  beside the others (`-m engine`), as it does the fast tier.
+  beside the others (`-m engine`).
 
 Tiers (DESIGN.md §13): `./dev test` (CI) runs every test. The `fast` marker is the iteration tier
 (`./dev test --fast`, or `pytest -m fast`): every test under FAST_DIRS (unit tests and pure logic: no node,
