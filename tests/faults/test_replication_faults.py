@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +26,9 @@ from kvstore.client.cluster import ClusterClient
 from kvstore.errors import KVStoreError, NamespaceNotFound
 from kvstore.names import TierKind
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
+from tests.security.conftest import wait_for
 
 TTL = 1.5
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,19 +29,10 @@ from kvstore.client.cluster import ClusterClient
 from kvstore.errors import InvalidArgument, KVStoreError
 from kvstore.index import acl
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
+from tests.security.conftest import wait_for
 
 TTL = 1.5  # index heartbeat TTL: a killed node stops being named within seconds
 FAST = {"KVSTORE_REPLICATION_INTERVAL_SECONDS": "0.2"}  # replication rounds 5x a second (default: 1 s)
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start(tmp_path: Path, url: str, name: str, *, dram_pages: int = 64, env: dict[str, str] | None = None,

@@ -9,8 +9,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,23 +22,13 @@ from kvstore.errors import NamespaceNotFound
 from kvstore.names import TierKind
 from kvstore.security import ClientSecurity
 from tests.integration.conftest import LAYOUT, NS, SLOT, key, page
-from tests.security.conftest import private_file
+from tests.security.conftest import private_file, wait_for
 
 TOK_A = "tenant-a-" + "a" * 24
 TOK_B = "tenant-b-" + "b" * 24
 TOK_D = "default--" + "d" * 24
 PEER = "peer-----" + "p" * 24
 SHARE = 6  # tenant-a's DRAM share on each node, in slots
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
