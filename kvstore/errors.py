@@ -8,8 +8,6 @@ caller can fix the request without reading server logs.
 
 from __future__ import annotations
 
-from kvstore.scoping import unscope
-
 
 class KVStoreError(Exception):
     """Base of every error the cache node reports to a caller."""
@@ -27,14 +25,19 @@ class InvalidArgument(KVStoreError):
         self.field = field
 
 
+class HashContractError(InvalidArgument, ValueError):
+    """Input outside the prefix-hash contract (DESIGN.md §3): a malformed namespace, a block size or token id
+    out of range, a key that is not 32 bytes. Also a ValueError, as the pure hashing functions' callers expect."""
+
+
 class NamespaceNotFound(KVStoreError):
     """The node has never stored a page of this namespace."""
 
     status_name = "NOT_FOUND"
 
-    def __init__(self, namespace: str) -> None:
-        # A tenant's namespace is named as its clients name it (kvstore/scoping.py): a cold miss either way.
-        super().__init__(f"namespace: {unscope(namespace)!r} is not known to this node (no page was ever put under it)")
+    def __init__(self, namespace: str, where: str = "this node") -> None:
+        # NOTE: the raiser names a tenant's namespace as its clients name it (scoping.unscope): a cold miss either way.
+        super().__init__(f"namespace: {namespace!r} is not known to {where} (no page was ever put under it)")
         self.namespace = namespace
 
 
@@ -74,6 +77,16 @@ class Unavailable(KVStoreError):
     """The node is shutting down or a dependency is not reachable."""
 
     status_name = "UNAVAILABLE"
+
+
+class IndexUnavailable(Unavailable):
+    """The Redis index cannot be reached (down, restarting, or timing out). Nodes keep serving their own
+    pages meanwhile; a caller may go to a node it knows directly or retry."""
+
+
+class IndexFailure(KVStoreError):
+    """The index answered with an error: a reply error of Redis (a key of kvstore's of another type, a script
+    refused, an out-of-memory Redis). Not a miss: the index is in a state the reader cannot read."""
 
 
 class Unauthenticated(KVStoreError):

@@ -14,6 +14,8 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
+from kvstore.errors import HashContractError
+
 CONTRACT_VERSION = "kvstore/v1"
 HASH_BYTES = 32
 MAX_NAMESPACE_BYTES = 256
@@ -21,28 +23,24 @@ _ROOT_TAG = CONTRACT_VERSION.encode() + b"\x00"
 _U32_MAX = 0xFFFFFFFF
 
 
-class HashContractError(ValueError):
-    """Input outside the contract: bad block size, token id out of range, malformed namespace."""
-
-
 def validate_namespace(namespace: str) -> bytes:
     """Return the UTF-8 bytes of a valid namespace or raise HashContractError saying why."""
     if not isinstance(namespace, str):
-        raise HashContractError(f"namespace must be a str, got {type(namespace).__name__}")
+        raise HashContractError("namespace", f"must be a str, got {type(namespace).__name__}")
     if not namespace:
-        raise HashContractError("namespace must not be empty")
+        raise HashContractError("namespace", "must not be empty")
     raw = namespace.encode("utf-8", errors="strict")
     if len(raw) > MAX_NAMESPACE_BYTES:
-        raise HashContractError(f"namespace is {len(raw)} bytes UTF-8; the limit is {MAX_NAMESPACE_BYTES}")
+        raise HashContractError("namespace", f"{len(raw)} bytes UTF-8; the limit is {MAX_NAMESPACE_BYTES}")
     if any(ord(c) < 0x20 or ord(c) == 0x7F for c in namespace):
-        raise HashContractError("namespace must not contain control characters")
+        raise HashContractError("namespace", "must not contain control characters")
     return raw
 
 
 def root_hash(block_size: int, namespace: str) -> bytes:
     """h_{-1}: the chain's root for one (block_size, namespace)."""
     if not isinstance(block_size, int) or not 1 <= block_size <= _U32_MAX:
-        raise HashContractError(f"block_size must be an int in [1, 2^32), got {block_size!r}")
+        raise HashContractError("block_size", f"must be an int in [1, 2^32), got {block_size!r}")
     ns = validate_namespace(namespace)
     return hashlib.sha256(_ROOT_TAG + struct.pack("<I", block_size) + ns).digest()
 
@@ -62,7 +60,7 @@ def prefix_hashes(tokens: Sequence[int], block_size: int, namespace: str) -> lis
         packed = struct.pack(f"<{len(body)}I", *body)
     except struct.error:
         bad = next((t for t in body if not isinstance(t, int) or not 0 <= t <= _U32_MAX), None)
-        raise HashContractError(f"token ids must be ints in [0, 2^32); got {bad!r}") from None
+        raise HashContractError("token_ids", f"token ids must be ints in [0, 2^32); got {bad!r}") from None
     step = 4 * block_size
     out: list[bytes] = []
     for i in range(n_blocks):
@@ -81,7 +79,7 @@ def from_hex(text: str) -> bytes:
     try:
         raw = bytes.fromhex(text)
     except ValueError:
-        raise HashContractError(f"not a hex key: {text!r}") from None
+        raise HashContractError("key", f"not a hex key: {text!r}") from None
     if len(raw) != HASH_BYTES:
-        raise HashContractError(f"a key is {HASH_BYTES} bytes ({2 * HASH_BYTES} hex digits), got {len(raw)}")
+        raise HashContractError("key", f"a key is {HASH_BYTES} bytes ({2 * HASH_BYTES} hex digits), got {len(raw)}")
     return raw

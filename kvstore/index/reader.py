@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
-from kvstore.errors import KVStoreError, PermissionDenied, Unavailable
+from kvstore.errors import IndexFailure, IndexUnavailable, PermissionDenied
 from kvstore.index.connect import close_sync, is_cluster, sync_client
 from kvstore.index.keys import NODES_KEY, alive_key, beat_key, entry_field, node_key, stripe_key, stripe_of
 from kvstore.index.lookup import ClusterLookup, from_entries, holders_in
@@ -38,16 +38,6 @@ _UNREACHABLE = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
 LIVE_REFRESH_S = 0.5  # how old the reader's view of who is alive may get (a lookup past it asks again)
 UNREACHABLE_S = 30.0  # a Redis Cluster silent this long (no view of who is alive either) is down, not failing over
 MAP_REFRESH_S = 1.0  # at most one slot-map refresh per this long, however many lookups found it stale
-
-
-class IndexUnavailable(Unavailable):
-    """The Redis index cannot be reached (down, restarting, or timing out). Nodes keep serving their own
-    pages meanwhile; a caller may go to a node it knows directly or retry."""
-
-
-class IndexFailure(KVStoreError):
-    """The index answered with an error: a reply error of Redis (a key of kvstore's of another type, a script
-    refused, an out-of-memory Redis). Not a miss: the index is in a state the reader cannot read."""
 
 
 def _index_call(fn: F) -> F:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument, LayoutMismatch, NamespaceNotFound
-from kvstore.hashing import HASH_BYTES, HashContractError, validate_namespace
+from kvstore.hashing import HASH_BYTES, validate_namespace
 from kvstore.layout import PageLayout, bundle_difference
 from kvstore.names import Key, TierKind
 from kvstore.pageformat import identity_digest, slot_bytes_for
@@ -332,7 +332,7 @@ class PageTable:
         try:
             return self.layouts[namespace]
         except KeyError:
-            raise NamespaceNotFound(namespace) from None
+            raise NamespaceNotFound(unscope(namespace)) from None
 
     # -- snapshots
 
@@ -353,10 +353,7 @@ class PageTable:
 def check_namespace(namespace: str) -> None:
     """InvalidArgument unless `namespace` is a valid client namespace, or one scoped to a tenant
     (kvstore/scoping.py) whose client part is."""
-    try:
-        validate_namespace(unscope(namespace))
-    except HashContractError as exc:
-        raise InvalidArgument("namespace", str(exc)) from None
+    validate_namespace(unscope(namespace))  # HashContractError: an InvalidArgument naming the field
 
 
 def check_hash(h: bytes, field_name: str) -> None:

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
 from kvstore.errors import InvalidArgument, NamespaceNotFound
-from kvstore.hashing import HashContractError, validate_namespace
+from kvstore.hashing import validate_namespace
 from kvstore.layout import PageLayout
 from kvstore.manager.core import TierManager
 from kvstore.manager.ledger import TenantCounters
@@ -52,10 +52,7 @@ class TenantView:
         scoped = self._scoped.get(namespace)
         if scoped is not None:
             return scoped
-        try:
-            validate_namespace(namespace)
-        except HashContractError as exc:
-            raise InvalidArgument("namespace", str(exc)) from None
+        validate_namespace(namespace)  # HashContractError: an InvalidArgument naming the field
         scoped = scope(namespace, self.tenant)
         if len(self._scoped) < _MAX_REMEMBERED:
             self._scoped[namespace] = scoped

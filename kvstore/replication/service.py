@@ -394,7 +394,7 @@ class Replicator:
             for ns, layout, _ in stats.namespaces:
                 self._layouts[(source, tenant, ns)] = layout
         if key not in self._layouts:
-            raise NamespaceNotFound(f"node {source} does not know namespace {namespace!r}")
+            raise NamespaceNotFound(namespace, f"node {source}")
         return self._layouts[key]
 
     def _room(self) -> int:
