@@ -4,6 +4,11 @@ Each class carries the status it travels as: the node's gRPC interceptor (kvstor
 turns it into that gRPC status code, the TCP and UCX planes into an ERROR frame naming it, and a client
 turns either back into the same class (`from_status`). Every message names the offending field, so a
 caller can fix the request without reading server logs.
+
+Outside this tree, on purpose: configuration errors an engine's door raises while it is built (`MappingError`,
+`ConfigError`, `HintError`: ValueErrors, what engines expect of a bad config, each naming its key), the node's
+own start-up errors (`NvmeFormatError`, `NvmeSpaceError`: an operator's, never a caller's) and errors a plane
+turns into one of these before they leave it (`HeaderError`, `UcxTimeout`, `FrameError`).
 """
 
 from __future__ import annotations
