@@ -4,7 +4,10 @@ A plane only moves bytes. For a Put it announces each page (`PageHead`: hash, si
 and supplies `PagePlane.read_into` ("receive this page's bytes into this view") and `discard` ("receive
 and drop them"); for a Get it iterates the leases `open_get` hands it and sends each (header + payload).
 Everything else lives here: the transaction (begin_put -> add_page -> fill -> commit, or abort), who
-may promote, how many pages one call may ask for, and that nothing leaks when a call fails.
+may promote, how many pages one call may name (`check_page_count`, which a plane calls as soon as it has
+a request's count, before it reads or allocates anything sized by it; `check_target_count`), a namespace's
+page size for a plane that sizes its receives first (`answer_page_size`), and that nothing leaks when a
+call fails.
 
 Put invariants (every plane alike):
 - the transaction is opened here, on what `opening()` returns (the plane resolves its caller and parses
@@ -31,12 +34,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvstore.config import NodeConfig
 from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
 from kvstore.layout import PageLayout
 from kvstore.manager.put import PutTxn
 from kvstore.manager.reads import ReadLease
 from kvstore.node.callers import Caller
-from kvstore.wire import PutOpen
+from kvstore.wire import PAGE_BYTES, PutOpen, parse_page_size_ask
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,37 @@ class PutDone:
     stored: int
     present: int
     held: list[bool]
+
+
+def check_page_count(count: int, config: NodeConfig, field: str, *, put: bool, wire_limit: int | None = None) -> int:
+    """`count` if one request may name that many pages: a Put carries 1 to `max_pages_per_request` of them, a Get
+    asks for at most that many (the plane's `wire_limit` lower where its protocol cannot carry more). Every plane
+    whose request says its count before its pages (TCP's PUT frame, a same-host or UCX PUT or GET) calls this as
+    soon as it has the count, before it reads, allocates or posts anything sized by it; InvalidArgument naming
+    `field` otherwise. (A gRPC Put stream says no count first: its transaction refuses the page past the limit,
+    with the same status, and the manager checks every Get's hashes again.)"""
+    limit = config.max_pages_per_request if wire_limit is None else min(config.max_pages_per_request, wire_limit)
+    least = 1 if put else 0
+    if not least <= count <= limit:
+        what = "a Put carries" if put else "a Get asks for"
+        raise InvalidArgument(field, f"{count} pages in one request; {what} {least} to {limit} on this node")
+    return count
+
+
+def check_target_count(targets: int, hashes: int) -> None:
+    """A Get that says where each page goes (same-host, UCX: `targets`) names exactly one target per hash;
+    InvalidArgument naming `targets` otherwise."""
+    if targets != hashes:
+        raise InvalidArgument("targets", f"{targets} targets for {hashes} hashes (one per hash)")
+
+
+def answer_page_size(caller: Caller, ask: bytes | memoryview) -> bytes:
+    """The node's one answer to a page-size ask (`kvstore.wire.page_size_ask`, on every plane that sizes its
+    receives before a Get: same-host, UCX): the namespace's page size as the caller's tenant sees it, answered
+    and counted as the Get starting at the ask's first hash would be (NamespaceNotFound for a namespace the
+    tenant does not hold)."""
+    namespace, first = parse_page_size_ask(ask)
+    return PAGE_BYTES.pack(caller.view.layout_of(namespace, first=first).page_bytes)
 
 
 class TransferStuck(DataLoss):

@@ -12,10 +12,12 @@ kvstore/client/planes/, the node side in kvstore/node/planes/; both import from 
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvstore.errors import InvalidArgument
+from kvstore.errors import InvalidArgument, ProtocolError
+from kvstore.hashing import HASH_BYTES
 from kvstore.layout import PageLayout
 from kvstore.names import TierKind
 from kvstore.pageformat import ChecksumForm
@@ -24,6 +26,7 @@ MAX_HASHES = 65536  # hashes in one Lookup / Delete / Pin / Unpin / Prefetch cal
 CHUNK_BYTES = 1 << 20  # measured: Python gRPC messages above ~1 MiB are several times slower
 MAX_MESSAGE_BYTES = 8 << 20  # a gRPC chunk + framing, with room to spare; channels and the server set this
 MAX_REPLICAS = 16  # copies a Put may ask the cluster to keep (PutOpen.replicas)
+PAGE_BYTES = struct.Struct("<Q")  # the answer to a page-size ask (`page_size_ask`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,3 +77,36 @@ def unpack_held(raw: bytes | memoryview, pages: int) -> list[bool] | None:
     if len(raw) != (pages + 7) // 8 or pages == 0:
         return None
     return [bool(raw[i >> 3] >> (i & 7) & 1) for i in range(pages)]
+
+
+# -- a namespace's page size, asked before a Get (the same-host and UCX planes: their receives are sized first)
+
+
+def page_size_ask(namespace: str, first: bytes) -> bytes:
+    """The body of a page-size ask: the first hash the Get that needs it will ask for (so the node answers and
+    counts a namespace it does not hold as that Get's refusal would be), then the namespace (UTF-8)."""
+    if len(first) != HASH_BYTES:
+        raise ValueError(f"a block hash is {HASH_BYTES} bytes, got {len(first)}")
+    return bytes(first) + namespace.encode()
+
+
+def parse_page_size_ask(body: bytes | memoryview) -> tuple[str, bytes]:
+    """(namespace, first hash) of a page-size ask; InvalidArgument naming the field that is bad."""
+    if len(body) < HASH_BYTES:
+        raise InvalidArgument("layout", f"a page-size ask carries a {HASH_BYTES}-byte hash, then the namespace")
+    try:
+        namespace = bytes(body[HASH_BYTES:]).decode()
+    except UnicodeDecodeError:
+        raise InvalidArgument("namespace", "not valid UTF-8") from None
+    return namespace, bytes(body[:HASH_BYTES])
+
+
+def parse_page_size(body: bytes | memoryview, max_page_bytes: int) -> int:
+    """The page size a node answered; ProtocolError unless it is 1..max_page_bytes (the largest page the node
+    said it holds), so no receive is ever sized by an answer the node could not have meant."""
+    if len(body) != PAGE_BYTES.size:
+        raise ProtocolError(f"a page-size answer is {PAGE_BYTES.size} bytes, got {len(body)}")
+    (n,) = PAGE_BYTES.unpack(body)
+    if not 0 < n <= max_page_bytes:
+        raise ProtocolError(f"the node answered a page size of {n} bytes (its largest page: {max_page_bytes})")
+    return int(n)

@@ -212,16 +212,15 @@ def put(op: PutOpen, npages: int) -> bytes:
     return frame(Kind.PUT, fixed + ns + table + extra)
 
 
-def put_npages(meta: bytes | memoryview, max_pages: int) -> int:
-    """How many PAGE frames follow a PUT: checked first, so that a PUT refused for any other reason can
-    still be consumed whole. FrameError when the frame is malformed or the count is out of range."""
+def put_npages(meta: bytes | memoryview) -> int:
+    """How many PAGE frames follow a PUT, read first, so that a PUT refused for any other reason can still be
+    consumed whole (the node checks the count before anything else: kvstore/node/drivers.py
+    `check_page_count`). FrameError when the frame is malformed."""
     if len(meta) < _PUT.size:
         raise FrameError("frame.meta_len", f"PUT metadata is at least {_PUT.size} bytes, got {len(meta)}")
     *_, npages, _, _, ns_len = _PUT.unpack_from(meta)
     if len(meta) < _PUT.size + ns_len:
         raise FrameError("frame.meta_len", f"PUT metadata is {len(meta)} bytes, short of its {ns_len}-byte namespace")
-    if not 1 <= npages <= max_pages:
-        raise FrameError("put.npages", f"{npages} pages in one PUT; this node takes 1 to {max_pages}")
     return int(npages)
 
 

@@ -1,4 +1,4 @@
-"""UCX data plane (through `ucxx`): what the node side and the client side agree on (protocol version 2).
+"""UCX data plane (through `ucxx`): what the node side and the client side agree on (protocol version 3).
 
 Pure except `load_ucxx` (the one place ucxx is imported). UCX picks the transport by what both hosts
 have: RDMA (InfiniBand/RoCE; needs a UCX built with verbs, see README), CUDA IPC, shared memory, TCP.
@@ -21,12 +21,15 @@ only where it expects that exact tag, and every tag it expects is a secret only 
   cost it no memory, and its UCX context enables only tagged messages (no stream, AM or RMA handlers).
 
 Control (no gRPC round trip per call): a request (PUT / GET, a 16-byte frame header + a protobuf
-body reused from the shm plane: BulkPutRequest, BulkGetRequest) and one reply (OK + PutResponse /
-BulkGetResponse, or ERROR + "STATUS\\nmessage", which the client turns into the server's exception
-class). In a GET, `targets[i].size` (one target per hash) says how many bytes the client's receive for
-page i holds: the node sends a page only where it fits, stops at the first that does not and reports its
-size in the OK reply's prefix (GET_REPLY: next_page_bytes, then BulkGetResponse); `buffer` and `offset`
-are the same-host plane's and unused here.
+body reused from the shm plane: BulkPutRequest, BulkGetRequest; or LAYOUT, the page-size ask every plane
+that sizes its receives first sends: `kvstore.wire.page_size_ask`) and one reply (OK + PutResponse /
+BulkGetResponse / the page size, u64, or ERROR + "STATUS\\nmessage", which the client turns into the
+server's exception class). A plain get asks LAYOUT once per namespace and sizes its receives by the
+answer (`kvstore.client.planes.base.page_size`). In a GET, `targets[i].size` (one target per hash)
+says how many bytes the client's receive for page i holds: the node sends a page only where it fits, stops
+at the first that does not and reports its size in the OK reply's prefix (GET_REPLY: next_page_bytes,
+then BulkGetResponse: a get_into buffer too small, or a page size remembered from before a node restart);
+`buffer` and `offset` are the same-host plane's and unused here.
 
 Bulk: every page is one tagged message received straight into its final buffer: a PutTxn slot view on
 the node (Put), a buffer of the caller on the client (Get). The client posts every receive of a GET
@@ -51,7 +54,7 @@ from types import ModuleType
 from kvstore.errors import ProtocolError
 
 MAGIC = b"KVUX"
-VERSION = 2
+VERSION = 3  # 3: LAYOUT (a namespace's page size is asked, never guessed); a peer of another version is refused
 FRAME = struct.Struct("<4sBBHII")  # magic, version, kind, flags, seq, total length (header + body)
 MAX_CONTROL_BYTES = 1 << 20  # largest control message either side accepts (4096 hashes fit easily)
 MAX_HELLO_BYTES = 8192
@@ -86,6 +89,7 @@ class Kind(enum.IntEnum):
     GET = 5
     OK = 6
     ERROR = 7
+    LAYOUT = 8  # c->n: a page-size ask (kvstore.wire.page_size_ask) -> OK (page size, u64) | ERROR
 
 
 HELLO_FLAG_ERROR_HANDLING = 1  # the client's endpoint reports peer failures (UCP_ERR_HANDLING_MODE_PEER)
@@ -161,8 +165,8 @@ def parse_nonce(body: memoryview) -> int:
 
 @dataclass(frozen=True, slots=True)
 class HelloOk:
-    """The node's answer to an accepted HELLO: the session secret, and the largest page it serves (a
-    client receiving pages of a namespace whose page size it has not learned yet sizes receives by it)."""
+    """The node's answer to an accepted HELLO: the session secret, and the largest page it serves (the bound
+    on every page size the node may answer or announce on this connection)."""
 
     secret: bytes
     max_page_bytes: int

@@ -196,7 +196,7 @@ def test_the_put_frame_carries_replicas_only_when_set() -> None:
     assert tcp.parse_put(meta).replicas == 0
     framed = tcp.put(PutOpen(NS, LAYOUT, None, None, True, replicas=3), 3)[tcp.HEADER_BYTES :]
     assert len(framed) == len(meta) + 1
-    assert tcp.put_npages(framed, 10) == 3 and tcp.parse_put(framed).replicas == 3
+    assert tcp.put_npages(framed) == 3 and tcp.parse_put(framed).replicas == 3
     bad = framed[:-1] + bytes((99,))
     with pytest.raises(InvalidArgument, match=r"put\.replicas"):
         tcp.parse_put(bad)

@@ -23,11 +23,13 @@ from kvstore.errors import KVStoreError, PageCorrupt
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer
 from kvstore.pointers import buffer_address
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, page_size_ask
 from kvstore.wire.streams import FetchedPage, PageRef
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
+
+MAX_KNOWN_PAGE_SIZES = 64  # namespaces whose page size a plane remembers (the oldest is forgotten first)
 
 
 @dataclass(slots=True)
@@ -259,3 +261,23 @@ def report_corrupt(namespace: str, hashes: list[bytes]) -> Exchange[None]:
         yield Unary("Report", pb.ReportRequest(namespace=namespace, hashes=hashes))
     except KVStoreError as exc:
         log.warning("could not report %d corrupt page(s) in %r to the node: %s", len(hashes), namespace, exc)
+
+
+def page_size(known: dict[str, int], namespace: str, first: bytes, ask: Callable[[bytes], int]) -> int:
+    """The page size of `namespace`, the one rule of every plane that sizes its receives before a Get (the
+    same-host plane, UCX; TCP and gRPC streams read each page's size off its header and need none).
+
+    Asked of the node, never guessed: `ask` sends the page-size ask (`kvstore.wire.page_size_ask`, the first
+    hash the Get will ask for, then the namespace) and returns the node's answer, parsed with
+    `kvstore.wire.parse_page_size`. The node answers it as that Get would be answered (NamespaceNotFound for a
+    namespace it does not hold, counted as the Get's refusal). Remembered in `known` (the plane's, at most
+    MAX_KNOWN_PAGE_SIZES namespaces), since a namespace's page size is fixed once its first page is stored; a
+    plane forgets it (`known.pop`) when the node shows otherwise (a page bigger than the size asked: the node
+    restarted and the namespace was laid out anew)."""
+    n = known.get(namespace)
+    if n is None:
+        n = ask(page_size_ask(namespace, first))
+        if len(known) >= MAX_KNOWN_PAGE_SIZES:
+            known.pop(next(iter(known)))
+        known[namespace] = n
+    return n

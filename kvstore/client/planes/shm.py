@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Abort, Blocking, Exchange
-from kvstore.client.planes.base import DataPlane, PutResult
+from kvstore.client.planes.base import DataPlane, PutResult, page_size
 from kvstore.client.planes.buffers import buffer_span
 from kvstore.client.planes.connections import ConnectionPool
 from kvstore.client.planes.pool import ReceivePool
@@ -60,7 +60,7 @@ from kvstore.layout import PageLayout
 from kvstore.memtune import usable_cores
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import checksum_into, key_digest, wire_checksum
-from kvstore.wire import PutOpen, shm, unpack_held
+from kvstore.wire import PutOpen, parse_page_size, shm, unpack_held
 from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, layout_to_pb, put_open_to_pb
 
@@ -346,14 +346,13 @@ class ShmPlane(DataPlane):
         return placed
 
     def page_bytes(self, namespace: str, first: bytes) -> int:
-        """The namespace's page size, asked of the node once (NamespaceNotFound when it has none), on behalf
-        of a Get starting at hash `first`."""
-        n = self._page_bytes.get(namespace)
-        if n is None:
-            body = self._pool.call(lambda c: c.call(Kind.LAYOUT, first + namespace.encode()))
-            (n,) = shm.PAGE_BYTES.unpack(body)
-            self._page_bytes[namespace] = n
-        return n
+        """The namespace's page size, on behalf of a Get starting at hash `first`: the one rule of every plane
+        (`base.page_size`), asked on this plane as a LAYOUT request."""
+
+        def ask(body: bytes) -> int:
+            return self._pool.call(lambda c: parse_page_size(c.call(Kind.LAYOUT, body), c.max_page_bytes))
+
+        return page_size(self._page_bytes, namespace, first, ask)
 
     # -- the DataPlane
 

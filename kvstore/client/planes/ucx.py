@@ -7,8 +7,9 @@ one `Blocking` operation: on the caller's thread in `KVStoreClient`, in a worker
 
 One request costs a few Python calls per page and one wait: a GET posts the reply's receive and every
 page's receive (into the caller's buffers for get_into; for get, into fresh buffers of the namespace's
-page size, learned from the node's first answer and its `next_page_bytes`), then sends the request; a PUT
-posts the request and every page's send at once. Tags are the session's (kvstore/wire/ucx.py).
+page size, asked of the node once per namespace: `base.page_size`, the rule the same-host plane follows
+too), then sends the request; a PUT posts the request and every page's send at once. Tags are the
+session's (kvstore/wire/ucx.py).
 
 Environment (client side):
 - KVSTORE_UCX_CONNECT: "worker" (default; after the HELLO on the node's listener, both sides open
@@ -36,14 +37,14 @@ from typing import Any
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.client.exchange import Abort, Blocking, Exchange
-from kvstore.client.planes.base import DataPlane, PutResult
+from kvstore.client.planes.base import DataPlane, PutResult, page_size
 from kvstore.client.planes.pool import ReceivePool
 from kvstore.errors import KVStoreError, PageCorrupt, PlaneUnavailable, StreamError, Unavailable, from_status
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, TierKind
 from kvstore.pageformat import wire_checksum
 from kvstore.stats import PlaneInfo
-from kvstore.wire import PutOpen, unpack_held
+from kvstore.wire import PutOpen, parse_page_size, unpack_held
 from kvstore.wire import ucx as proto
 from kvstore.wire.streams import FetchedPage, PageRef, layout_to_pb, put_open_to_pb
 from kvstore.wire.ucx import Hello, HelloOk, Kind, Lane, ProtocolError, SessionTags, UcxAddress
@@ -52,8 +53,6 @@ from kvstore.wire.ucx_progress import UcxClosed, UcxTimeout, wait_blocking
 CLOSE_WAIT_SECONDS = 2.0  # how long closing an endpoint waits for its cancelled transfers
 ERROR_GRACE_SECONDS = 1.0  # after an ERROR reply: how long the node's empty answers to our receives may take
 MAX_PAGE_BYTES = 1 << 30  # a page the node announces above this is a protocol error, not an allocation
-MAX_HINTS = 64  # namespaces whose page size a plane remembers
-FIRST_ROUND_BYTES = 16 << 20  # receives a get posts before it knows its namespace's page size
 
 STUCK: list[list[Any]] = []  # buffers of receives that never finished after close (see close_broken)
 
@@ -144,6 +143,12 @@ class UcxConnection:
         msg = self.Array(bytearray(proto.frame(kind, seq, body)))
         send = self.ep.tag_send(msg, self.ucx.UCXXTag(tags.tag(Lane.CONTROL, seq)))
         return seq, reply, [msg, send]
+
+    def page_size(self, ask: bytes, deadline: float) -> int:
+        """The node's answer to a page-size ask (`kvstore.wire.page_size_ask`): a LAYOUT request."""
+        seq, reply, keep = self._request(Kind.LAYOUT, ask)
+        self._wait([reply, keep[1]], deadline, "UCX LAYOUT")
+        return parse_page_size(self._reply_body(Kind.OK, seq), self.max_page_bytes)
 
     def put(self, req: pb.BulkPutRequest, pages: Sequence[Buffer], deadline: float) -> pb.PutResponse:
         seq, reply, keep = self._request(Kind.PUT, req.SerializeToString())
@@ -268,7 +273,7 @@ class UcxPlane(DataPlane):
         self._lock = threading.Lock()
         self._context: Any = None
         self._closed = False
-        self._hints: dict[str, int] = {}  # namespace -> page size a plain get receives into (learned)
+        self._page_bytes: dict[str, int] = {}  # a namespace's page size, asked (`base.page_size`)
 
     def _acquire(self, deadline: float) -> UcxConnection:
         if self._refuse is not None:
@@ -328,40 +333,32 @@ class UcxPlane(DataPlane):
     def get_batch(
         self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
     ) -> Exchange[list[FetchedPage]]:
-        """Pages received into fresh buffers of the namespace's page size. Until that is known (the first
-        get of a namespace), a first round asks for as many pages as FIRST_ROUND_BYTES of receives sized
-        for the node's largest page hold, and learns it; a reply saying the next page is bigger than the
-        size used (its `next_page_bytes`) grows it. Bounded: each round returns pages or grows the size."""
+        """Pages received into fresh buffers of the namespace's page size (`base.page_size`: asked of the node
+        on this connection the first time, remembered after). A reply saying the first page that did not fit
+        is bigger (its `next_page_bytes`) means the size remembered is stale (the node restarted and the
+        namespace was laid out anew): it is forgotten and asked again, once."""
 
         def fetch(conn: UcxConnection, deadline: float) -> list[FetchedPage]:
             out: list[FetchedPage] = []
-            size = self._hints.get(namespace, 0)
-            for _ in range(len(hashes) + 2):
+            for _ in range(2):
+                size = page_size(self._page_bytes, namespace, hashes[0], lambda ask: conn.page_size(ask, deadline))
                 rest = hashes[len(out) :]
-                if not size:  # NOTE: never a round that cannot hold the page: its read may promote it
-                    rest = rest[: max(1, FIRST_ROUND_BYTES // conn.max_page_bytes)]
-                fresh = _Blocks(self.received, size or conn.max_page_bytes)
+                fresh = _Blocks(self.received, size)
                 req = _get_request(namespace, rest, promote, expect)
-                req.targets.extend(pb.BulkTarget(size=fresh.size) for _ in rest)
+                req.targets.extend(pb.BulkTarget(size=size) for _ in rest)
                 checked = _Checked(namespace, rest, fresh.views.__getitem__, self.verify)
                 try:
                     _, bigger = conn.get(req, fresh, checked, deadline)
                 except PageCorrupt as exc:
                     good = fresh.pages(exc.good)  # type: ignore[arg-type]
                     raise PageCorrupt(len(out) + exc.index, exc.hash, out + good) from None
-                refs = checked.refs
-                out += fresh.pages(refs)
-                if refs and not size:
-                    size = max(r.nbytes for r in refs)
-                    self._remember(namespace, size)
-                if len(out) == len(hashes) or (len(refs) < len(rest) and not bigger):
-                    break  # all of them, or the stored prefix ended
-                if bigger:
-                    if not size < bigger <= conn.max_page_bytes:
-                        raise ProtocolError(f"the node announced a {bigger}-byte page ({size} expected)")
-                    size = bigger
-                    self._remember(namespace, size)
-            return out
+                out += fresh.pages(checked.refs)
+                if not bigger:
+                    return out
+                if not size < bigger <= conn.max_page_bytes:
+                    raise ProtocolError(f"the node announced a {bigger}-byte page ({size} expected)")
+                self._page_bytes.pop(namespace, None)
+            raise ProtocolError(f"the node announced a {bigger}-byte page after answering {size} for {namespace!r}")
 
         abort = Abort()
         return (yield Blocking(lambda: self._call(fetch, abort), abort))
@@ -392,11 +389,6 @@ class UcxPlane(DataPlane):
             k = len(refs)
             raise ValueError(f"buffers[{first + k}]: {len(dests[k])} bytes cannot hold a {bigger}-byte page")
         return refs
-
-    def _remember(self, namespace: str, size: int) -> None:
-        if namespace not in self._hints and len(self._hints) >= MAX_HINTS:
-            self._hints.pop(next(iter(self._hints)))
-        self._hints[namespace] = size
 
     def close(self) -> None:
         with self._lock:

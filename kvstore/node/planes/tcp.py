@@ -28,7 +28,7 @@ from kvstore.addresses import peer_host
 from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
 from kvstore.manager.reads import ReadLease
 from kvstore.node.callers import Caller
-from kvstore.node.drivers import PageHead, drive_put, open_get
+from kvstore.node.drivers import PageHead, check_page_count, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever, port_refusal
 from kvstore.node.planes.tcp_io import (
     Channel,
@@ -284,7 +284,7 @@ class _Connection:
         """The put driver over this connection. A refused request is consumed whole (its page count is
         read first, then every PAGE frame, bounded by that count and the page size) and answered ERROR,
         so the connection stays in step."""
-        npages = tcp.put_npages(meta, self.cfg.max_pages_per_request)
+        npages = check_page_count(tcp.put_npages(meta), self.cfg, "put.npages", put=True)
         pages = _FramePages(self, chan, npages)
 
         def opening() -> tuple[Caller, PutOpen]:
@@ -303,6 +303,7 @@ class _Connection:
     async def _get(self, chan: Channel, meta: bytearray) -> None:
         """PAGE frames for the longest stored prefix (each payload sent from its leased slot), then DONE."""
         args = tcp.parse_get(meta)
+        check_page_count(len(args.hashes), self.cfg, "hashes", put=False)
         reply = _GetReply(chan, self.version, args.namespace, self.timeout)
         try:
             async with open_get(

@@ -7,8 +7,10 @@ endpoint from the node to its worker address (only now, after its token was acce
 unauthenticated peer never makes the node connect anywhere). HELLO_OK carries the session secret all
 later tags derive from; the intake (ucx_intake.py) drains every message no receive expects.
 
-Each connection serves one request at a time (a client opens several connections for concurrency); both
-kinds run the node's put and get drivers (kvstore/node/drivers.py), as every plane does:
+Each connection serves one request at a time (a client opens several connections for concurrency); every
+kind runs the node's drivers (kvstore/node/drivers.py: the page-count and target checks, the put and get
+drivers, the page-size answer), as every plane does:
+- LAYOUT: a namespace's page size (`answer_page_size`), asked before a plain get sizes its receives.
 - PUT: the token must be a read-write one; each page's tagged message is received straight into its
   staged slot (one copy: the network's), and the transaction verifies and publishes the pages together.
   A page already stored is received into a scratch buffer and dropped (a UCX send cannot be cancelled by
@@ -39,7 +41,15 @@ from google.protobuf.message import DecodeError
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import DataLoss, InvalidArgument, KVStoreError, Unavailable
 from kvstore.node.callers import Caller
-from kvstore.node.drivers import PageHead, TransferStuck, drive_put, open_get
+from kvstore.node.drivers import (
+    PageHead,
+    TransferStuck,
+    answer_page_size,
+    check_page_count,
+    check_target_count,
+    drive_put,
+    open_get,
+)
 from kvstore.node.planes import ucx_device
 from kvstore.node.planes.base import NodeServices, PlaneServer
 from kvstore.node.planes.ucx_intake import Intake
@@ -332,6 +342,8 @@ class UcxPlaneServer(PlaneServer):
                 once(frame(Kind.OK, seq, reply))
             elif kind is Kind.GET:
                 await self._get(conn, seq, pb.BulkGetRequest.FromString(bytes(body)), once)
+            elif kind is Kind.LAYOUT:
+                once(frame(Kind.OK, seq, answer_page_size(self._caller(conn, "Get"), body)))
             else:
                 raise InvalidArgument("kind", f"{kind.name} is not a request")
         except DecodeError as exc:
@@ -350,8 +362,8 @@ class UcxPlaneServer(PlaneServer):
         caller = self._caller(conn, "Put")
         if not req.HasField("open"):
             raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
-        if not req.pages or len(req.pages) > MAX_PAGES_PER_CALL:
-            raise InvalidArgument("pages", f"a PUT carries 1..{MAX_PAGES_PER_CALL} pages, got {len(req.pages)}")
+        assert self._svc is not None
+        check_page_count(len(req.pages), self._svc.config, "pages", put=True, wire_limit=MAX_PAGES_PER_CALL)
         slices = list(req.pages)
         for i, p in enumerate(slices):
             if not p.checksum:  # a short message would leave stale bytes that only the checksum catches
@@ -367,11 +379,8 @@ class UcxPlaneServer(PlaneServer):
         """Answer every receive the client posted (page i, or an empty message), then respond; the leases
         of pages in flight are held until their sends completed."""
         assert self._svc is not None
-        n = len(req.hashes)
-        if n > min(MAX_PAGES_PER_CALL, self._svc.config.max_pages_per_request):
-            raise InvalidArgument("hashes", f"a GET asks for at most {self._svc.config.max_pages_per_request} pages")
-        if len(req.targets) != n:
-            raise InvalidArgument("targets", f"{len(req.targets)} targets for {n} hashes (one per hash)")
+        n = check_page_count(len(req.hashes), self._svc.config, "hashes", put=False, wire_limit=MAX_PAGES_PER_CALL)
+        check_target_count(len(req.targets), n)
         caps = [t.size for t in req.targets]
         bigger = 0
         base = conn.tags.tag(Lane.GET_PAGES, seq)
