@@ -40,9 +40,8 @@ from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated, Unavailable
-from kvstore.hashing import HASH_BYTES
 from kvstore.node.callers import Caller
-from kvstore.node.drivers import PageHead, drive_put, open_get
+from kvstore.node.drivers import PageHead, answer_page_size, check_page_count, check_target_count, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
 from kvstore.node.planes.shm_limits import Holder, ShmLimits
 from kvstore.node.planes.shm_memory import MappedBuffer, usable_size
@@ -353,15 +352,8 @@ class _Connection:
         self.buffers[buf_id] = buf
 
     def _layout(self, body: memoryview) -> bytes:
-        """The page size a GET's targets need: the first step of a plain get, answered as that Get would be."""
-        if len(body) < HASH_BYTES:
-            raise InvalidArgument("layout", f"a LAYOUT carries a {HASH_BYTES}-byte hash, then the namespace")
-        try:
-            namespace = bytes(body[HASH_BYTES:]).decode()
-        except UnicodeDecodeError:
-            raise InvalidArgument("namespace", "not valid UTF-8") from None
-        layout = self._caller("Get").view.layout_of(namespace, first=bytes(body[:HASH_BYTES]))
-        return shm.PAGE_BYTES.pack(layout.page_bytes)
+        """The page size a GET's targets need: the first step of a plain get (drivers.answer_page_size)."""
+        return answer_page_size(self._caller("Get"), body)
 
     def _buffer(self, buf_id: int, field: str) -> MappedBuffer:
         buf = self.buffers.get(buf_id)
@@ -373,8 +365,7 @@ class _Connection:
         caller = self._caller("Put")
         if not req.HasField("open"):
             raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
-        if len(req.pages) > min(self.cfg.max_pages_per_request, shm.MAX_PAGES_PER_CALL):
-            raise InvalidArgument("pages", f"{len(req.pages)} pages in one PUT")
+        check_page_count(len(req.pages), self.cfg, "pages", put=True, wire_limit=shm.MAX_PAGES_PER_CALL)
         slices = list(req.pages)
         places = []
         for i, p in enumerate(slices):  # every slice checked first: a bad one leaves the node unchanged
@@ -391,9 +382,9 @@ class _Connection:
     async def _get(self, req: pb.BulkGetRequest) -> bytes:
         caller = self._caller("Get")
         form = checksum_form_from_pb(req.checksum_form, "checksum_form")
+        check_page_count(len(req.hashes), self.cfg, "hashes", put=False, wire_limit=shm.MAX_PAGES_PER_CALL)
+        check_target_count(len(req.targets), len(req.hashes))
         hashes = list(req.hashes)
-        if len(req.targets) != len(hashes):
-            raise InvalidArgument("targets", f"{len(req.targets)} targets for {len(hashes)} hashes (one per hash)")
         page_bytes = caller.view.layout_of(req.namespace).page_bytes
         expect = layout_from_pb(req.layout, "layout") if req.HasField("layout") else None
         # NOTE: the targets' fields read once into tuples: a protobuf field read costs more than the check itself
