@@ -1,7 +1,9 @@
-"""Every data plane answers the same bad Put with the same status: they all run the node's one put driver
-(kvstore/node/drivers.py). Four planes (gRPC streams, shm, TCP, UCX), one real node with tokens, and four
-bad Puts: an unknown target tier, a page of the wrong size, a page whose declared checksum is wrong, and a
-read-only caller. Nothing of any of them may be stored."""
+"""Every data plane answers the same bad request with the same status: they all run the node's one put driver
+and its page-count rule (kvstore/node/drivers.py). Four planes (gRPC streams, shm, TCP, UCX), one real node
+with tokens that takes MAX_PAGES pages per request, and bad Puts: an unknown target tier, a page smaller and a
+page larger than the layout's, a page whose declared checksum is wrong, a read-only caller, and one page
+more than the node takes. Nothing of any of them may be stored. A Get of one hash more than the node takes
+is refused alike too."""
 
 from __future__ import annotations
 
@@ -22,13 +24,14 @@ from tests.security.conftest import READ, WRITE, token_args
 
 PLANES = ["grpc", "shm", "tcp", *(["ucx"] if ucxx_installed() else [])]
 WRONG_CHECKSUM = 0x1234_5678
+MAX_PAGES = 4  # the node's max_pages_per_request (clients send up to 256 pages per call: the node refuses more)
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProcess]:
     tmp = tmp_path_factory.mktemp("parity")
     n = start_node(tmp, dram_pages=16, extra_args=[*token_args(tmp), *(["--ucx"] if "ucx" in PLANES else [])],
-                   env={"UCX_NET_DEVICES": "lo"})  # fmt: skip
+                   env={"UCX_NET_DEVICES": "lo", "KVSTORE_MAX_PAGES_PER_REQUEST": str(MAX_PAGES)})  # fmt: skip
     try:
         yield n
     finally:
@@ -59,9 +62,12 @@ Case = Callable[[KVStoreClient, list[bytes]], object]
 CASES: dict[str, tuple[str, type[KVStoreError], Case]] = {
     "target tier": (WRITE, InvalidArgument, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT, 7), hs, [page(h) for h in hs])),  # type: ignore[arg-type]
     "size": (WRITE, InvalidArgument, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT), hs, [page(h, PAGE // 2) for h in hs])),
+    "size (larger)": (WRITE, InvalidArgument, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT), hs, [page(h, PAGE * 2) for h in hs])),
     "checksum": (WRITE, DataLoss, lambda kv, hs: put(kv, PutOpen(NS, LAYOUT), hs, [page(h) for h in hs])),
     "read-only": (READ, PermissionDenied, lambda kv, hs: kv.put(NS, LAYOUT, hs, [page(h) for h in hs])),
+    "page count": (WRITE, InvalidArgument, lambda kv, hs: kv.put(NS, LAYOUT, hs, [page(h) for h in hs])),
 }  # fmt: skip
+COUNT = {"page count": MAX_PAGES + 1}  # pages of each bad Put (3 unless named here)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -72,7 +78,7 @@ def test_every_plane_answers_a_bad_put_alike_and_stores_nothing(
     token, expected, run = CASES[case]
     if case == "checksum":
         lying_checksums(monkeypatch)
-    hashes = [key(i, f"parity-{plane}-{case}") for i in range(3)]
+    hashes = [key(i, f"parity-{plane}-{case}") for i in range(COUNT.get(case, 3))]
     with KVStoreClient(node.addr, timeout=20, transport=plane, security=ClientSecurity(token=token)) as kv:
         with pytest.raises(expected) as err:
             run(kv, hashes)
@@ -82,3 +88,15 @@ def test_every_plane_answers_a_bad_put_alike_and_stores_nothing(
         assert kv.lookup(NS, hashes) == 0  # nothing of the refused Put is stored
         kv.put(NS, LAYOUT, hashes[:1], [page(hashes[0])], target_tier=TierKind.DRAM)  # and the node still serves
         assert [bytes(p) for p in kv.get(NS, hashes[:1])] == [page(hashes[0])]
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_every_plane_refuses_a_get_over_the_page_limit_alike(node: NodeProcess, plane: str) -> None:
+    hashes = [key(i, f"parity-get-{plane}") for i in range(MAX_PAGES + 1)]
+    with KVStoreClient(node.addr, timeout=20, transport="grpc", security=ClientSecurity(token=WRITE)) as kv:
+        kv.put(NS, LAYOUT, hashes[:MAX_PAGES], [page(h) for h in hashes[:MAX_PAGES]])  # the namespace is known
+    with KVStoreClient(node.addr, timeout=20, transport=plane, security=ClientSecurity(token=READ)) as kv:
+        with pytest.raises(InvalidArgument) as err:
+            kv.get(NS, hashes)
+        assert type(err.value) is InvalidArgument and "hashes" in str(err.value)
+        assert [bytes(p) for p in kv.get(NS, hashes[:MAX_PAGES])] == [page(h) for h in hashes[:MAX_PAGES]]
