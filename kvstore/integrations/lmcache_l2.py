@@ -44,13 +44,11 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -64,26 +62,17 @@ from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
 from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
-from kvstore.hashing import MAX_NAMESPACE_BYTES
-from kvstore.integrations.groups import Run, groups_label, part_name, runs
-from kvstore.integrations.lanes import SLICE_BYTES, Lanes, slices
+from kvstore.integrations.lanes import SLICE_BYTES, Lanes
 from kvstore.integrations.lmcache_l2_mapping import (
     L2_MAPPING_VERSION,
     L2_PARAMS,
     L2Settings,
     MappingError,
-    l2_layout_tag,
-    l2_namespace,
     l2_namespace_salt_part,
-    l2_page_key,
-    l2_page_layout,
-    l2_salt_part,
     parse_l2_params,
 )
-from kvstore.integrations.lmcache_mapping import model_part
-from kvstore.integrations.outcome import Stored
+from kvstore.integrations.lmcache_l2_work import L2Work
 from kvstore.integrations.remote import RemoteStore
-from kvstore.layout import PageLayout
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import NodeStats
 
@@ -144,7 +133,7 @@ class _Completions:
         self.notifier.close()
 
 
-class KVStoreL2Adapter(L2AdapterInterface):
+class KVStoreL2Adapter(L2Work, L2AdapterInterface):
     """LMCache L2 adapter over one kvstore node or a cluster (see the module docstring)."""
 
     def __init__(self, config: KVStoreL2AdapterConfig | Mapping[str, object], l1_memory_desc: object = None) -> None:
@@ -348,357 +337,9 @@ class KVStoreL2Adapter(L2AdapterInterface):
             done.finish(task_id, failed)
         return task_id
 
-    # -- object groups: a chunk's groups in one task are one bundle (DESIGN.md §4.3, integrations/groups.py)
-
-    def _store(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
-        plain, bundled = self._grouped(keys)
-        if not bundled:
-            return self._store_rows(keys, objects)
-        res = self._store_rows([keys[i] for i in plain], [objects[i] for i in plain]) if plain else None
-        ok, sent = (True, 0) if res is None else (res.is_successful(), res.bytes_transferred())
-        stored: list[ObjectKey] = []
-        sizes: list[int] = []
-        for run in bundled:
-            named = self._bundle_call(keys, run, {g: _object_tag(objects[i]) for g, i in run.items[0].items()})
-            if named is None:
-                ok = False
-                continue
-            ns, hashes = named
-            parts = {g: objects[i].get_size() for g, i in run.items[0].items()}
-            try:
-                layout = PageLayout.bundle({part_name(g): l2_page_layout(n) for g, n in parts.items()}, block_size=1)
-            except (MappingError, ValueError) as exc:
-                self.store.say("bad-object", logging.ERROR, "kvstore L2 adapter: not stored: %s", exc)
-                ok = False
-                continue
-            pages = [{part_name(g): objects[i].byte_array for g, i in items.items()} for items in run.items]
-            done = self.store.put_bundle(ns, layout, hashes, pages)
-            sent += done.count * layout.page_bytes
-            ok = ok and done.ok
-            for j, held in enumerate(done.held):
-                if held:
-                    stored += [keys[i] for i in run.items[j].values()]
-                    sizes += [parts[g] for g in run.items[j]]
-        if stored:
-            self._notify_keys_stored(stored, sizes)
-        return L2StoreResult(ok, sent)
-
-    def _lookup(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
-        plain, bundled = self._grouped(keys)
-        if not bundled:
-            return self._lookup_rows(keys, descs)
-        bitmap = Bitmap(len(keys))
-        if plain:
-            for j in self._lookup_rows([keys[i] for i in plain], descs).get_indices_list():
-                bitmap.set(plain[j])
-        now = time.monotonic()
-        for run in bundled:
-            tags = {g: self._desc_tag(keys[i], descs) for g, i in run.items[0].items()}
-            named = None if None in tags.values() else self._bundle_call(keys, run, tags)  # type: ignore[arg-type]
-            if named is None:
-                continue
-            ns, hashes = named
-            n = self._find(ns, hashes)
-            if n and self.settings.lock:  # one pin per chunk, held by its first group's key (unlock releases it)
-                first = [min(items.values()) for items in run.items[:n]]
-                self._hold(keys, first, ns, hashes[:n], now + self.settings.remote.pin_lease)
-            for items in run.items[:n]:
-                for i in items.values():
-                    bitmap.set(i)
-        return bitmap
-
-    def _load(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
-        plain, bundled = self._grouped(keys)
-        if not bundled:
-            return self._load_rows(keys, objects)
-        bitmap = Bitmap(len(keys))
-        if plain:
-            for j in self._load_rows([keys[i] for i in plain], [objects[i] for i in plain]).get_indices_list():
-                bitmap.set(plain[j])
-        loaded: list[ObjectKey] = []
-        for run in bundled:
-            named = self._bundle_call(keys, run, {g: _object_tag(objects[i]) for g, i in run.items[0].items()})
-            if named is None:
-                continue
-            ns, hashes = named
-            sizes = {g: objects[i].get_size() for g, i in run.items[0].items()}
-            try:
-                layout = PageLayout.bundle({part_name(g): l2_page_layout(n) for g, n in sizes.items()}, block_size=1)
-            except (MappingError, ValueError):
-                continue
-            pages = [{part_name(g): objects[i].byte_array for g, i in items.items()} for items in run.items]
-            n = self.store.get_bundle_into(ns, layout, hashes, pages)
-            for items in run.items[:n]:
-                for i in items.values():
-                    bitmap.set(i)
-                    loaded.append(keys[i])
-        if loaded:
-            self._notify_keys_accessed(loaded)
-        return bitmap
-
-    def _grouped(self, keys: Sequence[ObjectKey]) -> tuple[list[int], list[Run]]:
-        """The keys of chunks this task carries with one object group (`plain`: the rows above), and the runs of
-        chunks it carries with several (each chunk one bundle of its groups)."""
-        all_runs = runs(
-            [((k.model_name, k.kv_rank, k.cache_salt, bytes(k.chunk_hash)), k.object_group_id) for k in keys]
-        )
-        plain = [i for r in all_runs if len(r.groups) == 1 for items in r.items for i in items.values()]
-        return sorted(plain), [r for r in all_runs if len(r.groups) > 1]
-
-    def _bundle_call(
-        self, keys: Sequence[ObjectKey], run: Run, tags: Mapping[int, str]
-    ) -> tuple[str, list[bytes]] | None:
-        """(namespace, hashes) of a run's bundles: the namespace of its first group's row, then the groups and a
-        digest of every group's layout tag; a chunk's hash is its group-0 page key (None: unnamed, logged)."""
-        first = keys[run.items[0][run.groups[0]]]
-        try:
-            base = self._namespace(first, tags[run.groups[0]])
-        except MappingError as exc:
-            self.store.say("mapping", logging.ERROR, "kvstore L2 adapter: key of model %r cannot be mapped: %s; "
-                           "treated as a miss", first.model_name, exc)  # fmt: skip
-            return None
-        if base is None:
-            return None
-        digest = hashlib.sha256(";".join(f"{g}={tags[g]}" for g in run.groups).encode()).hexdigest()[:12]
-        ns = f"{base}/{groups_label(run.groups)}~{digest}"
-        if len(ns.encode()) > MAX_NAMESPACE_BYTES:
-            ns = f"{base[: MAX_NAMESPACE_BYTES - 30]}/{hashlib.sha256(ns.encode()).hexdigest()[:24]}"
-        hashes = [l2_page_key(k.model_name, k.kv_rank, 0, k.chunk_hash, k.cache_salt)
-                  for k in (keys[items[run.groups[0]]] for items in run.items)]  # fmt: skip
-        return ns, hashes
-
-    def _store_rows(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2StoreResult:
-        """Store the objects; the task succeeds only when the node holds every one afterwards, and only the keys
-        it holds are announced to LMCache as stored (outcome.py: a key a full node refused is a failure, so
-        LMCache keeps its L1 copy and its L2 accounting never counts it)."""
-        ok, sent, unstored = True, 0, 0
-        stored: list[ObjectKey] = []
-        sizes: list[int] = []
-        for ns, idx, size in self._runs(keys, lambda k: None, objects):
-            if ns is None:
-                ok = False
-                unstored += len(idx)
-                continue
-            try:
-                layout = l2_page_layout(size)
-            except MappingError as exc:
-                self.store.say("bad-object", logging.ERROR, "kvstore L2 adapter: not stored: %s", exc)
-                ok = False
-                unstored += len(idx)
-                continue
-            self._warm_soon(size)
-            hashes = [self._hash(keys[i]) for i in idx]
-            bufs = [objects[i].byte_array for i in idx]
-            for (a, b), done in self._put_slices(ns, layout, hashes, bufs, size):
-                if done is None:
-                    unstored += b - a
-                    continue
-                sent += done.count * size
-                # NOTE: a Put says how many pages were new, not which: a chain's pages already present are
-                # usually its leading ones (a shared prefix), so the last `new` held pages of the call count as
-                # this adapter's bytes (LMCache's usage), the others as 0.
-                held = [j for j, h in enumerate(done.held) if h]
-                first_new = len(held) - done.new
-                for n, j in enumerate(held):
-                    stored.append(keys[idx[a + j]])
-                    sizes.append(size if n >= first_new else 0)
-                if not done.ok:
-                    ok = False
-                    unstored += (b - a) - done.count
-        if stored:
-            self._notify_keys_stored(stored, sizes)
-        with self._lock:
-            self.counters["stores"] += 1
-            self.counters["stored_pages"] += sum(1 for n in sizes if n)
-            self.counters["unstored_pages"] += unstored
-            self.counters["bytes_stored"] += sent
-            self.counters["store_failures"] += 0 if ok else 1
-        return L2StoreResult(ok, sent)
-
-    def _lookup_rows(self, keys: list[ObjectKey], descs: dict[int, MemoryLayoutDesc]) -> Bitmap:
-        for desc in (descs or {}).values():
-            self._warm_soon(_desc_bytes(desc))
-        bitmap = Bitmap(len(keys))
-        hits = 0
-        now = time.monotonic()
-        for ns, idx, _ in self._runs(keys, lambda k: self._desc_tag(k, descs)):
-            if ns is None:
-                continue
-            hashes = [self._hash(keys[i]) for i in idx]
-            n = self._find(ns, hashes)
-            if n and self.settings.lock:
-                self._hold(keys, idx[:n], ns, hashes[:n], now + self.settings.remote.pin_lease)
-            for i in idx[:n]:
-                bitmap.set(i)
-            hits += n
-        with self._lock:
-            self.counters["lookups"] += 1
-            self.counters["lookup_keys"] += len(keys)
-            self.counters["lookup_hits"] += hits
-        return bitmap
-
-    def _load_rows(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> Bitmap:
-        bitmap = Bitmap(len(keys))
-        loaded: list[ObjectKey] = []
-        nbytes = 0
-        for ns, idx, size in self._runs(keys, lambda k: None, objects):
-            if ns is None:
-                continue
-            hashes = [self._hash(keys[i]) for i in idx]
-            bufs = [objects[i].byte_array for i in idx]
-            short = False
-            for (a, b), landed in self._get_slices(ns, hashes, bufs, size):  # consumed whole: see _get_slices
-                if short:
-                    continue  # past the row's first gap: nothing is reported (a slice in flight may have landed)
-                got = 0
-                for n in landed:
-                    if n != size:  # only an explicit namespace can hold pages of another size
-                        self.store.say(
-                            "size",
-                            logging.ERROR,
-                            "kvstore L2 adapter: namespace %r holds %d-byte pages, "
-                            "LMCache's objects are %d bytes; treated as a miss",
-                            ns,
-                            n,
-                            size,
-                        )
-                        break
-                    got += 1
-                for i in idx[a : a + got]:
-                    bitmap.set(i)
-                    loaded.append(keys[i])
-                nbytes += got * size
-                short = got < b - a
-        if loaded:
-            self._notify_keys_accessed(loaded)
-        with self._lock:
-            self.counters["loads"] += 1
-            self.counters["load_keys"] += len(keys)
-            self.counters["load_hits"] += len(loaded)
-            self.counters["bytes_loaded"] += nbytes
-        return bitmap
-
-    def _put_slices(
-        self, ns: str, layout: PageLayout, hashes: list[bytes], bufs: list[memoryview], size: int
-    ) -> Iterator[tuple[tuple[int, int], Stored | None]]:
-        """A row's Puts, slice by slice with the store lanes' calls in flight (lanes.py), in order: ((a, b), what
-        the node holds of pages a..b), or None for a slice not sent because an earlier one failed (the rest of
-        the row would hang off a gap)."""
-        failed = False
-
-        def put(ab: tuple[int, int]) -> Stored | None:
-            a, b = ab
-            return None if failed else self.store.put_from(ns, layout, hashes[a:b], bufs[a:b], parent_chain=hashes[:a])
-
-        cuts = slices(len(hashes), size)
-        for ab, done in zip(cuts, self._store_lanes.ordered(put, cuts), strict=True):
-            failed = failed or (done is not None and not done.ok)
-            yield ab, done
-
-    def _get_slices(
-        self, ns: str, hashes: list[bytes], bufs: list[memoryview], size: int
-    ) -> Iterator[tuple[tuple[int, int], list[int]]]:
-        """A row's Gets into the objects, slice by slice with the load lanes' calls in flight (lanes.py), in
-        order: ((a, b), the sizes of the leading pages of a..b that landed). After a slice that fell short the
-        slices not yet started are not asked for (they come back empty). Consume it whole: it returns only once
-        no call it started can still write into `bufs`."""
-        short = False
-
-        def get(ab: tuple[int, int]) -> list[int]:
-            a, b = ab
-            return [] if short else self.store.get_into(ns, hashes[a:b], bufs[a:b])
-
-        cuts = slices(len(hashes), size)
-        for (a, b), landed in zip(cuts, self._load_lanes.ordered(get, cuts), strict=True):
-            short = short or len(landed) < b - a
-            yield (a, b), landed
-
-    def _find(self, ns: str, hashes: list[bytes]) -> int:
-        """Leading pages of the row the node holds, pinned when `lock` (0 on any failure).
-
-        One node, locking: Pin first. It pins every page present and says how many, so the common rows
-        (all present, none present) cost one round trip; only a partial row also asks Lookup for its
-        prefix, and releases the pins taken beyond it. A cluster (or no lock): Lookup, then Pin."""
-        s = self.settings
-        if not s.lock:
-            return self.store.lookup(ns, hashes, prefetch=s.remote.prefetch)
-        if s.remote.target.addr is None:
-            n = self.store.lookup(ns, hashes, prefetch=s.remote.prefetch)
-            return n if n and self.store.pin(ns, hashes[:n], s.remote.pin_lease) > 0 else 0
-        pinned = self.store.pin(ns, hashes, s.remote.pin_lease)
-        if pinned in (0, len(hashes)):
-            return pinned
-        n = self.store.lookup(ns, hashes, prefetch=s.remote.prefetch)
-        self.store.unpin(ns, hashes[n:])  # pages present past the first gap: pinned above, not reported
-        return n
-
     def _unpin(self, release: dict[str, list[bytes]]) -> None:
         for ns, hashes in release.items():
             self.store.unpin(ns, hashes)
-
-    # -- mapping
-
-    def _runs(
-        self,
-        keys: Sequence[ObjectKey],
-        tag_of: Callable[[ObjectKey], str | None],
-        objects: Sequence[MemoryObj] | None = None,
-    ) -> Iterator[tuple[str | None, list[int], int]]:
-        """(namespace, key indices, object size) of consecutive keys sharing a namespace and object size.
-        With objects, the layout comes from each object; else from tag_of(key). A key whose namespace
-        cannot be named comes as namespace None (logged)."""
-        run: list[int] = []
-        cur: tuple[str | None, int] | None = None
-        for i, key in enumerate(keys):
-            size = 0
-            try:
-                if objects is not None:
-                    obj = objects[i]
-                    size = obj.get_size()
-                    tag = _object_tag(obj)
-                else:
-                    tag = tag_of(key)
-                ns = self._namespace(key, tag)
-            except MappingError as exc:
-                self.store.say(
-                    "mapping",
-                    logging.ERROR,
-                    "kvstore L2 adapter: key of model %r cannot be mapped: %s; treated as a miss",
-                    key.model_name,
-                    exc,
-                )
-                ns = None
-            if cur is not None and (ns, size) != cur:
-                yield cur[0], run, cur[1]
-                run = []
-            cur = (ns, size)
-            run.append(i)
-        if cur is not None:
-            yield cur[0], run, cur[1]
-
-    def _namespace(self, key: ObjectKey, tag: str | None) -> str | None:
-        if tag is not None:
-            self._tags[(key.model_name, key.kv_rank, key.object_group_id)] = tag
-        if self.settings.namespace is not None:
-            return self.settings.namespace
-        if tag is None:
-            return None
-        if key.cache_salt:
-            self._salts.setdefault(l2_salt_part(key.cache_salt), key.cache_salt)
-        model = model_part(key.model_name, self.settings.revision_of(key.model_name))
-        return _namespace_of(
-            self.settings.namespace_prefix, model, key.kv_rank, key.object_group_id, key.cache_salt, tag
-        )
-
-    def _desc_tag(self, key: ObjectKey, descs: Mapping[int, MemoryLayoutDesc]) -> str | None:
-        desc = descs.get(key.object_group_id) if descs else None
-        if desc is not None and desc.shapes:
-            return l2_layout_tag([list(s) for s in desc.shapes], [_dtype(d) for d in desc.dtypes])
-        return self._tags.get((key.model_name, key.kv_rank, key.object_group_id))  # no layout given: the last seen
-
-    @staticmethod
-    def _hash(key: ObjectKey) -> bytes:
-        return l2_page_key(key.model_name, key.kv_rank, key.object_group_id, key.chunk_hash, key.cache_salt)
 
     def _hold(
         self, keys: Sequence[ObjectKey], idx: Sequence[int], ns: str, hashes: Sequence[bytes], until: float
@@ -777,31 +418,3 @@ class KVStoreL2Adapter(L2AdapterInterface):
         return AdapterUsage(
             total_bytes_used=total, total_capacity_bytes=cap, bytes_by_cache_salt=MappingProxyType(per_salt)
         )
-
-
-# Every key of a row maps to the same namespace: validating it once per row, not once per key (bounded).
-_namespace_of = functools.lru_cache(maxsize=4096)(l2_namespace)
-
-
-def _object_tag(obj: MemoryObj) -> str:
-    """The layout tag of a MemoryObj: its tensors' shapes and dtypes (older objects carry only one)."""
-    meta = obj.metadata
-    shapes = meta.shapes if meta.shapes else [meta.shape]
-    dtypes = meta.dtypes if meta.dtypes else [meta.dtype]
-    return l2_layout_tag([list(s) for s in shapes], [_dtype(d) for d in dtypes])
-
-
-def _desc_bytes(desc: MemoryLayoutDesc) -> int:
-    """Bytes of one object of a layout description (0 when it names none or a dtype of unknown size)."""
-    total = 0
-    for shape, dtype in zip(desc.shapes or (), desc.dtypes or (), strict=False):
-        n = int(getattr(dtype, "itemsize", 0))
-        for dim in shape:
-            n *= int(dim)
-        total += n
-    return total
-
-
-def _dtype(d: object) -> str:
-    """`torch.bfloat16` -> "bfloat16" (any dtype, without importing torch here)."""
-    return str(d).removeprefix("torch.")
