@@ -4,16 +4,7 @@ A router's indexer (llm-d's kv-cache indexer, Dynamo's ZMQ relay, any subscriber
 `vllm.distributed.kv_events` classes) learns which blocks this node holds in which tier, as it does
 from an engine. Off unless the node is started with `--kv-events-endpoint` (config `kv_events_endpoint`).
 
-Wire (vLLM 0.32's `ZmqEventPublisher`): a ZMQ PUB socket (XPUB here, to see subscribers join) bound to
-the endpoint; every message is three frames: the topic, an 8-byte big-endian sequence number (+1 per
-message from 0, so a subscriber sees a gap when it lost messages), and a msgpack `KVEventBatch`
-`[ts, [event, ...]]`. Events are msgspec tagged structs as vLLM 0.32 defines them: maps with a "type"
-(`BlockStored`: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, later
-fields omitted at their defaults; `BlockRemoved`: block_hashes, medium; `AllBlocksCleared`), which
-`msgspec.msgpack.Decoder(vllm.distributed.kv_events.KVEventBatch)` decodes (tests/engines) and Dynamo's
-relay reads (serde `tag = "type"`). `kv_events_encoding = "array"` sends vLLM's older array form
-(`["BlockStored", block_hashes, parent, token_ids, block_size, lora_id, medium, lora_name]`), which
-llm-d-kv-cache's vLLM adapter decodes (`msgpack:",array"` structs).
+Wire, and the events' form: kv_events_wire.py (pure).
 
 What is published (one topic per namespace: `{prefix}@{node_id}@{namespace}`, `{prefix}@{node_id}/{tenant}@
 {namespace}` for a tenant's; llm-d reads `kv@<pod>@<model>`):
@@ -26,19 +17,8 @@ What is published (one topic per namespace: `{prefix}@{node_id}@{namespace}`, `{
 - a stop: `AllBlocksCleared` (best effort).
 Instead of vLLM's replay socket (the last N batches by sequence number) a node answers a join or a loss with
 a snapshot: its holdings can be far older than any replay buffer.
-Block hashes are the 32-byte keys (msgpack bin, as vLLM sends its own sha256 hashes), or with
-`kv_events_hash_format = "u64"` their last 8 bytes as a big-endian unsigned int (the same number llm-d
-derives from the bytes; for indexers that take only integers).
 
-Who may subscribe (SECURITY.md, "The KV-event feed"). The feed names tenants, namespaces and the hashes
-each holds, so:
-- a bare port (`--kv-events-endpoint 5557`) binds the gRPC host, loopback by default; an address other hosts
-  reach is refused unless the feed is authenticated or `kv_events_allow_open` says the network is private;
-- with `kv_events_curve_secret_file` and `kv_events_subscribers_file` it is CURVE-authenticated and
-  encrypted (ZMQ's own mechanism, so a vLLM-style pyzmq or Go zmq4 SUB socket only sets three keys): the
-  ZAP handler admits the listed public keys, a key listed with a tenant gets that tenant's topics only
-  (`granted`: the socket is in XPUB_MANUAL mode, so the node decides what each connection is subscribed
-  to), a key without one every topic (the router's indexer).
+Who may subscribe: kv_events_access.py (SECURITY.md, "The KV-event feed").
 
 Invariants: `note()` (called by the manager on every placement change, on the node's event loop) is O(1)
 and never blocks: events wait in a bounded queue; beyond `max_queue` they are dropped and counted, and a
@@ -59,33 +39,42 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
-import stat
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
-import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
-from zmq.utils import z85
 
 from kvstore.config import check_events_config
 from kvstore.names import TierKind
-from kvstore.scoping import DEFAULT_TENANT, check_tenant, tenant_of, unscope
-from kvstore.security import check_private
+from kvstore.node.kv_events_access import ZAP_DOMAIN, SubscriberAuth, granted, read_node_secret, read_subscribers_file
+from kvstore.node.kv_events_wire import (
+    MEDIUM,
+    AllBlocksCleared,
+    Batcher,
+    BlockRemoved,
+    BlockStored,
+    Change,
+    Describe,
+    Holding,
+    KVEventBatch,
+    as_array,
+    topic_of,
+)
 from kvstore.stats import KvEventsStatus
 
 if TYPE_CHECKING:
     from kvstore.config import NodeConfig
     from kvstore.manager import TierManager
 
+# The feed's names as they were before kv_events_wire.py and kv_events_access.py (tests and tools import them here).
+__all__ = ["MEDIUM", "Batcher", "KvEventPublisher", "granted", "read_subscribers_file", "start_for_node", "topic_of"]
+
 log = logging.getLogger(__name__)
 
-MEDIUM = {TierKind.HBM: "GPU", TierKind.DRAM: "CPU", TierKind.NVME: "STORAGE"}  # vLLM's MEDIUM_* names
 # NOTE: a message of 256 events is at most ~36 KiB (a map-form BlockStored with one hash is ~135 bytes, a
 # hash in a chain 34): with SEND_HWM that bounds what a subscriber that never reads holds in the node.
 MAX_EVENTS_PER_BATCH = 256
@@ -98,265 +87,6 @@ SNAPSHOT_SLICE = 2048  # pages a snapshot reads per turn of the loop
 # connected and never read held up to gigabytes (+160 MiB in an outside probe, kept after it left). 1,024
 # messages of <= 36 KiB: <= 36 MiB, and a snapshot of 260,000 pages still fits whole.
 SEND_HWM = 1024
-ZAP_DOMAIN = "kvstore-kv-events"
-
-# (namespace, hash, tier now or None, tier before or None, parent hash or None, block size)
-Change = tuple[str, bytes, TierKind | None, TierKind | None, bytes | None, int]
-Holding = tuple[str, bytes, TierKind]
-Describe = Callable[[str, bytes], tuple[bytes | None, int]]  # (parent hash or None, block size) of a held page
-
-
-# -- the wire types (vLLM 0.32, vllm/distributed/kv_events.py: same names, fields and order)
-
-
-class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """A KV cache event: a msgpack map whose "type" is the class name (vLLM 0.32 encodes events as maps)."""
-
-
-class BlockStored(_Event):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-
-
-class BlockRemoved(_Event):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_Event):
-    pass
-
-
-class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """The same events in vLLM's older array form (`[tag, field, ...]`, trailing defaults omitted), which
-    indexers written before vLLM's map form decode (llm-d-kv-cache's vLLM adapter); `kv_events_encoding`."""
-
-
-class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-
-
-class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None = None
-
-
-class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
-    pass
-
-
-def as_array(event: BlockStored | BlockRemoved | AllBlocksCleared) -> _ArrayEvent:
-    """An event in the array form (the fields that form has)."""
-    if isinstance(event, BlockStored):
-        return _ArrayBlockStored(
-            event.block_hashes,
-            event.parent_block_hash,
-            event.token_ids,
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-        )
-    if isinstance(event, BlockRemoved):
-        return _ArrayBlockRemoved(event.block_hashes, event.medium)
-    return _ArrayAllBlocksCleared()
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]  # BlockStored | BlockRemoved | AllBlocksCleared, or their array forms
-    data_parallel_rank: int | None = None
-
-
-def tenant_topics(prefix: str, node_id: str, tenant: str) -> str:
-    """The prefix every topic of `tenant`'s namespaces starts with (a tenant's subscription is cut to it)."""
-    return f"{prefix}@{node_id}/{tenant}@"
-
-
-def granted(requested: bytes, tenant: str | None, prefix: str, node_id: str) -> bytes | None:
-    """What a subscription to `requested` may receive: all of it for a subscriber bound to no tenant (no
-    CURVE, or a key listed without one: the default tenant's, the operator's), else the part inside its
-    tenant's topics, else None (refused). Pure."""
-    if tenant is None or tenant == DEFAULT_TENANT:
-        return requested
-    own = tenant_topics(prefix, node_id, tenant).encode()
-    if own.startswith(requested):
-        return own
-    if requested.startswith(own):
-        return requested
-    return None
-
-
-def read_subscribers_file(path: str) -> dict[bytes, str]:
-    """{z85 public key: tenant} of a subscribers file: lines `KEY` or `KEY TENANT` (no tenant: the default
-    tenant, every topic), blank lines and # comments skipped. ValueError naming the file and line for a
-    key that is not 40 z85 characters, a bad tenant name, or a file other users may write."""
-    with open(path, "rb") as f:
-        st = os.fstat(f.fileno())
-        if stat.S_IMODE(st.st_mode) & 0o022:
-            raise ValueError(f"{path}: other users may write it (mode {stat.S_IMODE(st.st_mode):04o}): chmod 644")
-        text = f.read().decode()
-    keys: dict[bytes, str] = {}
-    for n, line in enumerate(text.splitlines(), 1):
-        fields = line.split()
-        if not fields or fields[0].startswith("#"):
-            continue
-        if len(fields) > 2 or len(fields[0]) != 40:
-            raise ValueError(f"{path}:{n}: a line is a CURVE public key (40 z85 characters), optionally its tenant")
-        try:
-            z85.decode(fields[0])
-        except ValueError:
-            raise ValueError(f"{path}:{n}: {fields[0]!r} is not z85") from None
-        keys[fields[0].encode()] = check_tenant(fields[1], f"{path}:{n}: tenant") if len(fields) > 1 else DEFAULT_TENANT
-    return keys
-
-
-def read_node_secret(path: str) -> tuple[bytes, bytes]:
-    """(public, secret) z85 keys of the node's certificate (pyzmq's NAME.key_secret format). ValueError
-    naming the file when it is readable by others or holds no secret key."""
-    with open(path, "rb") as f:
-        check_private(path, os.fstat(f.fileno()))
-    public, secret = zmq.auth.load_certificate(path)
-    if not secret:
-        raise ValueError(f"{path}: no secret key (give the NAME.key_secret file, not NAME.key)")
-    return public, secret
-
-
-class _SubscriberAuth(ThreadAuthenticator):
-    """ZAP for the feed's socket: admits the keys of the subscribers file (re-read when it changes; a file
-    that turns bad admits nobody until fixed) and tags each connection with its key's tenant (User-Id)."""
-
-    def __init__(self, ctx: zmq.Context, path: str) -> None:
-        super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
-        self.path = path
-        self.keys = read_subscribers_file(path)  # a bad file refuses the start
-        self._seen = self._stat()
-        self.refused = 0
-
-    def _stat(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        """pyzmq's credentials provider: whether `key` (z85) may connect."""
-        seen = self._stat()
-        if seen != self._seen:
-            self._seen = seen
-            try:
-                self.keys = read_subscribers_file(self.path)
-            except (OSError, ValueError, UnicodeDecodeError) as exc:
-                log.error("kv events: subscribers file %s: %s; no subscriber is admitted until it is fixed",
-                          self.path, exc)  # fmt: skip
-                self.keys = {}
-        if key in self.keys:
-            return True
-        self.refused += 1
-        return False
-
-    def curve_user_id(self, client_public_key: bytes) -> str:
-        return self.keys.get(z85.encode(client_public_key), DEFAULT_TENANT)
-
-
-def topic_of(prefix: str, node_id: str, namespace: str) -> str:
-    """The topic of a stored (tenant-scoped) namespace's events."""
-    tenant = tenant_of(namespace)
-    pod = node_id if tenant == DEFAULT_TENANT else f"{node_id}/{tenant}"
-    return f"{prefix}@{pod}@{unscope(namespace)}"
-
-
-class Batcher:
-    """Turns placement changes into per-topic event batches. Pure: no I/O, no clock.
-
-    Invariants: within a topic, events keep the order of the changes; consecutive stores of one chain in
-    one medium become one `BlockStored` (its hashes in chain order, the first one's parent as the
-    event's); consecutive removals from one medium become one `BlockRemoved`.
-    """
-
-    def __init__(self, prefix: str, node_id: str, hash_format: str = "bytes") -> None:
-        self.prefix = prefix
-        self.node_id = node_id
-        self._u64 = hash_format == "u64"
-        self._topics: dict[str, str] = {}
-
-    @property
-    def node_topic(self) -> str:
-        """The topic of node-wide events (no namespace)."""
-        return f"{self.prefix}@{self.node_id}@"
-
-    def wire_hash(self, h: bytes) -> bytes | int:
-        return int.from_bytes(h[-8:], "big") if self._u64 else h
-
-    def topic(self, namespace: str) -> str:
-        t = self._topics.get(namespace)
-        if t is None:
-            if len(self._topics) > 65536:  # namespaces come and go: keep the memo bounded
-                self._topics.clear()
-            t = self._topics[namespace] = topic_of(self.prefix, self.node_id, namespace)
-        return t
-
-    def batches(self, changes: Iterable[Change]) -> dict[str, list[BlockStored | BlockRemoved | AllBlocksCleared]]:
-        """Events per topic for a run of changes, in order."""
-        out: dict[str, list[BlockStored | BlockRemoved | AllBlocksCleared]] = {}
-        last_hash: dict[str, bytes] = {}  # per topic: the last hash appended to an open BlockStored
-        for ns, h, tier, previous, parent, block_size in changes:
-            events = out.setdefault(self.topic(ns), [])
-            if previous is not None:
-                medium = MEDIUM[previous]
-                tail = events[-1] if events else None
-                if isinstance(tail, BlockRemoved) and tail.medium == medium:
-                    tail.block_hashes.append(self.wire_hash(h))
-                else:
-                    events.append(BlockRemoved([self.wire_hash(h)], medium))
-            if tier is not None:
-                medium = MEDIUM[tier]
-                tail = events[-1] if events else None
-                topic = self.topic(ns)
-                if (
-                    isinstance(tail, BlockStored)
-                    and tail.medium == medium
-                    and tail.block_size == block_size
-                    and parent is not None
-                    and last_hash.get(topic) == parent
-                ):
-                    tail.block_hashes.append(self.wire_hash(h))
-                else:
-                    events.append(
-                        BlockStored(
-                            [self.wire_hash(h)],
-                            None if parent is None else self.wire_hash(parent),
-                            [],
-                            block_size,
-                            None,
-                            medium,
-                            None,
-                        )
-                    )
-                last_hash[topic] = h
-        return out
 
 
 class _Snapshot:
@@ -425,7 +155,7 @@ class KvEventPublisher:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctx: zmq.Context | None = None
-        self._auth: _SubscriberAuth | None = None
+        self._auth: SubscriberAuth | None = None
         self._sock: zmq.Socket | None = None
         self._seq = 0
 
@@ -458,7 +188,7 @@ class KvEventPublisher:
             sock.setsockopt(zmq.LINGER, 500)
             if self.curve_secret_file is not None and self.subscribers_file is not None:
                 _, secret = read_node_secret(self.curve_secret_file)
-                self._auth = _SubscriberAuth(self._ctx, self.subscribers_file)
+                self._auth = SubscriberAuth(self._ctx, self.subscribers_file)
                 self._auth.start()
                 self._auth.configure_curve_callback(ZAP_DOMAIN, self._auth)
                 sock.curve_server = True
