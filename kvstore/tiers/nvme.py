@@ -15,46 +15,40 @@ a chunk marker), and its other header blocks sit at multiples of that class; rec
 Two rules keep that true: a chunk taken for another class has every header position of the new class
 erased before any slot of it is written (`format`), and erasing a chunk's first slot leaves a marker of
 its class there, never zeros, so the chunk's other pages stay findable (`invalidate`).
+
+The directory's checks at start: nvme_dir.py; recovery after a restart (`scan`): nvme_recovery.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import itertools
 import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstore.names import TierKind
-from kvstore.pageformat import ALIGN, HEADER_BYTES, PageHeader
+from kvstore.pageformat import ALIGN, HEADER_BYTES
 from kvstore.tiers.base import Into, Medium, SlotIO, SlotRead
+from kvstore.tiers.nvme_dir import NvmeSpaceError, check_meta, check_private_dir, check_space, lock_dir
 from kvstore.tiers.nvme_meta import (
     META_NAME,
-    REPAIR_HINT,
     SEGMENT_FMT,
     Geometry,
-    MetaDamaged,
     NvmeFormatError,
-    SegmentSurvey,
-    SlotState,
     chunk_class,
     classify,
-    decode_meta,
-    foreign_message,
     grid,
     pack_marker,
-    segment_names,
-    slot_state,
-    write_meta,
 )
+from kvstore.tiers.nvme_recovery import NvmeRecovery
 
-__all__ = ["META_NAME", "SEGMENT_FMT", "NvmeFormatError", "NvmeMedium", "NvmeSpaceError"]
+__all__ = ["META_NAME", "SEGMENT_FMT", "NvmeFormatError", "NvmeMedium", "NvmeSpaceError"]  # importable here
 
 log = logging.getLogger(__name__)
 
@@ -68,40 +62,7 @@ RUN_BYTES = 8 << 20
 RUN_SLOTS = 64  # each slot adds up to 4 buffers to the preadv: far below IOV_MAX (1024)
 
 
-class NvmeSpaceError(RuntimeError):
-    """The NVMe directory's filesystem cannot hold the tier asked for (checked and reserved at start)."""
-
-
-def check_private_dir(path: Path) -> None:
-    """Refuse a tier directory other users may write into: they could plant a symlink where a segment
-    or the metadata file is about to be created and have the node write through it (SECURITY.md, "The host"). Group
-    write is accepted for the node's own group (Kubernetes fsGroup volumes)."""
-    st = os.stat(path)
-    if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()):
-        raise PermissionError(
-            f"--nvme-path {path} is writable by other users (mode {st.st_mode & 0o7777:04o}): "
-            f"use a directory only the node's user can write (chmod go-w {path})"
-        )
-
-
-LOCK_NAME = ".lock"  # held (flock) by the one node using the directory
-
-
-def lock_dir(path: Path) -> int:
-    """Take the tier directory for this process, or refuse: two nodes writing one directory's segment
-    files would overwrite each other's pages. The lock goes with the process (kill -9 included)."""
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise OSError(
-            f"--nvme-path {path} is in use by another kvstore node on this host: give each node its own directory"
-        ) from None
-    return fd
-
-
-class NvmeMedium(Medium):
+class NvmeMedium(NvmeRecovery, Medium):
     """`num_chunks` chunks of `chunk_bytes`, striped over segment files of `chunks_per_segment` chunks; offset
     o is byte o % segment_bytes of segment file o // segment_bytes.
 
@@ -126,7 +87,7 @@ class NvmeMedium(Medium):
         try:
             want = Geometry(chunk_bytes, max(1, segment_bytes // chunk_bytes))
             # the directory's geometry, and what was wrong with its metadata file (if anything)
-            self.geometry, self._meta_damage = self._check_meta(want)
+            self.geometry, self._meta_damage = check_meta(self.path, want)
             self.chunk_bytes = self.geometry.chunk_bytes
             self.chunks_per_segment = self.geometry.chunks_per_segment
             self.segment_bytes = self.geometry.segment_bytes
@@ -140,7 +101,7 @@ class NvmeMedium(Medium):
                 min(self.chunks_per_segment, self.num_chunks - seg * self.chunks_per_segment) * self.chunk_bytes
                 for seg in range(n_segments)
             ]
-            self._check_space(sizes)
+            check_space(self.path, sizes, self.chunk_bytes)
             self._zero = mmap.mmap(-1, HEADER_BYTES)  # aligned zero block for erasing (O_DIRECT needs it)
             self._block = mmap.mmap(-1, HEADER_BYTES)  # where markers are built (aligned); I/O pool only
             self._block_lock = threading.Lock()
@@ -157,65 +118,6 @@ class NvmeMedium(Medium):
             "O_DIRECT" if self.direct_io else "buffered I/O + fdatasync (O_DIRECT unsupported here)"
         )
         self.detail = self._detail
-
-    def _check_meta(self, want: Geometry) -> tuple[Geometry, str | None]:
-        """The geometry to run with, and None when the metadata file is sound (or the directory new), else
-        what is wrong with it: the scan at recovery then checks the segment files against `want` and
-        rewrites it (refusing files that are not ours). An older build's file (format 1, 2) is sound: its
-        geometry comes back `legacy`, and the scan adopts it."""
-        meta_path = self.path / META_NAME
-        if not meta_path.exists():
-            if not segment_names(self.path):
-                write_meta(self.path, want)
-                return want, None
-            log.warning("NVMe metadata %s is missing; rebuilding it from the segment files", meta_path)
-            return want, "missing"
-        try:
-            have = decode_meta(meta_path.read_bytes())
-        except MetaDamaged as exc:
-            log.warning(
-                "NVMe metadata %s is damaged: %s; rebuilding it from the segment files and page "
-                "headers (this node's geometry: %s)",
-                meta_path,
-                exc,
-                want,
-            )
-            return want, str(exc)
-        except OSError as exc:
-            raise NvmeFormatError(
-                f"{meta_path}: unreadable ({exc}); fix the file's permissions or disk, "
-                f"or run `{REPAIR_HINT.format(path=self.path)}`"
-            ) from None
-        if have.chunk_bytes < want.chunk_bytes:
-            raise NvmeFormatError(
-                f"{self.path} was formatted with chunks of {have.chunk_bytes} B ({have.as_dict()}): pages up to "
-                f"{have.chunk_bytes - HEADER_BYTES} B; this node takes pages up to "
-                f"{want.chunk_bytes - HEADER_BYTES} B. Start with --max-page-bytes {have.chunk_bytes - HEADER_BYTES} "
-                "or less, or point --nvme-path at an empty directory"
-            )
-        if not have.same_layout(want):
-            log.info("NVMe tier %s keeps its own geometry %s (this node's would be %s)", self.path, have, want)
-        return have, None
-
-    def _check_space(self, sizes: list[int]) -> None:
-        """Refuse to start when the filesystem cannot hold the segment files: better now, with the numbers,
-        than ENOSPC on every demotion later."""
-        need = 0
-        for seg, size in enumerate(sizes):
-            try:
-                st = (self.path / SEGMENT_FMT.format(seg)).stat()
-                need += max(0, size - st.st_blocks * 512)
-            except FileNotFoundError:
-                need += size
-        vfs = os.statvfs(self.path)
-        free = vfs.f_bavail * vfs.f_frsize
-        if need > free:
-            have = sum(sizes) - need + free
-            raise NvmeSpaceError(
-                f"--nvme-bytes {sum(sizes)} does not fit in {self.path}: its filesystem has {free} bytes free and "
-                f"the segment files need {need} more. Lower --nvme-bytes to at most {have} ({have // self.chunk_bytes} "
-                "chunks), or free space there"
-            )
 
     def _open_segment(self, seg: int, size: int) -> int:
         name = self.path / SEGMENT_FMT.format(seg)
@@ -453,122 +355,6 @@ class NvmeMedium(Medium):
         with self._block_lock, memoryview(self._block) as view:  # O_DIRECT needs an aligned buffer
             view[:] = block
             self._pwrite_all(fd, view, off)
-
-    def scan(self) -> Iterator[tuple[int, PageHeader]]:
-        """Yield (offset, header) for every slot holding a valid page header (recovery after restart), and
-        fill `chunk_classes`.
-
-        Two passes: every chunk's first block (its class), then the header positions of each chunk's class.
-        Counts the header blocks that fail their check in `scan_failures`. After the last one: a segment
-        file that holds nothing of ours and mostly other data is refused (NvmeFormatError naming it);
-        otherwise the failed headers are erased (so they are counted once) and a damaged, missing or older
-        metadata file is rewritten, since the segment files checked out. An older build's directory
-        (`Geometry.legacy`, or a rebuilt one with no chunk marker anywhere: it cannot be told apart) is
-        adopted: each chunk keeps the page at its start, the other header positions of its class are
-        erased (they may hold an older, longer page's payload)."""
-        buf = mmap.mmap(-1, HEADER_BYTES)
-        view = memoryview(buf)
-        self.scan_failures = 0
-        self.chunk_classes = {}
-        bad: list[int] = []  # header blocks to erase after the scan
-        surveys = [SegmentSurvey(SEGMENT_FMT.format(seg), 0, self.chunk_bytes) for seg in range(len(self._fds))]
-
-        def look(offset: int) -> tuple[SlotState, PageHeader | None] | None:
-            """Read and classify one header block (None: unreadable, counted)."""
-            try:
-                self.read(offset, view)
-            except OSError as exc:
-                surveys[offset // self.segment_bytes].counts[SlotState.UNREADABLE] += 1
-                log.warning("NVMe header at %d unreadable during recovery: %s", offset, exc)
-                return None
-            state, hdr, why = classify(view)
-            if why:
-                log.warning("NVMe header at %d ignored during recovery: %s", offset, why)
-            return state, hdr
-
-        try:
-            markers = False
-            for chunk in range(self.num_chunks):  # pass 1: what each chunk holds
-                base = chunk * self.chunk_bytes
-                seg = surveys[base // self.segment_bytes]
-                seg.chunks += 1
-                got = look(base)
-                if got is None:
-                    continue
-                state, hdr = got
-                cls = chunk_class(state, hdr, view, self.chunk_bytes)
-                if state in (SlotState.PAGE, SlotState.CHUNK) and not cls:
-                    log.warning("NVMe chunk %d: its first block names slots that do not fit it; ignored", chunk)
-                    state = SlotState.TORN
-                seg.note(state, hdr)
-                markers = markers or state is SlotState.CHUNK
-                if cls:
-                    self.chunk_classes[chunk] = cls
-                    if hdr is not None:
-                        yield base, hdr
-                elif state is not SlotState.BLANK:
-                    bad.append(base)
-            legacy = self.geometry.legacy or (self._meta_damage is not None and not markers)
-            adopted: list[int] = []  # header positions of an older build's chunk tails, erased as it is adopted
-            for chunk, cls in self.chunk_classes.items():  # pass 2: the rest of each chunk's grid
-                base = chunk * self.chunk_bytes
-                if legacy:
-                    adopted += [base + rel for rel in grid(self.chunk_bytes, cls)]
-                    continue
-                seg = surveys[base // self.segment_bytes]
-                for rel in grid(self.chunk_bytes, cls):
-                    got = look(base + rel)
-                    if got is None:
-                        continue
-                    state = slot_state(got[0], got[1], cls)
-                    seg.note(state, got[1])
-                    if state is SlotState.PAGE and got[1] is not None:
-                        yield base + rel, got[1]
-                    elif state is not SlotState.BLANK:
-                        bad.append(base + rel)
-        finally:
-            view.release()
-            buf.close()
-        self.scan_failures = sum(s.failures for s in surveys)
-        if self.scan_failures:
-            log.warning("NVMe recovery ignored %d header block(s) that failed their check", self.scan_failures)
-        for seg in surveys:
-            if seg.foreign:
-                raise NvmeFormatError(foreign_message(self.path, seg))
-        # Counted once: erased, so the next restart does not count them again. Best effort: a block that
-        # cannot be erased fails its check again next time.
-        with contextlib.suppress(OSError):
-            self._erase(bad)
-        if legacy and adopted:
-            self._erase(adopted)
-            log.warning(
-                "NVMe tier %s adopted from an older build: %d chunk(s) keep their first page, %d header "
-                "position(s) after them erased",
-                self.path,
-                len(self.chunk_classes),
-                len(adopted),
-            )
-        if self._meta_damage is not None or self.geometry.legacy:
-            self.geometry = Geometry(self.chunk_bytes, self.chunks_per_segment)
-            write_meta(self.path, self.geometry)
-            if self._meta_damage is not None:
-                log.warning(
-                    "NVMe metadata %s rebuilt (%s) from %d segment file(s)",
-                    self.path / META_NAME,
-                    self._meta_damage,
-                    len(surveys),
-                )
-            self._meta_damage = None
-
-    def _erase(self, offsets: list[int]) -> None:
-        """Zero the header blocks at `offsets`, then sync each segment file touched once."""
-        touched = set()
-        for offset in offsets:
-            fd, off = self._locate(offset)
-            self._pwrite_block(fd, off, None)
-            touched.add(fd)
-        for fd in touched:
-            os.fdatasync(fd)
 
     def _pwrite_all(self, fd: int, data: memoryview, off: int) -> None:
         done = 0
