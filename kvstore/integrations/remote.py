@@ -7,7 +7,8 @@ policy an engine needs: every failure is a logged miss (or a dropped store), nev
     sizes = store.get_into(ns, hashes[:n], bufs)  # the same, received straight into the caller's buffers
     done = store.put(ns, layout, hashes, pages)  # Stored: per page, held by the node or not (outcome.py)
 
-Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds):
+Errors, and what the engine's log says (each kind at most once per LOG_INTERVAL seconds; the policy is
+remote_failures.py):
 - the remote does not answer (node down, Redis down, no live node, deadline): one ERROR on the edge,
   then calls are answered with a miss without trying for `down_backoff` seconds (one probe per period),
   and one INFO when it answers again with how many calls were skipped;
@@ -39,36 +40,21 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from kvstore.client import KVStoreClient, PutResult
 from kvstore.client.bundles import Parts
-from kvstore.client.cluster import ClusterClient, NoLiveNode
-from kvstore.errors import (
-    DataLoss,
-    InvalidArgument,
-    KVStoreError,
-    LayoutMismatch,
-    NamespaceNotFound,
-    PermissionDenied,
-    RemoteError,
-    ResourceExhausted,
-    SessionNotFound,
-    StreamError,
-    Unauthenticated,
-    Unavailable,
-)
+from kvstore.client.cluster import ClusterClient
+from kvstore.errors import SessionNotFound
 from kvstore.integrations.health import LogLimiter, Outage
 from kvstore.integrations.hints import SessionHints
 from kvstore.integrations.lmcache_mapping import PluginSettings
 from kvstore.integrations.outcome import Stored, held_pages
+from kvstore.integrations.remote_failures import FAILURES, LOG_INTERVAL, FailurePolicy
 from kvstore.layout import PageLayout
 from kvstore.security import ClientSecurity, read_token_file
 from kvstore.stats import NodeStats
 from kvstore.wire.streams import Buffer, FetchedPage
 
-T = TypeVar("T")
-LOG_INTERVAL = 30.0  # seconds between two log lines of the same kind
 # NOTE: one client call holds all its pages in memory at once (a Get's buffers, a shared-memory Put's
 # segment of their total size). Callers slice long chains to this many bytes per call: at ~1-2 GB/s a
 # 64 MiB call takes ~40 ms, so the extra ~1 ms per call is noise, and memory stays bounded.
@@ -76,11 +62,6 @@ CALL_BYTES = 64 << 20
 # A namespace no door writes (the mapping's namespaces all carry a prefix and a version): `warm` reads a page of
 # it so the node's answer (not found) costs nothing and changes nothing.
 WARM_NAMESPACE = "kvstore-warm/none"
-_UNREACHABLE = (Unavailable, NoLiveNode)  # IndexUnavailable too: the index reader wraps Redis's errors
-_SLOW = ("DEADLINE_EXCEEDED", "CANCELLED")  # statuses that mean "did not answer in time", not "refused"
-# Every kvstore failure is a KVStoreError (the clients map RPC and socket errors onto it, the index reader
-# Redis's); ValueError: a caller's argument the client refused before sending anything.
-_FAILURES = (KVStoreError, ValueError)
 
 
 def call_slices(n: int, page_bytes: int) -> list[tuple[int, int]]:
@@ -103,7 +84,7 @@ def client_security(s: PluginSettings) -> ClientSecurity:
     )
 
 
-class RemoteStore:
+class RemoteStore(FailurePolicy):
     """A node or a cluster; see the module docstring for the error policy."""
 
     def __init__(self, settings: PluginSettings, log: logging.Logger, *, setting_prefix: str = "") -> None:
@@ -260,7 +241,7 @@ class RemoteStore:
                 if n.alive:
                     try:
                         out.append(cc.call_node(n.node_id, lambda c: c.stats()))
-                    except _FAILURES:
+                    except FAILURES:
                         continue  # a node that does not answer adds nothing to the usage
             return out
 
@@ -460,77 +441,3 @@ class RemoteStore:
             for node in holders:
                 by_node.setdefault(node, []).append(hashes[i])
         return sum(cc.call_node(node, lambda c, hs=hs: fn(c, hs)) for node, hs in sorted(by_node.items()))
-
-    def _guard(self, op: str, ns: str, fn: Callable[[], T], miss: T) -> T:
-        """Run fn unless the remote is known to be down; turn every failure into `miss` and a log line."""
-        if self._closed or not self.outage.allow():
-            return miss
-        try:
-            result = fn()
-        except NamespaceNotFound:
-            return miss  # nothing was ever stored there: a plain miss
-        except _FAILURES as exc:
-            if not self._closed:  # calls cut short by close() are not the remote's fault
-                self._failed(op, ns, exc)
-            return miss
-        back = self.outage.succeeded()
-        if back is not None:
-            self.log.info("%s %s", self.where, back)
-        return result
-
-    def _failed(self, op: str, ns: str, exc: BaseException) -> None:
-        """One log line (rate-limited per kind) saying what failed and what to do about it."""
-        if isinstance(exc, RemoteError) and exc.status_name not in _SLOW:
-            self.say("remote:" + op, logging.ERROR, "%s failed %s (namespace %r): %s", self.where, op, ns, exc)
-        elif isinstance(exc, (*_UNREACHABLE, RemoteError)):
-            self._down(op, exc)
-        elif isinstance(exc, (Unauthenticated, PermissionDenied)):
-            self.say(
-                "auth",
-                logging.ERROR,
-                "%s refused %s: %s. Check %stoken / %stoken_file (or KVSTORE_TOKEN): "
-                "it must be a read-write token of that node",
-                self.where,
-                op,
-                exc,
-                self._hint,
-                self._hint,
-            )
-        elif isinstance(exc, (InvalidArgument, LayoutMismatch)):
-            self.say(
-                "rejected:" + op,
-                logging.ERROR,
-                "%s rejected %s in namespace %r: %s. Nothing was stored; the engine recomputes these chunks",
-                self.where,
-                op,
-                ns,
-                exc,
-            )
-        elif isinstance(exc, ResourceExhausted):
-            self.say("full", logging.WARNING, "%s is full, %s dropped: %s", self.where, op, exc)
-        elif isinstance(exc, (DataLoss, StreamError)):
-            self.say(
-                "corrupt",
-                logging.ERROR,
-                "%s sent a page that failed verification in namespace %r (%s); it is a miss, from that page on",
-                self.where,
-                ns,
-                exc,
-            )
-        else:
-            self.say("other:" + op, logging.ERROR, "%s: %s failed: %s: %s", self.where, op, type(exc).__name__, exc)
-
-    def _down(self, op: str, exc: BaseException) -> None:
-        msg = self.outage.failed(f"{op}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-        if msg is not None:
-            self.log.error("%s %s", self.where, msg)
-
-    def say(self, kind: str, level: int, fmt: str, *args: object) -> None:
-        """Log at most once per LOG_INTERVAL per kind (the next line counts what was held back)."""
-        held = self.limiter.admit(kind)
-        if held is None:
-            return
-        if held:
-            fmt += " (%d more like this since the last report)"
-            args = (*args, held)
-        self.log.log(level, fmt, *args)
