@@ -8,6 +8,7 @@ the Helm chart and the top-level documents.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,12 +23,17 @@ ISSUE = re.compile(r"\b[Ii]ssues? #?\d+\b")
 
 
 def _files() -> list[Path]:
-    out = [ROOT / d for d in DOCS]
-    for top in SOURCES:
-        for path in sorted((ROOT / top).rglob("*")):
-            if path.is_file() and path.suffix in SUFFIXES and "__pycache__" not in path.parts:
-                out.append(path)
-    return out
+    """The tree's own files (tracked, or new and not ignored): never a venv or a build beside them."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *SOURCES],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.split("\n")
+    paths = [ROOT / line for line in listed if line and Path(line).suffix in SUFFIXES]
+    return [ROOT / d for d in DOCS] + [p for p in paths if p.is_file()]
 
 
 def design_sections() -> set[str]:
