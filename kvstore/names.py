@@ -51,3 +51,4 @@ class RetainOp(enum.IntEnum):
 MIN_PRIORITY = 0  # a session's priority: at a tenant's retention cap, lower priorities give way
 MAX_PRIORITY = 100
 DEFAULT_PRIORITY = 50
+MAX_SESSION_BYTES = 128  # a session id: 1..this many bytes of UTF-8 without control characters

@@ -25,11 +25,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvstore.names import MAX_PRIORITY, MIN_PRIORITY, RetainMode
+from kvstore.names import MAX_PRIORITY, MAX_SESSION_BYTES, MIN_PRIORITY, RetainMode
 
 KEYS = ("session", "ttl_s", "priority", "mode", "resume", "end")
 KV_HINT_ACTION = "kvstore.retain"  # vLLM kv_hints: the action type this schema travels as
-_MAX_SESSION_BYTES = 128
 
 
 class HintError(ValueError):
@@ -57,8 +56,8 @@ def parse(values: Mapping[str, object], where: str) -> SessionHints | None:
     if values.get("session") is None:
         return None
     session = values["session"]
-    if not isinstance(session, str) or not 1 <= len(session.encode("utf-8", "surrogatepass")) <= _MAX_SESSION_BYTES:
-        raise HintError(f"{where}session: a session id is 1..{_MAX_SESSION_BYTES} bytes of text, got {session!r}")
+    if not isinstance(session, str) or not 1 <= len(session.encode("utf-8", "surrogatepass")) <= MAX_SESSION_BYTES:
+        raise HintError(f"{where}session: a session id is 1..{MAX_SESSION_BYTES} bytes of text, got {session!r}")
     if any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in session):
         raise HintError(f"{where}session: {session!r} contains a control character")
     ttl = values.get("ttl_s")

@@ -13,10 +13,9 @@ import re
 from dataclasses import dataclass, field
 
 from kvstore.errors import InvalidArgument
-from kvstore.names import MAX_PRIORITY, MIN_PRIORITY, Key, RetainMode, RetainOp, TierKind
+from kvstore.names import MAX_PRIORITY, MAX_SESSION_BYTES, MIN_PRIORITY, Key, RetainMode, RetainOp, TierKind
 from kvstore.stats import SessionState
 
-MAX_SESSION_BYTES = 128
 MAX_SESSIONS_PER_TENANT = 65536
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # C0 and C1 control characters, DEL
 
