@@ -40,7 +40,7 @@ from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.pageformat import align_up
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo, RetainResult
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, check_replicas
 from kvstore.wire.shm import shm_available
 from kvstore.wire.streams import (
     FetchedPage,
@@ -203,6 +203,19 @@ def check_node(stats: pb.StatsResponse, target: str) -> None:
         )
 
 
+def put_open(
+    namespace: str,
+    layout: PageLayout,
+    target_tier: TierKind | None,
+    parent: bytes | None,
+    chain: bool,
+    replicas: int,
+) -> PutOpen:
+    """The opening of a client's put from its public arguments; `replicas` is checked here (InvalidArgument naming
+    it), before anything is sent."""
+    return PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
+
+
 def usable_planes() -> set[str]:
     """The planes this process can speak."""
     return {name for name, spec in PLANES.items() if spec.usable()}
@@ -349,6 +362,10 @@ class ClientCore:
             return []
         return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote, expect)))
 
+    def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[memoryview]]:
+        """`get_pages`' payloads alone."""
+        return [memoryview(p.data) for p in (yield from self.get_pages(namespace, hashes, promote))]
+
     def get_into(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
     ) -> Exchange[list[PageRef]]:
@@ -405,12 +422,12 @@ class ClientCore:
 
     def get_bundle(
         self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], promote: bool
-    ) -> Exchange[list[tuple[FetchedPage, dict[str, memoryview]]]]:
-        """Multi-part pages of the longest stored prefix, each with views of its parts (no copy: they lie in
+    ) -> Exchange[list[dict[str, memoryview]]]:
+        """Multi-part pages of the longest stored prefix, each as views of its parts (no copy: they lie in
         the page's received bytes); the node checks `layout` against the namespace's first."""
         check_bundle_layout(layout)
         pages = yield from self.get_pages(namespace, hashes, promote, layout)
-        return [(p, layout.split(p.data)) for p in pages]
+        return [layout.split(p.data) for p in pages]
 
     def get_bundle_into(
         self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Parts], promote: bool
@@ -453,6 +470,10 @@ class ClientCore:
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], prefetch: bool) -> Exchange[LookupResult]:
         r = yield Unary("Lookup", pb.LookupRequest(namespace=namespace, hashes=list(hashes), prefetch=prefetch))
         return lookup_from_pb(r)
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes], prefetch: bool) -> Exchange[int]:
+        """Blocks of the longest stored prefix (`lookup_detail`'s `matched`)."""
+        return (yield from self.lookup_detail(namespace, hashes, prefetch)).matched
 
     def retain(
         self,
