@@ -131,7 +131,7 @@ PLANES: dict[str, PlaneSpec] = {
         usable=shm_available,
     ),
     "tcp": PlaneSpec(
-        lambda s, info: TcpPlane.from_info(
+        lambda s, info: TcpPlane(
             info,
             target=s.target,
             pages_per_call=s.pages_per_call,
