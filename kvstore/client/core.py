@@ -15,7 +15,6 @@ the next call negotiates again). A new plane is one entry in PLANES.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import check_buffers
 from kvstore.client.planes.choice import TRANSPORTS, choose_planes
 from kvstore.client.planes.pool import ReceivePool
-from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
+from kvstore.client.planes.segments import SharedBuffer, SharedBuffers, Staging
 from kvstore.client.planes.shm import ShmPlane, plane_path, plane_uid
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
@@ -37,7 +36,6 @@ from kvstore.client.planes.ucx import UcxPlane
 from kvstore.errors import IncompatibleNode, InvalidArgument, PlaneUnavailable, Unavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
-from kvstore.pageformat import align_up
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo, RetainResult
 from kvstore.wire import PutOpen, check_replicas
@@ -143,44 +141,6 @@ PLANES: dict[str, PlaneSpec] = {
     ),
     "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
 }
-
-
-class Staging:
-    """Registered memory a bundle put gathers its pages into, kept for the next put (registering a buffer with
-    the same-host plane costs a round trip). Thread-safe. Invariant: a buffer is in the free list only while no
-    call uses it; one whose call failed is closed instead (its memory may still be read by the node)."""
-
-    KEEP = 4  # free buffers kept; more are closed
-
-    def __init__(self, buffers: SharedBuffers) -> None:
-        self._buffers = buffers
-        self._free: list[SharedBuffer] = []
-        self._lock = threading.Lock()
-
-    def take(self, page_bytes: int, count: int) -> SharedBuffer:
-        need = align_up(page_bytes) * count
-        with self._lock:
-            fits = [b for b in self._free if b.nbytes >= need]
-            if fits:
-                buf = min(fits, key=lambda b: b.nbytes)
-                self._free.remove(buf)
-                return buf
-        return self._buffers.allocate(need)
-
-    def give(self, buf: SharedBuffer) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.nbytes)
-            extra = self._free[: -self.KEEP] if len(self._free) > self.KEEP else []
-            del self._free[: len(extra)]
-        for b in extra:
-            b.close()
-
-    def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-        for b in free:
-            b.close()
 
 
 def transport_mode(transport: str | None) -> str:
