@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 
@@ -22,6 +22,7 @@ from kvstore.client.core import (
     PinResult,
     PutResult,
     ReplicateResult,
+    put_open,
 )
 from kvstore.client.exchange import Blocking, ClientStream, Exchange, Op, Outcome, ServerStream, Unary, advance
 from kvstore.client.grpc_channel import bind_methods, open_channel, rpc_error
@@ -32,32 +33,33 @@ from kvstore.layout import PageLayout
 from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.security import ClientSecurity
 from kvstore.stats import LookupResult, NodeStats, RetainResult
-from kvstore.wire import PutOpen, check_replicas
 from kvstore.wire.streams import FetchedPage, PageRef
 
 T = TypeVar("T")
 
 
 class _Client:
-    """What both clients hold: the target, credentials, a channel, its method table and the core."""
+    """What both clients hold: the target, credentials, a channel, its method table and the core. A subclass
+    says which channel it drives (`_AIO`) and how it runs an exchange (`_run`)."""
+
+    _AIO: ClassVar[bool]  # which channel the subclass drives: grpc.aio (awaited) or blocking
 
     def __init__(
         self,
         target: str,
         *,
-        aio: bool,
-        timeout: float,
-        pages_per_call: int,
-        verify: bool,
-        security: ClientSecurity | None,
-        transport: str | None,
+        timeout: float = 60.0,
+        pages_per_call: int = DEFAULT_PAGES_PER_CALL,
+        verify: bool = True,
+        security: ClientSecurity | None = None,
+        transport: str | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.security = ClientSecurity.from_env() if security is None else security
         self.security.check_target(target)  # never a token where nothing proves who answers (SECURITY.md)
         self._md = self.security.metadata()
-        self._channel = open_channel(target, self.security, aio=aio)
+        self._channel = open_channel(target, self.security, aio=self._AIO)
         self._methods = bind_methods(self._channel)
         settings = ClientSettings(target, pages_per_call, verify, self.security, timeout)
         if self.security.acting_for is not None or self.security.copies:
@@ -83,8 +85,12 @@ class _Client:
         """Pages that failed their checksum on arrival so far (each a miss, reported to the node)."""
         return self._core.corrupt_pages
 
-    def _call_args(self) -> dict[str, Any]:
-        return {"timeout": self.timeout, "metadata": self._md}
+    def _call(self, op: Unary | ClientStream | ServerStream) -> Any:
+        """Start the RPC `op` names: its response (awaitable on the asyncio channel), or for a server stream
+        its messages (an async iterator there)."""
+        method = self._methods[op.method]
+        request = iter(op.requests) if isinstance(op, ClientStream) else op.request
+        return method(request, timeout=self.timeout, metadata=self._md)
 
     @property
     def receive_pool(self) -> ReceivePool:
@@ -113,25 +119,7 @@ class KVStoreClient(_Client):
     server's exception classes (kvstore/errors.py).
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = 60.0,
-        pages_per_call: int = DEFAULT_PAGES_PER_CALL,
-        verify: bool = True,
-        security: ClientSecurity | None = None,
-        transport: str | None = None,
-    ) -> None:
-        super().__init__(
-            target,
-            aio=False,
-            timeout=timeout,
-            pages_per_call=pages_per_call,
-            verify=verify,
-            security=security,
-            transport=transport,
-        )
+    _AIO = False
 
     def __enter__(self) -> KVStoreClient:
         return self
@@ -163,13 +151,9 @@ class KVStoreClient(_Client):
         try:
             if isinstance(op, Blocking):
                 return op.fn(), None
-            method = self._methods[op.method]
-            if isinstance(op, Unary):
-                return method(op.request, **self._call_args()), None
-            if isinstance(op, ClientStream):
-                return method(iter(op.requests), **self._call_args()), None
-            assert isinstance(op, ServerStream)
-            for msg in method(op.request, **self._call_args()):
+            if not isinstance(op, ServerStream):
+                return self._call(op), None
+            for msg in self._call(op):
                 op.sink(msg)
             return None, None
         except Exception as exc:
@@ -197,20 +181,15 @@ class KVStoreClient(_Client):
         their reads ask for): for prefixes that must survive a node's loss. A node in a cluster with replication
         on copies them to other nodes (and again when a holder is lost); a standalone node ignores it.
         """
-        return self._run(
-            self._core.put(
-                PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas")),
-                hashes,
-                pages,
-            )
-        )
+        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        return self._run(self._core.put(op, hashes, pages))
 
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return self._run(self._core.lookup_detail(namespace, hashes, prefetch))
 
     def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
         """Number of leading blocks of the chain stored on the node."""
-        return self.lookup_detail(namespace, hashes, prefetch=prefetch).matched
+        return self._run(self._core.lookup(namespace, hashes, prefetch))
 
     def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
         """Pages of the longest stored prefix of `hashes`, with the tier each came from."""
@@ -218,7 +197,7 @@ class KVStoreClient(_Client):
 
     def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
         """Payloads of the longest stored prefix of `hashes`, in order (checksum-verified)."""
-        return [memoryview(p.data) for p in self.get_pages(namespace, hashes, promote=promote)]
+        return self._run(self._core.get(namespace, hashes, promote))
 
     def get_into(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *, promote: bool = True
@@ -249,13 +228,8 @@ class KVStoreClient(_Client):
         """`put` of pages lying in `buffers` (one per hash, each exactly layout.page_bytes). On the node's host
         they must lie in a `shared_buffer` of this client: the node copies each page once, into its slot,
         and checksums it there; the client touches no byte. Elsewhere it is `put`."""
-        return self._run(
-            self._core.put_from(
-                PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas")),
-                hashes,
-                buffers,
-            )
-        )
+        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        return self._run(self._core.put_from(op, hashes, buffers))
 
     def put_bundle(
         self,
@@ -274,7 +248,7 @@ class KVStoreClient(_Client):
         not at all; the node checks the parts against the namespace's (LayoutMismatch naming the part) and
         counts the page once. Bad parts raise ValueError naming `pages[i][part]` before anything is sent. `replicas`:
         as for put."""
-        op = PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
+        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
         return self._run(self._core.put_bundle(op, hashes, pages))
 
     def get_bundle(
@@ -282,7 +256,7 @@ class KVStoreClient(_Client):
     ) -> list[dict[str, memoryview]]:
         """Multi-part pages of the longest stored prefix of `hashes`, each as {part name: view of its bytes}
         (verified; no copy). A namespace holding another bundle is LayoutMismatch naming the part."""
-        return [parts for _, parts in self._run(self._core.get_bundle(namespace, layout, hashes, promote))]
+        return self._run(self._core.get_bundle(namespace, layout, hashes, promote))
 
     def get_bundle_into(
         self,
@@ -383,25 +357,7 @@ class KVStoreClient(_Client):
 class AsyncKVStoreClient(_Client):
     """asyncio twin of KVStoreClient, same methods, awaitable. Create and use it inside one event loop."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = 60.0,
-        pages_per_call: int = DEFAULT_PAGES_PER_CALL,
-        verify: bool = True,
-        security: ClientSecurity | None = None,
-        transport: str | None = None,
-    ) -> None:
-        super().__init__(
-            target,
-            aio=True,
-            timeout=timeout,
-            pages_per_call=pages_per_call,
-            verify=verify,
-            security=security,
-            transport=transport,
-        )
+    _AIO = True
 
     async def __aenter__(self) -> AsyncKVStoreClient:
         return self
@@ -425,13 +381,9 @@ class AsyncKVStoreClient(_Client):
         try:
             if isinstance(op, Blocking):
                 return await _blocking(op), None
-            method = self._methods[op.method]
-            if isinstance(op, Unary):
-                return await method(op.request, **self._call_args()), None
-            if isinstance(op, ClientStream):
-                return await method(iter(op.requests), **self._call_args()), None
-            assert isinstance(op, ServerStream)
-            async for msg in method(op.request, **self._call_args()):
+            if not isinstance(op, ServerStream):
+                return await self._call(op), None
+            async for msg in self._call(op):
                 op.sink(msg)
             return None, None
         except Exception as exc:
@@ -449,25 +401,20 @@ class AsyncKVStoreClient(_Client):
         chain: bool = True,
         replicas: int = 0,
     ) -> PutResult:
-        return await self._run(
-            self._core.put(
-                PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas")),
-                hashes,
-                pages,
-            )
-        )
+        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        return await self._run(self._core.put(op, hashes, pages))
 
     async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
         return await self._run(self._core.lookup_detail(namespace, hashes, prefetch))
 
     async def lookup(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> int:
-        return (await self.lookup_detail(namespace, hashes, prefetch=prefetch)).matched
+        return await self._run(self._core.lookup(namespace, hashes, prefetch))
 
     async def get_pages(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[FetchedPage]:
         return await self._run(self._core.get_pages(namespace, hashes, promote))
 
     async def get(self, namespace: str, hashes: Sequence[bytes], *, promote: bool = True) -> list[memoryview]:
-        return [memoryview(p.data) for p in await self.get_pages(namespace, hashes, promote=promote)]
+        return await self._run(self._core.get(namespace, hashes, promote))
 
     async def get_into(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], *, promote: bool = True
@@ -488,7 +435,7 @@ class AsyncKVStoreClient(_Client):
         replicas: int = 0,
     ) -> PutResult:
         """See KVStoreClient.put_from."""
-        op = PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
+        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
         return await self._run(self._core.put_from(op, hashes, buffers))
 
     async def put_bundle(
@@ -504,14 +451,14 @@ class AsyncKVStoreClient(_Client):
         replicas: int = 0,
     ) -> PutResult:
         """See KVStoreClient.put_bundle."""
-        op = PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
+        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
         return await self._run(self._core.put_bundle(op, hashes, pages))
 
     async def get_bundle(
         self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], *, promote: bool = True
     ) -> list[dict[str, memoryview]]:
         """See KVStoreClient.get_bundle."""
-        return [parts for _, parts in await self._run(self._core.get_bundle(namespace, layout, hashes, promote))]
+        return await self._run(self._core.get_bundle(namespace, layout, hashes, promote))
 
     async def get_bundle_into(
         self,
@@ -567,16 +514,15 @@ class AsyncKVStoreClient(_Client):
         priority: int | None = None,
         mode: RetainMode | None = None,
     ) -> RetainResult:
-        """Raise or lower a session's priority, renew or shorten its lease, change its mode (what is None stays);
-        SessionNotFound when your tenant has no such session here."""
+        """See KVStoreClient.update_session."""
         return await self._run(self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds, priority, mode))
 
     async def release_pages(self, session: str, namespace: str, hashes: Sequence[bytes]) -> RetainResult:
-        """Stop retaining these pages for `session` (held still where another session retains them)."""
+        """See KVStoreClient.release_pages."""
         return await self._run(self._core.retain(session, RetainOp.RELEASE, namespace, hashes))
 
     async def end_session(self, session: str) -> RetainResult:
-        """The session ended: every page it retained is released (evictable as any other)."""
+        """See KVStoreClient.end_session."""
         return await self._run(self._core.retain(session, RetainOp.END))
 
     async def resume_session(
@@ -587,8 +533,7 @@ class AsyncKVStoreClient(_Client):
         priority: int | None = None,
         mode: RetainMode | None = None,
     ) -> RetainResult:
-        """The session's next turn arrives: its pages are promoted back toward DRAM in the background (after the
-        given lease, priority or mode apply); `prefetching` says how many promotions started."""
+        """See KVStoreClient.resume_session."""
         return await self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
 
     async def replicate(

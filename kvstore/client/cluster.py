@@ -222,15 +222,7 @@ class ClusterClient:
         it; it is asked for what the index does not show yet (the index is updated in batches).
         found: this chain's lookup when the caller just did it (saves a Redis round trip).
         """
-        out: list[FetchedPage] = []
-
-        def fetch(node: str, a: int, b: int) -> int:
-            got = self._fetch(node, namespace, hashes[a:b], lambda c, hs: c.get_pages(namespace, hs))
-            out.extend(got)
-            return len(got)
-
-        self._walk(namespace, hashes, fetch, prefer_node, found)
-        return out
+        return self._read(namespace, hashes, lambda c, a, b: c.get_pages(namespace, hashes[a:b]), prefer_node, found)
 
     def get_into(
         self,
@@ -245,15 +237,9 @@ class ClusterClient:
         per hash, writable, each at least a page; checked by each node's client before anything is sent)."""
         if len(buffers) != len(hashes):
             raise ValueError(f"buffers: {len(buffers)} buffers for {len(hashes)} hashes (one buffer per hash)")
-        out: list[PageRef] = []
-
-        def fetch(node: str, a: int, b: int) -> int:
-            got = self._fetch(node, namespace, hashes[a:b], lambda c, hs: c.get_into(namespace, hs, buffers[a:b]))
-            out.extend(got)
-            return len(got)
-
-        self._walk(namespace, hashes, fetch, prefer_node, found)
-        return out
+        return self._read(
+            namespace, hashes, lambda c, a, b: c.get_into(namespace, hashes[a:b], buffers[a:b]), prefer_node, found
+        )
 
     def get_bundle_into(
         self,
@@ -268,12 +254,27 @@ class ClusterClient:
         """`get_into` of multi-part pages: each part into pages[i][part] (as KVStoreClient.get_bundle_into)."""
         if len(pages) != len(hashes):
             raise ValueError(f"pages: {len(pages)} pages for {len(hashes)} hashes (one mapping of parts per hash)")
-        out: list[PageRef] = []
+        return self._read(
+            namespace,
+            hashes,
+            lambda c, a, b: c.get_bundle_into(namespace, layout, hashes[a:b], pages[a:b]),
+            prefer_node,
+            found,
+        )
+
+    def _read(
+        self,
+        namespace: str,
+        hashes: Sequence[bytes],
+        read: Callable[[KVStoreClient, int, int], list[R]],
+        prefer_node: str | None,
+        found: ClusterLookup | None,
+    ) -> list[R]:
+        """What read(client of a node, a, b) gives for blocks [a, b), in order, over the nodes `_walk` picks."""
+        out: list[R] = []
 
         def fetch(node: str, a: int, b: int) -> int:
-            got = self._fetch(
-                node, namespace, hashes[a:b], lambda c, hs: c.get_bundle_into(namespace, layout, hs, pages[a:b])
-            )
+            got = self._fetch(node, b - a, lambda c: read(c, a, b))
             out.extend(got)
             return len(got)
 
@@ -335,28 +336,22 @@ class ClusterClient:
                 raise
         raise AssertionError("unreachable")
 
-    def _fetch(
-        self,
-        node: str,
-        namespace: str,
-        hashes: Sequence[bytes],
-        read: Callable[[KVStoreClient, Sequence[bytes]], list[R]],
-    ) -> list[R]:
-        """read(client of node, hashes): pages from one node; a node that is gone, unverifiable or
+    def _fetch(self, node: str, blocks: int, read: Callable[[KVStoreClient], list[R]]) -> list[R]:
+        """read(client of node): `blocks` pages from one node; a node that is gone, unverifiable or
         misbehaving yields [] (the caller tries elsewhere), and one that did not answer is read from last."""
         try:
-            return self.call_node(node, lambda c: read(c, hashes))
+            return self.call_node(node, read)
         except NamespaceNotFound as exc:
-            log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
+            log.info("node %s could not serve %d block(s): %s", node, blocks, exc)
         except _MISS_ERRORS as exc:
             if isinstance(exc, Unavailable) or getattr(exc, "status_name", "") in _NO_ANSWER:
                 self.mark_down(node)
-                log.info("node %s could not serve %d block(s): %s", node, len(hashes), exc)
+                log.info("node %s could not serve %d block(s): %s", node, blocks, exc)
             else:
                 log.warning(
                     "node %s misbehaved serving %d block(s), counted as a miss: %s: %s",
                     node,
-                    len(hashes),
+                    blocks,
                     type(exc).__name__,
                     exc,
                 )
@@ -452,11 +447,10 @@ class ClusterClient:
     ) -> tuple[str, PutResult]:
         """Store pages on the node choose_node picks; `parent_chain` is the chain before hashes[0]. `replicas`:
         copies the cluster should keep (KVStoreClient.put): the node copies them to others."""
-        node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None
-        res = self.call_node(node, lambda c: c.put(namespace, layout, hashes, pages, parent=parent, replicas=replicas))
-        self._note_placed(node, res)
-        return node, res
+        return self._place(
+            namespace, parent_chain, lambda c: c.put(namespace, layout, hashes, pages, parent=parent, replicas=replicas)
+        )
 
     def put_bundle(
         self,
@@ -469,17 +463,22 @@ class ClusterClient:
         replicas: int = 0,
     ) -> tuple[str, PutResult]:
         """`put` of multi-part pages (as KVStoreClient.put_bundle) on the node choose_node picks."""
-        node = self.choose_node(namespace, parent_chain)
         parent = parent_chain[-1] if parent_chain else None
-        res = self.call_node(
-            node, lambda c: c.put_bundle(namespace, layout, hashes, pages, parent=parent, replicas=replicas)
+        return self._place(
+            namespace,
+            parent_chain,
+            lambda c: c.put_bundle(namespace, layout, hashes, pages, parent=parent, replicas=replicas),
         )
-        self._note_placed(node, res)
-        return node, res
 
-    def _note_placed(self, node: str, res: PutResult) -> None:
+    def _place(
+        self, namespace: str, parent_chain: Sequence[bytes], put: Callable[[KVStoreClient], PutResult]
+    ) -> tuple[str, PutResult]:
+        """put(client of the node choose_node picks), its pages then counted against that node's room."""
+        node = self.choose_node(namespace, parent_chain)
+        res = self.call_node(node, put)
         with self._lock:
             self._placed.append((time.monotonic(), node, res.stored))
+        return node, res
 
     def _with_placed(self, loads: dict[str, NodeLoad]) -> dict[str, NodeLoad]:
         """The records' room less what this client put since (PLACED_MEMORY_S): records trail puts by up to a

@@ -15,7 +15,6 @@ the next call negotiates again). A new plane is one entry in PLANES.
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.buffers import check_buffers
 from kvstore.client.planes.choice import TRANSPORTS, choose_planes
 from kvstore.client.planes.pool import ReceivePool
-from kvstore.client.planes.segments import SharedBuffer, SharedBuffers
+from kvstore.client.planes.segments import SharedBuffer, SharedBuffers, Staging
 from kvstore.client.planes.shm import ShmPlane, plane_path, plane_uid
 from kvstore.client.planes.streams import GrpcStreams
 from kvstore.client.planes.tcp import TcpPlane
@@ -37,10 +36,9 @@ from kvstore.client.planes.ucx import UcxPlane
 from kvstore.errors import IncompatibleNode, InvalidArgument, PlaneUnavailable, Unavailable
 from kvstore.layout import PageLayout
 from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
-from kvstore.pageformat import align_up
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo, RetainResult
-from kvstore.wire import PutOpen
+from kvstore.wire import PutOpen, check_replicas
 from kvstore.wire.shm import shm_available
 from kvstore.wire.streams import (
     FetchedPage,
@@ -131,7 +129,7 @@ PLANES: dict[str, PlaneSpec] = {
         usable=shm_available,
     ),
     "tcp": PlaneSpec(
-        lambda s, info: TcpPlane.from_info(
+        lambda s, info: TcpPlane(
             info,
             target=s.target,
             pages_per_call=s.pages_per_call,
@@ -143,44 +141,6 @@ PLANES: dict[str, PlaneSpec] = {
     ),
     "ucx": PlaneSpec(_ucx_plane, usable=ucxx_installed),
 }
-
-
-class Staging:
-    """Registered memory a bundle put gathers its pages into, kept for the next put (registering a buffer with
-    the same-host plane costs a round trip). Thread-safe. Invariant: a buffer is in the free list only while no
-    call uses it; one whose call failed is closed instead (its memory may still be read by the node)."""
-
-    KEEP = 4  # free buffers kept; more are closed
-
-    def __init__(self, buffers: SharedBuffers) -> None:
-        self._buffers = buffers
-        self._free: list[SharedBuffer] = []
-        self._lock = threading.Lock()
-
-    def take(self, page_bytes: int, count: int) -> SharedBuffer:
-        need = align_up(page_bytes) * count
-        with self._lock:
-            fits = [b for b in self._free if b.nbytes >= need]
-            if fits:
-                buf = min(fits, key=lambda b: b.nbytes)
-                self._free.remove(buf)
-                return buf
-        return self._buffers.allocate(need)
-
-    def give(self, buf: SharedBuffer) -> None:
-        with self._lock:
-            self._free.append(buf)
-            self._free.sort(key=lambda b: b.nbytes)
-            extra = self._free[: -self.KEEP] if len(self._free) > self.KEEP else []
-            del self._free[: len(extra)]
-        for b in extra:
-            b.close()
-
-    def close(self) -> None:
-        with self._lock:
-            free, self._free = self._free, []
-        for b in free:
-            b.close()
 
 
 def transport_mode(transport: str | None) -> str:
@@ -201,6 +161,19 @@ def check_node(stats: pb.StatsResponse, target: str) -> None:
             f"the node at {target} ({version}) predates keyed page checksums, which this client needs: "
             "upgrade the node (nodes serve older clients; older nodes cannot serve this one)"
         )
+
+
+def put_open(
+    namespace: str,
+    layout: PageLayout,
+    target_tier: TierKind | None,
+    parent: bytes | None,
+    chain: bool,
+    replicas: int,
+) -> PutOpen:
+    """The opening of a client's put from its public arguments; `replicas` is checked here (InvalidArgument naming
+    it), before anything is sent."""
+    return PutOpen(namespace, layout, target_tier, parent, chain, replicas=check_replicas(replicas, "replicas"))
 
 
 def usable_planes() -> set[str]:
@@ -349,6 +322,10 @@ class ClientCore:
             return []
         return (yield from self._bulk(lambda p: p.get(namespace, hashes, promote, expect)))
 
+    def get(self, namespace: str, hashes: Sequence[bytes], promote: bool) -> Exchange[list[memoryview]]:
+        """`get_pages`' payloads alone."""
+        return [memoryview(p.data) for p in (yield from self.get_pages(namespace, hashes, promote))]
+
     def get_into(
         self, namespace: str, hashes: Sequence[bytes], buffers: Sequence[Buffer], promote: bool
     ) -> Exchange[list[PageRef]]:
@@ -405,12 +382,12 @@ class ClientCore:
 
     def get_bundle(
         self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], promote: bool
-    ) -> Exchange[list[tuple[FetchedPage, dict[str, memoryview]]]]:
-        """Multi-part pages of the longest stored prefix, each with views of its parts (no copy: they lie in
+    ) -> Exchange[list[dict[str, memoryview]]]:
+        """Multi-part pages of the longest stored prefix, each as views of its parts (no copy: they lie in
         the page's received bytes); the node checks `layout` against the namespace's first."""
         check_bundle_layout(layout)
         pages = yield from self.get_pages(namespace, hashes, promote, layout)
-        return [(p, layout.split(p.data)) for p in pages]
+        return [layout.split(p.data) for p in pages]
 
     def get_bundle_into(
         self, namespace: str, layout: PageLayout, hashes: Sequence[bytes], pages: Sequence[Parts], promote: bool
@@ -453,6 +430,10 @@ class ClientCore:
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], prefetch: bool) -> Exchange[LookupResult]:
         r = yield Unary("Lookup", pb.LookupRequest(namespace=namespace, hashes=list(hashes), prefetch=prefetch))
         return lookup_from_pb(r)
+
+    def lookup(self, namespace: str, hashes: Sequence[bytes], prefetch: bool) -> Exchange[int]:
+        """Blocks of the longest stored prefix (`lookup_detail`'s `matched`)."""
+        return (yield from self.lookup_detail(namespace, hashes, prefetch)).matched
 
     def retain(
         self,

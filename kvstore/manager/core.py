@@ -23,6 +23,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import asdict
 from typing import Any
 
 from kvstore.config import NodeConfig
@@ -506,27 +507,14 @@ class TierManager:
             )
         table = self.table
         namespaces = [(ns, layout, table.ns_pages.get(ns, 0)) for ns, layout in sorted(table.layouts.items())]
-        c = self.counters
         return NodeStats(
             node_id=self.config.node_id,
             uptime_seconds=time.monotonic() - self._started,
             max_page_bytes=self.config.max_page_bytes,
             tiers=tiers,
             namespaces=namespaces,
-            lookups=c.lookups,
-            lookup_blocks=c.lookup_blocks,
-            lookup_matched=c.lookup_matched,
-            prefetch_issued=c.prefetch_issued,
-            prefetch_completed=c.prefetch_completed,
-            prefetch_used=c.prefetch_used,
-            prefetch_wasted=c.prefetch_wasted,
             pinned_pages=sum(1 for e in table if e.pinned),
-            put_rejected=c.put_rejected,
-            corrupt_reports=c.corrupt_reports,
-            corrupt_confirmed=c.corrupt_confirmed,
-            corrupt_unconfirmed=c.corrupt_unconfirmed,
-            corrupt_unchecked=c.corrupt_unchecked,
-            scrubbed_bytes=c.scrubbed_bytes,
+            **asdict(self.counters),  # every node-wide counter is a NodeStats field of the same name
             index=self.index_status() if self.index_status is not None else None,
             tenants=self.tenants.snapshot(self.retention.snapshot),
             kv_events=self.kv_events_status() if self.kv_events_status is not None else None,

@@ -55,6 +55,7 @@ from kvstore.names import TierKind
 from kvstore.stats import NodeStats, TenantStats, TierCounters, TierRetention, TierStats
 
 log = logging.getLogger(__name__)
+Row = tuple[dict[str, str], float | int | None]  # an observation's own labels and its value (None: none)
 
 # RPC latencies span ~50 us (a lookup) to seconds (a large NVMe Get): log-spaced buckets.
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -163,47 +164,50 @@ class NodeMetrics:
         }
         for name, tget in tenant_counters.items():
             meter.create_observable_counter(name, [self._per_tenant(tget)], description=name.replace(".", " "))
-        meter.create_observable_gauge(
-            "kvstore.tenant.hit_ratio",
-            [self._per_tenant(lambda t: t.hit_rate)],
-            description="a tenant's matched / asked Lookup blocks since start",
-        )
-        meter.create_observable_gauge(
-            "kvstore.tenant.pages",
-            [self._per_tenant_tier(lambda t, k: t.pages.get(k))],
-            description="a tenant's pages in a tier",
-        )
-        meter.create_observable_gauge(
-            "kvstore.tenant.share",
-            [self._per_tenant_tier(lambda t, k: t.quota_bytes.get(k))],
-            unit="By",
-            description="a tenant's share of a tier (absent: none set)",
-        )
-        meter.create_observable_gauge(
-            "kvstore.retention.pages",
-            [self._per_retained_tier(lambda t: t.pages)],
-            description="pages sessions retain in a tier",
-        )
-        meter.create_observable_gauge(
-            "kvstore.retention.held_pages",
-            [self._per_retained_tier(lambda t: t.held_pages)],
-            description="of those, pages held there (HOLD: not demoted)",
-        )
-        meter.create_observable_gauge(
-            "kvstore.tenant.retention.sessions",
-            [self._per_tenant(lambda t: t.retention.sessions)],
-            description="a tenant's live retention sessions",
-        )
-        meter.create_observable_gauge(
-            "kvstore.tenant.retention.cap_pages",
-            [self._per_tenant(lambda t: t.retention.cap_pages)],
-            description="the most pages a tenant's sessions may retain on the node",
-        )
-        meter.create_observable_gauge(
-            "kvstore.tenant.retention.pages",
-            [self._per_tenant_tier(lambda t, k: next((r.pages for r in t.retention.tiers if r.tier == k), None))],
-            description="pages a tenant's sessions retain in a tier",
-        )
+        breakdowns = {  # name: (unit, one observation per tenant, tier or both, description)
+            "kvstore.tenant.hit_ratio": (
+                "",
+                self._per_tenant(lambda t: t.hit_rate),
+                "a tenant's matched / asked Lookup blocks since start",
+            ),
+            "kvstore.tenant.pages": (
+                "",
+                self._per_tenant_tier(lambda t, k: t.pages.get(k)),
+                "a tenant's pages in a tier",
+            ),
+            "kvstore.tenant.share": (
+                "By",
+                self._per_tenant_tier(lambda t, k: t.quota_bytes.get(k)),
+                "a tenant's share of a tier (absent: none set)",
+            ),
+            "kvstore.retention.pages": (
+                "",
+                self._per_retained_tier(lambda t: t.pages),
+                "pages sessions retain in a tier",
+            ),
+            "kvstore.retention.held_pages": (
+                "",
+                self._per_retained_tier(lambda t: t.held_pages),
+                "of those, pages held there (HOLD: not demoted)",
+            ),
+            "kvstore.tenant.retention.sessions": (
+                "",
+                self._per_tenant(lambda t: t.retention.sessions),
+                "a tenant's live retention sessions",
+            ),
+            "kvstore.tenant.retention.cap_pages": (
+                "",
+                self._per_tenant(lambda t: t.retention.cap_pages),
+                "the most pages a tenant's sessions may retain on the node",
+            ),
+            "kvstore.tenant.retention.pages": (
+                "",
+                self._per_tenant_tier(lambda t, k: next((r.pages for r in t.retention.tiers if r.tier == k), None)),
+                "pages a tenant's sessions retain in a tier",
+            ),
+        }
+        for name, (unit, observe, description) in breakdowns.items():
+            meter.create_observable_gauge(name, [observe], unit=unit, description=description)
         self._rpc = meter.create_histogram("kvstore.rpc.duration", unit="s", description="KVStore RPC latency")
         self._server: object | None = None
         self._thread: threading.Thread | None = None
@@ -258,60 +262,44 @@ class NodeMetrics:
 
         return asyncio.run_coroutine_threadsafe(take(), self._loop).result(SNAPSHOT_TIMEOUT_S)
 
-    def _per_tier(
-        self, get: Callable[[TierStats], float | int | None]
+    def _observe(
+        self, rows: Callable[[NodeStats], Iterable[Row]]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        """Callback observing get(tier) for every tier of the snapshot (None: that tier reports nothing)."""
+        """Callback observing each (labels, value) row of the snapshot (a None value: that row reports nothing;
+        no snapshot: nothing at all), labelled with the node's labels too."""
 
         def callback(_: CallbackOptions) -> Iterable[Observation]:
             stats = self.snapshot()
-            tiers = stats.tiers if stats is not None else []
-            values = ((t, get(t)) for t in tiers)
-            return [Observation(v, {**self._base, "tier": t.tier.label}) for t, v in values if v is not None]
+            if stats is None:
+                return []
+            return [Observation(v, {**self._base, **labels}) for labels, v in rows(stats) if v is not None]
 
         return callback
+
+    def _per_tier(
+        self, get: Callable[[TierStats], float | int | None]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        """get(tier) for every tier of the snapshot."""
+        return self._observe(lambda s: (({"tier": t.tier.label}, get(t)) for t in s.tiers))
 
     def _per_retained_tier(
         self, get: Callable[[TierRetention], int]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(_: CallbackOptions) -> Iterable[Observation]:
-            stats = self.snapshot()
-            rows = stats.retention.tiers if stats is not None else []
-            return [Observation(get(t), {**self._base, "tier": t.tier.label}) for t in rows]
-
-        return callback
+        return self._observe(lambda s: (({"tier": t.tier.label}, get(t)) for t in s.retention.tiers))
 
     def _per_tenant(
         self, get: Callable[[TenantStats], float | int | None]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(_: CallbackOptions) -> Iterable[Observation]:
-            stats = self.snapshot()
-            rows = ((t, get(t)) for t in (stats.tenants if stats is not None else []))
-            return [Observation(v, {**self._base, "tenant": t.tenant}) for t, v in rows if v is not None]
-
-        return callback
+        return self._observe(lambda s: (({"tenant": t.tenant}, get(t)) for t in s.tenants))
 
     def _per_tenant_tier(
         self, get: Callable[[TenantStats, TierKind], int | None]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(_: CallbackOptions) -> Iterable[Observation]:
-            stats = self.snapshot()
-            out = []
-            for t in stats.tenants if stats is not None else []:
-                for k in TierKind:
-                    v = get(t, k)
-                    if v is not None:
-                        out.append(Observation(v, {**self._base, "tenant": t.tenant, "tier": k.label}))
-            return out
-
-        return callback
+        return self._observe(
+            lambda s: (({"tenant": t.tenant, "tier": k.label}, get(t, k)) for t in s.tenants for k in TierKind)
+        )
 
     def _node_value(
         self, get: Callable[[NodeStats], float | int | None]
     ) -> Callable[[CallbackOptions], Iterable[Observation]]:
-        def callback(_: CallbackOptions) -> Iterable[Observation]:
-            stats = self.snapshot()
-            value = None if stats is None else get(stats)
-            return [] if value is None else [Observation(value, self._base)]
-
-        return callback
+        return self._observe(lambda s: [({}, get(s))])

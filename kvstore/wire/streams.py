@@ -390,6 +390,11 @@ class GetAssembler:
 
 
 _COUNTER_FIELDS = [f.name for f in fields(TierCounters)]
+# NOTE: the scalar fields of a node's and a tier's Stats carry the same name on both sides: each is listed once
+# here, so a new counter travels in both directions by being added to the dataclass and the proto.
+_TIER_SCALARS = [f.name for f in fields(TierStats) if f.name not in ("tier", "counters")]
+_NODE_STRUCTURED = ("tiers", "namespaces", "index", "planes", "tenants", "kv_events", "retention", "replication")
+_NODE_SCALARS = [f.name for f in fields(NodeStats) if f.name not in _NODE_STRUCTURED]
 
 
 def plane_to_pb(p: PlaneInfo) -> pb.DataPlaneInfo:
@@ -405,14 +410,7 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
     tiers = [
         pb.TierStats(
             tier=int(t.tier),
-            available=t.available,
-            detail=t.detail,
-            capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes,
-            slot_bytes=t.slot_bytes,
-            slots_total=t.slots_total,
-            slots_used=t.slots_used,
-            pages=t.pages,
+            **{name: getattr(t, name) for name in _TIER_SCALARS},
             **{name: getattr(t.counters, name) for name in _COUNTER_FIELDS},
         )
         for t in stats.tiers
@@ -422,26 +420,9 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
         for ns, layout, pages in stats.namespaces
     ]
     return pb.StatsResponse(
-        node_id=stats.node_id,
-        uptime_seconds=stats.uptime_seconds,
-        max_page_bytes=stats.max_page_bytes,
+        **{name: getattr(stats, name) for name in _NODE_SCALARS},
         tiers=tiers,
         namespaces=namespaces,
-        lookups=stats.lookups,
-        lookup_blocks=stats.lookup_blocks,
-        lookup_matched=stats.lookup_matched,
-        prefetch_issued=stats.prefetch_issued,
-        prefetch_completed=stats.prefetch_completed,
-        pinned_pages=stats.pinned_pages,
-        put_rejected=stats.put_rejected,
-        version=stats.version,
-        prefetch_used=stats.prefetch_used,
-        prefetch_wasted=stats.prefetch_wasted,
-        corrupt_reports=stats.corrupt_reports,
-        corrupt_confirmed=stats.corrupt_confirmed,
-        corrupt_unconfirmed=stats.corrupt_unconfirmed,
-        corrupt_unchecked=stats.corrupt_unchecked,
-        scrubbed_bytes=stats.scrubbed_bytes,
         index=None
         if stats.index is None
         else pb.IndexStats(
@@ -449,7 +430,6 @@ def stats_to_pb(stats: NodeStats) -> pb.StatsResponse:
             url=redact_url(stats.index.url),
         ),
         planes=[plane_to_pb(p) for p in stats.planes],
-        host_id=stats.host_id,
         tenants=[_tenant_to_pb(t) for t in stats.tenants],
         kv_events=None if stats.kv_events is None else pb.KvEventsStats(**asdict(stats.kv_events)),
         checksum_form=pb.CHECKSUM_FORM_KEYED,
@@ -563,45 +543,20 @@ def stats_from_pb(msg: pb.StatsResponse) -> NodeStats:
     tiers = [
         TierStats(
             tier=TierKind(t.tier),
-            available=t.available,
-            detail=t.detail,
-            capacity_bytes=t.capacity_bytes,
-            used_bytes=t.used_bytes,
-            slot_bytes=t.slot_bytes,
-            slots_total=t.slots_total,
-            slots_used=t.slots_used,
-            pages=t.pages,
+            **{name: getattr(t, name) for name in _TIER_SCALARS},
             counters=TierCounters(**{name: getattr(t, name) for name in _COUNTER_FIELDS}),
         )
         for t in msg.tiers
     ]
     namespaces = [(n.namespace, layout_from_pb(n.layout, "namespaces.layout"), n.pages) for n in msg.namespaces]
     return NodeStats(
-        node_id=msg.node_id,
-        uptime_seconds=msg.uptime_seconds,
-        max_page_bytes=msg.max_page_bytes,
+        **{name: getattr(msg, name) for name in _NODE_SCALARS},
         tiers=tiers,
         namespaces=namespaces,
-        lookups=msg.lookups,
-        lookup_blocks=msg.lookup_blocks,
-        lookup_matched=msg.lookup_matched,
-        prefetch_issued=msg.prefetch_issued,
-        prefetch_completed=msg.prefetch_completed,
-        pinned_pages=msg.pinned_pages,
-        put_rejected=msg.put_rejected,
-        version=msg.version,
-        prefetch_used=msg.prefetch_used,
-        prefetch_wasted=msg.prefetch_wasted,
-        corrupt_reports=msg.corrupt_reports,
-        corrupt_confirmed=msg.corrupt_confirmed,
-        corrupt_unconfirmed=msg.corrupt_unconfirmed,
-        corrupt_unchecked=msg.corrupt_unchecked,
-        scrubbed_bytes=msg.scrubbed_bytes,
         index=IndexStatus(**{f.name: getattr(msg.index, f.name) for f in fields(IndexStatus)})
         if msg.HasField("index")
         else None,
         planes=[plane_from_pb(p) for p in msg.planes],
-        host_id=msg.host_id,
         tenants=[_tenant_from_pb(t) for t in msg.tenants],
         kv_events=KvEventsStatus(**{f.name: getattr(msg.kv_events, f.name) for f in fields(KvEventsStatus)})
         if msg.HasField("kv_events")

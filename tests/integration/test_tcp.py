@@ -209,7 +209,7 @@ def tcp_info(node: NodeProcess, security: ClientSecurity) -> PlaneInfo:
 
 def direct_plane(info: PlaneInfo, node: NodeProcess, security: ClientSecurity) -> TcpPlane:
     """The TCP plane alone, without the gRPC channel (which would refuse these credentials first)."""
-    return TcpPlane.from_info(info, target=node.addr, pages_per_call=64, verify=True, security=security, timeout=10)
+    return TcpPlane(info, target=node.addr, pages_per_call=64, verify=True, security=security, timeout=10)
 
 
 def drive(exchange: Exchange[T]) -> T:

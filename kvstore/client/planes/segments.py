@@ -1,4 +1,5 @@
-"""Client memory the node can map: sealed memfds (`SharedBuffer`) and a client's registry of them.
+"""Client memory the node can map: sealed memfds (`SharedBuffer`), a client's registry of them, and the
+buffers a bundle put gathers its pages into, kept for the next one (`Staging`).
 
 A `SharedBuffer` is staging memory the caller owns and keeps (what an engine keeps as its pinned staging
 buffer): `get_into` has the node copy pages straight into views of it, `put_from` straight out of them, one
@@ -157,3 +158,41 @@ class SharedBuffers:
         if start < 0 or start + nbytes > buf.nbytes:
             return None
         return Placed(buf, start, nbytes)
+
+
+class Staging:
+    """Registered memory a bundle put gathers its pages into, kept for the next put (registering a buffer with
+    the same-host plane costs a round trip). Thread-safe. Invariant: a buffer is in the free list only while no
+    call uses it; one whose call failed is closed instead (its memory may still be read by the node)."""
+
+    KEEP = 4  # free buffers kept; more are closed
+
+    def __init__(self, buffers: SharedBuffers) -> None:
+        self._buffers = buffers
+        self._free: list[SharedBuffer] = []
+        self._lock = threading.Lock()
+
+    def take(self, page_bytes: int, count: int) -> SharedBuffer:
+        need = align_up(page_bytes) * count
+        with self._lock:
+            fits = [b for b in self._free if b.nbytes >= need]
+            if fits:
+                buf = min(fits, key=lambda b: b.nbytes)
+                self._free.remove(buf)
+                return buf
+        return self._buffers.allocate(need)
+
+    def give(self, buf: SharedBuffer) -> None:
+        with self._lock:
+            self._free.append(buf)
+            self._free.sort(key=lambda b: b.nbytes)
+            extra = self._free[: -self.KEEP] if len(self._free) > self.KEEP else []
+            del self._free[: len(extra)]
+        for b in extra:
+            b.close()
+
+    def close(self) -> None:
+        with self._lock:
+            free, self._free = self._free, []
+        for b in free:
+            b.close()

@@ -331,33 +331,6 @@ class TcpPlane(DataPlane):
 
     def __init__(
         self,
-        *,
-        address: str,
-        tls: bool,
-        target: str,
-        pages_per_call: int,
-        verify: bool,
-        security: ClientSecurity,
-        timeout: float,
-        received: ReceivePool | None = None,
-    ) -> None:
-        try:
-            self.host, self.port = split_address(address, default_host=target_host(target))
-        except ValueError as exc:
-            raise PlaneUnavailable(f"the node advertises a TCP plane address that is unusable: {exc}") from None
-        self.pages_per_call = pages_per_call
-        self.verify = verify
-        self.security = security
-        self.timeout = timeout
-        self.tls = tls
-        self.received = ReceivePool() if received is None else received  # where a plain get's pages land
-        self.server_name = security.server_name or target_host(target)
-        self._pool = ConnectionPool(self._open, f"TCP plane connection to {self.host}:{self.port}")
-        self._tls_ctx: ssl.SSLContext | None = None
-
-    @classmethod
-    def from_info(
-        cls,
         info: PlaneInfo | None,
         *,
         target: str,
@@ -366,23 +339,28 @@ class TcpPlane(DataPlane):
         security: ClientSecurity,
         timeout: float,
         received: ReceivePool | None = None,
-    ) -> TcpPlane:
+    ) -> None:
+        """The client side of the TCP plane the node advertised (`info`); PlaneUnavailable when it advertised none,
+        or an address this client may not send its token to, or one that does not parse."""
         if info is None or not info.address:
             raise PlaneUnavailable("the node advertises no TCP plane address")
         try:  # the token goes to the advertised address: only where this client may send it (SECURITY.md)
             security.check_target(info.address)
         except InsecureChannel as exc:
             raise PlaneUnavailable(f"tcp: {exc}") from None
-        return cls(
-            address=info.address,
-            tls=info.tls,
-            target=target,
-            pages_per_call=pages_per_call,
-            verify=verify,
-            security=security,
-            timeout=timeout,
-            received=received,
-        )
+        try:
+            self.host, self.port = split_address(info.address, default_host=target_host(target))
+        except ValueError as exc:
+            raise PlaneUnavailable(f"the node advertises a TCP plane address that is unusable: {exc}") from None
+        self.pages_per_call = pages_per_call
+        self.verify = verify
+        self.security = security
+        self.timeout = timeout
+        self.tls = info.tls
+        self.received = ReceivePool() if received is None else received  # where a plain get's pages land
+        self.server_name = security.server_name or target_host(target)
+        self._pool = ConnectionPool(self._open, f"TCP plane connection to {self.host}:{self.port}")
+        self._tls_ctx: ssl.SSLContext | None = None
 
     # -- connections
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvstore.node.planes.tcp_limits import handshake_limit, tenant_limit
+from kvstore.node.planes.tcp_limits import HandshakeRoom, handshake_limit, tenant_limit
 from kvstore.scoping import DEFAULT_TENANT
 
 
@@ -103,7 +103,7 @@ def share(what: str, setting: str, total: int, configured_per_tenant: int, share
 
 
 @dataclass(slots=True)
-class ShmLimits:
+class ShmLimits(HandshakeRoom):
     """Everything a caller may hold on the same-host plane (see the module docstring)."""
 
     max_handshakes: int
@@ -132,16 +132,3 @@ class ShmLimits:
             share("registered buffers", "shm_max_registrations", max_registrations, 0, shared),
             share("mapped bytes", "shm_max_mapped_bytes", max_mapped_bytes, 0, shared),
         )  # fmt: skip
-
-    def can_start_handshake(self) -> bool:
-        return self.handshakes < self.max_handshakes
-
-    def start_handshake(self) -> None:
-        if not self.can_start_handshake():
-            raise RuntimeError("no handshake room: ask can_start_handshake first")
-        self.handshakes += 1
-
-    def end_handshake(self) -> None:
-        if self.handshakes <= 0:
-            raise RuntimeError("end_handshake without start_handshake")
-        self.handshakes -= 1

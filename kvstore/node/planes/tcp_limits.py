@@ -36,21 +36,13 @@ def tenant_limit(max_connections: int, configured: int) -> int:
     return min(configured or max(1, max_connections // 2), max_connections)
 
 
-@dataclass(slots=True)
-class ConnectionLimits:
-    """Counts of one plane's connections against its limits (see the module docstring)."""
+class HandshakeRoom:
+    """The handshake count of a plane's limits (a TCP plane's, the same-host plane's): at most `max_handshakes`
+    at once. Mixed into a dataclass that holds both fields."""
 
-    max_connections: int
+    __slots__ = ()
     max_handshakes: int
-    max_per_tenant: int
-    handshakes: int = 0
-    by_tenant: Counter[str] = field(default_factory=Counter)
-
-    @property
-    def authenticated(self) -> int:
-        return sum(self.by_tenant.values())
-
-    # -- handshakes
+    handshakes: int
 
     def can_start_handshake(self) -> bool:
         return self.handshakes < self.max_handshakes
@@ -64,6 +56,21 @@ class ConnectionLimits:
         if self.handshakes <= 0:
             raise RuntimeError("end_handshake without start_handshake")
         self.handshakes -= 1
+
+
+@dataclass(slots=True)
+class ConnectionLimits(HandshakeRoom):
+    """Counts of one plane's connections against its limits (see the module docstring)."""
+
+    max_connections: int
+    max_handshakes: int
+    max_per_tenant: int
+    handshakes: int = 0
+    by_tenant: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def authenticated(self) -> int:
+        return sum(self.by_tenant.values())
 
     # -- authenticated connections
 
