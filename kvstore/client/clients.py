@@ -73,7 +73,7 @@ class _Client:
     @property
     def transport(self) -> str:
         """The transport asked for: "auto", or one plane's name."""
-        return self._core.mode
+        return self._core.transport
 
     @property
     def plane(self) -> str | None:

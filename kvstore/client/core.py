@@ -55,7 +55,7 @@ from kvstore.wire.ucx import ucxx_installed
 T = TypeVar("T")
 
 DEFAULT_PAGES_PER_CALL = 256
-PLANE_RETRY_SECONDS = 2.0  # after a plane refused a call, negotiate again this much later (auto mode)...
+PLANE_RETRY_SECONDS = 2.0  # after a plane refused a call, negotiate again this much later (transport "auto")...
 PLANE_RETRY_MAX_SECONDS = 60.0  # ...doubling while it keeps refusing, up to this
 # A plane that refuses after this share of the call's timeout is a node that does not answer, not a plane it
 # lacks: the call ends there instead of starting the wait over on the next plane (one deadline per call).
@@ -143,12 +143,12 @@ PLANES: dict[str, PlaneSpec] = {
 }
 
 
-def transport_mode(transport: str | None) -> str:
+def resolve_transport(transport: str | None) -> str:
     """The transport asked for: the argument, else KVSTORE_TRANSPORT, else "auto"; validated."""
-    mode = (transport or os.environ.get("KVSTORE_TRANSPORT") or "auto").lower()
-    if mode not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {mode!r}")
-    return mode
+    chosen = (transport or os.environ.get("KVSTORE_TRANSPORT") or "auto").lower()
+    if chosen not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {chosen!r}")
+    return chosen
 
 
 def check_node(stats: pb.StatsResponse, target: str) -> None:
@@ -192,16 +192,16 @@ class ClientCore:
     def __init__(self, settings: ClientSettings, transport: str | None) -> None:
         self.settings = settings
         self._staging = Staging(settings.buffers)
-        self.mode = transport_mode(transport)
+        self.transport = resolve_transport(transport)
         self._node_checked = False  # the node's Stats said it speaks what this client needs (check_node)
         self._planes: tuple[DataPlane, ...] | None = None
         self._retry_at: float | None = None  # when to negotiate again after a plane was dropped
         self._retry_wait = PLANE_RETRY_SECONDS
         self._retired_corrupt = 0  # corrupt_pages of planes given up
-        if self.mode == "shm" and not shm_available():
+        if self.transport == "shm" and not shm_available():
             raise ValueError("transport='shm' needs memfd_create and Unix sockets (Linux)")
-        if self.mode == "grpc":
-            self._planes = (PLANES[self.mode].make(settings, None),)
+        if self.transport == "grpc":
+            self._planes = (PLANES[self.transport].make(settings, None),)
 
     @property
     def active(self) -> DataPlane | None:
@@ -246,7 +246,7 @@ class ClientCore:
         # NOTE: the node's host id decides where it says one (equal for every process of a kernel, so a loopback
         # target always matches); KVSTORE_HOST_ID lets tests play several hosts on one machine (addresses.py).
         same_host = stats.host_id == host_id() if known else is_loopback(self.settings.target)
-        names = choose_planes(self.mode, same_host=same_host, advertised=advertised, client_can=usable_planes())
+        names = choose_planes(self.transport, same_host=same_host, advertised=advertised, client_can=usable_planes())
         planes = tuple(p for n in names if (p := self._make(n, (advertised or {}).get(n))) is not None)
         if self._planes is current:
             self._planes = planes
@@ -260,11 +260,11 @@ class ClientCore:
 
     def _make(self, name: str, info: PlaneInfo | None) -> DataPlane | None:
         """A plane's client side; None when it refuses to open (PlaneUnavailable) and the caller did not
-        insist on it (auto mode: the next plane serves)."""
+        insist on it (transport "auto": the next plane serves)."""
         try:
             return PLANES[name].make(self.settings, info)
         except PlaneUnavailable:
-            if self.mode == name:
+            if self.transport == name:
                 raise
             return None
 
@@ -285,13 +285,14 @@ class ClientCore:
                 result = yield from call(plane)
             except PlaneUnavailable as exc:
                 waited = time.monotonic() - started
-                if waited >= FALLBACK_SHARE * self.settings.timeout and len(planes) > 1 and self.mode != plane.name:
+                insisted = self.transport == plane.name
+                if waited >= FALLBACK_SHARE * self.settings.timeout and len(planes) > 1 and not insisted:
                     raise Unavailable(
                         f"the node at {self.settings.target} did not answer within {waited:.1f} s "
                         f"({plane.name} plane: {exc}); not trying slower planes past the call's deadline"
                     ) from None
-                if self.mode == plane.name or len(planes) == 1:
-                    if self.mode != "grpc":  # the node may have moved its plane (a restart)
+                if insisted or len(planes) == 1:
+                    if self.transport != "grpc":  # the node may have moved its plane (a restart)
                         self._retry_at = time.monotonic()
                     raise
                 if self._planes is not None and self._planes[0] is plane:  # another thread may have already

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvstore.addresses import is_loopback
-from kvstore.client.core import ClientCore, ClientSettings, transport_mode
+from kvstore.client.core import ClientCore, ClientSettings, resolve_transport
 from kvstore.client.planes.base import DataPlane, PutResult
 from kvstore.client.planes.choice import choose_planes
 from kvstore.client.planes.pool import ReceivePool
@@ -98,9 +98,9 @@ def test_transport_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_planes("grpc", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["grpc"]
     assert choose_planes("tcp", same_host=True, advertised=ALL_PLANES, client_can=EVERY) == ["tcp"]  # insisted
     monkeypatch.setenv("KVSTORE_TRANSPORT", "grpc")
-    assert transport_mode(None) == "grpc"
+    assert resolve_transport(None) == "grpc"
     with pytest.raises(ValueError, match="transport must be one of"):
-        transport_mode("carrier-pigeon")
+        resolve_transport("carrier-pigeon")
     with pytest.raises(PlaneUnavailable, match="does not serve the tcp"):
         choose_planes("tcp", same_host=False, advertised={}, client_can=EVERY)
     with pytest.raises(ValueError, match="not available in this client"):
@@ -139,7 +139,7 @@ def _run(exchange):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("mode", ["auto", "shm"])
 def test_a_refusing_plane_is_given_up_for_good_unless_insisted_on(mode: str) -> None:
     core = ClientCore(ClientSettings("127.0.0.1:5", 4, True, ClientSecurity(), 5.0), "grpc")
-    core.mode = mode
+    core.transport = mode
     refusing, fallback = _Plane("shm", refuse=True), _Plane("grpc", refuse=False)
     core._planes = (refusing, fallback) if mode == "auto" else (refusing,)
     core._node_checked = True  # no node here to ask for Stats

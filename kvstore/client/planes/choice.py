@@ -22,24 +22,24 @@ OTHER_HOST_ORDER = ("ucx", "tcp")
 
 
 def choose_planes(
-    mode: str, *, same_host: bool, advertised: Mapping[str, PlaneInfo] | None, client_can: Collection[str]
+    transport: str, *, same_host: bool, advertised: Mapping[str, PlaneInfo] | None, client_can: Collection[str]
 ) -> list[str]:
-    """The planes to try, most preferred first, ending with "grpc" in auto mode (see the module docstring).
+    """The planes to try, most preferred first, ending with "grpc" for transport "auto" (see the module docstring).
 
     advertised: the node's planes by name; None when the node predates advertising (then: gRPC only).
     Raises PlaneUnavailable when an explicit plane is not served by the node, ValueError when this
     client cannot speak it.
     """
-    if mode not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {mode!r}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     offered = set() if advertised is None else set(advertised)
-    if mode == "grpc":
+    if transport == "grpc":
         return ["grpc"]
-    if mode != "auto":
-        if mode not in client_can:
-            raise ValueError(f"transport={mode!r} is not available in this client (see kvstore.client.planes.choice)")
-        if mode not in offered:
-            raise PlaneUnavailable(f"the node does not serve the {mode} data plane (it offers {sorted(offered)})")
-        return [mode]
+    if transport != "auto":
+        if transport not in client_can:
+            raise ValueError(f"transport={transport!r} is not available in this client (kvstore.client.planes.choice)")
+        if transport not in offered:
+            raise PlaneUnavailable(f"the node does not serve the {transport} data plane (it offers {sorted(offered)})")
+        return [transport]
     order = SAME_HOST_ORDER if same_host else OTHER_HOST_ORDER
     return [n for n in order if n in offered and n in client_can] + ["grpc"]

@@ -9,7 +9,7 @@ buffer for `get_into`.
 
 Errors: a node that cannot be reached, that refuses the connection (its plane is full: ERROR
 UNAVAILABLE or a close in answer to HELLO), or a TLS setup the two ends do not share, is PlaneUnavailable
-before anything was sent (auto mode then falls back to gRPC streams); an ERROR frame raises the
+before anything was sent (transport "auto" then falls back to gRPC streams); an ERROR frame raises the
 node's exception class, as gRPC would; a connection lost mid-request is Unavailable (nothing of an
 unfinished PUT is stored: it is atomic); a received page that fails its checksum raises StreamError,
 as on the other planes, and its connection is dropped. A call that finds its pooled connection closed by the node
