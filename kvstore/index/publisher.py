@@ -227,8 +227,7 @@ class IndexPublisher:
             # been replicated to it, not necessarily every recent write, and none of the scripts. Republish
             # everything under a new epoch, so no entry is missing for longer than this one republish.
             log.warning("index: the master is now %s (was %s); full resync", master, self._published_to)
-            self._need_resync = True
-            self._wake.set()
+            self.resync()
             return
         ttl_ms = int(self.ttl_seconds * 1000)
         ok = await self._redis.set(alive_key(self.node_id), str(self.stats.epoch), xx=True, px=ttl_ms)
@@ -236,10 +235,21 @@ class IndexPublisher:
             # Our alive key is gone (expired during an outage, or Redis lost its data): our entries
             # may be gone too. Republish everything under a new epoch.
             log.warning("index: alive key missing; full resync")
-            self._need_resync = True
-            self._wake.set()
+            self.resync()
             return
         await self._write_node_info()
+
+    def resync(self) -> None:
+        """Republish every page this node holds under a new epoch, at the flush loop's next turn (what a
+        failover or a lost alive key does; an operator's `kvctl` or a test may ask for it too)."""
+        self._need_resync = True
+        self._wake.set()
+
+    @property
+    def gc_round_done(self) -> bool:
+        """Whether the sweep has no stripe, SCAN cursor or master left of its current round (the next
+        gc_step starts a new round over every stripe)."""
+        return not self._gc_keys and not any(self._gc_scan.values()) and not self._gc_servers
 
     def status(self) -> IndexStatus:
         """A snapshot of the counters, with the queue length, lag and resync flag as of now."""

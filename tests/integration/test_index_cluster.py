@@ -316,14 +316,13 @@ def test_garbage_collection_drops_only_holders_that_can_never_count_again(
         async def sweep() -> None:  # a full round over every stripe of every master
             for _ in range(400):
                 await pubs["g0"].gc_step(count=1000)
-                if not pubs["g0"]._gc_keys and not any(pubs["g0"]._gc_scan.values()) and not pubs["g0"]._gc_servers:
+                if pubs["g0"].gc_round_done:
                     return
             raise AssertionError("the sweep did not come round")
 
         first = pubs["g0"].status().epoch
         held["g0"] = pages[:2]  # g0 republishes under a new epoch, holding only two of the pages now
-        pubs["g0"]._need_resync = True
-        pubs["g0"]._wake.set()
+        pubs["g0"].resync()
         await asyncio.to_thread(wait_for, lambda: pubs["g0"].status().epoch > first, 10, "g0's new epoch")
         await pubs["g1"].close(deregister=True)  # not alive; its record stays (it may come back)
         assert (await holders(pages[4]))["g0"] == first
