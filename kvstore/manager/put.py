@@ -9,6 +9,11 @@ bounce buffer instead of a slot, verified like any other, and written through in
 (NVMe) when the group is published; with no persistent tier (or no room there) it is not stored, and
 the Put reports it neither stored nor already present (Stats counts it in `not_admitted`).
 
+A sender may declare a page's checksum after its bytes (`DeclaredLater`: the same-host plane's writer hashes its
+pages while the node copies them, DESIGN.md §8): such a page is verified once its checksum came, and no page of
+the transaction is published before every staged page's declared checksum came and matched, mid-stream
+publishing and write-through included.
+
 A Put whose target is the persistent tier (`PutOpen.target_tier` NVMe) takes that same path for every page,
 without asking admission: its pages land in NVMe, durable when the Put returns, and no DRAM page is
 evicted for them.
@@ -16,9 +21,10 @@ evicted for them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstore.errors import DataLoss, InvalidArgument, ResourceExhausted
@@ -43,6 +49,18 @@ from kvstore.wire import PutOpen
 log = logging.getLogger(__name__)
 
 AfterCommit = Callable[[list[Key], TierKind], None]  # (pages published, the tier the writer asked for)
+
+
+@dataclass(frozen=True, slots=True)
+class DeclaredLater:
+    """A checksum its sender declares after the page's bytes: item `index` of what `sums` resolves to (in the
+    Put's ChecksumForm; 0: none). The plane that made `sums` resolves it, or fails it (an error the Put raises)."""
+
+    sums: asyncio.Future[Sequence[int]]
+    index: int
+
+
+Declared = int | DeclaredLater  # what a sender declares for a page: its checksum (0: none), or that it comes later
 
 
 class WriteThrough:
@@ -114,7 +132,7 @@ class _Staged:
 
     hash: bytes
     slot: int  # -1 when `through` holds the page
-    declared: int  # checksum the client declared, in the Put's ChecksumForm (0: none)
+    declared: Declared  # checksum the client declared, in the Put's ChecksumForm (0: none), or comes later
     parent: bytes | None
     through: mmap.mmap | None = None
     hashed: int | None = None  # XXH3-64 of the bytes as they landed in its slot, when the plane hashed them so
@@ -252,7 +270,7 @@ class PutTxn:
         self.not_admitted = 0  # refused by admission and not stored (no persistent tier, or no room there)
         self.done = False
 
-    async def add_page(self, h: bytes, payload_len: int, checksum: int) -> memoryview | None:
+    async def add_page(self, h: bytes, payload_len: int, checksum: Declared) -> memoryview | None:
         """Reserve a slot for the next page and return the writable view its payload goes into, or
         None when the page is already stored or not admitted and not storable (the caller discards its
         bytes). The previous page's view must be completely written before this is called."""
@@ -324,13 +342,18 @@ class PutTxn:
         return [st.has((self.namespace, h)) for h in self._announced]
 
     def _verify_staged(self) -> None:
-        """Checksum the staged pages not verified yet, bound to their identity (pageformat: the stored form);
-        a mismatch with what the sender declared aborts the transaction (DataLoss)."""
+        """Checksum the staged pages not verified yet, bound to their identity (pageformat: the stored form),
+        up to the first whose declared checksum has not come yet; a mismatch with what the sender declared
+        aborts the transaction (DataLoss)."""
         st = self._staging
         plen = self.layout.page_bytes
         node_side = node_side_digest(self.namespace, self.layout)
         try:
             for p in self._staged[len(self._sums) :]:
+                if isinstance(p.declared, DeclaredLater):
+                    if not p.declared.sums.done():
+                        break  # NOTE: verified in order: _sums stays a prefix of _staged
+                    p.declared = p.declared.sums.result()[p.declared.index]
                 if p.hashed is not None:
                     actual = p.hashed
                 elif p.through is None:
@@ -359,6 +382,9 @@ class PutTxn:
         st = self._staging
         try:
             st.check_layout(self.namespace, self.layout)
+            for p in self._staged:  # NOTE: nothing is published before every declared checksum came
+                if isinstance(p.declared, DeclaredLater):
+                    await p.declared.sums
         except BaseException:
             self.abort()
             raise

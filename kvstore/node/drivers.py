@@ -37,7 +37,7 @@ from typing import Protocol
 from kvstore.config import NodeConfig
 from kvstore.errors import DataLoss, InvalidArgument, KVStoreError
 from kvstore.layout import PageLayout
-from kvstore.manager.put import PutTxn
+from kvstore.manager.put import Declared, PutTxn
 from kvstore.manager.reads import ReadLease
 from kvstore.node.callers import Caller
 from kvstore.wire import PAGE_BYTES, PutOpen, parse_page_size_ask
@@ -45,11 +45,12 @@ from kvstore.wire import PAGE_BYTES, PutOpen, parse_page_size_ask
 
 @dataclass(frozen=True, slots=True)
 class PageHead:
-    """A page a Put announces: its hash, its payload size and the checksum its sender declared (0: none)."""
+    """A page a Put announces: its hash, its payload size and the checksum its sender declared (0: none; or
+    DeclaredLater: it comes after the page's bytes)."""
 
     hash: bytes
     nbytes: int
-    checksum: int
+    checksum: Declared
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,8 @@
 """Copies into a caller's memory done in batches (IoPool.copy_many) and the Get that leases resident pages a group
 at a time (Reader.get with destinations): results in order, failures per page, cancellation that waits for the
 threads, verification in the copying pass, and every lease released however the Get ends. Also the put side's
-one-pass copy (the slot hashed as it is written) and the writer's checksums hashed side by side."""
+one-pass copy (the slot hashed as it is written), checksums a writer declares after the bytes, and the writer's
+checksums hashed side by side."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ import pytest
 
 from kvstore.client.planes import shm as client_shm
 from kvstore.config import NodeConfig
-from kvstore.errors import DataLoss
+from kvstore.errors import DataLoss, ProtocolError
 from kvstore.layout import DType, PageLayout
 from kvstore.manager import TierManager
 from kvstore.manager.io import IoPool, cut, slices
+from kvstore.manager.put import DeclaredLater
 from kvstore.memtune import usable_cores
 from kvstore.names import TierKind
 from kvstore.pageformat import (
@@ -288,6 +290,56 @@ def test_a_put_whose_filled_checksum_disagrees_with_the_writer_is_data_loss(tmp_
         assert await txn.commit() == (1, 0)
 
     run(body, tmp_path)
+
+
+@pytest.mark.parametrize("declared", ["matching", "one wrong", "never came"])
+def test_checksums_declared_after_the_bytes_publish_nothing_before_they_came_and_matched(
+    tmp_path: Path, declared: str
+) -> None:
+    """A Put whose checksums come after its pages' bytes (the same-host plane's PUT_SUMS), in a stream larger
+    than the staging tier (its first group would be published mid-stream): no page is visible before the
+    checksums came; all are stored when they match; one wrong, or none coming, stores nothing."""
+
+    async def body(mgr: TierManager) -> None:
+        n = 6  # DRAM holds 4: the stream outgrows it
+        txn = mgr.begin_put(PutOpen(NS, LAYOUT, checksums=ChecksumForm.KEYED))
+        sums: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+
+        async def stream() -> tuple[int, int]:
+            for i in range(n):
+                view = await txn.add_page(key(i), PAGE, DeclaredLater(sums, i))
+                assert view is not None
+                txn.filled(copy_checksum_dest(memoryview(page(i)), view))
+                view.release()
+            return await txn.commit()
+
+        task = asyncio.create_task(stream())
+        for _ in range(20):  # bounded: the stream reaches its first group's publish and waits there
+            await asyncio.sleep(0.01)
+        assert not task.done()
+        assert all(mgr.entry(NS, key(i)) is None for i in range(n))  # copied and hashed, none visible
+        right = [wire_checksum(NS, key(i), page(i)) for i in range(n)]
+        if declared == "matching":
+            sums.set_result(right)
+            assert await task == (n, 0)
+            assert mgr.entry(NS, key(n - 1)) is not None
+            return
+        if declared == "one wrong":
+            sums.set_result([*right[:1], wire_checksum(NS, key(1), page(9)), *right[2:]])
+        else:
+            sums.set_exception(ProtocolError("no SUMS came"))
+        with pytest.raises(DataLoss if declared == "one wrong" else ProtocolError):
+            await task
+        assert all(mgr.entry(NS, key(i)) is None for i in range(n))
+        txn = mgr.begin_put(PutOpen(NS, LAYOUT))  # every staged slot was given back: the tier takes 4 pages
+        for i in range(4):
+            view = await txn.add_page(key(i), PAGE, 0)
+            assert view is not None
+            view[:] = page(i)
+            view.release()
+        assert await txn.commit() == (4, 0)
+
+    run(body, tmp_path, dram_pages=4)
 
 
 @pytest.mark.parametrize("cores", [1, 2, 8])
