@@ -19,10 +19,13 @@ and sends nothing to any other user. A node's default socket lives in a director
 Conversation (one request at a time per connection; a client keeps a few connections):
 
     HELLO     c->n  token (UTF-8; empty when none)                  -> WELCOME | ERROR (then closed)
-    WELCOME   n->c  max_page_bytes u64 | max_pages u32 | role u8
+    WELCOME   n->c  max_page_bytes u64 | max_pages u32 | role u8 (low bits; SUMS_AFTER: the top bit)
     REGISTER  c->n  buffer id u32; one fd in SCM_RIGHTS               -> OK | ERROR
     PUT       c->n  BulkPutRequest (each slice names its registered buffer id and offset)
                                                                       -> OK (PutResponse) | ERROR
+    PUT_SUMS  c->n  BulkPutRequest without checksums (only to a node whose WELCOME set SUMS_AFTER),
+                    followed at once, before any reply, by
+    SUMS      c->n  one checksum u64 per page of the PUT_SUMS, its seq -> OK (PutResponse) | ERROR
     GET       c->n  BulkGetRequest (targets: where page i goes: a registered buffer id, offset, size)
                                                                       -> OK (BulkGetResponse) | ERROR
     LAYOUT    c->n  the first hash a GET will ask for (32 B) | namespace (UTF-8)
@@ -37,7 +40,12 @@ path, never opens a tty, and answers one message for every descriptor it will no
 
 Checksums (DESIGN.md §8): the node verifies every page it copies into a client's memory in the pass that
 copies it, and computes the checksum of every page put from the bytes that landed in its slot; the client
-verifies nothing again (nothing crossed a network).
+verifies nothing again (nothing crossed a network). A writer declares every page's checksum (the keyed form,
+pageformat.wire_checksum), so a page changed while the node copies it, or copied from the wrong place, is
+refused: inside the PUT, or (PUT_SUMS) in a SUMS message sent right after it, so that the writer hashes its
+pages while the node copies them instead of before (one pass over the pages each, side by side). The node
+makes none of a PUT_SUMS's pages visible before the SUMS message came and matched; a SUMS whose request was
+answered already (refused before the node read it) is dropped.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ import enum
 import os
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,7 +63,10 @@ from kvstore.errors import ProtocolError
 MAGIC = b"KL"
 VERSION = 1
 FRAME = struct.Struct("<2sBBII")  # magic, version, kind, seq, body length
-WELCOME = struct.Struct("<QIB")  # max_page_bytes, max pages per call, role
+WELCOME = struct.Struct("<QIB")  # max_page_bytes, max pages per call, role | feature bits
+SUMS_AFTER = 0x80  # a WELCOME role bit: this node takes PUT_SUMS (older clients read the role byte not at all)
+ROLE_BITS = 0x0F
+CHECKSUM = struct.Struct("<Q")  # one declared checksum of a SUMS message
 REGISTER = struct.Struct("<I")  # buffer id
 PAGE_BYTES = struct.Struct("<Q")  # a LAYOUT reply
 MAX_MESSAGE_BYTES = 1 << 20  # the largest control message either side sends or accepts
@@ -74,6 +85,8 @@ class Kind(enum.IntEnum):
     OK = 6
     ERROR = 7
     LAYOUT = 8
+    PUT_SUMS = 9
+    SUMS = 10
 
 
 def frame(kind: Kind, seq: int, body: bytes = b"") -> bytes:
@@ -94,6 +107,41 @@ def unframe(msg: bytes | memoryview) -> tuple[Kind, int, memoryview]:
     except ValueError:
         raise ProtocolError(f"unknown message kind {kind}") from None
     return k, seq, memoryview(msg)[FRAME.size :]
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """What a node's WELCOME says: its limits, the caller's role, and whether it takes PUT_SUMS."""
+
+    max_page_bytes: int
+    max_pages: int
+    role: int
+    sums_after: bool
+
+
+def welcome_body(max_page_bytes: int, max_pages: int, role: int, sums_after: bool) -> bytes:
+    return WELCOME.pack(max_page_bytes, max_pages, (role & ROLE_BITS) | (SUMS_AFTER if sums_after else 0))
+
+
+def parse_welcome(body: bytes | memoryview) -> Welcome:
+    """A WELCOME body; ProtocolError when it is not one."""
+    if len(body) != WELCOME.size:
+        raise ProtocolError(f"a WELCOME carries {WELCOME.size} bytes, not {len(body)}")
+    max_page_bytes, max_pages, bits = WELCOME.unpack(body)
+    return Welcome(max_page_bytes, max_pages, bits & ROLE_BITS, bool(bits & SUMS_AFTER))
+
+
+def sums_body(checksums: Sequence[int]) -> bytes:
+    """A SUMS message's body: the declared checksums, in the order of the PUT_SUMS's pages."""
+    return struct.pack(f"<{len(checksums)}Q", *checksums)
+
+
+def parse_sums(body: bytes | memoryview, pages: int) -> list[int]:
+    """The checksums of a SUMS message answering a PUT_SUMS of `pages` pages; ProtocolError when its size is
+    not one u64 per page."""
+    if len(body) != CHECKSUM.size * pages:
+        raise ProtocolError(f"a SUMS for {pages} pages carries {CHECKSUM.size * pages} bytes, not {len(body)}")
+    return list(struct.unpack(f"<{pages}Q", body))
 
 
 def error_body(status_name: str, message: str) -> bytes:

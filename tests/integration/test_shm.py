@@ -4,13 +4,16 @@ local process can send to the node's Unix socket (kvstore/wire/shm.py), by hand.
 from __future__ import annotations
 
 import array
+import dataclasses
 import fcntl
 import gc
 import mmap
 import os
 import pty
+import select
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +22,14 @@ import pytest
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import KVStoreClient
-from kvstore.errors import PlaneUnavailable
+from kvstore.client.planes import shm as client_shm
+from kvstore.errors import DataLoss, PlaneUnavailable
 from kvstore.names import TierKind
+from kvstore.pageformat import ChecksumForm, wire_checksum
 from kvstore.security import ClientSecurity
-from kvstore.wire import shm
+from kvstore.wire import PutOpen, shm
 from kvstore.wire.shm import Kind
-from kvstore.wire.streams import layout_to_pb
+from kvstore.wire.streams import layout_to_pb, put_open_to_pb
 from tests.integration.conftest import LAYOUT, NS, PAGE, key, page, start_node
 from tests.security.conftest import READ, WRITE, token_args
 
@@ -59,12 +64,20 @@ class Raw:
             assert kind is Kind.WELCOME, shm.parse_error(body)
 
     def call(self, kind: Kind, body: bytes = b"", fds: list[int] | None = None) -> tuple[Kind, bytes]:
-        self.seq += 1
-        msg = shm.frame(kind, self.seq, body)
+        self.send(kind, body, fds)
+        return self.reply()
+
+    def send(self, kind: Kind, body: bytes = b"", fds: list[int] | None = None, seq: int | None = None) -> None:
+        """One message; a new request's seq unless `seq` names one (a SUMS names its PUT_SUMS's)."""
+        if seq is None:
+            self.seq += 1
+        msg = shm.frame(kind, self.seq if seq is None else seq, body)
         if fds:
             self.sock.sendmsg([msg], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         else:
             self.sock.send(msg)
+
+    def reply(self) -> tuple[Kind, bytes]:
         reply = self.sock.recv(shm.MAX_MESSAGE_BYTES)
         if not reply:
             return Kind.ERROR, b""
@@ -369,3 +382,133 @@ def test_a_read_only_token_reads_and_registers_but_never_writes(shm_node: NodePr
             kv.put(NS, LAYOUT, hs, [page(hs[0])])
         views = kv.shared_buffer(PAGE).pages(PAGE, 1)
         assert kv.get_into(NS, hs, views) == []  # registered and asked: a miss, not an error
+
+
+def test_a_put_whose_sums_follow_stores_nothing_before_they_come_and_match(shm_node: NodeProcess) -> None:
+    """PUT_SUMS (kvstore/wire/shm.py): the node copies the pages, then waits for their SUMS with none of them
+    visible; a SUMS that declares other bytes than the node copied (the caller changed a page while the node
+    copied it, or the node copied from the wrong place) stores nothing; a SUMS for a PUT_SUMS refused before it
+    came is dropped; anything else in its place ends the connection, nothing stored."""
+    path = socket_of(shm_node)
+    fd = memfd(2 * PAGE)
+    view = mmap.mmap(fd, 2 * PAGE)
+    raw = Raw(path)
+    reader = KVStoreClient(shm_node.addr, transport="grpc", security=ClientSecurity(token=WRITE))
+    try:
+        assert raw.call(Kind.REGISTER, shm.REGISTER.pack(1), [fd])[0] is Kind.OK
+
+        def put_sums(hs: list[bytes], checksum: int = 0) -> bytes:
+            req = pb.BulkPutRequest(open=put_open_to_pb(PutOpen(NS, LAYOUT, checksums=ChecksumForm.KEYED)))
+            for i, h in enumerate(hs):
+                req.pages.add(hash=h, offset=i * PAGE, payload_bytes=PAGE, buffer=1, checksum=checksum)
+            return req.SerializeToString()
+
+        hs = [key(i, "sums-after") for i in range(2)]
+        view[:] = page(hs[0]) + page(hs[1])
+        raw.send(Kind.PUT_SUMS, put_sums(hs))
+        time.sleep(0.5)  # the node copies and hashes both pages meanwhile, then waits for their SUMS
+        assert select.select([raw.sock], [], [], 0)[0] == []  # no answer before the SUMS
+        assert reader.lookup(NS, hs) == 0  # and nothing visible
+        changed = [wire_checksum(NS, hs[0], page(hs[0])), wire_checksum(NS, hs[1], page(hs[0]))]
+        raw.send(Kind.SUMS, shm.sums_body(changed), seq=raw.seq)
+        kind, body = raw.reply()
+        assert kind is Kind.ERROR and shm.parse_error(body)[0] == "DATA_LOSS", shm.parse_error(body)
+        assert reader.lookup(NS, hs) == 0  # not even the page whose checksum matched
+
+        # Refused before its SUMS came (a PUT_SUMS carries no checksums itself): the SUMS is dropped when it comes.
+        status, message = raw.error(Kind.PUT_SUMS, put_sums(hs, checksum=5))
+        assert status == "INVALID_ARGUMENT" and "pages[0].checksum" in message
+        raw.send(Kind.SUMS, shm.sums_body([1, 2]), seq=raw.seq)
+        sums = [wire_checksum(NS, h, page(h)) for h in hs]
+        raw.send(Kind.PUT_SUMS, put_sums(hs))
+        raw.send(Kind.SUMS, shm.sums_body(sums), seq=raw.seq)
+        kind, body = raw.reply()
+        assert kind is Kind.OK, shm.parse_error(body)
+        assert pb.PutResponse.FromString(body).stored == 2
+        assert [bytes(p) for p in reader.get(NS, hs)] == [page(h) for h in hs]
+
+        fresh = [key(i, "sums-out-of-step") for i in range(2)]
+        for wrong in (Kind.LAYOUT, Kind.SUMS):  # another request, or a SUMS of the wrong size, in the SUMS's place
+            out = Raw(path)
+            try:
+                assert out.call(Kind.REGISTER, shm.REGISTER.pack(1), [fd])[0] is Kind.OK
+                out.send(Kind.PUT_SUMS, put_sums(fresh))
+                out.send(wrong, b"\0" * 8, seq=out.seq)
+                kind, body = out.reply()
+                assert kind is Kind.ERROR and shm.parse_error(body)[0] == "INVALID_ARGUMENT"
+                assert out.sock.recv(shm.MAX_MESSAGE_BYTES) == b""  # closed
+            finally:
+                out.close()
+        assert reader.lookup(NS, fresh) == 0
+    finally:
+        reader.close()
+        raw.close()
+        view.close()
+        os.close(fd)
+
+
+@pytest.mark.parametrize("node_takes", ["PUT_SUMS", "PUT only"])
+def test_put_from_declares_every_pages_checksum_and_a_wrong_one_stores_nothing(
+    shm_node: NodeProcess, node_takes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """put_from's checksums, hashed while the node copies (PUT_SUMS) or before (a node that takes only PUT):
+    pages stored as put; a wrong one (a page that changed after the writer hashed it) fails the call and
+    stores none of its pages."""
+    if node_takes == "PUT only":  # as an older node answers: no SUMS_AFTER in its WELCOME
+        welcome = shm.parse_welcome
+        monkeypatch.setattr(shm, "parse_welcome", lambda body: dataclasses.replace(welcome(body), sums_after=False))
+    hs = [key(i, f"put-from-{node_takes}") for i in range(3)]
+    with KVStoreClient(shm_node.addr, transport="shm", security=ClientSecurity(token=WRITE)) as kv:
+        views = kv.shared_buffer(3 * PAGE).pages(PAGE, 3)
+        for v, h in zip(views, hs, strict=True):
+            v[:] = page(h)
+        honest = client_shm.declared_checksums
+        monkeypatch.setattr(client_shm, "declared_checksums", lambda *a, **k: [*honest(*a, **k)[:2], 7])
+        with pytest.raises(DataLoss):
+            kv.put_from(NS, LAYOUT, hs, views)
+        assert kv.lookup(NS, hs) == 0
+        monkeypatch.setattr(client_shm, "declared_checksums", honest)
+        assert kv.put_from(NS, LAYOUT, hs, views).stored == 3  # the same connections, in step
+        assert [bytes(p) for p in kv.get(NS, hs)] == [page(h) for h in hs]
+
+
+def test_a_page_changed_while_the_node_copies_it_is_refused_or_stored_as_hashed(shm_node: NodeProcess) -> None:
+    """A caller's thread rewrites its pages while put_from stores them again and again: each put either fails
+    (DataLoss: what the node copied is not what the writer hashed) and stores none of its pages, or stores
+    what its writer hashed; a reader never gets a torn page."""
+    stop = threading.Event()
+    n = 4
+    fills = [bytes([b]) * PAGE for b in (0x11, 0x22)]
+    refused = stored = 0
+    with KVStoreClient(shm_node.addr, transport="shm", security=ClientSecurity(token=WRITE)) as kv:
+        buf = kv.shared_buffer(n * PAGE)
+        views = buf.pages(PAGE, n)
+
+        def rewrite() -> None:
+            for k in range(10_000_000):  # bounded; stopped by the test long before
+                if stop.is_set():
+                    return
+                views[k % n][:] = fills[k // n % 2]
+
+        writer = threading.Thread(target=rewrite, daemon=True)
+        writer.start()
+        try:
+            deadline = time.monotonic() + 10
+            for i in range(200):  # bounded in count and time
+                if time.monotonic() > deadline or (refused > 2 and stored > 2):
+                    break
+                hs = [key(j, f"torn-{i}") for j in range(n)]
+                try:
+                    kv.put_from(NS, LAYOUT, hs, views)
+                except DataLoss:
+                    refused += 1
+                    assert kv.lookup(NS, hs) == 0
+                else:
+                    stored += 1
+                    got = [bytes(p) for p in kv.get(NS, hs)]
+                    assert all(p in fills for p in got), "a reader got a page its writer never hashed whole"
+                    kv.delete(NS, hs)
+        finally:
+            stop.set()
+            writer.join(10)
+    assert refused + stored > 0

@@ -188,8 +188,9 @@ class Connection:
         self.replied = False  # whether the current request got a reply (the pool clears it before each one)
         self._handed_off = False  # the socket belongs to QUARANTINE now
         try:
-            body = self.call(Kind.HELLO, (token or "").encode(), want=Kind.WELCOME)
-            self.max_page_bytes, self.max_pages, _ = shm.WELCOME.unpack(body)
+            welcome = shm.parse_welcome(self.call(Kind.HELLO, (token or "").encode(), want=Kind.WELCOME))
+            self.max_page_bytes, self.max_pages = welcome.max_page_bytes, welcome.max_pages
+            self.sums_after = welcome.sums_after  # the node takes PUT_SUMS (kvstore/wire/shm.py)
         except BaseException:
             self.close()
             raise
@@ -207,9 +208,16 @@ class Connection:
             self.sock.shutdown(socket.SHUT_WR)
 
     def call(
-        self, kind: Kind, body: bytes, fds: Sequence[int] = (), want: Kind = Kind.OK, loan: _Loan | None = None
+        self,
+        kind: Kind,
+        body: bytes,
+        fds: Sequence[int] = (),
+        want: Kind = Kind.OK,
+        loan: _Loan | None = None,
+        then: Callable[[], bytes] | None = None,
     ) -> memoryview:
-        """Send one request and return its reply's body; an ERROR reply raises the node's exception.
+        """Send one request and return its reply's body; an ERROR reply raises the node's exception. `then`
+        (a PUT_SUMS) makes the body of the SUMS message sent right after the request, before its reply.
         When it returns or raises, the node is done with the memory the request names (its reply, or its close
         after a hang-up: the module docstring), except where `loan` was handed to QUARANTINE."""
         self.seq = (self.seq + 1) & 0xFFFFFFFF
@@ -221,6 +229,13 @@ class Connection:
                 self.sock.send(msg)
         except OSError:  # not sent (a SEQPACKET message goes whole or not at all): the node never saw it
             self.usable = False
+            raise
+        try:
+            if then is not None:  # NOTE: made while the node works on the request (a PUT_SUMS's pages hashed)
+                self.sock.send(shm.frame(Kind.SUMS, self.seq, then()))
+        except BaseException as exc:
+            self.usable = False
+            self._give_up(loan, exc)
             raise
         try:
             reply = self.sock.recv(shm.MAX_MESSAGE_BYTES)
@@ -240,7 +255,7 @@ class Connection:
             raise StreamError(f"the node answered {kind.name} with {got.name} (request {seq}, expected {self.seq})")
         return payload
 
-    def _give_up(self, loan: _Loan | None, cause: OSError) -> None:
+    def _give_up(self, loan: _Loan | None, cause: BaseException) -> None:
         """The request went out and its reply never came (a timeout, an abort): hang up, and wait for the
         node's close, which says its work on the request's memory has ended (the module docstring). When it
         does not close within DRAIN_SECONDS, the loan goes to QUARANTINE and this raises Unavailable saying so."""
@@ -378,10 +393,22 @@ class ShmPlane(DataPlane):
         placed = self._place(buffers, False, first)
         if placed is None:
             return (yield from self.put_batch(op, hashes, buffers))
+        sizes = [p.nbytes for p in placed]
         # NOTE: the writer declares every page's checksum (DESIGN.md §8): one read pass over the caller's pages,
         # so a page changed while the node copies it, or copied from the wrong place, is refused, not stored.
-        sums = declared_checksums(op.namespace, hashes, [p.nbytes for p in placed], buffers)
-        return (yield from self._put(op, hashes, placed, sums, first))
+        # To a node that takes PUT_SUMS that pass runs while the node copies the pages (on another core), its
+        # sums sent right after the request; hashed once for the call, however many attempts it takes.
+        sums = functools.cache(lambda: declared_checksums(op.namespace, hashes, sizes, buffers, SUMS_AFTER_PARTS))
+        bare = put_request(op, hashes, placed, [0] * len(placed)).SerializeToString()
+
+        def request(conn: Connection) -> _Request:
+            if conn.sums_after:
+                return Kind.PUT_SUMS, bare, lambda: shm.sums_body(sums())
+            return Kind.PUT, put_request(op, hashes, placed, sums()).SerializeToString(), None
+
+        reply = yield self._blocking(request, placed, first, _nothing)
+        res = pb.PutResponse.FromString(bytes(reply))
+        return PutResult(res.stored, res.already_present, unpack_held(res.held, len(hashes)))
 
     def _put(
         self,
@@ -393,7 +420,7 @@ class ShmPlane(DataPlane):
         lent: Release = _nothing,
     ) -> Exchange[PutResult]:
         body = put_request(op, hashes, placed, sums).SerializeToString()
-        reply = yield self._blocking(Kind.PUT, body, placed, first, lent)
+        reply = yield self._blocking(_plain(Kind.PUT, body), placed, first, lent)
         res = pb.PutResponse.FromString(bytes(reply))
         return PutResult(res.stored, res.already_present, unpack_held(res.held, len(hashes)))
 
@@ -441,7 +468,7 @@ class ShmPlane(DataPlane):
         for p in placed:
             req.targets.add(offset=p.offset, size=p.nbytes, buffer=p.buffer.id)
         body = req.SerializeToString()
-        reply = yield self._blocking(Kind.GET, body, placed, first, lent)
+        reply = yield self._blocking(_plain(Kind.GET, body), placed, first, lent)
         pages = pb.BulkGetResponse.FromString(bytes(reply)).pages
         if len(pages) > len(hashes):
             raise StreamError(f"the node returned {len(pages)} pages for {len(hashes)} hashes")
@@ -450,17 +477,21 @@ class ShmPlane(DataPlane):
                 raise StreamError(f"page {i}: the node put an unexpected page, or put it elsewhere")
         return list(pages)
 
-    def _blocking(self, kind: Kind, body: bytes, placed: list[Placed], first: int, lent: Release) -> Blocking:
-        """The request as one Blocking operation on a pooled connection. `lent` runs exactly once, when the node
-        is done with the memory the request names (or never, if the node never says so: see QUARANTINE)."""
+    def _blocking(
+        self, request: Callable[[Connection], _Request], placed: list[Placed], first: int, lent: Release
+    ) -> Blocking:
+        """The request (as `request` makes it for a connection) as one Blocking operation on a pooled
+        connection. `lent` runs exactly once, when the node is done with the memory the request names (or never,
+        if the node never says so: see QUARANTINE)."""
         abort = Abort()
         loan = _Loan(lent)
 
         def run(conn: Connection) -> memoryview:
             for p in placed:
                 conn.register(p.buffer)
+            kind, body, then = request(conn)
             try:
-                return conn.call(kind, body, loan=loan)
+                return conn.call(kind, body, loan=loan, then=then)
             except InvalidArgument as exc:
                 raise _buffer_error(exc, first) from None
 
@@ -473,6 +504,14 @@ class ShmPlane(DataPlane):
         return Blocking(call, abort)
 
 
+_Request = tuple[Kind, bytes, Callable[[], bytes] | None]  # a request's kind and body, and what follows it (SUMS)
+
+
+def _plain(kind: Kind, body: bytes) -> Callable[[Connection], _Request]:
+    """A request that is the same on every connection, with nothing following it."""
+    return lambda _conn: (kind, body, None)
+
+
 # A put_from of at least PARALLEL_HASH_BYTES hashes its pages in up to HASH_PARTS parts side by side (its own
 # thread taking the first), at most one per core it may run on; below it, on the calling thread alone. NOTE:
 # measured (2 vCPUs, 2026-11-28): XXH3 runs 15-20 GB/s over pages in RAM, so hashing 16 MiB costs about 1 ms, a
@@ -480,6 +519,8 @@ class ShmPlane(DataPlane):
 # than with the split gated on the cores /proc/loadavg said were free (load 9-11, benchmarks/shm_ab.py).
 PARALLEL_HASH_BYTES = 4 << 20
 HASH_PARTS = 4
+# Parts when the pages are hashed while the node copies them (a PUT_SUMS): the node's copy takes a core.
+SUMS_AFTER_PARTS = 1
 
 
 @functools.cache
@@ -489,12 +530,12 @@ def _hashers() -> ThreadPoolExecutor:
 
 
 def declared_checksums(
-    namespace: str, hashes: Sequence[bytes], sizes: Sequence[int], pages: Sequence[Buffer]
+    namespace: str, hashes: Sequence[bytes], sizes: Sequence[int], pages: Sequence[Buffer], parts: int = HASH_PARTS
 ) -> list[int]:
     """The checksum a writer declares for each page (wire_checksum: XXH3-64 ^ the key digest), in one read pass
-    over the pages: in up to HASH_PARTS parts side by side when there are enough bytes, the calling thread
+    over the pages: in up to `parts` parts side by side when there are enough bytes, the calling thread
     taking the first (XXH3 releases the GIL). Returns once every page was hashed."""
-    k = min(len(pages), HASH_PARTS, usable_cores()) if sum(sizes) >= PARALLEL_HASH_BYTES else 1
+    k = min(len(pages), parts, usable_cores()) if sum(sizes) >= PARALLEL_HASH_BYTES else 1
     if k <= 1:
         return [wire_checksum(namespace, h, b) for h, b in zip(hashes, pages, strict=True)]
     bounds = [len(pages) * i // k for i in range(k + 1)]

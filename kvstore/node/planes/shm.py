@@ -40,6 +40,7 @@ from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated, Unavailable
+from kvstore.manager.put import Declared, DeclaredLater
 from kvstore.node.callers import Caller
 from kvstore.node.drivers import PageHead, answer_page_size, check_page_count, check_target_count, drive_put, open_get
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
@@ -152,6 +153,11 @@ class _Connection:
         self._waiter: asyncio.Future[None] | None = None  # set while waiting for the next message
         self._request: asyncio.Task[Any] | None = None  # the task running a request (cancelled on a hang-up)
         self._hung_up = False
+        # A PUT_SUMS in progress: the checksums its SUMS message brings (kvstore/wire/shm.py), its seq and pages.
+        self._sums: asyncio.Future[Sequence[int]] | None = None
+        self._sums_seq = 0
+        self._sums_pages = 0
+        self._late_sums: int | None = None  # the seq of a PUT_SUMS answered before its SUMS came (dropped)
 
     async def recv(self) -> tuple[bytes, list[int]]:
         """The next message and any descriptors with it; EOF is (b"", [])."""
@@ -184,6 +190,9 @@ class _Connection:
                 self._waiter.set_result(None)
             return
         if self._request is not None:
+            if self._sums is not None and not self._sums.done():
+                self._take_sums()
+                return  # NOTE: still watching: the hang-up of a client giving up may follow
             try:
                 peeked = self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -196,6 +205,32 @@ class _Connection:
         # Not waiting for it now: stop watching until the next `recv` (level-triggered: it would fire again
         # and again meanwhile).
         self._unwatch()
+
+    def _take_sums(self) -> None:
+        """Read the SUMS message a PUT_SUMS in progress waits for into `_sums` (anything else fails it: the
+        connection is out of protocol); a hang-up cancels the request."""
+        assert self._sums is not None and self._request is not None
+        try:
+            msg, fds = recv_fds(self.sock, shm.MAX_MESSAGE_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            msg, fds = b"", []
+        for fd in fds:
+            os.close(fd)
+        if not msg:
+            self._hung_up = True
+            self._request.cancel()
+            self._unwatch()
+            return
+        try:
+            kind, seq, body = shm.unframe(msg)
+            if kind is not Kind.SUMS or seq != self._sums_seq:
+                raise ProtocolError(f"a PUT_SUMS (request {self._sums_seq}) is followed by its SUMS, not {kind.name} "
+                                    f"(request {seq})")  # fmt: skip
+            self._sums.set_result(shm.parse_sums(body, self._sums_pages))
+        except ProtocolError as exc:
+            self._sums.set_exception(exc)
 
     async def send(self, kind: Kind, seq: int, body: bytes = b"") -> None:
         await self.loop.sock_sendall(self.sock, shm.frame(kind, seq, body))
@@ -217,6 +252,9 @@ class _Connection:
                     return
                 try:
                     kind, seq, body = shm.unframe(msg)
+                    if kind is Kind.SUMS and seq == self._late_sums:
+                        self._late_sums = None  # its PUT_SUMS was answered (refused) before it came
+                        continue
                     if not await self._watched(self._handle(kind, seq, body, fds)):
                         return  # the client hung up mid-request: closing now tells it its memory is free
                 finally:
@@ -305,7 +343,7 @@ class _Connection:
         connections.take(holder)
         self.holder = holder
         max_pages = min(self.cfg.max_pages_per_request, shm.MAX_PAGES_PER_CALL)
-        welcome = shm.WELCOME.pack(self.cfg.max_page_bytes, max_pages, role)
+        welcome = shm.welcome_body(self.cfg.max_page_bytes, max_pages, role, sums_after=True)
         await self.send(Kind.WELCOME, 0, welcome)
 
     async def _handle(self, kind: Kind, seq: int, body: memoryview, fds: list[int]) -> None:
@@ -317,6 +355,8 @@ class _Connection:
                 reply = self._layout(body)
             elif kind is Kind.PUT:
                 reply = await self._put(pb.BulkPutRequest.FromString(bytes(body)))
+            elif kind is Kind.PUT_SUMS:
+                reply = await self._put_sums(seq, body)
             elif kind is Kind.GET:
                 reply = await self._get(pb.BulkGetRequest.FromString(bytes(body)))
             else:
@@ -361,7 +401,37 @@ class _Connection:
             raise InvalidArgument(field, f"buffer {buf_id} is not registered on this connection")
         return buf
 
-    async def _put(self, req: pb.BulkPutRequest) -> bytes:
+    async def _put_sums(self, seq: int, body: memoryview) -> bytes:
+        """A PUT whose checksums follow in a SUMS message: the pages are copied and hashed as they come, and
+        the transaction publishes none before the SUMS came and matched (manager/put.py: DeclaredLater). The
+        SUMS is read by `_on_readable`, within shm_idle_seconds, else the Put fails."""
+        self._late_sums = seq  # until its SUMS is read: one answered before it comes drops it when it comes
+        req = pb.BulkPutRequest.FromString(bytes(body))
+        self._sums = sums = self.loop.create_future()
+        self._sums_seq, self._sums_pages = seq, len(req.pages)
+        timer = self.loop.call_later(self.cfg.shm_idle_seconds, self._sums_overdue, sums)
+        try:
+            for i, p in enumerate(req.pages):
+                if p.checksum:
+                    raise InvalidArgument(f"pages[{i}].checksum", "a PUT_SUMS declares its checksums in its SUMS")
+            return await self._put(req, sums)
+        finally:
+            timer.cancel()
+            self._sums = None
+            if not sums.done():
+                sums.cancel()
+            else:
+                self._late_sums = None
+                if not sums.cancelled():
+                    sums.exception()  # NOTE: retrieved: a failed SUMS no Put waited for is no "never retrieved"
+
+    def _sums_overdue(self, sums: asyncio.Future[Sequence[int]]) -> None:
+        if not sums.done():
+            sums.set_exception(
+                ProtocolError(f"no SUMS came for a PUT_SUMS within {self.cfg.shm_idle_seconds:g} s (shm_idle_seconds)")
+            )
+
+    async def _put(self, req: pb.BulkPutRequest, sums: asyncio.Future[Sequence[int]] | None = None) -> bytes:
         caller = self._caller("Put")
         if not req.HasField("open"):
             raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
@@ -374,7 +444,7 @@ class _Connection:
             places.append((buf, p.offset))
         op = put_open_from_pb(req.open)
         with _using(b for b, _ in places):
-            done = await drive_put(lambda: (caller, op), _heads(slices), _BufferPages(places), drain=False)
+            done = await drive_put(lambda: (caller, op), _heads(slices, sums), _BufferPages(places), drain=False)
         return pb.PutResponse(
             stored=done.stored, already_present=done.present, held=pack_held(done.held)
         ).SerializeToString()
@@ -468,9 +538,10 @@ def _using(bufs: object) -> object:
             b.release()
 
 
-async def _heads(slices: Sequence[pb.BulkPage]) -> AsyncIterator[PageHead]:
-    for p in slices:
-        yield PageHead(p.hash, p.payload_bytes, p.checksum)
+async def _heads(slices: Sequence[pb.BulkPage], sums: asyncio.Future[Sequence[int]] | None) -> AsyncIterator[PageHead]:
+    for i, p in enumerate(slices):
+        declared: Declared = p.checksum if sums is None else DeclaredLater(sums, i)
+        yield PageHead(p.hash, p.payload_bytes, declared)
 
 
 class _BufferPages:
