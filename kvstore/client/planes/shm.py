@@ -5,7 +5,9 @@ Every page crosses with one memcpy, done by the node, and no gRPC round trip: a 
 goes (a block of the client's receive pool for a plain `get`, the caller's own SharedBuffer for `get_into`)
 and the node's reader copies each page there in the pass that verifies it; a PUT names where each page lies
 (the caller's SharedBuffer for `put_from`, else a pool block the page is copied into first) and the node
-copies it into its slot. Nothing crosses a network, so the client verifies nothing again (DESIGN.md §8).
+copies it into its slot. Nothing crosses a network, so the client verifies nothing again (DESIGN.md §8). The
+writer declares every page's checksum; a `put_from` to a node that takes PUT_SUMS hashes the caller's pages
+while the node copies them and sends the sums right after the request (kvstore/wire/shm.py).
 
 Connections: a pool of SEQPACKET connections (one request at a time each), opened on demand with HELLO and
 the client's token; each registers a SharedBuffer (passing its memfd with SCM_RIGHTS) the first time a
