@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("tcp:put", "tcp:get", "shm:put_from", "shm:get_into", "shm:get", "grpc:get")
+MODES = ("tcp:put", "tcp:get", "shm:put", "shm:put_from", "shm:get_into", "shm:get", "grpc:get")
+DEFAULT_MODES = ("tcp:put", "tcp:get", "shm:put_from", "shm:get_into", "shm:get", "grpc:get")
 
 
 def _phase(kv: object, mode: str, *, lay: object, size: int, batch: int, calls: int, pages: list, views: list,
@@ -89,7 +90,9 @@ def main() -> int:
     ap.add_argument("--tree", action="append", type=Path, help="a checkout to measure (twice: the two trees)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sizes", default="1,4", help="page sizes in MiB, comma-separated")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"plane:operation cells (default {','.join(MODES)})")
+    ap.add_argument(
+        "--modes", default=",".join(DEFAULT_MODES), help=f"plane:operation cells (default {','.join(DEFAULT_MODES)})"
+    )
     ap.add_argument("--phases", type=int, default=5)
     ap.add_argument("--batch", type=int, default=16, help="pages per call")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
