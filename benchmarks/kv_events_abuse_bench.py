@@ -51,11 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rejoin", type=float, default=1.0, help="seconds between re-joins (default 1)")
     ap.add_argument("--seconds", type=float, default=40.0, help="length of the loaded phase (default 40)")
     ap.add_argument("--settle", type=float, default=20.0, help="seconds after the subscribers left (default 20)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2,048 pages, 3 subscribers, 4 s")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2,048 pages, 3 subscribers, 2 s, 1 s settle")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out")
     args = ap.parse_args(argv)
     if args.quick:
-        args.pages, args.subscribers, args.seconds, args.settle = 2048, 3, 4.0, 2.0
+        args.pages, args.subscribers, args.seconds, args.settle = 2048, 3, 2.0, 1.0
     node = NodeProcess(dram_bytes=(args.pages + 64) * SLOT, max_page_bytes=LAYOUT.page_bytes, node_id="ev",
                        extra_args=["--kv-events-endpoint", "tcp://127.0.0.1:0", "--no-tcp", "--no-shm"])  # fmt: skip
     node.start()
