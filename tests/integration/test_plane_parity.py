@@ -45,13 +45,17 @@ def put(kv: KVStoreClient, op: PutOpen, hashes: list[bytes], pages: list[bytes])
 
 def lying_checksums(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sending client declares a wrong checksum for every page, on every plane (the node is real)."""
-    for module in (
-        "kvstore.wire.streams",
-        "kvstore.client.planes.tcp",
-        "kvstore.client.planes.ucx",
-        shm_plane.__name__,
-    ):
+    for module in ("kvstore.wire.streams", "kvstore.client.planes.tcp", "kvstore.client.planes.ucx"):
         monkeypatch.setattr(f"{module}.wire_checksum", lambda *_args: WRONG_CHECKSUM)
+    honest = shm_plane.put_request
+
+    def declared(*args: object, **kw: object) -> object:  # shm hashes as it copies: its request is rewritten
+        req = honest(*args, **kw)  # type: ignore[arg-type]
+        for p in req.pages:
+            p.checksum = WRONG_CHECKSUM
+        return req
+
+    monkeypatch.setattr(shm_plane, "put_request", declared)
 
 
 Case = Callable[[KVStoreClient, list[bytes]], object]

@@ -61,7 +61,7 @@ from kvstore.errors import (
 from kvstore.layout import PageLayout
 from kvstore.memtune import usable_cores
 from kvstore.names import Buffer, TierKind
-from kvstore.pageformat import wire_checksum
+from kvstore.pageformat import checksum_into, key_digest, wire_checksum
 from kvstore.wire import PutOpen, parse_page_size, shm, unpack_held
 from kvstore.wire.shm import Kind
 from kvstore.wire.streams import FetchedPage, PageRef, layout_to_pb, put_open_to_pb
@@ -374,19 +374,18 @@ class ShmPlane(DataPlane):
     # -- the DataPlane
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
-        """Each page copied into a block of the receive pool (registered memory), then put as `put_from` puts
-        the caller's own: the blocks hashed while the node copies them."""
         blocks = []
-        for page in pages:  # one copy into registered memory (a memcpy: the hash comes beside the node's copy)
+        sums = []
+        for h, page in zip(hashes, pages, strict=True):  # one copy into registered memory, hashed as it goes
             src = memoryview(page).cast("B")
             block = self.received.take(len(src))
-            block[:] = src
+            sums.append(checksum_into(src, block) ^ key_digest(op.namespace, h))
             blocks.append(block)
         placed = self._place(blocks, False, 0)
         assert placed is not None  # pool blocks are registered memory
         # NOTE: the blocks are lent to the node for the request: `blocks` keeps them out of the pool until the
         # node is done with them (released by dropping the list), also when this exchange is gone before that.
-        return (yield from self._put(op, hashes, placed, list(blocks), 0, blocks.clear))
+        return (yield from self._put(op, hashes, placed, sums, 0, blocks.clear))
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
@@ -396,24 +395,12 @@ class ShmPlane(DataPlane):
         placed = self._place(buffers, False, first)
         if placed is None:
             return (yield from self.put_batch(op, hashes, buffers))
-        return (yield from self._put(op, hashes, placed, buffers, first))
-
-    def _put(
-        self,
-        op: PutOpen,
-        hashes: Sequence[bytes],
-        placed: list[Placed],
-        pages: Sequence[Buffer],
-        first: int,
-        lent: Release = _nothing,
-    ) -> Exchange[PutResult]:
-        """A PUT of `pages` (registered memory, where `placed` says), each with the checksum its writer declares
-        (DESIGN.md §8): one read pass over the pages, so a page changed while the node copies it, or copied from
-        the wrong place, is refused, not stored. To a node that takes PUT_SUMS that pass runs while the node
-        copies the pages (on another core), its sums sent right after the request; hashed once for the call,
-        however many attempts it takes."""
         sizes = [p.nbytes for p in placed]
-        sums = functools.cache(lambda: declared_checksums(op.namespace, hashes, sizes, pages, SUMS_AFTER_PARTS))
+        # NOTE: the writer declares every page's checksum (DESIGN.md §8): one read pass over the caller's pages,
+        # so a page changed while the node copies it, or copied from the wrong place, is refused, not stored.
+        # To a node that takes PUT_SUMS that pass runs while the node copies the pages (on another core), its
+        # sums sent right after the request; hashed once for the call, however many attempts it takes.
+        sums = functools.cache(lambda: declared_checksums(op.namespace, hashes, sizes, buffers, SUMS_AFTER_PARTS))
         bare = put_request(op, hashes, placed, [0] * len(placed)).SerializeToString()
 
         def request(conn: Connection) -> _Request:
@@ -421,7 +408,21 @@ class ShmPlane(DataPlane):
                 return Kind.PUT_SUMS, bare, lambda: shm.sums_body(sums())
             return Kind.PUT, put_request(op, hashes, placed, sums()).SerializeToString(), None
 
-        reply = yield self._blocking(request, placed, first, lent)
+        reply = yield self._blocking(request, placed, first, _nothing)
+        res = pb.PutResponse.FromString(bytes(reply))
+        return PutResult(res.stored, res.already_present, unpack_held(res.held, len(hashes)))
+
+    def _put(
+        self,
+        op: PutOpen,
+        hashes: Sequence[bytes],
+        placed: list[Placed],
+        sums: list[int],
+        first: int,
+        lent: Release = _nothing,
+    ) -> Exchange[PutResult]:
+        body = put_request(op, hashes, placed, sums).SerializeToString()
+        reply = yield self._blocking(_plain(Kind.PUT, body), placed, first, lent)
         res = pb.PutResponse.FromString(bytes(reply))
         return PutResult(res.stored, res.already_present, unpack_held(res.held, len(hashes)))
 
