@@ -129,7 +129,7 @@ def test_a_plain_get_lands_in_pooled_memory_that_is_recycled_only_when_dropped(s
     hs = [key(i, "pool") for i in range(4)]
     with KVStoreClient(shm_node.addr, transport="shm", security=ClientSecurity(token=WRITE)) as kv:
         kv.put(NS, LAYOUT, hs, [page(h) for h in hs])
-        pool = kv._core.settings.received
+        pool = kv.receive_pool
         kept = kv.get(NS, hs[:2])
         kept_slice = kept[1][100:200]  # a view of a view keeps the page too
         del kept[1]
