@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvstore.errors import KVStoreError
 
@@ -35,7 +36,9 @@ def friendly_errors(fn: F) -> F:
         except (KVStoreError, ValueError, OSError, RuntimeError) as exc:
             if os.environ.get("KVSTORE_DEBUG"):
                 raise
-            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+            # NOTE: one unwrapped line (a path or a command in it stays whole for copy and paste, in a terminal
+            # and in a log), the message taken literally (brackets in it are not markup).
+            err_console.print(f"[bold red]error:[/] {type(exc).__name__}: {escape(str(exc))}", soft_wrap=True)
             err_console.print("[dim](set KVSTORE_DEBUG=1 for the traceback)[/]")
             raise SystemExit(1) from None
 
