@@ -125,13 +125,15 @@ class TcpPlane:
         data = content(h, layout.page_bytes)
         npages = {"no pages": 0, "too many pages": 1 << 20, "fewer pages then close": 2}.get(mut, 1)
         # NOTE: stored pages go under a prefix of their own: other planes count on fuzz/unknown/* staying unknown.
-        # A checksum mismatch goes there too: under t.ns its hash may be stored already (Hypothesis likes
-        # b"\0" * 32), and a page already present is answered OK with its bytes dropped, unverified.
-        ns = (
-            fresh.replace("fuzz/unknown/", "fuzz/tcp/", 1)
-            if mut in ("valid", "byte flip", "checksum mismatch")
-            else t.ns
-        )
+        # A checksum mismatch gets a prefix no case stores into (a refused page is never stored): under t.ns or
+        # fuzz/tcp/* its hash may be stored already (Hypothesis draws b"\0" * 32 and the same tail again), and a
+        # page already present is answered OK with its bytes dropped, unverified.
+        if mut in ("valid", "byte flip"):
+            ns = fresh.replace("fuzz/unknown/", "fuzz/tcp/", 1)
+        elif mut == "checksum mismatch":
+            ns = fresh.replace("fuzz/unknown/", "fuzz/tcp-refused/", 1)
+        else:
+            ns = t.ns
         if mut == "other layout":
             layout = PageLayout(DType.FLOAT16, 2, 1, 32, 16)  # not the layout t.ns was stored with
             data = content(h, layout.page_bytes)
