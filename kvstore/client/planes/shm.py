@@ -374,13 +374,14 @@ class ShmPlane(DataPlane):
     # -- the DataPlane
 
     def put_batch(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
-        blocks = []
-        sums = []
-        for h, page in zip(hashes, pages, strict=True):  # one copy into registered memory, hashed as it goes
-            src = memoryview(page).cast("B")
-            block = self.received.take(len(src))
-            sums.append(checksum_into(src, block) ^ key_digest(op.namespace, h))
-            blocks.append(block)
+        srcs = [memoryview(page).cast("B") for page in pages]
+        blocks = [self.received.take(len(src)) for src in srcs]
+
+        def copy(i: int) -> int:  # one copy into registered memory, hashed as it goes (from cache)
+            return checksum_into(srcs[i], blocks[i]) ^ key_digest(op.namespace, hashes[i])
+
+        # NOTE: the node waits for the request, so the copies may take every core (as put_from's hashes do).
+        sums = side_by_side(len(srcs), sum(len(src) for src in srcs), copy)
         placed = self._place(blocks, False, 0)
         assert placed is not None  # pool blocks are registered memory
         # NOTE: the blocks are lent to the node for the request: `blocks` keeps them out of the pool until the
@@ -514,8 +515,10 @@ def _plain(kind: Kind, body: bytes) -> Callable[[Connection], _Request]:
     return lambda _conn: (kind, body, None)
 
 
-# A put_from of at least PARALLEL_HASH_BYTES hashes its pages in up to HASH_PARTS parts side by side (its own
-# thread taking the first), at most one per core it may run on; below it, on the calling thread alone. NOTE:
+# A put_from of at least PARALLEL_HASH_BYTES hashes its pages (a plain put copies and hashes them) in up to
+# HASH_PARTS parts side by side (its own thread taking the first), at most one per core it may run on; below it,
+# on the calling thread alone. A plain put's copies of 16 pages of 1 / 4 MiB took 2.43 / 8.38 ms on two threads
+# against 2.78 / 9.56 on one (a bare memcpy 1.94 / 7.62; 2 vCPUs, 2026-11-28, caches flushed). NOTE:
 # measured (2 vCPUs, 2026-11-28): XXH3 runs 15-20 GB/s over pages in RAM, so hashing 16 MiB costs about 1 ms, a
 # handoff to a thread 50-200 us; puts of 16 pages of 1 / 4 MiB ran 1.13x / 1.24x faster hashed on both cores
 # than with the split gated on the cores /proc/loadavg said were free (load 9-11, benchmarks/shm_ab.py).
@@ -539,13 +542,20 @@ def declared_checksums(
     """The checksum a writer declares for each page (wire_checksum: XXH3-64 ^ the key digest), in one read pass
     over the pages: in up to `parts` parts side by side when there are enough bytes, the calling thread
     taking the first (XXH3 releases the GIL). Returns once every page was hashed."""
-    k = min(len(pages), parts, usable_cores()) if sum(sizes) >= PARALLEL_HASH_BYTES else 1
+    return side_by_side(len(pages), sum(sizes), lambda i: wire_checksum(namespace, hashes[i], pages[i]), parts)
+
+
+def side_by_side(count: int, nbytes: int, one: Callable[[int], int], parts: int = HASH_PARTS) -> list[int]:
+    """[one(0), ..., one(count - 1)]: in up to `parts` parts side by side when `nbytes` (what they read) is at
+    least PARALLEL_HASH_BYTES, the calling thread taking the first (XXH3 and the copies release the GIL), at most
+    one part per usable core. Returns once every call returned: no thread reads the pages after that."""
+    k = min(count, parts, usable_cores()) if nbytes >= PARALLEL_HASH_BYTES else 1
     if k <= 1:
-        return [wire_checksum(namespace, h, b) for h, b in zip(hashes, pages, strict=True)]
-    bounds = [len(pages) * i // k for i in range(k + 1)]
+        return [one(i) for i in range(count)]
+    bounds = [count * i // k for i in range(k + 1)]
 
     def share(a: int, b: int) -> list[int]:
-        return [wire_checksum(namespace, hashes[i], pages[i]) for i in range(a, b)]
+        return [one(i) for i in range(a, b)]
 
     theirs = [_hashers().submit(share, bounds[i], bounds[i + 1]) for i in range(1, k)]
     try:
