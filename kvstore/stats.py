@@ -304,6 +304,9 @@ class NodeStats:
     kv_events: KvEventsStatus | None = None  # the KV-event feed, when the node publishes one
     retention: RetentionStats = field(default_factory=RetentionStats)  # every tenant's (the default tenant sees it)
     replication: ReplicationStatus | None = None  # copies made and taken (None: a node that predates them)
+    # pages one Put or Get may name, on every plane (the node's max_pages_per_request); 0: not advertised (a node
+    # that predates saying it). Set by the node's servicer, beside `planes`; a client cuts its calls to fit.
+    max_pages_per_request: int = 0
 
 
 def copy_counters(c: TierCounters) -> TierCounters:
@@ -317,6 +320,7 @@ def stats_as_dict(stats: NodeStats) -> dict[str, object]:
         "version": stats.version,
         "uptime_seconds": round(stats.uptime_seconds, 3),
         "max_page_bytes": stats.max_page_bytes,
+        "max_pages_per_request": stats.max_pages_per_request,
         "tiers": {
             t.tier.label: {
                 "available": t.available,

@@ -81,6 +81,13 @@ class _Client:
         return self._core.plane
 
     @property
+    def call_pages(self) -> int | None:
+        """Pages one call names on the plane in use: `pages_per_call`, capped at the node's max_pages_per_request
+        as its Stats advertise it (DESIGN.md §8), which the first bulk call reads; None until a plane is chosen."""
+        active = self._core.active
+        return None if active is None else active.call_pages
+
+    @property
     def corrupt_pages(self) -> int:
         """Pages that failed their checksum on arrival so far (each a miss, reported to the node)."""
         return self._core.corrupt_pages
@@ -115,8 +122,9 @@ class KVStoreClient(_Client):
             pages = kv.get(ns, hashes[:n])              # list of memoryview, checksum-verified
 
     Batching: `put` sends up to `pages_per_call` pages per call (each call is atomic); `get` fetches any
-    number of pages in calls of the same size, stopping at the first missing page. Errors are the
-    server's exception classes (kvstore/errors.py).
+    number of pages in calls of the same size, stopping at the first missing page. A call is never cut larger
+    than the node accepts: the node's Stats advertise its `max_pages_per_request`, and every plane's calls are
+    capped at it (DESIGN.md §8). Errors are the server's exception classes (kvstore/errors.py).
     """
 
     _AIO = False
@@ -171,7 +179,8 @@ class KVStoreClient(_Client):
         chain: bool = True,
         replicas: int = 0,
     ) -> PutResult:
-        """Store pages under their hashes. Each call of up to pages_per_call pages is atomic.
+        """Store pages under their hashes. Each call of up to pages_per_call pages (at most the node's
+        max_pages_per_request) is atomic.
 
         chain: the hashes are consecutive blocks of one chain (as prefix_hashes gives them), `parent`
         the block before hashes[0] (None: hashes[0] starts the chain). Pass chain=False for unrelated

@@ -92,6 +92,8 @@ class ClientSettings:
     received: ReceivePool = field(init=False)  # where a plain get's pages land: pooled blocks of `buffers`
 
     def __post_init__(self) -> None:
+        if isinstance(self.pages_per_call, bool) or not isinstance(self.pages_per_call, int) or self.pages_per_call < 1:
+            raise ValueError(f"pages_per_call must be an integer >= 1, got {self.pages_per_call!r}")
         object.__setattr__(self, "received", ReceivePool(self.buffers))
 
 
@@ -185,8 +187,11 @@ class ClientCore:
     """Every client operation as an exchange. Thread-safe: the only shared state is the plane list,
     which is set once (negotiated) and then only replaced, never mutated, when a plane is given up.
 
-    Negotiation: with transport "grpc" nothing needs asking; otherwise the first bulk call
-    reads the node's Stats once (its advertised planes and host id) and picks by `choose_planes`.
+    Negotiation: the first bulk call reads the node's Stats once (that it speaks what this client needs, the
+    page count one request may name, and, unless transport is "grpc", its advertised planes and host id, to pick
+    by `choose_planes`). Stats are read again when a dropped plane's retry is due, after the node did not
+    answer a call (it may be a new process), and after it refused one (InvalidArgument: its page-count limit
+    may have shrunk).
     """
 
     def __init__(self, settings: ClientSettings, transport: str | None) -> None:
@@ -194,6 +199,7 @@ class ClientCore:
         self._staging = Staging(settings.buffers)
         self.transport = resolve_transport(transport)
         self._node_checked = False  # the node's Stats said it speaks what this client needs (check_node)
+        self._node_pages: int | None = None  # the node's max_pages_per_request, as its Stats last said (None: unsaid)
         self._planes: tuple[DataPlane, ...] | None = None
         self._retry_at: float | None = None  # when to negotiate again after a plane was dropped
         self._retry_wait = PLANE_RETRY_SECONDS
@@ -235,10 +241,8 @@ class ClientCore:
         settled = current is not None and (retry_at is None or time.monotonic() < retry_at)
         if settled and self._node_checked:
             return current
-        stats: pb.StatsResponse = yield Unary("Stats", pb.StatsRequest())
-        check_node(stats, self.settings.target)
-        self._node_checked = True
-        if settled:  # only the node needed checking (transport "grpc")
+        stats = yield from self._check_node()
+        if settled:  # only the node needed checking (transport "grpc", or again after the node failed a call)
             return current
         self._retry_at = None
         known = bool(stats.host_id)  # a node that predates advertising planes sends no host id
@@ -248,6 +252,8 @@ class ClientCore:
         same_host = stats.host_id == host_id() if known else is_loopback(self.settings.target)
         names = choose_planes(self.transport, same_host=same_host, advertised=advertised, client_can=usable_planes())
         planes = tuple(p for n in names if (p := self._make(n, (advertised or {}).get(n))) is not None)
+        for p in planes:
+            p.node_pages = self._node_pages
         if self._planes is current:
             self._planes = planes
             for p in current or ():
@@ -257,6 +263,32 @@ class ClientCore:
             for p in planes:
                 p.close()
         return self._planes  # type: ignore[return-value]
+
+    def _check_node(self) -> Exchange[pb.StatsResponse]:
+        """Read the node's Stats: check that it speaks what this client needs (`check_node`) and learn the page
+        count one of its requests may name (`max_pages_per_request`, 0 from a node that does not say it), which
+        every plane's batches are cut to fit from now on (`DataPlane.call_pages`)."""
+        stats: pb.StatsResponse = yield Unary("Stats", pb.StatsRequest())
+        check_node(stats, self.settings.target)
+        self._node_checked = True
+        self._node_pages = stats.max_pages_per_request or None
+        for p in self._planes or ():
+            p.node_pages = self._node_pages
+        return stats
+
+    def _on_plane(self, plane: DataPlane, call: Callable[[DataPlane], Exchange[T]]) -> Exchange[T]:
+        """`call(plane)`, and once more if the node refused it (InvalidArgument) and its Stats, read again, now
+        say it takes fewer pages per request than the call was cut into (a node restarted with a smaller
+        max_pages_per_request while this client was idle). NOTE: a call's first batch is its largest, so a
+        refused page count is refused there, before anything was stored or returned: the retry repeats nothing."""
+        cut = plane.call_pages
+        try:
+            return (yield from call(plane))
+        except InvalidArgument:
+            yield from self._check_node()
+            if plane.call_pages >= cut:
+                raise
+        return (yield from call(plane))
 
     def _make(self, name: str, info: PlaneInfo | None) -> DataPlane | None:
         """A plane's client side; None when it refuses to open (PlaneUnavailable) and the caller did not
@@ -282,7 +314,12 @@ class ClientCore:
             planes = self._planes or planes
             plane = planes[0]
             try:
-                result = yield from call(plane)
+                result = yield from self._on_plane(plane, call)
+            except Unavailable:
+                # NOTE: a node that did not answer may come back as a new process (another page-count limit):
+                # the next call reads its Stats again before it cuts its batches.
+                self._node_checked = False
+                raise
             except PlaneUnavailable as exc:
                 waited = time.monotonic() - started
                 insisted = self.transport == plane.name

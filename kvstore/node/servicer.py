@@ -61,7 +61,7 @@ class KVStoreServicer:
     """kvstore.v1.KVStore on one node. `planes` is what Stats advertises (filled as planes start)."""
 
     def __init__(self, max_pages: int, planes: list[PlaneInfo]) -> None:
-        self.max_pages = max_pages  # pages one Get may ask for
+        self.max_pages = max_pages  # pages one Put or Get may name (max_pages_per_request; advertised in Stats)
         self.planes = planes
         self.report_budget = ReportBudget()  # pages each caller may have verified by its reports
         # Replication (kvstore/replication), where a layer above the node attached it: what a Replicate does,
@@ -150,6 +150,7 @@ class KVStoreServicer:
         stats = caller.view.stats()
         stats.planes = list(self.planes)
         stats.host_id = host_id()
+        stats.max_pages_per_request = self.max_pages  # NOTE: clients cut their calls to fit (DESIGN.md §8)
         if self.replication is not None and caller.view.tenant == DEFAULT_TENANT:  # node-wide: the operator's
             stats.replication = self.replication()
         return stats_to_pb(stats)

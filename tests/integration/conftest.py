@@ -61,6 +61,20 @@ def kv(node: NodeProcess, request: pytest.FixtureRequest) -> Iterator[KVStoreCli
         yield c
 
 
+def as_older_node(kv: KVStoreClient) -> KVStoreClient:
+    """`kv`, reading the real node's Stats as a node that predates advertising max_pages_per_request sends them
+    (the field absent): the client then cuts its calls by its own pages_per_call alone, as clients did before."""
+    stats = kv._methods["Stats"]
+
+    def older(request: object, **kw: object) -> object:
+        reply = stats(request, **kw)
+        reply.ClearField("max_pages_per_request")
+        return reply
+
+    kv._methods["Stats"] = older
+    return kv
+
+
 class InProcessNode:
     """A node on its own event loop in a thread of this process, so a test can reach its page table (and corrupt
     it as a mapping bug would). Its DRAM holds `dram_slots` slots of `page_bytes` (PAGE by default); every plane but UCX (where

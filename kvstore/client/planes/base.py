@@ -1,6 +1,7 @@
 """The client side of a bulk data plane: Put and Get of page bytes, as exchanges (kvstore/client/exchange.py).
 
-`DataPlane` owns what every plane shares: cutting a call into batches of at most `pages_per_call` pages,
+`DataPlane` owns what every plane shares: cutting a call into batches of at most `call_pages` pages (the
+client's `pages_per_call`, capped at the page count the node accepts in one request: `capped_pages`),
 chaining each batch's first page to the page before it (`PutOpen.batch`), stopping a Get at the first
 batch that came back short (there the stored prefix ended), and what happens when a received page fails
 its checksum (`PageCorrupt` from a batch): the pages before it are returned, the call is a miss from that
@@ -43,6 +44,16 @@ class PutResult:
     held: list[bool] | None = None
 
 
+def capped_pages(pages_per_call: int, node_limit: int | None) -> int:
+    """Pages one batch names: the client's `pages_per_call` (already within its plane's wire limit), capped at
+    `node_limit`, the node's max_pages_per_request as its Stats advertised it (None: not advertised, a node
+    that predates saying it: the client's own size, as before). The one rule for every plane and every bulk
+    call (DESIGN.md §8): a node refuses any request naming more pages than its limit, on every plane."""
+    if node_limit is None or node_limit < 1:
+        return pages_per_call
+    return min(pages_per_call, node_limit)
+
+
 def batches(n: int, size: int) -> list[tuple[int, int]]:
     """[start, end) ranges of at most `size` covering range(n)."""
     return [(i, min(i + size, n)) for i in range(0, n, size)]
@@ -61,8 +72,17 @@ class DataPlane(abc.ABC):
     """
 
     name: str
-    pages_per_call: int
+    pages_per_call: int  # the client's own batch size, within the plane's wire limit
+    # NOTE: the node's max_pages_per_request, set by the client each time it reads the node's Stats (at
+    # negotiation, and again after the node failed a call: it may have restarted with another limit); None until
+    # then, or from a node that does not advertise it. A plain attribute: a batch reads it once as it starts.
+    node_pages: int | None = None
     corrupt_pages: int = 0  # pages that failed their checksum on arrival (each a miss, reported to the node)
+
+    @property
+    def call_pages(self) -> int:
+        """Pages one batch of this plane names now (`capped_pages`)."""
+        return capped_pages(self.pages_per_call, self.node_pages)
 
     # -- one batch: what a plane implements
 
@@ -146,7 +166,7 @@ class DataPlane(abc.ABC):
         self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[list[memoryview]]
     ) -> Exchange[PutResult]:
         """`put` of pages made of regions, one atomic batch per call."""
-        ranges = batches(len(hashes), self.pages_per_call)
+        ranges = batches(len(hashes), self.call_pages)
         return (
             yield from self._puts(
                 op, hashes, ranges, lambda o, a, b: self.put_regions_batch(o, hashes[a:b], pages[a:b])
@@ -166,12 +186,12 @@ class DataPlane(abc.ABC):
         def one(a: int, b: int) -> Exchange[list[PageRef]]:
             return self.get_regions_batch(namespace, hashes[a:b], pages[a:b], promote, a, expect)
 
-        return (yield from self._prefix(namespace, batches(len(hashes), self.pages_per_call), one))
+        return (yield from self._prefix(namespace, batches(len(hashes), self.call_pages), one))
 
     def runs(self, buffers: Sequence[Buffer], writable: bool) -> list[tuple[int, int]]:
         """The batches of a get_into / put_from over `buffers` (already checked by the client); a plane
         whose batches must not cross some boundary of caller memory overrides it."""
-        return batches(len(buffers), self.pages_per_call)
+        return batches(len(buffers), self.call_pages)
 
     def close(self) -> None:
         """Release what the plane holds (segments, connections)."""
@@ -181,7 +201,7 @@ class DataPlane(abc.ABC):
 
     def put(self, op: PutOpen, hashes: Sequence[bytes], pages: Sequence[Buffer]) -> Exchange[PutResult]:
         """Store pages, one atomic batch per call."""
-        ranges = batches(len(hashes), self.pages_per_call)
+        ranges = batches(len(hashes), self.call_pages)
         return (yield from self._puts(op, hashes, ranges, lambda o, a, b: self.put_batch(o, hashes[a:b], pages[a:b])))
 
     def put_from(self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer]) -> Exchange[PutResult]:
@@ -196,7 +216,7 @@ class DataPlane(abc.ABC):
         self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
     ) -> Exchange[list[FetchedPage]]:
         """Pages of the longest stored prefix of `hashes`, in order, verified."""
-        ranges = batches(len(hashes), self.pages_per_call)
+        ranges = batches(len(hashes), self.call_pages)
         return (
             yield from self._prefix(
                 namespace, ranges, lambda a, b: self.get_batch(namespace, hashes[a:b], promote, expect)

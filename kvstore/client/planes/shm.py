@@ -304,7 +304,7 @@ def check_peer(sock: socket.socket, path: str, uid: int) -> None:
 
 class ShmPlane(DataPlane):
     """Pages cross through this client's memory on the node's host. Thread-safe: concurrent calls use
-    different connections. Each PUT of at most `pages_per_call` pages is atomic, like a Put stream."""
+    different connections. Each PUT of at most `call_pages` pages is atomic, like a Put stream."""
 
     name = "shm"
 

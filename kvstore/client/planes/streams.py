@@ -18,7 +18,7 @@ from kvstore.wire.streams import FetchedPage, GetAssembler, layout_to_pb, put_re
 
 
 class GrpcStreams(DataPlane):
-    """Pages travel as <= 1 MiB chunks inside gRPC messages; one stream per batch of `pages_per_call` pages."""
+    """Pages travel as <= 1 MiB chunks inside gRPC messages; one stream per batch of `call_pages` pages."""
 
     name = "grpc"
 

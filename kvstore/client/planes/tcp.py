@@ -323,7 +323,7 @@ _TIERS = {int(t): t for t in TierKind}
 class TcpPlane(DataPlane):
     """Pages travel over this client's pooled connections to the node's advertised TCP plane.
 
-    Thread-safe: concurrent calls use different connections. Each PUT of at most `pages_per_call`
+    Thread-safe: concurrent calls use different connections. Each PUT of at most `call_pages`
     pages is atomic, like a Put stream.
     """
 

@@ -442,7 +442,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., layout: _Optional[_Union[PageLayout, _Mapping]] = ..., pages: _Optional[int] = ..., page_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form", "corrupt_unconfirmed", "corrupt_unchecked", "retention", "replication")
+    __slots__ = ("node_id", "uptime_seconds", "max_page_bytes", "tiers", "namespaces", "lookups", "lookup_blocks", "lookup_matched", "prefetch_issued", "prefetch_completed", "pinned_pages", "put_rejected", "version", "index", "prefetch_used", "prefetch_wasted", "planes", "host_id", "tenants", "corrupt_reports", "corrupt_confirmed", "scrubbed_bytes", "kv_events", "checksum_form", "corrupt_unconfirmed", "corrupt_unchecked", "retention", "replication", "max_pages_per_request")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +471,7 @@ class StatsResponse(_message.Message):
     CORRUPT_UNCHECKED_FIELD_NUMBER: _ClassVar[int]
     RETENTION_FIELD_NUMBER: _ClassVar[int]
     REPLICATION_FIELD_NUMBER: _ClassVar[int]
+    MAX_PAGES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     uptime_seconds: float
     max_page_bytes: int
@@ -499,7 +500,8 @@ class StatsResponse(_message.Message):
     corrupt_unchecked: int
     retention: RetentionStats
     replication: ReplicationStats
-    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., corrupt_unconfirmed: _Optional[int] = ..., corrupt_unchecked: _Optional[int] = ..., retention: _Optional[_Union[RetentionStats, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStats, _Mapping]] = ...) -> None: ...
+    max_pages_per_request: int
+    def __init__(self, node_id: _Optional[str] = ..., uptime_seconds: _Optional[float] = ..., max_page_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., lookups: _Optional[int] = ..., lookup_blocks: _Optional[int] = ..., lookup_matched: _Optional[int] = ..., prefetch_issued: _Optional[int] = ..., prefetch_completed: _Optional[int] = ..., pinned_pages: _Optional[int] = ..., put_rejected: _Optional[int] = ..., version: _Optional[str] = ..., index: _Optional[_Union[IndexStats, _Mapping]] = ..., prefetch_used: _Optional[int] = ..., prefetch_wasted: _Optional[int] = ..., planes: _Optional[_Iterable[_Union[DataPlaneInfo, _Mapping]]] = ..., host_id: _Optional[str] = ..., tenants: _Optional[_Iterable[_Union[TenantStats, _Mapping]]] = ..., corrupt_reports: _Optional[int] = ..., corrupt_confirmed: _Optional[int] = ..., scrubbed_bytes: _Optional[int] = ..., kv_events: _Optional[_Union[KvEventsStats, _Mapping]] = ..., checksum_form: _Optional[_Union[ChecksumForm, str]] = ..., corrupt_unconfirmed: _Optional[int] = ..., corrupt_unchecked: _Optional[int] = ..., retention: _Optional[_Union[RetentionStats, _Mapping]] = ..., replication: _Optional[_Union[ReplicationStats, _Mapping]] = ..., max_pages_per_request: _Optional[int] = ...) -> None: ...
 
 class ReplicateRequest(_message.Message):
     __slots__ = ("namespace", "hashes", "source", "layout", "replicas")
