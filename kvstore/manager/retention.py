@@ -25,7 +25,8 @@ on the Put path.
 
 A call's types and the checks of its fields: retention_types.py.
 
-Invariants (checked by tests/unit/test_retention.py):
+Invariants (`Retention.check` raises naming the first that does not hold; tests/unit/test_retention.py calls it
+after every call):
 - `_held[k]` exists iff page k is stored and retained; then its entry's `hold_from` is 0 (HOLD) or the slowest
   tier's (DEMOTE), the strongest mode among its live namers, else it is UNRETAINED;
 - per tenant, `total` equals the number of its retained pages, `by_tier[t]` those in tier t, `held_in[t]` its
@@ -273,6 +274,44 @@ class Retention:
                 out.tiers.append(TierRetention(kind, by_tier.get(kind, 0), held_in.get(kind, 0), hold_cap))
         out.cap_pages = caps.total if caps is not None else 0
         return out
+
+    def check(self) -> None:
+        """AssertionError naming the first of the module docstring's invariants that does not hold (tests and a
+        debugging operator call it; O(pages retained + pages named))."""
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise AssertionError(f"retention invariant: {what}")
+
+        for e in self.table:
+            mode = self._held.get(e.key)
+            if mode is None:
+                need(e.hold_from == UNRETAINED, f"{e.key} is not retained but holds from {e.hold_from}")
+            else:
+                need(e.hold_from == self._hold_from(mode), f"{e.key} holds from {e.hold_from}, not as {mode.name}")
+                need(mode is self._strongest(self.named.get(e.key, [])), f"{e.key}: not its namers' strongest mode")
+        for k in self._held:
+            need(k in self.table and k in self.named, f"{k} is retained but not stored or not named")
+        for k, namers in self.named.items():
+            need(bool(namers), f"{k} is named by no session")
+            for s in namers:
+                need(self.tenants[s.tenant].sessions.get(s.name) is s and k in s.keys, f"{k}: stale namer {s.name}")
+        deadlines = {(d, id(x)) for d, _, x in self._heap}
+        for tenant, tr in self.tenants.items():
+            mine = [e for k in self._held if tenant_of(k[0]) == tenant and (e := self.table.get(k)) is not None]
+            by_tier, held_in = {}, {}
+            for e in mine:
+                by_tier[e.tier] = by_tier.get(e.tier, 0) + 1
+                if self._held[e.key] is RetainMode.HOLD:
+                    held_in[e.tier] = held_in.get(e.tier, 0) + 1
+            need(tr.total == len(mine) and tr.by_tier == by_tier and tr.held_in == held_in, f"{tenant}'s counts")
+            need(tr.named == sum(len(s.keys) for s in tr.sessions.values()), f"{tenant}'s named keys")
+            for s in tr.sessions.values():
+                stored = [k for k in s.keys if k in self.table]
+                need(s.held == sum(1 for k in stored if k in self._held), f"session {s.name}: held")
+                need(s.unheld == len(stored) - s.held and s.pending == len(s.keys) - len(stored), f"{s.name}: counts")
+                need((s.deadline, id(s)) in deadlines, f"session {s.name} has no expiry entry at its deadline")
+        need(self._live == sum(len(tr.sessions) for tr in self.tenants.values()), "the live session count")
 
     # ------------------------------------------------------------------ internals
 
