@@ -23,7 +23,7 @@ import pytest
 
 from kvstore.cli.launch import NodeProcess
 from kvstore.client import AsyncKVStoreClient, KVStoreClient
-from kvstore.client.planes import shm as shm_plane
+from kvstore.client.planes import shm_conn
 from kvstore.errors import KVStoreError
 from kvstore.names import TierKind
 from kvstore.wire.ucx import ucxx_installed
@@ -171,4 +171,4 @@ def test_a_hung_node_keeps_the_memory_it_was_lent_until_it_lets_go(tmp_path: Pat
             while pool.free_bytes < free_before and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert pool.free_bytes >= free_before  # the node let go: the quarantine gave them back
-            assert not shm_plane.QUARANTINE.written_off
+            assert not shm_conn.QUARANTINE.written_off
