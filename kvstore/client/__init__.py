@@ -12,7 +12,8 @@ one core (core.py: every operation written once, as exchanges), plus the gRPC pl
         kv.resume_session("conv-42")                             # its next turn: back to DRAM
 """
 
-from kvstore.client.clients import AsyncKVStoreClient, KVStoreClient
+from kvstore.client.aio import AsyncKVStoreClient
+from kvstore.client.clients import KVStoreClient
 from kvstore.client.core import DEFAULT_PAGES_PER_CALL, PinResult, PutResult, ReplicateResult
 from kvstore.client.planes.choice import TRANSPORTS
 from kvstore.client.planes.segments import SharedBuffer
