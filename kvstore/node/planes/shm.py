@@ -348,7 +348,7 @@ class _Connection:
                 put = pb.BulkPutRequest.FromString(bytes(body))
                 reply = await requests.put(self._caller("Put"), self.cfg, self.buffers, put)
             elif kind is Kind.PUT_SUMS:
-                reply = await requests.put_sums(self._caller, self.cfg, self.buffers, self.sums, seq, body)
+                reply = await requests.put_sums(self._caller, self.cfg, self.buffers, seq, body, sums=self.sums)
             elif kind is Kind.GET:
                 get = pb.BulkGetRequest.FromString(bytes(body))
                 reply = await requests.get(self._caller("Get"), self.cfg, self.buffers, get)

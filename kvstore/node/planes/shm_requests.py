@@ -67,7 +67,13 @@ def buffer_of(buffers: Buffers, buf_id: int, field: str) -> MappedBuffer:
 
 
 async def put_sums(
-    authenticate: Callable[[str], Caller], cfg: NodeConfig, buffers: Buffers, sums: SumsWait, seq: int, body: memoryview
+    authenticate: Callable[[str], Caller],
+    cfg: NodeConfig,
+    buffers: Buffers,
+    seq: int,
+    body: memoryview,
+    *,
+    sums: SumsWait,
 ) -> bytes:
     """A PUT whose checksums follow in a SUMS message: the pages are copied and hashed as they come, and
     the transaction publishes none before the SUMS came and matched (manager/put.py: DeclaredLater). The
