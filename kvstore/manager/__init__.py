@@ -9,6 +9,8 @@ durable copies on NVMe. `TierManager` (core.py) is the entry point; see each mod
     reads.py      leases, verified reads, read-ahead
     prefetch.py   background promotions
     io.py         the blocking-I/O pool
+    pins.py       pins and pin leases (Pin, Unpin, the sweep of passed deadlines)
+    snapshot.py   the Stats snapshot of the tiers, namespaces and counters
     core.py       TierManager: wires the parts, answers requests, reports stats
 """
 

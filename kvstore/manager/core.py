@@ -13,17 +13,16 @@ Invariants (each part's docstring states its own):
 - every read verifies the payload checksum; a mismatch is counted, the page is dropped, the read is a
   miss — Reader, Mover;
 - a deleted page never comes back after a restart — DurableCopies.
+
+Pins and their leases are pins.py (`Pins`), the Stats snapshot snapshot.py (`node_stats`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from dataclasses import asdict
 from typing import Any
 
 from kvstore.config import NodeConfig
@@ -33,6 +32,7 @@ from kvstore.manager.durable import DurableCopies
 from kvstore.manager.io import IoPool
 from kvstore.manager.ledger import TenantLedger
 from kvstore.manager.moves import Mover
+from kvstore.manager.pins import Pins
 from kvstore.manager.placement import Placement
 from kvstore.manager.prefetch import Prefetcher
 from kvstore.manager.put import PutTxn, Staging, WriteThrough
@@ -40,6 +40,7 @@ from kvstore.manager.quotas import TenantQuotas
 from kvstore.manager.reads import Reader, ReadLease
 from kvstore.manager.retention import RetainCall, RetainCaps, Retention
 from kvstore.manager.scrub import Scrubber
+from kvstore.manager.snapshot import node_stats
 from kvstore.manager.state import (
     ChangeListener,
     Entry,
@@ -61,8 +62,6 @@ from kvstore.stats import (
     ReportResult,
     RetainResult,
     TierFetch,
-    TierStats,
-    copy_counters,
 )
 from kvstore.tiers.base import Absent, Medium
 from kvstore.tiers.dram import BouncePool, DramMedium
@@ -157,7 +156,7 @@ class TierManager:
         self.retention = Retention(self.table, self.retain_caps, max(MAX_HASHES, slots))
         self.table.listeners.append(self.retention.on_change)
         self.mover.reserve_promotion = self.retention.reserve_promotion
-        self._ttl_pins: list[tuple[float, Key]] = []
+        self.pins = Pins(self.table, self.placement)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
         self.index_status: Callable[[], IndexStatus] | None = None  # IndexPublisher.status when publishing
@@ -354,43 +353,12 @@ class TierManager:
         return deleted, not_found, busy
 
     def pin(self, namespace: str, hashes: list[bytes], ttl_seconds: float = 0.0) -> tuple[int, int]:
-        """Pin pages in place; returns (pinned, not_found)."""
-        self.layout_of(namespace)
-        check_hashes(hashes, "hashes", MAX_HASHES)
-        if not (math.isfinite(ttl_seconds) and ttl_seconds >= 0):  # NaN compares false both ways
-            raise InvalidArgument("ttl_seconds", f"must be a finite number >= 0, got {ttl_seconds}")
-        pinned = not_found = 0
-        deadline = time.monotonic() + ttl_seconds
-        for h in hashes:
-            entry = self.table.get((namespace, h))
-            if entry is None:
-                not_found += 1
-                continue
-            if ttl_seconds > 0:
-                entry.pin_deadlines.append(deadline)
-                heapq.heappush(self._ttl_pins, (deadline, entry.key))
-            else:
-                entry.pins += 1
-            pinned += 1
-        return pinned, not_found
+        """Pin pages in place; returns (pinned, not_found) (pins.py)."""
+        return self.pins.pin(namespace, hashes, ttl_seconds)
 
     def unpin(self, namespace: str, hashes: list[bytes]) -> tuple[int, int]:
-        """Release one pin per hash (an untimed pin first, else the soonest-expiring lease)."""
-        self.layout_of(namespace)
-        check_hashes(hashes, "hashes", MAX_HASHES)
-        unpinned = not_pinned = 0
-        for h in hashes:
-            entry = self.table.get((namespace, h))
-            if entry is not None and entry.pins > 0:
-                entry.pins -= 1
-                unpinned += 1
-            elif entry is not None and entry.pin_deadlines:
-                entry.pin_deadlines.remove(min(entry.pin_deadlines))
-                unpinned += 1
-            else:
-                not_pinned += 1
-        self.placement.space_changed()
-        return unpinned, not_pinned
+        """Release one pin per hash (an untimed pin first, else the soonest-expiring lease; pins.py)."""
+        return self.pins.unpin(namespace, hashes)
 
     def retain_caps(self, tenant: str) -> RetainCaps:
         """A tenant's retention caps (DESIGN.md §6.5): `retain_fraction` of its bytes of the slowest tier (its
@@ -447,16 +415,7 @@ class TierManager:
 
     def expire_pins(self, now: float) -> int:
         """Drop pin leases whose deadline passed; returns how many expired."""
-        expired = 0
-        while self._ttl_pins and self._ttl_pins[0][0] <= now:
-            deadline, key = heapq.heappop(self._ttl_pins)
-            entry = self.table.get(key)
-            if entry is not None and deadline in entry.pin_deadlines:
-                entry.pin_deadlines.remove(deadline)
-                expired += 1
-        if expired:
-            self.placement.space_changed()
-        return expired
+        return self.pins.expire(now)
 
     def prefetch(self, namespace: str, hashes: list[bytes], target: TierKind = TierKind.DRAM) -> tuple[int, int, int]:
         """Start background promotions toward `target`; returns (scheduled, already_resident, missing)."""
@@ -489,34 +448,14 @@ class TierManager:
         return where
 
     def stats(self) -> NodeStats:
-        tiers = []
-        for kind, t in self.table.tiers.items():
-            tiers.append(
-                TierStats(
-                    tier=kind,
-                    available=t.available,
-                    detail=t.medium.detail,
-                    capacity_bytes=t.alloc.capacity_bytes if t.available else 0,
-                    used_bytes=t.used_bytes,
-                    slot_bytes=t.medium.chunk_bytes,
-                    slots_total=t.slots_total if t.available else 0,
-                    slots_used=t.alloc.used_count,
-                    pages=t.pages,
-                    counters=copy_counters(t.counters),
-                )
-            )
-        table = self.table
-        namespaces = [(ns, layout, table.ns_pages.get(ns, 0)) for ns, layout in sorted(table.layouts.items())]
-        return NodeStats(
-            node_id=self.config.node_id,
-            uptime_seconds=time.monotonic() - self._started,
-            max_page_bytes=self.config.max_page_bytes,
-            tiers=tiers,
-            namespaces=namespaces,
-            pinned_pages=sum(1 for e in table if e.pinned),
-            **asdict(self.counters),  # every node-wide counter is a NodeStats field of the same name
-            index=self.index_status() if self.index_status is not None else None,
-            tenants=self.tenants.snapshot(self.retention.snapshot),
-            kv_events=self.kv_events_status() if self.kv_events_status is not None else None,
-            retention=self.retention.snapshot(),
+        """The node's Stats snapshot (snapshot.py)."""
+        return node_stats(
+            self.table,
+            config=self.config,
+            counters=self.counters,
+            started=self._started,
+            tenants=self.tenants,
+            retention=self.retention,
+            index_status=self.index_status,
+            kv_events_status=self.kv_events_status,
         )

@@ -1,5 +1,6 @@
-"""The node's same-host GET cuts a target's window only when its page is reached (kvstore/node/planes/shm.py):
-a Get whose stored prefix ends early pays for no window past it, and every window cut is released."""
+"""The node's same-host GET cuts a target's window only when its page is reached
+(kvstore/node/planes/shm_requests.py): a Get whose stored prefix ends early pays for no window past it, and
+every window cut is released."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import os
 
 import pytest
 
-from kvstore.node.planes.shm import _Windows
 from kvstore.node.planes.shm_memory import MappedBuffer
+from kvstore.node.planes.shm_requests import _Windows
 from kvstore.wire import shm
 
 pytestmark = pytest.mark.skipif(not shm.shm_available(), reason="needs memfd_create")

@@ -1,5 +1,8 @@
 """The node side of the same-host plane: a Unix socket on the node's loop, one task per connection, and the
-client memory each connection registered (protocol: kvstore/wire/shm.py).
+client memory each connection registered (protocol: kvstore/wire/shm.py). This module is the listener and each
+connection's state machine (HELLO, then one request at a time, watching the socket for a hang-up); the
+requests themselves are shm_requests.py, and a PUT_SUMS's checksums, read while its pages are copied,
+shm_sums.py.
 
 Every PUT and GET runs the node's put and get drivers (kvstore/node/drivers.py): a PUT copies each page from
 the client's registered memory into its slot (one memcpy; the transaction checksums the slot), a GET has the
@@ -29,31 +32,29 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import socket
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any
 
 from google.protobuf.message import DecodeError
 
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
-from kvstore.errors import InvalidArgument, KVStoreError, ResourceExhausted, Unauthenticated, Unavailable
-from kvstore.manager.put import Declared, DeclaredLater
+from kvstore.errors import KVStoreError, Unauthenticated, Unavailable
 from kvstore.node.callers import Caller
-from kvstore.node.drivers import PageHead, answer_page_size, check_page_count, check_target_count, drive_put, open_get
+from kvstore.node.drivers import answer_page_size
+from kvstore.node.planes import shm_requests as requests
 from kvstore.node.planes.base import NodeServices, PlaneServer, accept_forever
 from kvstore.node.planes.shm_limits import Holder, ShmLimits
-from kvstore.node.planes.shm_memory import MappedBuffer, usable_size
+from kvstore.node.planes.shm_memory import MappedBuffer
 from kvstore.node.planes.shm_socket import BoundSocket, bind_node_socket
-from kvstore.pageformat import copy_checksum_dest, in_form
+from kvstore.node.planes.shm_sums import SumsWait
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.security import AUTH_HEADER, Role
 from kvstore.stats import PlaneInfo
-from kvstore.wire import pack_held, shm
+from kvstore.wire import shm
 from kvstore.wire.shm import Kind, ProtocolError
-from kvstore.wire.streams import checksum_form_from_pb, layout_from_pb, put_open_from_pb
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +154,7 @@ class _Connection:
         self._waiter: asyncio.Future[None] | None = None  # set while waiting for the next message
         self._request: asyncio.Task[Any] | None = None  # the task running a request (cancelled on a hang-up)
         self._hung_up = False
-        # A PUT_SUMS in progress: the checksums its SUMS message brings (kvstore/wire/shm.py), its seq and pages.
-        self._sums: asyncio.Future[Sequence[int]] | None = None
-        self._sums_seq = 0
-        self._sums_pages = 0
-        self._late_sums: int | None = None  # the seq of a PUT_SUMS answered before its SUMS came (dropped)
+        self.sums = SumsWait(self.loop, self.cfg.shm_idle_seconds)  # a PUT_SUMS's SUMS (shm_sums.py)
 
     async def recv(self) -> tuple[bytes, list[int]]:
         """The next message and any descriptors with it; EOF is (b"", [])."""
@@ -190,7 +187,7 @@ class _Connection:
                 self._waiter.set_result(None)
             return
         if self._request is not None:
-            if self._sums is not None and not self._sums.done():
+            if self.sums.expecting:
                 self._take_sums()
                 return  # NOTE: still watching: the hang-up of a client giving up may follow
             try:
@@ -207,9 +204,9 @@ class _Connection:
         self._unwatch()
 
     def _take_sums(self) -> None:
-        """Read the SUMS message a PUT_SUMS in progress waits for into `_sums` (anything else fails it: the
-        connection is out of protocol); a hang-up cancels the request."""
-        assert self._sums is not None and self._request is not None
+        """Read the message that came during a PUT_SUMS and hand it to `sums` (its SUMS, or anything else,
+        which fails it: the connection is out of protocol); a hang-up cancels the request."""
+        assert self._request is not None
         try:
             msg, fds = recv_fds(self.sock, shm.MAX_MESSAGE_BYTES)
         except BlockingIOError:
@@ -223,14 +220,7 @@ class _Connection:
             self._request.cancel()
             self._unwatch()
             return
-        try:
-            kind, seq, body = shm.unframe(msg)
-            if kind is not Kind.SUMS or seq != self._sums_seq:
-                raise ProtocolError(f"a PUT_SUMS (request {self._sums_seq}) is followed by its SUMS, not {kind.name} "
-                                    f"(request {seq})")  # fmt: skip
-            self._sums.set_result(shm.parse_sums(body, self._sums_pages))
-        except ProtocolError as exc:
-            self._sums.set_exception(exc)
+        self.sums.take(msg)
 
     async def send(self, kind: Kind, seq: int, body: bytes = b"") -> None:
         await self.loop.sock_sendall(self.sock, shm.frame(kind, seq, body))
@@ -252,9 +242,8 @@ class _Connection:
                     return
                 try:
                     kind, seq, body = shm.unframe(msg)
-                    if kind is Kind.SUMS and seq == self._late_sums:
-                        self._late_sums = None  # its PUT_SUMS was answered (refused) before it came
-                        continue
+                    if self.sums.is_late(kind, seq):
+                        continue  # its PUT_SUMS was answered (refused) before it came
                     if not await self._watched(self._handle(kind, seq, body, fds)):
                         return  # the client hung up mid-request: closing now tells it its memory is free
                 finally:
@@ -349,16 +338,20 @@ class _Connection:
     async def _handle(self, kind: Kind, seq: int, body: memoryview, fds: list[int]) -> None:
         try:
             if kind is Kind.REGISTER:
-                self._register(body, fds)
+                self._caller("Get")  # any valid token may register memory: readers need it for get_into
+                assert self.holder is not None  # admitted at HELLO
+                requests.register(self.buffers, self.server.limits, self.holder, body, fds)
                 reply = b""
-            elif kind is Kind.LAYOUT:
-                reply = self._layout(body)
+            elif kind is Kind.LAYOUT:  # the page size a GET's targets need: the first step of a plain get
+                reply = answer_page_size(self._caller("Get"), body)
             elif kind is Kind.PUT:
-                reply = await self._put(pb.BulkPutRequest.FromString(bytes(body)))
+                put = pb.BulkPutRequest.FromString(bytes(body))
+                reply = await requests.put(self._caller("Put"), self.cfg, self.buffers, put)
             elif kind is Kind.PUT_SUMS:
-                reply = await self._put_sums(seq, body)
+                reply = await requests.put_sums(self._caller, self.cfg, self.buffers, seq, body, sums=self.sums)
             elif kind is Kind.GET:
-                reply = await self._get(pb.BulkGetRequest.FromString(bytes(body)))
+                get = pb.BulkGetRequest.FromString(bytes(body))
+                reply = await requests.get(self._caller("Get"), self.cfg, self.buffers, get)
             else:
                 raise ProtocolError(f"{kind.name} is not a request")
         except DecodeError as exc:
@@ -370,193 +363,3 @@ class _Connection:
             await self.send(Kind.ERROR, seq, shm.error_body(exc.status_name, str(exc)))
             return
         await self.send(Kind.OK, seq, reply)
-
-    def _register(self, body: memoryview, fds: list[int]) -> None:
-        self._caller("Get")  # any valid token may register memory: readers need it for get_into
-        if len(body) != shm.REGISTER.size or len(fds) != 1:
-            raise InvalidArgument("register", "a REGISTER carries a buffer id and exactly one descriptor")
-        (buf_id,) = shm.REGISTER.unpack(body)
-        if buf_id in self.buffers:
-            raise InvalidArgument("register", f"buffer {buf_id} is registered already on this connection")
-        if len(self.buffers) >= shm.MAX_BUFFERS:
-            raise ResourceExhausted(f"register: a connection registers at most {shm.MAX_BUFFERS} buffers")
-        size = usable_size(fds[0])
-        limits, holder = self.server.limits, self.holder
-        assert holder is not None  # admitted at HELLO
-        refusal = limits.buffers.refusal(holder) or limits.mapped.refusal(holder, size)
-        if refusal is not None:
-            raise ResourceExhausted(f"register: {refusal}")
-        buf = MappedBuffer(fds[0], size)  # keeps no descriptor: the caller's is closed after this request
-        limits.buffers.take(holder)
-        limits.mapped.take(holder, size)
-        self.buffers[buf_id] = buf
-
-    def _layout(self, body: memoryview) -> bytes:
-        """The page size a GET's targets need: the first step of a plain get (drivers.answer_page_size)."""
-        return answer_page_size(self._caller("Get"), body)
-
-    def _buffer(self, buf_id: int, field: str) -> MappedBuffer:
-        buf = self.buffers.get(buf_id)
-        if buf is None:
-            raise InvalidArgument(field, f"buffer {buf_id} is not registered on this connection")
-        return buf
-
-    async def _put_sums(self, seq: int, body: memoryview) -> bytes:
-        """A PUT whose checksums follow in a SUMS message: the pages are copied and hashed as they come, and
-        the transaction publishes none before the SUMS came and matched (manager/put.py: DeclaredLater). The
-        SUMS is read by `_on_readable`, within shm_idle_seconds, else the Put fails."""
-        self._late_sums = seq  # until its SUMS is read: one answered before it comes drops it when it comes
-        req = pb.BulkPutRequest.FromString(bytes(body))
-        self._sums = sums = self.loop.create_future()
-        self._sums_seq, self._sums_pages = seq, len(req.pages)
-        timer = self.loop.call_later(self.cfg.shm_idle_seconds, self._sums_overdue, sums)
-        try:
-            for i, p in enumerate(req.pages):
-                if p.checksum:
-                    raise InvalidArgument(f"pages[{i}].checksum", "a PUT_SUMS declares its checksums in its SUMS")
-            return await self._put(req, sums)
-        finally:
-            timer.cancel()
-            self._sums = None
-            if not sums.done():
-                sums.cancel()
-            else:
-                self._late_sums = None
-                if not sums.cancelled():
-                    sums.exception()  # NOTE: retrieved: a failed SUMS no Put waited for is no "never retrieved"
-
-    def _sums_overdue(self, sums: asyncio.Future[Sequence[int]]) -> None:
-        if not sums.done():
-            sums.set_exception(
-                ProtocolError(f"no SUMS came for a PUT_SUMS within {self.cfg.shm_idle_seconds:g} s (shm_idle_seconds)")
-            )
-
-    async def _put(self, req: pb.BulkPutRequest, sums: asyncio.Future[Sequence[int]] | None = None) -> bytes:
-        caller = self._caller("Put")
-        if not req.HasField("open"):
-            raise InvalidArgument("open", "a PUT needs `open` (namespace and layout)")
-        check_page_count(len(req.pages), self.cfg, "pages", put=True, wire_limit=shm.MAX_PAGES_PER_CALL)
-        slices = list(req.pages)
-        places = []
-        for i, p in enumerate(slices):  # every slice checked first: a bad one leaves the node unchanged
-            buf = self._buffer(p.buffer, f"pages[{i}].buffer")
-            buf.check(p.offset, p.payload_bytes, f"pages[{i}]")
-            places.append((buf, p.offset))
-        op = put_open_from_pb(req.open)
-        with _using(b for b, _ in places):
-            done = await drive_put(lambda: (caller, op), _heads(slices, sums), _BufferPages(places), drain=False)
-        return pb.PutResponse(
-            stored=done.stored, already_present=done.present, held=pack_held(done.held)
-        ).SerializeToString()
-
-    async def _get(self, req: pb.BulkGetRequest) -> bytes:
-        caller = self._caller("Get")
-        form = checksum_form_from_pb(req.checksum_form, "checksum_form")
-        check_page_count(len(req.hashes), self.cfg, "hashes", put=False, wire_limit=shm.MAX_PAGES_PER_CALL)
-        check_target_count(len(req.targets), len(req.hashes))
-        hashes = list(req.hashes)
-        page_bytes = caller.view.layout_of(req.namespace).page_bytes
-        expect = layout_from_pb(req.layout, "layout") if req.HasField("layout") else None
-        # NOTE: the targets' fields read once into tuples: a protobuf field read costs more than the check itself
-        targets = [(t.buffer, t.offset, t.size) for t in req.targets]
-        bufs = [self._buffer(t[0], f"targets[{i}].buffer") for i, t in enumerate(targets)]
-        check_targets(targets, bufs, page_bytes)
-        out = pb.BulkGetResponse()
-        with _using(set(bufs)):
-            # NOTE: a window is cut when its page is reached: a Get whose stored prefix ends early (a probe of
-            # many keys, the first one missing) costs no window per hash.
-            windows = _Windows(bufs, targets, page_bytes)
-            promote = not req.no_promote
-            try:
-                async with open_get(
-                    caller, req.namespace, hashes, promote, into=windows, receiver_verifies=False, expect=expect
-                ) as ls:
-                    async for lease in ls:
-                        buf_id, offset, _ = targets[len(out.pages)]
-                        out.pages.add(
-                            hash=lease.hash,
-                            offset=offset,
-                            payload_bytes=len(lease.payload),
-                            checksum=in_form(lease.checksum, form, req.namespace, lease.hash),
-                            tier=int(lease.tier),
-                            buffer=buf_id,
-                        )
-            finally:
-                windows.release()
-        return out.SerializeToString()
-
-
-Target = tuple[int, int, int]  # a GET target's (buffer id, offset, size)
-
-
-class _Windows(Sequence[memoryview]):
-    """The windows of a GET's targets, each cut from its buffer on first use; `release` releases those cut."""
-
-    def __init__(self, bufs: Sequence[MappedBuffer], targets: Sequence[Target], page_bytes: int) -> None:
-        self._bufs, self._targets, self._page_bytes = bufs, targets, page_bytes
-        self._cut: dict[int, memoryview] = {}
-
-    def __len__(self) -> int:
-        return len(self._bufs)
-
-    def __getitem__(self, i: int) -> memoryview:  # type: ignore[override]  # NOTE: by index only
-        w = self._cut.get(i)
-        if w is None:
-            w = self._cut[i] = self._bufs[i].window(self._targets[i][1], self._page_bytes)
-        return w
-
-    def release(self) -> None:
-        for w in self._cut.values():
-            w.release()
-        self._cut.clear()
-
-
-def check_targets(targets: Sequence[Target], bufs: Sequence[MappedBuffer], page_bytes: int) -> None:
-    """Every target inside its buffer, a page long at least, overlapping no other target of the same buffer;
-    InvalidArgument naming `targets[i]` otherwise (checked before anything is read or written)."""
-    for i, ((_, offset, size), b) in enumerate(zip(targets, bufs, strict=True)):
-        b.check(offset, size, f"targets[{i}]")
-        if size < page_bytes:
-            raise InvalidArgument(f"targets[{i}]", f"{size} bytes cannot hold a page of this namespace: {page_bytes}")
-    order = sorted(range(len(targets)), key=lambda i: targets[i][:2])
-    for prev, cur in itertools.pairwise(order):
-        a, b = targets[prev], targets[cur]
-        if a[0] == b[0] and a[1] + page_bytes > b[1]:
-            raise InvalidArgument(f"targets[{max(prev, cur)}]", f"overlaps targets[{min(prev, cur)}]")
-
-
-@contextlib.contextmanager
-def _using(bufs: object) -> object:
-    """Hold `bufs` (an iterable of MappedBuffer) mapped for the block."""
-    held = list(bufs)  # type: ignore[call-overload]
-    for b in held:
-        b.users += 1
-    try:
-        yield
-    finally:
-        for b in held:
-            b.release()
-
-
-async def _heads(slices: Sequence[pb.BulkPage], sums: asyncio.Future[Sequence[int]] | None) -> AsyncIterator[PageHead]:
-    for i, p in enumerate(slices):
-        declared: Declared = p.checksum if sums is None else DeclaredLater(sums, i)
-        yield PageHead(p.hash, p.payload_bytes, declared)
-
-
-class _BufferPages:
-    """The put driver's page bytes: each slice of a registered buffer (bounds checked before), copied into its
-    slot and hashed out of the slot in the same pass (pageformat.copy_checksum_dest: the checksum is of the
-    bytes that landed, whatever the client's memory holds by then), on the loop as before: the driver fills
-    one page at a time."""
-
-    def __init__(self, places: list[tuple[MappedBuffer, int]]) -> None:
-        self.places = places
-
-    async def read_into(self, index: int, view: memoryview) -> int | None:
-        buf, offset = self.places[index]
-        with buf.window(offset, len(view)) as src:
-            return copy_checksum_dest(src, view)
-
-    async def discard(self, index: int, nbytes: int) -> None:
-        return None  # nothing to receive: the bytes stay in the caller's memory
