@@ -154,7 +154,7 @@ def test_the_kv_events_curve_setup_works_as_written(tmp_path: Path, monkeypatch:
     import sys
 
     import zmq
-    import zmq.auth  # the README lines call zmq.auth.load_certificate
+    import zmq.auth  # noqa: F401  # the README lines call zmq.auth.load_certificate (the submodule loaded)
 
     from kvstore.config import check_events_access
     from kvstore.node.kv_events import read_subscribers_file
