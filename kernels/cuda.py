@@ -199,6 +199,7 @@ class _Launcher:
         grid: tuple[int, ...],
         block: tuple[int, ...],
         args: Sequence[Any],
+        *,
         shared_mem: int = 0,
     ) -> None:
         kernel = _kernel(filename, name, self.index)
@@ -221,8 +222,8 @@ def paged_attention_decode(  # noqa: PLR0913
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
     *,
+    scale: float,
     max_seq_len: int,
     partition_size: int | None,
     heads_per_block: int | None = None,

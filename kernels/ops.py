@@ -71,7 +71,7 @@ class NonFiniteKV(ValueError):
     prompt's hash, served as a hit to every later request with that prefix. Non-finite KV is the engine's
     own fault (its raw pages are what it computed); the cache refuses to spread it."""
 
-    def __init__(self, what: str, page: int, layer: int, kv: int, head: int, why: str) -> None:
+    def __init__(self, what: str, page: int, layer: int, kv: int, head: int, *, why: str) -> None:
         self.page, self.layer, self.kv, self.head = page, layer, kv, head
         super().__init__(f"{what}[{page}] layer {layer} {'KV'[kv]} kv head {head}: {why}")
 
@@ -83,7 +83,7 @@ def check_fp8_scales(what: str, scales: torch.Tensor, why: str) -> None:
     if not bool(bad.any()):
         return
     page, layer, kv, head = (int(i) for i in bad.nonzero()[0])
-    raise NonFiniteKV(what, page, layer, kv, head, f"{why} (scale {float(scales[page, layer, kv, head])})")
+    raise NonFiniteKV(what, page, layer, kv, head, why=f"{why} (scale {float(scales[page, layer, kv, head])})")
 
 
 # ---------------------------------------------------------------------------------------- checking
@@ -165,8 +165,8 @@ def paged_attention_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
     *,
+    scale: float,
     partition_size: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
@@ -224,7 +224,7 @@ def paged_attention_decode(
     if device.type == "cpu":
         _check_seq_lens_and_tables(seq_lens, block_tables, block_size, num_blocks, max_seq_len)
         return reference.paged_attention_decode(
-            query, key_cache, value_cache, block_tables, seq_lens, float(scale), partition_size=partition_size
+            query, key_cache, value_cache, block_tables, seq_lens, scale=float(scale), partition_size=partition_size
         )
 
     if head_dim not in planning.SUPPORTED_HEAD_DIMS:
@@ -245,7 +245,7 @@ def paged_attention_decode(
         value_cache,
         block_tables,
         seq_lens,
-        float(scale),
+        scale=float(scale),
         max_seq_len=max_seq_len or 0,
         partition_size=partition_size,
     )

@@ -35,8 +35,8 @@ def paged_attention_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
-    scale: float,
     *,
+    scale: float,
     partition_size: int | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V per sequence over its first seq_lens[s] cached tokens.

@@ -437,7 +437,7 @@ class PagedLlama:
                 self.cache.value_caches[layer],
                 block_tables,
                 seq_lens,
-                self._scale,
+                scale=self._scale,
                 max_seq_len=max_len,  # known on the host: spares the CUDA path a device sync
             )
 

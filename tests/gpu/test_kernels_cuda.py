@@ -61,8 +61,8 @@ def test_decode_matches_reference(dtype: torch.dtype, head_dim: int, group: int,
         dtype=dtype,
         seed=head_dim + group,
     )
-    expected = reference.paged_attention_decode(*case.args())
-    got = kernels.paged_attention_decode(*case.to(DEVICE).args())
+    expected = reference.paged_attention_decode(*case.args(), scale=case.scale)
+    got = kernels.paged_attention_decode(*case.to(DEVICE).args(), scale=case.scale)
     torch.testing.assert_close(got.cpu(), expected, **ATTENTION_TOLERANCE[dtype])
 
 
@@ -74,8 +74,8 @@ def test_split_k_matches_reference(partition_size: int | None, dtype: torch.dtyp
     case = make_attention_case(
         [4000, 0, 1, 257], num_kv_heads=2, group=4, head_dim=128, block_size=16, dtype=dtype, seed=5, query_gain=4.0
     )
-    expected = reference.paged_attention_decode(*case.args())
-    got = kernels.paged_attention_decode(*case.to(DEVICE).args(), partition_size=partition_size)
+    expected = reference.paged_attention_decode(*case.args(), scale=case.scale)
+    got = kernels.paged_attention_decode(*case.to(DEVICE).args(), scale=case.scale, partition_size=partition_size)
     torch.testing.assert_close(got.cpu(), expected, **ATTENTION_TOLERANCE[dtype])
     assert torch.count_nonzero(got[1]) == 0
 
@@ -83,19 +83,21 @@ def test_split_k_matches_reference(partition_size: int | None, dtype: torch.dtyp
 @pytest.mark.parametrize("heads_per_block", [8, 4, 2, 1])
 def test_every_head_tile_matches(heads_per_block: int) -> None:
     case = make_attention_case([77, 600], num_kv_heads=2, group=8, head_dim=128, block_size=16, dtype=torch.float16)
-    expected = reference.paged_attention_decode(*case.args())
+    expected = reference.paged_attention_decode(*case.args(), scale=case.scale)
     on = case.to(DEVICE)
-    got = cuda.paged_attention_decode(*on.args(), max_seq_len=600, partition_size=None, heads_per_block=heads_per_block)
+    got = cuda.paged_attention_decode(
+        *on.args(), scale=on.scale, max_seq_len=600, partition_size=None, heads_per_block=heads_per_block
+    )
     torch.testing.assert_close(got.cpu(), expected, **ATTENTION_TOLERANCE[torch.float16])
 
 
 def test_decode_runs_on_the_current_stream() -> None:
     case = make_attention_case([100, 200], num_kv_heads=2, group=4, head_dim=64, block_size=16, dtype=torch.float16)
-    expected = reference.paged_attention_decode(*case.args())
+    expected = reference.paged_attention_decode(*case.args(), scale=case.scale)
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         on = case.to(DEVICE)
-        got = kernels.paged_attention_decode(*on.args(), max_seq_len=200)
+        got = kernels.paged_attention_decode(*on.args(), scale=on.scale, max_seq_len=200)
     stream.synchronize()
     torch.testing.assert_close(got.cpu(), expected, **ATTENTION_TOLERANCE[torch.float16])
 
@@ -152,7 +154,7 @@ def test_fp8_matches_reference_bit_for_bit(in_dtype: torch.dtype) -> None:
 def test_cuda_rejects_unsupported_head_dim() -> None:
     case = make_attention_case([5], num_kv_heads=1, group=1, head_dim=80, block_size=16, dtype=torch.float16)
     with pytest.raises(ValueError, match="head_dim 80 is not supported on CUDA"):
-        kernels.paged_attention_decode(*case.to(DEVICE).args())
+        kernels.paged_attention_decode(*case.to(DEVICE).args(), scale=case.scale)
 
 
 @pytest.mark.parametrize("in_dtype", DTYPES, ids=_ids)

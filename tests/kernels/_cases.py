@@ -22,8 +22,9 @@ class AttentionCase:
     seq_lens: torch.Tensor  # [num_seqs] int32
     scale: float
 
-    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float]:
-        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.scale
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The positional tensors of paged_attention_decode; `scale` is passed by keyword."""
+        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
 
     def to(self, device: str | torch.device) -> AttentionCase:
         return AttentionCase(

@@ -37,7 +37,7 @@ def test_decode_matches_dense_attention(block_size: int, group: int, head_dim: i
         dtype=dtype,
         seed=block_size * 1000 + group * 10 + head_dim,
     )
-    out = kernels.paged_attention_decode(*case.args())
+    out = kernels.paged_attention_decode(*case.args(), scale=case.scale)
     assert out.dtype == dtype and out.shape == case.query.shape
     torch.testing.assert_close(out.double(), dense_attention(case), **output_tolerance(dtype))
 
@@ -57,8 +57,8 @@ def test_split_k_equals_unsplit(partition_size: int, query_gain: float) -> None:
         seed=7,
         query_gain=query_gain,
     )
-    unsplit = reference.paged_attention_decode(*case.args())
-    split = kernels.paged_attention_decode(*case.args(), partition_size=partition_size)
+    unsplit = reference.paged_attention_decode(*case.args(), scale=case.scale)
+    split = kernels.paged_attention_decode(*case.args(), scale=case.scale, partition_size=partition_size)
     # fp32 logits of magnitude ~40 (gain 8) carry ~4e-6 absolute rounding error, which exp() turns into
     # a relative error of that size in the weights: the tolerances scale with the gain.
     torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=1e-6 * query_gain)
@@ -69,7 +69,7 @@ def test_sharp_softmax_matches_dense() -> None:
     case = make_attention_case(
         [5, 40, 129], num_kv_heads=1, group=8, head_dim=128, block_size=32, dtype=torch.float16, seed=3, query_gain=8.0
     )
-    out = kernels.paged_attention_decode(*case.args())
+    out = kernels.paged_attention_decode(*case.args(), scale=case.scale)
     torch.testing.assert_close(out.double(), dense_attention(case), **output_tolerance(torch.float16))
 
 
@@ -77,20 +77,20 @@ def test_empty_sequence_gives_zeros() -> None:
     case = make_attention_case(
         [0, 9, 0], num_kv_heads=2, group=2, head_dim=64, block_size=8, dtype=torch.bfloat16, seed=1
     )
-    out = kernels.paged_attention_decode(*case.args())
+    out = kernels.paged_attention_decode(*case.args(), scale=case.scale)
     assert torch.count_nonzero(out[0]) == 0 and torch.count_nonzero(out[2]) == 0
     torch.testing.assert_close(out.double(), dense_attention(case), **output_tolerance(torch.bfloat16))
-    split = kernels.paged_attention_decode(*case.args(), partition_size=4)
+    split = kernels.paged_attention_decode(*case.args(), scale=case.scale, partition_size=4)
     torch.testing.assert_close(split, out, rtol=2.0**-7, atol=1e-4)
 
 
 def test_no_sequences() -> None:
     case = make_attention_case([], num_kv_heads=2, group=1, head_dim=64, block_size=8, dtype=torch.float32)
-    assert kernels.paged_attention_decode(*case.args()).shape == (0, 2, 64)
+    assert kernels.paged_attention_decode(*case.args(), scale=case.scale).shape == (0, 2, 64)
 
 
 def test_non_power_of_two_head_dim_on_reference() -> None:
     # The reference (CPU) takes any head_dim; only the CUDA kernels are limited to 64/128/256.
     case = make_attention_case([3, 20], num_kv_heads=3, group=2, head_dim=80, block_size=16, dtype=torch.float32)
-    out = kernels.paged_attention_decode(*case.args())
+    out = kernels.paged_attention_decode(*case.args(), scale=case.scale)
     torch.testing.assert_close(out.double(), dense_attention(case), **output_tolerance(torch.float32))

@@ -17,12 +17,12 @@ def _case() -> AttentionCase:
 
 
 def _call(case: AttentionCase, **changes: Any) -> Callable[[], object]:
-    fields = dict(
-        zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens", "scale"), case.args(), strict=True)
+    fields: dict[str, Any] = dict(
+        zip(("query", "key_cache", "value_cache", "block_tables", "seq_lens"), case.args(), strict=True)
     )
-    kwargs = {k: changes.pop(k) for k in ("partition_size", "max_seq_len") if k in changes}
+    fields["scale"] = case.scale
     fields.update(changes)
-    return lambda: kernels.paged_attention_decode(*fields.values(), **kwargs)
+    return lambda: kernels.paged_attention_decode(**fields)
 
 
 ATTENTION_ERRORS: list[tuple[str, Callable[[AttentionCase], dict[str, Any]], type[Exception], str]] = [

@@ -42,7 +42,9 @@ class Recorder:
         class FakeLauncher:
             index = 0
 
-            def __call__(self, filename: str, name: str, grid: Any, block: Any, args: Any, shared_mem: int = 0) -> None:
+            def __call__(
+                self, filename: str, name: str, grid: Any, block: Any, args: Any, *, shared_mem: int = 0
+            ) -> None:
                 recorder.launches.append(Launch(filename, name, tuple(grid), tuple(block), tuple(args), shared_mem))
 
         return FakeLauncher()
@@ -92,8 +94,8 @@ def check_launch(launch: Launch) -> None:
 
 def test_decode_single_pass_and_split(recorder: Recorder) -> None:
     case = make_attention_case([5, 300], num_kv_heads=2, group=4, head_dim=128, block_size=16, dtype=torch.float16)
-    cuda.paged_attention_decode(*case.args(), max_seq_len=300, partition_size=None)
-    cuda.paged_attention_decode(*case.args(), max_seq_len=300, partition_size=64)
+    cuda.paged_attention_decode(*case.args(), scale=case.scale, max_seq_len=300, partition_size=None)
+    cuda.paged_attention_decode(*case.args(), scale=case.scale, max_seq_len=300, partition_size=64)
     names = [launch.name for launch in recorder.launches]
     assert names == [
         "kvstore::paged_attention_decode_kernel<__half, 128, 4>",  # 2 seqs x 2 tiles: too short to split
