@@ -115,6 +115,7 @@ class Router:
         redis_url: str,
         namespace: str,
         block_size: int,
+        *,
         local_nodes: Sequence[str | None],
         max_inflight: int = 4,
         queue_timeout_s: float = 300.0,

@@ -64,7 +64,8 @@ def _model_dir(model: Path | None, workdir: Path) -> Path:
 
 
 @friendly_errors
-def generate(
+# one parameter per CLI option (typer)
+def generate(  # noqa: PLR0917
     model: Annotated[Path, typer.Option(help="Hugging Face checkpoint directory (config.json + safetensors)")],
     prompt: Annotated[str | None, typer.Option(help="text prompt (needs tokenizer.json in the model dir)")] = None,
     prompt_ids: Annotated[str | None, typer.Option(help="comma-separated token ids")] = None,

@@ -139,7 +139,7 @@ def start_serving(slots: Sequence[Slot], cfg: Any, max_inflight: int) -> Serving
         cfg.redis_url,
         cfg.namespace,
         cfg.block_size,
-        [n for _, n in prefill],
+        local_nodes=[n for _, n in prefill],
         max_inflight=max_inflight,
     )
     return ServingSet(list(slots), actors, router, cfg.namespace)

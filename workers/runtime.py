@@ -131,7 +131,7 @@ class LocalStack:
             self._index_url,
             self.namespace,
             cfg.block_size,
-            ["node-0"] * cfg.num_prefill,
+            local_nodes=["node-0"] * cfg.num_prefill,
             max_inflight=cfg.max_inflight,
         )
 
