@@ -117,7 +117,9 @@ class TierManager:
             quotas.attach(self.table.tiers.values(), lambda: make_policy(config.policy))
         self.placement = Placement(self.table, self.durable, config.alloc_wait_seconds, quotas)
         self.tenants = TenantLedger(self.table, quotas)
-        self.mover = Mover(self.table, self.placement, self.durable, self.io, self._bounce, self.counters)
+        self.mover = Mover(
+            self.table, self.placement, self.durable, io=self.io, bounce=self._bounce, counters=self.counters
+        )
         self.placement.evict = self.mover.evict
         self.reader = Reader(
             self.table,
@@ -125,7 +127,7 @@ class TierManager:
             self.placement,
             self._bounce,
             self.counters,
-            config.read_ahead_pages,
+            read_ahead=config.read_ahead_pages,
             promote_to=staging.kind,
         )
         self.scrubber = (
@@ -141,8 +143,8 @@ class TierManager:
             self.table,
             self.placement,
             self.counters,
-            staging.kind,
-            config.max_pages_per_request,
+            kind=staging.kind,
+            max_pages=config.max_pages_per_request,
             after_commit=self._after_commit,
             through=through,
         )

@@ -35,6 +35,7 @@ async def read_payload(
     medium: Medium,
     entry: Entry,
     view: memoryview,
+    *,
     dest: memoryview | None,
     copy_verify: CopyVerify,
     expected: int,

@@ -46,6 +46,7 @@ class Mover:
         table: PageTable,
         placement: Placement,
         durable: DurableCopies,
+        *,
         io: IoPool,
         bounce: BouncePool,
         counters: NodeCounters,

@@ -82,7 +82,7 @@ class Placement:
         may = None
         if quotas is not None and tenant is not None:
             may = functools.partial(quotas.may_evict, tier, tenant, own_only)
-        return _Room(self.table, tier, nbytes, tenant, own_only, may)
+        return _Room(self.table, tier, nbytes, tenant=tenant, own_only=own_only, may=may)
 
     def _at_share(self, kind: TierKind, tenant: str | None, reserve: int, nbytes: int) -> bool:
         """Whether a page of `tenant` may only take the place of one of its own (it is at its share)."""
@@ -119,6 +119,7 @@ class Placement:
         self,
         kind: TierKind,
         nbytes: int,
+        *,
         reserve: int = 0,
         wait: bool = True,
         victim: Entry | None = None,
@@ -258,6 +259,7 @@ class _Room:
         table: PageTable,
         tier: Tier,
         nbytes: int,
+        *,
         tenant: str | None,
         own_only: bool,
         may: Callable[[str], bool] | None,

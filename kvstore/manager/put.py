@@ -87,7 +87,7 @@ class WriteThrough:
         self.bounce.give(buf)
 
     async def store(
-        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int, parent: Key | None
+        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, *, checksum: int, parent: Key | None
     ) -> bool:
         """Write a verified page from `buf` into the persistent tier and publish it there; False (nothing
         visible) when there is no such tier, it is stored already, there is no room or the write failed."""
@@ -151,6 +151,7 @@ class Staging:
         table: PageTable,
         placement: Placement,
         counters: NodeCounters,
+        *,
         kind: TierKind,
         max_pages: int,
         after_commit: AfterCommit,
@@ -190,7 +191,7 @@ class Staging:
         self.tier.alloc.free(slot)
 
     def publish(
-        self, namespace: str, h: bytes, layout: PageLayout, slot: int, checksum: int, parent: Key | None
+        self, namespace: str, h: bytes, layout: PageLayout, slot: int, *, checksum: int, parent: Key | None
     ) -> bool:
         """Make a staged page visible; False (and the slot released) when the key is stored already."""
         if (namespace, h) in self.table:
@@ -231,9 +232,9 @@ class Staging:
         self.through.give(buf)
 
     async def store_through(
-        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, checksum: int, parent: Key | None
+        self, namespace: str, h: bytes, layout: PageLayout, buf: mmap.mmap, *, checksum: int, parent: Key | None
     ) -> bool:
-        return await self.through.store(namespace, h, layout, buf, checksum, parent)
+        return await self.through.store(namespace, h, layout, buf, checksum=checksum, parent=parent)
 
 
 class PutTxn:
@@ -396,7 +397,7 @@ class PutTxn:
             key_parent = (self.namespace, p.parent) if p.parent is not None else None
             if p.through is not None:
                 through.append((p, csum))
-            elif st.publish(self.namespace, p.hash, self.layout, p.slot, csum, key_parent):
+            elif st.publish(self.namespace, p.hash, self.layout, p.slot, checksum=csum, parent=key_parent):
                 self.stored += 1
             else:  # another stream committed it meanwhile
                 self.already_present += 1
@@ -404,7 +405,9 @@ class PutTxn:
             for p, csum in through:
                 key_parent = (self.namespace, p.parent) if p.parent is not None else None
                 assert p.through is not None
-                if await st.store_through(self.namespace, p.hash, self.layout, p.through, csum, key_parent):
+                if await st.store_through(
+                    self.namespace, p.hash, self.layout, p.through, checksum=csum, parent=key_parent
+                ):
                     self.stored += 1
                 elif st.has((self.namespace, p.hash)):
                     self.already_present += 1

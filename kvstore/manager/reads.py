@@ -133,6 +133,7 @@ class Reader:
         placement: Placement,
         bounce: BouncePool,
         counters: NodeCounters,
+        *,
         read_ahead: int,
         promote_to: TierKind,
     ) -> None:
@@ -181,7 +182,7 @@ class Reader:
             while start < len(keys):
                 group = self._lease_resident(keys, start, promote, into)
                 if not group:
-                    rest = self._streamed(keys[start:], promote, into, False, start, clock)
+                    rest = self._streamed(keys[start:], promote, into, False, first=start, timer=clock)
                     try:
                         async for lease in rest:
                             yield lease
@@ -263,6 +264,7 @@ class Reader:
         promote: bool,
         into: Sequence[memoryview] | None,
         receiver_verifies: bool,
+        *,
         first: int = 0,
         timer: _GetTimer | None = None,
     ) -> AsyncIterator[ReadLease]:
@@ -377,7 +379,9 @@ class Reader:
                 bounce = self.bounce.take()
                 view = memoryview(bounce)[: entry.used_len]
                 # Lands in dest directly where it can, hashed in the I/O thread (landing.py).
-                payload, checksum = await read_payload(self.io, tier.medium, entry, view, dest, checksum_into, expected)
+                payload, checksum = await read_payload(
+                    self.io, tier.medium, entry, view, dest=dest, copy_verify=checksum_into, expected=expected
+                )
                 ok = header_matches(entry, view) and checksum == expected
         except BaseException:
             entry.readers -= 1
@@ -388,7 +392,7 @@ class Reader:
             await self.corrupt(entry, "read")
             return None
         tier.counters.bytes_out += entry.payload_len
-        return self._lease(entry, key, found, payload, expected, view, bounce)
+        return self._lease(entry, key, found, payload, expected, view=view, bounce=bounce)
 
     def _lease(
         self,
@@ -397,6 +401,7 @@ class Reader:
         found: TierKind,
         payload: memoryview,
         expected: int,
+        *,
         view: memoryview | None = None,
         bounce: mmap.mmap | None = None,
     ) -> ReadLease:

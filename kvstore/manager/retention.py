@@ -127,7 +127,7 @@ class Retention:
                 f"hashes: tenant {tenant!r}'s sessions name {tr.named} pages on this node and this call adds "
                 f"{len(new)}; the most they may name is {self.max_named} (the node's slots)"
             )
-        displace = self._make_room(tenant, tr, s, new + revive, mode, priority)
+        displace = self._make_room(tenant, tr, s, new + revive, mode=mode, priority=priority)
         for victim in displace:
             self._drop(victim, now)
             tr.displaced += 1
@@ -430,6 +430,7 @@ class Retention:
         tr: TenantRetention,
         s: Session | None,
         new: list[Key],
+        *,
         mode: RetainMode,
         priority: int,
     ) -> list[Session]:

@@ -141,6 +141,7 @@ class TenantView:
         op: RetainOp,
         namespace: str,
         hashes: list[bytes],
+        *,
         ttl_seconds: float | None = None,
         priority: int | None = None,
         mode: RetainMode | None = None,

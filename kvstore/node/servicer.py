@@ -139,9 +139,9 @@ class KVStoreServicer:
             enum_from_pb(RetainOp, request.op, "op"),
             request.namespace,
             hashes,
-            request.ttl_seconds if request.HasField("ttl_seconds") else None,
-            request.priority if request.HasField("priority") else None,
-            None if request.mode == pb.RETAIN_MODE_UNSPECIFIED else enum_from_pb(RetainMode, request.mode, "mode"),
+            ttl_seconds=request.ttl_seconds if request.HasField("ttl_seconds") else None,
+            priority=request.priority if request.HasField("priority") else None,
+            mode=None if request.mode == pb.RETAIN_MODE_UNSPECIFIED else enum_from_pb(RetainMode, request.mode, "mode"),
         )
         return retain_result_to_pb(res)
 
