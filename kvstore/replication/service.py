@@ -321,7 +321,14 @@ class Replicator:
     # -- taking copies (a Replicate this node answers)
 
     async def take_copies(
-        self, caller: Caller, namespace: str, hashes: list[bytes], source: str, layout: PageLayout | None, replicas: int
+        self,
+        caller: Caller,
+        namespace: str,
+        hashes: list[bytes],
+        *,
+        source: str,
+        layout: PageLayout | None,
+        replicas: int,
     ) -> Copied:
         """Pull `hashes` of `namespace` (the caller's tenant's) from node `source` and store them here (see the
         package docstring: free room only, verified on arrival, the one put driver)."""
