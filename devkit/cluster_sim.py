@@ -252,7 +252,9 @@ class Cluster:
                 if deficit <= 0 or leader(repr(page).encode(), [str(h) for h in held]) != str(n):
                     continue
                 sample = [self._load(d) for d in self._draw(16, held)]
-                for dest in copy_targets(repr(page).encode(), sample, deficit, 1, cfg.reserve, 0.0):
+                for dest in copy_targets(
+                    repr(page).encode(), sample, count=deficit, need_slots=1, reserve=cfg.reserve, mean_load=0.0
+                ):
                     self._copy(int(dest), page)
 
     def kill(self) -> None:

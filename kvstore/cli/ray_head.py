@@ -37,6 +37,7 @@ def start_ray_head(
     resources: str,
     temp_dir: str,
     log_path: Path,
+    *,
     ports: Callable[[], int] = free_port,
     say: Callable[[str], None] = print,
 ) -> tuple[subprocess.Popen[bytes], int]:

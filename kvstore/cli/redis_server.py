@@ -118,6 +118,7 @@ class RedisProcess(Child):
     def __init__(
         self,
         host: str = "127.0.0.1",
+        *,
         binary: str = "redis-server",
         password: str | None = None,
         users: dict[str, tuple[str, str]] | None = None,

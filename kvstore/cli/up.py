@@ -96,7 +96,16 @@ def up(  # noqa: PLR0913, PLR0917
                 from kvstore.cli.values import ClusterPlan
 
                 cluster = ClusterPlan(redis_cluster, redis_cluster_replicas, 2000)
-            stack.start_simple(nodes, dram_bytes, nvme_bytes, max_page_bytes, redis_url, index_ttl, metrics, cluster)
+            stack.start_simple(
+                nodes,
+                dram=dram_bytes,
+                nvme=nvme_bytes,
+                page=max_page_bytes,
+                redis_url=redis_url,
+                ttl=index_ttl,
+                metrics=metrics,
+                cluster=cluster,
+            )
         if ready_file is not None:
             _write_ready(ready_file, stack)
         console.print(
@@ -136,6 +145,7 @@ class Stack:
     def start_simple(
         self,
         n: int,
+        *,
         dram: str,
         nvme: str,
         page: str,
@@ -160,9 +170,9 @@ class Stack:
             self.root,
             plan.redis_external_url,
             [f"node-{i}" for i in range(plan.nodes)],
-            plan.tenants,
-            plan.redis_sentinel,
-            plan.redis_cluster,
+            tenants=plan.tenants,
+            sentinel=plan.redis_sentinel,
+            cluster=plan.redis_cluster,
         )
         extra: list[str] = []
         if plan.auth_tokens:

@@ -43,6 +43,7 @@ class UpIndex:
         root: Path,
         external: str | None,
         node_ids: list[str],
+        *,
         tenants: tuple[str, ...] = (),
         sentinel: object = None,
         cluster: object = None,

@@ -74,7 +74,7 @@ class AsyncKVStoreClient(BaseClient):
         chain: bool = True,
         replicas: int = 0,
     ) -> PutResult:
-        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        op = put_open(namespace, layout, target_tier=target_tier, parent=parent, chain=chain, replicas=replicas)
         return await self._run(self._core.put(op, hashes, pages))
 
     async def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
@@ -108,7 +108,7 @@ class AsyncKVStoreClient(BaseClient):
         replicas: int = 0,
     ) -> PutResult:
         """See KVStoreClient.put_from."""
-        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        op = put_open(namespace, layout, target_tier=target_tier, parent=parent, chain=chain, replicas=replicas)
         return await self._run(self._core.put_from(op, hashes, buffers))
 
     async def put_bundle(
@@ -124,7 +124,7 @@ class AsyncKVStoreClient(BaseClient):
         replicas: int = 0,
     ) -> PutResult:
         """See KVStoreClient.put_bundle."""
-        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        op = put_open(namespace, layout, target_tier=target_tier, parent=parent, chain=chain, replicas=replicas)
         return await self._run(self._core.put_bundle(op, hashes, pages))
 
     async def get_bundle(
@@ -176,7 +176,9 @@ class AsyncKVStoreClient(BaseClient):
     ) -> RetainResult:
         """See KVStoreClient.retain."""
         return await self._run(
-            self._core.retain(session, RetainOp.RETAIN, namespace, hashes, ttl_seconds, priority, mode)
+            self._core.retain(
+                session, RetainOp.RETAIN, namespace, hashes, ttl_seconds=ttl_seconds, priority=priority, mode=mode
+            )
         )
 
     async def update_session(
@@ -188,7 +190,9 @@ class AsyncKVStoreClient(BaseClient):
         mode: RetainMode | None = None,
     ) -> RetainResult:
         """See KVStoreClient.update_session."""
-        return await self._run(self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds, priority, mode))
+        return await self._run(
+            self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds=ttl_seconds, priority=priority, mode=mode)
+        )
 
     async def release_pages(self, session: str, namespace: str, hashes: Sequence[bytes]) -> RetainResult:
         """See KVStoreClient.release_pages."""
@@ -207,7 +211,9 @@ class AsyncKVStoreClient(BaseClient):
         mode: RetainMode | None = None,
     ) -> RetainResult:
         """See KVStoreClient.resume_session."""
-        return await self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
+        return await self._run(
+            self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds=ttl_seconds, priority=priority, mode=mode)
+        )
 
     async def replicate(
         self,

@@ -190,7 +190,7 @@ class KVStoreClient(BaseClient):
         their reads ask for): for prefixes that must survive a node's loss. A node in a cluster with replication
         on copies them to other nodes (and again when a holder is lost); a standalone node ignores it.
         """
-        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        op = put_open(namespace, layout, target_tier=target_tier, parent=parent, chain=chain, replicas=replicas)
         return self._run(self._core.put(op, hashes, pages))
 
     def lookup_detail(self, namespace: str, hashes: Sequence[bytes], *, prefetch: bool = False) -> LookupResult:
@@ -237,7 +237,7 @@ class KVStoreClient(BaseClient):
         """`put` of pages lying in `buffers` (one per hash, each exactly layout.page_bytes). On the node's host
         they must lie in a `shared_buffer` of this client: the node copies each page once, into its slot,
         and checksums it there; the client touches no byte. Elsewhere it is `put`."""
-        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        op = put_open(namespace, layout, target_tier=target_tier, parent=parent, chain=chain, replicas=replicas)
         return self._run(self._core.put_from(op, hashes, buffers))
 
     def put_bundle(
@@ -257,7 +257,7 @@ class KVStoreClient(BaseClient):
         not at all; the node checks the parts against the namespace's (LayoutMismatch naming the part) and
         counts the page once. Bad parts raise ValueError naming `pages[i][part]` before anything is sent. `replicas`:
         as for put."""
-        op = put_open(namespace, layout, target_tier, parent, chain, replicas)
+        op = put_open(namespace, layout, target_tier=target_tier, parent=parent, chain=chain, replicas=replicas)
         return self._run(self._core.put_bundle(op, hashes, pages))
 
     def get_bundle(
@@ -315,7 +315,11 @@ class KVStoreClient(BaseClient):
         `priority` 0..100 (default 50): at your tenant's cap lower priorities give way; `mode` HOLD (default: kept
         where they are) or DEMOTE (demote, don't drop). ResourceExhausted names the cap when no lower-priority
         session can make room (nothing changed)."""
-        return self._run(self._core.retain(session, RetainOp.RETAIN, namespace, hashes, ttl_seconds, priority, mode))
+        return self._run(
+            self._core.retain(
+                session, RetainOp.RETAIN, namespace, hashes, ttl_seconds=ttl_seconds, priority=priority, mode=mode
+            )
+        )
 
     def update_session(
         self,
@@ -327,7 +331,9 @@ class KVStoreClient(BaseClient):
     ) -> RetainResult:
         """Raise or lower a session's priority, renew or shorten its lease, change its mode (what is None stays);
         SessionNotFound when your tenant has no such session here."""
-        return self._run(self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds, priority, mode))
+        return self._run(
+            self._core.retain(session, RetainOp.UPDATE, "", (), ttl_seconds=ttl_seconds, priority=priority, mode=mode)
+        )
 
     def release_pages(self, session: str, namespace: str, hashes: Sequence[bytes]) -> RetainResult:
         """Stop retaining these pages for `session` (held still where another session retains them)."""
@@ -347,7 +353,9 @@ class KVStoreClient(BaseClient):
     ) -> RetainResult:
         """The session's next turn arrives: its pages are promoted back toward DRAM in the background (after the
         given lease, priority or mode apply); `prefetching` says how many promotions started."""
-        return self._run(self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds, priority, mode))
+        return self._run(
+            self._core.retain(session, RetainOp.RESUME, "", (), ttl_seconds=ttl_seconds, priority=priority, mode=mode)
+        )
 
     def replicate(
         self,

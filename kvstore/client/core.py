@@ -113,7 +113,15 @@ def _ucx_plane(s: ClientSettings, info: PlaneInfo | None) -> DataPlane:
             s.security.check_target(info.address.partition(UCX_ADDRESS_SEP)[0])
         except InsecureChannel as exc:
             raise PlaneUnavailable(f"ucx: {exc}") from None
-    return UcxPlane(s.pages_per_call, s.verify, s.timeout, s.security.token, s.security.tls, info, s.received)
+    return UcxPlane(
+        s.pages_per_call,
+        verify=s.verify,
+        timeout=s.timeout,
+        token=s.security.token,
+        tls=s.security.tls,
+        info=info,
+        received=s.received,
+    )
 
 
 PLANES: dict[str, PlaneSpec] = {
@@ -122,11 +130,11 @@ PLANES: dict[str, PlaneSpec] = {
         lambda s, info: ShmPlane(
             plane_path(info.address if info is not None else ""),
             s.pages_per_call,
-            s.buffers,
-            s.received,
-            s.security.token,
-            s.timeout,
-            plane_uid(info.uid if info is not None else None),
+            buffers=s.buffers,
+            received=s.received,
+            token=s.security.token,
+            timeout=s.timeout,
+            uid=plane_uid(info.uid if info is not None else None),
         ),
         usable=shm_available,
     ),
@@ -168,6 +176,7 @@ def check_node(stats: pb.StatsResponse, target: str) -> None:
 def put_open(
     namespace: str,
     layout: PageLayout,
+    *,
     target_tier: TierKind | None,
     parent: bytes | None,
     chain: bool,
@@ -443,7 +452,7 @@ class ClientCore:
         def on(p: DataPlane) -> Exchange[list[PageRef]]:
             if p.scatters:
                 return p.get_regions(namespace, hashes, [region_views(page) for page in regions], promote, layout)
-            return self._get_copied(p, namespace, layout, hashes, regions, promote)
+            return self._get_copied(p, namespace, layout, hashes, regions, promote=promote)
 
         return (yield from self._bulk(on))
 
@@ -454,6 +463,7 @@ class ClientCore:
         layout: PageLayout,
         hashes: Sequence[bytes],
         regions: list[list[Regions]],
+        *,
         promote: bool,
     ) -> Exchange[list[PageRef]]:
         got = yield from plane.get(namespace, hashes, promote, layout)
@@ -479,6 +489,7 @@ class ClientCore:
         op: RetainOp,
         namespace: str = "",
         hashes: Sequence[bytes] = (),
+        *,
         ttl_seconds: float | None = None,
         priority: int | None = None,
         mode: RetainMode | None = None,

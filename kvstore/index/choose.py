@@ -80,7 +80,7 @@ def pick(cands: Sequence[NodeLoad], rng: random.Random, mean_load: float | None 
 
 
 def copy_targets(
-    seed: bytes, cands: Sequence[NodeLoad], count: int, need_slots: int, reserve: float, mean_load: float
+    seed: bytes, cands: Sequence[NodeLoad], *, count: int, need_slots: int, reserve: float, mean_load: float
 ) -> list[str]:
     """Up to `count` distinct nodes to copy `need_slots` pages to: not suspect, and left with at least `reserve`
     of their slots free after the copy. Drawn with a generator seeded by `seed` (the pages' namespace and

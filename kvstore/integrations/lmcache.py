@@ -214,8 +214,11 @@ class KVStoreConnector(ChunkCalls, RemoteConnector):
         pair = shape.namespaces.get(k)
         if pair is None:
             named = model_part(model, self.settings.model_revision)
-            args = (self.settings.namespace_prefix, named, world_size, worker_id, dtype, shape.geometry)
-            pair = (namespace_for(*args), namespace_for(*args, tail=True))
+            args = (self.settings.namespace_prefix, named, world_size, worker_id, dtype)
+            pair = (
+                namespace_for(*args, geometry=shape.geometry),
+                namespace_for(*args, geometry=shape.geometry, tail=True),
+            )
             shape.namespaces[k] = pair
         return pair
 

@@ -86,7 +86,7 @@ def l2_salt_part(salt: str) -> str:
     return "s~" + hashlib.sha256(salt.encode()).hexdigest()[:32]
 
 
-def l2_namespace(prefix: str, model: str, kv_rank: int, group: int, salt: str, layout_tag: str) -> str:
+def l2_namespace(prefix: str, model: str, kv_rank: int, group: int, *, salt: str, layout_tag: str) -> str:
     """The namespace of one (model, kv rank, object group, cache salt, layout)."""
     rest = f"r{kv_rank:x}/g{group}/{layout_tag}"
     model = model.lstrip("/") or "-"  # a model given as an absolute path: no empty component

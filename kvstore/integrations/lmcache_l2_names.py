@@ -122,7 +122,7 @@ class L2Names:
             self._salts.setdefault(l2_salt_part(key.cache_salt), key.cache_salt)
         model = model_part(key.model_name, self.settings.revision_of(key.model_name))
         return _namespace_of(
-            self.settings.namespace_prefix, model, key.kv_rank, key.object_group_id, key.cache_salt, tag
+            self.settings.namespace_prefix, model, key.kv_rank, key.object_group_id, salt=key.cache_salt, layout_tag=tag
         )
 
     def _desc_tag(self, key: ObjectKey, descs: Mapping[int, MemoryLayoutDesc]) -> str | None:

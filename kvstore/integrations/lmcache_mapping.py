@@ -174,6 +174,7 @@ def chunked_geometry(
     dtypes: Sequence[str],
     itemsizes: Sequence[int],
     chunk_size: int,
+    *,
     kv_heads: int = 0,
     head_dim: int = 0,
 ) -> Geometry:
@@ -190,7 +191,7 @@ def chunked_geometry(
 
 
 def layerwise_geometry(
-    fmt: str, kv: int, hidden: int, dtype: str, itemsize: int, chunk_size: int, kv_heads: int = 0, head_dim: int = 0
+    fmt: str, kv: int, hidden: int, dtype: str, itemsize: int, *, chunk_size: int, kv_heads: int = 0, head_dim: int = 0
 ) -> Geometry:
     """Geometry of a layerwise engine: one MemoryObj per layer and chunk, shaped as LMCache's layerwise
     GPU connectors make it: KV_T2D [T, 2, hidden], KV_2TD [2, T, hidden], KV_MLA_FMT [T, hidden]."""
@@ -204,7 +205,7 @@ def layerwise_geometry(
 
 
 def namespace_for(
-    prefix: str, model: str, world_size: int, worker_id: int, key_dtype: str, geometry: Geometry, *, tail: bool = False
+    prefix: str, model: str, world_size: int, worker_id: int, key_dtype: str, *, geometry: Geometry, tail: bool = False
 ) -> str:
     """The namespace of one (model, world size, worker, dtype) x geometry; `tail` for partial chunks."""
     rest = (

@@ -35,9 +35,9 @@ def engine_geometry(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> t
             metadata.kv_shape[3] * metadata.kv_shape[4],
             TORCH_DTYPE_TO_STR_DTYPE[dtype],
             dtype.itemsize,
-            config.chunk_size,
-            heads,
-            head_dim,
+            chunk_size=config.chunk_size,
+            kv_heads=heads,
+            head_dim=head_dim,
         )
         return geo, [dtype]
     fmt = "KV_MLA_FMT" if metadata.use_mla else "KV_2LTD"
@@ -48,8 +48,8 @@ def engine_geometry(config: LMCacheEngineConfig, metadata: LMCacheMetadata) -> t
         [TORCH_DTYPE_TO_STR_DTYPE[d] for d in dtypes],
         [d.itemsize for d in dtypes],
         config.chunk_size,
-        heads,
-        head_dim,
+        kv_heads=heads,
+        head_dim=head_dim,
     )
     return geo, list(dtypes)
 

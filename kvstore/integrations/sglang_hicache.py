@@ -141,11 +141,11 @@ class KVStoreHiCacheStorage(PoolCalls, _Base):  # type: ignore[misc,valid-type]
             self.parts[POOL_KV] = PoolPart.of(POOL_KV, mem_pool_host)  # the anchor: `kv` in v2 calls
         g = self.geometry = PoolGeometry.of(mem_pool_host)
         model, prefix = getattr(self.config, "model_name", None), self.settings.namespace_prefix
-        self._flat_ns = namespace_for(prefix, model, g, self.rank, f"flat{g.page_bytes}", self.revision)
+        self._flat_ns = namespace_for(prefix, model, g, self.rank, f"flat{g.page_bytes}", revision=self.revision)
         self._flat_layout = opaque_layout(g.page_bytes)
         if g.regions > 0 and g.region_bytes > 0:
             mode = f"seg{g.regions}x{g.region_bytes}"
-            self._seg_ns = namespace_for(prefix, model, g, self.rank, mode, self.revision)
+            self._seg_ns = namespace_for(prefix, model, g, self.rank, mode, revision=self.revision)
             self._seg_layout = opaque_layout(g.region_bytes)
         log.info(
             "kvstore HiCache storage: pool %s %s, page %d tokens, %d region(s) of %d bytes; namespace %s",

@@ -157,7 +157,7 @@ class PoolGeometry:
 
 
 def namespace_for(
-    prefix: str, model: str | None, geom: PoolGeometry, rank: str, mode: str, revision: str | None = None
+    prefix: str, model: str | None, geom: PoolGeometry, rank: str, mode: str, *, revision: str | None = None
 ) -> str:
     """The namespace of one pool's pages (module docstring); shortened with a digest when too long."""
     named = model_part((model or "model").replace(" ", "_"), revision)

@@ -217,6 +217,7 @@ class KVStoreSecondaryTier(SecondaryTierManager):
         primary_kv_view: memoryview,
         tier_type: str,
         backpressure_detector: Any = None,
+        *,
         locality: str | None = None,
         threads: int = 4,
         **settings: Any,

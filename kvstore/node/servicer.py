@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -53,8 +54,20 @@ class Copied:
     failed: int = 0
 
 
-# (caller, namespace, hashes, source node id, layout or None, replicas) -> what was copied
-ReplicateHandler = Callable[[Caller, str, list[bytes], str, PageLayout | None, int], Awaitable[Copied]]
+class ReplicateHandler(Protocol):
+    """What a Replicate does: (caller, namespace, hashes; the source node's id, the layout or None, replicas)
+    -> what was copied. The last three are keyword-only."""
+
+    def __call__(
+        self,
+        caller: Caller,
+        namespace: str,
+        hashes: list[bytes],
+        *,
+        source: str,
+        layout: PageLayout | None,
+        replicas: int,
+    ) -> Awaitable[Copied]: ...
 
 
 class KVStoreServicer:
@@ -165,7 +178,9 @@ class KVStoreServicer:
         check_hashes(hashes, "hashes", self.max_pages)
         layout = layout_from_pb(request.layout, "layout") if request.HasField("layout") else None
         replicas = check_replicas(request.replicas, "replicas")
-        res = await self.replicate(current(), request.namespace, hashes, request.source, layout, replicas)
+        res = await self.replicate(
+            current(), request.namespace, hashes, source=request.source, layout=layout, replicas=replicas
+        )
         return pb.ReplicateResponse(
             copied=res.copied, already_present=res.already_present, refused=res.refused, failed=res.failed
         )

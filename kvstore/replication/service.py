@@ -237,7 +237,14 @@ class Replicator:
         for (ns, held_by, deficit), pages in groups.items():
             cands_nodes = [n for n in self._loads.values() if n.node_id not in held_by]
             seed = "\0".join((ns, *held_by)).encode()
-            for dest in copy_targets(seed, cands_nodes, deficit, len(pages), cfg.replication_free_reserve, mean):
+            for dest in copy_targets(
+                seed,
+                cands_nodes,
+                count=deficit,
+                need_slots=len(pages),
+                reserve=cfg.replication_free_reserve,
+                mean_load=mean,
+            ):
                 plan.setdefault((dest, ns), []).extend(pages)
         sends = [
             self._send(dest, ns, batch[i : i + COPY_BATCH], handoff, deadline)
@@ -314,7 +321,14 @@ class Replicator:
     # -- taking copies (a Replicate this node answers)
 
     async def take_copies(
-        self, caller: Caller, namespace: str, hashes: list[bytes], source: str, layout: PageLayout | None, replicas: int
+        self,
+        caller: Caller,
+        namespace: str,
+        hashes: list[bytes],
+        *,
+        source: str,
+        layout: PageLayout | None,
+        replicas: int,
     ) -> Copied:
         """Pull `hashes` of `namespace` (the caller's tenant's) from node `source` and store them here (see the
         package docstring: free room only, verified on arrival, the one put driver)."""

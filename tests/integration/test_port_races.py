@@ -35,7 +35,7 @@ def short_tmp() -> Iterator[Path]:
 def _head(tmp: Path, ports: Iterator[int], resources: str = '{"kvstore_prefill": 1}') -> Iterator[tuple[object, int]]:
     proc = None
     try:
-        proc, port = start_ray_head(dict(os.environ), resources, str(tmp), tmp / "head.log", lambda: next(ports))
+        proc, port = start_ray_head(dict(os.environ), resources, str(tmp), tmp / "head.log", ports=lambda: next(ports))
         yield proc, port
     finally:
         if proc is not None:

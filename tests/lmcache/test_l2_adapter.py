@@ -54,7 +54,7 @@ MODEL = "it/llama-l2"
 RANK = 0x1000100  # a kv_rank as LMCache computes it (a bitmap of layers and heads)
 SHAPE = (2, 2, 16, 128)  # float16: 16 KiB, one node page (CHUNK_BYTES)
 TAG = l2_layout_tag([SHAPE], ["float16"])
-NS = l2_namespace("lmcache", MODEL, RANK, 0, "", TAG)
+NS = l2_namespace("lmcache", MODEL, RANK, 0, salt="", layout_tag=TAG)
 DESC = {0: MemoryLayoutDesc(shapes=[torch.Size(SHAPE)], dtypes=[torch.float16])}
 TOKEN = "l2-" + "t" * 30
 assert CHUNK_BYTES == 2 * 2 * 16 * 128 * 2
@@ -204,10 +204,11 @@ def test_rows_salts_and_layouts_get_their_own_namespaces_and_usage(node: NodePro
     assert store(a, keys(1, salt="bob x"), objects(1, seed=5)).is_successful()
     assert store(a, keys(2, group=1), objects(2, seed=6, shape=other_shape)).is_successful()
     names = {ns: n for ns, _, n in node_stats(node).namespaces}
-    assert names == {NS: 3, l2_namespace("lmcache", MODEL, RANK, 0, "alice", TAG): 2,
-                     l2_namespace("lmcache", MODEL, RANK, 0, "bob x", TAG): 1,
-                     l2_namespace("lmcache", MODEL, RANK, 1, "", l2_layout_tag([other_shape], ["float16"])): 2}  # fmt: skip
-    assert l2_namespace("lmcache", MODEL, RANK, 0, "bob x", TAG).split("/")[-1].startswith("s~")  # not plain: a digest
+    assert names == {NS: 3, l2_namespace("lmcache", MODEL, RANK, 0, salt="alice", layout_tag=TAG): 2,
+                     l2_namespace("lmcache", MODEL, RANK, 0, salt="bob x", layout_tag=TAG): 1,
+                     l2_namespace("lmcache", MODEL, RANK, 1, salt="", layout_tag=l2_layout_tag([other_shape], ["float16"])): 2}  # fmt: skip
+    bob = l2_namespace("lmcache", MODEL, RANK, 0, salt="bob x", layout_tag=TAG)
+    assert bob.split("/")[-1].startswith("s~")  # not plain: a digest
     # The same chunk hash under another salt is another page: salts share nothing.
     assert lookup(a, keys(3, salt="alice")) == [0, 1]
 
@@ -458,7 +459,7 @@ def test_a_weights_revision_is_its_own_namespace(node: NodeProcess, adapters: Ca
     for other in ({}, {"model_revision": "1f2a3b4"}, {"model_revision": {"other/model": "0e9e39f"}}):
         assert lookup(adapters(target=node.addr, **other), ks) == [], other
     names = {ns for ns, _, _ in node_stats(node).namespaces}
-    assert l2_namespace("lmcache", f"{MODEL}@0e9e39f", RANK, 0, "", TAG) in names
+    assert l2_namespace("lmcache", f"{MODEL}@0e9e39f", RANK, 0, salt="", layout_tag=TAG) in names
 
 
 def test_a_chunks_object_groups_are_one_bundle_stored_and_loaded_together(

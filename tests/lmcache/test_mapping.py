@@ -28,24 +28,24 @@ def test_key_vectors() -> None:
 
 
 def test_namespace_vectors_carry_everything_that_makes_pages_incompatible() -> None:
-    ns = v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA)
+    ns = v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", geometry=LLAMA)
     assert ns == "lmcache/v1/meta-llama/Llama-3.1-8B-Instruct/ws2/w1/bfloat16/kv_2ltd/2x32xTx1024:bfloat16/c256"
     assert (
-        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA, tail=True)
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", geometry=LLAMA, tail=True)
         == ns + "/tail"
     )
     variants = {
-        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 4, 1, "bfloat16", LLAMA),  # TP size
-        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 0, "bfloat16", LLAMA),  # TP rank
-        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "half", LLAMA),  # KV dtype
-        v1.namespace_for("tenant-b", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", LLAMA),  # salt
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 4, 1, "bfloat16", geometry=LLAMA),  # TP size
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 0, "bfloat16", geometry=LLAMA),  # TP rank
+        v1.namespace_for("lmcache", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "half", geometry=LLAMA),  # KV dtype
+        v1.namespace_for("tenant-b", "meta-llama/Llama-3.1-8B-Instruct", 2, 1, "bfloat16", geometry=LLAMA),  # salt
         v1.namespace_for(
             "lmcache",
             "meta-llama/Llama-3.1-8B-Instruct",
             2,
             1,
             "bfloat16",
-            v1.chunked_geometry("KV_2LTD", [(2, 32, 128, 1024)], ["bfloat16"], [2], 128),
+            geometry=v1.chunked_geometry("KV_2LTD", [(2, 32, 128, 1024)], ["bfloat16"], [2], 128),
         ),  # chunk size
     }
     assert len(variants) == 5 and ns not in variants
@@ -58,7 +58,7 @@ def test_a_weights_revision_joins_the_model_and_none_changes_nothing() -> None:
     assert v1.model_part("m", "sha256:" + "ab" * 32) == "m@~7b28e61bc1d29223"
     assert v1.model_part("m", "refs/pr/1") == "m@~da766fe49863bbae" != v1.model_part("m", "refs/pr/2")
     ns = v1.namespace_for("lmcache", v1.model_part("meta-llama/Llama-3.1-8B-Instruct", "0e9e39f"), 2, 1, "bfloat16",
-                          LLAMA)  # fmt: skip
+                          geometry=LLAMA)  # fmt: skip
     assert ns == "lmcache/v1/meta-llama/Llama-3.1-8B-Instruct@0e9e39f/ws2/w1/bfloat16/kv_2ltd/2x32xTx1024:bfloat16/c256"
     s = v1.parse_settings({P + "url": "kvstore://h:1", P + "model_revision": "0e9e39f"}, "kvstore", 1.0)
     assert s.model_revision == "0e9e39f"
@@ -68,26 +68,27 @@ def test_layouts_real_dims_when_known_else_bytes_of_the_same_size() -> None:
     assert LLAMA.page_layout() == PageLayout(DType.BFLOAT16, 32, 8, 128, 256)
     assert LLAMA.page_layout().page_bytes == LLAMA.chunk_bytes == 32 << 20
     mla = v1.chunked_geometry("KV_MLA_FMT", [(1, 61, 256, 576)], ["bfloat16"], [2], 256)
-    assert v1.namespace_for("lmcache", "deepseek-ai/DeepSeek-V3", 8, 0, "bfloat16", mla) == (
+    assert v1.namespace_for("lmcache", "deepseek-ai/DeepSeek-V3", 8, 0, "bfloat16", geometry=mla) == (
         "lmcache/v1/deepseek-ai/DeepSeek-V3/ws8/w0/bfloat16/kv_mla_fmt/1x61xTx576:bfloat16/c256"
     )
     assert mla.page_layout() == PageLayout(DType.UINT8, 1, 1, 61 * 576, 256)
     assert mla.page_layout().page_bytes == mla.chunk_bytes
-    lw = v1.layerwise_geometry("KV_T2D", 2, 1024, "bfloat16", 2, 256, 8, 128)  # SGLang / vLLM layerwise
+    # SGLang / vLLM layerwise
+    lw = v1.layerwise_geometry("KV_T2D", 2, 1024, "bfloat16", 2, chunk_size=256, kv_heads=8, head_dim=128)
     assert lw.shapes(7) == [(7, 2, 1024)] and lw.shape_tag() == "Tx2x1024:bfloat16"
     assert lw.page_layout() == PageLayout(DType.BFLOAT16, 1, 8, 128, 256)
     odd = v1.chunked_geometry("KV_2LTD", [(2, 2, 16, 64)], ["int8"], [1], 16)  # no kvstore dtype: bytes
     assert odd.page_layout() == PageLayout(DType.UINT8, 1, 1, 128, 16)
     with pytest.raises(v1.MappingError, match="layerwise memory format"):
-        v1.layerwise_geometry("KV_2LTD", 2, 1024, "bfloat16", 2, 256)
+        v1.layerwise_geometry("KV_2LTD", 2, 1024, "bfloat16", 2, chunk_size=256)
 
 
 def test_long_model_names_are_shortened_with_their_digest() -> None:
-    ns = v1.namespace_for("lmcache", "x" * 300, 1, 0, "half", LLAMA)
+    ns = v1.namespace_for("lmcache", "x" * 300, 1, 0, "half", geometry=LLAMA)
     assert ns == "lmcache/v1/" + "x" * 48 + "~0d4e2ca9e9cbced7/ws1/w0/half/kv_2ltd/2x32xTx1024:bfloat16/c256"
-    assert v1.namespace_for("lmcache", "x" * 299, 1, 0, "half", LLAMA) != ns
+    assert v1.namespace_for("lmcache", "x" * 299, 1, 0, "half", geometry=LLAMA) != ns
     with pytest.raises(v1.MappingError, match="namespace"):
-        v1.namespace_for("lmcache", "model\nwith a newline", 1, 0, "half", LLAMA)
+        v1.namespace_for("lmcache", "model\nwith a newline", 1, 0, "half", geometry=LLAMA)
 
 
 def test_tokens_of_accepts_only_this_geometry() -> None:

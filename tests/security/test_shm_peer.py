@@ -260,4 +260,6 @@ def test_the_uid_a_client_expects_can_be_told_and_a_node_that_says_none_is_skipp
         node.close()
     buffers = SharedBuffers()
     with pytest.raises(PlaneUnavailable, match="does not say which user"):
-        ShmPlane("/run/some.sock", 64, buffers, ReceivePool(buffers), WRITE, 10.0, None)
+        ShmPlane(
+            "/run/some.sock", 64, buffers=buffers, received=ReceivePool(buffers), token=WRITE, timeout=10.0, uid=None
+        )

@@ -141,12 +141,16 @@ def test_puts_prefer_this_hosts_node_then_the_parents_holder_skipping_full_and_s
 
 def test_copies_go_where_room_is_left_and_holders_deciding_together_pick_alike() -> None:
     cands = nodes(("a", 50, 0.0), ("b", 50, 0.0), ("c", 9, 0.0), ("d", 50, 0.0))
-    first = copy_targets(b"seed", cands, 2, 1, 0.1, 0.0)
+
+    def draw(cands: list[NodeLoad], count: int, need_slots: int) -> list[str]:
+        return copy_targets(b"seed", cands, count=count, need_slots=need_slots, reserve=0.1, mean_load=0.0)
+
+    first = draw(cands, 2, 1)
     assert len(first) == 2 and "c" not in first  # c would be left under the 10% reserve
-    assert copy_targets(b"seed", list(reversed(cands)), 2, 1, 0.1, 0.0) == first  # same records, same draw
-    assert copy_targets(b"seed", cands, 5, 1, 0.1, 0.0) == first + [n for n in ("a", "b", "d") if n not in first]
-    assert copy_targets(b"seed", [NodeLoad("s", "h", 90, 100, suspect=True)], 1, 1, 0.1, 0.0) == []
-    assert copy_targets(b"seed", cands, 1, 45, 0.1, 0.0) == []  # 45 pages leave nobody 10% free
+    assert draw(list(reversed(cands)), 2, 1) == first  # same records, same draw
+    assert draw(cands, 5, 1) == first + [n for n in ("a", "b", "d") if n not in first]
+    assert draw([NodeLoad("s", "h", 90, 100, suspect=True)], 1, 1) == []
+    assert draw(cands, 1, 45) == []  # 45 pages leave nobody 10% free
 
 
 def test_reads_go_to_this_hosts_holder_then_the_least_loaded_suspects_last() -> None:

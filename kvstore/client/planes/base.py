@@ -103,6 +103,7 @@ class DataPlane(abc.ABC):
         hashes: Sequence[bytes],
         buffers: Sequence[Buffer],
         promote: bool,
+        *,
         first: int,
         expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
@@ -156,6 +157,7 @@ class DataPlane(abc.ABC):
         hashes: Sequence[bytes],
         pages: Sequence[list[memoryview]],
         promote: bool,
+        *,
         first: int,
         expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
@@ -184,7 +186,7 @@ class DataPlane(abc.ABC):
         """Pages of the longest stored prefix, page i into pages[i]'s regions."""
 
         def one(a: int, b: int) -> Exchange[list[PageRef]]:
-            return self.get_regions_batch(namespace, hashes[a:b], pages[a:b], promote, a, expect)
+            return self.get_regions_batch(namespace, hashes[a:b], pages[a:b], promote, first=a, expect=expect)
 
         return (yield from self._prefix(namespace, batches(len(hashes), self.call_pages), one))
 
@@ -235,7 +237,7 @@ class DataPlane(abc.ABC):
         buffers[i]; checked by the client: one per hash, writable, contiguous, not overlapping)."""
 
         def one(a: int, b: int) -> Exchange[list[PageRef]]:
-            return self.get_into_batch(namespace, hashes[a:b], buffers[a:b], promote, a, expect)
+            return self.get_into_batch(namespace, hashes[a:b], buffers[a:b], promote, first=a, expect=expect)
 
         return (yield from self._prefix(namespace, self.runs(buffers, writable=True), one))
 

@@ -59,6 +59,7 @@ class ShmPlane(DataPlane):
         self,
         path: str,
         pages_per_call: int,
+        *,
         buffers: SharedBuffers,
         received: ReceivePool,
         token: str | None,
@@ -133,7 +134,7 @@ class ShmPlane(DataPlane):
         assert placed is not None  # pool blocks are registered memory
         # NOTE: the blocks are lent to the node for the request: `blocks` keeps them out of the pool until the
         # node is done with them (released by dropping the list), also when this exchange is gone before that.
-        return (yield from self._put(op, hashes, placed, sums, 0, blocks.clear))
+        return (yield from self._put(op, hashes, placed, sums, first=0, lent=blocks.clear))
 
     def put_from_batch(
         self, op: PutOpen, hashes: Sequence[bytes], buffers: Sequence[Buffer], first: int
@@ -166,6 +167,7 @@ class ShmPlane(DataPlane):
         hashes: Sequence[bytes],
         placed: list[Placed],
         sums: list[int],
+        *,
         first: int,
         lent: Release = nothing,
     ) -> Exchange[PutResult]:
@@ -180,7 +182,9 @@ class ShmPlane(DataPlane):
         """Pages straight into blocks of the receive pool: the node copies and verifies each one in place."""
         n = yield Blocking(lambda: self.page_bytes(namespace, hashes[0]))
         with self.received.reserve(n, len(hashes)) as blocks:
-            got = yield from self._get(namespace, hashes, promote, blocks.placed, 0, blocks.hold(), expect)
+            got = yield from self._get(
+                namespace, hashes, promote, blocks.placed, first=0, lent=blocks.hold(), expect=expect
+            )
             return [FetchedPage(p.hash, TierKind(p.tier), blocks.claim(i)) for i, p in enumerate(got)]
 
     def get_into_batch(
@@ -189,6 +193,7 @@ class ShmPlane(DataPlane):
         hashes: Sequence[bytes],
         buffers: Sequence[Buffer],
         promote: bool,
+        *,
         first: int,
         expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
@@ -196,8 +201,8 @@ class ShmPlane(DataPlane):
         pool block); other buffers get their pages through the receive pool, one copy more."""
         placed = self._place(buffers, True, first)
         if placed is None:
-            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first, expect))
-        got = yield from self._get(namespace, hashes, promote, placed, first, expect=expect)
+            return (yield from super().get_into_batch(namespace, hashes, buffers, promote, first=first, expect=expect))
+        got = yield from self._get(namespace, hashes, promote, placed, first=first, expect=expect)
         return [PageRef(p.hash, TierKind(p.tier), p.payload_bytes) for p in got]
 
     def _get(
@@ -206,6 +211,7 @@ class ShmPlane(DataPlane):
         hashes: Sequence[bytes],
         promote: bool,
         placed: list[Placed],
+        *,
         first: int,
         lent: Release = nothing,
         expect: PageLayout | None = None,

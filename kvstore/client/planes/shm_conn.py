@@ -190,6 +190,7 @@ class Connection:
         kind: Kind,
         body: bytes,
         fds: Sequence[int] = (),
+        *,
         want: Kind = Kind.OK,
         loan: Loan | None = None,
         then: Callable[[], bytes] | None = None,

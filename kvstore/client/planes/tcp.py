@@ -236,6 +236,7 @@ class Connection:
         namespace: str,
         hashes: Sequence[bytes],
         promote: bool,
+        *,
         verify: bool,
         sink: Callable[[int, int], memoryview],
         expect: PageLayout | None = None,
@@ -405,7 +406,11 @@ class TcpPlane(DataPlane):
         self, namespace: str, hashes: Sequence[bytes], promote: bool, expect: PageLayout | None = None
     ) -> Exchange[list[FetchedPage]]:
         take = self.received.take
-        return (yield from self._get(namespace, hashes, promote, lambda i, n: take(n), FetchedPage, expect))
+        return (
+            yield from self._get(
+                namespace, hashes, promote, sink=lambda i, n: take(n), result=FetchedPage, expect=expect
+            )
+        )
 
     def get_into_batch(
         self,
@@ -413,12 +418,17 @@ class TcpPlane(DataPlane):
         hashes: Sequence[bytes],
         buffers: Sequence[Buffer],
         promote: bool,
+        *,
         first: int,
         expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
         """Pages received straight into the caller's buffers (one copy: kernel -> buffer), verified."""
         sink = page_sink(buffers, first)
-        return (yield from self._get(namespace, hashes, promote, sink, lambda h, t, v: PageRef(h, t, len(v)), expect))
+        return (
+            yield from self._get(
+                namespace, hashes, promote, sink=sink, result=lambda h, t, v: PageRef(h, t, len(v)), expect=expect
+            )
+        )
 
     scatters = True  # a bundle's parts move straight between the socket and their regions
 
@@ -434,6 +444,7 @@ class TcpPlane(DataPlane):
         hashes: Sequence[bytes],
         pages: Sequence[list[memoryview]],
         promote: bool,
+        *,
         first: int,
         expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
@@ -443,13 +454,14 @@ class TcpPlane(DataPlane):
                 raise ValueError(f"pages[{first + i}]: its parts hold {have} bytes, the node sent a {n}-byte page")
             return pages[i]
 
-        return (yield from self._get(namespace, hashes, promote, sink, _ref, expect))  # type: ignore[arg-type]
+        return (yield from self._get(namespace, hashes, promote, sink=sink, result=_ref, expect=expect))  # type: ignore[arg-type]
 
     def _get(
         self,
         namespace: str,
         hashes: Sequence[bytes],
         promote: bool,
+        *,
         sink: Callable[[int, int], memoryview],
         result: Callable[[bytes, TierKind, memoryview], T],
         expect: PageLayout | None = None,
@@ -459,7 +471,9 @@ class TcpPlane(DataPlane):
         abort = Abort()
         try:
             got = yield Blocking(
-                lambda: self._pool.call(lambda c: c.get(namespace, hashes, promote, self.verify, sink, expect), abort),
+                lambda: self._pool.call(
+                    lambda c: c.get(namespace, hashes, promote, verify=self.verify, sink=sink, expect=expect), abort
+                ),
                 abort,
             )
         except PageCorrupt as exc:

@@ -243,6 +243,7 @@ class UcxPlane(DataPlane):
     def __init__(
         self,
         pages_per_call: int,
+        *,
         verify: bool,
         timeout: float,
         token: str | None,
@@ -369,6 +370,7 @@ class UcxPlane(DataPlane):
         hashes: Sequence[bytes],
         buffers: Sequence[Buffer],
         promote: bool,
+        *,
         first: int,
         expect: PageLayout | None = None,
     ) -> Exchange[list[PageRef]]:
