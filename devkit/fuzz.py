@@ -34,7 +34,8 @@ from kvstore.hashing import HASH_BYTES, MAX_NAMESPACE_BYTES
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import payload_checksum
 from kvstore.stats import stats_as_dict
-from kvstore.wire.streams import CHUNK_BYTES, PUT_CHUNK_TAG, frame_chunk, layout_to_pb, stats_from_pb
+from kvstore.wire.answers import stats_from_pb
+from kvstore.wire.streams import CHUNK_BYTES, PUT_CHUNK_TAG, frame_chunk, layout_to_pb
 
 SERVICE = "/kvstore.v1.KVStore/"
 OK, INVALID, NOT_FOUND = "OK", "INVALID_ARGUMENT", "NOT_FOUND"

@@ -31,8 +31,9 @@ from devkit.fuzz import (
 )
 from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.wire import shm
+from kvstore.wire.answers import stats_from_pb
 from kvstore.wire.shm import Kind
-from kvstore.wire.streams import layout_to_pb, stats_from_pb
+from kvstore.wire.streams import layout_to_pb
 
 CLOSED = "CLOSED"
 MUTATIONS = (

@@ -30,7 +30,7 @@ from kvstore._proto.kvstore.v1 import kvstore_pb2 as pb
 from kvstore.layout import DType, PageLayout
 from kvstore.pageformat import wire_checksum
 from kvstore.wire import PutOpen, tcp
-from kvstore.wire.streams import stats_from_pb
+from kvstore.wire.answers import stats_from_pb
 from kvstore.wire.tcp import Kind
 
 CLOSED = "CLOSED"

@@ -39,16 +39,9 @@ from kvstore.names import Buffer, RetainMode, RetainOp, TierKind
 from kvstore.security import ClientSecurity, InsecureChannel
 from kvstore.stats import LookupResult, NodeStats, PlaneInfo, RetainResult
 from kvstore.wire import PutOpen, check_replicas
+from kvstore.wire.answers import lookup_from_pb, plane_from_pb, retain_result_from_pb, stats_from_pb
 from kvstore.wire.shm import shm_available
-from kvstore.wire.streams import (
-    FetchedPage,
-    PageRef,
-    layout_to_pb,
-    lookup_from_pb,
-    plane_from_pb,
-    retain_result_from_pb,
-    stats_from_pb,
-)
+from kvstore.wire.streams import FetchedPage, PageRef, layout_to_pb
 from kvstore.wire.ucx import ADDRESS_SEP as UCX_ADDRESS_SEP
 from kvstore.wire.ucx import ucxx_installed
 

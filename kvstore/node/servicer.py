@@ -32,16 +32,8 @@ from kvstore.pageformat import in_form
 from kvstore.scoping import DEFAULT_TENANT
 from kvstore.stats import PlaneInfo, ReplicationStatus
 from kvstore.wire import MAX_HASHES, check_replicas, pack_held
-from kvstore.wire.streams import (
-    checksum_form_from_pb,
-    enum_from_pb,
-    get_responses,
-    layout_from_pb,
-    lookup_to_pb,
-    retain_result_to_pb,
-    stats_to_pb,
-    tier_from_pb,
-)
+from kvstore.wire.answers import lookup_to_pb, retain_result_to_pb, stats_to_pb
+from kvstore.wire.streams import checksum_form_from_pb, enum_from_pb, get_responses, layout_from_pb, tier_from_pb
 
 
 @dataclass(slots=True)
