@@ -24,6 +24,7 @@ encoded pages, where one buffer per page holds its scales and its values; see qu
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Sequence
@@ -72,8 +73,13 @@ class NonFiniteKV(ValueError):
     own fault (its raw pages are what it computed); the cache refuses to spread it."""
 
     def __init__(self, what: str, page: int, layer: int, kv: int, head: int, *, why: str) -> None:
-        self.page, self.layer, self.kv, self.head = page, layer, kv, head
+        self.what, self.page, self.layer, self.kv, self.head, self.why = what, page, layer, kv, head, why
         super().__init__(f"{what}[{page}] layer {layer} {'KV'[kv]} kv head {head}: {why}")
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        # NOTE: pickled whole (a Ray actor raising it hands it to the driver so): an exception pickles as its
+        # class and `args`, which here is only the message, so rebuilding it would fail on the missing fields.
+        return functools.partial(NonFiniteKV, why=self.why), (self.what, self.page, self.layer, self.kv, self.head)
 
 
 def check_fp8_scales(what: str, scales: torch.Tensor, why: str) -> None:

@@ -10,6 +10,8 @@ subnormal step in absolute terms).
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -140,6 +142,9 @@ def test_non_finite_values_are_refused_naming_the_slab_and_change_nothing(in_dty
         kernels.quantize_fp8(pages, out=out, out_scales=out_scales)
     assert (err.value.page, err.value.layer, err.value.kv, err.value.head) == (2, 1, 1, 3)
     assert bool((out == 7).all()) and bool((out_scales == -1).all())
+    back = pickle.loads(pickle.dumps(err.value))  # as a Ray actor hands it to the driver
+    assert type(back) is kernels.NonFiniteKV and str(back) == str(err.value)
+    assert (back.page, back.layer, back.kv, back.head) == (2, 1, 1, 3)
     with pytest.raises(kernels.NonFiniteKV):
         kernels.quantize_fp8(pages)
 
