@@ -147,24 +147,28 @@ class RedisClusterGroup:
         return [p for p in self.processes() if self._state(p).get("role") == "master"]
 
     def master_for_slot(self, slot: int) -> RedisProcess | None:
-        """The live server that serves `slot` now: a master whose own view (CLUSTER SLOTS) names itself for it.
-        NOTE: not any server's view: under load a server may still name a master the cluster has failed over
-        (a failover while the cluster formed), and a test that stops that one stops nothing lookups use."""
+        """The live server that serves `slot` now: a master whose own view (CLUSTER SLOTS) names itself for it
+        and, where two masters both do (a failed-over master that has not heard of it yet), the one most live
+        servers' views name. NOTE: not any one server's view: under load a server may still name a master the
+        cluster has failed over, and a test that stops that one stops nothing lookups use."""
         import redis
 
+        claims: list[RedisProcess] = []
+        votes: dict[int, int] = {}
         for p in self.processes():
             if p.proc is None or p.proc.poll() is not None:
                 continue
             try:
                 with self._admin(p) as c:
-                    if c.execute_command("ROLE")[0] != "master":
-                        continue
+                    master = c.execute_command("ROLE")[0] == "master"
                     for lo, hi, (_, port, *_), *_ in c.execute_command("CLUSTER", "SLOTS"):
-                        if lo <= slot <= hi and int(port) == p.port:
-                            return p
+                        if lo <= slot <= hi:
+                            votes[int(port)] = votes.get(int(port), 0) + 1
+                            if master and int(port) == p.port:
+                                claims.append(p)
             except (redis.RedisError, OSError, ValueError, IndexError):
                 continue
-        return None
+        return max(claims, key=lambda p: votes.get(p.port, 0), default=None)
 
     def url_for(self, user: str) -> str:
         from urllib.parse import quote
